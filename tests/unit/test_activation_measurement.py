@@ -1,0 +1,52 @@
+"""Activation estimates against the bytes autograd really keeps (saved_tensors_hooks) in HF models on CPU."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from toolkit.estimate.measure import saved_activation_bytes  # noqa: E402
+from toolkit.estimate.memory import estimate_memory  # noqa: E402
+from toolkit.spec.hf_families import spec_from_hf_config  # noqa: E402
+from toolkit.spec.plan import resolve_plan  # noqa: E402
+
+SHAPES = [  # (batch, seq, hidden, heads, kv heads, ffn, vocab)
+    (2, 64, 128, 8, 2, 352, 1000),
+    (1, 256, 256, 4, 4, 512, 3000),
+    (4, 96, 192, 6, 3, 512, 2048),
+]
+
+
+def _config(family, hidden, heads, kv, ffn, vocab):
+    if family == "gpt2":
+        return AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=2, n_head=heads, vocab_size=vocab, n_positions=512,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return AutoConfig.for_model(family, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
+                                num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"b{s[0]}s{s[1]}h{s[2]}")
+@pytest.mark.parametrize("attention, precision", [("sdpa", "bf16"), ("eager", "bf16"), ("sdpa", "fp32")])
+def test_activation_estimate_within_10_percent_of_saved_tensors(family, shape, attention, precision):
+    batch, seq, hidden, heads, kv, ffn, vocab = shape
+    config = _config(family, hidden, heads, kv, ffn, vocab)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32).train()
+    ids = torch.randint(0, vocab, (batch, seq))
+    measured = saved_activation_bytes(model, input_ids=ids, labels=ids)
+
+    spec = spec_from_hf_config(config, family)
+    plan = resolve_plan(spec, 1, zero=0, micro_batch=batch, seq_len=seq, precision=precision, attention=attention)
+    estimated = estimate_memory(spec, plan).activations
+    assert estimated == pytest.approx(measured, rel=0.10), f"estimated {estimated}, measured {measured}"
+
+
+def test_eager_attention_costs_the_s_squared_term_and_sdpa_does_not():
+    config = _config("llama", 128, 8, 2, 352, 1000)
+    spec = spec_from_hf_config(config, "llama")
+    short = {a: estimate_memory(spec, resolve_plan(spec, 1, zero=0, seq_len=256, attention=a)).activations for a in ("sdpa", "eager")}
+    long = {a: estimate_memory(spec, resolve_plan(spec, 1, zero=0, seq_len=1024, attention=a)).activations for a in ("sdpa", "eager")}
+    assert long["sdpa"] == pytest.approx(4 * short["sdpa"], rel=0.01)  # linear in s
+    assert long["eager"] > 4.5 * short["eager"]  # super-linear: the s x s probabilities

@@ -1,0 +1,136 @@
+"""`dmt estimate` as a user meets it: presets, JSON contract, and one clear line for every kind of bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from toolkit.cli.main import main
+from toolkit.spec.model import preset_names
+
+PRESETS = [
+    "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1",
+    "mixtral-8x7b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-30b-a3b", "gemma-2-9b",
+    "phi-3-mini", "gpt2", "gpt2-xl", "opt-1.3b", "pythia-1b",
+]
+# Published sizes (model cards), in billions, to the precision the cards state them.
+PUBLISHED_B = {
+    "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.1-405b": 405.85, "llama-3.2-1b": 1.24,
+    "llama-3.2-3b": 3.21, "mistral-7b-v0.1": 7.24, "mixtral-8x7b": 46.70, "qwen2.5-0.5b": 0.49,
+    "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.53, "gemma-2-9b": 9.24,
+    "phi-3-mini": 3.82, "gpt2": 0.124, "gpt2-xl": 1.56, "opt-1.3b": 1.32, "pythia-1b": 1.01,
+}
+
+
+def _estimate_json(capsys, *argv):
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_every_required_preset_ships():
+    assert set(PRESETS) <= set(preset_names())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_parameter_count_matches_the_model_card(capsys, preset):
+    report = _estimate_json(capsys, "--model", preset, "--gpus", "8", "--seq-len", "1024")
+    assert report["params"]["total"] / 1e9 == pytest.approx(PUBLISHED_B[preset], rel=0.01)
+
+
+def test_json_contract_for_llama_70b_on_64_gpus_zero3(capsys):
+    report = _estimate_json(capsys, "--model", "llama-3.1-70b", "--gpus", "64", "--zero", "3")
+    assert {"total", "embedding", "active"} <= set(report["params"])
+    assert set(report["memory_bytes"]) == {"weights", "gradients", "optimizer", "activations", "overhead", "total"}
+    mem = report["memory_bytes"]
+    assert mem["total"] == sum(mem[k] for k in ("weights", "gradients", "optimizer", "activations", "overhead"))
+    for key in ("dp", "tp", "pp", "vpp", "cp", "ep", "zero", "micro_batch", "grad_accum", "global_batch", "seq_len", "recompute"):
+        assert key in report["plan"]
+    assert report["plan"]["dp"] == 64 and report["plan"]["zero"] == 3
+    assert isinstance(report["fits"], bool) and report["gpu_memory_bytes"] > 70 * 1024**3
+    # ZeRO-3: 2 bytes of weights per parameter spread over 64 ranks
+    assert mem["weights"] == pytest.approx(2 * report["params"]["total"] / 64, rel=0.01)
+
+
+def test_full_recompute_makes_llama_70b_fit_and_none_does_not(capsys):
+    common = ["--model", "llama-3.1-70b", "--gpus", "64", "--zero", "3", "--seq-len", "4096"]
+    assert not _estimate_json(capsys, *common)["fits"]
+    assert _estimate_json(capsys, *common, "--recompute", "full")["fits"]
+
+
+def test_human_output_is_a_table_with_a_verdict(capsys):
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    for word in ("weights", "gradients", "optimizer", "activations", "overhead", "total"):
+        assert word in out
+    assert "fit" in out
+
+
+def test_model_from_hf_config_directory_and_toolkit_yaml(capsys, tiny_llama_dir, tmp_path):
+    from_dir = _estimate_json(capsys, "--model", str(tiny_llama_dir), "--gpus", "2", "--seq-len", "128")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(
+        "num_layers: 4\nhidden_size: 256\nnum_attention_heads: 8\nnum_kv_heads: 4\nhead_dim: 32\n"
+        "ffn_hidden_size: 688\nvocab_size: 1024\nactivation: swiglu\nnorm: rmsnorm\n"
+    )
+    from_yaml = _estimate_json(capsys, "--model", str(spec), "--gpus", "2", "--seq-len", "128")
+    assert from_dir["params"] == from_yaml["params"]
+
+
+BAD_INPUTS = [
+    (["--model", "no-such-model", "--gpus", "8"], "--model"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--tp", "3"], "--tp"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--pp", "5"], "--pp"),
+    (["--model", "llama-3.1-8b", "--gpus", "12", "--tp", "8"], "--gpus"),
+    (["--model", "llama-3.1-8b", "--gpus", "0"], "--gpus"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--micro-batch", "-1"], "--micro-batch"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--global-batch", "12"], "--global-batch"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "tpu-v9"], "--gpu"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--pp", "2", "--zero", "2"], "--zero"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--zero", "3", "--offload-params", "nvme"], "--nvme-path"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--ep", "2"], "--ep"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--recompute", "sometimes"], "--recompute"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", BAD_INPUTS, ids=[flag for _, flag in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line_naming_the_flag(capsys, argv, flag):
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "Traceback" not in err
+
+
+def test_malformed_config_file_names_the_file(capsys, tmp_path):
+    broken = tmp_path / "config.json"
+    broken.write_text('{"model_type": "llama", "hidden_size": ')
+    assert main(["estimate", "--model", str(broken), "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(broken) in err
+
+
+def test_unsupported_family_and_invalid_spec_key(capsys, tmp_path):
+    t5 = tmp_path / "t5.json"
+    t5.write_text('{"model_type": "t5"}')
+    assert main(["estimate", "--model", str(t5), "--gpus", "1"]) == 2
+    assert "model_type" in capsys.readouterr().err
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nnum_kv_heads: 4\nhead_dim: 16\n"
+                    "ffn_hidden_size: 128\nvocab_size: 100\nwarp_drive: true\n")
+    assert main(["estimate", "--model", str(spec), "--gpus", "1"]) == 2
+    assert "warp_drive" in capsys.readouterr().err
+
+
+def test_real_entry_point_exit_code_and_no_traceback():
+    result = subprocess.run([sys.executable, "-m", "toolkit", "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--tp", "3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--tp" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_imports_no_heavy_library():
+    """`dmt --help` must start instantly: building the parser may not import torch, transformers or deepspeed."""
+    code = ("import sys; from toolkit.cli.main import build_parser; build_parser(); "
+            "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'megatron', 'rich') if m in sys.modules]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

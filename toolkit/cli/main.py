@@ -1,0 +1,55 @@
+"""`dmt` entry point: registers one sub-command per module and turns bad input into exit code 2 and one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from toolkit.errors import UserInputError
+
+# verb -> module under toolkit.cli exposing add_arguments(parser) and run(args) -> int; imported on use only
+VERBS = {
+    "estimate": ("toolkit.cli.estimate", "per-GPU memory and parameter counts for one model and plan"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line, with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    import importlib
+
+    from toolkit import __version__
+
+    parser = _Parser(prog="dmt", description="dm-toolkit: plan, configure, launch and verify distributed training.")
+    parser.add_argument("--version", action="version", version=f"dmt {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
+    for name, (module, help_text) in VERBS.items():
+        verb_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == verb:  # only the verb being run pays for its module's import
+            importlib.import_module(module).add_arguments(verb_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else argv
+    verb = next((a for a in argv if a in VERBS), None)
+    parser = build_parser(verb)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed in one line
+        return int(exc.code or 0)
+    if args.verb is None:
+        parser.print_help()
+        return 0
+    try:
+        return importlib.import_module(VERBS[args.verb][0]).run(args)
+    except UserInputError as exc:
+        print(f"dmt {args.verb}: error: {exc}", file=sys.stderr)
+        return 2

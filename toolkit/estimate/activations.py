@@ -1,0 +1,171 @@
+"""Activation bytes saved for backward, tensor by tensor, for HF (deepspeed backend) and Megatron-Core modules.
+
+Every term below names the tensor autograd keeps. The HF terms were read off transformers' modules and checked
+with `torch.autograd.graph.saved_tensors_hooks` (tests/unit/test_activation_measurement.py); the Megatron-Core
+terms follow its Transformer Engine layer spec (LayerNormLinear saves input and ln_out, fused RoPE saves only
+the frequencies, flash/cuDNN attention saves q, k, v, output and the fp32 log-sum-exp, bias-SwiGLU saves fc1's
+output) and the accounting of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv:2205.05198), Sec. 4, with dropout removed where the model has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from toolkit.spec.model import ModelSpec
+
+FP32 = 4
+MASK = 1  # dropout masks are bool tensors
+INDEX = 8  # int64 token ids and labels
+
+# HF activations implemented as several autograd ops (each keeps a tensor), by transformers' ACT2FN name.
+# gelu_new / gelu_fast: 0.5*x*(1+tanh(c*(x+0.044715*x^3))) in Python keeps four ffn-wide tensors.
+HF_MULTI_OP_GELU = ("gelu_new", "gelu_fast", "quick_gelu")
+# HF families with a fused qkv projection whose sdpa path also keeps separate q and k tensors (measured).
+HF_FUSED_QKV_SDPA_COPIES = ("gpt2", "phi3")
+# HF families whose eager attention takes softmax in the compute dtype (the llama lineage upcasts to fp32).
+HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE = ("gpt2",)
+
+
+@dataclass(frozen=True)
+class ActivationSetup:
+    """What decides activation memory besides the architecture."""
+
+    backend: str  # "deepspeed" (HF modules) or "megatron" (Megatron-Core modules)
+    micro_batch: int
+    seq_len: int
+    act_bytes: int  # bytes of one activation element: 2 for bf16/fp16, 4 for fp32
+    attention: str  # "sdpa" (fused, no s x s matrix kept) or "eager"
+    recompute: str  # none | selective | full
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    hf_activation: str | None = None  # transformers' hidden_act name, when known
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one rank processes per micro-batch (context parallelism splits the sequence)."""
+        return self.micro_batch * self.seq_len // self.cp
+
+
+def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool) -> int:
+    """Per token: what a norm keeps plus its output, which the next linear keeps."""
+    if megatron:  # TE LayerNormLinear: input, ln_out, rstd (and mu for layernorm)
+        return 2 * a * width + FP32 * (2 if spec.norm == "layernorm" else 1)
+    if spec.norm == "rmsnorm":  # HF RMSNorm: fp32 upcast, fp32 rstd, normalized copy kept by `weight *`, output
+        return FP32 * width + FP32 + 2 * a * width
+    return a * width + 2 * FP32 + a * width  # nn.LayerNorm: input, mean, rstd; output
+
+
+def _mlp_bytes(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetup) -> int:
+    """Per token, inside the tensor-parallel region (not yet divided by tp)."""
+    if setup.backend == "megatron":
+        # fc1 output (2*ffn when gated) kept by the fused activation, and fc2's input
+        return a * ((2 if spec.gated_mlp else 1) * ffn + ffn)
+    if spec.gated_mlp:  # gate output, act(gate), up output, act*up (down_proj's input)
+        return 4 * a * ffn
+    if spec.activation == "relu":  # relu keeps its output, which is also fc2's input
+        return a * ffn
+    if setup.hf_activation in HF_MULTI_OP_GELU:  # four tensors inside the activation, plus its output
+        return 5 * a * ffn
+    return 2 * a * ffn  # fused gelu keeps its input; fc2 keeps gelu's output
+
+
+def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
+    """Per token, inside the tensor-parallel region: what attention keeps, and o_proj's input."""
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    heads, s = spec.num_attention_heads, setup.seq_len // setup.cp
+    hf = setup.backend == "deepspeed"
+    out = a * q  # attention output, kept by o_proj
+    qk_norm = 0
+    if spec.qk_norm and hf:  # HF per-head RMSNorm on q and k, as _norm_bytes for rmsnorm
+        qk_norm = (FP32 + 2 * a) * (q + kv) + FP32 * (heads + spec.num_kv_heads)
+    if setup.attention == "sdpa" or setup.recompute == "selective":
+        if setup.recompute == "selective":  # Megatron recomputes core attention; q, k, v stay as its inputs
+            return qk_norm + a * (q + 2 * kv) + out
+        if hf and spec.family in HF_FUSED_QKV_SDPA_COPIES:
+            # v is a view of the fused [q|k|v] output, kept whole; q and k are separate (rotated or made contiguous)
+            saved_qkv = a * (q + 2 * kv) + a * (q + kv)
+        else:
+            saved_qkv = a * (q + 2 * kv)
+        return qk_norm + saved_qkv + FP32 * heads + out  # + the fused kernel's fp32 log-sum-exp
+    # eager: QK^T and PV keep q, k, v (k and v repeated to all heads for GQA) and the probabilities
+    kv_kept = kv if spec.num_kv_heads == heads else q
+    probs = a * heads * s
+    if not (hf and spec.family in HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE) and a != FP32:
+        probs += FP32 * heads * s  # softmax in fp32, then a compute-dtype copy for PV
+    if setup.attention_dropout > 0:
+        probs += MASK * heads * s
+    return qk_norm + a * (q + 2 * kv_kept) + probs + out
+
+
+def layer_bytes_per_token(spec: ModelSpec, layer_index: int, setup: ActivationSetup) -> float:
+    """Bytes one transformer block keeps for backward, per token of the micro-batch, on one rank."""
+    a, h = setup.act_bytes, spec.hidden_size
+    megatron = setup.backend == "megatron"
+    tp = setup.tp
+    norm_split = tp if (megatron and setup.sequence_parallel) else 1
+    norms = spec.norms_per_layer * _norm_bytes(spec, a, h, megatron) if spec.norms_per_layer else 0
+    if spec.norms_per_layer > 2:  # gemma2's post-norms: their output goes to the residual, not a linear
+        norms -= (spec.norms_per_layer - 2) * a * h
+    if spec.is_moe_layer(layer_index):
+        k, e = spec.experts_top_k, spec.num_experts
+        # router: logits (fp32 softmax output) per expert; each token's hidden copy and MLP per chosen expert
+        mlp = FP32 * e + k * (a * h + _mlp_bytes(spec, a, spec.moe_ffn_hidden_size, setup))
+    else:
+        mlp = _mlp_bytes(spec, a, spec.ffn_hidden_size, setup)
+    dropout = 2 * MASK * h if setup.hidden_dropout > 0 else 0
+    return norms / norm_split + (_attention_bytes(spec, a, setup) + mlp) / tp + dropout / norm_split
+
+
+def head_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
+    """Final norm, the fp32 logits cross-entropy keeps, and token ids / labels."""
+    a = setup.act_bytes
+    megatron = setup.backend == "megatron"
+    norm = _norm_bytes(spec, a, spec.hidden_size, megatron) if spec.final_norm else a * spec.hidden_size
+    if megatron and setup.sequence_parallel:
+        norm /= setup.tp
+    logits = FP32 * spec.vocab_size / setup.tp  # softmax / log-softmax output in fp32
+    return norm + logits + INDEX
+
+
+def embedding_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
+    dropout = MASK * spec.hidden_size if setup.hidden_dropout > 0 else 0
+    return INDEX + dropout
+
+
+def checkpointed_layer_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
+    """Full recompute keeps only each block's input (sequence-parallel in Megatron with SP)."""
+    split = setup.tp if (setup.backend == "megatron" and setup.sequence_parallel) else 1
+    return setup.act_bytes * spec.hidden_size / split
+
+
+def stage_activation_bytes(
+    spec: ModelSpec,
+    setup: ActivationSetup,
+    layers: Iterable[int],
+    first_stage: bool,
+    last_stage: bool,
+    in_flight: float,
+) -> int:
+    """Peak activation bytes of one pipeline stage holding `layers`, with `in_flight` micro-batches alive."""
+    tokens = setup.tokens
+    layers = list(layers)
+    if setup.recompute == "full":
+        kept = sum(checkpointed_layer_bytes_per_token(spec, setup) for _ in layers)
+        # backward recomputes one block at a time, for one micro-batch
+        working = max((layer_bytes_per_token(spec, i, setup) for i in layers), default=0)
+    else:
+        kept = sum(layer_bytes_per_token(spec, i, setup) for i in layers)
+        working = 0
+    per_micro = kept
+    if first_stage:
+        per_micro += embedding_bytes_per_token(spec, setup)
+    total = per_micro * tokens * in_flight + working * tokens
+    if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch
+        total += head_bytes_per_token(spec, setup) * tokens
+    return int(total)

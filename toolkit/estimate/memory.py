@@ -1,0 +1,238 @@
+"""Per-GPU training memory (weights, gradients, optimizer, activations, overhead) of a model under a plan.
+
+Pure arithmetic: no process group, no GPU. Byte rules and their sources:
+- ZeRO stages partition optimizer states (1), + gradients (2), + parameters (3) over data parallel ranks; mixed
+  precision Adam keeps K = 12 bytes/param of fp32 master weights and moments (Rajbhandari et al., "ZeRO",
+  arXiv:1910.02054, Sec. 3-5: (2 + 2 + K) x Psi / Nd).
+- Megatron keeps fp32 gradient buffers for bf16 training and its distributed optimizer shards the fp32 master
+  weights and Adam moments over the data-parallel (x context-parallel) group: 6 + 12/d bytes/param
+  (Megatron-LM docs/source/api-guide/dist_optimizer.md, "bf16 param, fp32 grads").
+- DeepSpeed bucket defaults: reduce_bucket_size and allgather_bucket_size 5e8 elements, stage3 prefetch bucket
+  5e7, max live parameters 1e9 (deepspeed/runtime/zero/config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.estimate.activations import ActivationSetup, stage_activation_bytes
+from toolkit.estimate.params import ParamCounts, count_params, megatron_padded_vocab
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import PRECISION_BYTES, Plan
+
+GiB = 1024**3
+FP32 = 4
+
+# Outside what PyTorch's allocator reports: CUDA context, cuBLAS/cuDNN workspaces, NCCL channel buffers.
+# Typical on H100 with CUDA 12: 500-700 MiB per process; we budget 0.75 GiB.
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)
+# Caching-allocator fragmentation: reserved exceeds allocated by a few percent in steady training.
+ALLOCATOR_MARGIN = 0.05
+
+DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
+DS_ALLGATHER_BUCKET_ELEMENTS = 500_000_000
+DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
+DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+# Transformer Engine keeps an fp8 copy of each linear weight next to the bf16 one.
+FP8_WEIGHT_CACHE_BYTES = 1
+
+# Optimizer bytes per parameter: (with low-precision weights: fp32 master + states, with fp32 weights: states only)
+OPTIMIZER_BYTES = {"adamw": (12, 8), "sgd": (8, 4), "adamw8bit": (6, 2)}
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters resident on one rank of a pipeline stage, before any ZeRO / distributed-optimizer sharding."""
+
+    dense: int  # replicated across data parallel ranks
+    expert: int  # replicated across expert-data-parallel ranks only
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    overhead: int
+    overhead_detail: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0  # CPU RAM per GPU needed by offload
+    stage: int = 0  # the pipeline stage this breakdown belongs to (the most loaded one)
+    params_on_gpu: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(
+            weights=self.weights,
+            gradients=self.gradients,
+            optimizer=self.optimizer,
+            activations=self.activations,
+            overhead=self.overhead,
+            total=self.total,
+        )
+
+
+def stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
+    """Layer indices held by pipeline rank `stage`; with virtual stages, rank r holds chunks r, r+pp, ..."""
+    chunks = plan.pp * plan.vpp
+    per_chunk = num_layers // chunks
+    return [
+        layer
+        for chunk in range(stage, chunks, plan.pp)
+        for layer in range(chunk * per_chunk, (chunk + 1) * per_chunk)
+    ]
+
+
+def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:
+    tp = plan.tp
+    dense = expert = 0
+    for index in stage_layers(spec.num_layers, plan, stage):
+        layer = counts.layers[index]
+        dense += (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router
+        expert += layer.experts // (plan.ep * tp)
+    emb_dim = counts.token_embedding // spec.vocab_size
+    vocab = megatron_padded_vocab(spec.vocab_size, tp) if plan.backend == "megatron" else spec.vocab_size
+    vocab_shard = vocab * emb_dim // tp
+    first, last = stage == 0, stage == plan.pp - 1
+    if first:
+        dense += vocab_shard + counts.position_embedding + counts.embed_proj
+    if last:
+        dense += counts.final_norm
+        if counts.lm_head:
+            dense += vocab_shard
+        elif plan.pp > 1:  # tied head on another stage keeps its own copy of the embedding
+            dense += vocab_shard
+    return StageParams(dense=dense, expert=expert)
+
+
+def _in_flight(plan: Plan, stage: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at its peak (1F1B warm-up depth)."""
+    if plan.pp == 1:
+        return 1
+    depth = min(plan.pp - stage, plan.grad_accum)
+    if plan.vpp > 1:  # interleaved 1F1B: Korthikanti et al. (arXiv:2205.05198) Sec. 4.2.3
+        depth *= 1 + (plan.pp - 1) / (plan.pp * plan.vpp)
+    return depth
+
+
+def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
+    return ActivationSetup(
+        backend=plan.backend,
+        micro_batch=plan.micro_batch,
+        seq_len=plan.seq_len,
+        act_bytes=PRECISION_BYTES[plan.precision],
+        attention=plan.attention,
+        recompute=plan.recompute,
+        tp=plan.tp,
+        sequence_parallel=plan.sequence_parallel,
+        cp=plan.cp,
+        hf_activation=spec.hf_activation,
+        hidden_dropout=spec.hidden_dropout,
+        attention_dropout=spec.attention_dropout,
+    )
+
+
+def _model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> tuple[int, int, int, dict, int]:
+    """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU."""
+    w = PRECISION_BYTES[plan.precision]
+    mixed = plan.precision != "fp32"
+    opt_bytes = OPTIMIZER_BYTES[plan.optimizer][0 if mixed else 1]
+    dense, expert = params.dense, params.expert
+    buffers: dict[str, int] = {}
+    host = 0
+    if plan.backend == "megatron":
+        weights = params.total * (w + (FP8_WEIGHT_CACHE_BYTES if plan.precision == "fp8" else 0))
+        gradients = params.total * FP32  # fp32 main-grad buffers (grad_reduce_in_fp32)
+        if plan.distributed_optimizer:
+            optimizer = opt_bytes * (dense / (plan.dp * plan.cp) + expert / plan.expert_dp)
+        else:
+            optimizer = opt_bytes * params.total
+        return weights, gradients, int(optimizer), buffers, host
+
+    dp = plan.dp
+    partition = dense / dp + expert / max(plan.expert_dp, 1)
+    weights = params.total * w
+    if plan.zero == 0:
+        # bf16: DeepSpeed's BF16_Optimizer accumulates into fp32 gradients; fp16/fp32: gradients in weight dtype
+        gradients = params.total * (FP32 if plan.precision == "bf16" else w)
+    elif plan.zero == 1:
+        gradients = params.total * w
+    else:
+        gradients = partition * w
+    optimizer = opt_bytes * (params.total if plan.zero == 0 else partition)
+    if plan.zero in (1, 2):
+        buffers["reduce_bucket"] = min(DS_REDUCE_BUCKET_ELEMENTS, params.total) * w
+        buffers["allgather_bucket"] = min(DS_ALLGATHER_BUCKET_ELEMENTS, params.total) * w
+    if plan.zero == 3:
+        weights = partition * w
+        live = min(DS_STAGE3_MAX_LIVE_PARAMETERS, 2 * layer_params)  # gathered layers in use or prefetched
+        buffers["stage3_live_params"] = live * w
+        buffers["stage3_prefetch_bucket"] = min(DS_STAGE3_PREFETCH_ELEMENTS, params.total) * w
+        buffers["reduce_bucket"] = min(DS_REDUCE_BUCKET_ELEMENTS, params.total) * w
+        if plan.offload_params != "none":
+            host += weights if plan.offload_params == "cpu" else 0
+            weights = 0
+    if plan.offload_optimizer != "none":
+        # ZeRO-Offload keeps fp32 master weights, moments and fp32 gradient partitions on the host
+        if plan.offload_optimizer == "cpu":
+            host += int(optimizer + partition * FP32)
+        optimizer = 0
+    return int(weights), int(gradients), int(optimizer), {k: int(v) for k, v in buffers.items()}, int(host)
+
+
+def _step_fp32_grads(plan: Plan, params: StageParams) -> int:
+    """fp32 gradient partition DeepSpeed ZeRO 1/2 builds inside optimizer.step() from the 16-bit one.
+
+    DeepSpeed's own estimator counts it permanently (its "4_grads_32bit"); it lives only while activations are
+    freed, so the model compares it with the activation peak instead of adding both.
+    """
+    if plan.backend != "deepspeed" or plan.zero not in (1, 2) or plan.precision == "fp32":
+        return 0
+    if plan.offload_optimizer != "none":
+        return 0
+    return int(FP32 * (params.dense / plan.dp + params.expert / max(plan.expert_dp, 1)))
+
+
+def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: ParamCounts | None = None) -> MemoryBreakdown:
+    counts = counts or count_params(spec)
+    params = stage_params(spec, counts, plan, stage)
+    layers = stage_layers(spec.num_layers, plan, stage)
+    largest_layer = max((counts.layers[i].total for i in layers), default=0) // plan.tp
+    weights, gradients, optimizer, buffers, host = _model_states(spec, plan, params, largest_layer)
+    setup = activation_setup(spec, plan)
+    last = stage == plan.pp - 1
+    activations = stage_activation_bytes(
+        spec, setup, layers, first_stage=stage == 0, last_stage=last, in_flight=_in_flight(plan, stage)
+    )
+    detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
+    if last:  # gradient of the fp32 logits exists next to the saved ones during the head's backward
+        detail["logits_grad"] = FP32 * spec.vocab_size * setup.tokens // plan.tp
+    step_grads = _step_fp32_grads(plan, params)
+    if step_grads > activations:  # inside step() activations are freed: only the larger of the two peaks counts
+        detail["step_fp32_grads"] = step_grads - activations
+    detail["allocator_margin"] = int(ALLOCATOR_MARGIN * (weights + gradients + optimizer + activations))
+    return MemoryBreakdown(
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        overhead=sum(detail.values()),
+        overhead_detail=detail,
+        host_bytes=host,
+        stage=stage,
+        params_on_gpu=params.total,
+    )
+
+
+def estimate_memory(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
+    """The most loaded pipeline stage's per-GPU breakdown (the one that decides whether the plan fits)."""
+    counts = count_params(spec)
+    stages = (estimate_stage_memory(spec, plan, s, counts) for s in range(plan.pp))
+    return max(stages, key=lambda m: m.total)

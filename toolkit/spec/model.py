@@ -1,0 +1,187 @@
+"""The model spec: one typed description of a decoder-only transformer, and where it is read from."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from toolkit.errors import UserInputError
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
+
+Activation = Literal["swiglu", "geglu", "gelu", "relu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+class ModelSpec(BaseModel):
+    """Architecture fields that parameter counts, memory and FLOPs are computed from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("custom", description="Display name (preset name, hub id or file).")
+    family: str = Field("custom", description="HF model_type the spec was read from, or 'custom'.")
+    num_layers: int = Field(gt=0, description="Transformer blocks.")
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0, description="Key/value heads (GQA); equal to attention heads for MHA.")
+    head_dim: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0, description="MLP inner size of dense layers.")
+    vocab_size: int = Field(gt=0)
+    max_position_embeddings: int = Field(2048, gt=0)
+    tie_embeddings: bool = Field(False, description="LM head shares the token embedding matrix.")
+    activation: Activation = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_affine: bool = Field(True, description="Norms have a learnable weight (and a bias for layernorm).")
+    norms_per_layer: int = Field(2, ge=0, description="Norm modules in each block (gemma2 has 4).")
+    final_norm: bool = True
+    position_embedding: Literal["rope", "learned"] = "rope"
+    position_embedding_rows: int = Field(
+        0, ge=0, description="Rows of a learned position table (max positions plus any offset, opt adds 2)."
+    )
+    qk_norm: bool = Field(False, description="Per-head RMSNorm on queries and keys (qwen3).")
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    embed_proj_dim: int | None = Field(
+        None, description="Token embedding width when it differs from hidden_size (opt project_in/out)."
+    )
+    parallel_residual: bool = Field(False, description="Attention and MLP read the same input (gpt_neox).")
+    num_experts: int = Field(0, ge=0, description="Routed experts per MoE layer; 0 for a dense model.")
+    experts_top_k: int = Field(0, ge=0)
+    moe_ffn_hidden_size: int | None = Field(None, gt=0, description="Inner size of one expert's MLP.")
+    moe_layers: tuple[int, ...] | None = Field(
+        None, description="Indices of MoE layers; None means every layer when num_experts > 0."
+    )
+    hidden_dropout: float = Field(0.0, ge=0, lt=1, description="Residual/embedding dropout (keeps masks).")
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+    hf_activation: str | None = Field(None, description="transformers' activation name, when read from HF.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_experts:
+            if not 0 < self.experts_top_k <= self.num_experts:
+                raise ValueError(f"experts_top_k must be in 1..num_experts={self.num_experts}")
+            if self.moe_ffn_hidden_size is None:
+                raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
+        if self.position_embedding == "learned" and not self.position_embedding_rows:
+            raise ValueError("position_embedding_rows is required for learned position embeddings")
+        return self
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        if not self.is_moe:
+            return False
+        return self.moe_layers is None or index in self.moe_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_model_spec(source: str) -> ModelSpec:
+    """Read a model from a preset name, an HF config.json (file or directory), a toolkit YAML/JSON spec, or a hub id."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserInputError("--model", f"directory {source} holds no config.json")
+        return _from_hf_dict(_read_json(path / "config.json"), name=path.name)
+    if path.is_file():
+        if path.suffix in (".yaml", ".yml"):
+            return _from_toolkit_dict(_read_yaml(path), source)
+        data = _read_json(path)
+        if "model_type" in data:
+            return _from_hf_dict(data, name=path.stem if path.name != "config.json" else path.parent.name)
+        return _from_toolkit_dict(data, source)
+    if (PRESET_DIR / f"{source}.json").is_file():
+        return _from_hf_dict(_read_json(PRESET_DIR / f"{source}.json"), name=source)
+    if "/" in source and not source.startswith((".", "/")) and source.count("/") == 1:
+        return _from_hub(source)
+    raise UserInputError(
+        "--model",
+        f"'{source}' is not a file, a directory with config.json, a hub id or a preset; "
+        f"presets: {', '.join(preset_names())}",
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserInputError(str(path), f"not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserInputError(str(path), "expected a JSON object at the top level")
+    return data
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserInputError(str(path), f"not a readable YAML file ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserInputError(str(path), "expected a mapping at the top level")
+    return data
+
+
+def _from_toolkit_dict(data: dict, source: str) -> ModelSpec:
+    data = dict(data)
+    data.setdefault("name", Path(source).stem)
+    return validate_spec(data, source)
+
+
+def validate_spec(data: dict, source: str) -> ModelSpec:
+    """Build a ModelSpec, turning pydantic's errors into one line naming the key."""
+    try:
+        return ModelSpec(**data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "spec"
+        raise UserInputError(f"{source}: {key}", err["msg"]) from None
+
+
+def _from_hf_dict(data: dict, name: str) -> ModelSpec:
+    from toolkit.spec.hf_families import spec_from_hf_config
+
+    from transformers import AutoConfig
+
+    model_type = data.get("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in data.items() if k != "model_type"})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserInputError(f"{name}: model_type", f"cannot read an HF config of type '{model_type}' ({exc})") from None
+    return spec_from_hf_config(config, name)
+
+
+def _from_hub(hub_id: str) -> ModelSpec:
+    from toolkit.spec.hf_families import spec_from_hf_config
+
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(hub_id)
+    except (OSError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (HF_HUB_OFFLINE=1 is set)" if offline else ""
+        raise UserInputError("--model", f"could not load hub config '{hub_id}'{hint}: {str(exc).splitlines()[0]}") from None
+    return spec_from_hf_config(config, hub_id)
