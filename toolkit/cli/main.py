@@ -9,7 +9,8 @@ from toolkit.errors import UserInputError
 
 # verb -> module under toolkit.cli exposing add_arguments(parser) and run(args) -> int; imported on use only
 VERBS = {
-    "estimate": ("toolkit.cli.estimate", "per-GPU memory and parameter counts for one model and plan"),
+    "estimate": ("toolkit.cli.estimate", "per-GPU memory, parameter counts and step time for one model and plan"),
+    "plan": ("toolkit.cli.plan", "search the fastest DP/ZeRO/TP/PP/VPP/CP/EP plan that fits"),
 }
 
 

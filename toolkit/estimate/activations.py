@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from toolkit.spec.model import ModelSpec
 
@@ -105,6 +106,11 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
 
 def layer_bytes_per_token(spec: ModelSpec, layer_index: int, setup: ActivationSetup) -> float:
     """Bytes one transformer block keeps for backward, per token of the micro-batch, on one rank."""
+    return _block_bytes_per_token(spec, spec.is_moe_layer(layer_index), setup)
+
+
+@lru_cache(maxsize=4096)
+def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -> float:
     a, h = setup.act_bytes, spec.hidden_size
     megatron = setup.backend == "megatron"
     tp = setup.tp
@@ -112,7 +118,7 @@ def layer_bytes_per_token(spec: ModelSpec, layer_index: int, setup: ActivationSe
     norms = spec.norms_per_layer * _norm_bytes(spec, a, h, megatron) if spec.norms_per_layer else 0
     if spec.norms_per_layer > 2:  # gemma2's post-norms: their output goes to the residual, not a linear
         norms -= (spec.norms_per_layer - 2) * a * h
-    if spec.is_moe_layer(layer_index):
+    if moe:
         k, e = spec.experts_top_k, spec.num_experts
         # router: logits (fp32 softmax output) per expert; each token's hidden copy and MLP per chosen expert
         mlp = FP32 * e + k * (a * h + _mlp_bytes(spec, a, spec.moe_ffn_hidden_size, setup))

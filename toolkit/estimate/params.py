@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from toolkit.spec.model import ModelSpec
 
@@ -74,6 +74,11 @@ def _mlp_params(spec: ModelSpec, ffn: int, bias: bool) -> tuple[int, int]:
 
 
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
+    return _block_params(spec, spec.is_moe_layer(index))
+
+
+@lru_cache(maxsize=1024)
+def _block_params(spec: ModelSpec, moe: bool) -> LayerParams:
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_kv_heads * hd
     attention = h * (q_out + 2 * kv_out) + q_out * h
@@ -84,7 +89,7 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
         replicated += h
     if spec.qk_norm:
         replicated += 2 * hd
-    if spec.is_moe_layer(index):
+    if moe:
         one_sharded, one_repl = _mlp_params(spec, spec.moe_ffn_hidden_size, bias=False)
         expert_one = one_sharded + one_repl
         return LayerParams(
@@ -99,6 +104,7 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     return LayerParams(attention, mlp, 0, 0, 0, replicated + mlp_repl)
 
 
+@lru_cache(maxsize=256)
 def count_params(spec: ModelSpec) -> ParamCounts:
     emb_dim = spec.embed_proj_dim or spec.hidden_size
     token_embedding = spec.vocab_size * emb_dim

@@ -1,0 +1,93 @@
+"""`dmt plan`: every valid plan for a model on a cluster, its memory and predicted step time, fastest first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from toolkit.cli.common import GiB, add_network_arguments
+from toolkit.errors import UserInputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="preset, HF config.json or directory, hub id, or toolkit spec")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu", default="h100-80gb", help="GPU from the catalogue (default %(default)s)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--backend", choices=["deepspeed", "megatron", "both"], default="both")
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16")
+    parser.add_argument("--top", type=int, default=10, help="plans to show (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of the ranked plans")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                        help="stacked per-GPU memory of the top plans and of ZeRO 0-3")
+    add_network_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.timing import step_time
+    from toolkit.planner.report import plan_record
+    from toolkit.planner.search import search, why_first_beats_second
+    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.model import load_model_spec
+    from toolkit.cli.common import build_network
+
+    if args.top < 1:
+        raise UserInputError("--top", f"must be at least 1, got {args.top}")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise UserInputError("--plot", f"expects a .png file name, got {args.plot}")
+    gpu = get_gpu(args.gpu)
+    network = build_network(args, gpu)
+    model = load_model_spec(args.model)
+    backends = ("deepspeed", "megatron") if args.backend == "both" else (args.backend,)
+    result = search(model, args.gpus, gpu, network, backends, seq_len=args.seq_len, global_batch=args.global_batch,
+                    gpus_per_node=args.gpus_per_node, precision=args.precision)
+    top = result.ranked[: args.top]
+    records = [plan_record(model, c.plan, c.memory, c.time, gpu) for c in top]
+    if args.plot is not None:
+        from toolkit.planner.plot import write_memory_plot
+        from toolkit.spec.plan import resolve_plan
+
+        zero_plans = []
+        for stage in range(4):
+            try:
+                plan = resolve_plan(model, args.gpus, zero=stage, seq_len=args.seq_len, global_batch=args.global_batch,
+                                    gpus_per_node=args.gpus_per_node, precision=args.precision, recompute="full")
+            except UserInputError:
+                continue
+            zero_plans.append((plan, estimate_memory(model, plan)))
+        write_memory_plot(args.plot, model, gpu, [(c.plan, c.memory) for c in top[:6]], zero_plans)
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0 if records else 1
+    _print_table(model, args, gpu, result, records)
+    if len(top) >= 2:
+        print(f"winner: {why_first_beats_second(top[0], top[1])}")
+    if args.plot is not None:
+        print(f"memory plot written to {args.plot}")
+    return 0 if records else 1
+
+
+def _print_table(model, args, gpu, result, records) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from toolkit.planner.report import MFU_NOTE, plan_label
+    from toolkit.spec.plan import Plan
+
+    console = Console(width=None if Console().is_terminal else 140)
+    console.print(f"[bold]{model.name}[/] on {args.gpus} x {gpu.name}, seq {args.seq_len}, global batch {args.global_batch}: "
+                  f"{result.considered} plans considered, {len(result.ranked)} fit")
+    table = Table()
+    for col in ("#", "plan", "GiB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for rank, r in enumerate(records, 1):
+        table.add_row(str(rank), plan_label(Plan(**r["plan"])), f"{r['memory_bytes']['total'] / GiB:.1f}",
+                      f"{r['step_time_s']:.3g}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.0f}", f"{r['mfu']:.1%}")
+    console.print(table)
+    rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
+    console.print(f"rejected: {rejected}")
+    console.print(f"MFU = {MFU_NOTE}")

@@ -1,0 +1,170 @@
+"""Predicted time of one optimizer step: compute, exposed communication, pipeline bubble, optimizer and offload.
+
+Overlap is explicit, not assumed perfect: tensor-parallel and expert all-to-all traffic sits on the critical path
+(Megatron-Core overlaps neither without Transformer Engine userbuffers); data-parallel gradient reduction overlaps
+with the last micro-batch's backward up to DP_OVERLAP of it; ZeRO-3 gathers overlap with compute through prefetch up
+to ZERO3_OVERLAP; context-parallel KV exchange hides behind attention compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from toolkit.estimate.comm import Network, collective_time
+from toolkit.estimate.efficiency import gemm_efficiency
+from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token
+from toolkit.estimate.memory import stage_layers, stage_params
+from toolkit.estimate.params import count_params
+from toolkit.spec.cluster import GPU
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import PRECISION_BYTES, Plan
+
+DP_OVERLAP = 0.8
+ZERO3_OVERLAP = 0.7
+# Adam over a parameter partition touches ~28 B/param of HBM (read master, m, v, grad; write master, m, v, bf16 copy)
+OPTIMIZER_BYTES_TOUCHED = 28
+HBM_EFFICIENCY = 0.7
+# DeepSpeed's CPU Adam on a typical 2-socket host (ZeRO-Offload, arXiv:2101.06840, Sec. 5): ~1e9 params/s per node
+CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
+CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score matrix
+STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
+                   "optimizer_s", "offload_s")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    ep_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float
+    optimizer_s: float
+    offload_s: float
+    total_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (no recomputation) per second per GPU
+    mfu: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _peak_flops(gpu: GPU, precision: str) -> float:
+    key = {"fp8": "fp8", "fp32": "tf32"}.get(precision, "bf16")
+    return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12
+
+
+def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTime:
+    a = PRECISION_BYTES[plan.precision]
+    peak = _peak_flops(gpu, plan.precision)
+    tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
+    passes = 3.0 + {"full": 1.0, "selective": 0.0, "none": 0.0}[plan.recompute]
+    efficiency = gemm_efficiency(spec.hidden_size / plan.tp, tokens)
+
+    # The slowest stage sets the pipeline's pace: compare every stage's compute per micro-batch.
+    per_stage = []
+    for stage in range(plan.pp):
+        matmul = attention = 0.0
+        for i in stage_layers(spec.num_layers, plan, stage):
+            f = layer_forward_flops(spec, i, plan.seq_len)
+            matmul += f.matmul
+            attention += f.attention * CAUSAL_ATTENTION_WORK
+        if stage == plan.pp - 1:
+            matmul += head_forward_flops(spec)
+        recompute_attention = attention if plan.recompute == "selective" else 0.0
+        flops = tokens * ((matmul + attention) * passes + recompute_attention) / plan.tp
+        per_stage.append((flops / (peak * efficiency), attention * tokens * 3 / plan.tp / (peak * efficiency)))
+    compute_micro, attention_micro = max(per_stage)
+    layers_per_stage = spec.num_layers // plan.pp
+
+    act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
+    tp_link = network.link(plan.tp, 1)
+    forward_collectives = 2 * (passes - 2)  # 2 per layer per forward pass (attention, MLP); recompute adds one
+    tp_comm = layers_per_stage * (forward_collectives + 2) * collective_time("all_reduce", act, plan.tp, tp_link)
+
+    cp_link = network.link(plan.cp, plan.tp)
+    kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
+    cp_ring = layers_per_stage * 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
+    cp_comm = max(0.0, cp_ring - attention_micro)
+
+    moe_layers = sum(spec.is_moe_layer(i) for i in stage_layers(spec.num_layers, plan, 0))
+    ep_link = network.link(plan.ep, plan.tp * plan.cp)
+    ep_bytes = act * spec.experts_top_k / plan.tp
+    ep_comm = moe_layers * 4 * collective_time("all_to_all", ep_bytes, plan.ep, ep_link)
+
+    pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
+    p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
+    pp_comm = 2 * collective_time("p2p", p2p_bytes, plan.pp, pp_link) * plan.vpp if plan.pp > 1 else 0.0
+
+    micro = compute_micro + tp_comm + ep_comm + pp_comm + cp_comm
+    m = plan.grad_accum
+    bubble = micro * (plan.pp - 1) / plan.vpp if plan.pp > 1 else 0.0
+
+    dp_comm, optimizer_s, offload_s = _data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro)
+    total = m * micro + bubble + dp_comm + optimizer_s + offload_s
+    step_tokens = plan.global_batch * plan.seq_len
+    model_flops = model_flops_per_token(spec, plan.seq_len) * step_tokens
+    tflops = model_flops / total / plan.gpus
+    return StepTime(
+        compute_s=m * compute_micro,
+        tp_comm_s=m * tp_comm,
+        cp_comm_s=m * cp_comm,
+        ep_comm_s=m * ep_comm,
+        pp_comm_s=m * pp_comm,
+        bubble_s=bubble,
+        dp_comm_s=dp_comm,
+        optimizer_s=optimizer_s,
+        offload_s=offload_s,
+        total_s=total,
+        tokens_per_s=step_tokens / total,
+        tflops_per_gpu=tflops / 1e12,
+        mfu=tflops / peak,
+    )
+
+
+def _data_parallel_and_optimizer(
+    spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float
+) -> tuple[float, float, float]:
+    """(exposed DP/ZeRO communication, optimizer step, offload transfers) per step, in seconds."""
+    a = PRECISION_BYTES[plan.precision]
+    params = stage_params(spec, count_params(spec), plan, 0)
+    megatron = plan.backend == "megatron"
+    dp_group = plan.dp * plan.cp if megatron else plan.dp
+    link = network.link(dp_group, plan.tp)  # tp is innermost; megatron's dp x cp group sits right above it
+    backward_window = compute_micro * 2 / 3  # backward of the last micro-batch
+    m = plan.grad_accum
+    if plan.backend == "megatron":
+        grad_bytes = params.total * 4  # fp32 main grads
+        if plan.distributed_optimizer:
+            comm = collective_time("reduce_scatter", grad_bytes, dp_group, link)
+            comm += collective_time("all_gather", params.total * a, dp_group, link)
+        else:
+            comm = collective_time("all_reduce", grad_bytes, dp_group, link)
+        exposed = max(0.0, comm - DP_OVERLAP * backward_window)
+        partition = params.total / (dp_group if plan.distributed_optimizer else 1)
+    else:
+        grads = params.total * a
+        if plan.zero <= 1:
+            comm = collective_time("all_reduce", grads, dp_group, link)
+            exposed = max(0.0, comm - DP_OVERLAP * backward_window)
+        elif plan.zero == 2:  # reduce-scatter every micro-batch, all-gather of updated params after the step
+            per_micro = collective_time("reduce_scatter", grads, dp_group, link)
+            exposed = m * max(0.0, per_micro - DP_OVERLAP * backward_window)
+            exposed += collective_time("all_gather", grads, dp_group, link)
+        else:  # ZeRO-3: gather for forward and backward, reduce-scatter, every micro-batch
+            per_micro = 2 * collective_time("all_gather", grads, dp_group, link)
+            per_micro += collective_time("reduce_scatter", grads, dp_group, link)
+            exposed = m * max(0.0, per_micro - ZERO3_OVERLAP * compute_micro)
+        partition = params.total / (dp_group if plan.zero >= 1 else 1)
+    optimizer_s = partition * OPTIMIZER_BYTES_TOUCHED / (gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY)
+    offload_s = 0.0
+    if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
+        pcie = gpu.pcie_bw_gbps * 1e9
+        offload_s = partition * (4 + a) / pcie  # fp32 grads down, 16-bit params up
+        offload_s += partition * plan.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE
+        optimizer_s = 0.0
+    if plan.backend == "deepspeed" and plan.offload_params != "none":
+        offload_s += 2 * m * params.total * a / plan.dp / (gpu.pcie_bw_gbps * 1e9)
+    return exposed, optimizer_s, offload_s

@@ -1,0 +1,53 @@
+"""The one JSON record of a model under a plan, shared by `dmt estimate --json` and `dmt plan --json`."""
+
+from __future__ import annotations
+
+from toolkit.estimate.memory import MemoryBreakdown
+from toolkit.estimate.params import count_params
+from toolkit.estimate.timing import STEP_COMPONENTS, StepTime
+from toolkit.spec.cluster import GPU
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan
+
+MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x GPUs x dense peak)"
+
+
+def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: StepTime, gpu: GPU) -> dict:
+    counts = count_params(model)
+    return {
+        "model": model.name,
+        "family": model.family,
+        "params": {"total": counts.total, "embedding": counts.embedding, "active": counts.active},
+        "plan": plan.as_dict(),
+        "gpu": gpu.name,
+        "gpu_memory_bytes": gpu.memory_bytes,
+        "memory_bytes": memory.as_dict(),
+        "overhead_bytes": memory.overhead_detail,
+        "host_memory_bytes_per_gpu": memory.host_bytes,
+        "most_loaded_stage": memory.stage,
+        "params_per_gpu": memory.params_on_gpu,
+        "fits": memory.total <= gpu.memory_bytes,
+        "step_time_s": time.total_s,
+        "tokens_per_s": time.tokens_per_s,
+        "tflops_per_gpu": time.tflops_per_gpu,
+        "mfu": time.mfu,
+        "mfu_definition": MFU_NOTE,
+        "step_time_breakdown_s": {k: getattr(time, k) for k in STEP_COMPONENTS},
+    }
+
+
+def plan_label(plan: Plan) -> str:
+    """Short human name of a plan, e.g. `megatron dp8 tp8 pp1 +sp +do mb1 rc=sel`."""
+    parts = [plan.backend, f"dp{plan.dp}", f"tp{plan.tp}", f"pp{plan.pp}"]
+    parts += [f"vpp{plan.vpp}"] if plan.vpp > 1 else []
+    parts += [f"cp{plan.cp}"] if plan.cp > 1 else []
+    parts += [f"ep{plan.ep}"] if plan.ep > 1 else []
+    if plan.backend == "deepspeed":
+        parts.append(f"z{plan.zero}")
+        parts += ["+off-opt"] if plan.offload_optimizer != "none" else []
+        parts += ["+off-par"] if plan.offload_params != "none" else []
+    else:
+        parts += ["+sp"] if plan.sequence_parallel else []
+        parts += ["+dopt"] if plan.distributed_optimizer else []
+    parts += [f"mb{plan.micro_batch}", f"rc={plan.recompute}"]
+    return " ".join(parts)

@@ -1,0 +1,121 @@
+"""Plan search: enumerate parallel layouts, reject by the libraries' rules and by memory, rank by predicted step time."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from toolkit.errors import UserInputError
+from toolkit.estimate.comm import Network
+from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
+from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
+from toolkit.spec.cluster import GPU
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan, resolve_plan
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+MAX_CP = 16
+MAX_VPP = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    memory: MemoryBreakdown
+    time: StepTime
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]
+    rejected: Counter = field(default_factory=Counter)
+    considered: int = 0
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def enumerate_options(model: ModelSpec, gpus: int, gpus_per_node: int, backend: str, fixed: dict) -> Iterator[dict]:
+    """Every combination worth trying for one backend; options the user fixed are not varied."""
+
+    def axis(name: str, values) -> list:
+        return [fixed[name]] if fixed.get(name) is not None else list(values)
+
+    megatron = backend == "megatron"
+    tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0])
+    pps = axis("pp", _divisors(model.num_layers))
+    for tp, pp in itertools.product(tps, pps):
+        if gpus % (tp * pp):
+            continue
+        vpps = axis("vpp", [v for v in _divisors(model.num_layers // pp, MAX_VPP) if megatron and pp > 1] or [1])
+        cps = axis("cp", [c for c in _divisors(gpus // (tp * pp), MAX_CP) if megatron and c & (c - 1) == 0] or [1])
+        for vpp, cp in itertools.product(vpps, cps):
+            dp = gpus // (tp * pp * cp)
+            eps = axis("ep", [e for e in _divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1])
+            micro_axis = axis("micro_batch", MICRO_BATCHES)
+            recomputes = axis("recompute", ["none", "selective", "full"] if megatron else ["none", "full"])
+            if megatron:
+                states = [dict(distributed_optimizer=d) for d in ([fixed["distributed_optimizer"]] if "distributed_optimizer" in fixed else [True, False])]
+                states = [dict(s, sequence_parallel=sp) for s in states for sp in ([True, False] if tp > 1 else [False])]
+            else:
+                zeros = axis("zero", [0, 1] if pp > 1 else [0, 1, 2, 3])
+                states = [dict(zero=z) for z in zeros]
+                states += [dict(zero=z, offload_optimizer="cpu") for z in zeros if z >= 1 and "offload_optimizer" not in fixed]
+            for ep, micro, recompute, state in itertools.product(eps, micro_axis, recomputes, states):
+                yield dict(fixed, backend=backend, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, micro_batch=micro,
+                           recompute=recompute, **state)
+
+
+def search(
+    model: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    network: Network,
+    backends: tuple[str, ...] = ("deepspeed", "megatron"),
+    **fixed,
+) -> SearchResult:
+    """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...)."""
+    result = SearchResult(ranked=[])
+    gpus_per_node = fixed.get("gpus_per_node") or network.gpus_per_node
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    fixed.setdefault("gpus_per_node", gpus_per_node)
+    for backend in backends:
+        for options in enumerate_options(model, gpus, gpus_per_node, backend, fixed):
+            result.considered += 1
+            try:
+                plan = resolve_plan(model, gpus, **options)
+            except UserInputError as exc:
+                result.rejected[f"invalid {exc.key}"] += 1
+                continue
+            memory = estimate_memory(model, plan)
+            if memory.total > gpu.memory_bytes:
+                result.rejected["out of memory"] += 1
+                continue
+            result.ranked.append(Candidate(plan, memory, step_time(model, plan, gpu, network)))
+    result.ranked.sort(key=lambda c: c.time.total_s)
+    return result
+
+
+def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None, **fixed) -> Plan:
+    """The fastest plan that fits, for recipes that say `plan: auto`."""
+    network = network or Network(gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, fixed.get("gpus_per_node") or 8)
+    backends = (fixed.pop("backend"),) if fixed.get("backend") else ("deepspeed", "megatron")
+    result = search(model, gpus, gpu, network, backends, **fixed)
+    if not result.ranked:
+        reasons = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common())
+        raise UserInputError("plan", f"no plan of {model.name} fits {gpus} x {gpu.name} ({reasons})")
+    return result.ranked[0].plan
+
+
+def why_first_beats_second(first: Candidate, second: Candidate) -> str:
+    """Name the step-time components where the winner saves the most over the runner-up."""
+    a, b = first.time.as_dict(), second.time.as_dict()
+    parts = [k for k in STEP_COMPONENTS if k in a]
+    savings = sorted(((b[k] - a[k], k) for k in parts), reverse=True)
+    gain = (b["total_s"] - a["total_s"]) / b["total_s"] * 100
+    named = [f"{saved:.3g} s less {k[:-2].replace('_', ' ')}" for saved, k in savings[:2] if saved > 0]
+    costs = [f"{-saved:.3g} s more {k[:-2].replace('_', ' ')}" for saved, k in savings[-1:] if saved < 0]
+    return f"{gain:.1f}% faster than the runner-up: " + ", ".join(named + costs)
