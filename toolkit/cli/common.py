@@ -22,6 +22,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=d["backend"])
     for flag in ("tp", "pp", "vpp", "cp", "ep"):
         parser.add_argument(f"--{flag}", type=int, default=d[flag], help=f"{flag.upper()} size (default 1)")
+    parser.add_argument("--first-stage-layers", type=int, default=None,
+                        help="Megatron uneven pipeline split: layers on the first stage (the rest split evenly)")
+    parser.add_argument("--last-stage-layers", type=int, default=None, help="likewise for the last stage")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                         help="DeepSpeed ZeRO stage (default 1 with deepspeed, 0 with megatron)")
     parser.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
@@ -91,4 +94,6 @@ def plan_options(args: argparse.Namespace) -> dict:
         offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params,
         nvme_path=args.nvme_path,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
     )

@@ -13,15 +13,19 @@ from __future__ import annotations
 import math
 
 # Best sustained fraction of dense peak for large bf16 GEMM-dominated training steps.
-PEAK_EFFICIENCY = 0.62
-# Local matrix width at which efficiency reaches 1 - 1/e of its best.
-WIDTH_SCALE = 1024.0
+PEAK_EFFICIENCY = 0.60
+# Effective GEMM width at which efficiency reaches 1 - 1/e of its best.
+WIDTH_SCALE = 1000.0
 # Tokens per micro-batch below which kernels are too short to fill the GPU.
-TOKEN_SCALE = 1024.0
+TOKEN_SCALE = 256.0
 
 
-def gemm_efficiency(hidden_local: float, tokens: float) -> float:
-    """Fraction of dense peak reached by a block's GEMMs of local width `hidden_local` over `tokens` rows."""
-    width = 1.0 - math.exp(-hidden_local / WIDTH_SCALE)
+def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
+    """Fraction of dense peak reached by a block's GEMMs on one GPU.
+
+    Tensor parallelism cuts one dimension of each GEMM (column-parallel: the output, row-parallel: the reduction)
+    and leaves the other at `hidden`, so the effective width is the geometric mean sqrt(hidden x hidden / tp).
+    """
+    width = 1.0 - math.exp(-math.sqrt(hidden * hidden / tp) / WIDTH_SCALE)
     rows = 1.0 - math.exp(-tokens / TOKEN_SCALE)
     return PEAK_EFFICIENCY * width * rows

@@ -81,6 +81,8 @@ class MemoryBreakdown:
 
 def stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
     """Layer indices held by pipeline rank `stage`; with virtual stages, rank r holds chunks r, r+pp, ..."""
+    if plan.first_stage_layers is not None or plan.last_stage_layers is not None:
+        return _uneven_stage_layers(num_layers, plan, stage)
     chunks = plan.pp * plan.vpp
     per_chunk = num_layers // chunks
     return [
@@ -88,6 +90,20 @@ def stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
         for chunk in range(stage, chunks, plan.pp)
         for layer in range(chunk * per_chunk, (chunk + 1) * per_chunk)
     ]
+
+
+def _uneven_stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
+    first, last = plan.first_stage_layers, plan.last_stage_layers
+    ends = (first or 0) + (last or 0)
+    middle = plan.pp - (first is not None) - (last is not None)
+    per_middle = (num_layers - ends) // middle if middle else 0
+    sizes = [per_middle] * plan.pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    start = sum(sizes[:stage])
+    return list(range(start, start + sizes[stage]))
 
 
 def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:

@@ -61,46 +61,44 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     peak = _peak_flops(gpu, plan.precision)
     tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
     passes = 3.0 + {"full": 1.0, "selective": 0.0, "none": 0.0}[plan.recompute]
-    efficiency = gemm_efficiency(spec.hidden_size / plan.tp, tokens)
+    efficiency = gemm_efficiency(spec.hidden_size, plan.tp, tokens)
 
-    # The slowest stage sets the pipeline's pace: compare every stage's compute per micro-batch.
-    per_stage = []
+    # The slowest stage sets the pipeline's pace: every stage's micro-batch time, compute and exposed communication.
+    act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
+    tp_link = network.link(plan.tp, 1)
+    forward_collectives = 2 * (passes - 2)  # 2 per layer per forward pass (attention, MLP); recompute adds a pass
+    tp_per_layer = (forward_collectives + 2) * collective_time("all_reduce", act, plan.tp, tp_link)
+    cp_link = network.link(plan.cp, plan.tp)
+    kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
+    cp_per_layer = 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
+    ep_link = network.link(plan.ep, plan.tp * plan.cp)
+    ep_per_moe_layer = 4 * collective_time("all_to_all", act * spec.experts_top_k / plan.tp, plan.ep, ep_link)
+    pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
+    p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
+    pp_comm = 2 * plan.vpp * collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
+
+    stages = []
     for stage in range(plan.pp):
+        layers = stage_layers(spec.num_layers, plan, stage)
         matmul = attention = 0.0
-        for i in stage_layers(spec.num_layers, plan, stage):
+        for i in layers:
             f = layer_forward_flops(spec, i, plan.seq_len)
             matmul += f.matmul
             attention += f.attention * CAUSAL_ATTENTION_WORK
         if stage == plan.pp - 1:
             matmul += head_forward_flops(spec)
         recompute_attention = attention if plan.recompute == "selective" else 0.0
-        flops = tokens * ((matmul + attention) * passes + recompute_attention) / plan.tp
-        per_stage.append((flops / (peak * efficiency), attention * tokens * 3 / plan.tp / (peak * efficiency)))
-    compute_micro, attention_micro = max(per_stage)
-    layers_per_stage = spec.num_layers // plan.pp
+        rate = peak * efficiency
+        compute = tokens * ((matmul + attention) * passes + recompute_attention) / plan.tp / rate
+        attention_time = tokens * attention * 3 / plan.tp / rate
+        cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time)
+        ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
+        tp_comm = len(layers) * tp_per_layer
+        stages.append((compute + tp_comm + cp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, ep_comm))
+    micro, compute_micro, tp_comm, cp_comm, ep_comm = max(stages)
 
-    act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
-    tp_link = network.link(plan.tp, 1)
-    forward_collectives = 2 * (passes - 2)  # 2 per layer per forward pass (attention, MLP); recompute adds one
-    tp_comm = layers_per_stage * (forward_collectives + 2) * collective_time("all_reduce", act, plan.tp, tp_link)
-
-    cp_link = network.link(plan.cp, plan.tp)
-    kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
-    cp_ring = layers_per_stage * 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
-    cp_comm = max(0.0, cp_ring - attention_micro)
-
-    moe_layers = sum(spec.is_moe_layer(i) for i in stage_layers(spec.num_layers, plan, 0))
-    ep_link = network.link(plan.ep, plan.tp * plan.cp)
-    ep_bytes = act * spec.experts_top_k / plan.tp
-    ep_comm = moe_layers * 4 * collective_time("all_to_all", ep_bytes, plan.ep, ep_link)
-
-    pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
-    p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
-    pp_comm = 2 * collective_time("p2p", p2p_bytes, plan.pp, pp_link) * plan.vpp if plan.pp > 1 else 0.0
-
-    micro = compute_micro + tp_comm + ep_comm + pp_comm + cp_comm
     m = plan.grad_accum
-    bubble = micro * (plan.pp - 1) / plan.vpp if plan.pp > 1 else 0.0
+    bubble = micro * (plan.pp - 1) / plan.vpp if plan.pp > 1 else 0.0  # (p-1)/(v m) of the m micro-batches
 
     dp_comm, optimizer_s, offload_s = _data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro)
     total = m * micro + bubble + dp_comm + optimizer_s + offload_s

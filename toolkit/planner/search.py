@@ -38,35 +38,49 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
 
-def enumerate_options(model: ModelSpec, gpus: int, gpus_per_node: int, backend: str, fixed: dict) -> Iterator[dict]:
-    """Every combination worth trying for one backend; options the user fixed are not varied."""
+def _pipeline_splits(num_layers: int, pp: int) -> list[dict]:
+    """Even splits, or Megatron-Core's uneven one with one layer fewer on the first and last stage (Llama 3)."""
+    if num_layers % pp == 0:
+        return [{}]
+    if pp > 2 and (num_layers + 2) % pp == 0:
+        ends = (num_layers + 2) // pp - 1
+        return [dict(first_stage_layers=ends, last_stage_layers=ends)]
+    return []
+
+
+def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: str, fixed: dict) -> Iterator[dict]:
+    """Every parallel layout and model-state option worth trying for one backend (micro-batch and recompute apart).
+
+    Pruned as dominated: Megatron without sequence parallelism when tp > 1 (same communication volume, more
+    activation memory) and without the distributed optimizer (reduce-scatter + all-gather move what the all-reduce
+    moves, with less memory), unless the user fixed them.
+    """
 
     def axis(name: str, values) -> list:
         return [fixed[name]] if fixed.get(name) is not None else list(values)
 
     megatron = backend == "megatron"
     tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0])
-    pps = axis("pp", _divisors(model.num_layers))
+    pps = axis("pp", range(1, model.num_layers + 1))
     for tp, pp in itertools.product(tps, pps):
         if gpus % (tp * pp):
             continue
-        vpps = axis("vpp", [v for v in _divisors(model.num_layers // pp, MAX_VPP) if megatron and pp > 1] or [1])
-        cps = axis("cp", [c for c in _divisors(gpus // (tp * pp), MAX_CP) if megatron and c & (c - 1) == 0] or [1])
-        for vpp, cp in itertools.product(vpps, cps):
-            dp = gpus // (tp * pp * cp)
-            eps = axis("ep", [e for e in _divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1])
-            micro_axis = axis("micro_batch", MICRO_BATCHES)
-            recomputes = axis("recompute", ["none", "selective", "full"] if megatron else ["none", "full"])
-            if megatron:
-                states = [dict(distributed_optimizer=d) for d in ([fixed["distributed_optimizer"]] if "distributed_optimizer" in fixed else [True, False])]
-                states = [dict(s, sequence_parallel=sp) for s in states for sp in ([True, False] if tp > 1 else [False])]
-            else:
-                zeros = axis("zero", [0, 1] if pp > 1 else [0, 1, 2, 3])
-                states = [dict(zero=z) for z in zeros]
-                states += [dict(zero=z, offload_optimizer="cpu") for z in zeros if z >= 1 and "offload_optimizer" not in fixed]
-            for ep, micro, recompute, state in itertools.product(eps, micro_axis, recomputes, states):
-                yield dict(fixed, backend=backend, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, micro_batch=micro,
-                           recompute=recompute, **state)
+        splits = _pipeline_splits(model.num_layers, pp) if megatron else ([{}] if model.num_layers % pp == 0 else [])
+        for split in splits:
+            vpps = [1] if split else [v for v in _divisors(model.num_layers // pp, MAX_VPP) if megatron and pp > 1] or [1]
+            cps = [c for c in _divisors(gpus // (tp * pp), MAX_CP) if megatron and c & (c - 1) == 0] or [1]
+            for vpp, cp in itertools.product(axis("vpp", vpps), axis("cp", cps)):
+                dp = gpus // (tp * pp * cp)
+                eps = [e for e in _divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1]
+                if megatron:
+                    states = [dict(distributed_optimizer=fixed.get("distributed_optimizer", True),
+                                   sequence_parallel=fixed.get("sequence_parallel", tp > 1))]
+                else:
+                    zeros = axis("zero", [0, 1] if pp > 1 else [0, 1, 2, 3])
+                    states = [dict(zero=z) for z in zeros]
+                    states += [dict(zero=z, offload_optimizer="cpu") for z in zeros if z >= 1 and "offload_optimizer" not in fixed]
+                for ep, state in itertools.product(axis("ep", eps), states):
+                    yield dict(fixed, backend=backend, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
 
 def search(
@@ -79,22 +93,30 @@ def search(
 ) -> SearchResult:
     """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...)."""
     result = SearchResult(ranked=[])
-    gpus_per_node = fixed.get("gpus_per_node") or network.gpus_per_node
     fixed = {k: v for k, v in fixed.items() if v is not None}
-    fixed.setdefault("gpus_per_node", gpus_per_node)
+    gpus_per_node = fixed.setdefault("gpus_per_node", network.gpus_per_node)
+    micro_batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else list(MICRO_BATCHES)
     for backend in backends:
-        for options in enumerate_options(model, gpus, gpus_per_node, backend, fixed):
-            result.considered += 1
-            try:
-                plan = resolve_plan(model, gpus, **options)
-            except UserInputError as exc:
-                result.rejected[f"invalid {exc.key}"] += 1
-                continue
-            memory = estimate_memory(model, plan)
-            if memory.total > gpu.memory_bytes:
-                result.rejected["out of memory"] += 1
-                continue
-            result.ranked.append(Candidate(plan, memory, step_time(model, plan, gpu, network)))
+        recomputes = [fixed["recompute"]] if "recompute" in fixed else (
+            ["none", "selective", "full"] if backend == "megatron" else ["none", "full"])
+        for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
+            layout.pop("recompute", None)
+            for recompute in recomputes:
+                for position, micro in enumerate(micro_batches):
+                    result.considered += 1
+                    try:
+                        plan = resolve_plan(model, gpus, micro_batch=micro, recompute=recompute, **layout)
+                    except UserInputError as exc:
+                        result.rejected[f"invalid {exc.key}"] += 1
+                        continue
+                    memory = estimate_memory(model, plan)
+                    if memory.total > gpu.memory_bytes:
+                        # activations only grow with the micro-batch: the larger ones cannot fit either
+                        skipped = len(micro_batches) - position
+                        result.considered += skipped - 1
+                        result.rejected["out of memory"] += skipped
+                        break
+                    result.ranked.append(Candidate(plan, memory, step_time(model, plan, gpu, network)))
     result.ranked.sort(key=lambda c: c.time.total_s)
     return result
 

@@ -67,6 +67,8 @@ class Plan(BaseModel):
     offload_optimizer: Offload
     offload_params: Offload
     nvme_path: str | None = None
+    first_stage_layers: int | None = None  # uneven pipeline split (Megatron num_layers_in_first_pipeline_stage)
+    last_stage_layers: int | None = None
 
     @property
     def model_parallel(self) -> int:
@@ -88,7 +90,9 @@ def _positive(flag: str, value: int) -> None:
 
 def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
     """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject."""
-    unknown = set(options) - set(DEFAULTS) - {"distributed_optimizer", "sequence_parallel", "nvme_path"}
+    unknown = set(options) - set(DEFAULTS) - {
+        "distributed_optimizer", "sequence_parallel", "nvme_path", "first_stage_layers", "last_stage_layers"
+    }
     if unknown:
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
@@ -107,9 +111,14 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
             f"{tp} must divide attention heads ({model.num_attention_heads}) and kv heads ({model.num_kv_heads}); "
             f"valid: {', '.join(str(d) for d in _divisors(model.num_kv_heads))}",
         )
-    if model.num_layers % (pp * vpp):
+    first, last = o.get("first_stage_layers"), o.get("last_stage_layers")
+    if first is not None or last is not None:
+        _check_uneven_split(model.num_layers, pp, vpp, first, last, backend)
+    elif model.num_layers % (pp * vpp):
         what = f"--pp x --vpp = {pp * vpp}" if vpp > 1 else f"{pp}"
-        raise UserInputError("--pp", f"{what} must divide the {model.num_layers} layers")
+        raise UserInputError(
+            "--pp", f"{what} must divide the {model.num_layers} layers, or set --first-stage-layers/--last-stage-layers"
+        )
     if vpp > 1 and pp == 1:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
     if gpus % (tp * pp * cp):
@@ -165,7 +174,30 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
         offload_optimizer=o["offload_optimizer"],
         offload_params=o["offload_params"],
         nvme_path=o.get("nvme_path"),
+        first_stage_layers=first,
+        last_stage_layers=last,
     )
+
+
+def _check_uneven_split(layers: int, pp: int, vpp: int, first: int | None, last: int | None, backend: str) -> None:
+    """Megatron-Core's uneven split: first/last stages hold given counts, the middle stages share the rest evenly."""
+    if backend != "megatron":
+        raise UserInputError("--first-stage-layers", "an uneven pipeline split is a Megatron-Core option")
+    if vpp > 1:
+        raise UserInputError("--first-stage-layers", "an uneven split is modelled with --vpp 1 only")
+    if pp < 2:
+        raise UserInputError("--first-stage-layers", "an uneven split needs --pp >= 2")
+    for flag, value in (("--first-stage-layers", first), ("--last-stage-layers", last)):
+        if value is not None and not 0 < value < layers:
+            raise UserInputError(flag, f"must be between 1 and {layers - 1}, got {value}")
+    ends = [v for v in (first, last) if v is not None]
+    middle_stages = pp - len(ends)
+    rest = layers - sum(ends)
+    if middle_stages == 0 and rest != 0 or middle_stages and (rest <= 0 or rest % middle_stages):
+        raise UserInputError(
+            "--first-stage-layers",
+            f"{layers} layers minus first/last ({sum(ends)}) must split evenly over the other {middle_stages} stages",
+        )
 
 
 def _check_deepspeed(zero: int, tp: int, pp: int, vpp: int, cp: int, dist_opt: bool, seq_par: bool, o: dict) -> None:

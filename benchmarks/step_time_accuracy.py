@@ -1,0 +1,131 @@
+"""Predicted step time and plan rank against published Megatron-LM and Llama 3 training runs.
+
+Run: .venv/bin/python benchmarks/step_time_accuracy.py [--write benchmarks/step_time_accuracy.md]
+Prints, for each reference row of benchmarks/step_time_references.yaml, the published step time (implied by the
+published TFLOP/s per GPU), the predicted one, the error, and where `dmt plan` ranks the published layout for that
+model and cluster. Also times the full search for Llama 3.1 405B on 16,384 H100s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import yaml
+
+from toolkit.estimate.comm import Network
+from toolkit.estimate.flops import model_flops_per_token
+from toolkit.estimate.memory import estimate_memory
+from toolkit.estimate.timing import step_time
+from toolkit.planner.search import search
+from toolkit.spec.cluster import get_gpu
+from toolkit.spec.model import ModelSpec, load_model_spec
+from toolkit.spec.plan import resolve_plan
+
+HERE = Path(__file__).resolve().parent
+
+
+def megatron_gpt(heads: int, hidden: int, layers: int, vocab: int, seq: int) -> ModelSpec:
+    """The GPT architecture of the Megatron-LM paper: 4h GELU MLP, LayerNorm, learned positions, biases, tied head."""
+    return ModelSpec(
+        name=f"gpt-h{hidden}-l{layers}", family="megatron-gpt", num_layers=layers, hidden_size=hidden,
+        num_attention_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, ffn_hidden_size=4 * hidden,
+        vocab_size=vocab, max_position_embeddings=seq, tie_embeddings=True, activation="gelu", norm="layernorm",
+        position_embedding="learned", position_embedding_rows=seq, qkv_bias=True, attn_out_bias=True, mlp_bias=True,
+    )
+
+
+def published_layout_rank(model, gpus, gpu, network, layout: dict, **fixed) -> tuple[int | None, int]:
+    result = search(model, gpus, gpu, network, ("megatron",), **fixed)
+    for rank, candidate in enumerate(result.ranked, 1):
+        if all(getattr(candidate.plan, key) == value for key, value in layout.items()):
+            return rank, len(result.ranked)
+    return None, len(result.ranked)
+
+
+def network_for(gpu) -> Network:
+    return Network(gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, 8)
+
+
+def megatron_rows(refs: dict) -> list[dict]:
+    gpu = get_gpu(refs["gpu"])
+    seq, vocab = refs["seq_len"], refs["vocab_size"]
+    rows = []
+    for params_b, heads, hidden, layers, tp, pp, gpus, batch, tflops in refs["rows"]:
+        model = megatron_gpt(heads, hidden, layers, vocab, seq)
+        plan = resolve_plan(model, gpus, backend="megatron", tp=tp, pp=pp, micro_batch=1, global_batch=batch,
+                            seq_len=seq, recompute="full", gpus_per_node=8)
+        # Eq. 3 of arXiv:2104.04473: FLOPs per iteration, recomputation included
+        flops = 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+        published = flops / (tflops * 1e12 * gpus)
+        predicted = step_time(model, plan, gpu, network_for(gpu))
+        rank, fitting = published_layout_rank(model, gpus, gpu, network_for(gpu), dict(tp=tp, pp=pp, cp=1),
+                                              seq_len=seq, global_batch=batch, recompute="full",
+                                              distributed_optimizer=False, sequence_parallel=False)
+        rows.append(dict(name=f"GPT {params_b}B t{tp} p{pp} on {gpus} A100", published_s=published,
+                         predicted_s=predicted.total_s, fits=estimate_memory(model, plan).total <= gpu.memory_bytes,
+                         rank=rank, fitting=fitting, source=refs["source"]))
+    return rows
+
+
+def llama_rows(refs: dict) -> list[dict]:
+    gpu = get_gpu(refs["gpu"])
+    model = load_model_spec(refs["model"])
+    rows = []
+    for gpus, tp, cp, pp, dp, seq, batch, tflops, mfu in refs["rows"]:
+        split = dict(first_stage_layers=7, last_stage_layers=7) if model.num_layers % pp else {}
+        plan = resolve_plan(model, gpus, backend="megatron", tp=tp, cp=cp, pp=pp, micro_batch=1, global_batch=batch,
+                            seq_len=seq, recompute="none", distributed_optimizer=True, sequence_parallel=True, **split)
+        assert plan.dp == dp, (plan.dp, dp)
+        published = model_flops_per_token(model, seq) * batch * seq / (tflops * 1e12 * gpus)
+        predicted = step_time(model, plan, gpu, network_for(gpu))
+        rank, fitting = published_layout_rank(model, gpus, gpu, network_for(gpu), dict(tp=tp, pp=pp, cp=cp),
+                                              seq_len=seq, global_batch=batch)
+        rows.append(dict(name=f"Llama 3 405B t{tp} c{cp} p{pp} d{dp} s{seq} on {gpus} H100", published_s=published,
+                         predicted_s=predicted.total_s, fits=estimate_memory(model, plan).total <= gpu.memory_bytes,
+                         rank=rank, fitting=fitting, source=refs["source"]))
+    return rows
+
+
+def report() -> None:
+    refs = yaml.safe_load((HERE / "step_time_references.yaml").read_text())
+    rows = megatron_rows(refs["megatron_gpt"]) + llama_rows(refs["llama3_405b"])
+    print(f"machine: {platform.node()} {platform.machine()} python {platform.python_version()}")
+    print("| reference | published step s | predicted step s | error | fits | rank of published layout | source |")
+    print("|---|---:|---:|---:|---|---:|---|")
+    errors = []
+    for r in rows:
+        error = (r["predicted_s"] - r["published_s"]) / r["published_s"]
+        errors.append(abs(error))
+        rank = f"{r['rank']} of {r['fitting']}" if r["rank"] else f"not fitting ({r['fitting']} fit)"
+        print(f"| {r['name']} | {r['published_s']:.2f} | {r['predicted_s']:.2f} | {error:+.1%} | {r['fits']} | {rank} | {r['source']} |")
+    within = sum(e <= 0.15 for e in errors)
+    print(f"\n{within} of {len(errors)} rows within 15%; median |error| {sorted(errors)[len(errors) // 2]:.1%}")
+
+    model, gpu = load_model_spec("llama-3.1-405b"), get_gpu("h100-80gb")
+    start = time.perf_counter()
+    result = search(model, 16384, gpu, network_for(gpu), seq_len=8192, global_batch=2048)
+    elapsed = time.perf_counter() - start
+    print(f"\nsearch: llama-3.1-405b on 16384 x h100-80gb, seq 8192, global batch 2048: {result.considered} plans "
+          f"considered, {len(result.ranked)} fit, {elapsed:.2f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path, help="also write the report (markdown) to this file")
+    args = parser.parse_args()
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        report()
+    print(buffer.getvalue(), end="")
+    if args.write:
+        args.write.write_text("# Step-time model vs published runs\n\nGenerated by `benchmarks/step_time_accuracy.py`.\n\n"
+                              + buffer.getvalue())
+
+
+if __name__ == "__main__":
+    main()
