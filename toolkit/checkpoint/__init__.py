@@ -1,0 +1,1 @@
+"""Checkpoint formats: reading, converting, writing and verifying what training saves."""

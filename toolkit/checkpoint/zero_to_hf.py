@@ -1,0 +1,141 @@
+"""DeepSpeed ZeRO checkpoint -> HF safetensors (sharded, with index) + config, streamed one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.checkpoint.atomic import atomic_directory
+from toolkit.checkpoint.deepspeed_zero import open_zero_checkpoint
+from toolkit.checkpoint.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
+from toolkit.errors import UserInputError
+
+log = logging.getLogger(__name__)
+
+# Files next to an HF Trainer checkpoint that from_pretrained users expect to travel with the weights.
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    out_dir: Path
+    tensors: int
+    bytes_written: int
+    shards: int
+    stage: int
+    world_size: int
+
+
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
+    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2^20, as HF's max_shard_size reads them."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UserInputError(flag, f"'{text}' is not a size; use e.g. 5GB, 500MB, 2GiB")
+    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
+    power = "KMGT".index(unit) + 1 if unit else 0
+    size = int(number * (1024 if binary else 1000) ** power)
+    if size <= 0:
+        raise UserInputError(flag, f"must be positive, got {text}")
+    return size
+
+
+def find_config(ckpt_dir: Path, tag_dir: Path, config: Path | None) -> Path:
+    if config is not None:
+        path = config / "config.json" if config.is_dir() else config
+        if not path.is_file():
+            raise UserInputError("--config", f"{config} is not an HF config.json or a directory with one")
+        return path
+    for candidate in (tag_dir / "config.json", ckpt_dir / "config.json", ckpt_dir.parent / "config.json"):
+        if candidate.is_file():
+            return candidate
+    raise UserInputError("--config", f"no config.json next to {ckpt_dir}; pass --config PATH/config.json")
+
+
+def plan_shards(layout: list[tuple[str, tuple, object]], max_bytes: int) -> list[list[tuple[str, tuple, object]]]:
+    """Greedy split in checkpoint order; a tensor larger than the limit gets a shard of its own (as HF does)."""
+    shards: list[list] = [[]]
+    size = 0
+    for entry in layout:
+        nbytes = tensor_bytes(entry[1], entry[2])
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def convert_zero_to_hf(
+    ckpt_dir: Path,
+    out_dir: Path,
+    tag: str | None = None,
+    dtype: str = "fp32",
+    max_shard_size: str = "5GB",
+    config: Path | None = None,
+    progress: bool = True,
+) -> ConversionResult:
+    import torch
+    from tqdm import tqdm
+
+    out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
+    if out_dtype is None:
+        raise UserInputError("--dtype", f"must be fp32 or bf16, got {dtype}")
+    max_bytes = parse_size(max_shard_size)
+    checkpoint = open_zero_checkpoint(ckpt_dir, tag)
+    config_path = find_config(ckpt_dir, checkpoint.tag_dir, config)
+    try:
+        config_data = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserInputError(str(config_path), f"not a readable JSON config ({exc})") from None
+    tied = bool(config_data.get("tie_word_embeddings", True))
+
+    def target(name: str):
+        source_is_float = name not in checkpoint.buffers or checkpoint.buffers[name].is_floating_point()
+        return out_dtype if source_is_float else checkpoint.buffers[name].dtype
+
+    layout = [(name, tuple(checkpoint.shape(name)), target(name)) for name in checkpoint.names]
+    aliases = {} if tied else {alias: source for alias, source in checkpoint.shared.items() if source in checkpoint.names}
+    layout += [(alias, tuple(checkpoint.shape(source)), target(source)) for alias, source in aliases.items()]
+    shards = plan_shards(layout, max_bytes)
+    total = sum(tensor_bytes(shape, dt) for _, shape, dt in layout)
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+
+    written = 0
+    with atomic_directory(out_dir) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc="zero-to-hf",
+                                                 disable=not progress or None) as bar:
+        stream = checkpoint.tensors()  # yields in checkpoint.names order, which is the layout's order
+        kept = {}  # sources of aliases, written again at the end under the alias name
+        for shard_name, shard in zip(names, shards):
+            writer = StreamingSafetensorsWriter(tmp / shard_name, shard)
+            for name, _, dt in shard:
+                if name in aliases:
+                    tensor = kept[aliases[name]]
+                else:
+                    produced, tensor = next(stream)
+                    assert produced == name, (produced, name)
+                    if name in aliases.values():
+                        kept[name] = tensor
+                nbytes = writer.write(name, tensor.to(dt))
+                written += nbytes
+                bar.update(nbytes)
+            writer.close()
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: shard_name for shard_name, shard in zip(names, shards) for name, _, _ in shard}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        shutil.copyfile(config_path, tmp / "config.json")
+        for side in SIDE_FILES:
+            for folder in (checkpoint.tag_dir, ckpt_dir):
+                if (folder / side).is_file():
+                    shutil.copyfile(folder / side, tmp / side)
+                    break
+    log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, len(shards), out_dir)
+    return ConversionResult(out_dir, len(layout), written, len(shards), checkpoint.stage, checkpoint.world_size)
