@@ -76,15 +76,15 @@ def test_wrong_tag_lists_the_tags_present(zero_checkpoints, tmp_path, capsys):
 
 def test_interrupted_conversion_leaves_no_output(zero_checkpoints, tmp_path, monkeypatch):
     calls = {"n": 0}
-    original = zero_to_hf.StreamingSafetensorsWriter.write
+    original = zero_to_hf.StreamingSafetensorsWriter.copy_ranges
 
-    def failing_write(self, name, tensor):
+    def failing_copy(self, *args):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(self, name, tensor)
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C in the middle of the third tensor
+        return original(self, *args)
 
-    monkeypatch.setattr(zero_to_hf.StreamingSafetensorsWriter, "write", failing_write)
+    monkeypatch.setattr(zero_to_hf.StreamingSafetensorsWriter, "copy_ranges", failing_copy)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         zero_to_hf.convert_zero_to_hf(zero_checkpoints["zero3"], out, progress=False)

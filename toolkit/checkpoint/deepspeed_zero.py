@@ -2,7 +2,8 @@
 
 The layout is DeepSpeed's own (deepspeed/utils/zero_to_fp32.py reconstructs the same tensors): per tag directory,
 model-state files with parameter names and shapes, and one `*_optim_states.pt` per data-parallel rank holding that
-rank's flat fp32 partition(s). Files are memory-mapped, so only the bytes of the tensor being built are read.
+rank's flat fp32 partition(s). Files are indexed, not loaded (torch_zip.py): only the bytes of the tensor being
+built are read.
 """
 
 from __future__ import annotations
@@ -23,27 +24,10 @@ def _natural_key(path: Path) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
 
 
-def _import_deepspeed_logging_to_stderr() -> None:
-    """DeepSpeed's logger writes to the stdout it finds at import; bind it to stderr so `--json` output stays clean.
-
-    Unpickling a checkpoint imports deepspeed (its enums are inside), so this runs before the first load.
-    """
-    import contextlib
-    import sys
-
-    if "deepspeed" not in sys.modules:
-        with contextlib.redirect_stdout(sys.stderr):
-            import deepspeed  # noqa: F401
-
-
 def _load(path: Path) -> dict:
-    import torch
+    from toolkit.checkpoint.torch_zip import index_torch_file
 
-    _import_deepspeed_logging_to_stderr()
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as exc:  # torch raises RuntimeError, EOFError, pickle and zip errors for damaged files
-        raise UserInputError(str(path), f"cannot be read, truncated or corrupt ({type(exc).__name__}: {exc})") from None
+    return index_torch_file(path)
 
 
 def resolve_tag_dir(path: Path, tag: str | None) -> Path:
@@ -78,7 +62,7 @@ class ZeroCheckpoint:
     buffers: dict = field(default_factory=dict)
     frozen_shapes: dict = field(default_factory=dict)
     _model_states: list[dict] = field(default_factory=list, repr=False)
-    _flat_groups: list[list] = field(default_factory=list, repr=False)  # [rank][group] -> fp32 1-D tensor (mmap)
+    _flat_groups: list[list] = field(default_factory=list, repr=False)  # [rank][group] -> LazyTensor of fp32 values
 
     @property
     def names(self) -> list[str]:
@@ -92,38 +76,45 @@ class ZeroCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, object]]:
         """(name, fp32 tensor) for every name, building one parameter at a time."""
-        for name, tensor in self.buffers.items():
-            yield name, tensor.float() if tensor.is_floating_point() else tensor
-        yield from self._frozen()
-        if self.stage <= 2:
-            yield from self._zero12_params()
-        else:
-            yield from self._zero3_params()
-
-    def _zero12_params(self) -> Iterator[tuple[str, object]]:
         import torch
 
+        for name, source in self.sources():
+            if isinstance(source, list):
+                pieces = [lazy.read(start, count) for lazy, start, count in source]
+                source = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).view(self.shape(name))
+            yield name, source
+
+    def sources(self) -> Iterator[tuple[str, object]]:
+        """(name, tensor) for buffers and frozen parameters; (name, pieces) for trainable fp32 parameters.
+
+        pieces = [(LazyTensor, first element, element count), ...]: contiguous runs of rank partitions that,
+        concatenated, are the parameter. A converter may copy them byte for byte without reading them.
+        """
+        for name, lazy in self.buffers.items():
+            tensor = lazy.load()
+            yield name, tensor.float() if tensor.is_floating_point() else tensor
+        yield from self._frozen()
+        yield from self._zero12_pieces() if self.stage <= 2 else self._zero3_pieces()
+
+    def _zero12_pieces(self) -> Iterator[tuple[str, list]]:
         for group, names in enumerate(self.group_param_names):
             parts = [self._flat_groups[rank][group] for rank in range(self.world_size)]
             part = parts[0].numel()
             offset = 0
             for index, name in enumerate(names):
-                shape = self.param_shapes[name]
-                numel = math.prod(shape)
+                numel = math.prod(self.param_shapes[name])
                 pieces, start, end = [], offset, offset + numel
-                while start < end:
+                while start < end:  # the flat fp32 vector is the ranks' partitions end to end
                     rank, within = divmod(start, part)
                     take = min(end - start, part - within)
-                    pieces.append(parts[rank][within : within + take])
+                    pieces.append((parts[rank], within, take))
                     start += take
-                yield name, torch.cat(pieces).view(shape) if len(pieces) > 1 else pieces[0].clone().view(shape)
+                yield name, pieces
                 offset += numel
                 if self.alignment_paddings is not None:
                     offset += self.alignment_paddings[group][index]
 
-    def _zero3_params(self) -> Iterator[tuple[str, object]]:
-        import torch
-
+    def _zero3_pieces(self) -> Iterator[tuple[str, list]]:
         sizes = [t.numel() for t in self._flat_groups[0]]
         bounds = [0]
         for size in sizes:
@@ -131,15 +122,17 @@ class ZeroCheckpoint:
         offset = 0
         for name, shape in self.param_shapes.items():
             numel = math.prod(shape)
-            partitioned = math.ceil(numel / self.world_size)
-            pieces = []
+            partitioned = math.ceil(numel / self.world_size)  # each rank holds one padded slice of every parameter
+            pieces, remaining = [], numel
             for rank in range(self.world_size):
                 start, end = offset, offset + partitioned
                 for group, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-                    if start < hi and end > lo:
-                        flat = self._flat_groups[rank][group]
-                        pieces.append(flat[max(start, lo) - lo : min(end, hi) - lo])
-            yield name, torch.cat(pieces)[:numel].view(shape)
+                    if remaining and start < hi and end > lo:
+                        first = max(start, lo)
+                        count = min(min(end, hi) - first, remaining)
+                        pieces.append((self._flat_groups[rank][group], first - lo, count))
+                        remaining -= count
+            yield name, pieces
             offset += partitioned
 
     def _frozen(self) -> Iterator[tuple[str, object]]:
@@ -147,9 +140,9 @@ class ZeroCheckpoint:
 
         for name, shape in self.frozen_shapes.items():
             if self.stage <= 2:  # the 16-bit module copy is the only one (as zero_to_fp32)
-                yield name, self._model_states[0]["module"][name].float()
+                yield name, self._model_states[0]["module"][name].load().float()
             else:
-                fragments = [state["frozen_param_fragments"][name] for state in self._model_states]
+                fragments = [state["frozen_param_fragments"][name].load() for state in self._model_states]
                 yield name, torch.cat(fragments)[: math.prod(shape)].view(shape).float()
 
 

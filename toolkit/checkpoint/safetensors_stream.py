@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -42,25 +43,69 @@ class StreamingSafetensorsWriter:
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
-        self._handle = open(path, "wb")
-        self._handle.write(struct.pack("<Q", len(encoded)))
-        self._handle.write(encoded)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write_all(struct.pack("<Q", len(encoded)) + encoded)
         self._next = 0
 
+    def _expect(self, name: str, shape, dtype) -> None:
+        expected, want_shape, want_dtype = self.layout[self._next]
+        if name != expected or tuple(shape) != tuple(want_shape) or dtype != want_dtype:
+            raise ValueError(f"expected {expected} {tuple(want_shape)} {want_dtype}, got {name} {tuple(shape)} {dtype}")
+
+    def _write_all(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(self._fd, view):]
+
     def write(self, name: str, tensor) -> int:
-        expected, shape, dtype = self.layout[self._next]
-        if name != expected or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise ValueError(f"expected {expected} {tuple(shape)} {dtype}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        """Append one tensor's bytes (it must be the next one of the layout)."""
+        self._expect(name, tensor.shape, tensor.dtype)
         data = tensor.detach().contiguous().cpu().reshape(-1).view(dtype=_byte_view_dtype()).numpy()
-        self._handle.write(memoryview(data))
+        self._write_all(data)
         self._next += 1
         return data.nbytes
 
+    def copy_ranges(self, name: str, shape, dtype, ranges: list[tuple[Path, int, int]]) -> int:
+        """Append a tensor whose bytes already lie in other files, as (path, byte offset, byte count) pieces.
+
+        The kernel copies them (copy_file_range): no byte passes through this process.
+        """
+        self._expect(name, shape, dtype)
+        total = 0
+        for path, offset, count in ranges:
+            source = os.open(path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < count:
+                    copied = _copy_range(source, self._fd, count - done, offset + done)
+                    if copied == 0:
+                        raise ValueError(f"{path} ends before byte {offset + count} (truncated)")
+                    done += copied
+            finally:
+                os.close(source)
+            total += count
+        if total != tensor_bytes(shape, dtype):
+            raise ValueError(f"{name}: pieces hold {total} bytes, the tensor needs {tensor_bytes(shape, dtype)}")
+        self._next += 1
+        return total
+
     def close(self) -> None:
+        os.close(self._fd)
         if self._next != len(self.layout):
-            self._handle.close()
             raise ValueError(f"{self.path}: {len(self.layout) - self._next} tensors were never written")
-        self._handle.close()
+
+
+def _copy_range(source: int, target: int, count: int, offset: int) -> int:
+    if hasattr(os, "copy_file_range"):
+        try:
+            return os.copy_file_range(source, target, min(count, 1 << 30), offset)
+        except OSError:
+            pass  # e.g. across filesystems on old kernels: fall back to read + write
+    data = os.pread(source, min(count, 1 << 26), offset)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(target, view):]
+    return len(data)
 
 
 def _byte_view_dtype():

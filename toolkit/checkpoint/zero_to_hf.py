@@ -96,7 +96,7 @@ def convert_zero_to_hf(
     tied = bool(config_data.get("tie_word_embeddings", True))
 
     def target(name: str):
-        source_is_float = name not in checkpoint.buffers or checkpoint.buffers[name].is_floating_point()
+        source_is_float = name not in checkpoint.buffers or checkpoint.buffers[name].dtype.is_floating_point
         return out_dtype if source_is_float else checkpoint.buffers[name].dtype
 
     layout = [(name, tuple(checkpoint.shape(name)), target(name)) for name in checkpoint.names]
@@ -111,19 +111,26 @@ def convert_zero_to_hf(
     written = 0
     with atomic_directory(out_dir) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc="zero-to-hf",
                                                  disable=not progress or None) as bar:
-        stream = checkpoint.tensors()  # yields in checkpoint.names order, which is the layout's order
+        stream = checkpoint.sources()  # yields in checkpoint.names order, which is the layout's order
         kept = {}  # sources of aliases, written again at the end under the alias name
         for shard_name, shard in zip(names, shards):
             writer = StreamingSafetensorsWriter(tmp / shard_name, shard)
-            for name, _, dt in shard:
+            for name, shape, dt in shard:
                 if name in aliases:
-                    tensor = kept[aliases[name]]
+                    source = kept[aliases[name]]
                 else:
-                    produced, tensor = next(stream)
+                    produced, source = next(stream)
                     assert produced == name, (produced, name)
                     if name in aliases.values():
-                        kept[name] = tensor
-                nbytes = writer.write(name, tensor.to(dt))
+                        kept[name] = source
+                if isinstance(source, list) and dt == torch.float32:  # fp32 master bytes are the output bytes
+                    ranges = [(lazy.path, lazy.offset + start * 4, count * 4) for lazy, start, count in source]
+                    nbytes = writer.copy_ranges(name, shape, dt, ranges)
+                else:
+                    if isinstance(source, list):
+                        pieces = [lazy.read(start, count) for lazy, start, count in source]
+                        source = torch.cat(pieces).view(shape)
+                    nbytes = writer.write(name, source.to(dt))
                 written += nbytes
                 bar.update(nbytes)
             writer.close()

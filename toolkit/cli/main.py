@@ -12,6 +12,7 @@ VERBS = {
     "estimate": ("toolkit.cli.estimate", "per-GPU memory, parameter counts and step time for one model and plan"),
     "plan": ("toolkit.cli.plan", "search the fastest DP/ZeRO/TP/PP/VPP/CP/EP plan that fits"),
     "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, HF <-> Megatron-Core"),
+    "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
 }
 
 

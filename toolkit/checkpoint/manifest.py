@@ -1,0 +1,94 @@
+"""Checkpoint manifests (files, sizes, sha256, layout, step, versions) and the atomic `latest` pointer.
+
+A checkpoint is complete only once `dmt_manifest.json` is written, and `latest` moves to it only after that, each by
+write-to-temp + fsync + rename: a crash mid-save leaves the previous checkpoint as `latest`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+
+MANIFEST = "dmt_manifest.json"
+LATEST = "latest"
+LIBRARIES = ("dm-toolkit", "torch", "deepspeed", "megatron-core", "transformers", "accelerate")
+CHUNK = 8 * 2**20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see either the old content or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def write_manifest(ckpt_dir: Path, *, step: int, world_size: int, layout: dict, fmt: str, extra: dict | None = None) -> dict:
+    """Hash every file under `ckpt_dir` (the manifest itself excepted) and write the manifest atomically."""
+    files = {}
+    for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST and ".tmp-" not in p.name):
+        files[path.relative_to(ckpt_dir).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {
+        "format": fmt,
+        "step": step,
+        "world_size": world_size,
+        "layout": layout,
+        "files": files,
+        "versions": library_versions(),
+        "created_unix": time.time(),
+        **(extra or {}),
+    }
+    atomic_write_text(ckpt_dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def read_manifest(ckpt_dir: Path) -> dict | None:
+    path = ckpt_dir / MANIFEST
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def point_latest(root: Path, ckpt_dir: Path) -> None:
+    """Move `root/latest` to `ckpt_dir` (a child of root); call only after its manifest is written."""
+    if not (ckpt_dir / MANIFEST).is_file():
+        raise ValueError(f"{ckpt_dir} has no {MANIFEST}; refusing to make it latest")
+    atomic_write_text(root / LATEST, ckpt_dir.name + "\n")
+
+
+def resolve_latest(root: Path) -> Path | None:
+    """The checkpoint `root/latest` names, or None when there is none."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    target = root / pointer.read_text().strip()
+    return target if target.is_dir() else None

@@ -1,0 +1,137 @@
+"""Index the tensors of a `torch.save` file without reading their data, then read byte ranges of them on demand.
+
+torch.save writes a zip archive: `<name>/data.pkl` (the pickled object, tensors as references to storages) and one
+uncompressed entry `<name>/data/<key>` per storage. Unpickling with the tensor rebuild functions replaced yields
+LazyTensor placeholders that know their file offset, so a converter reads exactly the bytes it needs with pread:
+peak memory is the tensor being built, not the file (which torch.load, even with mmap, leaves resident).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+_LOCAL_HEADER_SIGNATURE = 0x04034B50
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A contiguous tensor stored in `path` at byte `offset`: only shape and dtype are known until read."""
+
+    path: Path
+    offset: int
+    dtype: object
+    shape: tuple
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self, start: int = 0, count: int | None = None):
+        """Elements [start, start + count) of the flattened tensor, as a new 1-D torch tensor."""
+        import torch
+
+        count = self.numel() - start if count is None else count
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, count * itemsize, self.offset + start * itemsize)
+        finally:
+            os.close(fd)
+        if len(data) != count * itemsize:
+            raise UserInputError(str(self.path), f"ends early: {len(data)} of {count * itemsize} bytes (truncated)")
+        return torch.frombuffer(bytearray(data), dtype=self.dtype)
+
+    def load(self):
+        return self.read().view(self.shape)
+
+
+class Opaque:
+    """Stand-in for a class of another library inside a checkpoint (e.g. DeepSpeed's ZeroStageEnum, LossScaler).
+
+    Keeps constructor arguments and state, so values such as an enum's int survive without importing the library.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs, self.state = args, kwargs, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __int__(self) -> int:
+        return int(self.args[0])
+
+    def __repr__(self) -> str:
+        return f"Opaque{self.args}"
+
+
+def _opaque_class(module: str, name: str) -> type:
+    return type(name, (Opaque,), {"__module__": module})
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def __init__(self, handle, path: Path, offsets: dict[str, int]):
+        super().__init__(handle)
+        self._path = path
+        self._offsets = offsets
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild_tensor
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return lambda func, new_type, args, state: func(*args)
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return lambda data, requires_grad, backward_hooks: data
+        if not module.split(".")[0] in ("torch", "collections", "builtins", "numpy", "_codecs", "copyreg"):
+            return _opaque_class(module, name)  # no need to import DeepSpeed (seconds) to read its checkpoints
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid):
+        _, storage_type, key, _location, _numel = pid
+        dtype = getattr(storage_type, "dtype", None) or storage_type._dtype
+        return self._offsets[key], dtype
+
+    def _rebuild_tensor(self, storage, storage_offset, size, stride, *_):
+        import torch
+
+        offset, dtype = storage
+        contiguous = tuple(torch.empty(tuple(size), device="meta").stride()) == tuple(stride)
+        if not contiguous and math.prod(size) > 1:
+            raise ValueError(f"{self._path}: non-contiguous tensor of shape {tuple(size)} is not supported")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return LazyTensor(self._path, offset + storage_offset * itemsize, dtype, tuple(size))
+
+
+def index_torch_file(path: Path):
+    """The object saved in `path`, with every tensor replaced by a LazyTensor. Damaged files raise UserInputError."""
+    try:
+        with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+            names = archive.namelist()
+            pickle_name = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
+            prefix = pickle_name[: -len("data.pkl")]
+            offsets = {}
+            for info in archive.infolist():
+                if info.filename.startswith(prefix + "data/"):
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise ValueError(f"storage {info.filename} is compressed")
+                    raw.seek(info.header_offset)
+                    header = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
+                    if header[0] != _LOCAL_HEADER_SIGNATURE:
+                        raise ValueError(f"bad local header for {info.filename}")
+                    data_offset = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
+                    if data_offset + info.file_size > os.fstat(raw.fileno()).st_size:
+                        raise ValueError(f"storage {info.filename} runs past the end of the file")
+                    offsets[info.filename[len(prefix) + len("data/"):]] = data_offset
+            with archive.open(pickle_name) as handle:
+                return _IndexUnpickler(handle, path, offsets).load()
+    except UserInputError:
+        raise
+    except Exception as exc:  # zipfile, pickle and struct errors all mean a damaged file
+        raise UserInputError(str(path), f"cannot be read, truncated or corrupt ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,53 @@
+"""`dmt ckpt verify|inspect`: is a checkpoint complete and intact, and what is in it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=type(parser))
+    verify = sub.add_parser("verify", help="completeness, sizes and checksums (against the manifest); --deep loads tensors")
+    verify.add_argument("path", type=Path, metavar="PATH")
+    verify.add_argument("--deep", action="store_true", help="load every tensor and check for NaN/Inf")
+    verify.add_argument("--json", action="store_true")
+    inspect = sub.add_parser("inspect", help="format, step, layout, parameter count, optimizer state, dtypes, size")
+    inspect.add_argument("path", type=Path, metavar="PATH")
+    inspect.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from toolkit.checkpoint.verify import inspect, verify
+
+    if args.action == "inspect":
+        info = inspect(args.path)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        else:
+            for key, value in info.items():
+                print(f"{key:16s} {value}")
+        return 0
+    report = verify(args.path, deep=args.deep)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        _print_report(report)
+    return 0 if report.ok else 1
+
+
+def _print_report(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 140)
+    source = "manifest" if report.manifest else "structure (no manifest)"
+    verdict = "[green]sound[/]" if report.ok else f"[red]{len(report.problems)} problem(s)[/]"
+    console.print(f"{report.path}: {report.format}, checked against {source}, {report.files_checked} files, "
+                  f"{report.tensors_checked} tensors: {verdict}")
+    if report.problems:
+        table = Table("file", "problem")
+        for problem in report.problems:
+            table.add_row(problem["file"], problem["problem"])
+        console.print(table)
