@@ -1,16 +1,55 @@
 """Train a tiny random-init HF Llama for a few steps with bare DeepSpeed ZeRO on CPU ranks and save a checkpoint.
 
-Run as: deepspeed --num_gpus 2 tests/checkpoint/ds_save_tiny.py --stage 3 --out DIR [--tied] [--hidden H --layers L]
-Writes DIR/<tag>/ (DeepSpeed's own layout, `latest` pointer) and DIR/config.json (the HF config).
+Run as: deepspeed --num_gpus 2 tests/distributed/ds_save_tiny.py --stage 3 --out DIR [--tied] [--hidden H --layers L]
+Writes DIR/<tag>/ (DeepSpeed's own layout, `latest` pointer), DIR/config.json (the HF config) and
+DIR/model_states_rank<r>.json: the bytes of model state each rank holds after the step, read from DeepSpeed's live
+objects, which tests compare with the memory model.
 """
 
 import argparse
+import json
 import os
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def _bytes(tensors, seen: set) -> int:
+    """Bytes of distinct storages among `tensors` (views of one buffer count once)."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(engine, stage: int) -> dict:
+    """Per-rank bytes of what DeepSpeed keeps: fp32 master partitions, Adam moments, 16-bit weights."""
+    zero = engine.optimizer
+    fp32 = zero.fp32_partitioned_groups_flat if stage == 3 else zero.single_partition_of_fp32_groups
+    moments = [v for state in zero.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    seen: set = set()
+    fp32_bytes = _bytes(fp32, seen)
+    moment_bytes = _bytes(moments, seen)
+    params = list(engine.module.parameters())
+    if stage == 3:  # each rank keeps its partition of every 16-bit parameter; the gathered copies are released
+        weights = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
+    else:
+        weights = _bytes(params, set())
+    return {
+        "stage": stage,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "fp32_partition_bytes": fp32_bytes,
+        "optimizer_state_bytes": moment_bytes,
+        "optimizer_bytes": fp32_bytes + moment_bytes,
+        "weights_bytes": weights,
+        "num_params": sum(p.ds_numel if stage == 3 else p.numel() for p in params),
+    }
 
 
 def main() -> None:
@@ -47,6 +86,9 @@ def main() -> None:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"model_states_rank{dist.get_rank()}.json"), "w") as handle:
+        json.dump(model_state_bytes(engine, args.stage), handle)
     engine.save_checkpoint(args.out)
     if dist.get_rank() == 0:
         config.save_pretrained(args.out)
