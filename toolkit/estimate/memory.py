@@ -33,6 +33,9 @@ DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 DS_ALLGATHER_BUCKET_ELEMENTS = 500_000_000
 DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
 DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+# ZeRO-1/2 allocate their gradient buckets at full reduce_bucket_size, twice with overlap_comm (double buffering,
+# stage_1_and_2.py setup_buckets); the generated configs turn overlap_comm on.
+DS_OVERLAP_COMM = True
 # Transformer Engine keeps an fp8 copy of each linear weight next to the bf16 one.
 FP8_WEIGHT_CACHE_BYTES = 1
 
@@ -184,7 +187,7 @@ def _model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params
         gradients = partition * w
     optimizer = opt_bytes * (params.total if plan.zero == 0 else partition)
     if plan.zero in (1, 2):
-        buffers["reduce_bucket"] = min(DS_REDUCE_BUCKET_ELEMENTS, params.total) * w
+        buffers["reduce_buckets"] = DS_REDUCE_BUCKET_ELEMENTS * w * (2 if DS_OVERLAP_COMM else 1)
         buffers["allgather_bucket"] = min(DS_ALLGATHER_BUCKET_ELEMENTS, params.total) * w
     if plan.zero == 3:
         weights = partition * w

@@ -160,6 +160,11 @@ def validate_spec(data: dict, source: str) -> ModelSpec:
         raise UserInputError(f"{source}: {key}", err["msg"]) from None
 
 
+def spec_from_hf_dict(data: dict, name: str) -> ModelSpec:
+    """A ModelSpec from the contents of an HF config.json."""
+    return _from_hf_dict(data, name)
+
+
 def _from_hf_dict(data: dict, name: str) -> ModelSpec:
     from toolkit.spec.hf_families import spec_from_hf_config
 

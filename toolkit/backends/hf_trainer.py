@@ -1,0 +1,144 @@
+"""Train with HF Trainer and the generated DeepSpeed config (under deepspeed, accelerate launch or torchrun)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from toolkit.backends.metrics import MetricsWriter
+from toolkit.errors import UserInputError
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+def adapt_for_cpu(ds_config: dict) -> dict:
+    """On CPU ranks DeepSpeed's fused CPU Adam would be compiled first; torch's AdamW does the same arithmetic."""
+    config = json.loads(json.dumps(ds_config))
+    params = config.get("optimizer", {}).get("params")
+    if params is not None and config["optimizer"]["type"].lower() in ("adam", "adamw"):
+        params["torch_adam"] = True
+    return config
+
+
+def _deepspeed_config(recipe: Recipe, plan: Plan, path: str | None) -> dict:
+    from toolkit.generate.deepspeed import deepspeed_config
+
+    if path:
+        try:
+            config = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserInputError("--deepspeed", f"cannot read {path} ({exc})") from None
+    else:
+        config = deepspeed_config(plan, recipe.training)
+    return adapt_for_cpu(config) if recipe.cluster.accelerator == "cpu" else config
+
+
+def _check_world(plan: Plan) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.gpus:
+        raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
+    return world
+
+
+def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int):
+    from transformers import TrainerCallback
+
+    from toolkit.checkpoint.manifest import point_latest, write_manifest
+
+    metrics = MetricsWriter(output_dir, tokens_per_step)
+
+    class ToolkitCallback(TrainerCallback):
+        """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            metrics.mark(state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs and "loss" in logs:
+                metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
+                              epoch=logs.get("epoch"))
+
+        def on_save(self, args, state, control, **kwargs):
+            import torch.distributed as dist
+
+            ckpt = output_dir / f"checkpoint-{state.global_step}"
+            if dist.is_initialized():
+                dist.barrier()  # every rank's files are on disk before they are hashed
+            if state.is_world_process_zero:
+                layout = {k: getattr(plan, k) for k in ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "global_batch")}
+                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout, fmt="hf-trainer+deepspeed")
+                point_latest(output_dir, ckpt)
+            if dist.is_initialized():
+                dist.barrier()
+
+    return [ToolkitCallback()]
+
+
+def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
+          max_steps: int | None, resume: str | None) -> dict:
+    """Run training; returns a summary (steps, final loss) on every rank."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
+
+    from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
+    from toolkit.checkpoint.manifest import resolve_latest
+    from toolkit.generate.trainer_args import trainer_arguments
+
+    world = _check_world(plan)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
+    args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json)
+    if max_steps is not None:
+        args_dict["max_steps"] = max_steps
+    args = TrainingArguments(**args_dict)
+    set_seed(recipe.training.seed)
+
+    tokenizer_dir = output_dir / "tokenizer"
+    with args.main_process_first(desc="tokenizer"):
+        if tokenizer_dir.is_dir():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        else:
+            tokenizer = build_tokenizer(recipe, load_texts(recipe))
+            if args.process_index == 0:
+                tokenizer.save_pretrained(tokenizer_dir)
+        train_set, eval_set = packed_datasets(recipe, tokenizer, plan.seq_len)
+
+    if recipe.model.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(recipe.model.pretrained, torch_dtype=torch.float32)
+    else:
+        config = AutoConfig.for_model(**_hf_config(recipe, model_spec))
+        if config.vocab_size < len(tokenizer):
+            raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
+
+    resume_path = None
+    if resume:
+        resume_path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
+        if resume_path is None or not resume_path.is_dir():
+            raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
+    tokens_per_step = plan.global_batch * plan.seq_len
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                      callbacks=_callbacks(output_dir, plan, tokens_per_step, world))
+    result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
+    return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}
+
+
+def _hf_config(recipe: Recipe, model_spec: ModelSpec) -> dict:
+    """The HF config dict to instantiate: the recipe's inline config, or the config file behind model.source."""
+    if recipe.model.config is not None:
+        return dict(recipe.model.config)
+    from toolkit.spec.model import PRESET_DIR
+
+    source = recipe.model.source
+    for candidate in (recipe.path(source), recipe.path(source) / "config.json", PRESET_DIR / f"{source}.json"):
+        if candidate.is_file():
+            data = json.loads(candidate.read_text())
+            return {k: v for k, v in data.items() if not k.startswith("_dmt")}
+    raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file or directory)")

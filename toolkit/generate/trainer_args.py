@@ -1,0 +1,49 @@
+"""HF TrainingArguments of a plan, agreeing with the DeepSpeed JSON on every number both name."""
+
+from __future__ import annotations
+
+from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import Recipe
+
+HF_SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_json: str | None) -> dict:
+    training = recipe.training
+    args = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": plan.micro_batch,
+        "per_device_eval_batch_size": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "max_steps": training.max_steps,
+        "learning_rate": training.learning_rate,
+        "weight_decay": training.weight_decay,
+        "adam_beta1": training.adam_beta1,
+        "adam_beta2": training.adam_beta2,
+        "adam_epsilon": training.adam_eps,
+        "max_grad_norm": training.grad_clip,
+        "lr_scheduler_type": HF_SCHEDULERS[training.lr_scheduler],
+        "warmup_steps": training.warmup_steps,
+        "bf16": plan.precision == "bf16",
+        "fp16": plan.precision == "fp16",
+        "gradient_checkpointing": plan.recompute == "full",
+        "logging_steps": training.logging_steps,
+        "save_strategy": "steps",
+        "save_steps": training.save_steps or training.max_steps,
+        "eval_strategy": "steps" if training.eval_steps else "no",
+        "seed": training.seed,
+        "data_seed": training.seed,
+        "report_to": [r for r in training.report_to if r != "none"] or "none",
+        "run_name": recipe.name,
+        "use_cpu": recipe.cluster.accelerator == "cpu",
+        "dataloader_num_workers": 0,
+        "remove_unused_columns": False,
+        "save_only_model": False,
+    }
+    if training.lr_scheduler == "cosine":
+        args["lr_scheduler_kwargs"] = {"min_lr_rate": training.min_lr_ratio}
+    if training.eval_steps:
+        args["eval_steps"] = training.eval_steps
+    if deepspeed_json is not None:
+        args["deepspeed"] = deepspeed_json
+    return args

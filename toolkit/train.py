@@ -1,0 +1,75 @@
+"""The launchable training entry: `deepspeed|accelerate launch|torchrun toolkit/train.py --recipe R [...]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` importable from the repo checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from toolkit.errors import UserInputError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toolkit/train.py", description=__doc__)
+    parser.add_argument("--recipe", required=True, type=Path)
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (default: generated from the recipe's plan)")
+    parser.add_argument("--output-dir", type=Path, default=None, help="default: runs/<recipe name>")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
+                        help="resume from the latest verified checkpoint of --output-dir, or from PATH")
+    parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None)
+    for flag in ("tp", "pp", "vpp", "cp", "ep", "zero", "micro-batch"):
+        parser.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's plan")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UserInputError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        _destroy_process_group()
+
+
+def _run(args: argparse.Namespace) -> int:
+    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserInputError("--max-steps", f"must be positive, got {args.max_steps}")
+    recipe = load_recipe(args.recipe)
+    model = recipe_model(recipe)
+    overrides = dict(backend=args.backend, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
+                     zero=args.zero, micro_batch=args.micro_batch)
+    plan = recipe_plan(recipe, model, **overrides)
+    output_dir = args.output_dir or Path("runs") / recipe.name
+    if plan.backend == "megatron":
+        raise UserInputError("--backend", "the Megatron-Core training backend is not available yet; use deepspeed")
+    from toolkit.backends.hf_trainer import train
+
+    summary = train(recipe, model, plan, output_dir, args.deepspeed, args.max_steps, args.resume)
+    logging.getLogger("toolkit.train").info("done: %s", summary)
+    return 0
+
+
+def _destroy_process_group() -> None:
+    """gloo can abort at interpreter exit if the group is still alive; end it explicitly."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # best effort at shutdown
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
