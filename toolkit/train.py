@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (default: generated from the recipe's plan)")
     parser.add_argument("--output-dir", type=Path, default=None, help="default: runs/<recipe name>")
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (overrides the recipe)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
                         help="resume from the latest verified checkpoint of --output-dir, or from PATH")
     parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None)
@@ -43,9 +44,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
 
-    if args.max_steps is not None and args.max_steps < 1:
-        raise UserInputError("--max-steps", f"must be positive, got {args.max_steps}")
+    for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps)):
+        if value is not None and value < 1:
+            raise UserInputError(flag, f"must be positive, got {value}")
     recipe = load_recipe(args.recipe)
+    updates = {k: v for k, v in (("max_steps", args.max_steps), ("save_steps", args.save_steps)) if v is not None}
+    if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
+        recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     model = recipe_model(recipe)
     overrides = dict(backend=args.backend, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
                      zero=args.zero, micro_batch=args.micro_batch)
@@ -55,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserInputError("--backend", "the Megatron-Core training backend is not available yet; use deepspeed")
     from toolkit.backends.hf_trainer import train
 
-    summary = train(recipe, model, plan, output_dir, args.deepspeed, args.max_steps, args.resume)
+    summary = train(recipe, model, plan, output_dir, args.deepspeed, args.resume)
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
 

@@ -45,7 +45,34 @@ def _check_world(plan: Plan) -> int:
     return world
 
 
-def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int):
+class FingerprintCollator:
+    """Collates like HF's default collator and fingerprints the token ids of every micro-batch, so each logged step
+    records which samples its update saw (`data_sha`): a resumed run must see exactly what the uninterrupted one saw.
+    Only the last `micro_batches` fingerprints count, so batches a resume skips over do not blur the record."""
+
+    def __init__(self, micro_batches: int):
+        self.micro_batches = micro_batches
+        self.recent: list[bytes] = []
+
+    def __call__(self, features):
+        import hashlib
+
+        from transformers import default_data_collator
+
+        batch = default_data_collator(features)
+        self.recent = (self.recent + [hashlib.sha256(batch["input_ids"].numpy().tobytes()).digest()])[-self.micro_batches:]
+        return batch
+
+    def pop(self) -> str:
+        import hashlib
+
+        value = hashlib.sha256(b"".join(self.recent)).hexdigest()[:16]
+        self.recent = []
+        return value
+
+
+def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, identity: dict,
+               collator: FingerprintCollator):
     from transformers import TrainerCallback
 
     from toolkit.checkpoint.manifest import point_latest, write_manifest
@@ -61,7 +88,7 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
                 metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
-                              epoch=logs.get("epoch"))
+                              epoch=logs.get("epoch"), data_sha=collator.pop())
 
         def on_save(self, args, state, control, **kwargs):
             import torch.distributed as dist
@@ -71,7 +98,8 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int):
                 dist.barrier()  # every rank's files are on disk before they are hashed
             if state.is_world_process_zero:
                 layout = {k: getattr(plan, k) for k in ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "global_batch")}
-                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout, fmt="hf-trainer+deepspeed")
+                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout, fmt="hf-trainer+deepspeed",
+                               extra={"run": identity})
                 point_latest(output_dir, ckpt)
             if dist.is_initialized():
                 dist.barrier()
@@ -80,7 +108,7 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int):
 
 
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
-          max_steps: int | None, resume: str | None) -> dict:
+          resume: str | None) -> dict:
     """Run training; returns a summary (steps, final loss) on every rank."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
@@ -93,8 +121,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     output_dir.mkdir(parents=True, exist_ok=True)
     args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
     args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json)
-    if max_steps is not None:
-        args_dict["max_steps"] = max_steps
     args = TrainingArguments(**args_dict)
     set_seed(recipe.training.seed)
 
@@ -118,16 +144,45 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
+    identity = run_identity(recipe, plan)
     resume_path = None
     if resume:
         resume_path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
         if resume_path is None or not resume_path.is_dir():
             raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
+        check_resume_compatible(resume_path, identity)
     tokens_per_step = plan.global_batch * plan.seq_len
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                      callbacks=_callbacks(output_dir, plan, tokens_per_step, world))
+    collator = FingerprintCollator(plan.grad_accum)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set, data_collator=collator,
+                      processing_class=tokenizer, callbacks=_callbacks(output_dir, plan, tokens_per_step, world, identity, collator))
     result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
     return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}
+
+
+def run_identity(recipe: Recipe, plan: Plan) -> dict:
+    """What must not change across a resume for it to continue the same run: batch, sequence, seed, data."""
+    import hashlib
+
+    from toolkit.backends.data import data_files
+
+    digest = hashlib.sha256()
+    for file in data_files(recipe) if not recipe.data.hub_dataset else []:
+        digest.update(file.read_bytes())
+    return {"global_batch": plan.global_batch, "seq_len": plan.seq_len, "seed": recipe.training.seed,
+            "data": recipe.data.hub_dataset or digest.hexdigest()[:16]}
+
+
+def check_resume_compatible(checkpoint: Path, identity: dict) -> None:
+    """Refuse a resume that would silently become a different run (other batch, sequence length, seed or data)."""
+    from toolkit.checkpoint.manifest import read_manifest
+
+    manifest = read_manifest(checkpoint)
+    if manifest is None:
+        raise UserInputError("--resume", f"{checkpoint} has no manifest: it was not completely saved by the toolkit")
+    saved = manifest.get("run", {})
+    changed = [f"{k}: {saved.get(k)} -> {v}" for k, v in identity.items() if saved.get(k) != v]
+    if changed:
+        raise UserInputError("--resume", f"{checkpoint.name} belongs to a different run ({'; '.join(changed)})")
 
 
 def _hf_config(recipe: Recipe, model_spec: ModelSpec) -> dict:

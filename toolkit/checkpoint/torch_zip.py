@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import struct
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,9 @@ class _IndexUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         _, storage_type, key, _location, _numel = pid
-        dtype = getattr(storage_type, "dtype", None) or storage_type._dtype
+        with warnings.catch_warnings():  # legacy typed-storage classes warn on attribute access
+            warnings.simplefilter("ignore")
+            dtype = storage_type.dtype
         return self._offsets[key], dtype
 
     def _rebuild_tensor(self, storage, storage_offset, size, stride, *_):

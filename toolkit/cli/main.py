@@ -13,6 +13,7 @@ VERBS = {
     "plan": ("toolkit.cli.plan", "search the fastest DP/ZeRO/TP/PP/VPP/CP/EP plan that fits"),
     "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, HF <-> Megatron-Core"),
     "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
+    "restore-test": ("toolkit.cli.restore_test", "train, kill after a save, resume: prove the run comes back"),
 }
 
 

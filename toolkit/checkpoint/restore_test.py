@@ -1,0 +1,144 @@
+"""`dmt restore-test`: prove a run comes back. Reference run; a run killed (SIGKILL) right after saving at step K;
+a resumed run; then per-step loss, grad norm, learning rate and data fingerprint must match the reference.
+
+It only launches the training entry (toolkit/train.py) three times, so the same check runs on a laptop's CPU ranks
+or against a real multi-GPU recipe on a cluster node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.backends.metrics import METRICS_FILE, read_metrics
+from toolkit.checkpoint.manifest import resolve_latest
+from toolkit.errors import UserInputError
+
+TRAIN = Path(__file__).resolve().parent.parent / "train.py"
+COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
+
+
+@dataclass
+class RestoreResult:
+    steps: int
+    save_at: int
+    killed_at_step: int | None
+    reference_losses: list[float]
+    resumed_losses: list[float]
+    max_abs_diff: float
+    identical: bool
+    passed: bool
+    tolerance: float
+    mismatches: list[str] = field(default_factory=list)
+    checkpoint: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _command(launcher: str, nprocs: int, recipe: Path, out: Path, steps: int, save_steps: int, resume: bool,
+             extra: tuple[str, ...] = ()) -> list[str]:
+    bin_dir = Path(sys.executable).parent
+    port = str(_free_port())
+    if launcher == "deepspeed":
+        head = [str(bin_dir / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port, str(TRAIN)]
+    elif launcher == "torchrun":
+        head = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", port, str(TRAIN)]
+    else:
+        raise UserInputError("--launcher", f"'{launcher}' is not supported; use deepspeed or torchrun")
+    tail = ["--recipe", str(recipe), "--output-dir", str(out), "--max-steps", str(steps), "--save-steps", str(save_steps)]
+    return head + tail + list(extra) + (["--resume", "latest"] if resume else [])
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> int:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    with open(log, "w") as handle:
+        process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise UserInputError("--timeout", f"a training launch ran past {timeout:.0f} s; see {log}") from None
+
+
+def _run_and_kill_after_save(cmd: list[str], out: Path, save_at: int, log: Path, timeout: float) -> int | None:
+    """Start training, SIGKILL its whole process group once `latest` names checkpoint-<save_at>; the step reached."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    deadline = time.monotonic() + timeout
+    with open(log, "w") as handle:
+        process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while time.monotonic() < deadline and process.poll() is None:
+            latest = resolve_latest(out)
+            if latest is not None and latest.name == f"checkpoint-{save_at}":
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                steps = [r["step"] for r in read_metrics(out)]
+                return max(steps, default=None)
+            time.sleep(0.05)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise UserInputError("--timeout", f"no checkpoint at step {save_at} within {timeout:.0f} s; see {log}")
+    raise UserInputError("--save-at", f"training ended (rc={process.returncode}) before it saved step {save_at}; see {log}")
+
+
+def _by_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records}
+
+
+def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: int, resume_nprocs: int | None = None,
+                 launcher: str = "deepspeed", tolerance: float = 0.0, timeout: float = 900,
+                 train_args: tuple[str, ...] = ()) -> RestoreResult:
+    """`train_args` (e.g. ("--zero", "3")) go to every launch of toolkit/train.py."""
+    if not 0 < save_at < steps:
+        raise UserInputError("--save-at", f"must be between 1 and --steps - 1 = {steps - 1}, got {save_at}")
+    if resume_nprocs is not None and resume_nprocs != nprocs:
+        raise UserInputError("--resume-world-size", "resuming at another world size (universal checkpoints) is not supported yet")
+    workdir.mkdir(parents=True, exist_ok=True)
+    reference, run = workdir / "reference", workdir / "interrupted"
+    for path in (reference, run):
+        if path.exists() and any(path.iterdir()):
+            raise UserInputError("--workdir", f"{path} is not empty; use a new --workdir")
+
+    rc = _run(_command(launcher, nprocs, recipe, reference, steps, steps, False, train_args), workdir / "reference.log", timeout)
+    ref = _by_step(read_metrics(reference))
+    if steps not in ref:
+        raise UserInputError("--recipe", f"the reference run did not reach step {steps} (rc={rc}); see {workdir / 'reference.log'}")
+    killed_at = _run_and_kill_after_save(_command(launcher, nprocs, recipe, run, steps, save_at, False, train_args), run, save_at,
+                                         workdir / "interrupted.log", timeout)
+    os.replace(run / METRICS_FILE, run / f"killed.{METRICS_FILE}")
+    checkpoint = resolve_latest(run)
+    rc = _run(_command(launcher, nprocs, recipe, run, steps, steps, True, train_args), workdir / "resumed.log", timeout)
+    resumed = _by_step(read_metrics(run))
+    if steps not in resumed:
+        raise UserInputError("--recipe", f"the resumed run did not reach step {steps} (rc={rc}); see {workdir / 'resumed.log'}")
+    compared = list(range(save_at + 1, steps + 1))
+    mismatches, max_diff = [], 0.0
+    for step in compared:
+        for key in COMPARED:
+            a, b = ref[step].get(key), resumed.get(step, {}).get(key)
+            if key != "data_sha" and a is not None and b is not None:
+                max_diff = max(max_diff, abs(a - b)) if key == "loss" else max_diff
+                if abs(a - b) > tolerance:
+                    mismatches.append(f"step {step} {key}: {a} vs {b}")
+            elif a != b:
+                mismatches.append(f"step {step} {key}: {a} vs {b}")
+    identical = all(ref[s].get(k) == resumed.get(s, {}).get(k) for s in compared for k in COMPARED)
+    return RestoreResult(
+        steps=steps, save_at=save_at, killed_at_step=killed_at,
+        reference_losses=[ref[s]["loss"] for s in compared],
+        resumed_losses=[resumed.get(s, {}).get("loss") for s in compared],
+        max_abs_diff=max_diff, identical=identical, passed=not mismatches, tolerance=tolerance,
+        mismatches=mismatches, checkpoint=str(checkpoint),
+    )

@@ -1,0 +1,51 @@
+"""`dmt restore-test`: train, kill after a save, resume, and demand the same run (bitwise on CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", type=Path, required=True)
+    parser.add_argument("--backend", choices=["deepspeed", "megatron"], default="deepspeed")
+    parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
+    parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
+    parser.add_argument("--resume-world-size", type=int, default=None, help="processes of the resumed run")
+    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    parser.add_argument("--tolerance", type=float, default=0.0, help="allowed |difference| per value (default: bitwise)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the three runs go (default: a new temp dir)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    for flag in ("zero", "tp", "pp", "micro-batch"):
+        parser.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's plan in every run")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from toolkit.checkpoint.restore_test import restore_test
+    from toolkit.errors import UserInputError
+    from toolkit.spec.recipe import load_recipe
+
+    if args.backend == "megatron":
+        raise UserInputError("--backend", "the Megatron-Core training backend is not available yet; use deepspeed")
+    recipe = load_recipe(args.recipe)
+    steps = args.steps or recipe.training.max_steps
+    save_at = args.save_at or steps // 2
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
+    overrides = {"--zero": args.zero, "--tp": args.tp, "--pp": args.pp, "--micro-batch": args.micro_batch}
+    train_args = tuple(part for flag, value in overrides.items() if value is not None for part in (flag, str(value)))
+    result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
+                          args.launcher, args.tolerance, args.timeout, train_args)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        verdict = "PASSED" if result.passed else "FAILED"
+        kind = "identical to the bit" if result.identical else f"max |loss diff| {result.max_abs_diff:.3g}"
+        print(f"restore-test {verdict}: saved at step {result.save_at}, killed at step {result.killed_at_step}, "
+              f"resumed from {result.checkpoint}; steps {result.save_at + 1}-{result.steps} {kind}")
+        for line in result.mismatches[:10]:
+            print(f"  {line}")
+        print(f"runs and logs in {workdir}")
+    return 0 if result.passed else 1
