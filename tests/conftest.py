@@ -2,12 +2,12 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -45,12 +45,6 @@ def tiny_llama_dir(tmp_path):
 
 TESTS = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_ds_save(out: Path, stage: int, tied: bool = False, steps: int = 2) -> Path:

@@ -121,7 +121,16 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     output_dir.mkdir(parents=True, exist_ok=True)
     args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
     args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json)
+    if deepspeed_json:  # a file from elsewhere must agree with this run before DeepSpeed or HF find out mid-launch
+        from toolkit.validate.deepspeed import validate_deepspeed_config
+
+        problems = validate_deepspeed_config(args_dict["deepspeed"], world, trainer_args=args_dict)
+        if problems:
+            raise UserInputError("--deepspeed", "; ".join(str(p) for p in problems))
     args = TrainingArguments(**args_dict)
+    import deepspeed
+
+    deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
     set_seed(recipe.training.seed)
 
     tokenizer_dir = output_dir / "tokenizer"

@@ -11,6 +11,8 @@ from toolkit.errors import UserInputError
 VERBS = {
     "estimate": ("toolkit.cli.estimate", "per-GPU memory, parameter counts and step time for one model and plan"),
     "plan": ("toolkit.cli.plan", "search the fastest DP/ZeRO/TP/PP/VPP/CP/EP plan that fits"),
+    "generate": ("toolkit.cli.generate", "write deepspeed.json, accelerate.yaml, trainer_args.json, launch.sh, plan.json"),
+    "validate": ("toolkit.cli.validate", "check a DeepSpeed JSON (and HF trainer arguments) before launching"),
     "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, HF <-> Megatron-Core"),
     "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
     "restore-test": ("toolkit.cli.restore_test", "train, kill after a save, resume: prove the run comes back"),

@@ -65,16 +65,17 @@ def _plan(ctx: GenerationContext) -> str:
     record = plan_record(ctx.model, ctx.plan, estimate_memory(ctx.model, ctx.plan),
                          step_time(ctx.model, ctx.plan, gpu, network), gpu)
     record["recipe"] = ctx.recipe.name
-    record["auto"] = ctx.recipe.plan == "auto"
+    record["auto"] = ctx.recipe.plan == "auto" or ctx.recipe.plan.auto
     return json.dumps(record, indent=2) + "\n"
 
 
-WRITERS: dict[str, Callable[[GenerationContext], str]] = {
-    "plan.json": _plan,
-    "deepspeed.json": _deepspeed,
-    "accelerate.yaml": _accelerate,
-    "trainer_args.json": _trainer_args,
-    "launch.sh": _launch,
+# file name -> (backends it belongs to, writer)
+WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] = {
+    "plan.json": (("deepspeed", "megatron"), _plan),
+    "deepspeed.json": (("deepspeed",), _deepspeed),
+    "accelerate.yaml": (("deepspeed",), _accelerate),
+    "trainer_args.json": (("deepspeed",), _trainer_args),
+    "launch.sh": (("deepspeed",), _launch),
 }
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}
 
@@ -90,7 +91,7 @@ def generate(recipe_path: Path, out_dir: Path, **overrides) -> list[Path]:
     ctx = resolve(recipe_path, **overrides)
     out_dir = out_dir.resolve()
     ctx = GenerationContext(ctx.recipe, recipe_path, ctx.model, ctx.plan, out_dir)
-    contents = {name: writer(ctx) for name, writer in WRITERS.items()}  # render all before touching the disk
+    contents = {name: writer(ctx) for name, (backends, writer) in WRITERS.items() if ctx.plan.backend in backends}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in contents.items():

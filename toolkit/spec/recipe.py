@@ -72,9 +72,13 @@ class TrainingSection(_Strict):
 
 
 class PlanSection(_Strict):
-    """Options of toolkit.spec.plan.resolve_plan; seq_len and global_batch come from `training`."""
+    """Options of toolkit.spec.plan.resolve_plan; seq_len and global_batch come from `training`.
 
-    backend: Literal["deepspeed", "megatron"] = "deepspeed"
+    With `auto: true` the planner picks every option left unset (`plan: auto` is short for `{auto: true}` over
+    both backends)."""
+
+    auto: bool = False
+    backend: Literal["deepspeed", "megatron"] | None = None
     tp: int | None = None
     pp: int | None = None
     vpp: int | None = None
@@ -148,12 +152,12 @@ def recipe_plan(recipe: Recipe, model, **overrides):
     fixed = dict(seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
                  gpus_per_node=recipe.cluster.gpus_per_node)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if recipe.plan == "auto":
+    section = PlanSection(auto=True) if recipe.plan == "auto" else recipe.plan
+    options = {k: v for k, v in section.model_dump(exclude={"auto"}).items() if v is not None and v is not False}
+    options.update(overrides)
+    if section.auto:
         from toolkit.planner.search import best_plan
         from toolkit.spec.cluster import get_gpu
 
-        plan = best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **fixed, **overrides)
-        return plan
-    options = {k: v for k, v in recipe.plan.model_dump().items() if v is not None}
-    options.update(overrides)
+        return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **fixed, **options)
     return resolve_plan(model, recipe.cluster.gpus, **fixed, **options)

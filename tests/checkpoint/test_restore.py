@@ -1,0 +1,63 @@
+"""`dmt restore-test` on the tiny recipe with ZeRO 2 and 3, and a save killed midway never becoming `latest`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, TINY, free_port
+from toolkit.backends.metrics import read_metrics
+from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
+from toolkit.checkpoint.verify import verify
+from toolkit.cli.main import main
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_restore_is_identical_to_the_bit(tmp_path, capsys, zero):
+    code = main(["restore-test", "--recipe", str(TINY), "--steps", "10", "--save-at", "5", "--zero", str(zero),
+                 "--workdir", str(tmp_path), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["passed"] and result["identical"], result["mismatches"]
+    assert result["max_abs_diff"] == 0.0 and len(result["reference_losses"]) == 5
+    assert result["reference_losses"] == result["resumed_losses"]
+    assert result["killed_at_step"] is not None and result["killed_at_step"] < 10  # it really died before the end
+    reference = read_metrics(tmp_path / "reference")
+    assert reference[-1]["loss"] < reference[0]["loss"] - 1.0
+    assert verify(Path(result["checkpoint"])).ok
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
+    out = tmp_path / "run"
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(ROOT / "toolkit/train.py"), "--recipe", str(TINY), "--max-steps", "30", "--save-steps", "2",
+           "--output-dir", str(out)]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    caught = None
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and process.poll() is None and caught is None:
+            latest = resolve_latest(out)
+            for ckpt in out.glob("checkpoint-*") if out.exists() else []:
+                # a checkpoint directory without its manifest is a save in progress: kill it right there
+                if latest is not None and ckpt != latest and not (ckpt / MANIFEST).exists():
+                    os.killpg(process.pid, signal.SIGKILL)
+                    caught = ckpt
+                    break
+            time.sleep(0.005)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert caught is not None, "never caught a save in progress"
+    latest = resolve_latest(out)
+    assert latest != caught and (latest / MANIFEST).is_file()
+    assert verify(latest).ok
+    assert int(latest.name.split("-")[1]) < int(caught.name.split("-")[1])

@@ -1,0 +1,1 @@
+"""Validators: the libraries' own config classes plus the rules they only check at launch."""
