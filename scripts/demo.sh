@@ -1,17 +1,44 @@
 #!/usr/bin/env bash
-# The main job end to end on CPU, as far as the toolkit goes today. Run through `make demo`.
+# The main job end to end on CPU: estimate, plan, generate, train on 2 ranks, verify, convert, restore-test.
+# Run through `make demo` (which creates .venv first). Everything goes under runs/demo.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 WANDB_MODE=offline
+OUT=runs/demo
+rm -rf "$OUT" && mkdir -p "$OUT"
 
-echo "== dmt estimate: Llama 3.1 70B on 64 x H100, ZeRO-3, full recompute"
+echo "== 1. dmt estimate: Llama 3.1 70B on 64 x H100, ZeRO-3, full recompute"
 dmt estimate --model llama-3.1-70b --gpus 64 --gpu h100-80gb --zero 3 --recompute full --seq-len 8192
 
-echo
-echo "== dmt estimate: the same model with Megatron-Core TP=8 PP=4 VPP=2, sequence parallel, distributed optimizer"
-dmt estimate --model llama-3.1-70b --gpus 64 --backend megatron --tp 8 --pp 4 --vpp 2 --sequence-parallel \
-  --distributed-optimizer --seq-len 8192 --global-batch 512 --recompute selective
+echo; echo "== 2. dmt plan: the fastest layouts for the same job (memory plot in $OUT/plan.png)"
+dmt plan --model llama-3.1-70b --gpus 64 --gpu h100-80gb --seq-len 8192 --global-batch 512 --top 5 --plot "$OUT/plan.png"
 
-echo
-echo "== dmt estimate --json (the contract other tools read)"
-dmt estimate --model mixtral-8x7b --gpus 16 --backend megatron --ep 8 --tp 2 --distributed-optimizer --json \
-  | python -c "import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ('params','memory_bytes','fits')})"
+echo; echo "== 3. dmt generate: launch files for the tiny CPU recipe"
+dmt generate recipes/tiny-llama-cpu.yaml --out "$OUT/config"
+dmt validate "$OUT/config/deepspeed.json" --world-size 2 --trainer-args "$OUT/config/trainer_args.json"
+
+echo; echo "== 4. deepspeed --num_gpus 2 toolkit/train.py (2 CPU ranks, gloo, ZeRO-2)"
+deepspeed --num_gpus 2 toolkit/train.py --recipe recipes/tiny-llama-cpu.yaml --deepspeed "$OUT/config/deepspeed.json" \
+  --output-dir "$OUT/run" > "$OUT/train.log" 2>&1 || { tail -30 "$OUT/train.log"; exit 1; }
+python - "$OUT/run/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print(f"trained {rows[-1]['step']} steps: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
+      f"{rows[-1]['tokens_per_s']:.0f} tokens/s")
+PY
+
+echo; echo "== 5. dmt ckpt verify / inspect the latest checkpoint"
+LATEST="$OUT/run/$(cat "$OUT/run/latest")"
+dmt ckpt verify "$LATEST" --deep
+dmt ckpt inspect "$LATEST"
+
+echo; echo "== 6. dmt convert zero-to-hf, then load it with transformers"
+dmt convert zero-to-hf "$LATEST" "$OUT/hf"
+python -c "
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model, tok = AutoModelForCausalLM.from_pretrained('$OUT/hf'), AutoTokenizer.from_pretrained('$OUT/hf')
+ids = tok('The engineer saves a checkpoint', return_tensors='pt').input_ids
+print('HF model loads; loss on a sentence:', round(float(model(input_ids=ids, labels=ids).loss), 3))"
+
+echo; echo "== 7. dmt restore-test: kill after a save, resume, compare to the bit"
+dmt restore-test --recipe recipes/tiny-llama-cpu.yaml --steps 10 --save-at 5 --workdir "$OUT/restore"

@@ -79,3 +79,14 @@ def test_bad_recipe_exits_2_with_one_line(tmp_path):
                             capture_output=True, text=True, timeout=120, env=dict(os.environ, WORLD_SIZE="2"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("train.py: error: bad.yaml: training.max_stepz")
+
+
+def test_torchrun_launch_trains(tmp_path):
+    out = tmp_path / "run"
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(ROOT / "toolkit/train.py"),
+           "--recipe", str(TINY), "--max-steps", "8", "--output-dir", str(out)]
+    rc = run_logged(cmd, tmp_path / "train.log")
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 9)) and records[-1]["loss"] < records[0]["loss"]
+    assert verify(resolve_latest(out)).ok
+    assert rc == 0
