@@ -15,6 +15,7 @@ VERBS = {
     "validate": ("toolkit.cli.validate", "check a DeepSpeed JSON (and HF trainer arguments) before launching"),
     "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, HF <-> Megatron-Core"),
     "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
+    "health": ("toolkit.cli.health", "preflight: collectives, bandwidth, stragglers, hangs on every rank"),
     "restore-test": ("toolkit.cli.restore_test", "train, kill after a save, resume: prove the run comes back"),
 }
 

@@ -1,0 +1,1 @@
+"""`dmt health`: the preflight that finds the bad rank, link or node before a training job wastes a day."""
