@@ -1,76 +1,161 @@
-"""`dmt health`: collectives, bandwidth, stragglers and hangs, on every rank, before the real job starts."""
+"""`dmt health`: collectives, bandwidth, stragglers and hangs on every rank, before the real job starts."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
+import sys
+from pathlib import Path
 
 from toolkit.errors import UserInputError
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
 
-def _sizes(text: str) -> tuple[int, ...]:
-    from toolkit.checkpoint.zero_to_hf import parse_size
 
-    return tuple(parse_size(part.replace("K", "KiB").replace("M", "MiB").replace("G", "GiB"), "--sizes")
-                 if part[-1] in "KMG" else parse_size(part, "--sizes") for part in text.split(","))
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1K,64K,1M,16M' -> bytes. K/M/G and KiB/MiB/GiB are binary (as nccl-tests' -b/-e), KB/MB/GB decimal."""
+    sizes = []
+    for part in text.split(","):
+        match = _SIZE.match(part)
+        if not match:
+            raise UserInputError("--sizes", f"'{part}' is not a size; use e.g. 1K,64K,1M,16M")
+        number, unit, suffix = float(match.group(1)), match.group(2).upper(), match.group(3).upper()
+        base = 1000 if suffix == "B" and unit else 1024
+        size = int(number * base ** ("KMG".index(unit) + 1 if unit else 0))
+        if size < 4:
+            raise UserInputError("--sizes", f"'{part}' is smaller than one float32 element (4 bytes)")
+        sizes.append(size)
+    return tuple(sorted(set(sizes)))
+
+
+LAUNCHERS = """launchers (every rank runs `dmt health`; rank 0 prints the report):
+  dmt health --nproc 2                                      spawn local ranks (gloo on CPU, nccl on GPUs)
+  torchrun --nproc_per_node 8 -m toolkit health --output health.json
+  srun --ntasks-per-node 8 dmt health --output health.json  (export MASTER_ADDR, MASTER_PORT first)
+  deepspeed --num_gpus 8 --no_local_rank --module toolkit health
+  accelerate launch --multi_gpu --num_processes 8 -m toolkit health
+exit code: 0 healthy, 1 not healthy (a problem, a straggler, an unresponsive or dead rank), 2 bad input"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=None, help="spawn N local ranks (without a launcher)")
-    parser.add_argument("--sizes", default="1K,64K,1M,16M", help="message sizes (default %(default)s)")
-    parser.add_argument("--deadline-s", type=float, default=30.0, help="a rank silent this long is unresponsive")
-    parser.add_argument("--straggler-factor", type=float, default=2.0, help="slower than median by this factor")
-    parser.add_argument("--min-busbw-gbps", type=float, default=None, help="fail below this all_reduce busbw")
-    parser.add_argument("--gpu", default=None, help="GPU from the catalogue, for default bandwidth thresholds")
-    parser.add_argument("--expect-devices", type=int, default=None, help="GPUs each rank must see")
-    parser.add_argument("--mem-fraction", type=float, default=0.5, help="share of free GPU memory to allocate")
-    parser.add_argument("--matmul-seconds", type=float, default=1.0, help="length of the per-rank matmul benchmark")
-    parser.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (for operators and tests)")
-    parser.add_argument("--json", action="store_true")
+    parser.epilog = LAUNCHERS
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    run = parser.add_argument_group("how to run")
+    run.add_argument("--nproc", type=int, default=None,
+                     help="spawn N local ranks; without it, run as one rank of torchrun/srun/deepspeed/accelerate")
+    run.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M,16M (default: up to 16M on CPU, 1G on GPUs)")
+    run.add_argument("--iters", type=int, default=None, help="timed iterations per op and size (default 5 CPU, 20 GPU)")
+    run.add_argument("--matmul-seconds", type=float, default=1.0, help="length of the per-rank matmul benchmark (default 1)")
+    run.add_argument("--mem-fraction", type=float, default=0.5, help="share of free GPU memory each rank allocates (default 0.5)")
+    run.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (to attach a debugger)")
+    limits = parser.add_argument_group("thresholds (GPU defaults from the catalogue; on CPU only liveness, "
+                                       "correctness, stragglers and outlier links count unless given)")
+    limits.add_argument("--deadline-s", type=float, default=60.0,
+                        help="a rank silent this long, or a collective waiting this long, is unresponsive (default 60)")
+    limits.add_argument("--straggler-factor", type=float, default=2.0,
+                        help="a rank (or link) this many times slower than the others' median is named (default 2)")
+    limits.add_argument("--min-busbw-gbps", type=float, default=None,
+                        help="intra-node all_reduce busbw floor (default: half the catalogue link speed on GPUs)")
+    limits.add_argument("--min-inter-busbw-gbps", type=float, default=None,
+                        help="inter-node all_reduce busbw floor (default: half the catalogue network speed on GPUs)")
+    limits.add_argument("--min-matmul-fraction", type=float, default=0.25,
+                        help="on GPUs, share of the catalogue's dense bf16 peak the matmul must reach (default 0.25)")
+    limits.add_argument("--gpu", default=None, help="catalogue GPU for the defaults (default: recognised from the device)")
+    limits.add_argument("--expect-devices", type=int, default=None,
+                        help="GPUs each rank must see (default: the launcher's ranks per node)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    out.add_argument("--output", type=Path, default=None, help="also write the JSON report here (for dmt plan --measured-bw)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.health.runner import HealthOptions, run_rank, spawn_local
+    from toolkit.health.options import HealthOptions, rank_env, validate
 
-    for flag, value in (("--deadline-s", args.deadline_s), ("--straggler-factor", args.straggler_factor),
-                        ("--matmul-seconds", args.matmul_seconds)):
-        if value <= 0:
-            raise UserInputError(flag, f"must be positive, got {value}")
     if args.gpu:
         from toolkit.spec.cluster import get_gpu
 
         get_gpu(args.gpu)
-    options = HealthOptions(sizes=_sizes(args.sizes), deadline_s=args.deadline_s, straggler_factor=args.straggler_factor,
-                            min_busbw_gbps=args.min_busbw_gbps, matmul_seconds=args.matmul_seconds,
+    options = HealthOptions(sizes=parse_sizes(args.sizes) if args.sizes else None, iters=args.iters,
+                            deadline_s=args.deadline_s, straggler_factor=args.straggler_factor,
+                            min_busbw_gbps=args.min_busbw_gbps, min_inter_busbw_gbps=args.min_inter_busbw_gbps,
+                            min_matmul_fraction=args.min_matmul_fraction, matmul_seconds=args.matmul_seconds,
                             mem_fraction=args.mem_fraction, expected_devices=args.expect_devices, gpu=args.gpu,
-                            pid_dir=args.pid_dir)
+                            pid_dir=str(args.pid_dir) if args.pid_dir else None)
+    validate(options)
+    if args.pid_dir and not Path(args.pid_dir).is_dir():
+        raise UserInputError("--pid-dir", f"{args.pid_dir} is not a directory")
+    if args.output and not args.output.parent.is_dir():
+        raise UserInputError("--output", f"directory {args.output.parent} does not exist")
     if args.nproc is not None:
         if args.nproc < 1:
-            raise UserInputError("--nproc", f"must be positive, got {args.nproc}")
+            raise UserInputError("--nproc", f"must be at least 1, got {args.nproc}")
+        from toolkit.health.runner import spawn_local
+
         report, code = spawn_local(args.nproc, options)
-        _print(report, args.json)
+        _emit(report, args)
         return code
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise UserInputError("--nproc", "no launcher environment (RANK, WORLD_SIZE): run under torchrun/srun or pass --nproc N")
-    return run_rank(options)  # the reporting rank prints the JSON report
+    env = rank_env()
+    if env is None:
+        raise UserInputError("--nproc", "no launcher environment (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS): "
+                                        "run under torchrun/srun/deepspeed/accelerate, or pass --nproc N")
+    import warnings
+
+    from toolkit.health.runner import run_rank
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    return run_rank(options, env, lambda report, _store: _emit(report, args))
 
 
-def _print(report: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(report, indent=2))
-        return
+def _emit(report: dict, args: argparse.Namespace) -> None:
+    if args.output:
+        tmp = args.output.with_name(args.output.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(args.output)
+    if args.json:
+        print(json.dumps(report, indent=2), flush=True)
+    else:
+        _print_table(report)
+
+
+def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if Console().is_terminal else 140)
-    verdict = "[green]healthy[/]" if report.get("ok") else "[red]NOT healthy[/]"
-    console.print(f"{report.get('world_size')} ranks on {', '.join(report.get('hosts', []))}: {verdict}")
-    table = Table("op", "bytes", "algbw GB/s", "busbw GB/s", "correct")
-    for op, rows in report.get("collectives", {}).items():
-        for size, row in rows.items():
-            table.add_row(op, size, f"{row['algbw_gbps']:.3f}", f"{row['busbw_gbps']:.3f}", "yes" if row["correct"] else "NO")
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    verdict = "[green]healthy[/]" if report.get("ok") else f"[red]NOT healthy[/] ({report.get('phase')})"
+    console.print(f"dmt health: {report.get('world_size')} ranks on {', '.join(report.get('hosts', [])) or '?'}: {verdict}")
+    if report.get("ranks"):
+        ranks = Table("rank", "host", "device", "cpus", "matmul ms", "GFLOP/s", "memory", title="ranks")
+        for facts in report["ranks"]:
+            device = facts.get("gpu_name") or facts["device"]
+            ranks.add_row(str(facts["rank"]), facts["host"], device, facts.get("cpu_affinity") or "-",
+                          f"{facts['matmul_ms']:.2f}", f"{facts['matmul_gflops']:.1f}",
+                          "FAILED" if facts.get("memory_check") else "ok")
+        console.print(ranks)
     if report.get("collectives"):
+        table = Table("op", "size", "time us", "algbw GB/s", "busbw GB/s", "correct",
+                      title="collectives (nccl-tests definitions)")
+        for op, rows in report["collectives"].items():
+            for size, row in rows.items():
+                table.add_row(op, _size(int(size)), f"{row['time_s'] * 1e6:.1f}", f"{row['algbw_gbps']:.3f}",
+                              f"{row['busbw_gbps']:.3f}", "yes" if row["correct"] else "[red]NO[/]")
         console.print(table)
+    bandwidth = report.get("bandwidth") or {}
+    fmt = lambda v: "-" if v is None else f"{v:.2f} GB/s"  # noqa: E731
+    console.print(f"all_reduce busbw: intra-node {fmt(bandwidth.get('intra_node_busbw_gbps'))}, "
+                  f"inter-node {fmt(bandwidth.get('inter_node_busbw_gbps'))}")
+    if report.get("links"):
+        links = (f"{link['src']}<->{link['dst']} {link['gbps']:.2f} GB/s" for link in report["links"])
+        console.print("ring links: " + ", ".join(links))
     for problem in report.get("problems", []):
         console.print(f"[red]problem:[/] {problem}")
+    for warning in report.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)

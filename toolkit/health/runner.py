@@ -1,202 +1,271 @@
-"""Run the health check on every rank (under torchrun/srun/deepspeed/accelerate, or as ranks spawned by --nproc)."""
+"""Run the health check: one rank under any launcher (store, watchdog, checks, report), or N local ranks (--nproc)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
+from toolkit.errors import UserInputError
+from toolkit.health.options import STORE_HOSTED_ENV, HealthOptions, RankEnv
 
-@dataclass(frozen=True)
-class HealthOptions:
-    sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24)
-    deadline_s: float = 30.0
-    straggler_factor: float = 2.0
-    min_busbw_gbps: float | None = None
-    matmul_seconds: float = 1.0
-    mem_fraction: float = 0.5
-    expected_devices: int | None = None
-    gpu: str | None = None
-    pid_dir: str | None = None
-    report_path: str | None = None
+log = logging.getLogger(__name__)
+STORE_PREFIX = "dmt-health"
+OPTIONS_ENV = "DMT_HEALTH_OPTIONS"  # spawned ranks get their options as JSON here
+REPORT_KEY = "report"  # ... and hand the report back under this store key
+GRACE_S = 3.0  # after the report: time for the ranks to exit by themselves before they are killed
+Emit = Callable[[dict, object], None]  # (report, a store client the calling thread may use)
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+class LauncherTerminated(Exception):
+    """SIGTERM: the launcher is ending the job (torchrun does when another rank failed)."""
 
 
-def host_facts(device) -> dict:
-    import torch
+def connect_store(env: RankEnv, timeout_s: float, master: bool):
+    """The job's TCPStore at MASTER_ADDR:MASTER_PORT: rank 0 hosts it unless a launcher already does."""
+    from torch.distributed import TCPStore
 
-    facts = {"host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
-             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-             "numa_nodes": len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))),
-             "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))}}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        facts.update(gpu_name=props.name, gpu_uuid=str(getattr(props, "uuid", "")), visible_devices=torch.cuda.device_count(),
-                     memory_bytes=props.total_memory)
-    return facts
-
-
-def _memory_check(device, fraction: float) -> str | None:
-    """Allocate and touch `fraction` of free device memory; None when it works."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
     try:
-        block = torch.empty(int(free * fraction) // 4, dtype=torch.float32, device=device)
-        block.fill_(1.0)
-        del block
-        torch.cuda.empty_cache()
-    except RuntimeError as exc:
-        return f"allocating {fraction:.0%} of free memory failed: {str(exc).splitlines()[0]}"
-    return None
+        return TCPStore(env.master_addr, env.master_port, None, master, timedelta(seconds=timeout_s),
+                        wait_for_workers=False, multi_tenant=master)
+    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError: the address is what the user can fix
+        what = "cannot listen on" if master else f"no TCPStore answered within {timeout_s:.0f} s at"
+        raise UserInputError("MASTER_ADDR", f"{what} {env.master_addr}:{env.master_port} (MASTER_PORT); "
+                                            f"{str(exc).splitlines()[0][:160]}") from exc
 
 
-def run_rank(options: HealthOptions) -> int:
-    """One rank's whole check; the reporting rank writes the report. Exit code 0 only when healthy."""
+def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
+    """Run every check on this rank; the reporting rank calls `emit`. Returns the job's verdict (0 healthy, 1 not)."""
     import torch
     import torch.distributed as dist
+    from torch.distributed import PrefixStore
 
-    from toolkit.health import collectives
-    from toolkit.health.report import judge
+    from toolkit.health import checks, collectives
+    from toolkit.health.report import incomplete, judge
     from toolkit.health.watchdog import Watchdog
 
-    rank, world, local = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    device = torch.device("cuda", _device_index(env.local_rank, torch.cuda.device_count())) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if options.pid_dir:
-        Path(options.pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    store_port = _env_int("DMT_HEALTH_STORE_PORT", _env_int("MASTER_PORT", 29500) + 1)
+    else:
+        torch.set_num_threads(checks.cpu_threads_per_rank(env.local_world_size))
+    hosts_store = env.rank == 0 and not env.agent_store
+    job_store = connect_store(env, max(300.0, options.deadline_s), master=hosts_store)
+    side_timeout = max(2.0, min(options.deadline_s / 2, 30.0))  # threads never block longer than this on the store
+    factory = lambda: PrefixStore(STORE_PREFIX, connect_store(env, side_timeout, master=False))  # noqa: E731
+    partial: dict = {}
 
-    def report_hang(silent: list[dict]) -> None:
-        problems = [f"rank {s['rank']} unresponsive for {s['silent_s']} s (last phase: {s['last_phase']})" for s in silent]
-        _emit(options, {"ok": False, "world_size": world, "unresponsive": silent, "problems": problems,
-                        "phase": "hang", "reported_by": rank})
+    def report_hang(unresponsive: list[dict], store) -> None:
+        try:
+            hosts = watchdog.hosts(store)
+        except Exception:  # the store itself is what stopped answering
+            hosts = [env.host if r == env.rank else None for r in range(env.world_size)]
+        for entry in unresponsive:
+            entry["host"] = entry["host"] or hosts[entry["rank"]]
+        report = incomplete(env.world_size, hosts, "hang", unresponsive, [], [], _snapshot(partial))
+        emit(report | {"reported_by": env.rank}, store)
 
-    watchdog = Watchdog(master, store_port, rank, world, options.deadline_s, report_hang)
+    watchdog = Watchdog(factory, env.rank, env.world_size, env.host, options.deadline_s, options.heartbeat_s,
+                        report_hang, store_host_rank=None if env.agent_store else 0)
     watchdog.start()
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    facts = host_facts(device)
-    facts["memory_problem"] = _memory_check(device, options.mem_fraction)
-    watchdog.set_phase("matmul")
-    facts["matmul_gflops"] = collectives.matmul_gflops(device, options.matmul_seconds)
+    if options.pid_dir:  # written once the heartbeat runs: whoever reads it may stop or kill a rank that is being watched
+        Path(options.pid_dir, f"rank{env.rank}.pid").write_text(str(os.getpid()))
+    previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    sizes, iters = options.sizes_for(cuda), options.iters_for(cuda)
     try:
-        results = collectives.sweep(list(options.sizes), world, rank, device, watchdog.set_phase)
-        links = collectives.ring_links(world, rank, device, max(options.sizes), watchdog.set_phase) if world > 1 else []
-        intra, inter = _tier_bandwidths(results, facts["host"], world, rank, device, max(options.sizes), watchdog)
-    except RuntimeError as exc:  # a peer died: gloo/nccl raise; the watchdog names who stopped beating
-        watchdog.set_phase(f"failed: {str(exc).splitlines()[0][:120]}")
-        time.sleep(options.deadline_s + 5)
-        os._exit(4)
-    watchdog.set_phase("report")
-    watchdog.store.set(f"facts/{rank}", json.dumps(facts))
-    dist.barrier()
-    if rank == 0:
-        per_rank = [json.loads(watchdog.store.get(f"facts/{r}")) for r in range(world)]
-        report = judge(per_rank, results, links, intra, inter, options)
-        _emit(options, report)
-        code = 0 if report["ok"] else 1
-    else:
-        code = 0
-    watchdog.set_phase("done")
-    dist.barrier()
-    watchdog.stop()
+        watchdog.step("init_process_group")
+        dist.init_process_group("nccl" if cuda else "gloo", store=PrefixStore("pg", job_store), rank=env.rank,
+                                world_size=env.world_size)  # the default timeout: the watchdog, not it, names hangs
+        watchdog.step("host facts and memory")
+        facts = checks.host_facts(env.host, device) | {"local_world_size": env.local_world_size}
+        facts["memory_check"] = checks.memory_check(device, options.mem_fraction)
+        watchdog.step("matmul benchmark")
+        facts.update(checks.matmul_benchmark(device, options.matmul_seconds))
+        bandwidth: dict = {"intra_node_busbw_gbps": None, "inter_node_busbw_gbps": None, "size_bytes": max(sizes),
+                           "per_host_intra_node_busbw_gbps": {}}
+        links: list[dict] = []
+        if env.world_size > 1:
+            collectives.sweep(sizes, iters, env.world_size, env.rank, device, watchdog.step, partial)
+            watchdog.step("hosts")
+            hosts: list = [None] * env.world_size
+            dist.all_gather_object(hosts, env.host)
+            links = collectives.measure_links(env.world_size, env.rank, device, max(sizes), iters, watchdog.step)
+            bandwidth.update(_bandwidth(partial, hosts, env.rank, device, max(sizes), iters, watchdog.step))
+        watchdog.step("gather facts")
+        watchdog.store.set(f"facts/{env.rank}", json.dumps(facts))
+        dist.barrier()
+        if env.rank == 0:
+            per_rank = [json.loads(watchdog.store.get(f"facts/{r}")) for r in range(env.world_size)]
+            report = judge(per_rank, partial, bandwidth, links, options) | {"reported_by": 0}
+            if watchdog.claim_report():  # a monitor may have claimed it first (a hang at the last moment)
+                emit(report, watchdog.store)
+            watchdog.store.set("verdict", "0" if report["ok"] else "1")
+        watchdog.step("final barrier")
+        dist.barrier()
+        verdict = int(watchdog.store.get("verdict"))
+    except Exception as exc:  # a peer died, the launcher is ending the job, or a collective failed
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish the report; the launcher kills us later if it must
+        _fail(exc, watchdog, env, options, emit, partial)
+    signal.signal(signal.SIGTERM, previous_term)
+    watchdog.finish()
     dist.destroy_process_group()
-    return code
+    return verdict
 
 
-def _tier_bandwidths(results, host, world, rank, device, size, watchdog) -> tuple[float | None, float | None]:
-    """all_reduce busbw inside one node and across nodes (one rank per node); None when not measurable."""
-    import torch.distributed as dist
-
-    from toolkit.health.collectives import _run_op, bandwidths
-
-    hosts = [None] * world
-    dist.all_gather_object(hosts, host)
-    names = sorted(set(hosts))
-    largest = results["all_reduce"][str(size)]["busbw_gbps"]
-    if len(names) == 1:
-        return (largest if world > 1 else None), None
-    watchdog.set_phase("tiers")
-    node_groups = [dist.new_group([r for r in range(world) if hosts[r] == name]) for name in names]
-    leaders = [hosts.index(name) for name in names]
-    cross = dist.new_group(leaders)
-    mine = node_groups[names.index(host)]
-    local_size = hosts.count(host)
-    seconds, _ = _run_op("all_reduce", size, local_size, rank, device, group=mine) if local_size > 1 else (0, True)
-    intra = bandwidths("all_reduce", size, seconds, local_size)[1] if local_size > 1 else None
-    inter = None
-    if rank in leaders:
-        seconds, _ = _run_op("all_reduce", size, len(names), leaders.index(rank), device, group=cross)
-        inter = bandwidths("all_reduce", size, seconds, len(names))[1]
-    return intra, inter
+def _device_index(local_rank: int, visible: int) -> int:
+    """LOCAL_RANK's GPU; with one GPU per rank (srun --gpus-per-task=1) the only one. Too few GPUs show in the
+    report (visible_devices vs the ranks per node), so the check still runs and says so."""
+    return local_rank if local_rank < visible else local_rank % visible
 
 
-def _emit(options: HealthOptions, report: dict) -> None:
-    text = json.dumps(report, indent=2)
-    if options.report_path:
-        tmp = Path(options.report_path + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, options.report_path)
+def _bandwidth(results: dict, hosts: list[str], rank: int, device, size: int, iters: int, progress) -> dict:
+    """Per-tier all_reduce busbw at the largest size: the sweep already measured it when there is one node."""
+    from toolkit.health.collectives import tier_bandwidths
+
+    if len(set(hosts)) == 1:
+        busbw = results["all_reduce"][str(size)]["busbw_gbps"]
+        return {"intra_node_busbw_gbps": busbw, "per_host_intra_node_busbw_gbps": {hosts[0]: busbw}}
+    tiers = tier_bandwidths(hosts, rank, device, size, iters, progress)
+    return {"intra_node_busbw_gbps": min(tiers["intra_node"].values()) if tiers["intra_node"] else None,
+            "inter_node_busbw_gbps": tiers["inter_node"], "per_host_intra_node_busbw_gbps": tiers["intra_node"]}
+
+
+def _snapshot(results: dict) -> dict:
+    """A copy of the collectives measured so far; the main thread may be adding one while a monitor reads."""
+    for _ in range(3):
+        try:
+            return json.loads(json.dumps(results))
+        except RuntimeError:  # changed size during iteration
+            time.sleep(0.01)
+    return {}
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise LauncherTerminated("terminated by the launcher (SIGTERM), usually because another rank failed")
+
+
+def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, emit: Emit, partial: dict) -> None:
+    """Name who is gone (connection lost and no heartbeat), report once for the job, and exit non-zero now:
+    destroying a process group with a dead peer can block."""
+    from toolkit.health.report import incomplete
+
+    if watchdog.tripped.is_set():  # the monitor is already reporting a hang and will end this process
+        time.sleep(options.deadline_s + 30)
+    elif watchdog.claim_report():
+        silent = poll_silent(watchdog, max(1.5, 6 * options.heartbeat_s))
+        hosts = watchdog.hosts()
+        died = [{"rank": r, "host": hosts[r], "how": "connection lost and no heartbeat (killed, crashed or stopped)"}
+                for r in silent]
+        reason = f"rank {env.rank} ({env.host}) in step '{watchdog.step_name}': {type(exc).__name__}: " \
+                 f"{(str(exc).splitlines() or [''])[0][:200]}"
+        report = incomplete(env.world_size, hosts, "failure", [], died, [reason], _snapshot(partial))
+        emit(report | {"reported_by": env.rank}, watchdog.store)
+        watchdog.report_written()
     else:
-        print(text, flush=True)
+        watchdog.wait_for_report()
+    watchdog.mark_exit()
+    log.debug("rank %d ends after: %s", env.rank, exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def poll_silent(watchdog, window_s: float) -> list[int]:
+    """Ranks whose heartbeat does not move during `window_s` (and that have not finished)."""
+    first = watchdog.read_beats()
+    time.sleep(window_s)
+    second = watchdog.read_beats()
+    return [r for r in range(watchdog.world)
+            if r not in second or (r in first and first[r].count == second[r].count and not second[r].finished)]
 
 
-def spawn_local(nproc: int, options: HealthOptions, timeout_s: float | None = None) -> tuple[dict, int]:
-    """Start `nproc` ranks on this machine, watch them, and return (report, exit code); dead ranks are reported."""
-    import tempfile
+# ---- `dmt health --nproc N` ------------------------------------------------------------------------------------
 
-    workdir = Path(tempfile.mkdtemp(prefix="dmt-health-"))
-    report_path = workdir / "report.json"
-    opts = asdict(options) | {"report_path": str(report_path)}
-    port = _free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
-               DMT_HEALTH_STORE_PORT=str(_free_port()), DMT_HEALTH_OPTIONS=json.dumps(opts))
-    procs = [subprocess.Popen([sys.executable, "-m", "toolkit.health.worker"],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc)),
-                              start_new_session=True) for r in range(nproc)]
-    limit = time.monotonic() + (timeout_s or options.deadline_s * 3 + 120)
-    died: list[dict] = []
-    reported_at = None
-    while time.monotonic() < limit and any(p.poll() is None for p in procs):
-        for rank, proc in enumerate(procs):
-            code = proc.poll()
-            if code is not None and code < 0 and all(d["rank"] != rank for d in died):
-                died.append({"rank": rank, "signal": signal.Signals(-code).name})
-        if report_path.is_file() and reported_at is None:
-            reported_at = time.monotonic()
-        if reported_at is not None and time.monotonic() - reported_at > 5:
-            break  # the verdict is in; ranks still running are stopped or stuck: do not wait for them
-        time.sleep(0.1)
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
+    """Run the check on `nproc` local ranks; (report, exit code). Ranks that die are reported, never waited on.
+
+    This process hosts the TCPStore (not rank 0), so any rank, rank 0 included, can be stopped or die and the others
+    still report; it sees every exit and its signal; and its own reading of the heartbeats is the last resort when
+    no rank is left to report.
+    """
+    from torch.distributed import PrefixStore, TCPStore
+
+    from toolkit.health.report import add_deaths, incomplete
+    from toolkit.health.watchdog import LivenessTracker, find_unresponsive, read_beats, read_hosts
+
+    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    store = PrefixStore(STORE_PREFIX, server)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), **{STORE_HOSTED_ENV: "1", OPTIONS_ENV: json.dumps(asdict(options))})
+    procs = [subprocess.Popen([sys.executable, "-m", "toolkit.health.worker"], stdout=subprocess.DEVNULL,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
+             for r in range(nproc)]
+    started = time.monotonic()
+    tracker = LivenessTracker(nproc, started)
+    # the ranks' own monitors report first; this one only when none of them could (every monitor rank stopped)
+    backstop_s = options.deadline_s * 1.5 + 5
+    exits: dict[int, int] = {}  # rank -> exit code
+    reported_at = first_death = None
+    stuck: set[int] = set()
+    own_hang: list[dict] = []
+    hosts: list[str | None] = [None] * nproc
+    try:
+        while True:
+            now = time.monotonic()
+            for rank, proc in enumerate(procs):
+                if rank not in exits and proc.poll() is not None:
+                    exits[rank] = proc.returncode
+                    if proc.returncode != 0 and first_death is None:
+                        first_death = now
+            if reported_at is None and store.check([REPORT_KEY]):
+                reported_at = now
+                stuck = {u["rank"] for u in json.loads(store.get(REPORT_KEY)).get("unresponsive", [])}
+            if len(exits) == nproc or (reported_at is not None and now - reported_at > GRACE_S):
+                break
+            if reported_at is not None and set(range(nproc)) <= set(exits) | stuck:
+                break  # everyone who can exit has; the unresponsive ones will not
+            if reported_at is None and first_death is not None and now - first_death > min(options.deadline_s, 10) + 5:
+                break  # a rank died and nobody reported it: the ranks left are stuck somewhere
+            if reported_at is None:
+                hosts = read_hosts(store, nproc) if None in hosts else hosts
+                own_hang = find_unresponsive(tracker.observe(read_beats(store, nproc), hosts, now), backstop_s)
+                if own_hang:
+                    break
+            time.sleep(0.1)
+        beats = read_beats(store, nproc)
+        report = json.loads(store.get(REPORT_KEY)) if store.check([REPORT_KEY]) else None
+        hosts = read_hosts(store, nproc)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL also ends a stopped process
             proc.wait()
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {
-        "ok": False, "world_size": nproc, "problems": ["no rank produced a report"]}
+    done = {rank for rank, beat in beats.items() if beat.finished}
+    died = [{"rank": rank, "host": hosts[rank], "how": _how(code)} for rank, code in sorted(exits.items())
+            if code != 0 and rank not in done]
+    if report is None:
+        report = incomplete(nproc, hosts, "hang" if own_hang else "failure", own_hang, [],
+                            [] if own_hang or died else ["no rank produced a report"])
     if died:
-        report["ok"] = False
-        report["died"] = died
-        report.setdefault("problems", []).extend(f"rank {d['rank']} died ({d['signal']})" for d in died)
-    codes = [p.returncode for p in procs]
-    report.setdefault("died", [])
-    return report, 0 if report.get("ok") and all(c == 0 for c in codes) else 1
+        report = add_deaths(report, died)
+    healthy = report.get("ok") and all(code == 0 or rank in done for rank, code in exits.items())
+    return report, 0 if healthy and len(exits) == nproc else 1
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"

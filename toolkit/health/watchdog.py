@@ -1,73 +1,295 @@
-"""Hang detection through a side channel: every rank's heartbeat thread bumps a counter in a TCPStore; a monitor
-thread on each rank notices the ranks whose counter stopped moving (stopped, dead or frozen processes) and the
-lowest live rank reports them and ends the job, while the collectives themselves keep their default timeouts.
+"""Hang detection through a side channel (a TCPStore), leaving the process group's own timeout untouched.
 
-Liveness is judged by counters seen to change on the monitor's own clock, so hosts need no clock synchronisation.
+Every rank runs a heartbeat thread that writes `beat/<rank>` every interval: a count that moves while the process
+runs, the step the main thread is in (a collective sweep, the matmul, ...), and how many collectives it has issued
+in that step (the process group's sequence number, as PyTorch's flight recorder uses it). A frozen process stops
+the count; a rank stuck before a collective stops its step and collective count while the others wait for it.
+Ranks 0 and 1 monitor all heartbeats on their own clock (no clock synchronisation between hosts) and judge them
+with `find_unresponsive`; rank 0 reports (rank 1 when rank 0 itself went silent), and every rank then exits
+non-zero instead of waiting for a collective that will never complete.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+MONITOR_RANKS = (0, 1)  # two monitors: a stopped rank 0 is still named; more would only load the store
+CLAIM_KEY, WRITTEN_KEY, ABORT_KEY = "report/claim", "report/written", "report/abort"
+
+
+class Beat(NamedTuple):
+    """One heartbeat: '<count> <step> <run|done|exit> <ops> <uniform> <step name>'."""
+
+    count: int
+    step: int
+    finished: bool
+    """'done': finished the check; 'exit': ended on purpose after a report (a hang or a failure elsewhere)."""
+    ops: int
+    """Collectives this rank issued since it entered the step."""
+    uniform: bool
+    """Every rank issues the same collectives in this step (not so for pairwise link tests)."""
+    name: str
+
+
+def parse_beat(value: bytes | str) -> Beat:
+    text = value.decode() if isinstance(value, bytes) else value
+    count, step, state, ops, uniform, name = (text.split(" ", 5) + [""])[:6]
+    return Beat(int(count), int(step), state != "run", int(ops), uniform == "1", name)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a monitor knows about one rank."""
+
+    rank: int
+    host: str | None
+    beat_age_s: float
+    """Seconds since its heartbeat count last moved (since the monitor started when never seen)."""
+    ever_seen: bool
+    beat: Beat
+    progress_age_s: float
+    """Seconds since its step or its collective count last moved."""
+
+
+def _entry(o: Observation, age: float, reason: str) -> dict:
+    return {"rank": o.rank, "host": o.host, "step": o.beat.name, "silent_s": round(age, 1), "reason": reason}
+
+
+def find_unresponsive(observations: list[Observation], deadline_s: float) -> list[dict]:
+    """The ranks to name, each with why; [] while the job is alive.
+
+    1. a heartbeat stopped for longer than the deadline: the process is stopped, frozen or gone;
+    2. ranks at the furthest step waited longer than the deadline: the ranks behind (not moving either) did not arrive;
+    3. no rank moved for longer than the deadline, all in one step: in a step where every rank issues the same
+       collectives, those that issued fewer did not arrive at the next one; otherwise the collective never completed.
+    """
+    active = [o for o in observations if not o.beat.finished]
+    silent = [o for o in active if o.beat_age_s > deadline_s]
+    if silent:
+        return [_entry(o, o.beat_age_s, "no heartbeat (process stopped, frozen or gone)" if o.ever_seen else "never started")
+                for o in silent]
+    if not active:
+        return []
+    frontier = max(o.beat.step for o in active)
+    waiting = [o for o in active if o.beat.step == frontier]
+    behind = [o for o in active if o.beat.step < frontier and o.progress_age_s > deadline_s]
+    name = waiting[0].beat.name
+    if behind and max(o.progress_age_s for o in waiting) > deadline_s:
+        return [_entry(o, o.progress_age_s, f"did not arrive at '{name}' (alive, still in '{o.beat.name}')") for o in behind]
+    if len(waiting) < len(active) or min(o.progress_age_s for o in waiting) <= deadline_s:
+        return []
+    most = max(o.beat.ops for o in waiting)
+    if waiting[0].beat.uniform and any(o.beat.ops < most for o in waiting):
+        return [_entry(o, o.progress_age_s, f"did not arrive at collective #{o.beat.ops + 1} of '{name}' "
+                                            f"(alive; the other ranks issued {most})") for o in waiting if o.beat.ops < most]
+    return [_entry(o, o.progress_age_s, f"'{name}' never completed on any rank (the network or a rank stuck inside it)")
+            for o in waiting]
+
+
+class LivenessTracker:
+    """Turns successive heartbeat reads into Observations, on the reader's own monotonic clock."""
+
+    def __init__(self, world: int, started: float):
+        self.world, self.started = world, started
+        self._seen: dict[int, tuple[int, float, tuple[int, int], float]] = {}  # rank -> (count, at, progress, at)
+
+    def observe(self, beats: dict[int, Beat], hosts: list[str | None], now: float) -> list[Observation]:
+        observations = []
+        for rank in range(self.world):
+            beat = beats.get(rank, Beat(0, -1, False, 0, True, "not started"))
+            progress = (beat.step, beat.ops)
+            previous = self._seen.get(rank)
+            if previous is None:  # first sighting: it moved now; never seen: silent since the reader started
+                moved = now if rank in beats else self.started
+                entry = (beat.count, moved, progress, moved)
+            else:
+                entry = previous
+                if beat.count != previous[0]:
+                    entry = (beat.count, now, entry[2], entry[3])
+                if progress != previous[2]:
+                    entry = (entry[0], entry[1], progress, now)
+            self._seen[rank] = entry
+            observations.append(Observation(rank, hosts[rank] if rank < len(hosts) else None, now - entry[1],
+                                            rank in beats, beat, now - entry[3]))
+        return observations
+
+
+def read_beats(store, world: int) -> dict[int, Beat]:
+    """Every rank's last heartbeat that exists: one round trip once all ranks have written theirs."""
+    keys = [f"beat/{r}" for r in range(world)]
+    if store.check(keys):
+        return {r: parse_beat(v) for r, v in enumerate(store.multi_get(keys))}
+    return {r: parse_beat(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+
+
+def read_hosts(store, world: int) -> list[str | None]:
+    return [store.get(f"host/{r}").decode() if store.check([f"host/{r}"]) else None for r in range(world)]
+
+
+def _collectives_issued() -> int:
+    """The default process group's sequence number: collectives (and point-to-point ops) issued so far; 0 before
+    the group exists. Read from the heartbeat thread: one integer, no communication."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # a backend without sequence numbers: steps alone still localise a hang
+        return 0
 
 
 class Watchdog:
-    def __init__(self, host: str, port: int, rank: int, world: int, deadline_s: float,
-                 on_hang: Callable[[list[dict]], None], interval_s: float = 0.2):
-        from torch.distributed import TCPStore
+    """Heartbeat on every rank, monitor on ranks 0 and 1; `on_hang(unresponsive, store)` builds and emits the report
+    (from the monitor thread, with that thread's store client)."""
 
+    def __init__(self, store_factory: Callable[[], object], rank: int, world: int, host: str, deadline_s: float,
+                 interval_s: float, on_hang: Callable[[list[dict], object], None], store_host_rank: int | None):
         self.rank, self.world, self.deadline_s, self.interval_s = rank, world, deadline_s, interval_s
-        self.on_hang = on_hang
-        make = lambda: TCPStore(host, port, world, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
-        self._server = TCPStore(host, port, world, is_master=rank == 0, wait_for_workers=False) if rank == 0 else None
-        self._beat_store, self._monitor_store, self.store = make(), make(), make()
-        self.phase = "start"
+        self.on_hang, self.store_host_rank = on_hang, store_host_rank
+        self.store = store_factory()  # main thread's client; the threads get their own connections
+        self._beat_store = store_factory()
+        self._monitor_store = store_factory() if rank in MONITOR_RANKS else None
+        self._step: tuple[int, str, bool, int] = (-1, "start", True, 0)  # index, name, uniform, sequence at entry
         self._stop = threading.Event()
-        self._seen: dict[int, tuple[int, float]] = {}
+        self._beats = 0
+        self._threads: list[threading.Thread] = []
+        self.tripped = threading.Event()
+        self.store.set(f"host/{rank}", host)
 
-    def set_phase(self, phase: str) -> None:
-        self.phase = phase
+    def step(self, name: str, uniform: bool = True) -> None:
+        """The main thread enters its next step (`uniform`: every rank issues the same collectives in it)."""
+        self._step = (self._step[0] + 1, name, uniform, _collectives_issued())
+
+    @property
+    def step_name(self) -> str:
+        return self._step[1]
 
     def start(self) -> None:
-        threading.Thread(target=self._beat, daemon=True, name="dmt-heartbeat").start()
-        threading.Thread(target=self._monitor, daemon=True, name="dmt-monitor").start()
+        self._publish("run")
+        self._threads = [threading.Thread(target=self._beat, daemon=True, name="dmt-heartbeat")]
+        if self._monitor_store is not None:
+            self._threads.append(threading.Thread(target=self._monitor, daemon=True, name="dmt-monitor"))
+        for thread in self._threads:
+            thread.start()
 
-    def stop(self) -> None:
+    def finish(self) -> None:
+        """Stop both threads and mark this rank done, so a monitor never mistakes a finished rank for a hung one."""
         self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5 * self.interval_s + 5)
+        self._publish("done", self.store)
+
+    def mark_exit(self, store=None) -> None:
+        """Say this rank ends on purpose (after a report), so that no launcher counts it as died."""
+        self._stop.set()
+        try:
+            self._publish("exit", store or self.store)
+        except Exception as exc:
+            log.debug("exit not marked: %s", exc)
+
+    def _publish(self, state: str, store=None) -> None:
+        self._beats += 1
+        step, name, uniform, at_entry = self._step
+        ops = max(0, _collectives_issued() - at_entry)
+        (store or self._beat_store).set(f"beat/{self.rank}", f"{self._beats} {step} {state} {ops} {int(uniform)} {name}")
 
     def _beat(self) -> None:
-        count = 0
-        while not self._stop.is_set():
-            count += 1
-            self._beat_store.set(f"hb/{self.rank}", json.dumps({"n": count, "phase": self.phase, "pid": os.getpid()}))
-            time.sleep(self.interval_s)
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._publish("run")
+                aborted = self._beat_store.check([ABORT_KEY])
+            except Exception as exc:  # the store host may be stopped; the monitors judge that, not this thread
+                log.debug("heartbeat not written: %s", exc)
+                continue
+            if aborted and not self._stop.is_set():  # another rank reported a hang or a failure: this job is over,
+                self.mark_exit(self._beat_store)  # whatever collective this rank waits in (NCCL may wait 10 min)
+                _exit_now()
 
-    def _read(self, rank: int) -> dict | None:
-        key = f"hb/{rank}"
-        if not self._monitor_store.check([key]):
-            return None
-        return json.loads(self._monitor_store.get(key))
+    def read_beats(self, store=None) -> dict[int, Beat]:
+        return read_beats(store or self.store, self.world)
+
+    def hosts(self, store=None) -> list[str | None]:
+        return read_hosts(store or self.store, self.world)
 
     def _monitor(self) -> None:
-        started = time.monotonic()
+        store, tracker = self._monitor_store, LivenessTracker(self.world, time.monotonic())
+        unreachable_since = None
+        hosts: list[str | None] = [None] * self.world
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
-            silent = []
-            for rank in range(self.world):
-                beat = self._read(rank)
-                count = beat["n"] if beat else 0
-                last_count, last_change = self._seen.get(rank, (-1, started))
-                if count != last_count:
-                    self._seen[rank] = (count, now)
-                    continue
-                if now - last_change > self.deadline_s:
-                    silent.append({"rank": rank, "silent_s": round(now - last_change, 1),
-                                   "last_phase": beat["phase"] if beat else "never started"})
-            if silent:
-                live = [r for r in range(self.world) if r not in {s["rank"] for s in silent}]
-                if live and live[0] == self.rank:
-                    self.on_hang(silent)
-                os._exit(3)  # this job cannot finish; the collectives may never return
+            try:
+                beats = self.read_beats(store)
+                if None in hosts:
+                    hosts = self.hosts(store)
+                unreachable_since = None
+            except Exception:  # the store does not answer: its host (rank 0 without an agent store) is gone
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > self.deadline_s and self.store_host_rank not in (None, self.rank):
+                    self._trip([{"rank": self.store_host_rank, "host": None, "step": None,
+                                 "silent_s": round(now - unreachable_since, 1),
+                                 "reason": "its TCPStore does not answer (process stopped, frozen or gone)"}], own=True)
+                    return
+                continue
+            unresponsive = find_unresponsive(tracker.observe(beats, hosts, now), self.deadline_s)
+            if unresponsive:
+                stopped = {u["rank"] for u in unresponsive if u["reason"].startswith(("no heartbeat", "never"))}
+                reporter = next((r for r in MONITOR_RANKS if r < self.world and r not in stopped), None)
+                self._trip(unresponsive, own=reporter == self.rank)
+                return
+
+    def claim_report(self, store=None) -> bool:
+        """True for the one rank that writes the report (first to claim), whichever path found the problem."""
+        try:
+            return int((store or self.store).add(CLAIM_KEY, 1)) == 1
+        except Exception:
+            return True  # no store: report locally rather than not at all
+
+    def wait_for_report(self, timeout_s: float = 10.0, store=None) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                if (store or self.store).check([WRITTEN_KEY]):
+                    return
+            except Exception:
+                return
+            time.sleep(0.05)
+
+    def report_written(self, store=None) -> None:
+        """The failure report is out: every rank still running ends (see _beat)."""
+        try:
+            (store or self.store).set(WRITTEN_KEY, "1")
+            (store or self.store).set(ABORT_KEY, "1")
+        except Exception as exc:
+            log.debug("could not mark the report written: %s", exc)
+
+    def _trip(self, unresponsive: list[dict], own: bool) -> None:
+        """End this rank: the reporter reports first; the collective it is blocked in may never return."""
+        self.tripped.set()
+        store = self._monitor_store
+        if own and self.claim_report(store):
+            try:
+                self.on_hang(unresponsive, store)
+            except Exception:  # still end the job: a hung job that says nothing is worse
+                log.exception("the hang report failed")
+            finally:
+                self.report_written(store)
+        else:
+            self.wait_for_report(store=store)
+        self.mark_exit(store)
+        _exit_now()
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

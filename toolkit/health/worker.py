@@ -1,4 +1,5 @@
-"""Entry of one rank spawned by `dmt health --nproc N` (options arrive in DMT_HEALTH_OPTIONS)."""
+"""Entry of one rank started by `dmt health --nproc N`: options come as JSON in the environment, the report goes
+to the TCPStore that the spawning process hosts."""
 
 import json
 import os
@@ -6,9 +7,16 @@ import warnings
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes on every collective
 
-from toolkit.health.runner import HealthOptions, run_rank
+
+def main() -> int:
+    from toolkit.health.options import HealthOptions, rank_env
+    from toolkit.health.runner import OPTIONS_ENV, REPORT_KEY, run_rank
+
+    fields = json.loads(os.environ[OPTIONS_ENV])
+    if fields.get("sizes") is not None:
+        fields["sizes"] = tuple(fields["sizes"])
+    return run_rank(HealthOptions(**fields), rank_env(), lambda report, store: store.set(REPORT_KEY, json.dumps(report)))
+
 
 if __name__ == "__main__":
-    options = json.loads(os.environ["DMT_HEALTH_OPTIONS"])
-    options["sizes"] = tuple(options["sizes"])
-    raise SystemExit(run_rank(HealthOptions(**options)))
+    raise SystemExit(main())
