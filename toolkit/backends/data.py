@@ -39,7 +39,7 @@ def load_texts(recipe: Recipe):
         if len(builders) > 1:
             raise UserInputError("data.train_files", "mix of file types; use one of text, json(l) or parquet")
         dataset = datasets.load_dataset(builders.pop(), data_files=[str(f) for f in files], split="train")
-    field = recipe.data.text_field if "text" not in dataset.column_names else "text"
+    field = recipe.data.text_field
     if field not in dataset.column_names:
         raise UserInputError("data.text_field", f"'{field}' is not a column; columns: {', '.join(dataset.column_names)}")
     return dataset.rename_column(field, "text") if field != "text" else dataset
@@ -50,7 +50,7 @@ def build_tokenizer(recipe: Recipe, texts):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if recipe.data.tokenizer.path:
-        return AutoTokenizer.from_pretrained(recipe.data.tokenizer.path)
+        return AutoTokenizer.from_pretrained(recipe.locate(recipe.data.tokenizer.path))
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()

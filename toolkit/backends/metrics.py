@@ -1,10 +1,14 @@
-"""metrics.jsonl: one JSON object per logged step (step, loss, grad_norm, learning_rate, tokens_per_s), both backends."""
+"""Training progress: metrics.jsonl (one JSON object per logged step, both backends) and wandb's mode."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -40,3 +44,27 @@ def read_metrics(output_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wandb_key_configured() -> bool:
+    """An API key in WANDB_API_KEY or in the netrc file `wandb login` writes."""
+    import netrc
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def configure_wandb(report_to: list[str], output_dir: Path) -> None:
+    """With wandb in report_to: runs go under the output directory, and offline when no API key is configured
+    (an explicit WANDB_MODE wins), so a training job never waits on a login prompt or the network."""
+    if "wandb" not in report_to:
+        return
+    os.environ.setdefault("WANDB_DIR", str(output_dir))
+    if "WANDB_MODE" not in os.environ and not wandb_key_configured():
+        os.environ["WANDB_MODE"] = "offline"
+        log.info("wandb: no API key configured, logging offline under %s", output_dir / "wandb")

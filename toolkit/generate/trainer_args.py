@@ -6,9 +6,13 @@ from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
 HF_SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
+# HF's `optim` for each plan optimizer: used as is for adamw8bit (DeepSpeed has none), and states the optimizer the
+# DeepSpeed JSON configures otherwise, so the file means the same when read without DeepSpeed
+HF_OPTIMIZERS = {"adamw": "adamw_torch", "sgd": "sgd", "adamw8bit": "adamw_bnb_8bit"}
 
 
 def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_json: str | None) -> dict:
+    """The TrainingArguments keyword arguments; batch numbers and precision are the plan's."""
     training = recipe.training
     args = {
         "output_dir": output_dir,
@@ -22,11 +26,12 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         "adam_beta2": training.adam_beta2,
         "adam_epsilon": training.adam_eps,
         "max_grad_norm": training.grad_clip,
+        "optim": HF_OPTIMIZERS[plan.optimizer],
         "lr_scheduler_type": HF_SCHEDULERS[training.lr_scheduler],
         "warmup_steps": training.warmup_steps,
         "bf16": plan.precision == "bf16",
         "fp16": plan.precision == "fp16",
-        "gradient_checkpointing": plan.recompute == "full",
+        "activation_checkpointing": plan.recompute == "full",  # transformers 5 name of gradient_checkpointing
         "logging_steps": training.logging_steps,
         "save_strategy": "steps",
         "save_steps": training.save_steps or training.max_steps,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolkit.errors import UserInputError
 
@@ -15,9 +15,10 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    source: str | None = Field(None, description="Preset, HF config.json or directory, hub id, or toolkit spec.")
+    source: str | None = Field(None, description="Preset name, HF config.json or its directory, hub id, or toolkit spec.")
     config: dict | None = Field(None, description="An HF config.json inline (pre-training from random init).")
-    pretrained: str | None = Field(None, description="Directory or hub id with weights to start from.")
+    pretrained: str | None = Field(None, description="Directory or hub id with weights to start from; omit to train "
+                                                     "from random init.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
@@ -32,16 +33,22 @@ class TokenizerSection(_Strict):
 
 
 class DataSection(_Strict):
-    train_files: list[str] = Field(min_length=1, description="Local json/jsonl/text/parquet files (relative to the recipe).")
+    train_files: list[str] = Field([], description="Local json/jsonl/text/parquet files (relative to the recipe).")
     hub_dataset: str | None = Field(None, description="A datasets hub id instead of local files (needs network).")
-    text_field: str = "text"
+    text_field: str = Field("text", description="Column holding the text in json/jsonl/parquet files.")
     eval_fraction: float = Field(0.05, ge=0, lt=0.5, description="Share of packed sequences held out for eval.")
-    tokenizer: TokenizerSection = TokenizerSection()
+    tokenizer: TokenizerSection = Field(TokenizerSection(), description="Which tokenizer, or how to train one.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSection":
+        if bool(self.train_files) == bool(self.hub_dataset):
+            raise ValueError("set exactly one of data.train_files and data.hub_dataset")
+        return self
 
 
 class ClusterSection(_Strict):
     gpus: int = Field(gt=0, description="Total GPUs (CPU processes on a machine without GPUs).")
-    gpus_per_node: int = Field(8, gt=0)
+    gpus_per_node: int = Field(8, gt=0, description="GPUs (processes) per node.")
     gpu: str = Field("h100-80gb", description="GPU from the catalogue, for the memory estimate and the planner.")
     nodes: int | None = Field(None, gt=0, description="Defaults to gpus / gpus_per_node, at least 1.")
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
@@ -52,23 +59,25 @@ class ClusterSection(_Strict):
 
 
 class TrainingSection(_Strict):
-    seq_len: int = Field(gt=0)
+    seq_len: int = Field(gt=0, description="Tokens per packed training sequence.")
     global_batch: int = Field(gt=0, description="Sequences per optimizer step.")
-    max_steps: int = Field(gt=0)
-    learning_rate: float = Field(gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = Field(1.0, ge=0)
-    seed: int = 42
-    logging_steps: int = Field(1, gt=0)
+    max_steps: int = Field(gt=0, description="Optimizer steps to train (the schedule's length).")
+    learning_rate: float = Field(gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate of the cosine schedule, as a share "
+                                                             "of the peak.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after the warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to the peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled (AdamW) weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (SGD momentum).")
+    adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no clipping).")
+    seed: int = Field(42, description="Seed of the model init and the data order.")
+    logging_steps: int = Field(1, gt=0, description="Write a metrics.jsonl record every N steps.")
     save_steps: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
-    eval_steps: int = Field(0, ge=0)
-    report_to: list[Literal["wandb", "tensorboard", "none"]] = ["none"]
+    eval_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N steps (0: never).")
+    report_to: list[Literal["wandb", "tensorboard", "none"]] = Field(
+        ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")
 
 
 class PlanSection(_Strict):
@@ -77,45 +86,80 @@ class PlanSection(_Strict):
     With `auto: true` the planner picks every option left unset (`plan: auto` is short for `{auto: true}` over
     both backends)."""
 
-    auto: bool = False
-    backend: Literal["deepspeed", "megatron"] | None = None
-    tp: int | None = None
-    pp: int | None = None
-    vpp: int | None = None
-    cp: int | None = None
-    ep: int | None = None
-    zero: int | None = None
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    micro_batch: int | None = None
-    recompute: Literal["none", "selective", "full"] | None = None
-    precision: Literal["bf16", "fp16", "fp32", "fp8"] | None = None
-    attention: Literal["sdpa", "eager"] | None = None
-    optimizer: Literal["adamw", "adamw8bit", "sgd"] | None = None
-    offload_optimizer: Literal["none", "cpu", "nvme"] | None = None
-    offload_params: Literal["none", "cpu", "nvme"] | None = None
-    nvme_path: str | None = None
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
+    auto: bool = Field(False, description="Let the planner choose every option left unset.")
+    backend: Literal["deepspeed", "megatron"] | None = Field(None, description="Training library.")
+    tp: int | None = Field(None, gt=0, description="Tensor-parallel size.")
+    pp: int | None = Field(None, gt=0, description="Pipeline-parallel stages.")
+    vpp: int | None = Field(None, gt=0, description="Virtual pipeline stages per rank (Megatron interleaving).")
+    cp: int | None = Field(None, gt=0, description="Context-parallel size.")
+    ep: int | None = Field(None, gt=0, description="Expert-parallel size (MoE models).")
+    zero: int | None = Field(None, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (with tp > 1).")
+    distributed_optimizer: bool = Field(False, description="Megatron distributed optimizer.")
+    micro_batch: int | None = Field(None, gt=0, description="Sequences per GPU per forward pass.")
+    recompute: Literal["none", "selective", "full"] | None = Field(None, description="Activation recomputation.")
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] | None = Field(None, description="Training precision.")
+    attention: Literal["sdpa", "eager"] | None = Field(None, description="Attention implementation.")
+    optimizer: Literal["adamw", "adamw8bit", "sgd"] | None = Field(None, description="Optimizer.")
+    offload_optimizer: Literal["none", "cpu", "nvme"] | None = Field(None, description="ZeRO optimizer-state offload.")
+    offload_params: Literal["none", "cpu", "nvme"] | None = Field(None, description="ZeRO-3 parameter offload.")
+    nvme_path: str | None = Field(None, description="Local NVMe directory for nvme offload.")
+    first_stage_layers: int | None = Field(None, gt=0, description="Layers of the first pipeline stage (uneven split).")
+    last_stage_layers: int | None = Field(None, gt=0, description="Layers of the last pipeline stage (uneven split).")
+
+
+class DeepSpeedSection(_Strict):
+    """DeepSpeed-only choices that the parallel plan does not model."""
+
+    zero_plus_plus: bool = Field(False, description="ZeRO++ for ZeRO-3 across nodes: hpZ keeps a secondary parameter "
+                                                    "partition inside each node (zero_hpz_partition_size = gpus_per_node) "
+                                                    "and weights and gradients travel quantized.")
+    auto_values: bool = Field(False, description='Write "auto" for every value HF Trainer fills in (batch sizes, '
+                                                 "clipping, precision, optimizer and scheduler numbers) instead of "
+                                                 "the explicit numbers.")
 
 
 class Recipe(_Strict):
-    name: str
-    model: ModelSection
-    data: DataSection
-    cluster: ClusterSection
-    training: TrainingSection
-    plan: PlanSection | Literal["auto"] = PlanSection()
+    name: str = Field(description="Run name (output directory, wandb run name).")
+    model: ModelSection = Field(description="What to train.")
+    data: DataSection = Field(description="What to train on.")
+    cluster: ClusterSection = Field(description="Where to train.")
+    training: TrainingSection = Field(description="Hyper-parameters, schedule, logging and checkpointing.")
+    plan: PlanSection = Field(PlanSection(), description="Parallel plan options, or `auto` for the planner's choice.")
+    deepspeed: DeepSpeedSection = Field(DeepSpeedSection(), description="DeepSpeed-only options.")
     base_dir: str = Field(".", description="Set by the loader: the recipe's directory, for relative paths.")
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _plan_auto(cls, value):
+        return {"auto": True} if value == "auto" else value
 
     def path(self, relative: str) -> Path:
         """A path from the recipe, relative to the recipe file unless absolute."""
         candidate = Path(relative)
         return candidate if candidate.is_absolute() else Path(self.base_dir) / candidate
 
+    def locate(self, name: str) -> str:
+        """A model or tokenizer reference: the local path (relative to the recipe) when it exists, else a hub id."""
+        local = self.path(name)
+        return str(local) if local.exists() else name
+
+
+def _fix_hint(err: dict) -> str:
+    """The pydantic message, plus what to do for the common mistakes."""
+    if err["type"] == "extra_forbidden":
+        section: type[BaseModel] = Recipe
+        for part in err["loc"][:-1]:
+            annotation = section.model_fields[part].annotation if part in section.model_fields else None
+            if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+                return "unknown key; remove it"
+            section = annotation
+        return f"unknown key; valid keys here: {', '.join(section.model_fields)}"
+    return err["msg"]
+
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe; every problem is one UserInputError naming the dotted key."""
+    """Read and validate a recipe; the first problem becomes a UserInputError naming the dotted key."""
     import yaml
 
     path = Path(path)
@@ -129,9 +173,10 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         return Recipe(**data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(part) for part in err["loc"])
-        raise UserInputError(f"{path.name}: {key}", err["msg"]) from None
+        errors = exc.errors()
+        key = ".".join(str(part) for part in errors[0]["loc"]) or "recipe"
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        raise UserInputError(f"{path.name}: {key}", _fix_hint(errors[0]) + more) from None
 
 
 def recipe_model(recipe: Recipe):
@@ -140,9 +185,7 @@ def recipe_model(recipe: Recipe):
 
     if recipe.model.config is not None:
         return spec_from_hf_dict(recipe.model.config, name=recipe.name)
-    source = recipe.model.source
-    local = recipe.path(source)
-    return load_model_spec(str(local) if local.exists() else source)
+    return load_model_spec(recipe.locate(recipe.model.source))
 
 
 def recipe_plan(recipe: Recipe, model, **overrides):
@@ -152,7 +195,7 @@ def recipe_plan(recipe: Recipe, model, **overrides):
     fixed = dict(seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
                  gpus_per_node=recipe.cluster.gpus_per_node)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    section = PlanSection(auto=True) if recipe.plan == "auto" else recipe.plan
+    section = recipe.plan
     options = {k: v for k, v in section.model_dump(exclude={"auto"}).items() if v is not None and v is not False}
     options.update(overrides)
     if section.auto:

@@ -1,21 +1,31 @@
-"""Validate a DeepSpeed JSON the way DeepSpeed will, plus the rules it only hits at launch, and its agreement with
-HF TrainingArguments. Every problem is reported at once, each naming the key, the conflicting values and the fix.
+"""Validate a DeepSpeed JSON the way DeepSpeed will (its own pydantic config classes), plus the rules it only hits at
+launch, the memory fit, and its agreement with HF TrainingArguments. Every problem is reported at once, each naming
+the key, the conflicting values and the fix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from pathlib import Path
 
-SCHEDULER_STEP_KEYS = {"WarmupCosineLR": "total_num_steps", "WarmupDecayLR": "total_num_steps"}
+from toolkit.validate import Problem
+from toolkit.validate.trainer_args import fill_auto, trainer_problems
 
+__all__ = ["Problem", "validate_deepspeed_config", "memory_problem"]
 
-@dataclass(frozen=True)
-class Problem:
-    key: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.message}"
+# Top-level keys DeepSpeed reads; it silently ignores any other, so a near miss of one of these is a typo to report.
+TOP_LEVEL_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "steps_per_print", "wall_clock_breakdown", "zero_optimization", "bf16", "fp16", "optimizer", "scheduler",
+    "tensor_parallel", "activation_checkpointing", "communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "gradient_allreduce_op", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "aio",
+    "checkpoint", "data_types", "compile", "torch_autocast", "dataloader_drop_last", "sparse_attention", "pipeline",
+    "elasticity", "amp", "autotuning", "data_efficiency", "curriculum_learning", "memory_breakdown", "dump_state",
+    "disable_allgather", "seq_parallel_communication_data_type", "hybrid_engine", "weight_quantization", "timers",
+    "sequence_parallel_size", "expert_parallel", "zenflow",
+)
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def _import_deepspeed_quietly() -> None:
@@ -28,37 +38,75 @@ def _import_deepspeed_quietly() -> None:
             import deepspeed  # noqa: F401
 
 
+def _typo_keys(config: dict) -> list[Problem]:
+    problems = []
+    for key in config:
+        if key not in TOP_LEVEL_KEYS:
+            close = difflib.get_close_matches(key, TOP_LEVEL_KEYS, n=1, cutoff=0.85)
+            if close:
+                problems.append(Problem(key, f"is not a DeepSpeed key (DeepSpeed ignores it silently); rename it to "
+                                             f"'{close[0]}'"))
+    return problems
+
+
+def _batch_values(config: dict) -> list[Problem]:
+    problems = []
+    for key in BATCH_KEYS:
+        value = config.get(key)
+        if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append(Problem(key, f"{value!r} is not a positive integer; set a positive integer or \"auto\""))
+    return problems
+
+
+def _pydantic_message(err: dict, model) -> str:
+    """DeepSpeed's pydantic message, with the rejected value and what to write instead."""
+    if err["type"] == "extra_forbidden":
+        names = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+        close = difflib.get_close_matches(str(err["loc"][-1]), sorted(names), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "remove it"
+        return f"is not an option of DeepSpeed's {model.__name__}; {hint}"
+    return f"{err['input']!r} is rejected by DeepSpeed's {model.__name__}: {err['msg']}"
+
+
 def _library_checks(config: dict) -> list[Problem]:
-    """DeepSpeed's own config classes: the ZeRO pydantic model and DeepSpeedConfig's sanity checks."""
+    """DeepSpeed's own config classes: the pydantic models of each section, then DeepSpeedConfig's sanity checks."""
     from pydantic import ValidationError
 
     _import_deepspeed_quietly()
-    problems = []
-    try:
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-        DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
-    except ValidationError as exc:
-        for err in exc.errors():
-            key = ".".join(["zero_optimization", *(str(p) for p in err["loc"])])
-            problems.append(Problem(key, err["msg"]))
-    # DeepSpeedConfig asserts batch sizes against the world size it sees (1 here): our rule below checks the real one
+    problems = []
+    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config),
+                           ("fp16", DeepSpeedFP16Config)):
+        value = config.get(section, {})
+        if not isinstance(value, dict):
+            problems.append(Problem(section, f"must be a JSON object, got {value!r}"))
+            continue
+        try:
+            model(**value)
+        except ValidationError as exc:
+            for err in exc.errors():
+                key = ".".join([section, *(str(p) for p in err["loc"])])
+                problems.append(Problem(key, _pydantic_message(err, model)))
+    if problems:
+        return problems
+    # DeepSpeedConfig asserts batch sizes against the world size it sees (1 here): _batch_rule checks the real one
     single = {k: v for k, v in config.items() if k != "train_batch_size"}
     try:
-        from deepspeed.runtime.config import DeepSpeedConfig
-
         DeepSpeedConfig(single)
-    except (AssertionError, ValueError, ValidationError) as exc:
+    except (AssertionError, ValueError, TypeError, ValidationError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "bfloat16 and fp16" in text:
             problems.append(Problem("bf16.enabled", "fp16 and bf16 are both enabled; enable exactly one"))
-        elif not any(p.key.startswith("zero_optimization") for p in problems):
+        else:
             problems.append(Problem("deepspeed", f"DeepSpeed rejects the config: {text}"))
     return problems
 
 
 def _batch_rule(config: dict, world_size: int, pp: int) -> list[Problem]:
-    tp = int(config.get("tensor_parallel", {}).get("autotp_size", 1) or 1)
+    tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
     if world_size % (tp * pp):
         return [Problem("--world-size", f"{world_size} is not divisible by tp x pp = {tp * pp}")]
     dp = world_size // (tp * pp)
@@ -76,65 +124,97 @@ def _batch_rule(config: dict, world_size: int, pp: int) -> list[Problem]:
     return []
 
 
-def _zero_rules(config: dict, pp: int) -> list[Problem]:
-    zero = config.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
+def _zero_rules(config: dict, world_size: int, pp: int) -> list[Problem]:
+    """Rules on the ZeRO section as DeepSpeed parsed it (its defaults and "auto" handling applied)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
+    stage = int(zero.stage)
+    offload = {"offload_param": zero.offload_param, "offload_optimizer": zero.offload_optimizer}
+    device = {name: str(getattr(section.device, "value", section.device)) if section else "none"
+              for name, section in offload.items()}
     problems = []
     if (pp > 1 or "pipeline" in config) and stage >= 2:
         problems.append(Problem("zero_optimization.stage", f"ZeRO-{stage} cannot run with pipeline parallelism; use 0 or 1"))
-    if "offload_param" in zero and zero["offload_param"].get("device", "none") != "none" and stage != 3:
+    if device["offload_param"] != "none" and stage != 3:
         problems.append(Problem("zero_optimization.offload_param", f"parameter offload needs stage 3, not {stage}"))
-    if "offload_optimizer" in zero and zero["offload_optimizer"].get("device", "none") != "none" and stage == 0:
+    if device["offload_optimizer"] != "none" and stage == 0:
         problems.append(Problem("zero_optimization.offload_optimizer", "optimizer offload needs stage 1, 2 or 3"))
-    for section in ("offload_param", "offload_optimizer"):
-        offload = zero.get(section) or {}
-        if offload.get("device") == "nvme" and not offload.get("nvme_path"):
-            problems.append(Problem(f"zero_optimization.{section}.nvme_path", "nvme offload needs a local NVMe path"))
+    for name, section in offload.items():
+        if device[name] == "nvme" and not section.nvme_path:
+            problems.append(Problem(f"zero_optimization.{name}.nvme_path", "nvme offload needs a local NVMe path"))
+    hpz = zero.zero_hpz_partition_size
+    if hpz > 1 and stage != 3:
+        problems.append(Problem("zero_optimization.zero_hpz_partition_size",
+                                f"{hpz}: hpZ (ZeRO++) partitions parameters, which only stage 3 does; set stage 3 or "
+                                f"zero_hpz_partition_size 1"))
+    elif hpz > 1 and world_size % min(hpz, world_size):
+        problems.append(Problem("zero_optimization.zero_hpz_partition_size",
+                                f"{hpz} does not divide world size {world_size}; use the GPUs per node"))
+    for flag in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, flag) and stage != 3:
+            problems.append(Problem(f"zero_optimization.{flag}", f"ZeRO++ quantized communication needs stage 3, not "
+                                                                 f"{stage}; set stage 3 or remove {flag}"))
     return problems
 
 
-def _trainer_rules(config: dict, trainer: dict, world_size: int) -> list[Problem]:
-    """Every value HF TrainingArguments and the DeepSpeed JSON both state must agree ('auto' defers to HF)."""
-    optimizer = config.get("optimizer", {}).get("params", {})
-    scheduler = config.get("scheduler", {})
-    pairs = [
-        ("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu"), "per_device_train_batch_size"),
-        ("gradient_accumulation_steps", config.get("gradient_accumulation_steps"), "gradient_accumulation_steps"),
-        ("gradient_clipping", config.get("gradient_clipping"), "max_grad_norm"),
-        ("bf16.enabled", config.get("bf16", {}).get("enabled", False), "bf16"),
-        ("fp16.enabled", config.get("fp16", {}).get("enabled", False), "fp16"),
-        ("optimizer.params.lr", optimizer.get("lr"), "learning_rate"),
-        ("optimizer.params.eps", optimizer.get("eps"), "adam_epsilon"),
-        ("optimizer.params.weight_decay", optimizer.get("weight_decay"), "weight_decay"),
-    ]
-    if "betas" in optimizer and optimizer["betas"] != "auto":
-        pairs += [("optimizer.params.betas[0]", optimizer["betas"][0], "adam_beta1"),
-                  ("optimizer.params.betas[1]", optimizer["betas"][1], "adam_beta2")]
-    steps_key = SCHEDULER_STEP_KEYS.get(scheduler.get("type"))
-    if steps_key:
-        pairs.append((f"scheduler.params.{steps_key}", scheduler.get("params", {}).get(steps_key), "max_steps"))
-    if scheduler.get("params", {}).get("warmup_num_steps") is not None:
-        pairs.append(("scheduler.params.warmup_num_steps", scheduler["params"]["warmup_num_steps"], "warmup_steps"))
-    problems = []
-    for ds_key, ds_value, hf_key in pairs:
-        if ds_value is None or ds_value == "auto" or hf_key not in trainer:
-            continue
-        if ds_value != trainer[hf_key]:
-            problems.append(Problem(ds_key, f"{ds_value} in the DeepSpeed JSON but {hf_key}={trainer[hf_key]} in the "
-                                            f"trainer arguments; make them equal (or set the DeepSpeed value to \"auto\")"))
-    return problems
+def _scheduler_rules(config: dict) -> list[Problem]:
+    params = (config.get("scheduler") or {}).get("params") or {}
+    warmup = params.get("warmup_num_steps")
+    if warmup is not None and warmup != "auto" and (not isinstance(warmup, int) or warmup < 1):
+        return [Problem("scheduler.params.warmup_num_steps", f"{warmup!r}: DeepSpeed >= 0.19.6 rejects warm-up steps "
+                                                             f"below 1 at launch; set it to 1 for no warm-up")]
+    return []
+
+
+def memory_problem(config: dict, model, gpu, world_size: int, seq_len: int, recompute: str, pp: int = 1):
+    """The toolkit's memory model applied to the config's layout: a Problem when it does not fit the GPU."""
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.spec.plan import resolve_plan
+
+    zero = config.get("zero_optimization", {})
+    precision = "bf16" if config.get("bf16", {}).get("enabled") else "fp16" if config.get("fp16", {}).get("enabled") else "fp32"
+    offload = (zero.get("offload_optimizer") or {}), (zero.get("offload_param") or {})
+    plan = resolve_plan(
+        model, world_size, zero=zero.get("stage", 0), micro_batch=config.get("train_micro_batch_size_per_gpu", 1),
+        seq_len=seq_len, precision=precision, global_batch=config.get("train_batch_size"), pp=pp,
+        tp=int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1),
+        offload_optimizer=offload[0].get("device", "none"), offload_params=offload[1].get("device", "none"),
+        nvme_path=offload[0].get("nvme_path") or offload[1].get("nvme_path"), recompute=recompute,
+    )
+    memory = estimate_memory(model, plan)
+    if memory.total > gpu.memory_bytes:
+        return Problem("memory", f"{memory.total / 2**30:.1f} GiB per GPU estimated for {model.name} at seq {seq_len}, "
+                                 f"{gpu.name} has {gpu.memory_bytes / 2**30:.1f} GiB; raise the ZeRO stage, offload, "
+                                 f"recompute or lower train_micro_batch_size_per_gpu")
+    return None
 
 
 def validate_deepspeed_config(config: dict, world_size: int, pp: int = 1, trainer_args: dict | None = None,
-                              memory_check=None) -> list[Problem]:
-    """All problems of `config` at `world_size`; `memory_check(config) -> Problem | None` adds the fit estimate."""
+                              memory_check=None, config_path: Path | None = None) -> list[Problem]:
+    """All problems of `config` at `world_size`. "auto" values are filled from `trainer_args` as HF Trainer fills them
+    (or left to DeepSpeed's defaults without it); `memory_check(config) -> Problem | None` adds the fit estimate."""
     if not isinstance(config, dict):
         return [Problem("deepspeed", "the file must hold a JSON object")]
-    problems = _library_checks(config) + _batch_rule(config, world_size, pp) + _zero_rules(config, pp)
+    problems = _typo_keys(config)
+    bad_batch = _batch_values(config)
+    if bad_batch:  # the batch arithmetic below needs numbers
+        return problems + bad_batch
+    tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    dp = max(1, world_size // (tp * pp))
     if trainer_args is not None:
-        problems += _trainer_rules(config, trainer_args, world_size)
+        problems += trainer_problems(config, trainer_args, dp, config_path)
+        if not isinstance(trainer_args, dict):
+            return problems
+    filled = fill_auto(config, trainer_args, dp)
+    reported = {p.key for p in problems}  # a batch size the trainer comparison already flagged is not repeated
+    library = _library_checks(filled)
+    problems += library + [p for p in _batch_rule(filled, world_size, pp) if p.key not in reported]
+    if not library:  # the launch-time ZeRO rules need the types DeepSpeed's classes just accepted
+        problems += _zero_rules(filled, world_size, pp)
+    problems += _scheduler_rules(filled)
     if memory_check is not None and not problems:
-        found = memory_check(config)
+        found = memory_check(filled)
         if found is not None:
             problems.append(found)
     return problems

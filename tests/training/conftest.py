@@ -1,0 +1,119 @@
+"""Fixtures of the training tests: generated files of the tiny recipe, recipe variants, and real launches shared by
+several tests (one launch serves every assertion about it)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT, TINY, free_port
+
+BIN = Path(sys.executable).parent
+TRAIN = ROOT / "toolkit" / "train.py"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def datasets_cache_in_tmp(tmp_path_factory):
+    """`datasets` caches what it reads; keep that out of the home directory (launched processes inherit it)."""
+    cache = tmp_path_factory.mktemp("hf-datasets-cache")
+    previous = os.environ.get("HF_DATASETS_CACHE")
+    os.environ["HF_DATASETS_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("HF_DATASETS_CACHE", None)
+    else:
+        os.environ["HF_DATASETS_CACHE"] = previous
+
+
+def recipe_variant(directory: Path, name: str, replace: dict | None = None, **changes) -> Path:
+    """A copy of the tiny recipe with keys of some sections changed (`training={"report_to": ["wandb"]}`) or whole
+    sections replaced (`replace={"model": {...}}`), data paths made absolute so the copy works from anywhere."""
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["data"]["train_files"] = [str(TINY.parent / f) for f in recipe["data"]["train_files"]]
+    for section, values in changes.items():
+        recipe.setdefault(section, {}).update(values)
+    recipe.update(replace or {})
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def variant(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("recipes")
+    return lambda name, replace=None, **changes: recipe_variant(directory, name, replace, **changes)
+
+
+def run_logged(cmd: list[str], log: Path, changes: dict) -> int:
+    """Run a launcher with its output in `log`; `changes` sets (or, with None, removes) environment variables."""
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as handle:
+        return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
+
+
+class Launch:
+    """One finished launch: where it wrote, its exit code and its log."""
+
+    def __init__(self, out: Path, rc: int, log: Path):
+        self.out, self.rc, self.log = out, rc, log
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log.exists() else "(no log)"
+
+
+@pytest.fixture(scope="session")
+def launch(tmp_path_factory):
+    """launch(name, launcher, recipe, *train_flags, config_dir=None, env=None) -> Launch; each name runs once,
+    however many tests ask for it."""
+    root = tmp_path_factory.mktemp("launches")
+    done: dict[str, Launch] = {}
+
+    def run(name: str, launcher: str, recipe: Path, *flags: str, config_dir: Path | None = None,
+            env: dict | None = None) -> Launch:
+        if name in done:
+            return done[name]
+        out, log = root / name / "run", root / name / "train.log"
+        port = str(free_port())
+        train = [str(TRAIN), "--recipe", str(recipe), "--output-dir", str(out), *flags]
+        if launcher == "deepspeed":
+            cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, *train]
+        elif launcher == "accelerate":
+            cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_dir / "accelerate.yaml"),
+                   "--main_process_port", port, *train, "--deepspeed", str(config_dir / "deepspeed.json")]
+        elif launcher == "launch.sh":  # the generated script; its first flag names the launcher
+            cmd = ["bash", str(config_dir / "launch.sh"), *flags]
+            env = {**(env or {}), "MASTER_PORT": port, "OUTPUT_DIR": str(out), "RECIPE": str(recipe)}
+        else:
+            raise ValueError(launcher)
+        done[name] = Launch(out, run_logged(cmd, log, env or {}), log)
+        return done[name]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def generated(tmp_path_factory):
+    """generated(recipe, *dmt_generate_flags) -> the output directory of `dmt generate` (once per arguments)."""
+    from toolkit.cli.main import main
+
+    root = tmp_path_factory.mktemp("generated")
+    done: dict[tuple, Path] = {}
+
+    def run(recipe: Path, *flags: str) -> Path:
+        key = (str(recipe), *flags)
+        if key not in done:
+            out = root / f"gen{len(done)}"
+            assert main(["generate", str(recipe), "--out", str(out), *flags]) == 0
+            done[key] = out
+        return done[key]
+
+    return run
