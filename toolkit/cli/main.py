@@ -16,6 +16,7 @@ VERBS = {
     "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, HF <-> Megatron-Core"),
     "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
     "health": ("toolkit.cli.health", "preflight: collectives, bandwidth, stragglers, hangs on every rank"),
+    "slurm": ("toolkit.cli.slurm", "render or submit SLURM job scripts for a recipe"),
     "restore-test": ("toolkit.cli.restore_test", "train, kill after a save, resume: prove the run comes back"),
 }
 

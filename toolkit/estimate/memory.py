@@ -181,9 +181,9 @@ def _model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params
     if plan.zero == 0:
         # bf16: DeepSpeed's BF16_Optimizer accumulates into fp32 gradients; fp16/fp32: gradients in weight dtype
         gradients = params.total * (FP32 if plan.precision == "bf16" else w)
-    elif plan.zero == 1:
-        gradients = params.total * w
     else:
+        # ZeRO-1 as ZeRO-2: with contiguous_gradients (the default) DeepSpeed copies only this rank's partition into
+        # grads_in_partition after the reduce buckets (stage_1_and_2.py), so no full gradient copy stays resident
         gradients = partition * w
     optimizer = opt_bytes * (params.total if plan.zero == 0 else partition)
     if plan.zero in (1, 2):
@@ -194,7 +194,7 @@ def _model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params
         live = min(DS_STAGE3_MAX_LIVE_PARAMETERS, 2 * layer_params)  # gathered layers in use or prefetched
         buffers["stage3_live_params"] = live * w
         buffers["stage3_prefetch_bucket"] = min(DS_STAGE3_PREFETCH_ELEMENTS, params.total) * w
-        buffers["reduce_bucket"] = min(DS_REDUCE_BUCKET_ELEMENTS, params.total) * w
+        buffers["reduce_bucket"] = DS_REDUCE_BUCKET_ELEMENTS * w  # allocated whole at init and kept (stage3.py)
         if plan.offload_params != "none":
             host += weights if plan.offload_params == "cpu" else 0
             weights = 0

@@ -1,4 +1,4 @@
-"""`dmt generate`: resolve a recipe once and write every launch file from that one plan, each atomically.
+"""`dmt generate`: resolve a recipe once and write every launch file from that one plan, atomically.
 
 Writers form a registry (file name -> function of the context); other parts of the toolkit register theirs
 (megatron.yaml, megatron_args.txt, slurm.sbatch) here.
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -26,12 +28,13 @@ class GenerationContext:
     model: ModelSpec
     plan: Plan
     out_dir: Path
+    overrides: dict = field(default_factory=dict)  # plan options given on the command line, for launch commands
 
 
 def _deepspeed(ctx: GenerationContext) -> str:
     from toolkit.generate.deepspeed import deepspeed_config
 
-    return json.dumps(deepspeed_config(ctx.plan, ctx.recipe.training), indent=2) + "\n"
+    return json.dumps(deepspeed_config(ctx.plan, ctx.recipe.training, ctx.recipe.deepspeed), indent=2) + "\n"
 
 
 def _accelerate(ctx: GenerationContext) -> str:
@@ -50,7 +53,15 @@ def _trainer_args(ctx: GenerationContext) -> str:
 def _launch(ctx: GenerationContext) -> str:
     from toolkit.generate.launch import launch_script
 
-    return launch_script(ctx.recipe, ctx.plan, str(ctx.recipe_path.resolve()))
+    return launch_script(ctx.recipe, ctx.plan, str(ctx.recipe_path.resolve()), ctx.overrides)
+
+
+def _slurm(ctx: GenerationContext) -> str:
+    from toolkit.generate.launch import plan_flags
+    from toolkit.slurm.render import render_sbatch
+
+    return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, deepspeed_json=str(ctx.out_dir / "deepspeed.json"),
+                         output_dir=str(ctx.out_dir / "run"), train_flags=plan_flags(ctx.overrides))
 
 
 def _plan(ctx: GenerationContext) -> str:
@@ -76,30 +87,45 @@ WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] =
     "accelerate.yaml": (("deepspeed",), _accelerate),
     "trainer_args.json": (("deepspeed",), _trainer_args),
     "launch.sh": (("deepspeed",), _launch),
+    "slurm.sbatch": (("deepspeed",), _slurm),
 }
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}
 
 
-def resolve(recipe_path: Path, **overrides) -> GenerationContext:
+def resolve(recipe_path: Path, out_dir: Path = Path("."), **overrides) -> GenerationContext:
     recipe = load_recipe(recipe_path)
     model = recipe_model(recipe)
-    return GenerationContext(recipe, recipe_path, model, recipe_plan(recipe, model, **overrides), Path("."))
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return GenerationContext(recipe, Path(recipe_path), model, recipe_plan(recipe, model, **overrides),
+                             Path(out_dir).resolve(), overrides)
+
+
+def render(ctx: GenerationContext) -> dict[str, str]:
+    """Every registered file of the plan's backend, as text (nothing written)."""
+    return {name: writer(ctx) for name, (backends, writer) in WRITERS.items() if ctx.plan.backend in backends}
 
 
 def generate(recipe_path: Path, out_dir: Path, **overrides) -> list[Path]:
-    """Write every registered file into out_dir; each file appears whole or not at all, other files are kept."""
-    ctx = resolve(recipe_path, **overrides)
-    out_dir = out_dir.resolve()
-    ctx = GenerationContext(ctx.recipe, recipe_path, ctx.model, ctx.plan, out_dir)
-    contents = {name: writer(ctx) for name, (backends, writer) in WRITERS.items() if ctx.plan.backend in backends}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in contents.items():
-        path = out_dir / name
-        tmp = out_dir / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(text)
-        if name in EXECUTABLE:
-            tmp.chmod(0o755)
-        os.replace(tmp, path)
-        written.append(path)
-    return written
+    """Write every registered file into out_dir. All contents are rendered before anything is written; a new
+    directory appears whole (temp dir + rename); in an existing one each file is replaced atomically and files
+    that are not ours (a run directory, say) are kept."""
+    ctx = resolve(recipe_path, out_dir, **overrides)
+    out_dir = ctx.out_dir
+    contents = render(ctx)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        for name, text in contents.items():
+            (staging / name).write_text(text)
+            if name in EXECUTABLE:
+                (staging / name).chmod(0o755)
+        staging.chmod(0o755)
+        try:
+            os.rename(staging, out_dir)  # fails if out_dir exists (and is not empty): then file by file
+        except OSError:
+            out_dir.mkdir(exist_ok=True)
+            for name in contents:
+                os.replace(staging / name, out_dir / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out_dir / name for name in contents]

@@ -1,0 +1,136 @@
+"""Generated SLURM scripts: multi-node rendering checked against Slurm's own variables, and real jobs on a real Slurm."""
+
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, TINY
+from toolkit.backends.metrics import read_metrics
+from toolkit.checkpoint.manifest import resolve_latest
+from toolkit.cli.main import main
+
+
+def _recipe(tmp_path: Path, gpus: int, gpus_per_node: int = 8, **training) -> Path:
+    text = TINY.read_text().replace("gpus: 2\n  gpus_per_node: 2", f"gpus: {gpus}\n  gpus_per_node: {gpus_per_node}")
+    text = text.replace("data/tiny_corpus.txt", str(ROOT / "recipes/data/tiny_corpus.txt"))
+    for key, value in training.items():
+        text = "\n".join(f"  {key}: {value}" if line.startswith(f"  {key}:") else line for line in text.splitlines()) + "\n"
+    path = tmp_path / f"recipe-{gpus}.yaml"
+    path.write_text(text)
+    return path
+
+
+def _fake_bin(tmp_path: Path) -> Path:
+    """`srun` that runs its command once per node with that node's SLURM_NODEID; `torchrun` that prints its args."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                                  'for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n "$@"; done\n')
+    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\necho "torchrun $*"\n')
+    for tool in ("srun", "torchrun"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("nodes", [2, 4, 16, 64])
+def test_multi_node_rendezvous_as_slurm_would_set_it(tmp_path, capsys, nodes):
+    recipe = _recipe(tmp_path, nodes * 8, global_batch=1024)
+    recipe.write_text(recipe.read_text().replace("micro_batch: 4", "micro_batch: 1"))
+    assert main(["slurm", "render", str(recipe), "--partition", "gpu", "--time", "2-00:00:00"]) == 0
+    script = capsys.readouterr().out
+    assert f"#SBATCH --nodes={nodes}" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "--ntasks=$((SLURM_NNODES * 8)) --ntasks-per-node=8" in script  # the preflight: one task per GPU
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --requeue" in script and "--signal=B:USR1@" in script
+    # run the script's rendezvous and launch lines with the variables Slurm sets for this allocation
+    body = script.split("trap requeue USR1", 1)[1].split("# Preflight", 1)[0]
+    launch = script.split("rm -f \"$OUTPUT_DIR/SAVE_AND_EXIT\"", 1)[1].replace("&\nTRAIN_PID=$!\nwait \"$TRAIN_PID\"", "")
+    head = script.split("set -euo pipefail", 1)[1].split("requeue() {", 1)[0]
+    harness = tmp_path / "harness.sh"
+    fake = _fake_bin(tmp_path)  # ahead of the Python environment the script puts on PATH
+    harness.write_text("set -euo pipefail\n" + head + f"export PATH={fake}:$PATH\n" + body + launch
+                       + 'echo "MASTER=$MASTER_ADDR:$MASTER_PORT"\n')
+    conf = tmp_path / "slurm.conf"  # scontrol's hostname expansion is local but needs a config to start
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=gpu[001-999]\nPartitionName=p Nodes=ALL\n")
+    env = dict(os.environ, SLURM_JOB_ID="123456", SLURM_CONF=str(conf),
+               SLURM_JOB_NODELIST=f"gpu[001-{nodes:03d}]", SLURM_NNODES=str(nodes))
+    out = subprocess.run(["bash", str(harness)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    launches = [line for line in lines if line.startswith("torchrun")]
+    assert len(launches) == nodes
+    for node, line in enumerate(launches):  # every node gets its own rank, all agree on the rendezvous
+        assert f"--nnodes={nodes}" in line and f"--node_rank={node}" in line and "--nproc_per_node=8" in line
+        assert f"--master_addr=gpu001 --master_port={20000 + 123456 % 20000}" in line
+        assert "--resume auto" in line
+    assert lines[-1] == f"MASTER=gpu001:{20000 + 123456 % 20000}"
+
+
+def test_render_rejects_an_allocation_that_does_not_match_the_plan(capsys):
+    assert main(["slurm", "render", str(TINY), "--nodes", "3"]) == 2
+    assert "--nodes" in capsys.readouterr().err
+    assert main(["slurm", "render", str(TINY), "--time", "forever"]) == 2
+
+
+def _job(slurm, job_id: str) -> dict:
+    text = subprocess.run(["scontrol", "show", "job", job_id], env=slurm["env"], capture_output=True, text=True).stdout
+    return dict(part.split("=", 1) for part in text.split() if "=" in part)
+
+
+def _wait_job(slurm, job_id: str, states: tuple[str, ...], timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = _job(slurm, job_id)
+        if job.get("JobState") in states:
+            return job
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not reach {states}: {job}")
+
+
+def _submit(slurm, recipe: Path, out: Path, capsys) -> str:
+    env_backup = dict(os.environ)
+    os.environ.update(slurm["env"])
+    try:
+        assert main(["slurm", "submit", str(recipe), "--output-dir", str(out), "--time", "00:30:00"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(env_backup)
+    return capsys.readouterr().out.strip()
+
+
+@pytest.mark.distributed
+def test_submitted_job_runs_preflight_trains_and_checkpoints(slurm, tmp_path, capsys):
+    out = tmp_path / "run"
+    job_id = _submit(slurm, _recipe(tmp_path, 2, 2), out, capsys)
+    job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600)
+    log = next((tmp_path / "slurm-logs").glob(f"*-{job_id}.out")).read_bytes().decode(errors="replace")
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-3000:]
+    assert "ranks on" in log and "preflight failed" not in log  # the health preflight ran (and passed) first
+    records = read_metrics(out)
+    assert records[-1]["step"] == 30 and records[-1]["loss"] < records[0]["loss"] - 1.0
+    assert resolve_latest(out).name == "checkpoint-30"
+
+
+@pytest.mark.distributed
+def test_usr1_saves_requeues_and_the_next_run_resumes(slurm, tmp_path, capsys):
+    out = tmp_path / "run"
+    recipe = _recipe(tmp_path, 2, 2, max_steps=150, save_steps=1000)
+    job_id = _submit(slurm, recipe, out, capsys)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(read_metrics(out)) < 20:
+        time.sleep(0.5)
+    assert len(read_metrics(out)) >= 20, "training never got going"
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm["env"], check=True)
+    job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 900)
+    log = next((tmp_path / "slurm-logs").glob(f"*-{job_id}.out")).read_bytes().decode(errors="replace")
+    assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) >= 1, log[-3000:]
+    steps = [r["step"] for r in read_metrics(out)]
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    interrupted_at = saved[0]
+    assert 20 <= interrupted_at < 150 and saved[-1] == 150  # saved on request, then finished after the requeue
+    resumed = steps[steps.index(interrupted_at) + 1:]
+    assert resumed[0] == interrupted_at + 1 and resumed[-1] == 150  # step numbers continue after the resume

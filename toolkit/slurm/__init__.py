@@ -1,0 +1,1 @@
+"""SLURM job scripts rendered from a recipe and its plan, and their submission."""

@@ -1,0 +1,75 @@
+"""Render the sbatch templates of slurm/ for a recipe: rendezvous, NCCL defaults, preflight, resume, requeue."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from string import Template
+
+from toolkit.errors import UserInputError
+from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import Recipe
+
+TEMPLATES = Path(__file__).resolve().parent.parent.parent / "slurm"
+_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+
+
+def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
+    """Where job logs go: beside the training output (it must exist before sbatch opens the log)."""
+    return Path(output_dir or f"runs/{recipe.name}").resolve().parent / "slurm-logs"
+
+
+def render_sbatch(
+    recipe: Recipe,
+    plan: Plan,
+    recipe_path: Path,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    partition: str | None = None,
+    time_limit: str = "24:00:00",
+    account: str | None = None,
+    output_dir: str | None = None,
+    deepspeed_json: str | None = None,
+    kind: str = "train-torchrun",
+    train_flags: list[str] | None = None,
+) -> str:
+    """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job."""
+    nodes = nodes or recipe.cluster.num_nodes
+    per_node = gpus_per_node or recipe.cluster.gpus_per_node
+    if nodes < 1 or per_node < 1:
+        raise UserInputError("--nodes", "nodes and GPUs per node must be positive")
+    if nodes * per_node != plan.gpus:
+        raise UserInputError("--nodes", f"{nodes} x {per_node} GPUs = {nodes * per_node}, the plan needs {plan.gpus}; "
+                                        f"use --nodes {max(1, plan.gpus // per_node)} or change the recipe")
+    if not _TIME.match(time_limit):
+        raise UserInputError("--time", f"'{time_limit}' is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
+    cpu = recipe.cluster.accelerator == "cpu"
+    extra = [f"#SBATCH --partition={partition}"] if partition else []
+    extra += [f"#SBATCH --account={account}"] if account else []
+    log_dir = str(slurm_log_dir(recipe, output_dir))
+    values = dict(
+        recipe_name=recipe.name,
+        job_name=re.sub(r"[^A-Za-z0-9_.-]", "-", recipe.name),
+        nodes=nodes,
+        gpus_per_node=per_node,
+        world=plan.gpus,
+        gpus_per_node_directive=per_node,
+        cpus_per_task=(os.cpu_count() or 2) if cpu else 8 * per_node,  # one launcher task per node: all its CPUs
+        time_limit=time_limit,
+        log_dir=log_dir,
+        signal_lead_s=120,
+        extra_directives="\n".join(extra),
+        output_dir=str(Path(output_dir or f"runs/{recipe.name}").resolve()),
+        omp_threads=1 if cpu else 8,
+        cpu_env="export CUDA_VISIBLE_DEVICES=''  # CPU recipe: gloo ranks" if cpu else "",
+        health_sizes="1K,1M" if cpu else "1M,64M,256M",
+        recipe_path=str(recipe_path.resolve()),
+        python_bin_dir=str(Path(sys.executable).parent),
+        deepspeed_flag=" ".join(([f"--deepspeed {deepspeed_json}"] if deepspeed_json else []) + list(train_flags or [])),
+    )
+    text = Template((TEMPLATES / f"{kind}.sbatch.tmpl").read_text()).substitute(values)
+    if cpu:  # no GRES on CPU partitions
+        text = text.replace(f"#SBATCH --gpus-per-node={per_node}\n", "")
+    return text
