@@ -56,8 +56,14 @@ def _run(args: argparse.Namespace) -> int:
                      zero=args.zero, micro_batch=args.micro_batch)
     plan = recipe_plan(recipe, model, **overrides)
     output_dir = args.output_dir or Path("runs") / recipe.name
-    if plan.backend == "megatron":
-        raise UserInputError("--backend", "the Megatron-Core training backend is not available yet; use deepspeed")
+    if plan.backend == "megatron":  # issue 5: Megatron-Core backend (toolkit/backends/megatron_core.py)
+        if args.deepspeed:
+            raise UserInputError("--deepspeed", "is a DeepSpeed option; the megatron backend builds megatron.yaml")
+        from toolkit.backends.megatron_core import train as train_megatron
+
+        summary = train_megatron(recipe, model, plan, output_dir, args.resume)
+        logging.getLogger("toolkit.train").info("done: %s", summary)
+        return 0
     from toolkit.backends.hf_trainer import train
 
     summary = train(recipe, model, plan, output_dir, args.deepspeed, args.resume)

@@ -80,6 +80,25 @@ def _plan(ctx: GenerationContext) -> str:
     return json.dumps(record, indent=2) + "\n"
 
 
+def _megatron_config(ctx: GenerationContext) -> dict:  # issue 5: megatron.yaml / megatron_args.txt writers
+    from toolkit.backends.hf_trainer import _hf_config
+    from toolkit.generate.megatron import megatron_config
+
+    return megatron_config(ctx.recipe, ctx.model, ctx.plan, _hf_config(ctx.recipe, ctx.model))
+
+
+def _megatron_yaml(ctx: GenerationContext) -> str:
+    from toolkit.generate.megatron import megatron_yaml
+
+    return megatron_yaml(_megatron_config(ctx), ctx.recipe.name)
+
+
+def _megatron_args(ctx: GenerationContext) -> str:
+    from toolkit.generate.megatron_args import megatron_args_text
+
+    return megatron_args_text(_megatron_config(ctx), ctx.recipe.name)
+
+
 # file name -> (backends it belongs to, writer)
 WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] = {
     "plan.json": (("deepspeed", "megatron"), _plan),
@@ -88,6 +107,8 @@ WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] =
     "trainer_args.json": (("deepspeed",), _trainer_args),
     "launch.sh": (("deepspeed",), _launch),
     "slurm.sbatch": (("deepspeed",), _slurm),
+    "megatron.yaml": (("megatron",), _megatron_yaml),
+    "megatron_args.txt": (("megatron",), _megatron_args),
 }
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}
 

@@ -1,0 +1,95 @@
+"""Fixtures of the Megatron-Core tests: the tiny Megatron recipe and its variants, and real torchrun launches (gloo,
+CPU) shared by every test that asserts something about them (each launch runs once per session)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import free_port
+from megatron_helpers import BIN, SAVE_AT, STEPS, TINY_MEGATRON, TRAIN
+
+
+@pytest.fixture(scope="session", autouse=True)
+def megatron_datasets_cache(tmp_path_factory):
+    """`datasets` caches what it reads; keep that out of the home directory (launched processes inherit it)."""
+    cache = tmp_path_factory.mktemp("hf-datasets-cache")
+    previous = os.environ.get("HF_DATASETS_CACHE")
+    os.environ["HF_DATASETS_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("HF_DATASETS_CACHE", None)
+    else:
+        os.environ["HF_DATASETS_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def megatron_recipe(tmp_path_factory):
+    """megatron_recipe(name, plan={...}, training={...}) -> a copy of the tiny Megatron recipe with sections updated
+    and data paths made absolute."""
+    directory = tmp_path_factory.mktemp("megatron-recipes")
+
+    def make(name: str, **changes) -> Path:
+        recipe = yaml.safe_load(TINY_MEGATRON.read_text())
+        recipe["data"]["train_files"] = [str(TINY_MEGATRON.parent / f) for f in recipe["data"]["train_files"]]
+        for section, values in changes.items():
+            recipe[section].update(values)
+        path = directory / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        return path
+
+    return make
+
+
+class Launch:
+    """One finished torchrun launch: where it wrote, its exit code and its log."""
+
+    def __init__(self, out: Path, rc: int, log: Path):
+        self.out, self.rc, self.log = out, rc, log
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log.exists() else "(no log)"
+
+
+@pytest.fixture(scope="session")
+def torchrun(tmp_path_factory):
+    """torchrun(name, script, *args, nproc=2) -> Launch; `script` defaults to toolkit/train.py and gets
+    `--output-dir <dir>` added. Each name runs once however many tests ask for it."""
+    root = tmp_path_factory.mktemp("megatron-launches")
+    done: dict[str, Launch] = {}
+
+    def run(name: str, *args: str, script: Path = TRAIN, nproc: int = 2) -> Launch:
+        if name in done:
+            return done[name]
+        out, log = root / name, root / f"{name}.log"
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(script),
+               *args, "--output-dir", str(out)]
+        env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+        with open(log, "w") as handle:
+            rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
+        done[name] = Launch(out, rc, log)
+        return done[name]
+
+    return run
+
+
+
+@pytest.fixture(scope="session")
+def distopt_recipe(megatron_recipe):
+    return megatron_recipe("tiny-megatron-distopt", plan={"distributed_optimizer": True})
+
+
+@pytest.fixture(scope="session")
+def layout_run(torchrun, distopt_recipe):
+    """layout_run("tp2" | "pp2" | "dp2") -> the Launch of that 2-rank layout, training STEPS steps with a checkpoint
+    every SAVE_AT: TP=2; PP=2 (1F1B); DP=2 with the distributed optimizer."""
+    layouts = {"tp2": (TINY_MEGATRON, "--tp", "2"), "pp2": (TINY_MEGATRON, "--pp", "2"), "dp2": (distopt_recipe,)}
+
+    def run(layout: str) -> Launch:
+        recipe, *flags = layouts[layout]
+        return torchrun(layout, "--recipe", str(recipe), *flags, "--max-steps", str(STEPS),
+                        "--save-steps", str(SAVE_AT))
+
+    return run

@@ -1,0 +1,87 @@
+"""Launched by test_megatron_mappings.py under torchrun (1 CPU rank): for each mapped family, a tiny HF model with
+random weights saved as an HF checkpoint, and the Megatron-Core GPTModel built from the family's config table and
+loaded from that checkpoint through the family's weight table; writes how far their logits of one batch differ."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5,
+             rope_theta=10000.0)
+FAMILIES = {
+    "llama": dict(SMALL, model_type="llama"),
+    "llama3-rope-scaling": dict(SMALL, model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "mistral": dict(SMALL, model_type="mistral", sliding_window=4096),
+    "qwen2": dict(SMALL, model_type="qwen2"),
+    "qwen3": dict(SMALL, model_type="qwen3", head_dim=32),
+    "mixtral": dict(SMALL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
+                 resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0),
+}
+
+
+def megatron_logits(hf_config: dict, hf_state: dict, tokens):
+    """Logits of Megatron-Core's GPTModel (TP=1, local spec) holding the HF weights, mapped by the tables."""
+    import torch
+
+    from toolkit.backends.megatron_build import build_model_chunks, initialize_parallel, transformer_config
+    from toolkit.mappings import megatron_fields, to_megatron_state_dict
+
+    sections = megatron_fields(hf_config)
+    config = {
+        "schedule": {"seed": 0},
+        "transformer_config": {**sections["transformer_config"], "tensor_model_parallel_size": 1,
+                               "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                               "expert_model_parallel_size": 1, "use_cpu_initialization": True,
+                               "transformer_impl": "local"},
+        "gpt_model": {**sections["gpt_model"], "vocab_size": sections["model"]["vocab_size"]},
+    }
+    initialize_parallel(config)
+    model = build_model_chunks(config, transformer_config(config))[0].eval()
+    missing, unexpected = model.load_state_dict(to_megatron_state_dict(hf_config, hf_state), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return model(tokens, positions, None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", type=Path, required=True)
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.backends.cpu_compat import cuda_on_cpu
+    from toolkit.backends.megatron_build import destroy, init_distributed
+
+    init_distributed()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with cuda_on_cpu():
+        for name, hf_config in FAMILIES.items():
+            torch.manual_seed(0)
+            config = AutoConfig.for_model(**hf_config)
+            hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+            tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                expected = hf_model(tokens).logits
+            hf_model.save_pretrained(args.output_dir / name)  # the checkpoint layout a converter reads
+            got = megatron_logits(hf_config, load_file(args.output_dir / name / "model.safetensors"), tokens)
+            results[name] = {"max_abs_diff": float((got - expected).abs().max()), "scale": float(expected.abs().max())}
+            destroy()
+    (args.output_dir / "logits.json").write_text(json.dumps(results, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""Constants shared by the Megatron-Core tests and their fixtures."""
+
+import sys
+from pathlib import Path
+
+from helpers import ROOT
+
+BIN = Path(sys.executable).parent
+TRAIN = ROOT / "toolkit" / "train.py"
+TINY_MEGATRON = ROOT / "recipes" / "tiny-llama-megatron-cpu.yaml"
+STEPS, SAVE_AT = 8, 4  # enough for the tiny corpus's loss to fall clearly; the resume tests restart at SAVE_AT

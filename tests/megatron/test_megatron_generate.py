@@ -1,0 +1,114 @@
+"""`dmt generate` for Megatron plans: megatron.yaml and megatron_args.txt carry the resolved plan's numbers, the
+committed megatron_configs/ match the code and validate, every Megatron-LM flag exists, and train.py validates its
+--tp/--pp/--cp overrides before launching anything."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT
+from megatron_helpers import TINY_MEGATRON, TRAIN
+from toolkit.cli.main import main
+from toolkit.generate.megatron_examples import EXAMPLES, OUT, render_examples
+from toolkit.validate.megatron import validate_megatron_config
+
+MEGATRON_LM_FLAGS = {line for line in (Path(__file__).resolve().parent / "megatron_lm_flags.txt").read_text().splitlines()
+                     if line.startswith("--")}
+
+
+def test_committed_examples_match_the_code():
+    rendered = render_examples()
+    assert {p.name for p in OUT.iterdir() if p.is_file()} == set(rendered)
+    for name, text in rendered.items():
+        assert (OUT / name).read_text() == text, f"{name} drifted: run python -m toolkit.generate.megatron_examples"
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_each_example_validates_at_its_own_world_size(name):
+    config = yaml.safe_load((OUT / f"{name}.yaml").read_text())
+    assert validate_megatron_config(config, config["schedule"]["world_size"]) == []
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_megatron_args_use_only_flags_megatron_lm_knows(name):
+    flags = [line.split()[0] for line in (OUT / f"{name}.args.txt").read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert flags and set(flags) <= MEGATRON_LM_FLAGS, set(flags) - MEGATRON_LM_FLAGS
+    assert len(flags) == len(set(flags))  # no flag twice
+
+
+def test_the_args_say_what_the_yaml_says():
+    args = (OUT / "llama-3.1-70b-tp8-pp4-vpp5.args.txt").read_text().splitlines()
+    for flag in ("--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 4",
+                 "--num-virtual-stages-per-pipeline-rank 5", "--sequence-parallel", "--use-distributed-optimizer",
+                 "--recompute-granularity selective", "--global-batch-size 512", "--micro-batch-size 1",
+                 "--group-query-attention", "--num-query-groups 8", "--swiglu", "--use-rope-scaling",
+                 "--rope-scaling-factor 8.0", "--transformer-impl transformer_engine"):
+        assert flag in args, flag
+    fp8 = (OUT / "llama-3.1-8b-tp2-cp2-fp8.args.txt").read_text().splitlines()
+    assert "--fp8-format hybrid" in fp8 and "--context-parallel-size 2" in fp8 and "--bf16" in fp8
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    def run(*flags: str) -> Path:
+        out = tmp_path_factory.mktemp("megatron-generate")
+        assert main(["generate", str(TINY_MEGATRON), "--out", str(out), *flags]) == 0
+        return out
+
+    return run
+
+
+def test_dmt_generate_writes_the_megatron_files_of_the_resolved_plan(generated):
+    import json
+
+    out = generated("--pp", "2")
+    assert {p.name for p in out.iterdir()} == {"plan.json", "megatron.yaml", "megatron_args.txt"}
+    plan = json.loads((out / "plan.json").read_text())["plan"]
+    config = yaml.safe_load((out / "megatron.yaml").read_text())
+    tc, schedule = config["transformer_config"], config["schedule"]
+    assert (tc["tensor_model_parallel_size"], tc["pipeline_model_parallel_size"]) == (plan["tp"], plan["pp"]) == (1, 2)
+    assert (schedule["data_parallel_size"], schedule["micro_batch_size"], schedule["num_microbatches"],
+            schedule["global_batch_size"]) == (plan["dp"], plan["micro_batch"], plan["grad_accum"], plan["global_batch"])
+    assert config["ddp_config"]["use_distributed_optimizer"] is plan["distributed_optimizer"]
+    assert (tc["bf16"], tc["params_dtype"], tc.get("recompute_granularity")) == (False, "float32", None)
+    assert tc["transformer_impl"] == "local" and tc["use_cpu_initialization"] is True  # a CPU recipe
+    assert "--pipeline-model-parallel-size 2" in (out / "megatron_args.txt").read_text().splitlines()
+
+
+def test_generate_refuses_a_family_without_a_mapping(tmp_path, capsys):
+    recipe = yaml.safe_load(TINY_MEGATRON.read_text())
+    recipe["model"] = {"source": "gemma-2-9b"}
+    recipe["data"]["train_files"] = [str(TINY_MEGATRON.parent / f) for f in recipe["data"]["train_files"]]
+    recipe["cluster"].update(gpus=8, gpus_per_node=8)
+    recipe["training"].update(seq_len=4096, global_batch=32)
+    path = tmp_path / "gemma.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert main(["generate", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no Megatron-Core mapping for model family 'gemma2'" in err[0], err
+
+
+def _train_py(*flags: str) -> subprocess.CompletedProcess:
+    """train.py as one process that believes it is one of 2 ranks: enough to reach the checks made before training."""
+    return subprocess.run([sys.executable, str(TRAIN), "--recipe", str(TINY_MEGATRON), *flags],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, WORLD_SIZE="2", HF_HUB_OFFLINE="1"))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--tp", "4"), "train.py: error: --tp: 4 must divide attention heads (4) and kv heads (2)"),
+    (("--cp", "2"), "train.py: error: megatron.yaml: transformer_config.transformer_impl: context_parallel_size 2 needs "
+                      "Transformer Engine"),
+    (("--zero", "1"), "train.py: error: --zero: is a DeepSpeed option; with Megatron use --distributed-optimizer"),
+])
+def test_train_py_validates_plan_overrides_before_launching(flags, says, tmp_path):
+    result = _train_py(*flags, "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(says), result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing was started

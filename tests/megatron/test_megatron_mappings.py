@@ -1,0 +1,122 @@
+"""The HF <-> Megatron-Core tables: the split/merge helpers round-trip, every preset of a mapped family reads the same
+through the table as through the model spec, settings Megatron-Core cannot express are refused, and tiny HF models of
+every family give Megatron-Core's logits once their checkpoint is loaded through the weight table."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from toolkit.errors import UserInputError
+from toolkit.mappings import (
+    FAMILY_MODULES,
+    hf_fields,
+    mapping_for,
+    megatron_fields,
+    merge_gated,
+    merge_qkv,
+    split_gated,
+    split_qkv,
+)
+from toolkit.spec.model import PRESET_DIR, load_model_spec
+
+SCRIPT = Path(__file__).resolve().parent / "mcore_vs_hf.py"
+MAPPED_PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.json")
+                        if json.loads(p.read_text())["model_type"] in FAMILY_MODULES)
+
+
+@pytest.mark.parametrize("heads, groups", [(8, 2), (4, 4), (6, 1)])
+def test_qkv_merge_interleaves_per_query_group_and_splits_back(heads, groups):
+    import torch
+
+    head_dim, hidden = 3, 5
+    q = torch.arange(heads * head_dim * hidden, dtype=torch.float).reshape(heads * head_dim, hidden)
+    k = -torch.arange(groups * head_dim * hidden, dtype=torch.float).reshape(groups * head_dim, hidden) - 1
+    v = k - 1000
+    merged = merge_qkv(q, k, v, heads, groups, head_dim)
+    per_group = heads // groups  # group g: its heads' queries, then its key head, then its value head
+    expected = torch.cat([torch.cat([q[g * per_group * head_dim:(g + 1) * per_group * head_dim],
+                                     k[g * head_dim:(g + 1) * head_dim], v[g * head_dim:(g + 1) * head_dim]])
+                          for g in range(groups)])
+    assert torch.equal(merged, expected)
+    for got, want in zip(split_qkv(merged, heads, groups, head_dim), (q, k, v)):
+        assert torch.equal(got, want)
+    bias = merge_qkv(q[:, 0], k[:, 0], v[:, 0], heads, groups, head_dim)  # biases take the same path
+    assert torch.equal(bias, merged[:, 0])
+
+
+def test_gated_mlp_merge_is_gate_then_up_and_splits_back():
+    import torch
+
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    merged = merge_gated(gate, up)
+    assert torch.equal(merged[:6], gate)
+    assert all(torch.equal(a, b) for a, b in zip(split_gated(merged), (gate, up)))
+
+
+@pytest.mark.parametrize("preset", MAPPED_PRESETS)
+def test_every_mapped_preset_reads_the_same_through_the_table_and_the_model_spec(preset):
+    hf = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+    spec, sections = load_model_spec(preset), megatron_fields(hf)
+    tc, gpt = sections["transformer_config"], sections["gpt_model"]
+    assert (tc["num_layers"], tc["hidden_size"], tc["num_attention_heads"], tc["num_query_groups"]) == \
+           (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads)
+    assert (tc.get("kv_channels") or spec.hidden_size // spec.num_attention_heads) == spec.head_dim
+    assert sections["model"]["vocab_size"] == spec.vocab_size
+    assert gpt["share_embeddings_and_output_weights"] == spec.tie_embeddings
+    assert tc["gated_linear_unit"] == spec.gated_mlp
+    assert tc["normalization"] == {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[spec.norm]
+    assert gpt["position_embedding_type"] == {"rope": "rope", "learned": "learned_absolute"}[spec.position_embedding]
+    assert (tc["qk_layernorm"], tc["add_qkv_bias"] or tc["add_bias_linear"]) == (spec.qk_norm, spec.qkv_bias)
+    assert tc["add_bias_linear"] == spec.mlp_bias == spec.attn_out_bias
+    if spec.is_moe:
+        assert (tc["num_moe_experts"], tc["moe_router_topk"], tc["moe_ffn_hidden_size"]) == \
+               (spec.num_experts, spec.experts_top_k, spec.moe_ffn_hidden_size)
+    else:
+        assert tc["ffn_hidden_size"] == spec.ffn_hidden_size and "num_moe_experts" not in tc
+
+
+@pytest.mark.parametrize("preset", MAPPED_PRESETS)
+def test_the_config_table_reads_both_ways(preset):
+    hf = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+    sections = megatron_fields(hf)
+    back = hf_fields(hf["model_type"], sections)
+    assert back["architectures"] == hf["architectures"]
+    assert megatron_fields({**hf, **back}) == sections
+    assert {k: v for k, v in back.items() if k in hf and k != "architectures"} == \
+           {k: (float(hf[k]) if isinstance(back[k], float) else hf[k]) for k in back if k in hf and k != "architectures"}
+
+
+@pytest.mark.parametrize("change, key, says", [
+    (dict(model_type="gemma2"), "model.source", "no Megatron-Core mapping for model family 'gemma2'"),
+    (dict(attention_bias=True), "model.config.attention_bias", "only biases together with the MLP"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "model.config.rope_scaling", "rope_type 'yarn'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096}),
+     "model.config.rope_scaling", "original_max_position_embeddings=4096"),
+    (dict(hidden_act="tanh"), "model.config.hidden_act", "activation 'tanh' has no Megatron-Core equivalent"),
+])
+def test_settings_megatron_core_cannot_express_are_refused(change, key, says):
+    hf = {**json.loads((PRESET_DIR / "llama-3.1-8b.json").read_text()), **change}
+    with pytest.raises(UserInputError) as err:
+        megatron_fields(hf)
+    assert err.value.key == key and says in err.value.message
+
+
+def test_every_family_declares_its_weights():
+    for family in FAMILY_MODULES:
+        mapping = mapping_for(family)
+        assert mapping.family == family and mapping.weights, family
+
+
+@pytest.mark.distributed
+def test_hf_checkpoints_give_megatron_core_the_same_logits_through_the_tables(torchrun):
+    """llama (also llama3 rope scaling and tied embeddings), mistral, qwen2 (q/k/v biases), qwen3 (q/k norms),
+    mixtral (MoE router and experts) and gpt2 (Conv1D, fused c_attn, learned positions, LayerNorm, biases)."""
+    run = torchrun("mcore-vs-hf", script=SCRIPT, nproc=1)
+    path = run.out / "logits.json"
+    assert path.is_file(), run.tail()
+    results = json.loads(path.read_text())
+    assert set(results) == {"llama", "llama3-rope-scaling", "mistral", "qwen2", "qwen3", "mixtral", "gpt2"}
+    for family, result in results.items():
+        assert result["scale"] > 0.1, family  # real logits
+        assert result["max_abs_diff"] < 1e-5, (family, result)  # a wrong mapping is off by ~1e-2 here

@@ -1,0 +1,147 @@
+"""The one CPU compatibility layer for Megatron-Core: lets its CUDA-assuming code run on CPU ranks over gloo.
+
+Megatron-Core is written for GPUs. On a machine without one (CI, the demo) it trips over four things, and this
+module answers each, in one place, only while `cuda_on_cpu()` is active and only when no GPU is present:
+
+1. `torch.cuda.current_device()` / `synchronize()` / `set_device()` -- answered as device 0 / no-ops;
+2. tensors created with a literal `device="cuda"` (grad-norm and loss-scale scalars, DDP buffers) and `.cuda()`
+   -- a torch function mode puts them on the CPU;
+3. dtype checks that spell CUDA type names (`param.type() == "torch.cuda.FloatTensor"` in the optimizers) -- the
+   same mode answers CPU tensors with the CUDA name of their dtype;
+4. the CUDA RNG tracker (`model_parallel_cuda_manual_seed`, dropout forks, recompute) -- on CPU the CPU generator
+   *is* the device generator, so the tracker forks the CPU generator's state.
+
+Nothing here changes numerics: every op still runs torch's own CPU kernel. The GPU path never imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+# what `Tensor.type()` answers on a GPU, for the dtypes Megatron-Core's optimizers check
+CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def needed() -> bool:
+    """True when this process has no GPU, so Megatron-Core needs the layer."""
+    return not torch.cuda.is_available()
+
+
+def _is_device(value) -> bool:
+    """A device argument that means an accelerator (on a CPU-only build, an index can only mean cuda:N)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return isinstance(value, torch.device) and value.type == "cuda"
+
+
+class CudaTensorsOnCpu(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU for every torch call, and reports CPU tensors under their CUDA type name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return CUDA_TYPE_NAMES.get(name, name)
+        if _is_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to, torch.Tensor.pin_memory) and len(args) > 1 and _is_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_tracker_class():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """Megatron's RNG tracker with the CPU generator as the device generator: named states (data-parallel,
+        tensor-parallel, expert) are CPU generator states, and `fork` swaps them in and out around the block."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            previous = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(previous)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            previous, previous_name = torch.get_rng_state(), self._current_state_name
+            if previous_name != "default-rng":
+                self.states_[previous_name] = previous
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(self.states_[previous_name] if previous_name != "default-rng" else previous)
+                self._current_state_name = previous_name
+
+    return CpuRNGStatesTracker
+
+
+def _install_rng(patches: list) -> None:
+    """Point Megatron-Core's RNG plumbing at the CPU generator (tracker, seeding, recompute's state save/restore)."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    tracker = _cpu_rng_tracker_class()()
+    patches += [
+        (mrandom, "_CUDA_RNG_STATE_TRACKER", tracker),
+        (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True),
+        (mrandom, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
+        (mrandom, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
+        (torch.cuda, "manual_seed", torch.manual_seed),
+        (torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
+    ]
+
+
+def _install_device(patches: list) -> None:
+    patches += [
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
+        (torch.cuda, "set_device", lambda *args, **kwargs: None),
+    ]
+
+
+@contextlib.contextmanager
+def cuda_on_cpu():
+    """While active (and only without a GPU), Megatron-Core runs on CPU tensors; everything is undone on exit."""
+    if not needed():
+        yield
+        return
+    patches: list = []
+    _install_device(patches)
+    _install_rng(patches)
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    log.info("no GPU: Megatron-Core runs on CPU through toolkit.backends.cpu_compat")
+    try:
+        with CudaTensorsOnCpu():
+            yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)

@@ -1,0 +1,170 @@
+"""Build Megatron-Core's own objects from a megatron.yaml dict: process groups, GPTModel chunks, DDP, optimizer, scheduler.
+
+Nothing here implements parallelism: every object is Megatron-Core's, built the way Megatron-LM's training loop
+builds it (parallel_state, layer spec, Float16Module for bf16/fp16, DistributedDataParallel, get_megatron_optimizer,
+OptimizerParamScheduler, the schedule from get_forward_backward_func).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from toolkit.errors import UserInputError
+from toolkit.generate.megatron import library_kwargs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MegatronSetup:
+    """The built training objects of one rank."""
+
+    config: dict  # the megatron.yaml dict
+    transformer_config: object  # megatron.core TransformerConfig
+    model: list  # DDP-wrapped model chunks (several with virtual pipeline stages)
+    optimizer: object  # MegatronOptimizer (ChainedOptimizer)
+    scheduler: object  # OptimizerParamScheduler
+
+
+def init_distributed() -> None:
+    """The default process group: nccl on GPUs (one per local rank), gloo on CPU ranks."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def initialize_parallel(config: dict) -> None:
+    """Megatron-Core's process groups for the file's TP/PP/VPP/CP/EP, and its seeded RNG streams."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    tc = config["transformer_config"]
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tc["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=tc["pipeline_model_parallel_size"],
+        virtual_pipeline_model_parallel_size=tc.get("virtual_pipeline_model_parallel_size"),
+        context_parallel_size=tc["context_parallel_size"],
+        expert_model_parallel_size=tc["expert_model_parallel_size"],
+    )
+    model_parallel_cuda_manual_seed(config["schedule"]["seed"])
+
+
+def transformer_config(config: dict):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = library_kwargs("transformer_config", config["transformer_config"])
+    if kwargs.get("virtual_pipeline_model_parallel_size") is None:
+        kwargs.pop("virtual_pipeline_model_parallel_size", None)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(config: dict, tc):
+    """The layer spec of `transformer_impl`: Transformer Engine modules (GPU) or Megatron-Core's own (`local`, CPU)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    moe = dict(num_experts=tc.num_moe_experts, moe_grouped_gemm=tc.moe_grouped_gemm, qk_layernorm=tc.qk_layernorm)
+    if tc.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise UserInputError("transformer_config.transformer_impl", "transformer_engine is not installed here; "
+                                                                        "install it or use local (no fp8, no context "
+                                                                        "parallelism)") from None
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    return gpt_layer_specs.get_gpt_layer_local_spec(**moe, normalization=tc.normalization)
+
+
+def _moe_without_transformer_engine() -> None:
+    """Megatron-Core 0.16.1's MoE router tests `te_general_gemm is not None`, a name its moe_utils only defines when
+    Transformer Engine imports: without TE (the local spec, CPU) that test raises NameError. Define the name as
+    absent, which is what the test means."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def build_model_chunks(config: dict, tc) -> list:
+    """GPTModel chunks of this rank: one per virtual pipeline stage (the first and last stages hold the embedding
+    and the output layer)."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    spec = layer_spec(config, tc)
+    if tc.num_moe_experts:
+        _moe_without_transformer_engine()
+    vpp = tc.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        model = GPTModel(
+            config=tc, transformer_layer_spec=spec, vp_stage=vp_stage,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+            **config["gpt_model"],
+        )
+        model.vp_stage = vp_stage
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if tc.bf16 or tc.fp16:
+            model = Float16Module(tc, model)
+        chunks.append(model)
+    return chunks
+
+
+def build(config: dict) -> MegatronSetup:
+    """Every training object of this rank from the megatron.yaml dict (process groups must not exist yet)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    initialize_parallel(config)
+    tc = transformer_config(config)
+    chunks = build_model_chunks(config, tc)
+    ddp_config = DistributedDataParallelConfig(**library_kwargs("ddp_config", config["ddp_config"]))
+    model = [DistributedDataParallel(tc, ddp_config, chunk, disable_bucketing=index > 0)
+             for index, chunk in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(**library_kwargs("optimizer_config",
+                                                                        config["optimizer_config"])), model)
+    scheduler = OptimizerParamScheduler(optimizer, **config["scheduler"])
+    # what Megatron-LM's train() wires into the config before the first step
+    tc.finalize_model_grads_func = finalize_model_grads
+    tc.grad_scale_func = optimizer.scale_loss
+    if ddp_config.overlap_grad_reduce:  # Megatron-LM's defaults: align grad reduce and param gather with the schedule
+        tc.no_sync_func = _per_chunk(model, "no_sync")
+        tc.grad_sync_func = _per_chunk(model, "start_grad_sync")
+    if ddp_config.overlap_param_gather:
+        tc.param_sync_func = _per_chunk(model, "start_param_sync")
+    return MegatronSetup(config, tc, model, optimizer, scheduler)
+
+
+def _per_chunk(model: list, method: str):
+    functions = [getattr(chunk, method) for chunk in model]
+    return functions if len(functions) > 1 else functions[0]
+
+
+def unwrapped(setup: MegatronSetup) -> list:
+    """The GPTModel inside each DDP (and Float16Module) wrapper."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(setup.model)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()

@@ -1,0 +1,160 @@
+"""Megatron-Core distributed checkpoints (dist_checkpointing) with the toolkit's manifest and `latest` pointer.
+
+Model and optimizer state are saved as ShardedTensors in the reshardable formats, so a checkpoint loads at another
+TP/PP/DP layout; the distributed optimizer uses `fully_reshardable`. The iteration and the scheduler go into the
+common state; each rank's RNG states are a ShardedObject, restored only when the layout is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from toolkit.backends.megatron_build import MegatronSetup, unwrapped
+from toolkit.errors import UserInputError
+
+log = logging.getLogger(__name__)
+FORMAT = "megatron-core-dist"
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp", "ep", "distributed_optimizer", "micro_batch", "grad_accum",
+               "global_batch")
+
+
+def _model_state(setup: MegatronSetup) -> dict:
+    chunks = unwrapped(setup)
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _rng_state():
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _rng_object(state):
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def _sharded_state(setup: MegatronSetup, step: int, is_loading: bool, with_rng: bool) -> dict:
+    state = _model_state(setup)
+    state["optimizer"] = setup.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
+    state["iteration"] = step
+    state["scheduler"] = setup.scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_object(_rng_state())
+    return state
+
+
+def layout(plan) -> dict:
+    return {k: getattr(plan, k) for k in LAYOUT_KEYS}
+
+
+def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, identity: dict) -> Path:
+    """Save on every rank into output_dir/checkpoint-<step>; rank 0 writes the manifest and moves `latest`."""
+    import shutil
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from toolkit.checkpoint.manifest import point_latest, write_manifest
+
+    ckpt = output_dir / f"checkpoint-{step}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete save of the same step (no manifest) is replaced
+        ckpt.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True), str(ckpt))
+    dist.barrier()  # every rank's shards are on disk before they are hashed
+    if dist.get_rank() == 0:
+        write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan), fmt=FORMAT,
+                       extra={"run": identity})
+        point_latest(output_dir, ckpt)
+    dist.barrier()
+    log.info("saved %s", ckpt)
+    return ckpt
+
+
+@contextlib.contextmanager
+def _torch_adam_distributed_load(optimizer):
+    """Megatron-Core 0.16's distributed optimizer with torch's AdamW (no Apex/TE, e.g. on CPU) does not load a
+    fully_reshardable state correctly as shipped: (1) building the loading state dict reads Adam's per-parameter
+    `step`, which a fresh optimizer does not have yet, so it is initialised here the way torch's first step would
+    (zero moments, step 0) before the checkpoint overwrites it; (2) the copy into each parameter's state expects a
+    `step` the checkpoint leaves out (it is restored from the param groups), so the restored step is handed through;
+    (3) that restored step is one tensor shared by every parameter, which torch's foreach AdamW would then advance
+    once per parameter per step: each parameter gets its own copy after loading."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    inners = [] if distrib_optimizer.HAVE_APEX_OR_TE else [
+        inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(inner, distrib_optimizer.DistributedOptimizer) and inner.optimizer is not None]
+    for inner in inners:
+        if not inner.optimizer.state:
+            inner.init_state_fn(inner.optimizer, inner.config)
+            for state in inner.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+        original = inner._set_main_param_and_optimizer_states
+
+        def with_step(model_param, tensors, inner=inner, original=original):
+            if "step" not in tensors:
+                group, order = inner.model_param_group_index_map[model_param]
+                state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        inner._set_main_param_and_optimizer_states = with_step
+    yield
+    for inner in inners:
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+        del inner._set_main_param_and_optimizer_states  # back to the class's method
+
+
+def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
+    """Load model, optimizer, scheduler (and RNG when the layout is unchanged) from `ckpt`; returns its step."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from toolkit.checkpoint.manifest import read_manifest
+
+    manifest = read_manifest(ckpt)
+    if manifest is None:
+        raise UserInputError("--resume", f"{ckpt} has no manifest: it was not completely saved by the toolkit")
+    if manifest.get("format") != FORMAT:
+        raise UserInputError("--resume", f"{ckpt} is a {manifest.get('format')} checkpoint, not {FORMAT}")
+    saved_layout = manifest.get("layout", {})
+    if saved_layout.get("distributed_optimizer") != plan.distributed_optimizer:
+        raise UserInputError("--resume", f"{ckpt.name} was saved with distributed_optimizer="
+                                         f"{saved_layout.get('distributed_optimizer')}; resume with the same setting")
+    same_layout = saved_layout == layout(plan)
+    with _torch_adam_distributed_load(setup.optimizer):
+        state = dist_checkpointing.load(_sharded_state(setup, 0, is_loading=True, with_rng=same_layout), str(ckpt))
+        chunks = unwrapped(setup)
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
+        setup.optimizer.load_state_dict(state["optimizer"])
+    setup.scheduler.load_state_dict(state["scheduler"])
+    if same_layout:
+        rng = state["rng_state"]
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+    else:
+        log.info("layout changed (%s -> %s): model and optimizer resharded, RNG streams reseeded",
+                 saved_layout, layout(plan))
+    return int(state["iteration"])

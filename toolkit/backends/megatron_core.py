@@ -1,0 +1,238 @@
+"""Train with Megatron-Core from a recipe: megatron.yaml built and validated in-process, the HF path's tokenised data,
+Megatron-Core's pipeline schedule, metrics.jsonl, and dist checkpoints with manifests.
+
+Launched as `torchrun --nproc_per_node N toolkit/train.py --recipe R --backend megatron` (train.py dispatches here).
+Without a GPU every Megatron-Core call runs inside `cpu_compat.cuda_on_cpu()`; with one, that module is never imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+def megatron_yaml_for(recipe: Recipe, model: ModelSpec, plan: Plan) -> dict:
+    """The megatron.yaml dict of this run (the same function `dmt generate` writes the file with), validated."""
+    from toolkit.backends.hf_trainer import _hf_config
+    from toolkit.generate.megatron import megatron_config
+    from toolkit.validate.megatron import validate_megatron_config
+
+    config = megatron_config(recipe, model, plan, _hf_config(recipe, model))
+    problems = validate_megatron_config(config, plan.gpus)
+    if problems:  # the plan passed resolve_plan, so this is a rule only Megatron-Core knows
+        raise UserInputError(f"megatron.yaml: {problems[0].key}", problems[0].message)
+    return config
+
+
+def _device_context():
+    import torch
+
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from toolkit.backends.cpu_compat import cuda_on_cpu
+
+    return cuda_on_cpu()
+
+
+def _tokenised_data(recipe: Recipe, output_dir: Path, seq_len: int):
+    """The HF backend's tokenizer and packed blocks (rank 0 builds and saves the tokenizer, the others load it)."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
+
+    tokenizer_dir = output_dir / "tokenizer"
+    for turn in (0, 1):  # rank 0 first (it also fills the datasets cache), then everyone else
+        if (dist.get_rank() == 0) == (turn == 0):
+            if tokenizer_dir.is_dir():
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            else:
+                tokenizer = build_tokenizer(recipe, load_texts(recipe))
+                tokenizer.save_pretrained(tokenizer_dir)
+            train_set, _ = packed_datasets(recipe, tokenizer, seq_len)
+        dist.barrier()
+    return tokenizer, train_set.with_format("torch")
+
+
+class GlobalBatches:
+    """Which packed blocks each optimizer step trains on: a seeded permutation per epoch, read in order, so step s
+    sees the same samples at any layout and after any resume. Each DP rank takes its contiguous share."""
+
+    def __init__(self, dataset, global_batch: int, seed: int):
+        self.dataset, self.global_batch, self.seed = dataset, global_batch, seed
+        self._orders: dict[int, list[int]] = {}
+
+    def indices(self, step: int) -> list[int]:
+        import torch
+
+        n, result = len(self.dataset), []
+        for position in range((step - 1) * self.global_batch, step * self.global_batch):
+            epoch = position // n
+            if epoch not in self._orders:
+                self._orders = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()}
+            result.append(self._orders[epoch][position % n])
+        return result
+
+    def tokens(self, indices: list[int]):
+        return self.dataset[indices]["input_ids"]
+
+
+def _micro_batches(tokens, micro: int, config: dict) -> list[dict]:
+    """Megatron-Core's inputs: labels are the next token (the last position has none and is masked), so the loss
+    averages the same seq_len - 1 predictions per block that HF's causal-LM loss does."""
+    import torch
+
+    labels = torch.roll(tokens, -1, dims=1)
+    mask = torch.ones_like(tokens, dtype=torch.float)
+    mask[:, -1] = 0.0
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    batches = []
+    for start in range(0, tokens.shape[0], micro):
+        batch = {"tokens": tokens[start:start + micro], "labels": labels[start:start + micro],
+                 "loss_mask": mask[start:start + micro], "position_ids": positions[start:start + micro]}
+        if config["transformer_config"]["context_parallel_size"] > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            batch = get_batch_on_this_cp_rank(batch)
+        if torch.cuda.is_available():
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        batches.append(batch)
+    return batches
+
+
+def forward_step(data_iterator, model):
+    """Megatron-Core's forward step contract: (output, loss_func), loss_func -> (loss sum, tokens, logged)."""
+    import torch
+
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(per_token_loss):
+        mask = batch["loss_mask"].view(-1).float()
+        loss_sum = torch.sum(per_token_loss.view(-1).float() * mask)
+        tokens = mask.sum().to(torch.int)
+        return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+    return output, loss_func
+
+
+def _global_loss(losses: list[dict]) -> float:
+    """Mean token loss of the whole global batch: sums from the last pipeline stage's first TP rank of every
+    DP (and CP) replica, added over all ranks."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    total = torch.zeros(2, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        for record in losses:
+            total += record["lm loss"].detach().to("cpu", torch.float64)
+    device_total = total.cuda() if torch.cuda.is_available() else total
+    dist.all_reduce(device_total)
+    total = device_total.cpu()
+    return float(total[0] / total[1])
+
+
+def _save_and_exit_requested(output_dir: Path) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.backends.hf_trainer import SAVE_AND_EXIT
+
+    flag = torch.tensor([1.0 if (output_dir / SAVE_AND_EXIT).exists() else 0.0])
+    flag = flag.cuda() if torch.cuda.is_available() else flag
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def _resume_path(output_dir: Path, resume: str | None, identity: dict) -> Path | None:
+    from toolkit.backends.hf_trainer import check_resume_compatible
+    from toolkit.checkpoint.manifest import resolve_latest
+
+    if resume == "auto":
+        resume = "latest" if resolve_latest(output_dir) is not None else None
+    if not resume:
+        return None
+    path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
+    if path is None or not path.is_dir():
+        raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
+    check_resume_compatible(path, identity)
+    return path
+
+
+def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None) -> dict:
+    """Run training on this rank; returns a summary (steps, last loss)."""
+    from toolkit.backends.hf_trainer import run_identity
+    from toolkit.backends.megatron_build import init_distributed
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.gpus:
+        raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
+    config = megatron_yaml_for(recipe, model_spec, plan)
+    identity = run_identity(recipe, plan)
+    resume_path = _resume_path(output_dir, resume, identity)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    init_distributed()
+    with _device_context():
+        tokenizer, train_set = _tokenised_data(recipe, output_dir, plan.seq_len)
+        if len(tokenizer) > config["model"]["vocab_size"]:
+            raise UserInputError("model.config.vocab_size", f"{config['model']['vocab_size']} < tokenizer size "
+                                                             f"{len(tokenizer)}")
+        return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity)
+
+
+def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from toolkit.backends.megatron_build import build, destroy
+    from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.backends.metrics import MetricsWriter
+
+    setup = build(config)
+    step = load_checkpoint(setup, resume_path, plan) if resume_path else 0
+    batches = GlobalBatches(train_set, plan.global_batch, recipe.training.seed)
+    metrics = MetricsWriter(output_dir, plan.global_batch * plan.seq_len) if dist.get_rank() == 0 else None
+    forward_backward = get_forward_backward_func()
+    dp_rank, per_rank = parallel_state.get_data_parallel_rank(), plan.micro_batch * plan.grad_accum
+    save_every, loss = recipe.training.save_steps, None
+    if metrics:
+        metrics.mark(step)
+    while step < recipe.training.max_steps:
+        step += 1
+        indices = batches.indices(step)
+        tokens = batches.tokens(indices[dp_rank * per_rank:(dp_rank + 1) * per_rank])
+        micro = _micro_batches(tokens, plan.micro_batch, config)
+        learning_rate = setup.optimizer.param_groups[0]["lr"]
+        for chunk in setup.model:
+            chunk.zero_grad_buffer()
+        setup.optimizer.zero_grad()
+        iterators = [iter(micro) for _ in setup.model] if len(setup.model) > 1 else iter(micro)
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=setup.model,
+                                  num_microbatches=plan.grad_accum, seq_length=plan.seq_len,
+                                  micro_batch_size=plan.micro_batch, forward_only=False)
+        _, grad_norm, _ = setup.optimizer.step()
+        setup.scheduler.step(increment=1)
+        loss = _global_loss(losses)
+        if metrics and step % recipe.training.logging_steps == 0:
+            digest = hashlib.sha256(batches.tokens(indices).numpy().tobytes()).hexdigest()[:16]
+            metrics.write(step, loss, float(grad_norm) if grad_norm is not None else None, learning_rate,
+                          data_sha=digest)
+        stop = _save_and_exit_requested(output_dir)
+        if stop or step == recipe.training.max_steps or (save_every and step % save_every == 0):
+            save_checkpoint(setup, output_dir, step, plan, identity)
+        if stop:
+            break
+    destroy()
+    return {"global_step": step, "train_loss": loss}

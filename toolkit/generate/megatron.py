@@ -1,0 +1,156 @@
+"""megatron.yaml (the keyword arguments of Megatron-Core's own classes) and megatron_args.txt (Megatron-LM flags).
+
+megatron.yaml has one section per Megatron-Core object the training backend builds: `transformer_config`
+(TransformerConfig, which includes ModelParallelConfig), `gpt_model` (GPTModel), `ddp_config`
+(DistributedDataParallelConfig), `optimizer_config` (OptimizerConfig), `scheduler` (OptimizerParamScheduler), plus
+`schedule` (micro-batches for get_forward_backward_func) and `model` (family and vocabulary padding). The layer
+spec follows TransformerConfig's own `transformer_impl`: Transformer Engine modules on GPUs (fused kernels, fp8, context
+parallelism), Megatron-Core's local modules on CPU.
+Architecture comes from the family's mapping table; every parallel, batch, precision and recompute number is read
+from the resolved Plan, never recomputed. Names that YAML cannot hold (dtypes, the activation function) are stored
+as names and turned back into objects by `library_kwargs`.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from toolkit.estimate.params import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
+from toolkit.mappings import megatron_fields
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import Recipe
+
+SECTIONS = ("model", "transformer_config", "gpt_model", "ddp_config", "optimizer_config", "scheduler",
+            "schedule")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
+DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "main_params_dtype", "main_grads_dtype")
+RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
+             "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}  # Megatron's "adam" is AdamW (decoupled weight decay by default)
+
+
+def _precision(plan: Plan) -> dict:
+    dtype = DTYPES[plan.precision]
+    fields = {"bf16": plan.precision in ("bf16", "fp8"), "fp16": plan.precision == "fp16", "params_dtype": dtype,
+              "pipeline_dtype": dtype}
+    if plan.precision == "fp8":  # Transformer Engine's delayed-scaling recipe, E4M3 forward / E5M2 backward
+        fields["fp8"] = "hybrid"
+    return fields
+
+
+def _parallel(plan: Plan) -> dict:
+    return {
+        "tensor_model_parallel_size": plan.tp,
+        "pipeline_model_parallel_size": plan.pp,
+        "virtual_pipeline_model_parallel_size": plan.vpp if plan.vpp > 1 else None,
+        "context_parallel_size": plan.cp,
+        "expert_model_parallel_size": plan.ep,
+        "sequence_parallel": plan.sequence_parallel,
+        "num_layers_in_first_pipeline_stage": plan.first_stage_layers,
+        "num_layers_in_last_pipeline_stage": plan.last_stage_layers,
+    }
+
+
+def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dict) -> dict:
+    """The megatron.yaml contents for a recipe, its model, its resolved plan and the model's HF config dict."""
+    mapped = megatron_fields(hf_config)
+    min_lr = float(f"{recipe.training.learning_rate * recipe.training.min_lr_ratio:.6g}")
+    on_cpu = recipe.cluster.accelerator == "cpu"
+    training = recipe.training
+    vocab = mapped["model"]["vocab_size"]
+    transformer = {**mapped["transformer_config"], **_parallel(plan), **_precision(plan), **RECOMPUTE[plan.recompute],
+                   "transformer_impl": "local" if on_cpu else "transformer_engine"}
+    if model.is_moe:
+        transformer["moe_token_dispatcher_type"] = "alltoall" if plan.ep > 1 else "allgather"
+        transformer["moe_grouped_gemm"] = not on_cpu
+    if on_cpu:
+        transformer["use_cpu_initialization"] = True  # build weights on the CPU (Megatron-Core defaults to the GPU)
+    precision = _precision(plan)
+    return {
+        "model": {"family": hf_config["model_type"], "vocab_size": vocab,
+                  "make_vocab_size_divisible_by": MEGATRON_VOCAB_DIVISIBLE_BY,
+                  "padded_vocab_size": megatron_padded_vocab(vocab, plan.tp)},
+        "transformer_config": transformer,
+        "gpt_model": {**mapped["gpt_model"], "vocab_size": megatron_padded_vocab(vocab, plan.tp)},
+        "ddp_config": {
+            "use_distributed_optimizer": plan.distributed_optimizer,
+            "grad_reduce_in_fp32": plan.precision != "fp32",
+            "overlap_grad_reduce": not on_cpu,
+            "overlap_param_gather": plan.distributed_optimizer and not on_cpu,
+        },
+        "optimizer_config": {
+            "optimizer": OPTIMIZERS[plan.optimizer],
+            "lr": training.learning_rate,
+            "min_lr": min_lr,
+            "weight_decay": training.weight_decay,
+            "adam_beta1": training.adam_beta1,
+            "adam_beta2": training.adam_beta2,
+            "adam_eps": training.adam_eps,
+            "sgd_momentum": training.adam_beta1,
+            "clip_grad": training.grad_clip,
+            "use_distributed_optimizer": plan.distributed_optimizer,
+            "bf16": precision["bf16"],
+            "fp16": precision["fp16"],
+            "params_dtype": precision["params_dtype"],
+        },
+        "scheduler": {
+            "init_lr": 0.0,
+            "max_lr": training.learning_rate,
+            "min_lr": min_lr if training.lr_scheduler != "constant" else training.learning_rate,
+            "lr_warmup_steps": training.warmup_steps,
+            "lr_decay_steps": training.max_steps,
+            "lr_decay_style": training.lr_scheduler,
+            "start_wd": training.weight_decay,
+            "end_wd": training.weight_decay,
+            "wd_incr_steps": training.max_steps,
+            "wd_incr_style": "constant",
+        },
+        "schedule": {
+            "world_size": plan.gpus,
+            "data_parallel_size": plan.dp,
+            "micro_batch_size": plan.micro_batch,
+            "num_microbatches": plan.grad_accum,
+            "global_batch_size": plan.global_batch,
+            "seq_length": plan.seq_len,
+            "train_iters": training.max_steps,
+            "seed": training.seed,
+        },
+    }
+
+
+def megatron_yaml(config: dict, recipe_name: str) -> str:
+    header = (f"# Megatron-Core settings of recipe {recipe_name}, written by `dmt generate` (regenerate, do not edit).\n"
+              f"# Each section holds the keyword arguments of the Megatron-Core class it names; dtypes and the\n"
+              f"# activation function are stored by name.\n")
+    return header + yaml.safe_dump({k: config[k] for k in SECTIONS}, sort_keys=False)
+
+
+def library_kwargs(section: str, values: dict) -> dict:
+    """A megatron.yaml section as the keyword arguments of its Megatron-Core class (dtype and function objects)."""
+    import torch
+
+    kwargs = dict(values)
+    for name in DTYPE_FIELDS:
+        if isinstance(kwargs.get(name), str):
+            kwargs[name] = getattr(torch, kwargs[name])
+    if section == "transformer_config":
+        if isinstance(kwargs.get("activation_func"), str):
+            kwargs["activation_func"] = activation_function(kwargs["activation_func"])
+        if isinstance(kwargs.get("window_size"), list):
+            kwargs["window_size"] = tuple(kwargs["window_size"])
+    return kwargs
+
+
+def activation_function(name: str):
+    """The function behind an activation name of megatron.yaml (the validator lists the same names)."""
+    import torch.nn.functional as F
+
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.utils import openai_gelu
+
+    functions = {"silu": F.silu, "gelu": F.gelu, "openai_gelu": openai_gelu, "relu": F.relu,
+                 "squared_relu": squared_relu}
+    if name not in functions:
+        raise ValueError(f"unknown activation '{name}'; one of {', '.join(functions)}")
+    return functions[name]

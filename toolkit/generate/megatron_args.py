@@ -1,0 +1,129 @@
+"""megatron_args.txt: the Megatron-LM `pretrain_gpt.py` flags equivalent to a megatron.yaml, one per line.
+
+The table below is the one place that knows Megatron-LM's flag names (checked against Megatron-LM's own parser of
+the Megatron-Core 0.16 line, see tests/megatron/megatron_lm_flags.txt). Data, tokenizer and checkpoint paths are the
+user's to add.
+"""
+
+from __future__ import annotations
+
+# (section, field, flag): `--flag value` when the value is set (None and False emit nothing, True emits `--flag`)
+VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("transformer_config", "num_layers", "--num-layers"),
+    ("transformer_config", "hidden_size", "--hidden-size"),
+    ("transformer_config", "ffn_hidden_size", "--ffn-hidden-size"),
+    ("transformer_config", "num_attention_heads", "--num-attention-heads"),
+    ("transformer_config", "kv_channels", "--kv-channels"),
+    ("transformer_config", "normalization", "--normalization"),
+    ("transformer_config", "layernorm_epsilon", "--norm-epsilon"),
+    ("transformer_config", "qk_layernorm", "--qk-layernorm"),
+    ("transformer_config", "init_method_std", "--init-method-std"),
+    ("transformer_config", "hidden_dropout", "--hidden-dropout"),
+    ("transformer_config", "attention_dropout", "--attention-dropout"),
+    ("transformer_config", "num_moe_experts", "--num-experts"),
+    ("transformer_config", "moe_router_topk", "--moe-router-topk"),
+    ("transformer_config", "moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("transformer_config", "moe_aux_loss_coeff", "--moe-aux-loss-coeff"),
+    ("transformer_config", "moe_router_load_balancing_type", "--moe-router-load-balancing-type"),
+    ("transformer_config", "moe_token_dispatcher_type", "--moe-token-dispatcher-type"),
+    ("transformer_config", "moe_grouped_gemm", "--moe-grouped-gemm"),
+    ("transformer_config", "tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("transformer_config", "pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("transformer_config", "virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank"),
+    ("transformer_config", "num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers"),
+    ("transformer_config", "num_layers_in_last_pipeline_stage", "--decoder-last-pipeline-num-layers"),
+    ("transformer_config", "context_parallel_size", "--context-parallel-size"),
+    ("transformer_config", "expert_model_parallel_size", "--expert-model-parallel-size"),
+    ("transformer_config", "sequence_parallel", "--sequence-parallel"),
+    ("transformer_config", "bf16", "--bf16"),
+    ("transformer_config", "fp16", "--fp16"),
+    ("transformer_config", "fp8", "--fp8-format"),
+    ("transformer_config", "recompute_granularity", "--recompute-granularity"),
+    ("transformer_config", "recompute_method", "--recompute-method"),
+    ("transformer_config", "recompute_num_layers", "--recompute-num-layers"),
+    ("transformer_config", "use_cpu_initialization", "--use-cpu-initialization"),
+    ("transformer_config", "transformer_impl", "--transformer-impl"),
+    ("gpt_model", "max_sequence_length", "--max-position-embeddings"),
+    ("gpt_model", "position_embedding_type", "--position-embedding-type"),
+    ("gpt_model", "rotary_base", "--rotary-base"),
+    ("gpt_model", "rope_scaling", "--use-rope-scaling"),
+    ("model", "make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
+    ("ddp_config", "use_distributed_optimizer", "--use-distributed-optimizer"),
+    ("ddp_config", "grad_reduce_in_fp32", "--accumulate-allreduce-grads-in-fp32"),
+    ("ddp_config", "overlap_grad_reduce", "--overlap-grad-reduce"),
+    ("ddp_config", "overlap_param_gather", "--overlap-param-gather"),
+    ("optimizer_config", "optimizer", "--optimizer"),
+    ("optimizer_config", "lr", "--lr"),
+    ("optimizer_config", "min_lr", "--min-lr"),
+    ("optimizer_config", "weight_decay", "--weight-decay"),
+    ("optimizer_config", "adam_beta1", "--adam-beta1"),
+    ("optimizer_config", "adam_beta2", "--adam-beta2"),
+    ("optimizer_config", "adam_eps", "--adam-eps"),
+    ("optimizer_config", "clip_grad", "--clip-grad"),
+    ("scheduler", "lr_warmup_steps", "--lr-warmup-iters"),
+    ("scheduler", "lr_decay_steps", "--lr-decay-iters"),
+    ("scheduler", "lr_decay_style", "--lr-decay-style"),
+    ("schedule", "micro_batch_size", "--micro-batch-size"),
+    ("schedule", "global_batch_size", "--global-batch-size"),
+    ("schedule", "seq_length", "--seq-length"),
+    ("schedule", "train_iters", "--train-iters"),
+    ("schedule", "seed", "--seed"),
+)
+
+
+def _activation(config: dict) -> list[str]:
+    transformer = config["transformer_config"]
+    name, gated = transformer.get("activation_func", "gelu"), transformer.get("gated_linear_unit", False)
+    flags = {("silu", True): ["--swiglu"], ("openai_gelu", False): ["--openai-gelu"],
+             ("squared_relu", False): ["--squared-relu"], ("gelu", False): []}
+    if (name, gated) not in flags:
+        raise ValueError(f"Megatron-LM has no flag for activation {name} (gated={gated})")
+    return flags[(name, gated)]
+
+
+def _special(config: dict) -> list[str]:
+    """Flags that are not one field each: negations, GQA's switch, the window tuple, rope scaling, the format."""
+    transformer, gpt = config["transformer_config"], config["gpt_model"]
+    flags = _activation(config)
+    if transformer.get("num_query_groups") and transformer["num_query_groups"] != transformer["num_attention_heads"]:
+        flags += ["--group-query-attention", f"--num-query-groups {transformer['num_query_groups']}"]
+    if transformer.get("add_bias_linear") is False:
+        flags.append("--disable-bias-linear")
+        if transformer.get("add_qkv_bias"):
+            flags.append("--add-qkv-bias")
+    if transformer.get("window_size"):
+        flags.append(f"--window-size {','.join(str(v) for v in transformer['window_size'])}")
+    if gpt.get("rope_scaling"):
+        flags.append(f"--rope-scaling-factor {gpt['rope_scaling_factor']}")
+    if not gpt.get("share_embeddings_and_output_weights"):
+        flags.append("--untie-embeddings-and-output-weights")
+    if config["optimizer_config"]["optimizer"] == "sgd":
+        flags.append(f"--sgd-momentum {config['optimizer_config']['sgd_momentum']}")
+    flags.append("--ckpt-format torch_dist")
+    return flags
+
+
+def _value(value) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def megatron_args(config: dict) -> list[str]:
+    """Megatron-LM flags of a megatron.yaml dict, one `--flag [value]` string each."""
+    flags = []
+    for section, name, flag in VALUE_FLAGS:
+        value = config[section].get(name)
+        if value is None or value is False:
+            continue
+        flags.append(flag if value is True else f"{flag} {_value(value)}")
+    return flags + _special(config)
+
+
+def megatron_args_text(config: dict, recipe_name: str) -> str:
+    vocab = config["model"]
+    lines = [
+        f"# Megatron-LM pretrain_gpt.py arguments of recipe {recipe_name}, written by `dmt generate`.",
+        f"# Usage: torchrun ... pretrain_gpt.py $(grep -v '^#' megatron_args.txt) --data-path ... --tokenizer-type ...",
+        f"# Vocabulary {vocab['vocab_size']}: Megatron-LM pads it to {vocab['padded_vocab_size']} "
+        f"(multiple of {vocab['make_vocab_size_divisible_by']} x tp).",
+    ]
+    return "\n".join(lines + megatron_args(config)) + "\n"

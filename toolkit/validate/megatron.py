@@ -1,0 +1,265 @@
+"""Validate a megatron.yaml the way Megatron-Core will: the toolkit's plan rules, the rules Megatron-Core only hits at
+run time, then its own config classes (constructing TransformerConfig runs ModelParallelConfig's checks too). Every
+problem names the dotted key, the conflicting values and the fix, like the DeepSpeed validator.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+from toolkit.estimate.params import megatron_padded_vocab
+from toolkit.validate import Problem
+
+TC = "transformer_config"
+# resolve_plan's flags -> the megatron.yaml key holding that number
+PLAN_KEYS = {
+    "--tp": f"{TC}.tensor_model_parallel_size", "--pp": f"{TC}.pipeline_model_parallel_size",
+    "--vpp": f"{TC}.virtual_pipeline_model_parallel_size", "--cp": f"{TC}.context_parallel_size",
+    "--ep": f"{TC}.expert_model_parallel_size", "--gpus": "schedule.world_size",
+    "--global-batch": "schedule.global_batch_size", "--micro-batch": "schedule.micro_batch_size",
+    "--seq-len": "schedule.seq_length", "--sequence-parallel": f"{TC}.sequence_parallel",
+    "--first-stage-layers": f"{TC}.num_layers_in_first_pipeline_stage",
+    "--last-stage-layers": f"{TC}.num_layers_in_last_pipeline_stage",
+    "--distributed-optimizer": "ddp_config.use_distributed_optimizer", "--optimizer": "optimizer_config.optimizer",
+    "--recompute": f"{TC}.recompute_granularity", "--precision": f"{TC}.bf16",
+}
+SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_microbatches", "global_batch_size",
+                 "seq_length", "train_iters", "seed")
+MODEL_KEYS = ("family", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size")
+LAYER_SPECS = ("local", "transformer_engine")
+ACTIVATION_NAMES = ("silu", "gelu", "openai_gelu", "relu", "squared_relu")  # toolkit.generate.megatron.activation_function
+
+
+def _section_fields() -> dict[str, tuple[str, set[str]]]:
+    """Section -> (Megatron-Core class it feeds, the names that class accepts)."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def params(fn, skip):
+        return {p for p in inspect.signature(fn).parameters if p not in skip}
+
+    return {
+        TC: ("TransformerConfig", {f.name for f in dataclasses.fields(TransformerConfig)}),
+        "gpt_model": ("GPTModel", params(GPTModel.__init__, {"self", "config", "transformer_layer_spec",
+                                                             "pre_process", "post_process", "vp_stage",
+                                                             "pg_collection", "mtp_block_spec"})),
+        "ddp_config": ("DistributedDataParallelConfig",
+                       {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}),
+        "optimizer_config": ("OptimizerConfig", {f.name for f in dataclasses.fields(OptimizerConfig)}),
+        "scheduler": ("OptimizerParamScheduler", params(OptimizerParamScheduler.__init__, {"self", "optimizer"})),
+        "schedule": ("the toolkit's schedule", set(SCHEDULE_KEYS)),
+        "model": ("the toolkit's model", set(MODEL_KEYS)),
+    }
+
+
+def _structure(config: dict) -> list[Problem]:
+    if not isinstance(config, dict):
+        return [Problem("megatron.yaml", "must hold a mapping of sections")]
+    fields = _section_fields()
+    problems = [Problem(s, "section missing; regenerate with `dmt generate`") for s in fields if s not in config]
+    for section, values in config.items():
+        if section not in fields:
+            close = difflib.get_close_matches(section, list(fields), n=1)
+            problems.append(Problem(section, f"is not a section; {f'did you mean {close[0]!r}?' if close else 'remove it'}"))
+            continue
+        if not isinstance(values, dict):
+            problems.append(Problem(section, f"must be a mapping, got {values!r}"))
+            continue
+        owner, names = fields[section]
+        for key in values:
+            if key not in names:
+                close = difflib.get_close_matches(key, sorted(names), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "remove it"
+                problems.append(Problem(f"{section}.{key}", f"is not an option of {owner}; {hint}"))
+    return problems
+
+
+def _integers(config: dict) -> list[Problem]:
+    """The sizes the arithmetic below divides by must be positive integers (or null where optional)."""
+    keys = [(TC, k) for k in ("num_layers", "num_attention_heads", "tensor_model_parallel_size",
+                              "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")]
+    keys += [("schedule", k) for k in ("world_size", "micro_batch_size", "num_microbatches", "global_batch_size",
+                                       "seq_length")] + [("gpt_model", "vocab_size")]
+    problems = []
+    for section, key in keys:
+        value = config[section].get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(Problem(f"{section}.{key}", f"{value!r} is not a positive integer"))
+    return problems
+
+
+def _model_spec(config: dict):
+    from toolkit.spec.model import ModelSpec
+
+    tc, gpt = config[TC], config["gpt_model"]
+    heads = tc["num_attention_heads"]
+    experts = tc.get("num_moe_experts") or 0
+    gated = tc.get("gated_linear_unit", False)
+    return ModelSpec(
+        name="megatron.yaml", family=config["model"].get("family", "custom"), num_layers=tc["num_layers"],
+        hidden_size=tc["hidden_size"], num_attention_heads=heads, num_kv_heads=tc.get("num_query_groups") or heads,
+        head_dim=tc.get("kv_channels") or tc["hidden_size"] // heads,
+        ffn_hidden_size=tc.get("ffn_hidden_size") or 4 * tc["hidden_size"],
+        vocab_size=config["model"].get("vocab_size", gpt["vocab_size"]),
+        activation="swiglu" if gated else "gelu", norm="rmsnorm" if tc.get("normalization") == "RMSNorm" else "layernorm",
+        position_embedding="learned" if gpt.get("position_embedding_type") == "learned_absolute" else "rope",
+        position_embedding_rows=gpt.get("max_sequence_length") or 1,
+        num_experts=experts, experts_top_k=tc.get("moe_router_topk") or 0 if experts else 0,
+        moe_ffn_hidden_size=tc.get("moe_ffn_hidden_size") if experts else None,
+    )
+
+
+def _plan_rules(config: dict) -> list[Problem]:
+    """The toolkit's own plan rules (toolkit.spec.plan), applied to the numbers in the file."""
+    from pydantic import ValidationError
+
+    from toolkit.spec.plan import resolve_plan
+
+    tc, schedule = config[TC], config["schedule"]
+    try:
+        model = _model_spec(config)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        message = err["msg"].removeprefix("Value error, ")
+        return [Problem(f"{TC}.num_query_groups" if "num_kv_heads" in message else TC, message)]
+    precision = "fp8" if tc.get("fp8") else "bf16" if tc.get("bf16") else "fp16" if tc.get("fp16") else "fp32"
+    try:
+        resolve_plan(
+            model, schedule["world_size"], backend="megatron", gpus_per_node=schedule["world_size"],
+            tp=tc.get("tensor_model_parallel_size", 1), pp=tc.get("pipeline_model_parallel_size", 1),
+            vpp=tc.get("virtual_pipeline_model_parallel_size") or 1, cp=tc.get("context_parallel_size", 1),
+            ep=tc.get("expert_model_parallel_size", 1), micro_batch=schedule["micro_batch_size"],
+            global_batch=schedule["global_batch_size"], seq_len=schedule["seq_length"],
+            sequence_parallel=tc.get("sequence_parallel", False),
+            distributed_optimizer=config["ddp_config"].get("use_distributed_optimizer", False),
+            recompute=tc.get("recompute_granularity") or "none", precision=precision,
+            first_stage_layers=tc.get("num_layers_in_first_pipeline_stage"),
+            last_stage_layers=tc.get("num_layers_in_last_pipeline_stage"),
+        )
+    except UserInputError as exc:
+        return [Problem(PLAN_KEYS.get(exc.key, exc.key), exc.message)]
+    return []
+
+
+def _runtime_rules(config: dict) -> list[Problem]:
+    """What Megatron-Core only finds out after launching (or silently gets wrong)."""
+    tc, gpt, schedule, model = config[TC], config["gpt_model"], config["schedule"], config["model"]
+    tp, pp, cp = (tc.get(k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                          "context_parallel_size"))
+    vpp = tc.get("virtual_pipeline_model_parallel_size") or 1
+    problems = []
+    vocab, tokenizer_vocab = gpt["vocab_size"], model.get("vocab_size", gpt["vocab_size"])
+    if vocab % tp:
+        problems.append(Problem("gpt_model.vocab_size", f"{vocab} is not divisible by tensor_model_parallel_size "
+                                                         f"{tp} (each rank holds an equal slice of the embedding); "
+                                                         f"pad it to {megatron_padded_vocab(tokenizer_vocab, tp)}"))
+    elif vocab < tokenizer_vocab:
+        problems.append(Problem("gpt_model.vocab_size", f"{vocab} is smaller than the tokenizer's vocabulary "
+                                                         f"{tokenizer_vocab}; set it to {megatron_padded_vocab(tokenizer_vocab, tp)}"))
+    dp = schedule["world_size"] // (tp * pp * cp)
+    if schedule.get("data_parallel_size", dp) != dp:
+        problems.append(Problem("schedule.data_parallel_size", f"{schedule['data_parallel_size']} but world "
+                                                                f"{schedule['world_size']} / (tp x pp x cp) = {dp}"))
+    micro, accum = schedule["micro_batch_size"], schedule["num_microbatches"]
+    if micro * accum * dp != schedule["global_batch_size"]:
+        problems.append(Problem("schedule.num_microbatches", f"{accum} x micro-batch {micro} x dp {dp} != global "
+                                                              f"batch {schedule['global_batch_size']}; set it to "
+                                                              f"{schedule['global_batch_size'] // max(1, micro * dp)}"))
+    elif vpp > 1 and accum % pp:
+        problems.append(Problem("schedule.num_microbatches", f"{accum}: the interleaved schedule (vpp {vpp}) runs "
+                                                              f"micro-batches in groups of pp={pp}; use a multiple of "
+                                                              f"{pp} (raise the global batch)"))
+    ddp_dist, opt_dist = (config[s].get("use_distributed_optimizer", False) for s in ("ddp_config", "optimizer_config"))
+    if ddp_dist != opt_dist:
+        problems.append(Problem("optimizer_config.use_distributed_optimizer", f"{opt_dist} but ddp_config says "
+                                                                               f"{ddp_dist}; set both the same"))
+    for flag in ("bf16", "fp16"):
+        if bool(tc.get(flag)) != bool(config["optimizer_config"].get(flag)):
+            problems.append(Problem(f"optimizer_config.{flag}", f"{config['optimizer_config'].get(flag)} but "
+                                                                 f"transformer_config.{flag} is {tc.get(flag)}; the "
+                                                                 f"optimizer must keep the model's precision"))
+    activation = tc.get("activation_func", "gelu")
+    if isinstance(activation, str) and activation not in ACTIVATION_NAMES:
+        problems.append(Problem(f"{TC}.activation_func", f"{activation!r} is not one of {', '.join(ACTIVATION_NAMES)}"))
+    spec = tc.get("transformer_impl", "transformer_engine")
+    if spec not in LAYER_SPECS:
+        problems.append(Problem(f"{TC}.transformer_impl", f"{spec!r}: use one of {', '.join(LAYER_SPECS)} for training"))
+    elif spec == "local" and (cp > 1 or tc.get("fp8")):
+        what = f"context_parallel_size {cp}" if cp > 1 else "fp8"
+        problems.append(Problem(f"{TC}.transformer_impl", f"{what} needs Transformer Engine modules; set it to "
+                                                          f"transformer_engine (GPU)"))
+    if tc.get("expert_model_parallel_size", 1) > 1 and tp > 1 and not tc.get("sequence_parallel"):
+        problems.append(Problem(f"{TC}.sequence_parallel", "MoE layers with expert and tensor parallelism need "
+                                                           "sequence parallelism; set it to true"))
+    if gpt.get("position_embedding_type") == "learned_absolute" and schedule["seq_length"] > gpt["max_sequence_length"]:
+        problems.append(Problem("schedule.seq_length", f"{schedule['seq_length']} exceeds the learned position "
+                                                        f"table of {gpt['max_sequence_length']}"))
+    scheduler = config["scheduler"]
+    if scheduler.get("lr_warmup_steps", 0) >= scheduler.get("lr_decay_steps", 1):
+        problems.append(Problem("scheduler.lr_warmup_steps", f"{scheduler['lr_warmup_steps']} must be below "
+                                                              f"lr_decay_steps {scheduler['lr_decay_steps']}"))
+    return problems
+
+
+def _library_checks(config: dict) -> list[Problem]:
+    """Megatron-Core's own config classes, constructed from the file (their __post_init__ checks run)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from toolkit.generate.megatron import library_kwargs
+
+    problems = []
+    for section, cls in ((TC, TransformerConfig), ("ddp_config", DistributedDataParallelConfig),
+                         ("optimizer_config", OptimizerConfig)):
+        try:
+            cls(**library_kwargs(section, config[section]))
+        except (ValueError, AssertionError, TypeError, AttributeError) as exc:
+            text = " ".join(str(exc).split()) or type(exc).__name__
+            named = [k for k in sorted(config[section], key=len, reverse=True) if k in text]
+            key = f"{section}.{min(named, key=text.index)}" if named else section
+            problems.append(Problem(key, f"Megatron-Core's {cls.__name__} rejects it: {text}"))
+    return problems
+
+
+def validate_megatron_config(config: dict, world_size: int | None = None) -> list[Problem]:
+    """Every problem of a megatron.yaml dict; `world_size` (the processes to launch) defaults to the file's own."""
+    problems = _structure(config)
+    if problems:
+        return problems
+    if world_size is not None and world_size != config["schedule"].get("world_size"):
+        return [Problem("schedule.world_size", f"{config['schedule'].get('world_size')} but {world_size} processes "
+                                               f"will be launched; regenerate for {world_size} GPUs")]
+    problems = _integers(config)
+    if problems:
+        return problems
+    problems = _plan_rules(config) or _runtime_rules(config)
+    return problems or _library_checks(config)
+
+
+def padding_note(config: dict) -> str | None:
+    """The vocabulary padding Megatron applies, for the report (not a problem)."""
+    vocab, padded = config["model"].get("vocab_size"), config["gpt_model"].get("vocab_size")
+    if vocab is None or padded is None or padded == vocab:
+        return None
+    tp = config[TC].get("tensor_model_parallel_size", 1)
+    return f"vocabulary {vocab} padded to {padded} (+{padded - vocab} rows, multiple of " \
+           f"{config['model'].get('make_vocab_size_divisible_by', 128)} x tp {tp})"
+
+
+def read_megatron_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserInputError("FILE", f"cannot read {path} as YAML ({' '.join(str(exc).split())})") from None
+    return data
