@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# DeepSpeed compiles its CPU comm op on first launch; keep the build inside the venv so a fresh clone never waits on
+# a stale lock left in ~/.cache/torch_extensions by a process killed mid-compile.
+RUN_ENV := PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: demo test venv clean
 
@@ -17,10 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
+	$(RUN_ENV) bash scripts/demo.sh
 
 test: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q tests
+	$(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -rfE --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
