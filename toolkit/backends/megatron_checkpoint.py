@@ -59,8 +59,11 @@ def layout(plan) -> dict:
     return {k: getattr(plan, k) for k in LAYOUT_KEYS}
 
 
-def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, identity: dict) -> Path:
-    """Save on every rank into output_dir/checkpoint-<step>; rank 0 writes the manifest and moves `latest`."""
+def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, identity: dict,
+                    hf_config: dict | None = None) -> Path:
+    """Save on every rank into output_dir/checkpoint-<step>; rank 0 writes the model's HF config.json (what
+    `dmt convert megatron-to-hf` reads), the manifest, and moves `latest`."""
+    import json
     import shutil
 
     import torch.distributed as dist
@@ -76,6 +79,8 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True), str(ckpt))
     dist.barrier()  # every rank's shards are on disk before they are hashed
     if dist.get_rank() == 0:
+        if hf_config is not None:
+            (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan), fmt=FORMAT,
                        extra={"run": identity})
         point_latest(output_dir, ckpt)

@@ -21,20 +21,26 @@ from toolkit.spec.recipe import Recipe
 log = logging.getLogger(__name__)
 
 
+def _hf_config_of(recipe: Recipe, model: ModelSpec) -> dict:
+    from toolkit.backends.hf_trainer import _hf_config
+
+    return _hf_config(recipe, model)
+
+
 def megatron_yaml_for(recipe: Recipe, model: ModelSpec, plan: Plan) -> dict:
     """The megatron.yaml dict of this run (the same function `dmt generate` writes the file with), validated."""
-    from toolkit.backends.hf_trainer import _hf_config
     from toolkit.generate.megatron import megatron_config
     from toolkit.validate.megatron import validate_megatron_config
 
-    config = megatron_config(recipe, model, plan, _hf_config(recipe, model))
+    config = megatron_config(recipe, model, plan, _hf_config_of(recipe, model))
     problems = validate_megatron_config(config, plan.gpus)
     if problems:  # the plan passed resolve_plan, so this is a rule only Megatron-Core knows
         raise UserInputError(f"megatron.yaml: {problems[0].key}", problems[0].message)
     return config
 
 
-def _device_context():
+def device_context():
+    """Where Megatron-Core runs: as is on a GPU, inside the CPU compatibility layer without one."""
     import torch
 
     if torch.cuda.is_available():
@@ -183,15 +189,16 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     resume_path = _resume_path(output_dir, resume, identity)
     output_dir.mkdir(parents=True, exist_ok=True)
     init_distributed()
-    with _device_context():
+    with device_context():
         tokenizer, train_set = _tokenised_data(recipe, output_dir, plan.seq_len)
         if len(tokenizer) > config["model"]["vocab_size"]:
             raise UserInputError("model.config.vocab_size", f"{config['model']['vocab_size']} < tokenizer size "
                                                              f"{len(tokenizer)}")
-        return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity)
+        hf_config = _hf_config_of(recipe, model_spec)
+        return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config)
 
 
-def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity) -> dict:
+def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -231,7 +238,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
                           data_sha=digest)
         stop = _save_and_exit_requested(output_dir)
         if stop or step == recipe.training.max_steps or (save_every and step % save_every == 0):
-            save_checkpoint(setup, output_dir, step, plan, identity)
+            save_checkpoint(setup, output_dir, step, plan, identity, hf_config)
         if stop:
             break
     destroy()

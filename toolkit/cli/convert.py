@@ -19,11 +19,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     zero.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none beside it")
     zero.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
+    to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron-Core dist checkpoint",
+                              description="Write a Megatron-Core dist checkpoint (torch_dist) of an HF model that a "
+                                          "GPTModel at this TP/PP/VPP/EP loads (and, resharded, other layouts).")
+    to_mcore.add_argument("hf_dir", type=Path, metavar="HF_DIR")
+    to_mcore.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the dist checkpoint")
+    for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"), ("ep", "expert")):
+        to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{what} parallel size it is meant for")
+    to_mcore.add_argument("--check", action="store_true", help="then compare logits with the HF model at --tp/--pp")
+    to_mcore.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    to_hf = sub.add_parser("megatron-to-hf", help="Megatron-Core dist checkpoint -> HF safetensors + config",
+                           description="Read a Megatron-Core dist checkpoint (converted or saved by training, any "
+                                       "layout) back into HF safetensors.")
+    to_hf.add_argument("megatron_dir", type=Path, metavar="MEGATRON_DIR")
+    to_hf.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the HF model")
+    to_hf.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none")
+    to_hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    to_hf.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    check = sub.add_parser("check", help="max logit difference of an HF model and a Megatron-Core checkpoint",
+                           description="Run the HF model and the Megatron-Core model of the checkpoint (at --tp/--pp, "
+                                       "under torchrun when more than one process) on the same tokens.")
+    check.add_argument("hf_dir", type=Path, metavar="HF_DIR")
+    check.add_argument("megatron_dir", type=Path, metavar="MEGATRON_DIR")
+    check.add_argument("--tp", type=int, default=1)
+    check.add_argument("--pp", type=int, default=1)
+    check.add_argument("--tolerance", type=float, default=1e-4, help="largest max-abs logit difference that passes")
+    check.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
 
 def run(args: argparse.Namespace) -> int:
-    if args.direction == "zero-to-hf":
-        return _zero_to_hf(args)
-    raise AssertionError(args.direction)
+    handlers = {"zero-to-hf": _zero_to_hf, "hf-to-megatron": _hf_to_megatron, "megatron-to-hf": _megatron_to_hf,
+                "check": _check}
+    return handlers[args.direction](args)
 
 
 def _zero_to_hf(args: argparse.Namespace) -> int:
@@ -42,3 +71,49 @@ def _zero_to_hf(args: argparse.Namespace) -> int:
         print(f"ZeRO-{result.stage} checkpoint of {result.world_size} ranks -> {result.out_dir}: "
               f"{result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB in {result.shards} shard(s)")
     return 0
+
+
+def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
+    import json
+
+    print(json.dumps(summary) if args.json else line)
+
+
+def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:
+    from toolkit.checkpoint.megatron_check import run_check
+
+    result = run_check(hf_dir, ckpt, tp=tp, pp=pp, tolerance=tolerance)
+    summary = {"max_abs_diff": result.max_abs_diff, "logit_scale": result.logit_scale, "tolerance": tolerance,
+               "tp": tp, "pp": pp, "passed": result.passed}
+    verdict = "passed" if result.passed else "FAILED"
+    _print(args, summary, f"logits at tp={tp} pp={pp}: max abs difference {result.max_abs_diff:.3g} (logits up to "
+                          f"{result.logit_scale:.3g}, tolerance {tolerance:g}): {verdict}")
+    return 0 if result.passed else 1
+
+
+def _hf_to_megatron(args: argparse.Namespace) -> int:
+    from toolkit.checkpoint.megatron_hf import hf_to_megatron
+
+    result = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    summary = {"out_dir": str(result.out_dir), "tensors": result.tensors, "parameters": result.parameters,
+               "layout": result.layout, "padded_vocab": result.padded_vocab}
+    if not args.check:
+        _print(args, summary, f"{args.hf_dir} -> {result.out_dir}: {result.tensors} tensors, {result.parameters:,} "
+                              f"parameters, vocabulary padded to {result.padded_vocab} for tp={args.tp}")
+        return 0
+    if not args.json:
+        print(f"{args.hf_dir} -> {result.out_dir}: {result.tensors} tensors, {result.parameters:,} parameters")
+    return _check_report(args, args.hf_dir, args.out_dir, args.tp, args.pp)
+
+
+def _megatron_to_hf(args: argparse.Namespace) -> int:
+    from toolkit.checkpoint.megatron_hf import megatron_to_hf
+
+    summary = megatron_to_hf(args.megatron_dir, args.out_dir, config=args.config, dtype=args.dtype)
+    _print(args, summary, f"{args.megatron_dir} -> {summary['out_dir']}: {summary['tensors']} tensors, "
+                          f"{summary['parameters']:,} parameters")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    return _check_report(args, args.hf_dir, args.megatron_dir, args.tp, args.pp, args.tolerance)

@@ -193,6 +193,37 @@ def to_megatron_state_dict(hf_config: dict, hf_state: dict) -> dict:
     return state
 
 
+def to_hf_state_dict(hf_config: dict, megatron_state: dict) -> dict:
+    """The reverse of `to_megatron_state_dict`: HF tensors (in the table's order) from whole Megatron-Core tensors,
+    fused tensors split back and the vocabulary padding cut off."""
+    sections = megatron_fields(hf_config)
+    tc = sections["transformer_config"]
+    heads, groups = tc["num_attention_heads"], tc["num_query_groups"]
+    head_dim = tc.get("kv_channels") or tc["hidden_size"] // heads
+    vocab = sections["model"]["vocab_size"]
+    tied = sections["gpt_model"].get("share_embeddings_and_output_weights", False)
+    state = {}
+    for item in expand_weights(mapping_for(hf_config["model_type"]), tc["num_layers"], tc.get("num_moe_experts") or 0):
+        if isinstance(item, Rename):
+            if item.megatron not in megatron_state or (tied and item.megatron == "output_layer.weight"):
+                continue
+            tensor = megatron_state[item.megatron]
+            if item.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                tensor = tensor[:vocab]
+            state[item.hf] = tensor.t().contiguous() if item.transpose else tensor
+        elif isinstance(item, QKV):
+            state[item.q], state[item.k], state[item.v] = (
+                t.contiguous() for t in split_qkv(megatron_state[item.megatron], heads, groups, head_dim))
+        elif isinstance(item, FusedQKV):
+            import torch
+
+            fused = torch.cat(split_qkv(megatron_state[item.megatron], heads, groups, head_dim), dim=0)
+            state[item.hf] = fused.t().contiguous() if item.transpose else fused
+        else:
+            state[item.gate], state[item.up] = (t.contiguous() for t in split_gated(megatron_state[item.megatron]))
+    return state
+
+
 # -- merge / split helpers of the typed mappings (the engine owns TP/PP sharding; these see whole tensors) --------
 
 def merge_qkv(q, k, v, num_heads: int, num_groups: int, head_dim: int):
