@@ -135,6 +135,9 @@ def test_launchers_are_recognised():
     env = rank_env(srun)
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.master_port) == (5, 16, 1, 8, 29500)
     assert not env.agent_store and rank_env({"PATH": "/bin"}) is None
+    deepspeed = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "MASTER_ADDR": "n0",
+                 "MASTER_PORT": "29500"}  # the deepspeed launcher names the ranks per node LOCAL_SIZE
+    assert rank_env(deepspeed).local_world_size == 2
     with pytest.raises(UserInputError, match="MASTER_ADDR"):
         rank_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
 

@@ -4,6 +4,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def test_multi_node_rendezvous_as_slurm_would_set_it(tmp_path, capsys, nodes):
     script = capsys.readouterr().out
     assert f"#SBATCH --nodes={nodes}" in script and "#SBATCH --ntasks-per-node=1" in script
     assert "--ntasks=$((SLURM_NNODES * 8)) --ntasks-per-node=8" in script  # the preflight: one task per GPU
+    assert "LOCAL_WORLD_SIZE=8 exec python -m toolkit health" in script  # its GPU-count check knows the ranks per node
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --requeue" in script and "--signal=B:USR1@" in script
     # run the script's rendezvous and launch lines with the variables Slurm sets for this allocation
     body = script.split("trap requeue USR1", 1)[1].split("# Preflight", 1)[0]
@@ -74,6 +76,27 @@ def test_render_rejects_an_allocation_that_does_not_match_the_plan(capsys):
     assert main(["slurm", "render", str(TINY), "--nodes", "3"]) == 2
     assert "--nodes" in capsys.readouterr().err
     assert main(["slurm", "render", str(TINY), "--time", "forever"]) == 2
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--nodes", "0"], "--nodes"),  # 0 is not "the recipe's node count"
+    (["--gpus-per-node", "0"], "--gpus-per-node"),
+    (["--partition", "gpu\n#SBATCH --qos=high"], "--partition"),  # would inject a line into the script
+    (["--account", "my account"], "--account"),
+    (["--out", "/nonexistent-dir/job.sbatch"], "--out"),
+])
+def test_render_bad_input_is_one_line_and_exit_2(flags, named):
+    result = subprocess.run([sys.executable, "-m", "toolkit", "slurm", "render", str(TINY), *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and named in result.stderr and result.stdout == "", result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_render_refuses_a_deepspeed_json_for_a_megatron_recipe(capsys):
+    megatron = ROOT / "recipes" / "tiny-llama-megatron-cpu.yaml"
+    assert main(["slurm", "render", str(megatron), "--deepspeed", "ds.json"]) == 2
+    assert "--deepspeed" in capsys.readouterr().err
+    assert main(["slurm", "render", str(megatron)]) == 0 and "--resume auto" in capsys.readouterr().out
 
 
 def _job(slurm, job_id: str) -> dict:

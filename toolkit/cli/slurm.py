@@ -41,6 +41,8 @@ def render_from_args(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "out", None) is not None and not args.out.parent.is_dir():
+        raise UserInputError("--out", f"directory {args.out.parent} does not exist")
     script = render_from_args(args)
     if args.action == "render":
         if args.out is None:

@@ -112,6 +112,8 @@ def rank_env(environ: Mapping[str, str] | None = None) -> RankEnv | None:
         rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
         local = _int(environ, "LOCAL_RANK")
         local_world = _int(environ, "LOCAL_WORLD_SIZE")
+        if local_world is None:  # the deepspeed launcher says LOCAL_SIZE
+            local_world = _int(environ, "LOCAL_SIZE")
     elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
         local = _int(environ, "SLURM_LOCALID")

@@ -14,6 +14,7 @@ from toolkit.spec.recipe import Recipe
 
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "slurm"
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # partition/account (lists); nothing that breaks a line
 
 
 def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
@@ -36,15 +37,22 @@ def render_sbatch(
     train_flags: list[str] | None = None,
 ) -> str:
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job."""
-    nodes = nodes or recipe.cluster.num_nodes
-    per_node = gpus_per_node or recipe.cluster.gpus_per_node
-    if nodes < 1 or per_node < 1:
-        raise UserInputError("--nodes", "nodes and GPUs per node must be positive")
+    nodes = recipe.cluster.num_nodes if nodes is None else nodes
+    per_node = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    if nodes < 1:
+        raise UserInputError("--nodes", f"must be at least 1, got {nodes}")
+    if per_node < 1:
+        raise UserInputError("--gpus-per-node", f"must be at least 1, got {per_node}")
     if nodes * per_node != plan.gpus:
         raise UserInputError("--nodes", f"{nodes} x {per_node} GPUs = {nodes * per_node}, the plan needs {plan.gpus}; "
                                         f"use --nodes {max(1, plan.gpus // per_node)} or change the recipe")
     if not _TIME.match(time_limit):
         raise UserInputError("--time", f"'{time_limit}' is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
+    for flag, value in (("--partition", partition), ("--account", account)):
+        if value is not None and not _NAME.match(value):
+            raise UserInputError(flag, f"{value!r} is not a Slurm name (letters, digits, _ . - and commas between names)")
+    if deepspeed_json and plan.backend == "megatron":
+        raise UserInputError("--deepspeed", "is a DeepSpeed option; this recipe trains with the megatron backend")
     cpu = recipe.cluster.accelerator == "cpu"
     extra = [f"#SBATCH --partition={partition}"] if partition else []
     extra += [f"#SBATCH --account={account}"] if account else []
