@@ -10,11 +10,13 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", type=Path, required=True)
-    parser.add_argument("--backend", choices=["deepspeed", "megatron"], default="deepspeed")
+    parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None,
+                        help="default: the recipe's plan.backend")
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
     parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
     parser.add_argument("--resume-world-size", type=int, default=None, help="processes of the resumed run")
-    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
+                        help="launcher of the deepspeed backend (megatron always runs under torchrun)")
     parser.add_argument("--tolerance", type=float, default=0.0, help="allowed |difference| per value (default: bitwise)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the three runs go (default: a new temp dir)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
@@ -28,13 +30,16 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.errors import UserInputError
     from toolkit.spec.recipe import load_recipe
 
-    if args.backend == "megatron":
-        raise UserInputError("--backend", "the Megatron-Core training backend is not available yet; use deepspeed")
     recipe = load_recipe(args.recipe)
+    backend = args.backend or recipe.plan.backend
+    if backend == "megatron":
+        if args.zero is not None:
+            raise UserInputError("--zero", "is a DeepSpeed option; the megatron backend shards with --tp/--pp")
+        args.launcher = "torchrun"  # toolkit/train.py --backend megatron runs under torchrun
     steps = args.steps or recipe.training.max_steps
     save_at = args.save_at or steps // 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
-    overrides = {"--zero": args.zero, "--tp": args.tp, "--pp": args.pp, "--micro-batch": args.micro_batch}
+    overrides = {"--backend": args.backend, "--zero": args.zero, "--tp": args.tp, "--pp": args.pp, "--micro-batch": args.micro_batch}
     train_args = tuple(part for flag, value in overrides.items() if value is not None for part in (flag, str(value)))
     result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
                           args.launcher, args.tolerance, args.timeout, train_args)

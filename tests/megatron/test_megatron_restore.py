@@ -1,0 +1,32 @@
+"""`dmt restore-test --backend megatron`: Megatron-Core at TP=2 on 2 gloo ranks, SIGKILLed right after its dist
+checkpoint at step 3, resumed from it, continues exactly as the uninterrupted run."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_helpers import TINY_MEGATRON
+from toolkit.backends.metrics import read_metrics
+from toolkit.checkpoint.verify import verify
+from toolkit.cli.main import main
+
+pytestmark = pytest.mark.distributed
+
+
+def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys):
+    code = main(["restore-test", "--recipe", str(TINY_MEGATRON), "--backend", "megatron", "--tp", "2", "--steps", "6",
+                 "--save-at", "3", "--workdir", str(tmp_path), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["passed"] and result["identical"], result["mismatches"]
+    assert result["reference_losses"] == result["resumed_losses"] and len(result["resumed_losses"]) == 3
+    assert result["killed_at_step"] is not None and result["killed_at_step"] < 6
+    assert Path(result["checkpoint"]).name == "checkpoint-3"
+    report = verify(Path(result["checkpoint"]))
+    assert report.ok and report.format == "megatron-dist", report.problems
+    assert read_metrics(tmp_path / "reference")[-1]["step"] == 6
+
+
+def test_zero_is_refused_for_megatron(capsys):
+    code = main(["restore-test", "--recipe", str(TINY_MEGATRON), "--zero", "2"])
+    assert code == 2 and "--zero" in capsys.readouterr().err
