@@ -138,6 +138,28 @@ def test_unknown_recipe_key_names_the_dotted_key_and_the_valid_ones(tmp_path):
     assert "valid keys here: auto, backend, tp," in caught.value.message
 
 
+def test_a_bad_plan_in_a_recipe_is_named_by_its_recipe_key_and_a_bad_flag_by_the_flag(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.read_text().replace("global_batch: 16", "global_batch: 15")
+                   .replace("data/", str(TINY.parent / "data") + "/"))
+    assert main(["generate", str(bad), "--out", str(tmp_path / "gen")]) == 2
+    assert capsys.readouterr().err.strip() == ("dmt generate: error: training.global_batch: 15 is not divisible by "
+                                               "micro-batch x dp = 4 x 2; try 16")
+    bad.write_text(TINY.read_text().replace("precision: bf16", "precision: fp8"))
+    assert main(["generate", str(bad), "--out", str(tmp_path / "gen")]) == 2
+    assert capsys.readouterr().err.strip().startswith("dmt generate: error: plan.precision: fp8 training is modelled")
+    assert main(["generate", str(TINY), "--out", str(tmp_path / "gen"), "--zero", "3", "--tp", "2"]) == 2
+    assert capsys.readouterr().err.strip().startswith("dmt generate: error: --zero: DeepSpeed AutoTP")
+
+
+def test_a_recipe_that_is_not_yaml_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [oops\nmodel: {}\n")
+    assert main(["generate", str(bad), "--out", str(tmp_path / "gen")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dmt generate: error: --recipe: cannot read"), err
+
+
 def test_zero_plus_plus_on_one_node_is_refused_with_the_fix(tmp_path, capsys):
     recipe = tmp_path / "zeropp.yaml"
     recipe.write_text(TINY.read_text() + "deepspeed:\n  zero_plus_plus: true\n")

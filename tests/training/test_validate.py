@@ -55,6 +55,33 @@ def test_a_minimal_hand_written_config_passes(tmp_path, capsys):
     assert code == 0 and lines == []
 
 
+def test_a_config_with_only_train_batch_size_is_checked_like_deepspeed_derives_it(tmp_path, capsys):
+    """DeepSpeed accepts train_batch_size alone (micro = train / (accumulation x dp)): valid where that divides."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "gradient_accumulation_steps": 2}))
+    assert _validate(capsys, str(path), "--world-size", "4") == (0, [])
+    code, lines = _validate(capsys, str(path), "--world-size", "3")
+    assert code == 2 and lines == [f"{path}: train_batch_size: 16 is not divisible by accumulation 2 x dp 3 at world "
+                                   f"size 3; set train_batch_size to a multiple of 6"]
+    path.write_text("{}")
+    code, lines = _validate(capsys, str(path), "--world-size", "2")
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith(f"{path}: train_micro_batch_size_per_gpu: neither it nor train_batch_size is set")
+
+
+def test_memory_fit_uses_the_micro_batch_deepspeed_derives():
+    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.model import load_model_spec
+    from toolkit.validate.deepspeed import memory_problem
+
+    model, gpu = load_model_spec("llama-3.1-8b"), get_gpu("h100-80gb")
+    layout = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    derived = memory_problem({**layout, "train_batch_size": 16}, model, gpu, 2, 4096, "none")
+    explicit = memory_problem({**layout, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}, model, gpu, 2,
+                              4096, "none")
+    assert derived is not None and derived == explicit
+
+
 @pytest.fixture
 def tiny_files(tmp_path):
     out = tmp_path / "gen"

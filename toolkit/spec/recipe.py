@@ -165,8 +165,8 @@ def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserInputError("--recipe", f"cannot read {path} ({exc})") from None
+    except (OSError, yaml.YAMLError) as exc:  # YAML's messages span lines (a caret under the spot): keep one
+        raise UserInputError("--recipe", f"cannot read {path} ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
         raise UserInputError(str(path), "expected a mapping at the top level")
     data.setdefault("base_dir", str(path.resolve().parent))
@@ -198,9 +198,27 @@ def recipe_plan(recipe: Recipe, model, **overrides):
     section = recipe.plan
     options = {k: v for k, v in section.model_dump(exclude={"auto"}).items() if v is not None and v is not False}
     options.update(overrides)
-    if section.auto:
-        from toolkit.planner.search import best_plan
-        from toolkit.spec.cluster import get_gpu
+    try:
+        if section.auto:
+            from toolkit.planner.search import best_plan
+            from toolkit.spec.cluster import get_gpu
 
-        return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **fixed, **options)
-    return resolve_plan(model, recipe.cluster.gpus, **fixed, **options)
+            return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **fixed, **options)
+        return resolve_plan(model, recipe.cluster.gpus, **fixed, **options)
+    except UserInputError as exc:
+        raise UserInputError(_recipe_key(exc.key, overrides), exc.message) from None
+
+
+# the planner's flags whose value comes from these recipe sections (the rest are plan.<name>)
+_FLAG_SECTIONS = {"gpus": "cluster", "gpus_per_node": "cluster", "seq_len": "training", "global_batch": "training"}
+
+
+def _recipe_key(key: str, overrides: dict) -> str:
+    """The planner names the flag at fault (--zero); a value that came from the recipe is named by its recipe key
+    (plan.zero), one given on the command line keeps its flag."""
+    name = key[2:].replace("-", "_") if key.startswith("--") else None
+    if name is None or name in overrides:
+        return key
+    if name in _FLAG_SECTIONS:
+        return f"{_FLAG_SECTIONS[name]}.{name}"
+    return f"plan.{name}" if name in PlanSection.model_fields else key

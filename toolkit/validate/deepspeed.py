@@ -6,6 +6,7 @@ the key, the conflicting values and the fix.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 from toolkit.validate import Problem
@@ -65,7 +66,12 @@ def _pydantic_message(err: dict, model) -> str:
         close = difflib.get_close_matches(str(err["loc"][-1]), sorted(names), n=1)
         hint = f"did you mean '{close[0]}'?" if close else "remove it"
         return f"is not an option of DeepSpeed's {model.__name__}; {hint}"
-    return f"{err['input']!r} is rejected by DeepSpeed's {model.__name__}: {err['msg']}"
+    msg = err["msg"]
+    if err["type"] == "enum":  # an enum with aliases lists a value twice ("0, 1, 2, 3 or 3" for the ZeRO stage)
+        choices = list(dict.fromkeys(re.split(r", | or ", str(err.get("ctx", {}).get("expected", "")))))
+        if len(choices) > 1:
+            msg = f"Input should be {', '.join(choices[:-1])} or {choices[-1]}"
+    return f"{err['input']!r} is rejected by DeepSpeed's {model.__name__}: {msg}"
 
 
 def _library_checks(config: dict) -> list[Problem]:
@@ -94,12 +100,17 @@ def _library_checks(config: dict) -> list[Problem]:
         return problems
     # DeepSpeedConfig asserts batch sizes against the world size it sees (1 here): _batch_rule checks the real one
     single = {k: v for k, v in config.items() if k != "train_batch_size"}
+    if config.get("train_batch_size") is not None and "train_micro_batch_size_per_gpu" not in config:
+        single["train_micro_batch_size_per_gpu"] = 1  # DeepSpeed derives it from the world size; _batch_rule checks
     try:
         DeepSpeedConfig(single)
     except (AssertionError, ValueError, TypeError, ValidationError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "bfloat16 and fp16" in text:
             problems.append(Problem("bf16.enabled", "fp16 and bf16 are both enabled; enable exactly one"))
+        elif "train_batch_size or train_micro_batch_size_per_gpu" in text:
+            problems.append(Problem("train_micro_batch_size_per_gpu", "neither it nor train_batch_size is set; "
+                                                                      "DeepSpeed needs one of them: set it"))
         else:
             problems.append(Problem("deepspeed", f"DeepSpeed rejects the config: {text}"))
     return problems
@@ -121,6 +132,9 @@ def _batch_rule(config: dict, world_size: int, pp: int) -> list[Problem]:
                                             f"at world size {world_size}; set train_batch_size to {fix}")]
     if train is not None and micro is not None and train % (micro * dp):
         return [Problem("train_batch_size", f"{train} is not divisible by micro {micro} x dp {dp}")]
+    if train is not None and micro is None and train % (accum * dp):  # DeepSpeed derives micro = train / (accum x dp)
+        return [Problem("train_batch_size", f"{train} is not divisible by accumulation {accum} x dp {dp} at world size "
+                                            f"{world_size}; set train_batch_size to a multiple of {accum * dp}")]
     return []
 
 
@@ -175,11 +189,15 @@ def memory_problem(config: dict, model, gpu, world_size: int, seq_len: int, reco
     zero = config.get("zero_optimization", {})
     precision = "bf16" if config.get("bf16", {}).get("enabled") else "fp16" if config.get("fp16", {}).get("enabled") else "fp32"
     offload = (zero.get("offload_optimizer") or {}), (zero.get("offload_param") or {})
+    tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    micro = config.get("train_micro_batch_size_per_gpu")
+    if micro is None:  # DeepSpeed derives it: train_batch_size / (accumulation x dp)
+        dp = max(1, world_size // (tp * pp))
+        micro = max(1, config.get("train_batch_size", 1) // (config.get("gradient_accumulation_steps", 1) * dp))
     plan = resolve_plan(
-        model, world_size, zero=zero.get("stage", 0), micro_batch=config.get("train_micro_batch_size_per_gpu", 1),
+        model, world_size, zero=zero.get("stage", 0), micro_batch=micro,
         seq_len=seq_len, precision=precision, global_batch=config.get("train_batch_size"), pp=pp,
-        tp=int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1),
-        offload_optimizer=offload[0].get("device", "none"), offload_params=offload[1].get("device", "none"),
+        tp=tp, offload_optimizer=offload[0].get("device", "none"), offload_params=offload[1].get("device", "none"),
         nvme_path=offload[0].get("nvme_path") or offload[1].get("nvme_path"), recompute=recompute,
     )
     memory = estimate_memory(model, plan)
