@@ -27,22 +27,37 @@ def _recipe(tmp_path: Path, gpus: int, gpus_per_node: int = 8, **training) -> Pa
 
 
 def _fake_bin(tmp_path: Path) -> Path:
-    """`srun` that runs its command once per node with that node's SLURM_NODEID; `torchrun` that prints its args."""
+    """`srun` that runs its command once per node with that node's SLURM_NODEID; launchers that print their args."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
                                   'for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n "$@"; done\n')
-    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\necho "torchrun $*"\n')
-    for tool in ("srun", "torchrun"):
+    for tool in LAUNCH_CHECKS:
+        (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{tool} $*"\n')
+    for tool in ("srun", *LAUNCH_CHECKS):
         (bin_dir / tool).chmod(0o755)
     return bin_dir
 
 
-@pytest.mark.parametrize("nodes", [2, 4, 16, 64])
-def test_multi_node_rendezvous_as_slurm_would_set_it(tmp_path, capsys, nodes):
+# launcher -> what every node's command line must hold, for node index {node} of {nodes} (8 GPUs each)
+LAUNCH_CHECKS = {
+    "torchrun": ("--nnodes={nodes}", "--node_rank={node}", "--nproc_per_node=8", "--master_addr=gpu001 --master_port={port}"),
+    "accelerate": ("launch --config_file", "--num_machines={nodes}", "--machine_rank={node}",
+                   "--num_processes={world}", "--main_process_ip=gpu001 --main_process_port={port}"),
+    "deepspeed": ("--no_ssh", "--num_nodes={nodes}", "--node_rank={node}", "--num_gpus=8",
+                  "--master_addr=gpu001 --master_port={port}"),
+}
+
+
+@pytest.mark.parametrize("launcher, nodes", [("torchrun", 2), ("torchrun", 4), ("torchrun", 16), ("torchrun", 64),
+                                             ("accelerate", 2), ("accelerate", 16), ("deepspeed", 2),
+                                             ("deepspeed", 16)])
+def test_multi_node_rendezvous_as_slurm_would_set_it(tmp_path, capsys, launcher, nodes):
     recipe = _recipe(tmp_path, nodes * 8, global_batch=1024)
     recipe.write_text(recipe.read_text().replace("micro_batch: 4", "micro_batch: 1"))
-    assert main(["slurm", "render", str(recipe), "--partition", "gpu", "--time", "2-00:00:00"]) == 0
+    flags = ["--launcher", launcher] + (["--accelerate-config", str(tmp_path / "acc.yaml")] if launcher == "accelerate"
+                                        else [])
+    assert main(["slurm", "render", str(recipe), "--partition", "gpu", "--time", "2-00:00:00", *flags]) == 0
     script = capsys.readouterr().out
     assert f"#SBATCH --nodes={nodes}" in script and "#SBATCH --ntasks-per-node=1" in script
     assert "--ntasks=$((SLURM_NNODES * 8)) --ntasks-per-node=8" in script  # the preflight: one task per GPU
@@ -63,13 +78,17 @@ def test_multi_node_rendezvous_as_slurm_would_set_it(tmp_path, capsys, nodes):
     out = subprocess.run(["bash", str(harness)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    launches = [line for line in lines if line.startswith("torchrun")]
+    launches = [line for line in lines if line.startswith(launcher)]
     assert len(launches) == nodes
+    port = 20000 + 123456 % 20000
     for node, line in enumerate(launches):  # every node gets its own rank, all agree on the rendezvous
-        assert f"--nnodes={nodes}" in line and f"--node_rank={node}" in line and "--nproc_per_node=8" in line
-        assert f"--master_addr=gpu001 --master_port={20000 + 123456 % 20000}" in line
+        for want in LAUNCH_CHECKS[launcher]:
+            assert want.format(nodes=nodes, node=node, world=nodes * 8, port=port) in line, (want, line)
         assert "--resume auto" in line
-    assert lines[-1] == f"MASTER=gpu001:{20000 + 123456 % 20000}"
+    if launcher == "deepspeed":  # the hostfile is the allocation, 8 slots a node
+        hostfile = Path(script.split("OUTPUT_DIR=", 1)[1].split("\n", 1)[0]) / "hostfile"
+        assert hostfile.read_text().splitlines() == [f"gpu{n:03d} slots=8" for n in range(1, nodes + 1)]
+    assert lines[-1] == f"MASTER=gpu001:{port}"
 
 
 def test_render_rejects_an_allocation_that_does_not_match_the_plan(capsys):
@@ -96,6 +115,10 @@ def test_render_refuses_a_deepspeed_json_for_a_megatron_recipe(capsys):
     megatron = ROOT / "recipes" / "tiny-llama-megatron-cpu.yaml"
     assert main(["slurm", "render", str(megatron), "--deepspeed", "ds.json"]) == 2
     assert "--deepspeed" in capsys.readouterr().err
+    assert main(["slurm", "render", str(megatron), "--launcher", "accelerate", "--accelerate-config", "a.yaml"]) == 2
+    assert "--launcher: the megatron backend runs under torchrun" in capsys.readouterr().err
+    assert main(["slurm", "render", str(TINY), "--launcher", "accelerate"]) == 2
+    assert "--accelerate-config" in capsys.readouterr().err
     assert main(["slurm", "render", str(megatron)]) == 0 and "--resume auto" in capsys.readouterr().out
 
 
@@ -114,11 +137,11 @@ def _wait_job(slurm, job_id: str, states: tuple[str, ...], timeout: float) -> di
     raise AssertionError(f"job {job_id} did not reach {states}: {job}")
 
 
-def _submit(slurm, recipe: Path, out: Path, capsys) -> str:
+def _submit(slurm, recipe: Path, out: Path, capsys, *flags: str) -> str:
     env_backup = dict(os.environ)
     os.environ.update(slurm["env"])
     try:
-        assert main(["slurm", "submit", str(recipe), "--output-dir", str(out), "--time", "00:30:00"]) == 0
+        assert main(["slurm", "submit", str(recipe), "--output-dir", str(out), "--time", "00:30:00", *flags]) == 0
     finally:
         os.environ.clear()
         os.environ.update(env_backup)
@@ -136,6 +159,28 @@ def test_submitted_job_runs_preflight_trains_and_checkpoints(slurm, tmp_path, ca
     records = read_metrics(out)
     assert records[-1]["step"] == 30 and records[-1]["loss"] < records[0]["loss"] - 1.0
     assert resolve_latest(out).name == "checkpoint-30"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
+def test_accelerate_and_deepspeed_launchers_train_under_slurm(slurm, tmp_path, capsys, launcher):
+    """The other launch templates on the real Slurm: `accelerate launch` with the generated accelerate.yaml, and
+    the deepspeed launcher with a hostfile built from the allocation (--no_ssh, node rank from the task)."""
+    recipe = _recipe(tmp_path, 2, 2, max_steps=6, save_steps=6)
+    generated = tmp_path / "gen"
+    assert main(["generate", str(recipe), "--out", str(generated)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "run"
+    flags = ["--launcher", launcher, "--deepspeed", str(generated / "deepspeed.json")]
+    flags += ["--accelerate-config", str(generated / "accelerate.yaml")] if launcher == "accelerate" else []
+    job_id = _submit(slurm, recipe, out, capsys, *flags)
+    job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600)
+    log = next((tmp_path / "slurm-logs").glob(f"*-{job_id}.out")).read_bytes().decode(errors="replace")
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
+    assert resolve_latest(out).name == "checkpoint-6"
+    if launcher == "deepspeed":
+        assert (out / "hostfile").read_text().strip().endswith("slots=2")
 
 
 @pytest.mark.distributed
@@ -157,3 +202,6 @@ def test_usr1_saves_requeues_and_the_next_run_resumes(slurm, tmp_path, capsys):
     assert 20 <= interrupted_at < 150 and saved[-1] == 150  # saved on request, then finished after the requeue
     resumed = steps[steps.index(interrupted_at) + 1:]
     assert resumed[0] == interrupted_at + 1 and resumed[-1] == 150  # step numbers continue after the resume
+    loss = {r["step"]: r["loss"] for r in read_metrics(out)}
+    # the loss continues where it was, it does not restart from the untrained model's
+    assert loss[interrupted_at + 1] < loss[1] - 1.0 and abs(loss[interrupted_at + 1] - loss[interrupted_at]) < 0.5, loss

@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--account", default=None)
         p.add_argument("--output-dir", default=None, help="training output directory (default runs/<recipe name>)")
         p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON to train with (default: from the recipe)")
+        p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
+                       help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun)")
+        p.add_argument("--accelerate-config", default=None, help="accelerate.yaml (from dmt generate) for "
+                                                                 "--launcher accelerate")
         p.add_argument("--convert", action="store_true", help="a checkpoint-conversion job instead of training")
         if name == "render":
             p.add_argument("--out", type=Path, default=None, help="write here instead of printing")
@@ -37,7 +41,8 @@ def render_from_args(args: argparse.Namespace) -> str:
     recipe = load_recipe(args.recipe)
     plan = recipe_plan(recipe, recipe_model(recipe))
     return render_sbatch(recipe, plan, args.recipe, args.nodes, args.gpus_per_node, args.partition, args.time,
-                         args.account, args.output_dir, args.deepspeed, "convert" if args.convert else "train-torchrun")
+                         args.account, args.output_dir, args.deepspeed, "convert" if args.convert else "train",
+                         launcher=args.launcher, accelerate_config=args.accelerate_config)
 
 
 def run(args: argparse.Namespace) -> int:

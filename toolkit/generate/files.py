@@ -60,7 +60,8 @@ def _slurm(ctx: GenerationContext) -> str:
     from toolkit.generate.launch import plan_flags
     from toolkit.slurm.render import render_sbatch
 
-    return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, deepspeed_json=str(ctx.out_dir / "deepspeed.json"),
+    deepspeed_json = str(ctx.out_dir / "deepspeed.json") if ctx.plan.backend == "deepspeed" else None
+    return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, deepspeed_json=deepspeed_json,
                          output_dir=str(ctx.out_dir / "run"), train_flags=plan_flags(ctx.overrides))
 
 
@@ -106,7 +107,7 @@ WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] =
     "accelerate.yaml": (("deepspeed",), _accelerate),
     "trainer_args.json": (("deepspeed",), _trainer_args),
     "launch.sh": (("deepspeed",), _launch),
-    "slurm.sbatch": (("deepspeed",), _slurm),
+    "slurm.sbatch": (("deepspeed", "megatron"), _slurm),
     "megatron.yaml": (("megatron",), _megatron_yaml),
     "megatron_args.txt": (("megatron",), _megatron_args),
 }

@@ -17,6 +17,17 @@ _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # partition/account (lists); nothing that breaks a line
 
 
+# launcher -> what the script's comment says about it
+LAUNCHERS = {
+    "torchrun": "one torchrun per node (HF Trainer + DeepSpeed, or Megatron-Core); node rank from each task's own "
+                "environment (single quotes: expanded there).",
+    "accelerate": "one `accelerate launch` per node; machine rank from each task's own environment (single quotes: "
+                  "expanded there).",
+    "deepspeed": "a hostfile from the allocation, then one `deepspeed --no_ssh` per node with its own node rank "
+                 "(single quotes: expanded there).",
+}
+
+
 def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
     """Where job logs go: beside the training output (it must exist before sbatch opens the log)."""
     return Path(output_dir or f"runs/{recipe.name}").resolve().parent / "slurm-logs"
@@ -33,10 +44,13 @@ def render_sbatch(
     account: str | None = None,
     output_dir: str | None = None,
     deepspeed_json: str | None = None,
-    kind: str = "train-torchrun",
+    kind: str = "train",
     train_flags: list[str] | None = None,
+    launcher: str = "torchrun",
+    accelerate_config: str | None = None,
 ) -> str:
-    """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job."""
+    """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
+    picks slurm/launch/<launcher>.tmpl (torchrun for both backends; accelerate and deepspeed for the HF path)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
     per_node = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
     if nodes < 1:
@@ -53,6 +67,13 @@ def render_sbatch(
             raise UserInputError(flag, f"{value!r} is not a Slurm name (letters, digits, _ . - and commas between names)")
     if deepspeed_json and plan.backend == "megatron":
         raise UserInputError("--deepspeed", "is a DeepSpeed option; this recipe trains with the megatron backend")
+    if launcher not in LAUNCHERS:
+        raise UserInputError("--launcher", f"'{launcher}': use one of {', '.join(LAUNCHERS)}")
+    if launcher != "torchrun" and plan.backend == "megatron":
+        raise UserInputError("--launcher", f"the megatron backend runs under torchrun, not {launcher}")
+    if launcher == "accelerate" and not accelerate_config:
+        raise UserInputError("--accelerate-config", "the accelerate launcher needs the accelerate.yaml that "
+                                                    "`dmt generate` writes")
     cpu = recipe.cluster.accelerator == "cpu"
     extra = [f"#SBATCH --partition={partition}"] if partition else []
     extra += [f"#SBATCH --account={account}"] if account else []
@@ -72,11 +93,18 @@ def render_sbatch(
         output_dir=str(Path(output_dir or f"runs/{recipe.name}").resolve()),
         omp_threads=1 if cpu else 8,
         cpu_env="export CUDA_VISIBLE_DEVICES=''  # CPU recipe: gloo ranks" if cpu else "",
-        health_sizes="1K,1M" if cpu else "1M,64M,256M",
+        # CPU recipes: the ranks share cores with each other and with the rest of the machine, so a matmul 2x slower
+        # than the median is noise there, not a bad device; the preflight still checks liveness and correctness
+        health_flags="--sizes 1K,1M --straggler-factor 10" if cpu else "--sizes 1M,64M,256M",
         recipe_path=str(recipe_path.resolve()),
         python_bin_dir=str(Path(sys.executable).parent),
-        deepspeed_flag=" ".join(([f"--deepspeed {deepspeed_json}"] if deepspeed_json else []) + list(train_flags or [])),
+        train_flags=" ".join(([f"--deepspeed {deepspeed_json}"] if deepspeed_json else []) + list(train_flags or [])),
+        accelerate_config=str(Path(accelerate_config).resolve()) if accelerate_config else "",
+        launcher=launcher,
+        launch_comment=LAUNCHERS[launcher],
+        convert_direction="megatron-to-hf" if plan.backend == "megatron" else "zero-to-hf",
     )
+    values["launch"] = Template((TEMPLATES / "launch" / f"{launcher}.tmpl").read_text()).substitute(values).rstrip()
     text = Template((TEMPLATES / f"{kind}.sbatch.tmpl").read_text()).substitute(values)
     if cpu:  # no GRES on CPU partitions
         text = text.replace(f"#SBATCH --gpus-per-node={per_node}\n", "")
