@@ -151,12 +151,17 @@ def _zero_rules(config: dict, world_size: int, pp: int) -> list[Problem]:
     if (pp > 1 or "pipeline" in config) and stage >= 2:
         problems.append(Problem("zero_optimization.stage", f"ZeRO-{stage} cannot run with pipeline parallelism; use 0 or 1"))
     if device["offload_param"] != "none" and stage != 3:
-        problems.append(Problem("zero_optimization.offload_param", f"parameter offload needs stage 3, not {stage}"))
+        problems.append(Problem("zero_optimization.offload_param",
+                                f"parameter offload needs stage 3, not {stage}; set stage 3 or remove offload_param"))
     if device["offload_optimizer"] != "none" and stage == 0:
-        problems.append(Problem("zero_optimization.offload_optimizer", "optimizer offload needs stage 1, 2 or 3"))
+        problems.append(Problem("zero_optimization.offload_optimizer",
+                                "optimizer offload needs stage 1, 2 or 3, not 0; raise the stage or remove "
+                                "offload_optimizer"))
     for name, section in offload.items():
         if device[name] == "nvme" and not section.nvme_path:
-            problems.append(Problem(f"zero_optimization.{name}.nvme_path", "nvme offload needs a local NVMe path"))
+            problems.append(Problem(f"zero_optimization.{name}.nvme_path",
+                                    "nvme offload needs a local NVMe path; set nvme_path to a directory on a local "
+                                    "NVMe drive"))
     hpz = zero.zero_hpz_partition_size
     if hpz > 1 and stage != 3:
         problems.append(Problem("zero_optimization.zero_hpz_partition_size",
