@@ -209,3 +209,30 @@ def test_verbs_help_imports_no_heavy_library():
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_pre_training_from_a_hub_id_reads_its_config_from_the_hub_cache(tmp_path):
+    """model.source may be a hub id: the config to instantiate comes through AutoConfig (here from a local hub cache,
+    offline); an id that is not there is one UserInputError naming model.source."""
+    cache, revision = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--acme--tiny-llama"
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512)))
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["model"] = {"source": "acme/tiny-llama"}
+    recipe["data"]["train_files"] = [str(TINY.parent / f) for f in recipe["data"]["train_files"]]
+    path = tmp_path / "hub.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    script = ("import sys; from toolkit.spec.recipe import load_recipe, recipe_model; "
+              "from toolkit.backends.hf_trainer import _hf_config; from toolkit.errors import UserInputError\n"
+              "r = load_recipe(sys.argv[1]); c = _hf_config(r, recipe_model(r)); print(c['model_type'], c['hidden_size'])\n"
+              "r = r.model_copy(update={'model': r.model.model_copy(update={'source': 'acme/absent'})})\n"
+              "try:\n    _hf_config(r, None)\nexcept UserInputError as exc:\n    print(exc.key)\n")
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=120)
+    assert result.stdout.split() == ["llama", "64", "model.source"], result.stderr[-2000:]

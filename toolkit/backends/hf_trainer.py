@@ -239,4 +239,13 @@ def _hf_config(recipe: Recipe, model_spec: ModelSpec) -> dict:
         if candidate.is_file():
             data = json.loads(candidate.read_text())
             return {k: v for k, v in data.items() if not k.startswith("_dmt")}
-    raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file or directory)")
+    if "/" in source and not recipe.path(source).exists():  # a hub id: its config.json (the local cache offline)
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(source).to_dict()
+        except (OSError, ValueError) as exc:
+            raise UserInputError("model.source", f"could not load the hub config of '{source}': "
+                                                 f"{str(exc).splitlines()[0]}") from None
+    raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file, directory or "
+                                         f"hub id)")

@@ -1,4 +1,5 @@
-"""`dmt validate FILE --world-size N [--model M] [--trainer-args FILE]`: check a DeepSpeed JSON before launching."""
+"""`dmt validate FILE --world-size N [--model M] [--trainer-args FILE]`: check a DeepSpeed JSON (or, for a .yaml
+file, a megatron.yaml through `toolkit.cli.validate_megatron`) before launching."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from toolkit.errors import UserInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, metavar="FILE", help="DeepSpeed JSON (generated or hand-written)")
+    parser.add_argument("file", type=Path, metavar="FILE", help="DeepSpeed JSON (generated or hand-written), or megatron.yaml")
     parser.add_argument("--world-size", type=int, required=True, help="processes the job will launch")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages of the model (DeepSpeed PipelineModule)")
     parser.add_argument("--trainer-args", type=Path, default=None, help="HF TrainingArguments as JSON (trainer_args.json)")
@@ -32,6 +33,11 @@ def _read_json(path: Path, flag: str):
 
 def run(args: argparse.Namespace) -> int:
     import logging
+
+    if args.file.suffix in (".yaml", ".yml"):  # megatron.yaml: Megatron-Core's classes and run-time rules
+        from toolkit.cli import validate_megatron
+
+        return validate_megatron.run(args)
 
     from toolkit.validate.deepspeed import memory_problem, validate_deepspeed_config
 
