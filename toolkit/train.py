@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
                         help="resume from the latest verified checkpoint of --output-dir (auto: if there is one), or PATH")
     parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None)
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="processes of this launch, overriding cluster.gpus (e.g. resuming at another world size)")
     for flag in ("tp", "pp", "vpp", "cp", "ep", "zero", "micro-batch"):
         parser.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's plan")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -44,10 +46,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
 
-    for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps)):
+    for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
         if value is not None and value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
     recipe = load_recipe(args.recipe)
+    if args.gpus is not None:
+        cluster = {"gpus": args.gpus, "gpus_per_node": min(args.gpus, recipe.cluster.gpus_per_node)}
+        recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=cluster)})
     updates = {k: v for k, v in (("max_steps", args.max_steps), ("save_steps", args.save_steps)) if v is not None}
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})

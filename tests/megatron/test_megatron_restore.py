@@ -25,8 +25,31 @@ def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys):
     report = verify(Path(result["checkpoint"]))
     assert report.ok and report.format == "megatron-dist", report.problems
     assert read_metrics(tmp_path / "reference")[-1]["step"] == 6
+    # the kill reached the ranks (torchrun puts them in sessions of their own): nothing trained on after it
+    killed = [json.loads(line)["step"] for line in (tmp_path / "interrupted/killed.metrics.jsonl").read_text().splitlines()]
+    assert max(killed) == result["killed_at_step"]
 
 
 def test_zero_is_refused_for_megatron(capsys):
     code = main(["restore-test", "--recipe", str(TINY_MEGATRON), "--zero", "2"])
     assert code == 2 and "--zero" in capsys.readouterr().err
+
+
+def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, capsys):
+    """Saved by 2 data-parallel ranks, resumed by 1 (the dist checkpoint reshards, gradient accumulation doubles):
+    the same samples per step, the loss within the stated tolerance, the drift reported."""
+    code = main(["restore-test", "--recipe", str(TINY_MEGATRON), "--steps", "6", "--save-at", "3",
+                 "--resume-world-size", "1", "--workdir", str(tmp_path), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["passed"], result["mismatches"]
+    assert result["tolerance"] == 1e-3 and result["max_abs_diff"] <= 1e-3
+    assert len(result["resumed_losses"]) == 3 and all(loss is not None for loss in result["resumed_losses"])
+    resumed_log = (tmp_path / "resumed.log").read_text()
+    assert "layout changed" in resumed_log  # really resharded, not a same-layout reload
+
+
+def test_deepspeed_at_another_world_size_is_refused_with_the_reason(capsys):
+    from helpers import TINY
+
+    code = main(["restore-test", "--recipe", str(TINY), "--resume-world-size", "1"])
+    assert code == 2 and "universal checkpoint" in capsys.readouterr().err

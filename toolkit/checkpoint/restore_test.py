@@ -7,6 +7,7 @@ or against a real multi-GPU recipe on a cluster node.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -62,6 +63,24 @@ def _command(launcher: str, nprocs: int, recipe: Path, out: Path, steps: int, sa
     return head + tail + list(extra) + (["--resume", "latest"] if resume else [])
 
 
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process below it. torchrun starts each worker in a session of its own
+    (torch.distributed.elastic), so killing the launcher's process group alone would leave the ranks training on."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    for victim in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    psutil.wait_procs(ranks, timeout=30)
+
+
 def _run(cmd: list[str], log: Path, timeout: float) -> int:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     with open(log, "w") as handle:
@@ -69,7 +88,7 @@ def _run(cmd: list[str], log: Path, timeout: float) -> int:
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_tree(process)
             raise UserInputError("--timeout", f"a training launch ran past {timeout:.0f} s; see {log}") from None
 
 
@@ -82,13 +101,12 @@ def _run_and_kill_after_save(cmd: list[str], out: Path, save_at: int, log: Path,
         while time.monotonic() < deadline and process.poll() is None:
             latest = resolve_latest(out)
             if latest is not None and latest.name == f"checkpoint-{save_at}":
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                _kill_tree(process)
                 steps = [r["step"] for r in read_metrics(out)]
                 return max(steps, default=None)
             time.sleep(0.05)
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_tree(process)
             raise UserInputError("--timeout", f"no checkpoint at step {save_at} within {timeout:.0f} s; see {log}")
     raise UserInputError("--save-at", f"training ended (rc={process.returncode}) before it saved step {save_at}; see {log}")
 
@@ -103,8 +121,11 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
     """`train_args` (e.g. ("--zero", "3")) go to every launch of toolkit/train.py."""
     if not 0 < save_at < steps:
         raise UserInputError("--save-at", f"must be between 1 and --steps - 1 = {steps - 1}, got {save_at}")
-    if resume_nprocs is not None and resume_nprocs != nprocs:
-        raise UserInputError("--resume-world-size", "resuming at another world size (universal checkpoints) is not supported yet")
+    resharded = resume_nprocs is not None and resume_nprocs != nprocs
+    if resharded and "megatron" not in train_args:
+        raise UserInputError("--resume-world-size", "another world size is supported for the megatron backend (dist "
+                                                    "checkpoints reshard); DeepSpeed would need a universal checkpoint "
+                                                    "(ds_to_universal), which restore-test does not drive yet")
     workdir.mkdir(parents=True, exist_ok=True)
     reference, run = workdir / "reference", workdir / "interrupted"
     for path in (reference, run):
@@ -119,7 +140,9 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
                                          workdir / "interrupted.log", timeout)
     os.replace(run / METRICS_FILE, run / f"killed.{METRICS_FILE}")
     checkpoint = resolve_latest(run)
-    rc = _run(_command(launcher, nprocs, recipe, run, steps, steps, True, train_args), workdir / "resumed.log", timeout)
+    resume_args = train_args + (("--gpus", str(resume_nprocs)) if resharded else ())
+    rc = _run(_command(launcher, resume_nprocs or nprocs, recipe, run, steps, steps, True, resume_args),
+              workdir / "resumed.log", timeout)
     resumed = _by_step(read_metrics(run))
     if steps not in resumed:
         raise UserInputError("--recipe", f"the resumed run did not reach step {steps} (rc={rc}); see {workdir / 'resumed.log'}")
