@@ -133,8 +133,8 @@ class HFTensors:
             return handle.get_tensor(name)
 
 
-def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: int = 1,
-                   ep: int = 1) -> MegatronConversion:
+def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
+                   progress: bool = False) -> MegatronConversion:
     """HF safetensors -> a Megatron-Core dist checkpoint that loads at tp/pp/vpp/ep (and other layouts of the same
     vocabulary padding), with config.json beside it and a manifest."""
     import shutil
@@ -143,6 +143,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     check_layout(hf_config, tp, pp, vpp, ep)
     import torch
     from megatron.core import dist_checkpointing
+    from tqdm import tqdm
 
     from toolkit.checkpoint.manifest import write_manifest
     from toolkit.mappings import to_megatron_state_dict
@@ -159,8 +160,11 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
         if unknown or missing:
             raise AssertionError(f"the {hf_config['model_type']} table does not match GPTModel: "
                                  f"unknown {unknown[:5]}, missing {missing[:5]}")
-        with torch.no_grad():
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        with torch.no_grad(), tqdm(total=total, unit="B", unit_scale=True, desc="hf-to-megatron",
+                                   disable=not progress) as bar:
             for name, tensor in state.items():
+                bar.update(tensor.numel() * tensor.element_size())
                 target = targets[name]
                 if target.shape[0] != tensor.shape[0] and name in PADDED:  # vocabulary rows: zeros past the end
                     target.zero_()
@@ -220,13 +224,15 @@ def load_megatron_state(ckpt: Path, hf_config: dict) -> dict:
         return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype: str = "fp32") -> dict:
+def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype: str = "fp32",
+                   progress: bool = False) -> dict:
     """A Megatron-Core dist checkpoint -> HF safetensors + config.json."""
     import shutil
 
     import torch
+    from tqdm import tqdm
 
-    from toolkit.checkpoint.safetensors_stream import StreamingSafetensorsWriter
+    from toolkit.checkpoint.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
     from toolkit.mappings import to_hf_state_dict
 
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
@@ -243,8 +249,10 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     layout = [(name, tuple(t.shape), out_dtype) for name, t in state.items()]
     with atomic_directory(out_dir) as tmp:
         writer = StreamingSafetensorsWriter(tmp / "model.safetensors", layout)
-        for name, tensor in state.items():
-            writer.write(name, tensor.to(out_dtype))
+        with tqdm(total=sum(tensor_bytes(shape, dt) for _, shape, dt in layout), unit="B", unit_scale=True,
+                  desc="megatron-to-hf", disable=not progress) as bar:
+            for name, tensor in state.items():
+                bar.update(writer.write(name, tensor.to(out_dtype)))
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         for side in HF_SIDE_FILES:

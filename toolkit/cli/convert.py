@@ -73,6 +73,12 @@ def _zero_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interactive() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
 def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
     import json
 
@@ -94,7 +100,8 @@ def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, p
 def _hf_to_megatron(args: argparse.Namespace) -> int:
     from toolkit.checkpoint.megatron_hf import hf_to_megatron
 
-    result = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    result = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                            progress=_interactive())
     summary = {"out_dir": str(result.out_dir), "tensors": result.tensors, "parameters": result.parameters,
                "layout": result.layout, "padded_vocab": result.padded_vocab}
     if not args.check:
@@ -109,7 +116,8 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
 def _megatron_to_hf(args: argparse.Namespace) -> int:
     from toolkit.checkpoint.megatron_hf import megatron_to_hf
 
-    summary = megatron_to_hf(args.megatron_dir, args.out_dir, config=args.config, dtype=args.dtype)
+    summary = megatron_to_hf(args.megatron_dir, args.out_dir, config=args.config, dtype=args.dtype,
+                             progress=_interactive())
     _print(args, summary, f"{args.megatron_dir} -> {summary['out_dir']}: {summary['tensors']} tensors, "
                           f"{summary['parameters']:,} parameters")
     return 0
