@@ -206,7 +206,11 @@ def spec_from_hf_config(cfg: Any, name: str) -> ModelSpec:
         )
     try:
         fields = reader(cfg)
+    except UserInputError:
+        raise
     except AttributeError as exc:
         raise UserInputError(f"{name}", f"config of family '{cfg.model_type}' lacks a field ({exc})") from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:  # e.g. decoder_sparse_step 0, a null size
+        raise UserInputError(f"{name}", f"invalid config of family '{cfg.model_type}' ({exc})") from None
     fields.update(name=name, family=cfg.model_type)
     return validate_spec(fields, name)

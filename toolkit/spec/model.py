@@ -122,11 +122,16 @@ def load_model_spec(source: str) -> ModelSpec:
     )
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (YAML and huggingface_hub validation errors span several)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserInputError(str(path), f"not a readable JSON file ({exc})") from None
+        raise UserInputError(str(path), f"not a readable JSON file ({_one_line(exc)})") from None
     if not isinstance(data, dict):
         raise UserInputError(str(path), "expected a JSON object at the top level")
     return data
@@ -138,7 +143,7 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserInputError(str(path), f"not a readable YAML file ({exc})") from None
+        raise UserInputError(str(path), f"not a readable YAML file ({_one_line(exc)})") from None
     if not isinstance(data, dict):
         raise UserInputError(str(path), "expected a mapping at the top level")
     return data
@@ -165,16 +170,33 @@ def spec_from_hf_dict(data: dict, name: str) -> ModelSpec:
     return _from_hf_dict(data, name)
 
 
+# HF config sizes that must be positive when given (transformers divides by several of them before validating).
+_POSITIVE_HF_KEYS = (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "n_layer", "n_embd", "n_head", "n_positions", "ffn_dim",
+    "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
+)
+
+
 def _from_hf_dict(data: dict, name: str) -> ModelSpec:
-    from toolkit.spec.hf_families import spec_from_hf_config
+    from toolkit.spec.hf_families import FAMILY_READERS, spec_from_hf_config
 
     from transformers import AutoConfig
 
     model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type not in FAMILY_READERS:
+        raise UserInputError(
+            f"{name}: model_type",
+            f"family '{model_type}' is not supported; supported: {', '.join(sorted(FAMILY_READERS))}",
+        )
+    for key in _POSITIVE_HF_KEYS:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise UserInputError(f"{name}: {key}", f"must be a positive integer, got {value}")
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in data.items() if k != "model_type"})
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserInputError(f"{name}: model_type", f"cannot read an HF config of type '{model_type}' ({exc})") from None
+    except Exception as exc:  # transformers validates in __post_init__: ValueError, ZeroDivisionError, StrictDataclassError
+        raise UserInputError(f"{name}", f"not a valid '{model_type}' config ({_one_line(exc)})") from None
     return spec_from_hf_config(config, name)
 
 
@@ -185,7 +207,7 @@ def _from_hub(hub_id: str) -> ModelSpec:
 
     try:
         config = AutoConfig.from_pretrained(hub_id)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError offline / not found, ValueError and huggingface_hub validation errors
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set)" if offline else ""
         raise UserInputError("--model", f"could not load hub config '{hub_id}'{hint}: {str(exc).splitlines()[0]}") from None
