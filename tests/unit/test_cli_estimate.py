@@ -134,3 +134,41 @@ def test_help_imports_no_heavy_library():
             "print(heavy); sys.exit(1 if heavy else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+MALFORMED_HF_CONFIGS = [  # each once ended in a traceback from transformers or a family reader
+    ({"model_type": "llama", "num_attention_heads": 0}, "num_attention_heads"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 7, "num_key_value_heads": 7}, "hidden size"),
+    ({"model_type": "llama", "hidden_size": "big"}, "hidden_size"),
+    ({"model_type": "llama", "vocab_size": None}, "vocab_size"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"model_type": 5}, "model_type"),
+]
+
+
+@pytest.mark.parametrize("config, named", MALFORMED_HF_CONFIGS, ids=[n for _, n in MALFORMED_HF_CONFIGS])
+def test_malformed_hf_config_is_one_line_naming_the_key(capsys, tmp_path, config, named):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["estimate", "--model", str(path), "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err and "Traceback" not in err
+    assert len(err) < 400  # an unknown model_type lists the supported families, not every transformers model
+
+
+def test_yaml_syntax_error_is_one_line(capsys, tmp_path):
+    spec = tmp_path / "broken.yaml"
+    spec.write_text("num_layers: [1\n")
+    assert main(["estimate", "--model", str(spec), "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(spec) in err
+
+
+@pytest.mark.parametrize("report", [{"bandwidth": []}, {"bandwidth": {"intra_node_busbw_gbps": "fast"}},
+                                    {"bandwidth": {"inter_node_busbw_gbps": -3}}])
+def test_measured_bandwidth_of_the_wrong_shape_names_the_flag(capsys, tmp_path, report):
+    health = tmp_path / "health.json"
+    health.write_text(json.dumps(report))
+    assert main(["estimate", "--model", "gpt2", "--gpus", "16", "--measured-bw", str(health)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--measured-bw" in err

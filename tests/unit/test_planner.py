@@ -136,3 +136,20 @@ def test_dmt_plan_plot_writes_a_png(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "winner:" in out and "rejected:" in out and "MFU" in out
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--gpus-per-node", "--seq-len", "--global-batch"])
+def test_dmt_plan_refuses_non_positive_sizes_in_one_line(capsys, flag):
+    argv = {"--gpus": "8", "--gpus-per-node": "8", "--seq-len": "1024", "--global-batch": "8"}
+    argv[flag] = "0"
+    assert main(["plan", "--model", "gpt2", *[x for kv in argv.items() for x in kv]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err
+
+
+def test_dmt_plan_plot_into_a_missing_directory_is_one_line(capsys, tmp_path):
+    png = tmp_path / "missing" / "memory.png"
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--seq-len", "1024", "--global-batch", "8",
+                 "--plot", str(png)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--plot" in err

@@ -61,6 +61,13 @@ def build_network(args: argparse.Namespace, gpu):
             bandwidth = json.loads(args.measured_bw.read_text())["bandwidth"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserInputError("--measured-bw", f"{args.measured_bw} is not a `dmt health --json` report ({exc})") from None
+        if not isinstance(bandwidth, dict):
+            raise UserInputError("--measured-bw", f"{args.measured_bw}: 'bandwidth' must be an object")
+        for key in ("intra_node_busbw_gbps", "inter_node_busbw_gbps"):
+            value = bandwidth.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise UserInputError("--measured-bw", f"{args.measured_bw}: bandwidth.{key} must be a number of GB/s "
+                                                      f"or null (not measured), got {value!r}")
         intra = bandwidth.get("intra_node_busbw_gbps") or intra
         inter = bandwidth.get("inter_node_busbw_gbps") or inter
         measured = True

@@ -37,8 +37,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise UserInputError("--top", f"must be at least 1, got {args.top}")
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--seq-len", args.seq_len),
+                        ("--global-batch", args.global_batch)):
+        if value < 1:  # checked here: the search would otherwise reject every candidate and print an empty table
+            raise UserInputError(flag, f"must be a positive integer, got {value}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise UserInputError("--plot", f"expects a .png file name, got {args.plot}")
+    if args.plot is not None and not args.plot.resolve().parent.is_dir():
+        raise UserInputError("--plot", f"directory {args.plot.resolve().parent} does not exist")
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
     model = load_model_spec(args.model)
