@@ -172,3 +172,28 @@ def test_measured_bandwidth_of_the_wrong_shape_names_the_flag(capsys, tmp_path, 
     assert main(["estimate", "--model", "gpt2", "--gpus", "16", "--measured-bw", str(health)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--measured-bw" in err
+
+
+def test_hub_id_is_read_through_autoconfig_from_the_local_cache(tmp_path):
+    """A hub id goes through AutoConfig.from_pretrained; offline, it resolves from the HF cache (no network)."""
+    import os
+    from pathlib import Path
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--acme--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    preset = Path(__file__).resolve().parents[2] / "toolkit" / "presets" / "models" / "llama-3.2-1b.json"
+    (snapshot / "config.json").write_text(preset.read_text())
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
+    run = lambda model: subprocess.run([sys.executable, "-m", "toolkit", "estimate", "--model", model, "--gpus", "1", "--json"],
+                                       capture_output=True, text=True, timeout=120, env=env)
+    cached = run("acme/tiny-llama")
+    assert cached.returncode == 0, cached.stderr
+    report = json.loads(cached.stdout)
+    assert report["model"] == "acme/tiny-llama" and report["params"]["total"] == 1_235_814_400
+    missing = run("acme/not-cached")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "--model" in missing.stderr and "HF_HUB_OFFLINE" in missing.stderr and "Traceback" not in missing.stderr
