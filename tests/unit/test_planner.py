@@ -153,3 +153,11 @@ def test_dmt_plan_plot_into_a_missing_directory_is_one_line(capsys, tmp_path):
                  "--plot", str(png)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--plot" in err
+
+
+def test_search_tries_zero3_parameter_offload_and_it_fits_where_nothing_else_does():
+    """A model too large for ZeRO-3 alone on one small GPU fits only with parameters and optimizer on the host."""
+    big = LLAMA.model_copy(update=dict(name="big", num_layers=128))  # 6.2B: 2 B/param of weights alone is half the GPU
+    result = _search(model=big, gpus=1, gpu=get_gpu("rtx-4090"), backends=("deepspeed",), seq_len=1024, global_batch=8)
+    assert result.ranked
+    assert all(c.plan.zero == 3 and c.plan.offload_params == "cpu" for c in result.ranked)

@@ -79,6 +79,8 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
                     zeros = axis("zero", [0, 1] if pp > 1 else [0, 1, 2, 3])
                     states = [dict(zero=z) for z in zeros]
                     states += [dict(zero=z, offload_optimizer="cpu") for z in zeros if z >= 1 and "offload_optimizer" not in fixed]
+                    if 3 in zeros and "offload_params" not in fixed and "offload_optimizer" not in fixed:  # ZeRO-Infinity
+                        states.append(dict(zero=3, offload_optimizer="cpu", offload_params="cpu"))
                 for ep, state in itertools.product(axis("ep", eps), states):
                     yield dict(fixed, backend=backend, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
