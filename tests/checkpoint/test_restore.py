@@ -33,6 +33,19 @@ def test_restore_is_identical_to_the_bit(tmp_path, capsys, zero):
     assert verify(Path(result["checkpoint"])).ok
 
 
+def test_restore_at_another_world_size_goes_through_a_universal_checkpoint(tmp_path, capsys):
+    """ZeRO-2 saved by 2 ranks, resumed by 1: DeepSpeed's ds_to_universal converts a hard-linked copy, the engine
+    loads it universally; the same global batches per step, the loss within the stated tolerance, the user's
+    checkpoint untouched."""
+    code = main(["restore-test", "--recipe", str(TINY), "--steps", "6", "--save-at", "3", "--resume-world-size", "1",
+                 "--workdir", str(tmp_path), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["passed"], result["mismatches"]
+    assert result["tolerance"] == 1e-3 and 0 < result["max_abs_diff"] <= 1e-3  # resharded: not bitwise, but close
+    assert (tmp_path / "interrupted" / "universal" / "checkpoint-3" / "latest_universal").is_file()
+    assert verify(Path(result["checkpoint"])).ok  # the original still matches its manifest
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
     out = tmp_path / "run"
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),

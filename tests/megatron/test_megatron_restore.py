@@ -47,9 +47,3 @@ def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, caps
     resumed_log = (tmp_path / "resumed.log").read_text()
     assert "layout changed" in resumed_log  # really resharded, not a same-layout reload
 
-
-def test_deepspeed_at_another_world_size_is_refused_with_the_reason(capsys):
-    from helpers import TINY
-
-    code = main(["restore-test", "--recipe", str(TINY), "--resume-world-size", "1"])
-    assert code == 2 and "universal checkpoint" in capsys.readouterr().err

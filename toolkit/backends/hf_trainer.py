@@ -62,34 +62,40 @@ def _check_world(plan: Plan) -> int:
     return world
 
 
-class FingerprintCollator:
-    """Collates like HF's default collator and fingerprints the token ids of every micro-batch, so each logged step
-    records which samples its update saw (`data_sha`): a resumed run must see exactly what the uninterrupted one saw.
-    Only the last `micro_batches` fingerprints count, so batches a resume skips over do not blur the record."""
+class BatchFingerprints:
+    """Fingerprints the token ids of every micro-batch the model trains on, so each logged step records which
+    samples its update saw (`data_sha`): a resumed run must see exactly what the uninterrupted one saw. Fed from
+    `training_step` (not the collator, which the data loader runs ahead of training); only the last `micro_batches`
+    count."""
 
     def __init__(self, micro_batches: int):
         self.micro_batches = micro_batches
         self.recent: list[bytes] = []
 
-    def __call__(self, features):
+    def add(self, input_ids) -> None:
         import hashlib
 
-        from transformers import default_data_collator
-
-        batch = default_data_collator(features)
-        self.recent = (self.recent + [hashlib.sha256(batch["input_ids"].numpy().tobytes()).digest()])[-self.micro_batches:]
-        return batch
+        digest = hashlib.sha256(input_ids.detach().cpu().numpy().tobytes()).digest()
+        self.recent = (self.recent + [digest])[-self.micro_batches:]
 
     def pop(self) -> str:
+        """Called on every rank at the same step: the micro-batches of all data-parallel ranks, in a canonical
+        order, so the fingerprint names the global batch whatever the world size (a resume on fewer ranks sees the
+        same micro-batches, dealt out differently)."""
         import hashlib
 
-        value = hashlib.sha256(b"".join(self.recent)).hexdigest()[:16]
-        self.recent = []
-        return value
+        import torch.distributed as dist
+
+        digests, self.recent = self.recent, []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, digests)
+            digests = [digest for part in gathered for digest in part]
+        return hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:16]
 
 
 def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, identity: dict,
-               collator: FingerprintCollator):
+               fingerprints: BatchFingerprints):
     from transformers import TrainerCallback
 
     from toolkit.checkpoint.manifest import point_latest, write_manifest
@@ -116,9 +122,11 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
                 control.should_training_stop = True
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and logs and "loss" in logs:
-                metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
-                              epoch=logs.get("epoch"), data_sha=collator.pop())
+            if logs and "loss" in logs:
+                data_sha = fingerprints.pop()  # a collective: every rank logs the same steps
+                if state.is_world_process_zero:
+                    metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
+                                  epoch=logs.get("epoch"), data_sha=data_sha)
 
         def on_save(self, args, state, control, **kwargs):
             import torch.distributed as dist
@@ -141,16 +149,22 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
           resume: str | None) -> dict:
     """Run training; returns a summary (steps, final loss) on every rank."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
+    from transformers import (AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator,
+                              set_seed)
 
     from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
-    from toolkit.checkpoint.manifest import resolve_latest
+    from toolkit.checkpoint.manifest import read_manifest
     from toolkit.generate.trainer_args import trainer_arguments
 
     world = _check_world(plan)
+    identity = run_identity(recipe, plan)
+    resume_path = resume_checkpoint(output_dir, resume, identity)
+    resharded = resume_path is not None and (read_manifest(resume_path) or {}).get("world_size") != world
     output_dir.mkdir(parents=True, exist_ok=True)
     args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
     args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json)
+    if resharded:  # another world size: DeepSpeed loads a universal checkpoint (made below, once ranks exist)
+        args_dict["deepspeed"].setdefault("checkpoint", {})["load_universal"] = True
     if deepspeed_json:  # a file from elsewhere must agree with this run before DeepSpeed or HF find out mid-launch
         from toolkit.validate.deepspeed import validate_deepspeed_config
 
@@ -163,6 +177,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     import deepspeed
 
     deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
+    if resharded:
+        from toolkit.checkpoint.universal import universal_checkpoint
+
+        resume_path = universal_checkpoint(resume_path, output_dir)
     set_seed(recipe.training.seed)
 
     tokenizer_dir = output_dir / "tokenizer"
@@ -185,21 +203,34 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
-    identity = run_identity(recipe, plan)
-    resume_path = None
-    if resume == "auto":  # requeued jobs: continue when a checkpoint exists, start fresh otherwise
-        resume = "latest" if resolve_latest(output_dir) is not None else None
-    if resume:
-        resume_path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
-        if resume_path is None or not resume_path.is_dir():
-            raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
-        check_resume_compatible(resume_path, identity)
     tokens_per_step = plan.global_batch * plan.seq_len
-    collator = FingerprintCollator(plan.grad_accum)
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set, data_collator=collator,
-                      processing_class=tokenizer, callbacks=_callbacks(output_dir, plan, tokens_per_step, world, identity, collator))
+    fingerprints = BatchFingerprints(plan.grad_accum)
+
+    class FingerprintingTrainer(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            fingerprints.add(inputs["input_ids"])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer = FingerprintingTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                                    data_collator=default_data_collator, processing_class=tokenizer,
+                                    callbacks=_callbacks(output_dir, plan, tokens_per_step, world, identity, fingerprints))
     result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
     return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}
+
+
+def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> Path | None:
+    """The checkpoint to resume from (latest, auto: latest if any, or a path), checked to belong to this run."""
+    from toolkit.checkpoint.manifest import resolve_latest
+
+    if resume == "auto":  # requeued jobs: continue when a checkpoint exists, start fresh otherwise
+        resume = "latest" if resolve_latest(output_dir) is not None else None
+    if not resume:
+        return None
+    path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
+    if path is None or not path.is_dir():
+        raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
+    check_resume_compatible(path, identity)
+    return path
 
 
 def run_identity(recipe: Recipe, plan: Plan) -> dict:

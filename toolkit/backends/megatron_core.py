@@ -161,24 +161,9 @@ def _save_and_exit_requested(output_dir: Path) -> bool:
     return flag.item() > 0
 
 
-def _resume_path(output_dir: Path, resume: str | None, identity: dict) -> Path | None:
-    from toolkit.backends.hf_trainer import check_resume_compatible
-    from toolkit.checkpoint.manifest import resolve_latest
-
-    if resume == "auto":
-        resume = "latest" if resolve_latest(output_dir) is not None else None
-    if not resume:
-        return None
-    path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
-    if path is None or not path.is_dir():
-        raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
-    check_resume_compatible(path, identity)
-    return path
-
-
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None) -> dict:
     """Run training on this rank; returns a summary (steps, last loss)."""
-    from toolkit.backends.hf_trainer import run_identity
+    from toolkit.backends.hf_trainer import resume_checkpoint, run_identity
     from toolkit.backends.megatron_build import init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -186,7 +171,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
         raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
     config = megatron_yaml_for(recipe, model_spec, plan)
     identity = run_identity(recipe, plan)
-    resume_path = _resume_path(output_dir, resume, identity)
+    resume_path = resume_checkpoint(output_dir, resume, identity)
     output_dir.mkdir(parents=True, exist_ok=True)
     init_distributed()
     with device_context():

@@ -121,11 +121,7 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
     """`train_args` (e.g. ("--zero", "3")) go to every launch of toolkit/train.py."""
     if not 0 < save_at < steps:
         raise UserInputError("--save-at", f"must be between 1 and --steps - 1 = {steps - 1}, got {save_at}")
-    resharded = resume_nprocs is not None and resume_nprocs != nprocs
-    if resharded and "megatron" not in train_args:
-        raise UserInputError("--resume-world-size", "another world size is supported for the megatron backend (dist "
-                                                    "checkpoints reshard); DeepSpeed would need a universal checkpoint "
-                                                    "(ds_to_universal), which restore-test does not drive yet")
+    resharded = resume_nprocs is not None and resume_nprocs != nprocs  # train.py reshards: dist / universal ckpt
     workdir.mkdir(parents=True, exist_ok=True)
     reference, run = workdir / "reference", workdir / "interrupted"
     for path in (reference, run):

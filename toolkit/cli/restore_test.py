@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: the recipe's plan.backend")
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
     parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
-    parser.add_argument("--resume-world-size", type=int, default=None, help="processes of the resumed run")
+    parser.add_argument("--resume-world-size", type=int, default=None,
+                        help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core: "
+                             "the dist checkpoint reshards)")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
                         help="launcher of the deepspeed backend (megatron always runs under torchrun)")
     parser.add_argument("--tolerance", type=float, default=None,

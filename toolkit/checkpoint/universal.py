@@ -1,0 +1,62 @@
+"""Resume a DeepSpeed run at another world size: DeepSpeed's own `ds_to_universal` turns the ZeRO checkpoint into a
+universal one, which the engine loads at any data-parallel size (`checkpoint.load_universal`).
+
+The user's checkpoint is never touched: its files are hard-linked into OUTPUT/universal/<checkpoint>/ and the
+universal tag is written there (through a temporary name, renamed when complete), beside `latest_universal`.
+HF Trainer then resumes from that directory (its trainer state, RNG and DeepSpeed tags are all there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+
+log = logging.getLogger(__name__)
+MARKER = "latest_universal"  # what DeepSpeed's engine reads when load_universal is set
+
+
+def universal_checkpoint(ckpt: Path, output_dir: Path) -> Path:
+    """The universal copy of `ckpt` (made by rank 0 on first use; every rank returns once it exists)."""
+    import torch.distributed as dist
+
+    target = output_dir / "universal" / ckpt.name
+    if dist.get_rank() == 0 and not (target / MARKER).is_file():
+        _convert(ckpt, target)
+    dist.barrier()
+    return target
+
+
+def _convert(ckpt: Path, target: Path) -> None:
+    tag_file = ckpt / "latest"
+    if not tag_file.is_file():
+        raise UserInputError("--resume", f"{ckpt} has no DeepSpeed `latest` tag file: not a DeepSpeed checkpoint")
+    tag = tag_file.read_text().strip()
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(ckpt, tmp, copy_function=_link_or_copy)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tmp / tag),
+           "--output_folder", str(tmp / f"{tag}_universal"), "--inject_missing_state", "--num_extract_workers", "1",
+           "--num_merge_workers", "1"]
+    log.info("world size changed: converting %s to a universal checkpoint (%s)", ckpt, " ".join(cmd))
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0 or not (tmp / MARKER).is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserInputError("--resume", f"DeepSpeed's ds_to_universal could not convert {ckpt.name}: {last}")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    """Hard links cost no space; a copy where links are not possible (another filesystem)."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
