@@ -22,3 +22,34 @@ def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
         return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+
+
+class Launch:
+    """One finished launch: where it wrote, its exit code and its log."""
+
+    def __init__(self, out: Path, rc: int, log: Path):
+        self.out, self.rc, self.log = out, rc, log
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log.exists() else "(no log)"
+
+
+def tiny_llama_config(**overrides) -> dict:
+    """A small HF Llama config.json dict (random init, no hub)."""
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config.update(overrides)
+    return config

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, tiny_llama_config
 
 from toolkit.estimate.memory import estimate_memory
 from toolkit.spec.model import load_model_spec
@@ -31,21 +31,7 @@ STAGES = (1, 2, 3)
 WORLD = 2
 SEQ_LEN = 32
 
-MODEL_CONFIG = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=1024,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    bos_token_id=0,
-    eos_token_id=0,
-)  # 12,653,056 parameters
+MODEL_CONFIG = tiny_llama_config(hidden_size=512, intermediate_size=1376)  # 12,653,056 parameters
 
 
 def _launch(stage: int, config_json: Path, out_dir: Path) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import free_port
+from helpers import Launch, free_port
 from megatron_helpers import BIN, SAVE_AT, STEPS, TINY_MEGATRON, TRAIN
 
 
@@ -41,16 +41,6 @@ def megatron_recipe(tmp_path_factory):
         return path
 
     return make
-
-
-class Launch:
-    """One finished torchrun launch: where it wrote, its exit code and its log."""
-
-    def __init__(self, out: Path, rc: int, log: Path):
-        self.out, self.rc, self.log = out, rc, log
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log.exists() else "(no log)"
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, TINY, free_port
+from helpers import ROOT, TINY, Launch, free_port
 
 BIN = Path(sys.executable).parent
 TRAIN = ROOT / "toolkit" / "train.py"
@@ -58,16 +58,6 @@ def run_logged(cmd: list[str], log: Path, changes: dict) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
         return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
-
-
-class Launch:
-    """One finished launch: where it wrote, its exit code and its log."""
-
-    def __init__(self, out: Path, rc: int, log: Path):
-        self.out, self.rc, self.log = out, rc, log
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log.exists() else "(no log)"
 
 
 @pytest.fixture(scope="session")
