@@ -55,7 +55,8 @@ SlurmctldHost={host}
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
-AuthInfo=socket={socket_path}
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=socket={socket_path},cred_expire=10
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
