@@ -49,3 +49,16 @@ def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
         "zero2": launch_ds_save(root / "zero2", 2),
         "zero3": launch_ds_save(root / "zero3", 3),
     }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def datasets_cache_in_tmp(tmp_path_factory):
+    """`datasets` caches what it reads; keep that out of the home directory (launched processes inherit it)."""
+    cache = tmp_path_factory.mktemp("hf-datasets-cache")
+    previous = os.environ.get("HF_DATASETS_CACHE")
+    os.environ["HF_DATASETS_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("HF_DATASETS_CACHE", None)
+    else:
+        os.environ["HF_DATASETS_CACHE"] = previous

@@ -12,19 +12,6 @@ from helpers import Launch, free_port
 from megatron_helpers import BIN, SAVE_AT, STEPS, TINY_MEGATRON, TRAIN
 
 
-@pytest.fixture(scope="session", autouse=True)
-def megatron_datasets_cache(tmp_path_factory):
-    """`datasets` caches what it reads; keep that out of the home directory (launched processes inherit it)."""
-    cache = tmp_path_factory.mktemp("hf-datasets-cache")
-    previous = os.environ.get("HF_DATASETS_CACHE")
-    os.environ["HF_DATASETS_CACHE"] = str(cache)
-    yield cache
-    if previous is None:
-        os.environ.pop("HF_DATASETS_CACHE", None)
-    else:
-        os.environ["HF_DATASETS_CACHE"] = previous
-
-
 @pytest.fixture(scope="session")
 def megatron_recipe(tmp_path_factory):
     """megatron_recipe(name, plan={...}, training={...}) -> a copy of the tiny Megatron recipe with sections updated

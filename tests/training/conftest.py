@@ -15,19 +15,6 @@ BIN = Path(sys.executable).parent
 TRAIN = ROOT / "toolkit" / "train.py"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def datasets_cache_in_tmp(tmp_path_factory):
-    """`datasets` caches what it reads; keep that out of the home directory (launched processes inherit it)."""
-    cache = tmp_path_factory.mktemp("hf-datasets-cache")
-    previous = os.environ.get("HF_DATASETS_CACHE")
-    os.environ["HF_DATASETS_CACHE"] = str(cache)
-    yield cache
-    if previous is None:
-        os.environ.pop("HF_DATASETS_CACHE", None)
-    else:
-        os.environ["HF_DATASETS_CACHE"] = previous
-
-
 def recipe_variant(directory: Path, name: str, replace: dict | None = None, **changes) -> Path:
     """A copy of the tiny recipe with keys of some sections changed (`training={"report_to": ["wandb"]}`) or whole
     sections replaced (`replace={"model": {...}}`), data paths made absolute so the copy works from anywhere."""
