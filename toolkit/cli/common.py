@@ -25,6 +25,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-stage-layers", type=int, default=None,
                         help="Megatron uneven pipeline split: layers on the first stage (the rest split evenly)")
     parser.add_argument("--last-stage-layers", type=int, default=None, help="likewise for the last stage")
+    parser.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                        help="Megatron: count the embedding as a layer of the first stage (Llama 3 405B's split)")
+    parser.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                        help="Megatron: count the output layer and loss as a layer of the last stage")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                         help="DeepSpeed ZeRO stage (default 1 with deepspeed, 0 with megatron)")
     parser.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
@@ -103,4 +107,6 @@ def plan_options(args: argparse.Namespace) -> dict:
         nvme_path=args.nvme_path,
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
     )

@@ -10,7 +10,8 @@ Models" (arXiv:2205.05198), Sec. 4, with dropout removed where the model has non
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -153,25 +154,27 @@ def checkpointed_layer_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) 
 def stage_activation_bytes(
     spec: ModelSpec,
     setup: ActivationSetup,
-    layers: Iterable[int],
-    first_stage: bool,
+    alive_layers: Sequence[int],
+    embedding_forwards: int,
     last_stage: bool,
-    in_flight: float,
 ) -> int:
-    """Peak activation bytes of one pipeline stage holding `layers`, with `in_flight` micro-batches alive."""
+    """Peak activation bytes of one pipeline rank.
+
+    `alive_layers` names a layer once for every forward pass whose activations the rank still holds at its peak
+    (a layer of a chunk with three micro-batches in flight appears three times); `embedding_forwards` counts those
+    passes that went through the embedding.
+    """
     tokens = setup.tokens
-    layers = list(layers)
+    by_layer = Counter(alive_layers)
     if setup.recompute == "full":
-        kept = sum(checkpointed_layer_bytes_per_token(spec, setup) for _ in layers)
+        kept = checkpointed_layer_bytes_per_token(spec, setup) * len(alive_layers)
         # backward recomputes one block at a time, for one micro-batch
-        working = max((layer_bytes_per_token(spec, i, setup) for i in layers), default=0)
+        working = max((layer_bytes_per_token(spec, i, setup) for i in by_layer), default=0)
     else:
-        kept = sum(layer_bytes_per_token(spec, i, setup) for i in layers)
+        kept = sum(layer_bytes_per_token(spec, i, setup) * n for i, n in by_layer.items())
         working = 0
-    per_micro = kept
-    if first_stage:
-        per_micro += embedding_bytes_per_token(spec, setup)
-    total = per_micro * tokens * in_flight + working * tokens
+    kept += embedding_bytes_per_token(spec, setup) * embedding_forwards
+    total = (kept + working) * tokens
     if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch
         total += head_bytes_per_token(spec, setup) * tokens
     return int(total)

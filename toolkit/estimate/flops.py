@@ -49,6 +49,7 @@ def head_forward_flops(spec: ModelSpec) -> float:
     return 2.0 * (spec.embed_proj_dim or spec.hidden_size) * spec.vocab_size
 
 
+@lru_cache(maxsize=256)
 def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     """Forward + backward FLOPs of one token with no recomputation (the MFU numerator)."""
     forward = sum(layer_forward_flops(spec, i, seq_len).total for i in range(spec.num_layers))

@@ -14,8 +14,10 @@ Pure arithmetic: no process group, no GPU. Byte rules and their sources:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from toolkit.estimate.activations import ActivationSetup, stage_activation_bytes
+from toolkit.estimate.pipeline import PipelineSplit, peak_forwards
 from toolkit.estimate.params import ParamCounts, count_params, megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
@@ -83,30 +85,8 @@ class MemoryBreakdown:
 
 
 def stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
-    """Layer indices held by pipeline rank `stage`; with virtual stages, rank r holds chunks r, r+pp, ..."""
-    if plan.first_stage_layers is not None or plan.last_stage_layers is not None:
-        return _uneven_stage_layers(num_layers, plan, stage)
-    chunks = plan.pp * plan.vpp
-    per_chunk = num_layers // chunks
-    return [
-        layer
-        for chunk in range(stage, chunks, plan.pp)
-        for layer in range(chunk * per_chunk, (chunk + 1) * per_chunk)
-    ]
-
-
-def _uneven_stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
-    first, last = plan.first_stage_layers, plan.last_stage_layers
-    ends = (first or 0) + (last or 0)
-    middle = plan.pp - (first is not None) - (last is not None)
-    per_middle = (num_layers - ends) // middle if middle else 0
-    sizes = [per_middle] * plan.pp
-    if first is not None:
-        sizes[0] = first
-    if last is not None:
-        sizes[-1] = last
-    start = sum(sizes[:stage])
-    return list(range(start, start + sizes[stage]))
+    """Layer indices held by pipeline rank `stage` over all its virtual stages (Megatron-Core's split)."""
+    return PipelineSplit.of(num_layers, plan).stage_layers(stage)
 
 
 def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:
@@ -131,14 +111,15 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
     return StageParams(dense=dense, expert=expert)
 
 
-def _in_flight(plan: Plan, stage: int) -> float:
-    """Micro-batches whose activations a pipeline stage holds at its peak (1F1B warm-up depth)."""
-    if plan.pp == 1:
-        return 1
-    depth = min(plan.pp - stage, plan.grad_accum)
-    if plan.vpp > 1:  # interleaved 1F1B: Korthikanti et al. (arXiv:2205.05198) Sec. 4.2.3
-        depth *= 1 + (plan.pp - 1) / (plan.pp * plan.vpp)
-    return depth
+def alive_forwards(spec: ModelSpec, plan: Plan, stage: int) -> tuple[list[int], int]:
+    """(layers once per forward alive at the rank's peak, forwards through the embedding) under Megatron's schedule.
+
+    DeepSpeed's pipeline engine runs the same 1F1B order as Megatron's non-interleaved schedule.
+    """
+    chunks = PipelineSplit.of(spec.num_layers, plan).chunks()[stage]
+    forwards = peak_forwards(plan.pp, plan.vpp, stage, plan.grad_accum)
+    alive = [layer for chunk in forwards for layer in chunks[chunk]]
+    return alive, forwards.count(0) if stage == 0 else 0
 
 
 def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
@@ -227,9 +208,8 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
     weights, gradients, optimizer, buffers, host = _model_states(spec, plan, params, largest_layer)
     setup = activation_setup(spec, plan)
     last = stage == plan.pp - 1
-    activations = stage_activation_bytes(
-        spec, setup, layers, first_stage=stage == 0, last_stage=last, in_flight=_in_flight(plan, stage)
-    )
+    alive, embedding_forwards = alive_forwards(spec, plan, stage)
+    activations = stage_activation_bytes(spec, setup, alive, embedding_forwards, last_stage=last)
     detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
     if last:  # gradient of the fp32 logits exists next to the saved ones during the head's backward
         detail["logits_grad"] = FP32 * spec.vocab_size * setup.tokens // plan.tp
@@ -250,8 +230,29 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
     )
 
 
+def representative_stages(spec: ModelSpec, plan: Plan) -> list[int]:
+    """The first and last stage, and each middle rank whose chunks hold layers unlike an earlier middle rank's.
+
+    A later rank with the same layers in the same chunks does the same work and keeps a prefix of the same forwards
+    alive (peak_forwards), so it is never slower nor fuller: the search need not look at it.
+    """
+    return _representative_stages(spec, PipelineSplit.of(spec.num_layers, plan))
+
+
+@lru_cache(maxsize=4096)
+def _representative_stages(spec: ModelSpec, split: PipelineSplit) -> list[int]:
+    layer_kinds = count_params(spec).layers
+    seen, stages = set(), []
+    for stage, chunks in enumerate(split.chunks()):
+        kind = tuple(tuple(layer_kinds[i] for i in chunk) for chunk in chunks)
+        if stage in (0, split.pp - 1) or kind not in seen:
+            seen.add(kind)
+            stages.append(stage)
+    return stages
+
+
 def estimate_memory(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     """The most loaded pipeline stage's per-GPU breakdown (the one that decides whether the plan fits)."""
     counts = count_params(spec)
-    stages = (estimate_stage_memory(spec, plan, s, counts) for s in range(plan.pp))
+    stages = (estimate_stage_memory(spec, plan, s, counts) for s in representative_stages(spec, plan))
     return max(stages, key=lambda m: m.total)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import gemm_efficiency
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token
-from toolkit.estimate.memory import stage_layers, stage_params
+from toolkit.estimate.memory import representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
@@ -78,7 +78,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     pp_comm = 2 * plan.vpp * collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
 
     stages = []
-    for stage in range(plan.pp):
+    for stage in representative_stages(spec, plan):
         layers = stage_layers(spec.num_layers, plan, stage)
         matmul = attention = 0.0
         for i in layers:

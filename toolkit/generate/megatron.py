@@ -49,6 +49,9 @@ def _parallel(plan: Plan) -> dict:
         "sequence_parallel": plan.sequence_parallel,
         "num_layers_in_first_pipeline_stage": plan.first_stage_layers,
         "num_layers_in_last_pipeline_stage": plan.last_stage_layers,
+        # written only when set (TransformerConfig's default is False), so even splits keep their files unchanged
+        **{name: True for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+           if getattr(plan, name)},
     }
 
 

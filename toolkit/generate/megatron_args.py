@@ -32,6 +32,8 @@ VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("transformer_config", "virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank"),
     ("transformer_config", "num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers"),
     ("transformer_config", "num_layers_in_last_pipeline_stage", "--decoder-last-pipeline-num-layers"),
+    ("transformer_config", "account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
+    ("transformer_config", "account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
     ("transformer_config", "context_parallel_size", "--context-parallel-size"),
     ("transformer_config", "expert_model_parallel_size", "--expert-model-parallel-size"),
     ("transformer_config", "sequence_parallel", "--sequence-parallel"),

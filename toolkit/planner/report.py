@@ -40,6 +40,10 @@ def plan_label(plan: Plan) -> str:
     """Short human name of a plan, e.g. `megatron dp8 tp8 pp1 +sp +do mb1 rc=sel`."""
     parts = [plan.backend, f"dp{plan.dp}", f"tp{plan.tp}", f"pp{plan.pp}"]
     parts += [f"vpp{plan.vpp}"] if plan.vpp > 1 else []
+    if plan.first_stage_layers is not None or plan.last_stage_layers is not None:
+        parts.append(f"first{plan.first_stage_layers or '='}/last{plan.last_stage_layers or '='}")
+    if plan.account_for_embedding_in_pipeline_split or plan.account_for_loss_in_pipeline_split:
+        parts.append("+emb/loss-split")
     parts += [f"cp{plan.cp}"] if plan.cp > 1 else []
     parts += [f"ep{plan.ep}"] if plan.ep > 1 else []
     if plan.backend == "deepspeed":

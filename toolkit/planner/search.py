@@ -38,14 +38,25 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
 
-def _pipeline_splits(num_layers: int, pp: int) -> list[dict]:
-    """Even splits, or Megatron-Core's uneven one with one layer fewer on the first and last stage (Llama 3)."""
+def pipeline_splits(num_layers: int, pp: int, megatron: bool) -> list[tuple[dict, list[int]]]:
+    """(split options, virtual stages to try) for `pp` stages: even, or one layer fewer on the first and last stage.
+
+    The uneven split is Llama 3's (arXiv:2407.21783 Sec. 3.3.2): Megatron-Core's num_layers_in_first/last_pipeline_stage
+    without interleaving, and account_for_embedding/loss_in_pipeline_split (the same ranks, with the embedding and the
+    loss taking the place of a layer) with it, since the first/last counts must divide by vpp and here cannot.
+    """
     if num_layers % pp == 0:
-        return [{}]
-    if pp > 2 and (num_layers + 2) % pp == 0:
-        ends = (num_layers + 2) // pp - 1
-        return [dict(first_stage_layers=ends, last_stage_layers=ends)]
-    return []
+        per_rank = num_layers // pp
+        return [({}, _divisors(per_rank, MAX_VPP) if megatron and pp > 1 else [1])]
+    if not megatron or pp <= 2 or (num_layers + 2) % pp:
+        return []
+    per_rank = (num_layers + 2) // pp
+    splits = [(dict(first_stage_layers=per_rank - 1, last_stage_layers=per_rank - 1), [1])]
+    interleaved = [v for v in _divisors(per_rank, MAX_VPP) if v > 1]
+    if interleaved:
+        splits.append((dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+                       interleaved))
+    return splits
 
 
 def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: str, fixed: dict) -> Iterator[dict]:
@@ -65,9 +76,7 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
     for tp, pp in itertools.product(tps, pps):
         if gpus % (tp * pp):
             continue
-        splits = _pipeline_splits(model.num_layers, pp) if megatron else ([{}] if model.num_layers % pp == 0 else [])
-        for split in splits:
-            vpps = [1] if split else [v for v in _divisors(model.num_layers // pp, MAX_VPP) if megatron and pp > 1] or [1]
+        for split, vpps in pipeline_splits(model.num_layers, pp, megatron):
             cps = [c for c in _divisors(gpus // (tp * pp), MAX_CP) if megatron and c & (c - 1) == 0] or [1]
             for vpp, cp in itertools.product(axis("vpp", vpps), axis("cp", cps)):
                 dp = gpus // (tp * pp * cp)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from toolkit.errors import UserInputError
+from toolkit.estimate.pipeline import PipelineSplit
 from toolkit.spec.model import ModelSpec
 
 Backend = Literal["deepspeed", "megatron"]
@@ -16,6 +17,9 @@ Offload = Literal["none", "cpu", "nvme"]
 # Bytes of one parameter / activation element stored in each training precision (fp8 keeps bf16 weights and
 # activations; Transformer Engine adds fp8 weight copies, counted in memory.py).
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+
+SPLIT_OPTIONS = ("first_stage_layers", "last_stage_layers", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split")
 
 DEFAULTS = dict(
     gpus_per_node=8,
@@ -69,6 +73,9 @@ class Plan(BaseModel):
     nvme_path: str | None = None
     first_stage_layers: int | None = None  # uneven pipeline split (Megatron num_layers_in_first_pipeline_stage)
     last_stage_layers: int | None = None
+    # Megatron-Core counts the embedding / the loss as one layer of the first / last stage (Llama 3 405B's layout)
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     @property
     def model_parallel(self) -> int:
@@ -91,7 +98,7 @@ def _positive(flag: str, value: int) -> None:
 def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
     """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject."""
     unknown = set(options) - set(DEFAULTS) - {
-        "distributed_optimizer", "sequence_parallel", "nvme_path", "first_stage_layers", "last_stage_layers"
+        "distributed_optimizer", "sequence_parallel", "nvme_path", *SPLIT_OPTIONS
     }
     if unknown:
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
@@ -111,16 +118,16 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
             f"{tp} must divide attention heads ({model.num_attention_heads}) and kv heads ({model.num_kv_heads}); "
             f"valid: {', '.join(str(d) for d in _divisors(model.num_kv_heads))}",
         )
-    first, last = o.get("first_stage_layers"), o.get("last_stage_layers")
-    if first is not None or last is not None:
-        _check_uneven_split(model.num_layers, pp, vpp, first, last, backend)
-    elif model.num_layers % (pp * vpp):
-        what = f"--pp x --vpp = {pp * vpp}" if vpp > 1 else f"{pp}"
-        raise UserInputError(
-            "--pp", f"{what} must divide the {model.num_layers} layers, or set --first-stage-layers/--last-stage-layers"
-        )
     if vpp > 1 and pp == 1:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
+    split = PipelineSplit(model.num_layers, pp, vpp, o.get("first_stage_layers"), o.get("last_stage_layers"),
+                          bool(o.get("account_for_embedding_in_pipeline_split")),
+                          bool(o.get("account_for_loss_in_pipeline_split")))
+    custom_split = split.uneven or split.embedding_in_split or split.loss_in_split
+    if custom_split and backend != "megatron":
+        raise UserInputError("--first-stage-layers", "an uneven pipeline split is a Megatron-Core option")
+    if problem := split.problem():
+        raise UserInputError(*problem)
     if gpus % (tp * pp * cp):
         raise UserInputError("--gpus", f"{gpus} is not divisible by tp x pp x cp = {tp * pp * cp}")
     dp = gpus // (tp * pp * cp)
@@ -150,6 +157,12 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
             f"{global_batch} is not divisible by micro-batch x dp = {micro} x {dp}; "
             f"try {micro * dp * max(1, round(global_batch / (micro * dp)))}",
         )
+    if vpp > 1 and (global_batch // (micro * dp)) % pp:
+        # forward_backward_pipelining_with_interleaving runs micro-batches in groups of pp (schedules.py)
+        raise UserInputError(
+            "--global-batch", f"the interleaved schedule (--vpp {vpp}) needs micro-batches per step "
+                              f"({global_batch // (micro * dp)}) to be a multiple of --pp {pp}",
+        )
     return Plan(
         backend=backend,
         gpus=gpus,
@@ -174,30 +187,11 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
         offload_optimizer=o["offload_optimizer"],
         offload_params=o["offload_params"],
         nvme_path=o.get("nvme_path"),
-        first_stage_layers=first,
-        last_stage_layers=last,
+        first_stage_layers=split.first_stage_layers,
+        last_stage_layers=split.last_stage_layers,
+        account_for_embedding_in_pipeline_split=split.embedding_in_split,
+        account_for_loss_in_pipeline_split=split.loss_in_split,
     )
-
-
-def _check_uneven_split(layers: int, pp: int, vpp: int, first: int | None, last: int | None, backend: str) -> None:
-    """Megatron-Core's uneven split: first/last stages hold given counts, the middle stages share the rest evenly."""
-    if backend != "megatron":
-        raise UserInputError("--first-stage-layers", "an uneven pipeline split is a Megatron-Core option")
-    if vpp > 1:
-        raise UserInputError("--first-stage-layers", "an uneven split is modelled with --vpp 1 only")
-    if pp < 2:
-        raise UserInputError("--first-stage-layers", "an uneven split needs --pp >= 2")
-    for flag, value in (("--first-stage-layers", first), ("--last-stage-layers", last)):
-        if value is not None and not 0 < value < layers:
-            raise UserInputError(flag, f"must be between 1 and {layers - 1}, got {value}")
-    ends = [v for v in (first, last) if v is not None]
-    middle_stages = pp - len(ends)
-    rest = layers - sum(ends)
-    if middle_stages == 0 and rest != 0 or middle_stages and (rest <= 0 or rest % middle_stages):
-        raise UserInputError(
-            "--first-stage-layers",
-            f"{layers} layers minus first/last ({sum(ends)}) must split evenly over the other {middle_stages} stages",
-        )
 
 
 def _check_deepspeed(zero: int, tp: int, pp: int, vpp: int, cp: int, dist_opt: bool, seq_par: bool, o: dict) -> None:

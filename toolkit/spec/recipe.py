@@ -106,6 +106,10 @@ class PlanSection(_Strict):
     nvme_path: str | None = Field(None, description="Local NVMe directory for nvme offload.")
     first_stage_layers: int | None = Field(None, gt=0, description="Layers of the first pipeline stage (uneven split).")
     last_stage_layers: int | None = Field(None, gt=0, description="Layers of the last pipeline stage (uneven split).")
+    account_for_embedding_in_pipeline_split: bool = Field(
+        False, description="Megatron-Core: the embedding counts as one layer of the first pipeline stage.")
+    account_for_loss_in_pipeline_split: bool = Field(
+        False, description="Megatron-Core: the output layer and loss count as one layer of the last pipeline stage.")
 
 
 class DeepSpeedSection(_Strict):

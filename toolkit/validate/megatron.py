@@ -23,6 +23,8 @@ PLAN_KEYS = {
     "--seq-len": "schedule.seq_length", "--sequence-parallel": f"{TC}.sequence_parallel",
     "--first-stage-layers": f"{TC}.num_layers_in_first_pipeline_stage",
     "--last-stage-layers": f"{TC}.num_layers_in_last_pipeline_stage",
+    "--account-for-embedding-in-pipeline-split": f"{TC}.account_for_embedding_in_pipeline_split",
+    "--account-for-loss-in-pipeline-split": f"{TC}.account_for_loss_in_pipeline_split",
     "--distributed-optimizer": "ddp_config.use_distributed_optimizer", "--optimizer": "optimizer_config.optimizer",
     "--recompute": f"{TC}.recompute_granularity", "--precision": f"{TC}.bf16",
 }
@@ -143,6 +145,8 @@ def _plan_rules(config: dict) -> list[Problem]:
             recompute=tc.get("recompute_granularity") or "none", precision=precision,
             first_stage_layers=tc.get("num_layers_in_first_pipeline_stage"),
             last_stage_layers=tc.get("num_layers_in_last_pipeline_stage"),
+            account_for_embedding_in_pipeline_split=bool(tc.get("account_for_embedding_in_pipeline_split")),
+            account_for_loss_in_pipeline_split=bool(tc.get("account_for_loss_in_pipeline_split")),
         )
     except UserInputError as exc:
         return [Problem(PLAN_KEYS.get(exc.key, exc.key), exc.message)]
@@ -154,7 +158,6 @@ def _runtime_rules(config: dict) -> list[Problem]:
     tc, gpt, schedule, model = config[TC], config["gpt_model"], config["schedule"], config["model"]
     tp, pp, cp = (tc.get(k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                           "context_parallel_size"))
-    vpp = tc.get("virtual_pipeline_model_parallel_size") or 1
     problems = []
     vocab, tokenizer_vocab = gpt["vocab_size"], model.get("vocab_size", gpt["vocab_size"])
     if vocab % tp:
@@ -173,10 +176,6 @@ def _runtime_rules(config: dict) -> list[Problem]:
         problems.append(Problem("schedule.num_microbatches", f"{accum} x micro-batch {micro} x dp {dp} != global "
                                                               f"batch {schedule['global_batch_size']}; set it to "
                                                               f"{schedule['global_batch_size'] // max(1, micro * dp)}"))
-    elif vpp > 1 and accum % pp:
-        problems.append(Problem("schedule.num_microbatches", f"{accum}: the interleaved schedule (vpp {vpp}) runs "
-                                                              f"micro-batches in groups of pp={pp}; use a multiple of "
-                                                              f"{pp} (raise the global batch)"))
     ddp_dist, opt_dist = (config[s].get("use_distributed_optimizer", False) for s in ("ddp_config", "optimizer_config"))
     if ddp_dist != opt_dist:
         problems.append(Problem("optimizer_config.use_distributed_optimizer", f"{opt_dist} but ddp_config says "
