@@ -1,11 +1,12 @@
-"""HF safetensors <-> Megatron-Core dist checkpoints, through the family tables in `toolkit.mappings`.
+"""HF safetensors <-> Megatron-Core dist checkpoints, through the family tables in `toolkit.mappings`, streamed.
 
-Megatron-Core writes and reads the checkpoint itself: the converter builds a `GPTModel` (TP=1, PP=1, local layer
-spec, CPU) in a one-process gloo group, fills it from the HF tensors through the family's weight table and saves its
-`sharded_state_dict()` with `dist_checkpointing` (torch_dist). Such a checkpoint is reshardable: Megatron-Core loads
-it at any TP/PP/VPP/EP whose padded vocabulary matches, which is why `--tp` sets the padding (128 x tp rows). The
-reverse direction loads the dist checkpoint into the same TP=1 model and splits the fused tensors back.
-"""
+Megatron-Core supplies the map: a `GPTModel` (TP=1, PP=1, local layer spec) built on the meta device in a one-process
+gloo group gives its `sharded_state_dict()`, the checkpoint key, shape and offset of every weight. hf-to-megatron
+writes that torch_dist checkpoint tensor by tensor (`megatron_stream`), each tensor made from its memory-mapped HF
+tensors by the family's weight table when the writer reaches it; megatron-to-hf reads it back chunk by chunk, splits
+the fused tensors and appends them to a safetensors file. No state dict is ever whole in memory. Such a checkpoint
+is reshardable: Megatron-Core loads it at any TP/PP/VPP/EP whose padded vocabulary matches, which is why `--tp` sets
+the padding (128 x tp rows); training checkpoints (any layout, optimizer state beside the weights) read the same way."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from toolkit.backends.megatron_checkpoint import FORMAT
 from toolkit.checkpoint.atomic import atomic_directory
+from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes, write_dist_checkpoint
 from toolkit.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -91,24 +93,29 @@ def single_process_group():
 
 
 @contextlib.contextmanager
-def megatron_model(config: dict):
-    """A GPTModel (one chunk, this rank's part at the config's layout) inside Megatron-Core's process groups."""
+def megatron_model(config: dict, device: str | None = None):
+    """A GPTModel (one chunk, this rank's part at the config's layout) inside Megatron-Core's process groups; built
+    under `torch.device(device)` when given ("meta": shapes only)."""
+    import torch
+
     from toolkit.backends.megatron_build import build_model_chunks, destroy, initialize_parallel, transformer_config
     from toolkit.backends.megatron_core import device_context
 
     with device_context():
         initialize_parallel(config)
         try:
-            chunks = build_model_chunks(config, transformer_config(config))
+            with torch.device(device) if device else contextlib.nullcontext():
+                chunks = build_model_chunks(config, transformer_config(config))
             yield chunks[0] if len(chunks) == 1 else chunks
         finally:
             destroy()
 
 
 class HFTensors:
-    """Read-on-demand access to the tensors of an HF safetensors model (one file or sharded with an index)."""
+    """Read-on-demand access to the tensors of an HF safetensors model (one file or sharded with an index): each
+    read maps its file and copies out one tensor; `meta(name)` gives its shape and dtype without reading data."""
 
-    def __init__(self, hf_dir: Path):
+    def __init__(self, hf_dir: Path, live: LiveBytes | None = None):
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -119,60 +126,96 @@ class HFTensors:
                 weight_map = {name: "model.safetensors" for name in handle.keys()}
         else:
             raise UserInputError("HF_DIR", f"{hf_dir} has no model.safetensors or model.safetensors.index.json")
-        self.hf_dir, self.weight_map = hf_dir, weight_map
+        self.hf_dir, self.weight_map, self.live = hf_dir, weight_map, live
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def __getitem__(self, name: str):
+    def _open(self, name: str):
         from safetensors import safe_open
 
         if name not in self.weight_map:
             raise UserInputError("HF_DIR", f"tensor {name} is missing from {self.hf_dir}")
-        with safe_open(self.hf_dir / self.weight_map[name], "pt") as handle:
-            return handle.get_tensor(name)
+        return safe_open(self.hf_dir / self.weight_map[name], "pt")
+
+    def __getitem__(self, name: str):
+        with self._open(name) as handle:
+            tensor = handle.get_tensor(name)
+        return self.live.track(tensor) if self.live else tensor
+
+    def meta(self, name: str):
+        import torch
+
+        from toolkit.checkpoint.safetensors_stream import DTYPES
+
+        with self._open(name) as handle:
+            piece = handle.get_slice(name)
+            shape, code = piece.get_shape(), piece.get_dtype()
+        dtype = next(getattr(torch, t) for t, (c, _) in DTYPES.items() if c == code)
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+
+PADDED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@contextlib.contextmanager
+def meta_sharded_state_dict(config: dict):
+    """`sharded_state_dict()` of the GPTModel of `config` built on the meta device: every weight's checkpoint key,
+    global shape and offset, without weight memory."""
+    config["transformer_config"]["perform_initialization"] = False
+    with megatron_model(config, device="meta") as model:
+        sharded = model.sharded_state_dict()
+        nested = [k for k, v in sharded.items() if not hasattr(v, "key")]
+        if nested:
+            raise AssertionError(f"nested entries in GPTModel.sharded_state_dict(): {nested[:3]}")
+        yield sharded
 
 
 def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
-                   progress: bool = False) -> MegatronConversion:
+                   progress: bool = False, live: LiveBytes | None = None) -> MegatronConversion:
     """HF safetensors -> a Megatron-Core dist checkpoint that loads at tp/pp/vpp/ep (and other layouts of the same
-    vocabulary padding), with config.json beside it and a manifest."""
+    vocabulary padding), with config.json beside it and a manifest. Streamed: each Megatron tensor is made from its
+    HF tensors when the writer reaches it and dropped after (`live` counts what is held)."""
     import shutil
 
     hf_config = read_hf_config(hf_dir, "HF_DIR")
     check_layout(hf_config, tp, pp, vpp, ep)
     import torch
-    from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
     from toolkit.checkpoint.manifest import write_manifest
-    from toolkit.mappings import to_megatron_state_dict
+    from toolkit.mappings import Rename, hf_names, megatron_tensor, weight_table
 
-    config = megatron_model_config(hf_config)  # built whole (TP=1): the vocabulary padded for --tp
-    config["gpt_model"]["vocab_size"] = megatron_model_config(hf_config, tp=tp)["gpt_model"]["vocab_size"]
-    padded = config["gpt_model"]["vocab_size"]
-    source = HFTensors(hf_dir)
-    with atomic_directory(out_dir) as tmp, single_process_group(), megatron_model(config) as model:
-        state = to_megatron_state_dict(hf_config, source)
-        targets = model.state_dict(keep_vars=True)
-        unknown = sorted(set(state) - set(targets))
-        missing = sorted(k for k in set(targets) - set(state) if not k.endswith("_extra_state"))
+    padded = megatron_model_config(hf_config, tp=tp)["gpt_model"]["vocab_size"]  # written whole (TP=1), padded for --tp
+    config = megatron_model_config(hf_config, padded_vocab=padded)
+    source = HFTensors(hf_dir, live)
+    items, geometry = weight_table(hf_config)
+    by_name = {i.megatron: i for i in items if not (isinstance(i, Rename) and i.hf not in source)}
+    for name in (n for item in by_name.values() for n in hf_names(item)):
+        source.meta(name)  # every HF tensor present before anything is written
+    with atomic_directory(out_dir) as tmp, single_process_group(), meta_sharded_state_dict(config) as sharded:
+        targets = {name: entry.data for name, entry in sharded.items() if not name.endswith("_extra_state")}
+        unknown, missing = sorted(set(by_name) - set(targets)), sorted(set(targets) - set(by_name))
         if unknown or missing:
             raise AssertionError(f"the {hf_config['model_type']} table does not match GPTModel: "
                                  f"unknown {unknown[:5]}, missing {missing[:5]}")
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        with torch.no_grad(), tqdm(total=total, unit="B", unit_scale=True, desc="hf-to-megatron",
-                                   disable=not progress) as bar:
-            for name, tensor in state.items():
-                bar.update(tensor.numel() * tensor.element_size())
-                target = targets[name]
-                if target.shape[0] != tensor.shape[0] and name in PADDED:  # vocabulary rows: zeros past the end
-                    target.zero_()
-                    target[: tensor.shape[0]].copy_(tensor)
-                else:
-                    target.copy_(tensor)
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
-        parameters = sum(t.numel() for t in state.values())
+        parameters = 0
+        for name, item in by_name.items():  # shapes checked on meta tensors: no half-written output for a bad one
+            shape, want = megatron_tensor(item, source.meta, geometry).shape, targets[name].shape
+            parameters += shape.numel()
+            if shape != want and not (name in PADDED and shape[1:] == want[1:] and shape[0] <= want[0]):
+                raise UserInputError("HF_DIR", f"{', '.join(hf_names(item))} in {hf_dir} make {name} "
+                                               f"{tuple(shape)}; its config.json implies {tuple(want)}")
+
+        def model_tensor(name: str):
+            tensor, target = megatron_tensor(by_name[name], source.__getitem__, geometry), targets[name]
+            if tensor.shape != target.shape:  # vocabulary rows: zeros past the end
+                tensor = torch.cat([tensor, tensor.new_zeros(target.shape[0] - tensor.shape[0], *target.shape[1:])])
+            return tensor.to(target.dtype)
+
+        total = sum(t.numel() * t.element_size() for t in targets.values())
+        with tqdm(total=total, unit="B", unit_scale=True, desc="hf-to-megatron", disable=not progress) as bar:
+            write_dist_checkpoint(tmp, sharded, model_tensor, bar.update, live)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         for side in HF_SIDE_FILES:
             if (hf_dir / side).is_file():
@@ -180,11 +223,8 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
         layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "padded_vocab": padded}
         write_manifest(tmp, step=0, world_size=1, layout=layout, fmt=FORMAT,
                        extra={"converted_from": str(hf_dir.resolve())})
-    log.info("wrote %s (%d tensors, %d parameters)", out_dir, len(state), parameters)
-    return MegatronConversion(out_dir, len(state), parameters, layout, padded)
-
-
-PADDED = ("embedding.word_embeddings.weight", "output_layer.weight")
+    log.info("wrote %s (%d tensors, %d parameters)", out_dir, len(by_name), parameters)
+    return MegatronConversion(out_dir, len(by_name), parameters, layout, padded)
 
 
 def checkpoint_vocab(ckpt: Path) -> int:
@@ -193,7 +233,7 @@ def checkpoint_vocab(ckpt: Path) -> int:
 
     try:
         metadata = FileSystemReader(str(ckpt)).read_metadata()
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, EOFError) as exc:
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a Megatron-Core torch_dist checkpoint ({exc})") from None
     entry = metadata.state_dict_metadata.get(PADDED[0])
     if entry is None:
@@ -216,24 +256,19 @@ def load_weights(model, ckpt: Path) -> None:
     model.load_state_dict(loaded, strict=False)
 
 
-def load_megatron_state(ckpt: Path, hf_config: dict) -> dict:
-    """The whole (TP=1) GPTModel state dict of a dist checkpoint."""
-    config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
-    with single_process_group(), megatron_model(config) as model:
-        load_weights(model, ckpt)
-        return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-
-
 def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype: str = "fp32",
-                   progress: bool = False) -> dict:
-    """A Megatron-Core dist checkpoint -> HF safetensors + config.json."""
+                   progress: bool = False, live: LiveBytes | None = None) -> dict:
+    """A Megatron-Core dist checkpoint (converted or saved by training, at any layout) -> HF safetensors +
+    config.json. Streamed: each model tensor is assembled from its checkpoint chunks, split into its HF tensors,
+    written and dropped (`live` counts what is held)."""
+    import math
     import shutil
 
     import torch
     from tqdm import tqdm
 
     from toolkit.checkpoint.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
-    from toolkit.mappings import to_hf_state_dict
+    from toolkit.mappings import Rename, hf_tensors, weight_table
 
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
     if out_dtype is None:
@@ -245,17 +280,26 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
         raise UserInputError("--config", f"{ckpt} has no config.json beside the checkpoint; pass the model's HF "
                                          f"config.json with --config")
     hf_config = read_hf_config(config_path, "--config")
-    state = to_hf_state_dict(hf_config, load_megatron_state(ckpt, hf_config))
-    layout = [(name, tuple(t.shape), out_dtype) for name, t in state.items()]
-    with atomic_directory(out_dir) as tmp:
-        writer = StreamingSafetensorsWriter(tmp / "model.safetensors", layout)
-        with tqdm(total=sum(tensor_bytes(shape, dt) for _, shape, dt in layout), unit="B", unit_scale=True,
-                  desc="megatron-to-hf", disable=not progress) as bar:
-            for name, tensor in state.items():
-                bar.update(writer.write(name, tensor.to(out_dtype)))
-        writer.close()
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        for side in HF_SIDE_FILES:
-            if (ckpt / side).is_file():
-                shutil.copyfile(ckpt / side, tmp / side)
-    return {"out_dir": str(out_dir), "tensors": len(state), "parameters": sum(t.numel() for t in state.values())}
+    reader = DistCheckpointReader(ckpt, live)
+    items, geometry = weight_table(hf_config)
+    config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
+    with single_process_group(), meta_sharded_state_dict(config) as sharded:
+        items = [i for i in items if not (isinstance(i, Rename) and i.megatron not in sharded)]
+        layout = [(name, tuple(t.shape), out_dtype) for item in items
+                  for name, t in hf_tensors(item, sharded[item.megatron].data, geometry).items()]
+        with atomic_directory(out_dir) as tmp:
+            writer = StreamingSafetensorsWriter(tmp / "model.safetensors", layout)
+            with tqdm(total=sum(tensor_bytes(shape, dt) for _, shape, dt in layout), unit="B", unit_scale=True,
+                      desc="megatron-to-hf", disable=not progress) as bar:
+                for item in items:
+                    pieces = hf_tensors(item, reader.model_tensor(sharded[item.megatron]), geometry)
+                    for name in list(pieces):  # popped: each piece is dropped once written
+                        piece = pieces.pop(name).to(out_dtype)
+                        bar.update(writer.write(name, live.track(piece) if live else piece))
+                        del piece
+            writer.close()
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            for side in HF_SIDE_FILES:
+                if (ckpt / side).is_file():
+                    shutil.copyfile(ckpt / side, tmp / side)
+    return {"out_dir": str(out_dir), "tensors": len(layout), "parameters": sum(math.prod(s) for _, s, _ in layout)}

@@ -167,60 +167,88 @@ def expand_weights(mapping: FamilyMapping, num_layers: int, num_experts: int = 0
     return concrete
 
 
+@dataclass(frozen=True)
+class WeightGeometry:
+    """What the typed transforms need to know of a model: attention layout and the vocabulary before padding."""
+
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    tied: bool  # output_layer shares the embedding (no lm_head on the HF side)
+
+
+def weight_table(hf_config: dict) -> tuple[list[WeightMapping], WeightGeometry]:
+    """One mapping per concrete tensor of this model ({layer}/{expert} filled in, output_layer left out when the
+    embeddings are tied) and the geometry `megatron_tensor` / `hf_tensors` need."""
+    sections = megatron_fields(hf_config)
+    tc = sections["transformer_config"]
+    heads = tc["num_attention_heads"]
+    geometry = WeightGeometry(heads, tc["num_query_groups"], tc.get("kv_channels") or tc["hidden_size"] // heads,
+                              sections["model"]["vocab_size"],
+                              bool(sections["gpt_model"].get("share_embeddings_and_output_weights", False)))
+    items = expand_weights(mapping_for(hf_config["model_type"]), tc["num_layers"], tc.get("num_moe_experts") or 0)
+    return [i for i in items if not (geometry.tied and i.megatron == "output_layer.weight")], geometry
+
+
+def hf_names(item: WeightMapping) -> tuple[str, ...]:
+    """The HF tensors one mapping reads or writes."""
+    if isinstance(item, QKV):
+        return item.q, item.k, item.v
+    if isinstance(item, GatedMLP):
+        return item.gate, item.up
+    return (item.hf,)
+
+
+def megatron_tensor(item: WeightMapping, read: Callable[[str], Any], geometry: WeightGeometry):
+    """One whole (TP=1 name, unpadded) Megatron-Core tensor from the HF tensors `read(name)` returns. Works on meta
+    tensors too, which is how the converter learns shapes without reading data."""
+    g = geometry
+    if isinstance(item, Rename):
+        return read(item.hf).t() if item.transpose else read(item.hf)
+    if isinstance(item, QKV):
+        return merge_qkv(read(item.q), read(item.k), read(item.v), g.heads, g.groups, g.head_dim)
+    if isinstance(item, FusedQKV):
+        fused = read(item.hf).t() if item.transpose else read(item.hf)
+        q, k, v = fused.split([g.heads * g.head_dim, g.groups * g.head_dim, g.groups * g.head_dim], dim=0)
+        return merge_qkv(q, k, v, g.heads, g.groups, g.head_dim)
+    return merge_gated(read(item.gate), read(item.up))
+
+
+def hf_tensors(item: WeightMapping, tensor, geometry: WeightGeometry) -> dict:
+    """The HF tensors of one whole Megatron-Core tensor: fused tensors split back, the vocabulary padding cut off."""
+    g = geometry
+    if isinstance(item, Rename):
+        if item.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            tensor = tensor[: g.vocab]
+        return {item.hf: tensor.t().contiguous() if item.transpose else tensor}
+    if isinstance(item, QKV):
+        return dict(zip(hf_names(item), (t.contiguous() for t in split_qkv(tensor, g.heads, g.groups, g.head_dim))))
+    if isinstance(item, FusedQKV):
+        import torch
+
+        fused = torch.cat(split_qkv(tensor, g.heads, g.groups, g.head_dim), dim=0)
+        return {item.hf: fused.t().contiguous() if item.transpose else fused}
+    return dict(zip(hf_names(item), (t.contiguous() for t in split_gated(tensor))))
+
+
 def to_megatron_state_dict(hf_config: dict, hf_state: dict) -> dict:
     """Whole (unsharded, TP=1 names) Megatron-Core tensors from an HF state dict, by the family's table. HF tensors
     the table names but the model lacks are skipped (and lm_head when the embeddings are tied); vocabulary padding is
     the caller's (Megatron pads the embedding rows to a multiple of 128 x TP)."""
-    sections = megatron_fields(hf_config)
-    tc = sections["transformer_config"]
-    heads, groups = tc["num_attention_heads"], tc["num_query_groups"]
-    head_dim = tc.get("kv_channels") or tc["hidden_size"] // heads
-    tied = sections["gpt_model"].get("share_embeddings_and_output_weights", False)
-    state = {}
-    for item in expand_weights(mapping_for(hf_config["model_type"]), tc["num_layers"], tc.get("num_moe_experts") or 0):
-        if isinstance(item, Rename):
-            if item.hf in hf_state and not (tied and item.megatron == "output_layer.weight"):
-                state[item.megatron] = hf_state[item.hf].t() if item.transpose else hf_state[item.hf]
-        elif isinstance(item, QKV):
-            state[item.megatron] = merge_qkv(hf_state[item.q], hf_state[item.k], hf_state[item.v], heads, groups,
-                                             head_dim)
-        elif isinstance(item, FusedQKV):
-            fused = hf_state[item.hf].t() if item.transpose else hf_state[item.hf]
-            q, k, v = fused.split([heads * head_dim, groups * head_dim, groups * head_dim], dim=0)
-            state[item.megatron] = merge_qkv(q, k, v, heads, groups, head_dim)
-        else:
-            state[item.megatron] = merge_gated(hf_state[item.gate], hf_state[item.up])
-    return state
+    items, geometry = weight_table(hf_config)
+    return {item.megatron: megatron_tensor(item, hf_state.__getitem__, geometry) for item in items
+            if not (isinstance(item, Rename) and item.hf not in hf_state)}
 
 
 def to_hf_state_dict(hf_config: dict, megatron_state: dict) -> dict:
     """The reverse of `to_megatron_state_dict`: HF tensors (in the table's order) from whole Megatron-Core tensors,
     fused tensors split back and the vocabulary padding cut off."""
-    sections = megatron_fields(hf_config)
-    tc = sections["transformer_config"]
-    heads, groups = tc["num_attention_heads"], tc["num_query_groups"]
-    head_dim = tc.get("kv_channels") or tc["hidden_size"] // heads
-    vocab = sections["model"]["vocab_size"]
-    tied = sections["gpt_model"].get("share_embeddings_and_output_weights", False)
+    items, geometry = weight_table(hf_config)
     state = {}
-    for item in expand_weights(mapping_for(hf_config["model_type"]), tc["num_layers"], tc.get("num_moe_experts") or 0):
-        if isinstance(item, Rename):
-            if item.megatron not in megatron_state or (tied and item.megatron == "output_layer.weight"):
-                continue
-            tensor = megatron_state[item.megatron]
-            if item.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                tensor = tensor[:vocab]
-            state[item.hf] = tensor.t().contiguous() if item.transpose else tensor
-        elif isinstance(item, QKV):
-            state[item.q], state[item.k], state[item.v] = (
-                t.contiguous() for t in split_qkv(megatron_state[item.megatron], heads, groups, head_dim))
-        elif isinstance(item, FusedQKV):
-            import torch
-
-            fused = torch.cat(split_qkv(megatron_state[item.megatron], heads, groups, head_dim), dim=0)
-            state[item.hf] = fused.t().contiguous() if item.transpose else fused
-        else:
-            state[item.gate], state[item.up] = (t.contiguous() for t in split_gated(megatron_state[item.megatron]))
+    for item in items:
+        if not (isinstance(item, Rename) and item.megatron not in megatron_state):
+            state.update(hf_tensors(item, megatron_state[item.megatron], geometry))
     return state
 
 

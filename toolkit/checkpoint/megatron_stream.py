@@ -1,0 +1,240 @@
+"""Megatron-Core torch_dist checkpoints written and read one tensor chunk at a time, never a whole state dict.
+
+The map comes from Megatron-Core itself: a GPTModel built on the meta device (no weight memory) gives its
+`sharded_state_dict()`, i.e. each weight's checkpoint key, global shape, offset in the layer-stacked tensor and
+factories (gated fc1 saved as its gate and up halves). Writing hands torch DCP's `FileSystemWriter` a save plan of
+those chunks whose data a planner makes only when the writer asks for it (one thread, serial loader: one chunk at a
+time); reading takes each chunk's file, offset and length from the DCP metadata. Megatron-Core's `dist_checkpointing`
+loads what is written here at any TP/PP (tests/megatron/test_megatron_convert.py).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+
+log = logging.getLogger(__name__)
+
+
+class LiveBytes:
+    """Bytes of the tensors a conversion has materialised and still holds; `peak` is the most at any one time (the
+    memory bound the tests assert). Counted where tensors change hands: each tensor read (HF tensor, checkpoint
+    chunk), each whole model tensor, each tensor handed to a writer; tensors sharing storage count once. The
+    temporaries inside one transform (a concatenation's inputs) are not seen: they live within a single tensor's step.
+    """
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self._storages: dict[int, list] = {}  # data_ptr -> [tracked tensors alive, bytes]
+
+    def track(self, tensor):
+        key = tensor.untyped_storage().data_ptr()
+        entry = self._storages.setdefault(key, [0, tensor.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        weakref.finalize(tensor, self._release, key)
+        return tensor
+
+    def _release(self, key: int) -> None:
+        entry = self._storages[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._storages[key]
+
+
+def _untracked(tensor):
+    return tensor
+
+
+def _chunk_shape(sharded_tensor) -> tuple[int, ...]:
+    return (1,) * sharded_tensor.prepend_axis_num + tuple(sharded_tensor.local_shape)
+
+
+def _factory_parts(factory, data) -> list:
+    """The ShardedTensors a factory builds from `data` (meta or real), in its build order."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return list(nested_values(dataclasses.replace(factory, data=data).build()))
+
+
+# -- writing ------------------------------------------------------------------------------------------------------
+
+def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[str], object],
+                          on_chunk: Callable[[int], None] = lambda n: None, live: LiveBytes | None = None) -> int:
+    """Write a torch_dist checkpoint of the meta `sharded` state dict into `out_dir`, asking `model_tensor(name)` for
+    each model tensor when the writer reaches it (and dropping it after its last chunk). Returns the bytes written."""
+    import torch
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    track = live.track if live else _untracked
+    items, sources = [], {}  # sources: write-item index -> (model name, factory part or None, ShardedTensor)
+    for name, entry in sharded.items():
+        if isinstance(entry, ShardedObject):
+            if is_main_replica(entry.replica_id):  # Megatron saves a list of the objects of one unique key
+                index = MetadataIndex(entry.unique_key)
+                items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+                sources[index] = (name, None, entry)
+            continue
+        parts = [(None, entry)] if isinstance(entry, ShardedTensor) else enumerate(_factory_parts(entry, entry.data))
+        for part, sharded_tensor in parts:
+            if not is_main_replica(sharded_tensor.replica_id):
+                continue
+            index = MetadataIndex(sharded_tensor.key, sharded_tensor.global_offset)
+            chunk = ChunkStorageMetadata(torch.Size(sharded_tensor.global_offset),
+                                         torch.Size(_chunk_shape(sharded_tensor)))
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                chunk=chunk, properties=TensorProperties(dtype=sharded_tensor.dtype),
+                size=torch.Size(sharded_tensor.global_shape))))
+            sources[index] = (name, part, sharded_tensor)
+
+    last: dict = {}  # the model tensor of the chunk being written: its factory halves follow one another
+
+    def resolve(item):
+        name, part, entry = sources[item.index]
+        if item.type == WriteItemType.BYTE_IO:
+            data = io.BytesIO()
+            torch.save([entry.data], data)
+            return data
+        if last.get("name") != name:
+            last.clear()
+            last.update(name=name, tensor=track(model_tensor(name)))
+        tensor = last["tensor"]
+        if part is not None:
+            tensor = _factory_parts(sharded[name], tensor)[part].data
+        chunk = track(tensor.reshape(_chunk_shape(entry)).contiguous())
+        on_chunk(chunk.numel() * chunk.element_size())
+        return chunk
+
+    writer = FileSystemWriter(str(out_dir), single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
+    with warnings.catch_warnings():  # one process writes everything: DCP's "assuming a single process" is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save({}, storage_writer=writer, planner=lazy_save_planner(items, resolve), no_dist=True)
+    last.clear()
+    torch.save({}, out_dir / "common.pt")  # what Megatron's saver writes for a model-only state dict
+    save_config(CheckpointingConfig("torch_dist", 1), str(out_dir))
+    return sum(i.tensor_data.chunk.sizes.numel() * i.tensor_data.properties.dtype.itemsize
+               for i in items if i.tensor_data is not None)
+
+
+def lazy_save_planner(items: list, resolve: Callable):
+    """A DCP save planner with a fixed plan of `items` whose data `resolve(item)` makes when the writer asks."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    class LazySavePlanner(DefaultSavePlanner):
+        """A fixed plan of write items whose data `resolve` makes on demand (no state dict behind it)."""
+
+        def __init__(self, items, resolve):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.items, self.resolve = items, resolve
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+            self.state_dict, self.is_coordinator = {}, is_coordinator
+
+        def create_local_plan(self):
+            self.plan = SavePlan(self.items)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            return self.resolve(write_item)
+
+    return LazySavePlanner(items, resolve)
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+
+class DistCheckpointReader:
+    """Regions of the tensors of a torch_dist checkpoint, read chunk by chunk from the files the metadata names."""
+
+    def __init__(self, ckpt: Path, live: LiveBytes | None = None):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            metadata = FileSystemReader(str(ckpt)).read_metadata()
+        except (OSError, ValueError, RuntimeError, EOFError) as exc:
+            raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a Megatron-Core torch_dist checkpoint "
+                                                 f"({exc})") from None
+        self.ckpt, self.tensors, self.storage = ckpt, metadata.state_dict_metadata, metadata.storage_data
+        self.track = live.track if live else _untracked
+
+    def model_tensor(self, entry):
+        """The whole local tensor a meta ShardedTensor or ShardedTensorFactory of a TP=1 model stands for."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if isinstance(entry, ShardedTensor):
+            return self.read(entry.key, entry.global_offset, _chunk_shape(entry), entry.global_shape).reshape(
+                entry.local_shape)
+        loaded = dict_list_map_inplace(self.model_tensor, entry.build())  # the parts, read; then merged
+        return self.track(entry.merge_fn(loaded))
+
+    def read(self, key: str, offsets, sizes, global_shape=None):
+        """The region [offsets, offsets + sizes) of checkpoint tensor `key`, assembled from the chunks it overlaps."""
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+        meta = self.tensors.get(key)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise UserInputError("MEGATRON_DIR", f"{self.ckpt} holds no tensor {key}: not this model's checkpoint")
+        if global_shape is not None and tuple(meta.size) != tuple(global_shape):
+            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: {key} is {tuple(meta.size)}, this model's config.json "
+                                                 f"implies {tuple(global_shape)}")
+        out = self.track(torch.empty(sizes, dtype=meta.properties.dtype))
+        covered = 0
+        for chunk in meta.chunks:
+            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
+            hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            data = self._load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
+            source = data[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets))]
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = source
+            covered += source.numel()
+            del data, source
+        if covered != out.numel():
+            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: the chunks of {key} do not cover "
+                                                 f"{tuple(offsets)} + {tuple(sizes)}")
+        return out
+
+    def _load_chunk(self, index, sizes):
+        import torch
+
+        info = self.storage.get(index)
+        if info is None:
+            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: no storage entry for {index.fqn} at "
+                                                 f"{tuple(index.offset)}")
+        if info.transform_descriptors:
+            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: {index.fqn} is stored with transforms "
+                                                 f"{info.transform_descriptors}, which this reader does not undo")
+        path = self.ckpt / info.relative_path
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(info.offset)
+                raw = handle.read(info.length)
+            if len(raw) != info.length:
+                raise EOFError(f"ends before byte {info.offset + info.length}")
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except (OSError, EOFError, RuntimeError, ValueError) as exc:
+            raise UserInputError("MEGATRON_DIR", f"{path}: cannot read {index.fqn} ({exc}): truncated or "
+                                                 f"corrupt") from None
+        del raw
+        if tuple(tensor.shape) != tuple(sizes):
+            raise UserInputError("MEGATRON_DIR", f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
+                                                 f"says {tuple(sizes)}")
+        return self.track(tensor)
