@@ -1,5 +1,5 @@
 """hf-to-megatron and megatron-to-hf stream: on a model thirty times the size of its largest tensor, the most bytes of
-materialised tensors held at once stays within a small multiple of that tensor, in both directions, and the round
+materialised tensors held at once stays within twice that tensor, in both directions, and the round
 trip is still exact. A truncated checkpoint file is one line naming the file, exit 2."""
 
 import json
@@ -42,8 +42,8 @@ def test_conversions_hold_one_tensor_at_a_time(deep_narrow, tmp_path):
     megatron_to_hf(tmp_path / "mcore", tmp_path / "back", live=to_hf)
 
     assert model_bytes > 30 * largest
-    assert 0 < to_megatron.peak <= 3 * largest, (to_megatron.peak, largest)
-    assert 0 < to_hf.peak <= 3 * largest, (to_hf.peak, largest)
+    assert 0 < to_megatron.peak <= 2 * largest, (to_megatron.peak, largest)
+    assert 0 < to_hf.peak <= 2 * largest, (to_hf.peak, largest)
     assert to_megatron.live == to_hf.live == 0
     returned = load_file(tmp_path / "back" / "model.safetensors")
     assert returned.keys() == original.keys()

@@ -2,9 +2,9 @@
 
 The map comes from Megatron-Core itself: a GPTModel built on the meta device (no weight memory) gives its
 `sharded_state_dict()`, i.e. each weight's checkpoint key, global shape, offset in the layer-stacked tensor and
-factories (gated fc1 saved as its gate and up halves). Writing hands torch DCP's `FileSystemWriter` a save plan of
-those chunks whose data a planner makes only when the writer asks for it (one thread, serial loader: one chunk at a
-time); reading takes each chunk's file, offset and length from the DCP metadata. Megatron-Core's `dist_checkpointing`
+factories (gated fc1 saved as its gate and up halves). Writing runs torch DCP's `save` with a plan of those chunks
+whose data a planner makes only when the writer asks for it, and a writer that drops each chunk once written;
+reading takes each chunk's file, offset and length from the DCP metadata. Megatron-Core's `dist_checkpointing`
 loads what is written here at any TP/PP (tests/megatron/test_megatron_convert.py).
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import pickle
 import warnings
 import weakref
 from collections.abc import Callable
@@ -23,32 +25,27 @@ log = logging.getLogger(__name__)
 
 
 class LiveBytes:
-    """Bytes of the tensors a conversion has materialised and still holds; `peak` is the most at any one time (the
-    memory bound the tests assert). Counted where tensors change hands: each tensor read (HF tensor, checkpoint
-    chunk), each whole model tensor, each tensor handed to a writer; tensors sharing storage count once. The
-    temporaries inside one transform (a concatenation's inputs) are not seen: they live within a single tensor's step.
-    """
+    """Bytes of the tensor storages a conversion has materialised and not yet freed; `peak` is the most at any one
+    time (the memory bound the tests assert). A storage is registered where a tensor changes hands (each tensor
+    read, each whole model tensor, each tensor handed to a writer) and counted until the storage itself is freed,
+    whoever still holds a view of it (a writer's own dict included). Temporaries inside one transform (a
+    concatenation's inputs) are not registered: they live within a single tensor's step."""
 
     def __init__(self):
         self.live = self.peak = 0
-        self._storages: dict[int, list] = {}  # data_ptr -> [tracked tensors alive, bytes]
+        self._sizes: dict[int, int] = {}  # id of a live registered storage -> bytes
 
     def track(self, tensor):
-        key = tensor.untyped_storage().data_ptr()
-        entry = self._storages.setdefault(key, [0, tensor.untyped_storage().nbytes()])
-        if entry[0] == 0:
-            self.live += entry[1]
+        storage = tensor.untyped_storage()  # torch keeps one Python object per storage while it lives
+        if id(storage) not in self._sizes:
+            self._sizes[id(storage)] = storage.nbytes()
+            self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        weakref.finalize(tensor, self._release, key)
+            weakref.finalize(storage, self._release, id(storage))
         return tensor
 
     def _release(self, key: int) -> None:
-        entry = self._storages[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._storages[key]
+        self.live -= self._sizes.pop(key)
 
 
 def _untracked(tensor):
@@ -77,7 +74,6 @@ def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[
     import torch
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.checkpoint.state_dict_saver import save
@@ -121,7 +117,7 @@ def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[
         on_chunk(chunk.numel() * chunk.element_size())
         return chunk
 
-    writer = FileSystemWriter(str(out_dir), single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
+    writer = one_item_at_a_time_writer(out_dir)
     with warnings.catch_warnings():  # one process writes everything: DCP's "assuming a single process" is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         save({}, storage_writer=writer, planner=lazy_save_planner(items, resolve), no_dist=True)
@@ -130,6 +126,45 @@ def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[
     save_config(CheckpointingConfig("torch_dist", 1), str(out_dir))
     return sum(i.tensor_data.chunk.sizes.numel() * i.tensor_data.properties.dtype.itemsize
                for i in items if i.tensor_data is not None)
+
+
+def one_item_at_a_time_writer(out_dir: Path):
+    """DCP's FileSystemWriter (plan prefixes, `.metadata`, storage entries) with its own `write_data`: the torch one
+    keeps every written tensor in a dict until its file is closed (one chunk per key: the embedding, the output layer
+    and a whole layer), this one drops each chunk once it is in the file. Same file format: each tensor a torch.save
+    archive, each object its bytes, at the offsets the storage entries record."""
+    import os
+
+    import torch
+    from torch.futures import Future
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    class OneItemAtATimeWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            results = []
+            with open(Path(self.path) / file_name, "wb") as stream:
+                for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # objects first
+                    offset = stream.tell()
+                    data = planner.resolve_data(item)
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(data.getbuffer())
+                    else:
+                        torch.save(data, stream)
+                    del data
+                    length = stream.tell() - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(file_name, offset, length)))
+                stream.flush()
+                os.fsync(stream.fileno())
+            done: Future = Future()
+            done.set_result(results)
+            return done
+
+    return OneItemAtATimeWriter(str(out_dir), single_file_per_rank=True, thread_count=1)
 
 
 def lazy_save_planner(items: list, resolve: Callable):
@@ -195,6 +230,9 @@ class DistCheckpointReader:
         if global_shape is not None and tuple(meta.size) != tuple(global_shape):
             raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: {key} is {tuple(meta.size)}, this model's config.json "
                                                  f"implies {tuple(global_shape)}")
+        for chunk in meta.chunks:  # the usual case: the region is one chunk, returned as loaded
+            if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
+                return self._load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
         out = self.track(torch.empty(sizes, dtype=meta.properties.dtype))
         covered = 0
         for chunk in meta.chunks:
@@ -225,16 +263,43 @@ class DistCheckpointReader:
         path = self.ckpt / info.relative_path
         try:
             with open(path, "rb") as handle:
-                handle.seek(info.offset)
-                raw = handle.read(info.length)
-            if len(raw) != info.length:
-                raise EOFError(f"ends before byte {info.offset + info.length}")
-            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except (OSError, EOFError, RuntimeError, ValueError) as exc:
+                if os.fstat(handle.fileno()).st_size < info.offset + info.length:
+                    raise EOFError(f"the file ends before byte {info.offset + info.length}")
+                tensor = torch.load(FileSlice(handle, info.offset, info.length), map_location="cpu",
+                                    weights_only=True)
+        except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
             raise UserInputError("MEGATRON_DIR", f"{path}: cannot read {index.fqn} ({exc}): truncated or "
                                                  f"corrupt") from None
-        del raw
         if tuple(tensor.shape) != tuple(sizes):
             raise UserInputError("MEGATRON_DIR", f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
                                                  f"says {tuple(sizes)}")
         return self.track(tensor)
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a file of their own: torch.load reads one chunk's
+    torch.save archive from it straight into the tensor's storage (no copy of the chunk's bytes first)."""
+
+    def __init__(self, handle, offset: int, length: int):
+        super().__init__()
+        self.handle, self.start, self.length, self.position = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        self.position = position + {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self.length - self.position)]
+        self.handle.seek(self.start + self.position)
+        count = self.handle.readinto(view) or 0
+        self.position += count
+        return count
