@@ -43,6 +43,18 @@ def _deepspeed_config(recipe: Recipe, plan: Plan, path: str | None) -> dict:
     return adapt_for_cpu(config) if recipe.cluster.accelerator == "cpu" else config
 
 
+def installed_field_names(args_dict: dict) -> dict:
+    """trainer_args.json uses transformers 5's current names; older 5.x releases (5.17 is on some GPU images) know
+    activation checkpointing only by its former name, gradient_checkpointing."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    if "activation_checkpointing" in args_dict and "activation_checkpointing" not in fields:
+        args_dict = dict(args_dict)
+        args_dict["gradient_checkpointing"] = args_dict.pop("activation_checkpointing")
+    return args_dict
+
+
 def _check_precision_runs_here(config: dict, trainer_args: dict) -> None:
     """DeepSpeed refuses an unsupported precision only after building the model; say so before, in one line."""
     from deepspeed.accelerator import get_accelerator
@@ -173,7 +185,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("--deepspeed", "; ".join(str(p) for p in problems))
     _check_precision_runs_here(args_dict["deepspeed"], args_dict)
     configure_wandb(recipe.training.report_to, output_dir)
-    args = TrainingArguments(**args_dict)
+    args = TrainingArguments(**installed_field_names(args_dict))
     import deepspeed
 
     deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world

@@ -78,7 +78,8 @@ def layer_spec(config: dict, tc):
             import transformer_engine  # noqa: F401
         except ImportError:
             raise UserInputError("transformer_config.transformer_impl", "transformer_engine is not installed here; "
-                                                                        "install it or use local (no fp8, no context "
+                                                                        "install it, or set megatron.transformer_impl: "
+                                                                        "local in the recipe (no fp8, no context "
                                                                         "parallelism)") from None
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     return gpt_layer_specs.get_gpt_layer_local_spec(**moe, normalization=tc.normalization)

@@ -33,10 +33,21 @@ class MetricsWriter:
             tokens_per_s = self.tokens_per_step * (step - self._last_step) / (now - self._last_time)
         self._last_time, self._last_step = now, step
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
-                  "tokens_per_s": tokens_per_s, **extra}
+                  "tokens_per_s": tokens_per_s, **gpu_memory(), **extra}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         return record
+
+
+def gpu_memory() -> dict:
+    """This rank's peak CUDA allocator figures so far (what `dmt estimate` predicts, less the CUDA context); {} on CPU."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {"gpu_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved()}
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toolkit.generate.deepspeed import warmup_num_steps
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
@@ -28,7 +29,8 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         "max_grad_norm": training.grad_clip,
         "optim": HF_OPTIMIZERS[plan.optimizer],
         "lr_scheduler_type": HF_SCHEDULERS[training.lr_scheduler],
-        "warmup_steps": training.warmup_steps,
+        # DeepSpeed's count (at least 1): transformers < 5.2x compares it with warmup_steps as given and refuses 0 vs 1
+        "warmup_steps": warmup_num_steps(training),
         "bf16": plan.precision == "bf16",
         "fp16": plan.precision == "fp16",
         "activation_checkpointing": plan.recompute == "full",  # transformers 5 name of gradient_checkpointing

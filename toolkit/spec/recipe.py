@@ -123,6 +123,15 @@ class DeepSpeedSection(_Strict):
                                                  "the explicit numbers.")
 
 
+class MegatronSection(_Strict):
+    """Megatron-Core-only choices that the parallel plan does not model."""
+
+    transformer_impl: Literal["transformer_engine", "local"] | None = Field(
+        None, description="Layer modules: Transformer Engine's (fused kernels, fp8, context parallelism; the default "
+                          "on GPUs) or Megatron-Core's own `local` ones (the default on CPU; GPUs without Transformer "
+                          "Engine installed).")
+
+
 class Recipe(_Strict):
     name: str = Field(description="Run name (output directory, wandb run name).")
     model: ModelSection = Field(description="What to train.")
@@ -131,6 +140,7 @@ class Recipe(_Strict):
     training: TrainingSection = Field(description="Hyper-parameters, schedule, logging and checkpointing.")
     plan: PlanSection = Field(PlanSection(), description="Parallel plan options, or `auto` for the planner's choice.")
     deepspeed: DeepSpeedSection = Field(DeepSpeedSection(), description="DeepSpeed-only options.")
+    megatron: MegatronSection = Field(MegatronSection(), description="Megatron-Core-only options.")
     base_dir: str = Field(".", description="Set by the loader: the recipe's directory, for relative paths.")
 
     @field_validator("plan", mode="before")

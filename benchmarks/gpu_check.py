@@ -1,0 +1,212 @@
+"""The toolkit's predictions against one real GPU: memory, step time, GEMM efficiency, and `dmt health` with NCCL.
+
+Needs a CUDA GPU (it is not part of `make test`). For each case it writes a recipe, trains it for real with the
+toolkit's own launch line (`deepspeed --num_gpus 1 toolkit/train.py --recipe R`, or `torchrun ... --backend
+megatron`), reads the peak of `torch.cuda.max_memory_allocated()` that metrics.jsonl records on GPUs and the measured
+step time, and puts them beside `dmt estimate`'s figures for the same recipe and plan:
+
+- memory: the estimate less its CUDA-context allowance and its allocator (fragmentation) margin against the
+  allocator's peak `max_memory_allocated`, and the estimate less the context alone against `max_memory_reserved`
+  (the CUDA context is outside PyTorch's allocator, so neither figure can hold it);
+- time: the predicted step time (catalogue peak of the GPU named in the recipe, efficiency curve of
+  toolkit/estimate/efficiency.py) against the median measured step after warm-up.
+
+It also times bf16 GEMMs of transformer shapes and prints the fraction of the catalogue's dense peak they reach
+beside `gemm_efficiency`, the curve the step-time model uses (that curve is calibrated on end-to-end training
+throughput, so it sits below the bare GEMM), and runs `dmt health --nproc 1` (NCCL, one rank: the matmul and
+memory checks; no link to measure on one GPU).
+
+Usage: python benchmarks/gpu_check.py --work /tmp/gpu_check --out result.json [--cases NAME ...]
+benchmarks/gpu_check.md holds a run's figures with the machine named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+GiB = 1024**3
+WARMUP_STEPS = 3
+
+# name -> (preset, backend, seq_len, micro_batch, grad_accum, zero, recompute)
+CASES = {
+    "qwen0.5b-s2048-mb4": ("qwen2.5-0.5b", "deepspeed", 2048, 4, 1, 2, "none"),
+    "llama1b-s2048-mb4": ("llama-3.2-1b", "deepspeed", 2048, 4, 1, 2, "none"),
+    "llama1b-s4096-mb2-full": ("llama-3.2-1b", "deepspeed", 4096, 2, 2, 2, "full"),
+    "llama1b-s2048-mb8-zero3": ("llama-3.2-1b", "deepspeed", 2048, 8, 1, 3, "none"),
+    "llama1b-megatron-s2048-mb1": ("llama-3.2-1b", "megatron", 2048, 1, 4, None, "none"),
+}
+
+
+def recipe_text(name: str, corpus: Path, gpu: str, steps: int) -> str:
+    preset, backend, seq, micro, accum, zero, recompute = CASES[name]
+    plan = [f"backend: {backend}", f"micro_batch: {micro}", f"recompute: {recompute}", "precision: bf16"]
+    plan += [f"zero: {zero}"] if zero is not None else []
+    return "\n".join([
+        f"name: {name}",
+        f"model: {{source: {preset}}}",
+        f"data: {{train_files: [{corpus}], eval_fraction: 0.0, tokenizer: {{vocab_size: 512}}}}",
+        f"cluster: {{gpus: 1, gpus_per_node: 1, gpu: {gpu}, accelerator: gpu}}",
+        f"training: {{seq_len: {seq}, global_batch: {micro * accum}, max_steps: {steps}, learning_rate: 1.0e-4, "
+        f"logging_steps: 1, save_steps: 0}}",
+        "plan: {" + ", ".join(plan) + "}",
+        # Transformer Engine is not on every GPU image; Megatron-Core's own modules then
+        *(["megatron: {transformer_impl: local}"] if backend == "megatron" and not _has_te() else []),
+    ]) + "\n"
+
+
+def _has_te() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def predicted(recipe_path: Path) -> dict:
+    from toolkit.estimate.comm import Network
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.estimate.timing import step_time
+    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+
+    recipe = load_recipe(recipe_path)
+    model = recipe_model(recipe)
+    plan = recipe_plan(recipe, model)
+    gpu = get_gpu(recipe.cluster.gpu)
+    memory = estimate_memory(model, plan)
+    network = Network(intra_node_bw_gbps=gpu.intra_node_bw_gbps, inter_node_bw_gbps=gpu.inter_node_bw_gbps,
+                      gpus_per_node=1, measured=False)
+    timing = step_time(model, plan, gpu, network)
+    return {"memory": memory.as_dict(), "overhead": memory.overhead_detail, "step_time_s": timing.total_s,
+            "mfu": timing.mfu}
+
+
+def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:
+    case_dir = work / name
+    shutil.rmtree(case_dir, ignore_errors=True)
+    case_dir.mkdir(parents=True)
+    recipe = case_dir / "recipe.yaml"
+    recipe.write_text(recipe_text(name, corpus, gpu, steps))
+    out = case_dir / "run"
+    backend = CASES[name][1]
+    if backend == "megatron":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29511"]
+    else:
+        launch = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29511"]
+    command = launch + [str(REPO / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir", str(out)]
+    command += ["--backend", "megatron"] if backend == "megatron" else []
+    started = time.time()
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    result = {"case": name, "preset": CASES[name][0], "backend": backend, "seq_len": CASES[name][2],
+              "micro_batch": CASES[name][3], "grad_accum": CASES[name][4], "zero": CASES[name][5],
+              "recompute": CASES[name][6], "wall_s": round(time.time() - started, 1), "rc": proc.returncode}
+    records = []
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if proc.returncode != 0 or not records:
+        result["error"] = (proc.stdout + proc.stderr)[-3000:]
+        return result
+    tokens_per_step = CASES[name][2] * CASES[name][3] * CASES[name][4]
+    times = [tokens_per_step / r["tokens_per_s"] for r in records[WARMUP_STEPS:] if r.get("tokens_per_s")]
+    result["measured_step_s"] = statistics.median(times)
+    result["measured_max_allocated"] = max(r.get("gpu_max_allocated_bytes", 0) for r in records)
+    result["measured_max_reserved"] = max(r.get("gpu_max_reserved_bytes", 0) for r in records)
+    result["final_loss"] = records[-1]["loss"]
+    estimate = predicted(recipe)
+    result["estimate"] = estimate
+    reserved_side = estimate["memory"]["total"] - estimate["overhead"].get("cuda_context", 0)
+    allocated_side = reserved_side - estimate["overhead"].get("allocator_margin", 0)
+    result["predicted_allocated"], result["predicted_reserved"] = allocated_side, reserved_side
+    result["memory_error"] = allocated_side / result["measured_max_allocated"] - 1
+    result["reserved_error"] = reserved_side / result["measured_max_reserved"] - 1
+    result["time_error"] = estimate["step_time_s"] / result["measured_step_s"] - 1
+    shutil.rmtree(out, ignore_errors=True)  # the final checkpoint: tens of GB
+    return result
+
+
+def gemm_table(gpu_name: str) -> list[dict]:
+    import torch
+
+    from toolkit.estimate.efficiency import gemm_efficiency
+    from toolkit.spec.cluster import get_gpu
+
+    peak = get_gpu(gpu_name).peak_tflops["bf16"] * 1e12
+    rows = []
+    for hidden in (1024, 2048, 4096, 8192, 16384):
+        for tokens in (512, 4096, 16384):
+            a = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(hidden, 4 * hidden, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                a @ b
+            torch.cuda.synchronize()
+            iters = 20
+            start = time.perf_counter()
+            for _ in range(iters):
+                a @ b
+            torch.cuda.synchronize()
+            seconds = (time.perf_counter() - start) / iters
+            achieved = 2 * tokens * hidden * 4 * hidden / seconds
+            rows.append({"hidden": hidden, "tokens": tokens, "tflops": achieved / 1e12,
+                         "fraction_of_peak": achieved / peak, "model_efficiency": gemm_efficiency(hidden, 1, tokens)})
+            del a, b
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gpu", default="h100-80gb", help="catalogue name of the GPU this runs on")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--skip-health", action="store_true")
+    parser.add_argument("--skip-gemm", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    corpus = args.work / "corpus.txt"
+    corpus.write_text((REPO / "recipes" / "data" / "tiny_corpus.txt").read_text() * 40)
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "gpu": args.gpu, "cases": []}
+    if not args.skip_health:
+        health_json = args.work / "health.json"
+        proc = subprocess.run([sys.executable, "-m", "toolkit", "health", "--nproc", "1", "--output", str(health_json)],
+                              cwd=REPO, capture_output=True, text=True)
+        report["health_rc"] = proc.returncode
+        report["health_output"] = (proc.stdout + proc.stderr)[-4000:]
+        if health_json.is_file():
+            report["health"] = json.loads(health_json.read_text())
+    report["gemm"] = [] if args.skip_gemm else gemm_table(args.gpu)
+    for name in args.cases:
+        result = run_case(name, args.work, corpus, args.gpu, args.steps)
+        report["cases"].append(result)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("estimate",)}, default=str), flush=True)
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    for row in report["gemm"]:
+        print(f"gemm h={row['hidden']:>5} tokens={row['tokens']:>5}: {row['tflops']:6.0f} TFLOP/s "
+              f"= {row['fraction_of_peak']:.2f} of peak; model {row['model_efficiency']:.2f}")
+    for r in report["cases"]:
+        if "measured_step_s" in r:
+            print(f"{r['case']}: allocated {r['measured_max_allocated'] / GiB:.2f} GiB vs predicted "
+                  f"{r['predicted_allocated'] / GiB:.2f} ({r['memory_error']:+.1%}); reserved "
+                  f"{r['measured_max_reserved'] / GiB:.2f} vs {r['predicted_reserved'] / GiB:.2f} "
+                  f"({r['reserved_error']:+.1%}); step {r['measured_step_s']:.3f} s "
+                  f"vs {r['estimate']['step_time_s']:.3f} s ({r['time_error']:+.1%})")
+        else:
+            print(f"{r['case']}: failed rc={r['rc']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

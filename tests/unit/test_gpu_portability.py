@@ -1,0 +1,75 @@
+"""What the first real GPU launches (benchmarks/gpu_check.md) showed must hold on other library versions and images:
+older transformers 5.x names, a zero warm-up, Megatron-Core without Transformer Engine, peak GPU memory in metrics."""
+
+import json
+
+import pytest
+
+from helpers import ROOT, TINY
+from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+
+TINY_MEGATRON = ROOT / "recipes" / "tiny-llama-megatron-cpu.yaml"
+
+
+def _with(recipe, **sections):
+    return recipe.model_copy(update={name: getattr(recipe, name).model_copy(update=values)
+                                     for name, values in sections.items()})
+
+
+def test_zero_warmup_reaches_hf_and_deepspeed_as_the_same_count():
+    from toolkit.generate.deepspeed import deepspeed_config
+    from toolkit.generate.trainer_args import trainer_arguments
+
+    recipe = _with(load_recipe(TINY), training={"warmup_steps": 0})
+    plan = recipe_plan(recipe, recipe_model(recipe))
+    hf = trainer_arguments(recipe, plan, "out", None)
+    ds = deepspeed_config(plan, recipe.training)
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 1
+    assert hf["warmup_steps"] == 1  # transformers 5.17 refuses ds 1 vs hf 0 at deepspeed_init
+
+
+def test_activation_checkpointing_takes_the_installed_transformers_name(monkeypatch):
+    from transformers import TrainingArguments
+
+    from toolkit.backends.hf_trainer import installed_field_names
+
+    args = {"activation_checkpointing": True, "bf16": True}
+    assert installed_field_names(args) == args  # this venv's transformers knows the new name
+    older = {k: v for k, v in TrainingArguments.__dataclass_fields__.items() if k != "activation_checkpointing"}
+    monkeypatch.setattr(TrainingArguments, "__dataclass_fields__", older)
+    assert installed_field_names(args) == {"gradient_checkpointing": True, "bf16": True}
+    assert args == {"activation_checkpointing": True, "bf16": True}  # the caller's dict is left as it was
+
+
+@pytest.mark.parametrize("impl, expected", [(None, "transformer_engine"), ("local", "local"),
+                                            ("transformer_engine", "transformer_engine")])
+def test_megatron_layer_modules_on_gpus_follow_the_recipe(impl, expected):
+    from toolkit.backends.megatron_core import megatron_yaml_for
+
+    recipe = _with(load_recipe(TINY_MEGATRON), cluster={"accelerator": "gpu"}, megatron={"transformer_impl": impl})
+    model = recipe_model(recipe)
+    config = megatron_yaml_for(recipe, model, recipe_plan(recipe, model))
+    assert config["transformer_config"]["transformer_impl"] == expected
+
+
+def test_an_unknown_transformer_impl_names_the_recipe_key(tmp_path):
+    from toolkit.errors import UserInputError
+
+    text = TINY_MEGATRON.read_text() + "\nmegatron:\n  transformer_impl: apex\n"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text.replace("data/", str(ROOT / "recipes" / "data") + "/"))
+    with pytest.raises(UserInputError) as err:
+        load_recipe(path)
+    assert "megatron.transformer_impl" in str(err.value)
+
+
+def test_metrics_carry_gpu_memory_only_where_cuda_runs(tmp_path):
+    import torch
+
+    from toolkit.backends.metrics import MetricsWriter, gpu_memory
+
+    assert not torch.cuda.is_available()  # the CI machine; on a GPU the keys below are present instead
+    assert gpu_memory() == {}
+    MetricsWriter(tmp_path, 128).write(1, 2.0, 0.5, 1e-3)
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["step"] == 1 and "gpu_max_allocated_bytes" not in record
