@@ -1,7 +1,7 @@
 """`dmt convert zero-to-hf` against DeepSpeed's own zero_to_fp32 on the same ZeRO-3 checkpoint of a ~250M model.
 
 Run: .venv/bin/python benchmarks/zero_to_hf_speed.py [--workdir DIR] [--write benchmarks/zero_to_hf_speed.md]
-The checkpoint is saved once by 2 CPU ranks (tests/checkpoint/ds_save_tiny.py) and kept in --workdir. Each tool runs
+The checkpoint is saved once by 2 CPU ranks (tests/distributed/ds_save_tiny.py) and kept in --workdir. Each tool runs
 in its own process; its wall time and peak RSS (ru_maxrss of that process) are reported, with `cp -r` of the tag
 directory as the I/O floor. All runs read from a warm page cache (the checkpoint was just written or read).
 Target (issue 6): at most 1/3 of zero_to_fp32's time and 1/3 of its peak RSS.
@@ -50,7 +50,7 @@ def ensure_checkpoint(workdir: Path) -> Path:
     ckpt = workdir / "ckpt-250m-zero3"
     if (ckpt / "latest").is_file():
         return ckpt
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29655", str(ROOT / "tests/checkpoint/ds_save_tiny.py"),
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29655", str(ROOT / "tests/distributed/ds_save_tiny.py"),
            "--stage", "3", "--out", str(ckpt), "--steps", "1", "--hidden", "1024", "--layers", "16", "--vocab", "32000",
            "--seq", "16"]
     subprocess.run(cmd, check=False, env=dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}"), capture_output=True)

@@ -51,6 +51,24 @@ def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(autouse=True)
+def no_deepspeed_shm_left():
+    """Launches this test SIGKILLed (or scripts that call DeepSpeed directly) leave DeepSpeed's CPU all-reduce segments
+    in /dev/shm, which is RAM; remove those created during the test once it is over."""
+    import time
+
+    from toolkit.backends.ds_shm import segments
+
+    start = time.time() - 1
+    yield
+    for path in segments():
+        try:
+            if path.stat().st_mtime >= start:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+
+
 @pytest.fixture(scope="session", autouse=True)
 def datasets_cache_in_tmp(tmp_path_factory):
     """`datasets` caches what it reads; keep that out of the home directory (launched processes inherit it)."""

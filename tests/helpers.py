@@ -27,8 +27,9 @@ def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:
 class Launch:
     """One finished launch: where it wrote, its exit code and its log."""
 
-    def __init__(self, out: Path, rc: int, log: Path):
+    def __init__(self, out: Path, rc: int, log: Path, shm_left: list | None = None):
         self.out, self.rc, self.log = out, rc, log
+        self.shm_left = shm_left or []  # DeepSpeed CPU all-reduce segments of its port still in /dev/shm after it
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log.exists() else "(no log)"

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from helpers import ROOT, TINY, Launch, free_port
+from toolkit.backends.ds_shm import segments
 
 BIN = Path(sys.executable).parent
 TRAIN = ROOT / "toolkit" / "train.py"
@@ -71,7 +72,8 @@ def launch(tmp_path_factory):
             env = {**(env or {}), "MASTER_PORT": port, "OUTPUT_DIR": str(out), "RECIPE": str(recipe)}
         else:
             raise ValueError(launcher)
-        done[name] = Launch(out, run_logged(cmd, log, env or {}), log)
+        rc = run_logged(cmd, log, env or {})
+        done[name] = Launch(out, rc, log, shm_left=segments(port))
         return done[name]
 
     return run

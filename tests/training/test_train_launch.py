@@ -60,6 +60,13 @@ def test_deepspeed_launcher_trains_and_checkpoints(launch, wandb_recipe, zero):
     assert_trained(deepspeed_run(launch, wandb_recipe, zero), zero=zero)
 
 
+def test_cpu_ranks_leave_no_deepspeed_shared_memory_behind(launch, wandb_recipe):
+    # DeepSpeed's CPU all-reduce creates a 66 MiB /dev/shm segment per rank and never unlinks it; train.py does
+    run = deepspeed_run(launch, wandb_recipe, 1)
+    assert run.rc == 0, run.tail()
+    assert run.shm_left == []
+
+
 def test_wandb_logs_offline_when_no_api_key_is_configured(launch, wandb_recipe):
     run = deepspeed_run(launch, wandb_recipe, 2)
     offline_runs = list((run.out / "wandb").glob("offline-run-*"))

@@ -189,6 +189,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     import deepspeed
 
     deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
+    if recipe.cluster.accelerator == "cpu":
+        from toolkit.backends.ds_shm import release_at_exit
+
+        release_at_exit()
     if resharded:
         from toolkit.checkpoint.universal import universal_checkpoint
 

@@ -79,6 +79,11 @@ def _kill_tree(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     psutil.wait_procs(ranks, timeout=30)
+    args = list(process.args)
+    if "--master_port" in args:  # DeepSpeed's CPU all-reduce segments outlive SIGKILLed ranks
+        from toolkit.backends.ds_shm import release
+
+        release(args[args.index("--master_port") + 1])
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> int:
