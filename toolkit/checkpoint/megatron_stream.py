@@ -68,9 +68,10 @@ def _factory_parts(factory, data) -> list:
 # -- writing ------------------------------------------------------------------------------------------------------
 
 def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[str], object],
-                          on_chunk: Callable[[int], None] = lambda n: None, live: LiveBytes | None = None) -> int:
+                          on_chunk: Callable[[int], None] = lambda n: None, live: LiveBytes | None = None) -> None:
     """Write a torch_dist checkpoint of the meta `sharded` state dict into `out_dir`, asking `model_tensor(name)` for
-    each model tensor when the writer reaches it (and dropping it after its last chunk). Returns the bytes written."""
+    each model tensor when the writer reaches it (and dropping it after its last chunk); `on_chunk(bytes)` after each
+    chunk."""
     import torch
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
@@ -124,8 +125,7 @@ def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[
     last.clear()
     torch.save({}, out_dir / "common.pt")  # what Megatron's saver writes for a model-only state dict
     save_config(CheckpointingConfig("torch_dist", 1), str(out_dir))
-    return sum(i.tensor_data.chunk.sizes.numel() * i.tensor_data.properties.dtype.itemsize
-               for i in items if i.tensor_data is not None)
+    log.debug("wrote %d chunks and objects into %s", len(items), out_dir)
 
 
 def one_item_at_a_time_writer(out_dir: Path):
@@ -133,14 +133,12 @@ def one_item_at_a_time_writer(out_dir: Path):
     keeps every written tensor in a dict until its file is closed (one chunk per key: the embedding, the output layer
     and a whole layer), this one drops each chunk once it is in the file. Same file format: each tensor a torch.save
     archive, each object its bytes, at the offsets the storage entries record."""
-    import os
-
     import torch
-    from torch.futures import Future
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
     class OneItemAtATimeWriter(FileSystemWriter):
         def write_data(self, plan, planner):
