@@ -3,7 +3,8 @@
 Run: .venv/bin/python benchmarks/zero_to_hf_speed.py [--workdir DIR] [--write benchmarks/zero_to_hf_speed.md]
 The checkpoint is saved once by 2 CPU ranks (tests/distributed/ds_save_tiny.py) and kept in --workdir. Each tool runs
 in its own process; its wall time and peak RSS (ru_maxrss of that process) are reported, with `cp -r` of the tag
-directory as the I/O floor. All runs read from a warm page cache (the checkpoint was just written or read).
+directory as the I/O floor. All runs read from a warm page cache (the checkpoint was just written or read). Ours
+fsyncs its output before the final rename (the atomic-output guarantee); zero_to_fp32 does not.
 Target (issue 6): at most 1/3 of zero_to_fp32's time and 1/3 of its peak RSS.
 """
 
@@ -14,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+REPEATS = 3
 MEASURE = """
 import json, resource, sys, time
 start = time.perf_counter()
@@ -66,21 +69,27 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     ckpt = ensure_checkpoint(args.workdir)
+    load = os.getloadavg()[0]
     tag_dir = ckpt / (ckpt / "latest").read_text().strip()
     size = sum(f.stat().st_size for f in tag_dir.iterdir())
-    results = {}
-    for name, body in (("dmt convert zero-to-hf", OURS), ("deepspeed zero_to_fp32 (safetensors)", THEIRS)):
-        out = args.workdir / f"out-{len(results)}"
-        shutil.rmtree(out, ignore_errors=True)
-        results[name] = measure(body, str(ckpt), str(out))
-        shutil.rmtree(out, ignore_errors=True)
-    start = time.perf_counter()
-    shutil.rmtree(args.workdir / "cp", ignore_errors=True)
-    subprocess.run(["cp", "-r", str(tag_dir), str(args.workdir / "cp")], check=True)
-    results["cp -r (I/O floor)"] = {"seconds": time.perf_counter() - start, "peak_rss_mib": float("nan")}
-    shutil.rmtree(args.workdir / "cp", ignore_errors=True)
+    runs: dict[str, list[dict]] = {}
+    for _ in range(REPEATS):  # interleaved, so a burst of load on the machine hits every tool alike
+        for name, body in (("dmt convert zero-to-hf", OURS), ("deepspeed zero_to_fp32 (safetensors)", THEIRS)):
+            out = args.workdir / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            runs.setdefault(name, []).append(measure(body, str(ckpt), str(out)))
+            shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        shutil.rmtree(args.workdir / "cp", ignore_errors=True)
+        subprocess.run(["cp", "-r", str(tag_dir), str(args.workdir / "cp")], check=True)
+        runs.setdefault("cp -r (I/O floor)", []).append({"seconds": time.perf_counter() - start,
+                                                         "peak_rss_mib": float("nan")})
+        shutil.rmtree(args.workdir / "cp", ignore_errors=True)
+    results = {name: {key: statistics.median(r[key] for r in rs) for key in ("seconds", "peak_rss_mib")}
+               for name, rs in runs.items()}
 
-    lines = [f"machine: {platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}",
+    lines = [f"machine: {platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+             f"load average before the runs {load:.1f}; medians of {REPEATS} runs each",
              f"checkpoint: ZeRO-3, 2 ranks, ~254M-parameter Llama, {size / 2**30:.2f} GiB on disk", "",
              "| tool | wall s | peak RSS MiB |", "|---|---:|---:|"]
     lines += [f"| {k} | {v['seconds']:.2f} | {v['peak_rss_mib']:.0f} |" for k, v in results.items()]

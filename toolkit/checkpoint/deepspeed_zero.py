@@ -136,9 +136,9 @@ class ZeroCheckpoint:
             offset += partitioned
 
     def _frozen(self) -> Iterator[tuple[str, object]]:
-        import torch
-
         for name, shape in self.frozen_shapes.items():
+            import torch
+
             if self.stage <= 2:  # the 16-bit module copy is the only one (as zero_to_fp32)
                 yield name, self._model_states[0]["module"][name].load().float()
             else:

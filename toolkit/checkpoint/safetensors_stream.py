@@ -49,7 +49,7 @@ class StreamingSafetensorsWriter:
 
     def _expect(self, name: str, shape, dtype) -> None:
         expected, want_shape, want_dtype = self.layout[self._next]
-        if name != expected or tuple(shape) != tuple(want_shape) or dtype != want_dtype:
+        if name != expected or tuple(shape) != tuple(want_shape) or _dtype_name(dtype) != _dtype_name(want_dtype):
             raise ValueError(f"expected {expected} {tuple(want_shape)} {want_dtype}, got {name} {tuple(shape)} {dtype}")
 
     def _write_all(self, data) -> None:

@@ -4,6 +4,10 @@ torch.save writes a zip archive: `<name>/data.pkl` (the pickled object, tensors 
 uncompressed entry `<name>/data/<key>` per storage. Unpickling with the tensor rebuild functions replaced yields
 LazyTensor placeholders that know their file offset, so a converter reads exactly the bytes it needs with pread:
 peak memory is the tensor being built, not the file (which torch.load, even with mmap, leaves resident).
+
+Indexing imports no torch: the storage classes, torch.Size and torch.Tensor that DeepSpeed's files reference are
+stood in for, and dtypes are names ("float32"), so a converter that only copies bytes never pays torch's import
+(~1.5 s, and its memory). Reading a tensor imports it.
 """
 
 from __future__ import annotations
@@ -23,24 +27,45 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
 
 
+# torch's legacy typed storage classes (what torch.save pickles as a storage's type) -> dtype name, bytes
+STORAGE_DTYPES = {
+    "FloatStorage": ("float32", 4), "DoubleStorage": ("float64", 8), "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("bfloat16", 2), "LongStorage": ("int64", 8), "IntStorage": ("int32", 4),
+    "ShortStorage": ("int16", 2), "CharStorage": ("int8", 1), "ByteStorage": ("uint8", 1), "BoolStorage": ("bool", 1),
+}
+ITEMSIZE = dict(STORAGE_DTYPES.values())
+FLOATING = {"float32", "float64", "float16", "bfloat16"}
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """Stands for torch.<X>Storage while unpickling: its dtype name."""
+
+    dtype: str
+
+
 @dataclass(frozen=True)
 class LazyTensor:
-    """A contiguous tensor stored in `path` at byte `offset`: only shape and dtype are known until read."""
+    """A contiguous tensor stored in `path` at byte `offset`: only shape and dtype (a name) are known until read."""
 
     path: Path
     offset: int
-    dtype: object
+    dtype: str
     shape: tuple
 
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.dtype in FLOATING
 
     def read(self, start: int = 0, count: int | None = None):
         """Elements [start, start + count) of the flattened tensor, as a new 1-D torch tensor."""
         import torch
 
         count = self.numel() - start if count is None else count
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = ITEMSIZE[self.dtype]
         fd = os.open(self.path, os.O_RDONLY)
         try:
             data = os.pread(fd, count * itemsize, self.offset + start * itemsize)
@@ -48,7 +73,7 @@ class LazyTensor:
             os.close(fd)
         if len(data) != count * itemsize:
             raise UserInputError(str(self.path), f"ends early: {len(data)} of {count * itemsize} bytes (truncated)")
-        return torch.frombuffer(bytearray(data), dtype=self.dtype)
+        return torch.frombuffer(bytearray(data), dtype=getattr(torch, self.dtype))
 
     def load(self):
         return self.read().view(self.shape)
@@ -90,26 +115,42 @@ class _IndexUnpickler(pickle.Unpickler):
             return lambda func, new_type, args, state: func(*args)
         if (module, name) == ("torch._utils", "_rebuild_parameter"):
             return lambda data, requires_grad, backward_hooks: data
+        if module == "torch" and name in STORAGE_DTYPES:
+            return _Storage(STORAGE_DTYPES[name][0])
+        if (module, name) == ("torch", "Size"):
+            return tuple
+        if (module, name) == ("torch", "Tensor"):  # _rebuild_from_type_v2's new_type, unused here
+            return _opaque_class(module, name)
         if not module.split(".")[0] in ("torch", "collections", "builtins", "numpy", "_codecs", "copyreg"):
             return _opaque_class(module, name)  # no need to import DeepSpeed (seconds) to read its checkpoints
         return super().find_class(module, name)
 
     def persistent_load(self, pid):
         _, storage_type, key, _location, _numel = pid
-        with warnings.catch_warnings():  # legacy typed-storage classes warn on attribute access
-            warnings.simplefilter("ignore")
+        if isinstance(storage_type, _Storage):
             dtype = storage_type.dtype
+        else:  # a storage class not in STORAGE_DTYPES: torch was imported to resolve it
+            with warnings.catch_warnings():  # legacy typed-storage classes warn on attribute access
+                warnings.simplefilter("ignore")
+                dtype = str(storage_type.dtype).removeprefix("torch.")
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"storage of dtype {dtype} is not supported")
         return self._offsets[key], dtype
 
     def _rebuild_tensor(self, storage, storage_offset, size, stride, *_):
-        import torch
-
         offset, dtype = storage
-        contiguous = tuple(torch.empty(tuple(size), device="meta").stride()) == tuple(stride)
-        if not contiguous and math.prod(size) > 1:
-            raise ValueError(f"{self._path}: non-contiguous tensor of shape {tuple(size)} is not supported")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return LazyTensor(self._path, offset + storage_offset * itemsize, dtype, tuple(size))
+        size = tuple(size)
+        if tuple(stride) != _contiguous_strides(size) and math.prod(size) > 1:
+            raise ValueError(f"{self._path}: non-contiguous tensor of shape {size} is not supported")
+        return LazyTensor(self._path, offset + storage_offset * ITEMSIZE[dtype], dtype, size)
+
+
+def _contiguous_strides(size: tuple) -> tuple:
+    strides, step = [], 1
+    for dim in reversed(size):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
 
 
 def index_torch_file(path: Path):
