@@ -76,7 +76,9 @@ def test_wrong_tag_lists_the_tags_present(zero_checkpoints, tmp_path, capsys):
 
 def test_interrupted_conversion_leaves_no_output(zero_checkpoints, tmp_path, monkeypatch):
     calls = {"n": 0}
-    original = zero_to_hf.StreamingSafetensorsWriter.copy_ranges
+    from toolkit.checkpoint.safetensors_stream import StreamingSafetensorsWriter
+
+    original = StreamingSafetensorsWriter.copy_ranges
 
     def failing_copy(self, *args):
         calls["n"] += 1
@@ -84,7 +86,7 @@ def test_interrupted_conversion_leaves_no_output(zero_checkpoints, tmp_path, mon
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C in the middle of the third tensor
         return original(self, *args)
 
-    monkeypatch.setattr(zero_to_hf.StreamingSafetensorsWriter, "copy_ranges", failing_copy)
+    monkeypatch.setattr(StreamingSafetensorsWriter, "copy_ranges", failing_copy)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         zero_to_hf.convert_zero_to_hf(zero_checkpoints["zero3"], out, progress=False)

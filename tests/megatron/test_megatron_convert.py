@@ -68,6 +68,27 @@ def test_a_megatron_training_checkpoint_converts_to_a_loadable_hf_model(layout_r
     assert check.returncode == 0 and json.loads(check.stdout.strip().splitlines()[-1])["passed"], check.stderr[-3000:]
 
 
+def test_megatron_to_hf_shards_like_save_pretrained(round_trips, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    work, _ = round_trips
+    out = tmp_path / "hf"
+    result = dmt("convert", "megatron-to-hf", str(work / "llama" / "mcore-tp2-pp2"), str(out), "--max-shard-size",
+                 "100KB", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["shards"] > 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    converted = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        converted.update(load_file(out / shard))
+    original = load_file(work / "llama" / "hf" / "model.safetensors")
+    assert set(converted) == set(index["weight_map"]) == set(original)
+    assert all(torch.equal(converted[k], original[k]) for k in original)
+    AutoModelForCausalLM.from_pretrained(out)  # HF reads the index
+
+
 @pytest.mark.parametrize("args, says", [
     (("hf-to-megatron", "{hf}", "{new}", "--tp", "3"), "--tp: 3 must divide attention heads (4)"),
     (("hf-to-megatron", "{missing}", "{new}"), "HF_DIR: "),

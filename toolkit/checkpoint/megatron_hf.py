@@ -262,7 +262,7 @@ def load_weights(model, ckpt: Path) -> None:
 
 
 def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype: str = "fp32",
-                   progress: bool = False, live: LiveBytes | None = None) -> dict:
+                   progress: bool = False, live: LiveBytes | None = None, max_shard_size: str = "5GB") -> dict:
     """A Megatron-Core dist checkpoint (converted or saved by training, at any layout) -> HF safetensors +
     config.json. Streamed: each model tensor is assembled from its checkpoint chunks, split into its HF tensors,
     written and dropped (`live` counts what is held)."""
@@ -272,12 +272,13 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     import torch
     from tqdm import tqdm
 
-    from toolkit.checkpoint.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
+    from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
     from toolkit.mappings import Rename, hf_tensors, weight_table
 
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
     if out_dtype is None:
         raise UserInputError("--dtype", f"must be fp32 or bf16, got {dtype}")
+    max_bytes = parse_size(max_shard_size)
     if not ckpt.is_dir():
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a directory")
     config_path = config or ckpt / "config.json"
@@ -293,9 +294,8 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
         layout = [(name, tuple(t.shape), out_dtype) for item in items
                   for name, t in hf_tensors(item, sharded[item.megatron].data, geometry).items()]
         with atomic_directory(out_dir) as tmp:
-            writer = StreamingSafetensorsWriter(tmp / "model.safetensors", layout)
-            with tqdm(total=sum(tensor_bytes(shape, dt) for _, shape, dt in layout), unit="B", unit_scale=True,
-                      desc="megatron-to-hf", disable=not progress) as bar:
+            writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
+            with tqdm(total=writer.total, unit="B", unit_scale=True, desc="megatron-to-hf", disable=not progress) as bar:
                 for item in items:
                     pieces = hf_tensors(item, reader.model_tensor(sharded[item.megatron]), geometry)
                     for name in list(pieces):  # popped: each piece is dropped once written
@@ -307,4 +307,5 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
             for side in HF_SIDE_FILES:
                 if (ckpt / side).is_file():
                     shutil.copyfile(ckpt / side, tmp / side)
-    return {"out_dir": str(out_dir), "tensors": len(layout), "parameters": sum(math.prod(s) for _, s, _ in layout)}
+    return {"out_dir": str(out_dir), "tensors": len(layout), "parameters": sum(math.prod(s) for _, s, _ in layout),
+            "shards": len(writer.shards)}

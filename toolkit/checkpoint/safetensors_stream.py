@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 
+from toolkit.errors import UserInputError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 # torch dtype name -> (safetensors dtype, bytes per element)
 DTYPES = {
     "float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2), "float64": ("F64", 8),
@@ -93,6 +97,71 @@ class StreamingSafetensorsWriter:
         os.close(self._fd)
         if self._next != len(self.layout):
             raise ValueError(f"{self.path}: {len(self.layout) - self._next} tensors were never written")
+
+
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
+    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2^20, as HF's max_shard_size reads them."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UserInputError(flag, f"'{text}' is not a size; use e.g. 5GB, 500MB, 2GiB")
+    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
+    power = "KMGT".index(unit) + 1 if unit else 0
+    size = int(number * (1024 if binary else 1000) ** power)
+    if size <= 0:
+        raise UserInputError(flag, f"must be positive, got {text}")
+    return size
+
+
+def plan_shards(layout: list[tuple[str, tuple, object]], max_bytes: int) -> list[list[tuple[str, tuple, object]]]:
+    """Greedy split in layout order; a tensor larger than the limit gets a shard of its own (as HF does)."""
+    shards: list[list] = [[]]
+    size = 0
+    for entry in layout:
+        nbytes = tensor_bytes(entry[1], entry[2])
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+class ShardedSafetensorsWriter:
+    """HF's sharded layout, written tensor by tensor in `layout` order: model.safetensors when one shard holds
+    everything, else model-0000i-of-0000n.safetensors and model.safetensors.index.json (as `save_pretrained`)."""
+
+    def __init__(self, out_dir: Path, layout: list[tuple[str, tuple, object]], max_bytes: int):
+        self.out_dir = out_dir
+        self.shards = plan_shards(layout, max_bytes)
+        count = len(self.shards)
+        self.names = (["model.safetensors"] if count == 1 else
+                      [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)])
+        self.total = sum(tensor_bytes(shape, dtype) for _, shape, dtype in layout)
+        self._shard, self._writer = -1, None
+
+    def _current(self) -> StreamingSafetensorsWriter:
+        if self._writer is None or self._writer._next == len(self._writer.layout):
+            if self._writer is not None:
+                self._writer.close()
+            self._shard += 1
+            self._writer = StreamingSafetensorsWriter(self.out_dir / self.names[self._shard], self.shards[self._shard])
+        return self._writer
+
+    def write(self, name: str, tensor) -> int:
+        return self._current().write(name, tensor)
+
+    def copy_ranges(self, name: str, shape, dtype, ranges: list[tuple[Path, int, int]]) -> int:
+        return self._current().copy_ranges(name, shape, dtype, ranges)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._shard != len(self.shards) - 1:
+            raise ValueError(f"{self.out_dir}: {len(self.shards) - 1 - self._shard} shard(s) were never written")
+        if len(self.shards) > 1:
+            weight_map = {name: file for file, shard in zip(self.names, self.shards) for name, _, _ in shard}
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _copy_range(source: int, target: int, count: int, offset: int) -> int:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.checkpoint.atomic import atomic_directory
 from toolkit.checkpoint.deepspeed_zero import open_zero_checkpoint
-from toolkit.checkpoint.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
+from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -19,7 +18,6 @@ log = logging.getLogger(__name__)
 # Files next to an HF Trainer checkpoint that from_pretrained users expect to travel with the weights.
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -32,19 +30,6 @@ class ConversionResult:
     world_size: int
 
 
-def parse_size(text: str, flag: str = "--max-shard-size") -> int:
-    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2^20, as HF's max_shard_size reads them."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UserInputError(flag, f"'{text}' is not a size; use e.g. 5GB, 500MB, 2GiB")
-    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
-    power = "KMGT".index(unit) + 1 if unit else 0
-    size = int(number * (1024 if binary else 1000) ** power)
-    if size <= 0:
-        raise UserInputError(flag, f"must be positive, got {text}")
-    return size
-
-
 def find_config(ckpt_dir: Path, tag_dir: Path, config: Path | None) -> Path:
     if config is not None:
         path = config / "config.json" if config.is_dir() else config
@@ -55,20 +40,6 @@ def find_config(ckpt_dir: Path, tag_dir: Path, config: Path | None) -> Path:
         if candidate.is_file():
             return candidate
     raise UserInputError("--config", f"no config.json next to {ckpt_dir}; pass --config PATH/config.json")
-
-
-def plan_shards(layout: list[tuple[str, tuple, object]], max_bytes: int) -> list[list[tuple[str, tuple, object]]]:
-    """Greedy split in checkpoint order; a tensor larger than the limit gets a shard of its own (as HF does)."""
-    shards: list[list] = [[]]
-    size = 0
-    for entry in layout:
-        nbytes = tensor_bytes(entry[1], entry[2])
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
-    return shards
 
 
 def convert_zero_to_hf(
@@ -102,49 +73,40 @@ def convert_zero_to_hf(
     layout = [(name, tuple(checkpoint.shape(name)), target(name)) for name in checkpoint.names]
     aliases = {} if tied else {alias: source for alias, source in checkpoint.shared.items() if source in checkpoint.names}
     layout += [(alias, tuple(checkpoint.shape(source)), target(source)) for alias, source in aliases.items()]
-    shards = plan_shards(layout, max_bytes)
-    total = sum(tensor_bytes(shape, dt) for _, shape, dt in layout)
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-
     written = 0
-    with atomic_directory(out_dir) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc="zero-to-hf",
-                                                 disable=not progress or None) as bar:
+    with atomic_directory(out_dir) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
+        bar = tqdm(total=writer.total, unit="B", unit_scale=True, desc="zero-to-hf", disable=not progress or None)
         stream = checkpoint.sources()  # yields in checkpoint.names order, which is the layout's order
         kept = {}  # sources of aliases, written again at the end under the alias name
-        for shard_name, shard in zip(names, shards):
-            writer = StreamingSafetensorsWriter(tmp / shard_name, shard)
-            for name, shape, dt in shard:
-                if name in aliases:
-                    source = kept[aliases[name]]
-                else:
-                    produced, source = next(stream)
-                    assert produced == name, (produced, name)
-                    if name in aliases.values():
-                        kept[name] = source
-                if isinstance(source, list) and dt == "float32":  # fp32 master bytes are the output bytes
-                    ranges = [(lazy.path, lazy.offset + start * 4, count * 4) for lazy, start, count in source]
-                    nbytes = writer.copy_ranges(name, shape, dt, ranges)
-                else:
-                    import torch
+        for name, shape, dt in layout:
+            if name in aliases:
+                source = kept[aliases[name]]
+            else:
+                produced, source = next(stream)
+                assert produced == name, (produced, name)
+                if name in aliases.values():
+                    kept[name] = source
+            if isinstance(source, list) and dt == "float32":  # fp32 master bytes are the output bytes
+                ranges = [(lazy.path, lazy.offset + start * 4, count * 4) for lazy, start, count in source]
+                nbytes = writer.copy_ranges(name, shape, dt, ranges)
+            else:
+                import torch
 
-                    if isinstance(source, list):
-                        pieces = [lazy.read(start, count) for lazy, start, count in source]
-                        source = torch.cat(pieces).view(shape)
-                    nbytes = writer.write(name, source.to(getattr(torch, dt)))
-                written += nbytes
-                bar.update(nbytes)
-            writer.close()
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {name: shard_name for shard_name, shard in zip(names, shards) for name, _, _ in shard}}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                if isinstance(source, list):
+                    pieces = [lazy.read(start, count) for lazy, start, count in source]
+                    source = torch.cat(pieces).view(shape)
+                nbytes = writer.write(name, source.to(getattr(torch, dt)))
+            written += nbytes
+            bar.update(nbytes)
+        writer.close()
+        bar.close()
         shutil.copyfile(config_path, tmp / "config.json")
         for side in SIDE_FILES:
             for folder in (checkpoint.tag_dir, ckpt_dir):
                 if (folder / side).is_file():
                     shutil.copyfile(folder / side, tmp / side)
                     break
-    log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, len(shards), out_dir)
-    return ConversionResult(out_dir, len(layout), written, len(shards), checkpoint.stage, checkpoint.world_size)
+    shards = len(writer.shards)
+    log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, shards, out_dir)
+    return ConversionResult(out_dir, len(layout), written, shards, checkpoint.stage, checkpoint.world_size)

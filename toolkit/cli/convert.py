@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the HF model")
     to_hf.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none")
     to_hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (HF's max_shard_size)")
     to_hf.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     check = sub.add_parser("check", help="max logit difference of an HF model and a Megatron-Core checkpoint",
@@ -117,7 +118,7 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
     from toolkit.checkpoint.megatron_hf import megatron_to_hf
 
     summary = megatron_to_hf(args.megatron_dir, args.out_dir, config=args.config, dtype=args.dtype,
-                             progress=_interactive())
+                             progress=_interactive(), max_shard_size=args.max_shard_size)
     _print(args, summary, f"{args.megatron_dir} -> {summary['out_dir']}: {summary['tensors']} tensors, "
                           f"{summary['parameters']:,} parameters")
     return 0
