@@ -83,8 +83,7 @@ def predicted(recipe_path: Path) -> dict:
     plan = recipe_plan(recipe, model)
     gpu = get_gpu(recipe.cluster.gpu)
     memory = estimate_memory(model, plan)
-    network = Network(intra_node_bw_gbps=gpu.intra_node_bw_gbps, inter_node_bw_gbps=gpu.inter_node_bw_gbps,
-                      gpus_per_node=1, measured=False)
+    network = Network.from_catalogue(gpu, gpus_per_node=1)
     timing = step_time(model, plan, gpu, network)
     return {"memory": memory.as_dict(), "overhead": memory.overhead_detail, "step_time_s": timing.total_s,
             "mfu": timing.mfu}

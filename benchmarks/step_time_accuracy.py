@@ -67,7 +67,7 @@ def published_layout_rank(model, gpus, gpu, network, layout: dict, **fixed) -> t
 
 
 def network_for(gpu) -> Network:
-    return Network(gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, 8)
+    return Network.from_catalogue(gpu, 8)
 
 
 def megatron_rows(refs: dict) -> list[dict]:

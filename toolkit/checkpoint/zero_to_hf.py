@@ -76,31 +76,31 @@ def convert_zero_to_hf(
     written = 0
     with atomic_directory(out_dir) as tmp:
         writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
-        bar = tqdm(total=writer.total, unit="B", unit_scale=True, desc="zero-to-hf", disable=not progress or None)
-        stream = checkpoint.sources()  # yields in checkpoint.names order, which is the layout's order
-        kept = {}  # sources of aliases, written again at the end under the alias name
-        for name, shape, dt in layout:
-            if name in aliases:
-                source = kept[aliases[name]]
-            else:
-                produced, source = next(stream)
-                assert produced == name, (produced, name)
-                if name in aliases.values():
-                    kept[name] = source
-            if isinstance(source, list) and dt == "float32":  # fp32 master bytes are the output bytes
-                ranges = [(lazy.path, lazy.offset + start * 4, count * 4) for lazy, start, count in source]
-                nbytes = writer.copy_ranges(name, shape, dt, ranges)
-            else:
-                import torch
+        with tqdm(total=writer.total, unit="B", unit_scale=True, desc="zero-to-hf",
+                  disable=not progress or None) as bar:
+            stream = checkpoint.sources()  # yields in checkpoint.names order, which is the layout's order
+            kept = {}  # sources of aliases, written again at the end under the alias name
+            for name, shape, dt in layout:
+                if name in aliases:
+                    source = kept[aliases[name]]
+                else:
+                    produced, source = next(stream)
+                    assert produced == name, (produced, name)
+                    if name in aliases.values():
+                        kept[name] = source
+                if isinstance(source, list) and dt == "float32":  # fp32 master bytes are the output bytes
+                    ranges = [(lazy.path, lazy.offset + start * 4, count * 4) for lazy, start, count in source]
+                    nbytes = writer.copy_ranges(name, shape, dt, ranges)
+                else:
+                    import torch
 
-                if isinstance(source, list):
-                    pieces = [lazy.read(start, count) for lazy, start, count in source]
-                    source = torch.cat(pieces).view(shape)
-                nbytes = writer.write(name, source.to(getattr(torch, dt)))
-            written += nbytes
-            bar.update(nbytes)
+                    if isinstance(source, list):
+                        pieces = [lazy.read(start, count) for lazy, start, count in source]
+                        source = torch.cat(pieces).view(shape)
+                    nbytes = writer.write(name, source.to(getattr(torch, dt)))
+                written += nbytes
+                bar.update(nbytes)
         writer.close()
-        bar.close()
         shutil.copyfile(config_path, tmp / "config.json")
         for side in SIDE_FILES:
             for folder in (checkpoint.tag_dir, ckpt_dir):

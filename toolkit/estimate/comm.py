@@ -51,6 +51,11 @@ class Network:
     gpus_per_node: int
     measured: bool = False  # bandwidths are nccl-tests-style busbw measured by `dmt health`, used as they are
 
+    @classmethod
+    def from_catalogue(cls, gpu, gpus_per_node: int) -> "Network":
+        """The datasheet links of a catalogue GPU (toolkit/presets/gpus.yaml); `dmt plan` flags may override them."""
+        return cls(gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, gpus_per_node)
+
     def link(self, group_size: int, stride: int) -> Link:
         """The link of a group of `group_size` ranks `stride` apart in rank order (Megatron: tp, cp, ep, dp, pp)."""
         span = group_size * stride

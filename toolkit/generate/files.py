@@ -73,7 +73,7 @@ def _plan(ctx: GenerationContext) -> str:
     from toolkit.spec.cluster import get_gpu
 
     gpu = get_gpu(ctx.recipe.cluster.gpu)
-    network = Network(gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, ctx.recipe.cluster.gpus_per_node)
+    network = Network.from_catalogue(gpu, ctx.recipe.cluster.gpus_per_node)
     record = plan_record(ctx.model, ctx.plan, estimate_memory(ctx.model, ctx.plan),
                          step_time(ctx.model, ctx.plan, gpu, network), gpu)
     record["recipe"] = ctx.recipe.name

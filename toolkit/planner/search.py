@@ -134,7 +134,7 @@ def search(
 
 def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None, **fixed) -> Plan:
     """The fastest plan that fits, for recipes that say `plan: auto`."""
-    network = network or Network(gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, fixed.get("gpus_per_node") or 8)
+    network = network or Network.from_catalogue(gpu, fixed.get("gpus_per_node") or 8)
     backends = (fixed.pop("backend"),) if fixed.get("backend") else ("deepspeed", "megatron")
     result = search(model, gpus, gpu, network, backends, **fixed)
     if not result.ranked:
