@@ -112,3 +112,25 @@ def test_train_py_validates_plan_overrides_before_launching(flags, says, tmp_pat
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(says), result.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("plan, fields, flags", [
+    ({"recompute": "selective", "recompute_modules": ["mlp"]},
+     {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, ["--recompute-modules mlp"]),
+    ({"recompute": "full", "recompute_num_layers": 1},
+     {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+     ["--recompute-granularity full", "--recompute-method block", "--recompute-num-layers 1"]),
+], ids=["selective-mlp", "full-block"])
+def test_partial_recompute_of_the_recipe_reaches_megatron_yaml_and_args(tmp_path, plan, fields, flags):
+    recipe = yaml.safe_load(TINY_MEGATRON.read_text())
+    recipe["plan"].update(plan)
+    recipe["data"]["train_files"] = [str(TINY_MEGATRON.parent / f) for f in recipe["data"]["train_files"]]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["generate", str(path), "--out", str(tmp_path / "out")]) == 0
+    config = yaml.safe_load((tmp_path / "out" / "megatron.yaml").read_text())
+    assert {k: config["transformer_config"].get(k) for k in fields} == fields
+    args = (tmp_path / "out" / "megatron_args.txt").read_text().splitlines()
+    assert set(flags) <= set(args)
+    assert {line.split()[0] for line in args if line.startswith("--")} <= MEGATRON_LM_FLAGS
+    assert validate_megatron_config(config, config["schedule"]["world_size"]) == []

@@ -90,6 +90,13 @@ BAD_INPUTS = [
     (["--model", "llama-3.1-8b", "--gpus", "8", "--zero", "3", "--offload-params", "nvme"], "--nvme-path"),
     (["--model", "llama-3.1-8b", "--gpus", "8", "--ep", "2"], "--ep"),
     (["--model", "llama-3.1-8b", "--gpus", "8", "--recompute", "sometimes"], "--recompute"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--recompute-modules", "mlp"], "--recompute-modules"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--backend", "megatron", "--recompute", "selective",
+      "--recompute-modules", "attention"], "--recompute-modules"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--recompute", "full", "--recompute-num-layers", "2"],
+     "--recompute-num-layers"),
+    (["--model", "llama-3.1-8b", "--gpus", "8", "--backend", "megatron", "--recompute", "full",
+      "--recompute-num-layers", "0"], "--recompute-num-layers"),
     # Llama 3 405B's 7/8/7 split cannot interleave: the first/last counts must divide by --vpp
     (["--model", "llama-3.1-405b", "--gpus", "2048", "--backend", "megatron", "--tp", "8", "--pp", "16",
       "--vpp", "2", "--first-stage-layers", "7", "--last-stage-layers", "7", "--global-batch", "512"],

@@ -71,6 +71,37 @@ def test_mfu_counts_model_flops_without_recompute():
     assert plain.tflops_per_gpu == pytest.approx(plain.mfu * 989, rel=0.02)
 
 
+def test_recompute_options_trade_time_for_memory_in_megatron_cores_order():
+    """Per Megatron-Core option on one layout: against none, selective MLP and the block method save memory and
+    cost time, the block method more of both with every layer more, full recomputation the most."""
+    base = dict(backend="megatron", tp=2, pp=2, vpp=2, seq_len=4096, global_batch=64, sequence_parallel=True)
+    options = [dict(recompute="none"), dict(recompute="selective", recompute_modules="mlp")]
+    options += [dict(recompute="full", recompute_num_layers=k) for k in (1, 2, 3)] + [dict(recompute="full")]
+    plans = [resolve_plan(LLAMA, 16, **base, **option) for option in options]
+    memory = [estimate_memory(LLAMA, plan).activations for plan in plans]
+    times = [step_time(LLAMA, plan, H100, FAST).total_s for plan in plans]
+    assert memory[0] > memory[1] > memory[-1] and memory[0] > memory[2]
+    assert memory[2:] == sorted(memory[2:], reverse=True) and len(set(memory[2:])) == 4
+    assert times[0] < times[1] < times[-1] and times[0] < times[2]
+    assert times[2:] == sorted(times[2:]) and len(set(times[2:])) == 4
+    # every chunk has 4 layers: recomputing all 4 of them with the block method is full recomputation
+    block_all = resolve_plan(LLAMA, 16, **base, recompute="full", recompute_num_layers=4)
+    assert step_time(LLAMA, block_all, H100, FAST).total_s == pytest.approx(times[-1])
+    assert estimate_memory(LLAMA, block_all).activations == memory[-1]
+
+
+def test_block_method_recomputes_the_first_layers_of_every_model_chunk():
+    """16 layers, pp 2, vpp 2: rank 0 builds layers 0-3 and 8-11 (Megatron-Core's chunk layout)."""
+    from toolkit.estimate.memory import recomputed_layers
+
+    plan = resolve_plan(LLAMA, 4, backend="megatron", pp=2, vpp=2, global_batch=4, recompute="full",
+                        recompute_num_layers=2)
+    assert recomputed_layers(LLAMA, plan, 0) == {0, 1, 8, 9}
+    assert recomputed_layers(LLAMA, plan, 1) == {4, 5, 12, 13}
+    full = plan.model_copy(update=dict(recompute_num_layers=None))
+    assert recomputed_layers(LLAMA, full, 0) is None  # every layer
+
+
 def _search(model=LLAMA, gpus=16, gpu=H100, network=FAST, **fixed):
     fixed.setdefault("seq_len", 4096)
     fixed.setdefault("global_batch", 64)
@@ -89,6 +120,20 @@ def test_search_never_proposes_an_invalid_or_oversized_plan():
         assert estimate_memory(LLAMA, plan).total <= H100.memory_bytes
     times = [c.time.total_s for c in result.ranked]
     assert times == sorted(times)
+
+
+def test_search_recomputes_only_where_the_plan_does_not_fit_without_and_lists_each_plan_once():
+    result = _search(gpu=get_gpu("a100-40gb"), backends=("megatron",), seq_len=16384)
+    recomputing = [c for c in result.ranked if c.plan.recompute != "none"]
+    assert {c.plan.recompute_num_layers is not None for c in recomputing} == {True, False}  # block method among them
+    assert any(c.plan.recompute_modules == ("mlp",) for c in recomputing)
+    for candidate in recomputing:
+        without = candidate.plan.model_copy(update=dict(recompute="none", recompute_modules=(), recompute_num_layers=None))
+        assert estimate_memory(LLAMA, without).total > get_gpu("a100-40gb").memory_bytes
+    layouts = [c.plan.model_copy(update=dict(recompute="none", recompute_modules=(), recompute_num_layers=None))
+               for c in result.ranked]
+    assert len(layouts) == len(set(layouts))
+    assert result.rejected["slower than the same plan without recomputation"] > 0
 
 
 def test_less_memory_pushes_the_best_plan_to_shard_more():

@@ -126,6 +126,24 @@ def _install_device(patches: list) -> None:
     ]
 
 
+def _install_backward(patches: list, mode: TorchFunctionMode) -> None:
+    """A torch-function mode is off while it handles a call, so the backward it hands on would run recomputation
+    (activation checkpointing re-runs forwards, e.g. Megatron's causal mask built with device="cuda") without it:
+    the autograd engine's entry point puts the mode back on."""
+    import torch.autograd.graph
+
+    original = torch.autograd.graph._engine_run_backward
+
+    def run_backward(*args, **kwargs):
+        if mode in torch.overrides._get_current_function_mode_stack():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    patches += [(torch.autograd.graph, "_engine_run_backward", run_backward),
+                (torch.autograd, "_engine_run_backward", run_backward)]
+
+
 @contextlib.contextmanager
 def cuda_on_cpu():
     """While active (and only without a GPU), Megatron-Core runs on CPU tensors; everything is undone on exit."""
@@ -133,14 +151,16 @@ def cuda_on_cpu():
         yield
         return
     patches: list = []
+    mode = CudaTensorsOnCpu()
     _install_device(patches)
     _install_rng(patches)
+    _install_backward(patches, mode)
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
     log.info("no GPU: Megatron-Core runs on CPU through toolkit.backends.cpu_compat")
     try:
-        with CudaTensorsOnCpu():
+        with mode:
             yield
     finally:
         for owner, name, value in reversed(saved):

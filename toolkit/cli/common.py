@@ -37,6 +37,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default micro-batch x dp)")
     parser.add_argument("--seq-len", type=int, default=d["seq_len"], help="tokens per sequence (default %(default)s)")
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default=d["recompute"])
+    parser.add_argument("--recompute-modules", default=None, metavar="core_attn,mlp",
+                        help="Megatron selective recompute: modules to recompute (default core_attn)")
+    parser.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                        help="Megatron full recompute, block method: the first N layers of each model chunk "
+                             "(default: every layer)")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32", "fp8"], default=d["precision"])
     parser.add_argument("--attention", choices=["sdpa", "eager"], default=d["attention"],
                         help="sdpa: fused kernels that keep no s x s matrix (default); eager keeps the probabilities")
@@ -99,6 +104,8 @@ def plan_options(args: argparse.Namespace) -> dict:
         global_batch=args.global_batch,
         seq_len=args.seq_len,
         recompute=args.recompute,
+        recompute_modules=args.recompute_modules,
+        recompute_num_layers=args.recompute_num_layers,
         precision=args.precision,
         attention=args.attention,
         optimizer=args.optimizer,

@@ -43,6 +43,9 @@ def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from toolkit.planner.report import recompute_label
+    from toolkit.spec.plan import Plan
+
     plan, mem, params = report["plan"], report["memory_bytes"], report["params"]
     console = Console(width=None if Console().is_terminal else 140)
     layout = " ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "vpp", "cp", "ep"))
@@ -53,7 +56,7 @@ def print_report(report: dict) -> None:
     console.print(
         f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} zero={plan['zero']} "
         f"micro_batch={plan['micro_batch']} grad_accum={plan['grad_accum']} global_batch={plan['global_batch']} "
-        f"seq_len={plan['seq_len']} recompute={plan['recompute']} {plan['precision']}"
+        f"seq_len={plan['seq_len']} recompute={recompute_label(Plan.model_validate(plan))} {plan['precision']}"
     )
     table = Table(title=f"Per GPU, stage {report['most_loaded_stage']}", title_justify="left")
     table.add_column("component")

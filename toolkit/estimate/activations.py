@@ -11,7 +11,7 @@ Models" (arXiv:2205.05198), Sec. 4, with dropout removed where the model has non
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,6 +40,7 @@ class ActivationSetup:
     act_bytes: int  # bytes of one activation element: 2 for bf16/fp16, 4 for fp32
     attention: str  # "sdpa" (fused, no s x s matrix kept) or "eager"
     recompute: str  # none | selective | full
+    recompute_modules: tuple[str, ...] = ()  # selective: Megatron-Core's recompute_modules (core_attn, mlp)
     tp: int = 1
     sequence_parallel: bool = False
     cp: int = 1
@@ -86,8 +87,9 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     qk_norm = 0
     if spec.qk_norm and hf:  # HF per-head RMSNorm on q and k, as _norm_bytes for rmsnorm
         qk_norm = (FP32 + 2 * a) * (q + kv) + FP32 * (heads + spec.num_kv_heads)
-    if setup.attention == "sdpa" or setup.recompute == "selective":
-        if setup.recompute == "selective":  # Megatron recomputes core attention; q, k, v stay as its inputs
+    core_attn = "core_attn" in setup.recompute_modules
+    if setup.attention == "sdpa" or core_attn:
+        if core_attn:  # Megatron recomputes core attention; q, k, v stay as its inputs
             return qk_norm + a * (q + 2 * kv) + out
         if hf and spec.family in HF_FUSED_QKV_SDPA_COPIES:
             # v is a view of the fused [q|k|v] output, kept whole; q and k are separate (rotated or made contiguous)
@@ -119,7 +121,12 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
     norms = spec.norms_per_layer * _norm_bytes(spec, a, h, megatron) if spec.norms_per_layer else 0
     if spec.norms_per_layer > 2:  # gemma2's post-norms: their output goes to the residual, not a linear
         norms -= (spec.norms_per_layer - 2) * a * h
-    if moe:
+    if megatron and not moe and "mlp" in setup.recompute_modules:
+        # Megatron-Core checkpoints the dense MLP (TE's fc1 LayerNormLinear holds the pre-MLP norm): only the MLP's
+        # input, the residual stream, stays; the norm's input and output, fc1's output and fc2's input go
+        norms -= _norm_bytes(spec, a, h, megatron) - a * h
+        mlp = 0
+    elif moe:
         k, e = spec.experts_top_k, spec.num_experts
         # router: logits (fp32 softmax output) per expert; each token's hidden copy and MLP per chosen expert
         mlp = FP32 * e + k * (a * h + _mlp_bytes(spec, a, spec.moe_ffn_hidden_size, setup))
@@ -157,22 +164,32 @@ def stage_activation_bytes(
     alive_layers: Sequence[int],
     embedding_forwards: int,
     last_stage: bool,
+    recomputed: Collection[int] | None = None,
 ) -> int:
     """Peak activation bytes of one pipeline rank.
 
     `alive_layers` names a layer once for every forward pass whose activations the rank still holds at its peak
     (a layer of a chunk with three micro-batches in flight appears three times); `embedding_forwards` counts those
-    passes that went through the embedding.
+    passes that went through the embedding. Under full recompute `recomputed` names the layers checkpointed
+    (Megatron-Core's block method); None means all of them.
     """
     tokens = setup.tokens
     by_layer = Counter(alive_layers)
-    if setup.recompute == "full":
-        kept = checkpointed_layer_bytes_per_token(spec, setup) * len(alive_layers)
-        # backward recomputes one block at a time, for one micro-batch
-        working = max((layer_bytes_per_token(spec, i, setup) for i in by_layer), default=0)
-    else:
-        kept = sum(layer_bytes_per_token(spec, i, setup) * n for i, n in by_layer.items())
-        working = 0
+    full = setup.recompute == "full"
+    checkpointed = {i for i in by_layer if full and (recomputed is None or i in recomputed)}
+    block_bytes = {moe: _block_bytes_per_token(spec, moe, setup) for moe in {spec.is_moe_layer(i) for i in by_layer}}
+    kept = working = 0.0
+    for i, n in by_layer.items():
+        layer = block_bytes[spec.is_moe_layer(i)]
+        if i in checkpointed:
+            kept += checkpointed_layer_bytes_per_token(spec, setup) * n
+            working = max(working, layer)  # backward recomputes one block at a time, for one micro-batch
+        else:
+            kept += layer * n
+    if len(checkpointed) < len(by_layer):
+        # block method: a chunk's checkpointed layers come first, so by the time backward recomputes one of them the
+        # micro-batch's later, fully kept layers (at least as large) have been freed
+        working = 0.0
     kept += embedding_bytes_per_token(spec, setup) * embedding_forwards
     total = (kept + working) * tokens
     if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch

@@ -21,6 +21,7 @@ class LayerFlops:
 
     matmul: float
     attention: float
+    mlp_matmul: float = 0.0  # the dense MLP's share of `matmul` (0 in MoE layers)
 
     @property
     def total(self) -> float:
@@ -42,7 +43,7 @@ def _block_flops(spec: ModelSpec, moe: bool, seq_len: int) -> LayerFlops:
         mlp = spec.experts_top_k * mats * h * spec.moe_ffn_hidden_size + h * spec.num_experts  # + router
     else:
         mlp = mats * h * spec.ffn_hidden_size
-    return LayerFlops(matmul=2.0 * (attn_linear + mlp), attention=4.0 * seq_len * q)
+    return LayerFlops(matmul=2.0 * (attn_linear + mlp), attention=4.0 * seq_len * q, mlp_matmul=0.0 if moe else 2.0 * mlp)
 
 
 def head_forward_flops(spec: ModelSpec) -> float:
@@ -56,13 +57,16 @@ def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     return 3.0 * (forward + head_forward_flops(spec))
 
 
-def recompute_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
-    """Extra forward FLOPs per token that activation recomputation spends (hardware, not model, FLOPs)."""
+def recomputed_forward(layer: LayerFlops, recompute: str, modules: tuple[str, ...], checkpointed: bool) -> LayerFlops:
+    """The part of a block's forward that activation recomputation runs again in backward (hardware, not model,
+    FLOPs): the whole block when full recompute checkpoints it, else Megatron-Core's selective modules (core
+    attention: the s^2 term; mlp: the dense MLP's matmuls)."""
     if recompute == "full":
-        return sum(layer_forward_flops(spec, i, seq_len).total for i in range(spec.num_layers))
-    if recompute == "selective":  # core attention only
-        return sum(layer_forward_flops(spec, i, seq_len).attention for i in range(spec.num_layers))
-    return 0.0
+        return layer if checkpointed else LayerFlops(0.0, 0.0)
+    if recompute == "selective":
+        mlp = layer.mlp_matmul if "mlp" in modules else 0.0
+        return LayerFlops(matmul=mlp, attention=layer.attention if "core_attn" in modules else 0.0, mlp_matmul=mlp)
+    return LayerFlops(0.0, 0.0)
 
 
 def six_n_flops_per_token(spec: ModelSpec) -> float:

@@ -122,6 +122,15 @@ def alive_forwards(spec: ModelSpec, plan: Plan, stage: int) -> tuple[list[int], 
     return alive, forwards.count(0) if stage == 0 else 0
 
 
+def recomputed_layers(spec: ModelSpec, plan: Plan, stage: int) -> frozenset[int] | None:
+    """Layers of a rank whose activations full recompute drops: the first recompute_num_layers of every model chunk
+    (Megatron-Core's block method, TransformerBlock._checkpointed_forward); None: every layer (or no full recompute)."""
+    if plan.recompute != "full" or plan.recompute_num_layers is None:
+        return None
+    chunks = PipelineSplit.of(spec.num_layers, plan).chunks()[stage]
+    return frozenset(layer for chunk in chunks for layer in chunk[: plan.recompute_num_layers])
+
+
 def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
     return ActivationSetup(
         backend=plan.backend,
@@ -130,6 +139,7 @@ def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
         act_bytes=PRECISION_BYTES[plan.precision],
         attention=plan.attention,
         recompute=plan.recompute,
+        recompute_modules=plan.recompute_modules,
         tp=plan.tp,
         sequence_parallel=plan.sequence_parallel,
         cp=plan.cp,
@@ -209,7 +219,8 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
     setup = activation_setup(spec, plan)
     last = stage == plan.pp - 1
     alive, embedding_forwards = alive_forwards(spec, plan, stage)
-    activations = stage_activation_bytes(spec, setup, alive, embedding_forwards, last_stage=last)
+    activations = stage_activation_bytes(spec, setup, alive, embedding_forwards, last_stage=last,
+                                         recomputed=recomputed_layers(spec, plan, stage))
     detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
     if last:  # gradient of the fp32 logits exists next to the saved ones during the head's backward
         detail["logits_grad"] = FP32 * spec.vocab_size * setup.tokens // plan.tp

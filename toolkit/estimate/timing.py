@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import gemm_efficiency
-from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token
-from toolkit.estimate.memory import representative_stages, stage_layers, stage_params
+from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
+from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
@@ -60,14 +60,13 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     a = PRECISION_BYTES[plan.precision]
     peak = _peak_flops(gpu, plan.precision)
     tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
-    passes = 3.0 + {"full": 1.0, "selective": 0.0, "none": 0.0}[plan.recompute]
     efficiency = gemm_efficiency(spec.hidden_size, plan.tp, tokens)
 
     # The slowest stage sets the pipeline's pace: every stage's micro-batch time, compute and exposed communication.
     act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
     tp_link = network.link(plan.tp, 1)
-    forward_collectives = 2 * (passes - 2)  # 2 per layer per forward pass (attention, MLP); recompute adds a pass
-    tp_per_layer = (forward_collectives + 2) * collective_time("all_reduce", act, plan.tp, tp_link)
+    # 2 collectives per layer per forward (attention, MLP) and 2 in backward; a recomputed block or MLP repeats its own
+    tp_collective = collective_time("all_reduce", act, plan.tp, tp_link)
     cp_link = network.link(plan.cp, plan.tp)
     kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
     cp_per_layer = 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
@@ -78,22 +77,27 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     pp_comm = 2 * plan.vpp * collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
 
     stages = []
+    rate = peak * efficiency
     for stage in representative_stages(spec, plan):
         layers = stage_layers(spec.num_layers, plan, stage)
-        matmul = attention = 0.0
+        recomputed = recomputed_layers(spec, plan, stage)
+        work = attention = 0.0  # FLOPs run per token: forward + backward (x3) plus recomputation
+        collectives = 0
         for i in layers:
             f = layer_forward_flops(spec, i, plan.seq_len)
-            matmul += f.matmul
+            whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
+            again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
+            work += 3 * (f.matmul + f.attention * CAUSAL_ATTENTION_WORK)
+            work += again.matmul + again.attention * CAUSAL_ATTENTION_WORK
             attention += f.attention * CAUSAL_ATTENTION_WORK
+            collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
         if stage == plan.pp - 1:
-            matmul += head_forward_flops(spec)
-        recompute_attention = attention if plan.recompute == "selective" else 0.0
-        rate = peak * efficiency
-        compute = tokens * ((matmul + attention) * passes + recompute_attention) / plan.tp / rate
+            work += 3 * head_forward_flops(spec)
+        compute = tokens * work / plan.tp / rate
         attention_time = tokens * attention * 3 / plan.tp / rate
         cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time)
         ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
-        tp_comm = len(layers) * tp_per_layer
+        tp_comm = collectives * tp_collective
         stages.append((compute + tp_comm + cp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, ep_comm))
     micro, compute_micro, tp_comm, cp_comm, ep_comm = max(stages)
 

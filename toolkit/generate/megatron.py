@@ -25,8 +25,6 @@ SECTIONS = ("model", "transformer_config", "gpt_model", "ddp_config", "optimizer
             "schedule")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
 DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "main_params_dtype", "main_grads_dtype")
-RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
-             "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
 OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}  # Megatron's "adam" is AdamW (decoupled weight decay by default)
 
 
@@ -37,6 +35,19 @@ def _precision(plan: Plan) -> dict:
     if plan.precision == "fp8":  # Transformer Engine's delayed-scaling recipe, E4M3 forward / E5M2 backward
         fields["fp8"] = "hybrid"
     return fields
+
+
+def _recompute(plan: Plan) -> dict:
+    """TransformerConfig's recompute fields; recompute_modules only when not Megatron-Core's default [core_attn]."""
+    if plan.recompute == "selective":
+        modules = {} if plan.recompute_modules == ("core_attn",) else {"recompute_modules": list(plan.recompute_modules)}
+        return {"recompute_granularity": "selective", **modules}
+    if plan.recompute == "full":
+        if plan.recompute_num_layers is None:  # every layer, one checkpoint each
+            return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        return {"recompute_granularity": "full", "recompute_method": "block",
+                "recompute_num_layers": plan.recompute_num_layers}
+    return {}
 
 
 def _parallel(plan: Plan) -> dict:
@@ -62,7 +73,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
     on_cpu = recipe.cluster.accelerator == "cpu"
     training = recipe.training
     vocab = mapped["model"]["vocab_size"]
-    transformer = {**mapped["transformer_config"], **_parallel(plan), **_precision(plan), **RECOMPUTE[plan.recompute],
+    transformer = {**mapped["transformer_config"], **_parallel(plan), **_precision(plan), **_recompute(plan),
                    "transformer_impl": recipe.megatron.transformer_impl or ("local" if on_cpu else "transformer_engine")}
     if model.is_moe:
         transformer["moe_token_dispatcher_type"] = "alltoall" if plan.ep > 1 else "allgather"

@@ -99,6 +99,8 @@ def _special(config: dict) -> list[str]:
         flags.append(f"--rope-scaling-factor {gpt['rope_scaling_factor']}")
     if not gpt.get("share_embeddings_and_output_weights"):
         flags.append("--untie-embeddings-and-output-weights")
+    if transformer.get("recompute_modules"):  # nargs='*' in Megatron-LM's parser
+        flags.append(f"--recompute-modules {' '.join(transformer['recompute_modules'])}")
     if config["optimizer_config"]["optimizer"] == "sgd":
         flags.append(f"--sgd-momentum {config['optimizer_config']['sgd_momentum']}")
     flags.append("--ckpt-format torch_dist")

@@ -53,5 +53,14 @@ def plan_label(plan: Plan) -> str:
     else:
         parts += ["+sp"] if plan.sequence_parallel else []
         parts += ["+dopt"] if plan.distributed_optimizer else []
-    parts += [f"mb{plan.micro_batch}", f"rc={plan.recompute}"]
+    parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]
     return " ".join(parts)
+
+
+def recompute_label(plan: Plan) -> str:
+    """none, selective (core attention), selective:mlp, full, or full:block2 (2 layers of every chunk recomputed)."""
+    if plan.recompute == "selective" and plan.recompute_modules != ("core_attn",):
+        return "selective:" + "+".join(plan.recompute_modules)
+    if plan.recompute == "full" and plan.recompute_num_layers is not None:
+        return f"full:block{plan.recompute_num_layers}"
+    return plan.recompute

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
+from toolkit.estimate.pipeline import PipelineSplit
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
@@ -107,29 +108,75 @@ def search(
     fixed = {k: v for k, v in fixed.items() if v is not None}
     gpus_per_node = fixed.setdefault("gpus_per_node", network.gpus_per_node)
     micro_batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else list(MICRO_BATCHES)
+    recompute_fixed = {k: fixed.pop(k) for k in RECOMPUTE_KEYS if k in fixed}
     for backend in backends:
-        recomputes = [fixed["recompute"]] if "recompute" in fixed else (
-            ["none", "selective", "full"] if backend == "megatron" else ["none", "full"])
+        options = [recompute_fixed] if recompute_fixed else _recompute_options(backend)
         for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
-            layout.pop("recompute", None)
-            for recompute in recomputes:
-                for position, micro in enumerate(micro_batches):
+            exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
+            for micro in micro_batches:
+                fitting = []
+                for index, option in enumerate(options):
                     result.considered += 1
+                    if fitting and fitting[0].plan.recompute == "none":
+                        # recomputation only adds time to a plan that fits without it
+                        result.rejected["slower than the same plan without recomputation"] += 1
+                        continue
+                    if index in exhausted:
+                        result.rejected["out of memory"] += 1
+                        continue
                     try:
-                        plan = resolve_plan(model, gpus, micro_batch=micro, recompute=recompute, **layout)
+                        found = _fitting(model, gpus, gpu, micro, option, layout)
                     except UserInputError as exc:
                         result.rejected[f"invalid {exc.key}"] += 1
                         continue
-                    memory = estimate_memory(model, plan)
-                    if memory.total > gpu.memory_bytes:
+                    if found is None:
                         # activations only grow with the micro-batch: the larger ones cannot fit either
-                        skipped = len(micro_batches) - position
-                        result.considered += skipped - 1
-                        result.rejected["out of memory"] += skipped
-                        break
-                    result.ranked.append(Candidate(plan, memory, step_time(model, plan, gpu, network)))
+                        result.rejected["out of memory"] += 1
+                        exhausted.add(index)
+                        continue
+                    fitting.append(Candidate(*found, step_time(model, found[0], gpu, network)))
+                if fitting:  # of the same layout and micro-batch, only the recomputation that is fastest
+                    fitting.sort(key=lambda c: c.time.total_s)
+                    result.ranked.append(fitting[0])
+                    result.rejected["slower than the same plan with other recomputation"] += len(fitting) - 1
     result.ranked.sort(key=lambda c: c.time.total_s)
     return result
+
+
+RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers")
+
+
+def _recompute_options(backend: str) -> list[dict]:
+    """Recomputation tried for every layout, none first. HF models checkpoint whole layers; Megatron-Core also
+    recomputes core attention or the dense MLP (recompute_modules) or the first N layers of each chunk (block)."""
+    if backend != "megatron":
+        return [dict(recompute="none"), dict(recompute="full")]
+    return [dict(recompute="none"), dict(recompute="selective"), dict(recompute="selective", recompute_modules=("mlp",)),
+            dict(recompute="full", block=True), dict(recompute="full")]
+
+
+def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, layout: dict):
+    """(plan, memory) of one recompute option at one micro-batch if it fits, else None. The block method takes the
+    fewest layers per chunk that fit (memory falls and time rises with each one more): a bisection."""
+    settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
+
+    def attempt(**extra):
+        plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings, **extra)
+        memory = estimate_memory(model, plan)
+        return (plan, memory) if memory.total <= gpu.memory_bytes else None
+
+    if not option.get("block"):
+        return attempt()
+    plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
+    largest_chunk = max(max(sizes) for sizes in PipelineSplit.of(model.num_layers, plan).chunk_sizes())
+    low, high, found = 1, largest_chunk - 1, None  # all layers of every chunk is plain full recompute
+    while low <= high:
+        middle = (low + high) // 2
+        if fitting := attempt(recompute_num_layers=middle):
+            found, high = fitting, middle - 1
+        else:
+            low = middle + 1
+    return found
 
 
 def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None, **fixed) -> Plan:

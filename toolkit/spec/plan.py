@@ -13,6 +13,9 @@ from toolkit.spec.model import ModelSpec
 Backend = Literal["deepspeed", "megatron"]
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Offload = Literal["none", "cpu", "nvme"]
+# Megatron-Core's selective-recompute modules this toolkit models (TransformerConfig.recompute_modules)
+RecomputeModule = Literal["core_attn", "mlp"]
+RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 # Bytes of one parameter / activation element stored in each training precision (fp8 keeps bf16 weights and
 # activations; Transformer Engine adds fp8 weight copies, counted in memory.py).
@@ -65,6 +68,10 @@ class Plan(BaseModel):
     global_batch: int
     seq_len: int
     recompute: Literal["none", "selective", "full"]
+    # selective: Megatron-Core's recompute_modules (its default: core attention); () otherwise
+    recompute_modules: tuple[RecomputeModule, ...] = ()
+    # full: Megatron-Core's block method, the first N layers of every model chunk recomputed; None: every layer
+    recompute_num_layers: int | None = None
     precision: Precision
     attention: Literal["sdpa", "eager"]
     optimizer: Literal["adamw", "adamw8bit", "sgd"]
@@ -87,7 +94,7 @@ class Plan(BaseModel):
         return self.dp * self.cp // self.ep
 
     def as_dict(self) -> dict:
-        return self.model_dump()
+        return self.model_dump(mode="json")  # JSON types (recompute_modules a list), as plan.json stores them
 
 
 def _positive(flag: str, value: int) -> None:
@@ -98,7 +105,8 @@ def _positive(flag: str, value: int) -> None:
 def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
     """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject."""
     unknown = set(options) - set(DEFAULTS) - {
-        "distributed_optimizer", "sequence_parallel", "nvme_path", *SPLIT_OPTIONS
+        "distributed_optimizer", "sequence_parallel", "nvme_path", "recompute_modules", "recompute_num_layers",
+        *SPLIT_OPTIONS
     }
     if unknown:
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
@@ -148,6 +156,7 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
     else:
         _check_megatron(zero, tp, seq_par, o)
 
+    modules, num_layers = _recompute_options(o, backend)
     micro = o["micro_batch"]
     global_batch = o["global_batch"] if o["global_batch"] is not None else micro * dp
     _positive("--global-batch", global_batch)
@@ -181,6 +190,8 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
         global_batch=global_batch,
         seq_len=o["seq_len"],
         recompute=o["recompute"],
+        recompute_modules=modules,
+        recompute_num_layers=num_layers,
         precision=o["precision"],
         attention=o["attention"],
         optimizer=o["optimizer"],
@@ -192,6 +203,33 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
         account_for_embedding_in_pipeline_split=split.embedding_in_split,
         account_for_loss_in_pipeline_split=split.loss_in_split,
     )
+
+
+def _recompute_options(o: dict, backend: str) -> tuple[tuple[str, ...], int | None]:
+    """(recompute_modules, recompute_num_layers) as Megatron-Core's TransformerConfig takes them."""
+    recompute, modules, num_layers = o["recompute"], o.get("recompute_modules"), o.get("recompute_num_layers")
+    if modules is not None and len(modules) == 0 and recompute != "selective":  # () is Plan's "not selective"
+        modules = None
+    if modules is not None:
+        if isinstance(modules, str):
+            modules = [m for m in modules.split(",") if m]
+        if not isinstance(modules, (list, tuple)):
+            raise UserInputError("--recompute-modules", f"must be a list of {', '.join(RECOMPUTE_MODULES)}, "
+                                                        f"got {modules!r}")
+        if recompute != "selective":
+            raise UserInputError("--recompute-modules", "applies to --recompute selective only")
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown or not modules:
+            raise UserInputError("--recompute-modules", f"got {','.join(unknown) or 'nothing'}; "
+                                                        f"valid: a comma list of {', '.join(RECOMPUTE_MODULES)}")
+    if num_layers is not None:
+        if recompute != "full" or backend != "megatron":
+            raise UserInputError("--recompute-num-layers", "applies to --recompute full with --backend megatron "
+                                                           "(Megatron-Core's block method)")
+        _positive("--recompute-num-layers", num_layers)
+    if recompute != "selective":
+        return (), num_layers
+    return tuple(m for m in RECOMPUTE_MODULES if m in (modules or ("core_attn",))), None
 
 
 def _check_deepspeed(zero: int, tp: int, pp: int, vpp: int, cp: int, dist_opt: bool, seq_par: bool, o: dict) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolkit.errors import UserInputError
+from toolkit.spec.plan import RecomputeModule
 
 
 class _Strict(BaseModel):
@@ -98,6 +99,11 @@ class PlanSection(_Strict):
     distributed_optimizer: bool = Field(False, description="Megatron distributed optimizer.")
     micro_batch: int | None = Field(None, gt=0, description="Sequences per GPU per forward pass.")
     recompute: Literal["none", "selective", "full"] | None = Field(None, description="Activation recomputation.")
+    recompute_modules: list[RecomputeModule] | None = Field(
+        None, description="Megatron-Core selective recompute: the modules recomputed (default [core_attn]).")
+    recompute_num_layers: int | None = Field(
+        None, gt=0, description="Megatron-Core full recompute with the block method: the first N layers of every "
+                                "model chunk (default: every layer).")
     precision: Literal["bf16", "fp16", "fp32", "fp8"] | None = Field(None, description="Training precision.")
     attention: Literal["sdpa", "eager"] | None = Field(None, description="Attention implementation.")
     optimizer: Literal["adamw", "adamw8bit", "sgd"] | None = Field(None, description="Optimizer.")

@@ -27,6 +27,7 @@ PLAN_KEYS = {
     "--account-for-loss-in-pipeline-split": f"{TC}.account_for_loss_in_pipeline_split",
     "--distributed-optimizer": "ddp_config.use_distributed_optimizer", "--optimizer": "optimizer_config.optimizer",
     "--recompute": f"{TC}.recompute_granularity", "--precision": f"{TC}.bf16",
+    "--recompute-modules": f"{TC}.recompute_modules", "--recompute-num-layers": f"{TC}.recompute_num_layers",
 }
 SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_microbatches", "global_batch_size",
                  "seq_length", "train_iters", "seed")
@@ -119,6 +120,19 @@ def _model_spec(config: dict):
     )
 
 
+def _modelled_recompute_modules(tc: dict):
+    """recompute_modules for the plan rules when the toolkit models them all; Megatron-Core's own check (building
+    TransformerConfig, below) judges the others (moe_act, layernorm, ...)."""
+    from toolkit.spec.plan import RECOMPUTE_MODULES
+
+    modules = tc.get("recompute_modules")
+    if tc.get("recompute_granularity") != "selective" or not isinstance(modules, list):
+        return None
+    if not all(isinstance(m, str) for m in modules):
+        return None
+    return modules if modules and set(modules) <= set(RECOMPUTE_MODULES) else None
+
+
 def _plan_rules(config: dict) -> list[Problem]:
     """The toolkit's own plan rules (toolkit.spec.plan), applied to the numbers in the file."""
     from pydantic import ValidationError
@@ -143,6 +157,8 @@ def _plan_rules(config: dict) -> list[Problem]:
             sequence_parallel=tc.get("sequence_parallel", False),
             distributed_optimizer=config["ddp_config"].get("use_distributed_optimizer", False),
             recompute=tc.get("recompute_granularity") or "none", precision=precision,
+            recompute_modules=_modelled_recompute_modules(tc),
+            recompute_num_layers=tc.get("recompute_num_layers") if tc.get("recompute_method") == "block" else None,
             first_stage_layers=tc.get("num_layers_in_first_pipeline_stage"),
             last_stage_layers=tc.get("num_layers_in_last_pipeline_stage"),
             account_for_embedding_in_pipeline_split=bool(tc.get("account_for_embedding_in_pipeline_split")),

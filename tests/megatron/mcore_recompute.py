@@ -1,0 +1,96 @@
+"""Launched by test_megatron_recompute.py under torchrun on 2 CPU ranks: one forward and backward of the same batch
+and weights through Megatron-Core built from the generated megatron.yaml of each recompute plan; rank 0 saves the
+bytes autograd kept during the forward (saved_tensors_hooks) and the gradients."""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+PLANS = {  # name: recipe plan overrides
+    "none": dict(recompute="none"),
+    "selective": dict(recompute="selective"),
+    "selective:mlp": dict(recompute="selective", recompute_modules=["mlp"]),
+    "full:block1": dict(recompute="full", recompute_num_layers=1),
+    "full": dict(recompute="full"),
+}
+
+
+def run_plan(recipe, model, overrides: dict, tokens, weights):
+    """(saved bytes, {name: grad}, the megatron.yaml transformer_config, weights) of one forward + backward."""
+    import torch
+
+    from toolkit.backends.megatron_build import build, destroy, unwrapped
+    from toolkit.backends.megatron_core import megatron_yaml_for
+    from toolkit.estimate.measure import saved_activation_bytes
+    from toolkit.spec.recipe import recipe_plan
+
+    plan = recipe_plan(recipe, model, **overrides)
+    config = megatron_yaml_for(recipe, model, plan)
+    setup = build(config)
+    gpt = unwrapped(setup)[0]
+    if weights is None:
+        weights = {k: v.clone() for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+    gpt.load_state_dict(weights, strict=False)
+    gpt.train()
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    losses = []
+
+    def forward():
+        losses.append(gpt(tokens, positions, None, labels=tokens))
+        return losses[-1]
+
+    class Forward(torch.nn.Module):  # saved_activation_bytes takes a module; its parameters are the model's
+        def __init__(self):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self):
+            return forward()
+
+    measured = saved_activation_bytes(Forward())
+    losses.clear()
+    forward().float().mean().backward()
+    grads = {name: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).detach().clone()
+             for name, p in gpt.named_parameters()}
+    tc = config["transformer_config"]
+    recompute = {k: tc.get(k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                                        "recompute_modules")}
+    destroy()
+    return measured, grads, recompute, weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", type=Path, required=True)
+    parser.add_argument("--output-dir", type=Path, required=True)
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.backends.cpu_compat import cuda_on_cpu
+    from toolkit.backends.megatron_build import init_distributed
+    from toolkit.spec.recipe import load_recipe, recipe_model
+
+    recipe = load_recipe(args.recipe)
+    model = recipe_model(recipe)
+    micro = recipe.plan.micro_batch
+    tokens = torch.randint(0, model.vocab_size, (micro, recipe.training.seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    init_distributed()
+    results, weights = {}, None
+    with cuda_on_cpu():
+        for name, overrides in PLANS.items():
+            measured, grads, recompute, weights = run_plan(recipe, model, overrides, tokens, weights)
+            results[name] = dict(saved_bytes=measured, grads=grads, megatron=recompute)
+    if dist.get_rank() == 0:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(results, args.output_dir / "recompute.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
