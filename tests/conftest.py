@@ -51,22 +51,37 @@ def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(autouse=True)
-def no_deepspeed_shm_left():
-    """Launches this test SIGKILLed (or scripts that call DeepSpeed directly) leave DeepSpeed's CPU all-reduce segments
-    in /dev/shm, which is RAM; remove those created during the test once it is over."""
-    import time
-
+def _remove_segments_since(start: float) -> None:
     from toolkit.backends.ds_shm import segments
 
-    start = time.time() - 1
-    yield
     for path in segments():
         try:
             if path.stat().st_mtime >= start:
                 path.unlink()
         except FileNotFoundError:
             pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_deepspeed_shm_left_by_the_session():
+    """Launches shared by several tests start in module- or session-scoped fixtures, before the per-test fixture
+    below takes its time: what they leave goes when the session ends."""
+    import time
+
+    start = time.time() - 1
+    yield
+    _remove_segments_since(start)
+
+
+@pytest.fixture(autouse=True)
+def no_deepspeed_shm_left():
+    """Launches this test SIGKILLed (or scripts that call DeepSpeed directly) leave DeepSpeed's CPU all-reduce segments
+    in /dev/shm, which is RAM; remove those created during the test once it is over."""
+    import time
+
+    start = time.time() - 1
+    yield
+    _remove_segments_since(start)
 
 
 @pytest.fixture(scope="session", autouse=True)
