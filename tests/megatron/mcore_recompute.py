@@ -1,6 +1,7 @@
 """Launched by test_megatron_recompute.py under torchrun on 2 CPU ranks: one forward and backward of the same batch
-and weights through Megatron-Core built from the generated megatron.yaml of each recompute plan; rank 0 saves the
-bytes autograd kept during the forward (saved_tensors_hooks) and the gradients."""
+and weights through Megatron-Core built from the generated megatron.yaml of each recompute plan (fp32, the recipe's
+precision, and no recomputation in bf16 too); rank 0 saves the bytes autograd kept during the forward
+(saved_tensors_hooks) and the gradients."""
 
 import argparse
 import sys
@@ -15,6 +16,9 @@ PLANS = {  # name: recipe plan overrides
     "full:block1": dict(recompute="full", recompute_num_layers=1),
     "full": dict(recompute="full"),
 }
+
+
+BF16 = dict(recompute="none", precision="bf16")
 
 
 def run_plan(recipe, model, overrides: dict, tokens, weights):
@@ -85,9 +89,10 @@ def main() -> None:
         for name, overrides in PLANS.items():
             measured, grads, recompute, weights = run_plan(recipe, model, overrides, tokens, weights)
             results[name] = dict(saved_bytes=measured, grads=grads, megatron=recompute)
+        bf16_saved = run_plan(recipe, model, BF16, tokens, weights)[0]
     if dist.get_rank() == 0:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(results, args.output_dir / "recompute.pt")
+        torch.save({"plans": results, "bf16_none_saved_bytes": bf16_saved}, args.output_dir / "recompute.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -103,8 +103,7 @@ def _train_py(*flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("flags, says", [
     (("--tp", "4"), "train.py: error: --tp: 4 must divide attention heads (4) and kv heads (2)"),
-    (("--cp", "2"), "train.py: error: megatron.yaml: transformer_config.transformer_impl: context_parallel_size 2 needs "
-                      "Transformer Engine"),
+    (("--cp", "2"), "train.py: error: --cp: context parallelism needs Transformer Engine layer modules"),
     (("--zero", "1"), "train.py: error: --zero: is a DeepSpeed option; with Megatron use --distributed-optimizer"),
 ])
 def test_train_py_validates_plan_overrides_before_launching(flags, says, tmp_path):

@@ -42,6 +42,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
                         help="Megatron full recompute, block method: the first N layers of each model chunk "
                              "(default: every layer)")
+    parser.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+                        help="Megatron layer modules: Transformer Engine's fused ones (default) or Megatron-Core's "
+                             "own (unfused attention and SwiGLU: more activation memory)")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32", "fp8"], default=d["precision"])
     parser.add_argument("--attention", choices=["sdpa", "eager"], default=d["attention"],
                         help="sdpa: fused kernels that keep no s x s matrix (default); eager keeps the probabilities")
@@ -106,6 +109,7 @@ def plan_options(args: argparse.Namespace) -> dict:
         recompute=args.recompute,
         recompute_modules=args.recompute_modules,
         recompute_num_layers=args.recompute_num_layers,
+        transformer_impl=args.transformer_impl,
         precision=args.precision,
         attention=args.attention,
         optimizer=args.optimizer,

@@ -57,6 +57,7 @@ def print_report(report: dict) -> None:
         f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} zero={plan['zero']} "
         f"micro_batch={plan['micro_batch']} grad_accum={plan['grad_accum']} global_batch={plan['global_batch']} "
         f"seq_len={plan['seq_len']} recompute={recompute_label(Plan.model_validate(plan))} {plan['precision']}"
+        + (f" layers={plan['transformer_impl']}" if plan["transformer_impl"] else "")
     )
     table = Table(title=f"Per GPU, stage {report['most_loaded_stage']}", title_justify="left")
     table.add_column("component")

@@ -41,6 +41,7 @@ class ActivationSetup:
     attention: str  # "sdpa" (fused, no s x s matrix kept) or "eager"
     recompute: str  # none | selective | full
     recompute_modules: tuple[str, ...] = ()  # selective: Megatron-Core's recompute_modules (core_attn, mlp)
+    local_layers: bool = False  # Megatron-Core's `local` spec (no Transformer Engine): unfused attention, SwiGLU, norm
     tp: int = 1
     sequence_parallel: bool = False
     cp: int = 1
@@ -54,9 +55,12 @@ class ActivationSetup:
         return self.micro_batch * self.seq_len // self.cp
 
 
-def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool) -> int:
+def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool = False) -> int:
     """Per token: what a norm keeps plus its output, which the next linear keeps."""
-    if megatron:  # TE LayerNormLinear: input, ln_out, rstd (and mu for layernorm)
+    if megatron and local and spec.norm == "rmsnorm":
+        # torch's RMSNorm (no Apex): fp32 copy of the input, fp32 rstd, fp32 normalized copy; output for the linear
+        return 2 * FP32 * width + FP32 + a * width
+    if megatron:  # TE LayerNormLinear: input, ln_out, rstd (and mu for layernorm); torch's LayerNorm keeps the same
         return 2 * a * width + FP32 * (2 if spec.norm == "layernorm" else 1)
     if spec.norm == "rmsnorm":  # HF RMSNorm: fp32 upcast, fp32 rstd, normalized copy kept by `weight *`, output
         return FP32 * width + FP32 + 2 * a * width
@@ -65,6 +69,10 @@ def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool) -> int:
 
 def _mlp_bytes(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetup) -> int:
     """Per token, inside the tensor-parallel region (not yet divided by tp)."""
+    if setup.backend == "megatron" and setup.local_layers and spec.gated_mlp:
+        # unfused SwiGLU: fc1's output, silu's output, the second half multiplied, and fc2's input (measured on the
+        # local spec with saved_tensors_hooks, tests/megatron/test_megatron_recompute.py)
+        return 5 * a * ffn
     if setup.backend == "megatron":
         # fc1 output (2*ffn when gated) kept by the fused activation, and fc2's input
         return a * ((2 if spec.gated_mlp else 1) * ffn + ffn)
@@ -88,9 +96,17 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     if spec.qk_norm and hf:  # HF per-head RMSNorm on q and k, as _norm_bytes for rmsnorm
         qk_norm = (FP32 + 2 * a) * (q + kv) + FP32 * (heads + spec.num_kv_heads)
     core_attn = "core_attn" in setup.recompute_modules
+    if setup.local_layers and not core_attn:
+        # Megatron-Core's DotProductAttention: k and v repeated to every head, QK^T, the causal mask (s x s bool, one
+        # per micro-batch), softmax in fp32 and its compute-dtype copy for PV, the context for the output projection
+        probs = FP32 * heads * s + (a * heads * s if a != FP32 else 0)
+        mask = MASK * s / setup.micro_batch
+        return a * 3 * q + probs + mask + out
     if setup.attention == "sdpa" or core_attn:
-        if core_attn:  # Megatron recomputes core attention; q, k, v stay as its inputs
-            return qk_norm + a * (q + 2 * kv) + out
+        if core_attn:
+            # Megatron recomputes core attention; its checkpoint keeps the inputs: rotated q and k, and v, a view of
+            # the fused QKV projection's output, which so stays whole (measured on the local spec)
+            return qk_norm + a * (q + kv) + a * (q + 2 * kv) + out
         if hf and spec.family in HF_FUSED_QKV_SDPA_COPIES:
             # v is a view of the fused [q|k|v] output, kept whole; q and k are separate (rotated or made contiguous)
             saved_qkv = a * (q + 2 * kv) + a * (q + kv)
@@ -118,13 +134,16 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
     megatron = setup.backend == "megatron"
     tp = setup.tp
     norm_split = tp if (megatron and setup.sequence_parallel) else 1
-    norms = spec.norms_per_layer * _norm_bytes(spec, a, h, megatron) if spec.norms_per_layer else 0
+    local = megatron and setup.local_layers
+    norms = spec.norms_per_layer * _norm_bytes(spec, a, h, megatron, local) if spec.norms_per_layer else 0
     if spec.norms_per_layer > 2:  # gemma2's post-norms: their output goes to the residual, not a linear
         norms -= (spec.norms_per_layer - 2) * a * h
     if megatron and not moe and "mlp" in setup.recompute_modules:
         # Megatron-Core checkpoints the dense MLP (TE's fc1 LayerNormLinear holds the pre-MLP norm): only the MLP's
-        # input, the residual stream, stays; the norm's input and output, fc1's output and fc2's input go
-        norms -= _norm_bytes(spec, a, h, megatron) - a * h
+        # input, the residual stream, stays; the norm's input and output, fc1's output and fc2's input go. The local
+        # spec's norm is a module of its own: it keeps what it keeps, and its output is the checkpoint's input.
+        if not local:
+            norms -= _norm_bytes(spec, a, h, megatron) - a * h
         mlp = 0
     elif moe:
         k, e = spec.experts_top_k, spec.num_experts
@@ -140,7 +159,8 @@ def head_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
     """Final norm, the fp32 logits cross-entropy keeps, and token ids / labels."""
     a = setup.act_bytes
     megatron = setup.backend == "megatron"
-    norm = _norm_bytes(spec, a, spec.hidden_size, megatron) if spec.final_norm else a * spec.hidden_size
+    norm = (_norm_bytes(spec, a, spec.hidden_size, megatron, megatron and setup.local_layers) if spec.final_norm
+            else a * spec.hidden_size)
     if megatron and setup.sequence_parallel:
         norm /= setup.tp
     logits = FP32 * spec.vocab_size / setup.tp  # softmax / log-softmax output in fp32

@@ -140,6 +140,7 @@ def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
         attention=plan.attention,
         recompute=plan.recompute,
         recompute_modules=plan.recompute_modules,
+        local_layers=plan.transformer_impl == "local",
         tp=plan.tp,
         sequence_parallel=plan.sequence_parallel,
         cp=plan.cp,

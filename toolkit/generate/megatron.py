@@ -74,7 +74,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
     training = recipe.training
     vocab = mapped["model"]["vocab_size"]
     transformer = {**mapped["transformer_config"], **_parallel(plan), **_precision(plan), **_recompute(plan),
-                   "transformer_impl": recipe.megatron.transformer_impl or ("local" if on_cpu else "transformer_engine")}
+                   "transformer_impl": plan.transformer_impl}
     if model.is_moe:
         transformer["moe_token_dispatcher_type"] = "alltoall" if plan.ep > 1 else "allgather"
         transformer["moe_grouped_gemm"] = not on_cpu

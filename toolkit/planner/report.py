@@ -51,6 +51,7 @@ def plan_label(plan: Plan) -> str:
         parts += ["+off-opt"] if plan.offload_optimizer != "none" else []
         parts += ["+off-par"] if plan.offload_params != "none" else []
     else:
+        parts += ["local-spec"] if plan.transformer_impl == "local" else []
         parts += ["+sp"] if plan.sequence_parallel else []
         parts += ["+dopt"] if plan.distributed_optimizer else []
     parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]

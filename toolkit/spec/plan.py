@@ -16,6 +16,8 @@ Offload = Literal["none", "cpu", "nvme"]
 # Megatron-Core's selective-recompute modules this toolkit models (TransformerConfig.recompute_modules)
 RecomputeModule = Literal["core_attn", "mlp"]
 RECOMPUTE_MODULES = ("core_attn", "mlp")
+# Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused attention and SwiGLU)
+TransformerImpl = Literal["transformer_engine", "local"]
 
 # Bytes of one parameter / activation element stored in each training precision (fp8 keeps bf16 weights and
 # activations; Transformer Engine adds fp8 weight copies, counted in memory.py).
@@ -72,6 +74,7 @@ class Plan(BaseModel):
     recompute_modules: tuple[RecomputeModule, ...] = ()
     # full: Megatron-Core's block method, the first N layers of every model chunk recomputed; None: every layer
     recompute_num_layers: int | None = None
+    transformer_impl: TransformerImpl | None = None  # megatron only; None for deepspeed (HF modules)
     precision: Precision
     attention: Literal["sdpa", "eager"]
     optimizer: Literal["adamw", "adamw8bit", "sgd"]
@@ -106,7 +109,7 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
     """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject."""
     unknown = set(options) - set(DEFAULTS) - {
         "distributed_optimizer", "sequence_parallel", "nvme_path", "recompute_modules", "recompute_num_layers",
-        *SPLIT_OPTIONS
+        "transformer_impl", *SPLIT_OPTIONS
     }
     if unknown:
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
@@ -192,6 +195,7 @@ def resolve_plan(model: ModelSpec, gpus: int, **options) -> Plan:
         recompute=o["recompute"],
         recompute_modules=modules,
         recompute_num_layers=num_layers,
+        transformer_impl=(o.get("transformer_impl") or "transformer_engine") if backend == "megatron" else None,
         precision=o["precision"],
         attention=o["attention"],
         optimizer=o["optimizer"],
@@ -259,7 +263,17 @@ def _check_deepspeed(zero: int, tp: int, pp: int, vpp: int, cp: int, dist_opt: b
         raise UserInputError("--optimizer", "8-bit AdamW (bitsandbytes) is not a ZeRO-partitionable optimizer; use --zero 0")
 
 
+TE_MODULES = ("Transformer Engine layer modules (--transformer-impl, or a recipe's megatron.transformer_impl: "
+              "transformer_engine)")
+
+
 def _check_megatron(zero: int, tp: int, seq_par: bool, o: dict) -> None:
+    if o.get("transformer_impl") not in (None, "transformer_engine", "local"):
+        raise UserInputError("--transformer-impl", f"got {o['transformer_impl']!r}; valid: transformer_engine, local")
+    if o.get("transformer_impl") == "local" and o["precision"] == "fp8":
+        raise UserInputError("--precision", f"fp8 needs {TE_MODULES}")
+    if o.get("transformer_impl") == "local" and o["cp"] > 1:
+        raise UserInputError("--cp", f"context parallelism needs {TE_MODULES}")
     if zero:
         raise UserInputError("--zero", "is a DeepSpeed option; with Megatron use --distributed-optimizer")
     if o["offload_optimizer"] != "none" or o["offload_params"] != "none":

@@ -213,7 +213,7 @@ def recipe_plan(recipe: Recipe, model, **overrides):
     from toolkit.spec.plan import resolve_plan
 
     fixed = dict(seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
-                 gpus_per_node=recipe.cluster.gpus_per_node)
+                 gpus_per_node=recipe.cluster.gpus_per_node, transformer_impl=megatron_layers(recipe))
     overrides = {k: v for k, v in overrides.items() if v is not None}
     section = recipe.plan
     options = {k: v for k, v in section.model_dump(exclude={"auto"}).items() if v is not None and v is not False}
@@ -229,8 +229,15 @@ def recipe_plan(recipe: Recipe, model, **overrides):
         raise UserInputError(_recipe_key(exc.key, overrides), exc.message) from None
 
 
+def megatron_layers(recipe: Recipe) -> str:
+    """Megatron-Core's layer modules for this recipe: its own choice, else `local` on CPU (Transformer Engine needs a
+    GPU) and Transformer Engine's on GPUs."""
+    return recipe.megatron.transformer_impl or ("local" if recipe.cluster.accelerator == "cpu" else "transformer_engine")
+
+
 # the planner's flags whose value comes from these recipe sections (the rest are plan.<name>)
-_FLAG_SECTIONS = {"gpus": "cluster", "gpus_per_node": "cluster", "seq_len": "training", "global_batch": "training"}
+_FLAG_SECTIONS = {"gpus": "cluster", "gpus_per_node": "cluster", "seq_len": "training", "global_batch": "training",
+                  "transformer_impl": "megatron"}
 
 
 def _recipe_key(key: str, overrides: dict) -> str:

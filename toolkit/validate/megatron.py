@@ -158,6 +158,9 @@ def _plan_rules(config: dict) -> list[Problem]:
             distributed_optimizer=config["ddp_config"].get("use_distributed_optimizer", False),
             recompute=tc.get("recompute_granularity") or "none", precision=precision,
             recompute_modules=_modelled_recompute_modules(tc),
+            # an unknown value, or fp8 / CP with the local spec, get the layer-spec rules' own messages below
+            transformer_impl="local" if tc.get("transformer_impl") == "local" and not (
+                tc.get("fp8") or tc.get("context_parallel_size", 1) > 1) else None,
             recompute_num_layers=tc.get("recompute_num_layers") if tc.get("recompute_method") == "block" else None,
             first_stage_layers=tc.get("num_layers_in_first_pipeline_stage"),
             last_stage_layers=tc.get("num_layers_in_last_pipeline_stage"),
