@@ -113,9 +113,12 @@ def search(
         options = [recompute_fixed] if recompute_fixed else _recompute_options(backend)
         for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
+            pointless: set[int] = set()  # options with nothing to choose for this layout
             for micro in micro_batches:
                 fitting = []
                 for index, option in enumerate(options):
+                    if index in pointless:
+                        continue
                     result.considered += 1
                     if fitting and fitting[0].plan.recompute == "none":
                         # recomputation only adds time to a plan that fits without it
@@ -128,6 +131,10 @@ def search(
                         found = _fitting(model, gpus, gpu, micro, option, layout)
                     except UserInputError as exc:
                         result.rejected[f"invalid {exc.key}"] += 1
+                        continue
+                    except _NoChoice:  # one layer per chunk: the block method is plain full recomputation
+                        result.considered -= 1
+                        pointless.add(index)
                         continue
                     if found is None:
                         # activations only grow with the micro-batch: the larger ones cannot fit either
@@ -155,6 +162,10 @@ def _recompute_options(backend: str) -> list[dict]:
             dict(recompute="full", block=True), dict(recompute="full")]
 
 
+class _NoChoice(Exception):
+    """An option with nothing to choose for this layout."""
+
+
 def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, layout: dict):
     """(plan, memory) of one recompute option at one micro-batch if it fits, else None. The block method takes the
     fewest layers per chunk that fit (memory falls and time rises with each one more): a bisection."""
@@ -169,6 +180,8 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
         return attempt()
     plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
     largest_chunk = max(max(sizes) for sizes in PipelineSplit.of(model.num_layers, plan).chunk_sizes())
+    if largest_chunk < 2:
+        raise _NoChoice
     low, high, found = 1, largest_chunk - 1, None  # all layers of every chunk is plain full recompute
     while low <= high:
         middle = (low + high) // 2
