@@ -95,8 +95,13 @@ class StreamingSafetensorsWriter:
 
     def close(self) -> None:
         os.close(self._fd)
-        if self._next != len(self.layout):
+        if not self.complete:
             raise ValueError(f"{self.path}: {len(self.layout) - self._next} tensors were never written")
+
+    @property
+    def complete(self) -> bool:
+        """Every tensor of the layout has been written."""
+        return self._next == len(self.layout)
 
 
 def parse_size(text: str, flag: str = "--max-shard-size") -> int:
@@ -140,7 +145,7 @@ class ShardedSafetensorsWriter:
         self._shard, self._writer = -1, None
 
     def _current(self) -> StreamingSafetensorsWriter:
-        if self._writer is None or self._writer._next == len(self._writer.layout):
+        if self._writer is None or self._writer.complete:
             if self._writer is not None:
                 self._writer.close()
             self._shard += 1

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.spec.plan import DEFAULTS
+from toolkit.spec.plan import DEFAULTS, TRANSFORMER_IMPLS
 
 GiB = 1024**3
 
@@ -42,7 +42,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
                         help="Megatron full recompute, block method: the first N layers of each model chunk "
                              "(default: every layer)")
-    parser.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+    parser.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
                         help="Megatron layer modules: Transformer Engine's fused ones (default) or Megatron-Core's "
                              "own (unfused attention and SwiGLU: more activation memory)")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32", "fp8"], default=d["precision"])

@@ -123,13 +123,9 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     return qk_norm + a * (q + 2 * kv_kept) + probs + out
 
 
-def layer_bytes_per_token(spec: ModelSpec, layer_index: int, setup: ActivationSetup) -> float:
-    """Bytes one transformer block keeps for backward, per token of the micro-batch, on one rank."""
-    return _block_bytes_per_token(spec, spec.is_moe_layer(layer_index), setup)
-
-
 @lru_cache(maxsize=4096)
 def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -> float:
+    """Bytes one transformer block (MoE or dense) keeps for backward, per token of the micro-batch, on one rank."""
     a, h = setup.act_bytes, spec.hidden_size
     megatron = setup.backend == "megatron"
     tp = setup.tp

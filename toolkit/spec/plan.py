@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
@@ -15,9 +15,10 @@ Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Offload = Literal["none", "cpu", "nvme"]
 # Megatron-Core's selective-recompute modules this toolkit models (TransformerConfig.recompute_modules)
 RecomputeModule = Literal["core_attn", "mlp"]
-RECOMPUTE_MODULES = ("core_attn", "mlp")
+RECOMPUTE_MODULES = get_args(RecomputeModule)
 # Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused attention and SwiGLU)
 TransformerImpl = Literal["transformer_engine", "local"]
+TRANSFORMER_IMPLS = get_args(TransformerImpl)
 
 # Bytes of one parameter / activation element stored in each training precision (fp8 keeps bf16 weights and
 # activations; Transformer Engine adds fp8 weight copies, counted in memory.py).
@@ -268,8 +269,8 @@ TE_MODULES = ("Transformer Engine layer modules (--transformer-impl, or a recipe
 
 
 def _check_megatron(zero: int, tp: int, seq_par: bool, o: dict) -> None:
-    if o.get("transformer_impl") not in (None, "transformer_engine", "local"):
-        raise UserInputError("--transformer-impl", f"got {o['transformer_impl']!r}; valid: transformer_engine, local")
+    if o.get("transformer_impl") not in (None, *TRANSFORMER_IMPLS):
+        raise UserInputError("--transformer-impl", f"got {o['transformer_impl']!r}; valid: {', '.join(TRANSFORMER_IMPLS)}")
     if o.get("transformer_impl") == "local" and o["precision"] == "fp8":
         raise UserInputError("--precision", f"fp8 needs {TE_MODULES}")
     if o.get("transformer_impl") == "local" and o["cp"] > 1:

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolkit.errors import UserInputError
-from toolkit.spec.plan import RecomputeModule
+from toolkit.spec.plan import RecomputeModule, TransformerImpl
 
 
 class _Strict(BaseModel):
@@ -132,7 +132,7 @@ class DeepSpeedSection(_Strict):
 class MegatronSection(_Strict):
     """Megatron-Core-only choices that the parallel plan does not model."""
 
-    transformer_impl: Literal["transformer_engine", "local"] | None = Field(
+    transformer_impl: TransformerImpl | None = Field(
         None, description="Layer modules: Transformer Engine's (fused kernels, fp8, context parallelism; the default "
                           "on GPUs) or Megatron-Core's own `local` ones (the default on CPU; GPUs without Transformer "
                           "Engine installed).")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.estimate.params import megatron_padded_vocab
+from toolkit.spec.plan import TRANSFORMER_IMPLS
 from toolkit.validate import Problem
 
 TC = "transformer_config"
@@ -32,7 +33,7 @@ PLAN_KEYS = {
 SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_microbatches", "global_batch_size",
                  "seq_length", "train_iters", "seed")
 MODEL_KEYS = ("family", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size")
-LAYER_SPECS = ("local", "transformer_engine")
+LAYER_SPECS = tuple(sorted(TRANSFORMER_IMPLS))  # the layer specs the toolkit builds
 ACTIVATION_NAMES = ("silu", "gelu", "openai_gelu", "relu", "squared_relu")  # toolkit.generate.megatron.activation_function
 
 
