@@ -136,6 +136,16 @@ def test_search_recomputes_only_where_the_plan_does_not_fit_without_and_lists_ea
     assert result.rejected["slower than the same plan without recomputation"] > 0
 
 
+def test_winner_reason_names_a_tie_and_rejection_counts_are_never_zero():
+    from toolkit.planner.search import why_first_beats_second
+
+    result = _search(backends=("megatron",))
+    assert all(count > 0 for count in result.rejected.values())
+    first = result.ranked[0]
+    assert why_first_beats_second(first, first).startswith("ties with the runner-up")
+    assert "faster than the runner-up: " in why_first_beats_second(first, result.ranked[-1])
+
+
 def test_less_memory_pushes_the_best_plan_to_shard_more():
     roomy = _search(gpu=get_gpu("h100-80gb")).ranked[0]
     tight = _search(gpu=get_gpu("rtx-4090")).ranked[0]

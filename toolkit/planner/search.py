@@ -145,7 +145,8 @@ def search(
                 if fitting:  # of the same layout and micro-batch, only the recomputation that is fastest
                     fitting.sort(key=lambda c: c.time.total_s)
                     result.ranked.append(fitting[0])
-                    result.rejected["slower than the same plan with other recomputation"] += len(fitting) - 1
+                    if len(fitting) > 1:
+                        result.rejected["slower than the same plan with other recomputation"] += len(fitting) - 1
     result.ranked.sort(key=lambda c: c.time.total_s)
     return result
 
@@ -211,4 +212,6 @@ def why_first_beats_second(first: Candidate, second: Candidate) -> str:
     gain = (b["total_s"] - a["total_s"]) / b["total_s"] * 100
     named = [f"{saved:.3g} s less {k[:-2].replace('_', ' ')}" for saved, k in savings[:2] if saved > 0]
     costs = [f"{-saved:.3g} s more {k[:-2].replace('_', ' ')}" for saved, k in savings[-1:] if saved < 0]
+    if not named and not costs:
+        return "ties with the runner-up (the same predicted step, component by component); listed first by search order"
     return f"{gain:.1f}% faster than the runner-up: " + ", ".join(named + costs)
