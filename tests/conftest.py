@@ -52,7 +52,7 @@ def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def _remove_segments_since(start: float) -> None:
-    from toolkit.backends.ds_shm import segments
+    from toolkit.runtime.ds_shm import segments
 
     for path in segments():
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` importable from the repo checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
 from toolkit.errors import UserInputError  # noqa: E402
 
 
@@ -22,12 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (overrides the recipe)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
                         help="resume from the latest verified checkpoint of --output-dir (auto: if there is one), or PATH")
-    parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None)
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes of this launch, overriding cluster.gpus (e.g. resuming at another world size)")
-    for flag in ("tp", "pp", "vpp", "cp", "ep", "zero", "micro-batch"):
-        parser.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's plan")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_plan_flags(parser, overriding="the recipe's plan")
     return parser
 
 
@@ -44,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
 
     for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
         if value is not None and value < 1:
@@ -57,9 +57,7 @@ def _run(args: argparse.Namespace) -> int:
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     model = recipe_model(recipe)
-    overrides = dict(backend=args.backend, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
-                     zero=args.zero, micro_batch=args.micro_batch)
-    plan = recipe_plan(recipe, model, **overrides)
+    plan = recipe_plan(recipe, model, **plan_overrides(args))
     output_dir = args.output_dir or Path("runs") / recipe.name
     if plan.backend == "megatron":  # issue 5: Megatron-Core backend (toolkit/backends/megatron_core.py)
         if args.deepspeed:

@@ -13,10 +13,10 @@ def logits_at(recipe, model, tp: int, checkpoint: Path | None, tokens):
     import torch
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from toolkit.backends.megatron_build import build, unwrapped
+    from toolkit.runtime.megatron_build import build, unwrapped
     from toolkit.backends.megatron_checkpoint import load_checkpoint
     from toolkit.backends.megatron_core import megatron_yaml_for
-    from toolkit.spec.recipe import recipe_plan
+    from toolkit.planner.recipe import recipe_plan
 
     plan = recipe_plan(recipe, model, tp=tp)
     config = megatron_yaml_for(recipe, model, plan)
@@ -40,8 +40,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from toolkit.backends.cpu_compat import cuda_on_cpu
-    from toolkit.backends.megatron_build import destroy, init_distributed
+    from toolkit.runtime.cpu_compat import cuda_on_cpu
+    from toolkit.runtime.megatron_build import destroy, init_distributed
     from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(args.recipe)

@@ -25,10 +25,10 @@ def run_plan(recipe, model, overrides: dict, tokens, weights):
     """(saved bytes, {name: grad}, the megatron.yaml transformer_config, weights) of one forward + backward."""
     import torch
 
-    from toolkit.backends.megatron_build import build, destroy, unwrapped
+    from toolkit.runtime.megatron_build import build, destroy, unwrapped
     from toolkit.backends.megatron_core import megatron_yaml_for
     from toolkit.estimate.measure import saved_activation_bytes
-    from toolkit.spec.recipe import recipe_plan
+    from toolkit.planner.recipe import recipe_plan
 
     plan = recipe_plan(recipe, model, **overrides)
     config = megatron_yaml_for(recipe, model, plan)
@@ -74,8 +74,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from toolkit.backends.cpu_compat import cuda_on_cpu
-    from toolkit.backends.megatron_build import init_distributed
+    from toolkit.runtime.cpu_compat import cuda_on_cpu
+    from toolkit.runtime.megatron_build import init_distributed
     from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(args.recipe)

@@ -30,7 +30,7 @@ def megatron_logits(hf_config: dict, hf_state: dict, tokens):
     """Logits of Megatron-Core's GPTModel (TP=1, local spec) holding the HF weights, mapped by the tables."""
     import torch
 
-    from toolkit.backends.megatron_build import build_model_chunks, initialize_parallel, transformer_config
+    from toolkit.runtime.megatron_build import build_model_chunks, initialize_parallel, transformer_config
     from toolkit.mappings import megatron_fields, to_megatron_state_dict
 
     sections = megatron_fields(hf_config)
@@ -61,8 +61,8 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.backends.cpu_compat import cuda_on_cpu
-    from toolkit.backends.megatron_build import destroy, init_distributed
+    from toolkit.runtime.cpu_compat import cuda_on_cpu
+    from toolkit.runtime.megatron_build import destroy, init_distributed
 
     init_distributed()
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,8 @@ def test_recomputation_gives_the_gradients_of_none(results):
 
 def _predicted(overrides: dict) -> int:
     from toolkit.estimate.memory import estimate_memory
-    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(TINY_MEGATRON)
     model = recipe_model(recipe)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_helpers import TINY_MEGATRON
-from toolkit.backends.metrics import read_metrics
+from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 

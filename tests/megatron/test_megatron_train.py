@@ -5,7 +5,7 @@ dist checkpoints; a resume reproduces the uninterrupted run, also at another TP/
 import pytest
 
 from megatron_helpers import SAVE_AT, STEPS, TINY_MEGATRON
-from toolkit.backends.metrics import read_metrics
+from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, TINY
-from toolkit.backends.metrics import read_metrics
+from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.cli.main import main
 

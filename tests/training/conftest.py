@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from helpers import ROOT, TINY, Launch, free_port
-from toolkit.backends.ds_shm import segments
+from toolkit.runtime.ds_shm import segments
 
 BIN = Path(sys.executable).parent
 TRAIN = ROOT / "toolkit" / "train.py"

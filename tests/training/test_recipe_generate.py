@@ -228,10 +228,10 @@ def test_pre_training_from_a_hub_id_reads_its_config_from_the_hub_cache(tmp_path
     path = tmp_path / "hub.yaml"
     path.write_text(yaml.safe_dump(recipe))
     script = ("import sys; from toolkit.spec.recipe import load_recipe, recipe_model; "
-              "from toolkit.backends.hf_trainer import _hf_config; from toolkit.errors import UserInputError\n"
-              "r = load_recipe(sys.argv[1]); c = _hf_config(r, recipe_model(r)); print(c['model_type'], c['hidden_size'])\n"
+              "from toolkit.spec.recipe import recipe_hf_config; from toolkit.errors import UserInputError\n"
+              "r = load_recipe(sys.argv[1]); c = recipe_hf_config(r); print(c['model_type'], c['hidden_size'])\n"
               "r = r.model_copy(update={'model': r.model.model_copy(update={'source': 'acme/absent'})})\n"
-              "try:\n    _hf_config(r, None)\nexcept UserInputError as exc:\n    print(exc.key)\n")
+              "try:\n    recipe_hf_config(r)\nexcept UserInputError as exc:\n    print(exc.key)\n")
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env,
                             cwd=ROOT, timeout=120)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from helpers import ROOT, TINY
-from toolkit.backends.metrics import read_metrics
+from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 

@@ -7,11 +7,11 @@ import logging
 import os
 from pathlib import Path
 
-from toolkit.backends.metrics import MetricsWriter, configure_wandb
+from toolkit.runtime.metrics import MetricsWriter, configure_wandb
 from toolkit.errors import UserInputError
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe
+from toolkit.spec.recipe import Recipe, recipe_hf_config
 
 log = logging.getLogger(__name__)
 SAVE_AND_EXIT = "SAVE_AND_EXIT"
@@ -110,7 +110,7 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
                fingerprints: BatchFingerprints):
     from transformers import TrainerCallback
 
-    from toolkit.checkpoint.manifest import point_latest, write_manifest
+    from toolkit.checkpoint.manifest import DEEPSPEED_FORMAT, point_latest, write_manifest
 
     metrics = MetricsWriter(output_dir, tokens_per_step)
 
@@ -148,7 +148,7 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
                 dist.barrier()  # every rank's files are on disk before they are hashed
             if state.is_world_process_zero:
                 layout = {k: getattr(plan, k) for k in ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "global_batch")}
-                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout, fmt="hf-trainer+deepspeed",
+                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout, fmt=DEEPSPEED_FORMAT,
                                extra={"run": identity})
                 point_latest(output_dir, ckpt)
             if dist.is_initialized():
@@ -190,7 +190,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
     deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
     if recipe.cluster.accelerator == "cpu":
-        from toolkit.backends.ds_shm import release_at_exit
+        from toolkit.runtime.ds_shm import release_at_exit
 
         release_at_exit()
     if resharded:
@@ -214,7 +214,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     if recipe.model.pretrained:
         model = AutoModelForCausalLM.from_pretrained(recipe.locate(recipe.model.pretrained), dtype=torch.float32)
     else:
-        config = AutoConfig.for_model(**_hf_config(recipe, model_spec))
+        config = AutoConfig.for_model(**recipe_hf_config(recipe))
         if config.vocab_size < len(tokenizer):
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
@@ -274,25 +274,3 @@ def check_resume_compatible(checkpoint: Path, identity: dict) -> None:
     if changed:
         raise UserInputError("--resume", f"{checkpoint.name} belongs to a different run ({'; '.join(changed)})")
 
-
-def _hf_config(recipe: Recipe, model_spec: ModelSpec) -> dict:
-    """The HF config dict to instantiate: the recipe's inline config, or the config file behind model.source."""
-    if recipe.model.config is not None:
-        return dict(recipe.model.config)
-    from toolkit.spec.model import PRESET_DIR
-
-    source = recipe.model.source
-    for candidate in (recipe.path(source), recipe.path(source) / "config.json", PRESET_DIR / f"{source}.json"):
-        if candidate.is_file():
-            data = json.loads(candidate.read_text())
-            return {k: v for k, v in data.items() if not k.startswith("_dmt")}
-    if "/" in source and not recipe.path(source).exists():  # a hub id: its config.json (the local cache offline)
-        from transformers import AutoConfig
-
-        try:
-            return AutoConfig.from_pretrained(source).to_dict()
-        except (OSError, ValueError) as exc:
-            raise UserInputError("model.source", f"could not load the hub config of '{source}': "
-                                                 f"{str(exc).splitlines()[0]}") from None
-    raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file, directory or "
-                                         f"hub id)")

@@ -11,11 +11,11 @@ import contextlib
 import logging
 from pathlib import Path
 
-from toolkit.backends.megatron_build import MegatronSetup, unwrapped
+from toolkit.checkpoint.manifest import MEGATRON_FORMAT
 from toolkit.errors import UserInputError
+from toolkit.runtime.megatron_build import MegatronSetup, unwrapped
 
 log = logging.getLogger(__name__)
-FORMAT = "megatron-core-dist"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp", "ep", "distributed_optimizer", "micro_batch", "grad_accum",
                "global_batch")
@@ -81,7 +81,7 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     if dist.get_rank() == 0:
         if hf_config is not None:
             (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan), fmt=FORMAT,
+        write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan), fmt=MEGATRON_FORMAT,
                        extra={"run": identity})
         point_latest(output_dir, ckpt)
     dist.barrier()
@@ -139,8 +139,8 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
     manifest = read_manifest(ckpt)
     if manifest is None:
         raise UserInputError("--resume", f"{ckpt} has no manifest: it was not completely saved by the toolkit")
-    if manifest.get("format") != FORMAT:
-        raise UserInputError("--resume", f"{ckpt} is a {manifest.get('format')} checkpoint, not {FORMAT}")
+    if manifest.get("format") != MEGATRON_FORMAT:
+        raise UserInputError("--resume", f"{ckpt} is a {manifest.get('format')} checkpoint, not {MEGATRON_FORMAT}")
     saved_layout = manifest.get("layout", {})
     if saved_layout.get("distributed_optimizer") != plan.distributed_optimizer:
         raise UserInputError("--resume", f"{ckpt.name} was saved with distributed_optimizer="

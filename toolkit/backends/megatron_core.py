@@ -7,7 +7,6 @@ Without a GPU every Megatron-Core call runs inside `cpu_compat.cuda_on_cpu()`; w
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -16,15 +15,9 @@ from pathlib import Path
 from toolkit.errors import UserInputError
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe
+from toolkit.spec.recipe import Recipe, recipe_hf_config
 
 log = logging.getLogger(__name__)
-
-
-def _hf_config_of(recipe: Recipe, model: ModelSpec) -> dict:
-    from toolkit.backends.hf_trainer import _hf_config
-
-    return _hf_config(recipe, model)
 
 
 def megatron_yaml_for(recipe: Recipe, model: ModelSpec, plan: Plan) -> dict:
@@ -32,22 +25,11 @@ def megatron_yaml_for(recipe: Recipe, model: ModelSpec, plan: Plan) -> dict:
     from toolkit.generate.megatron import megatron_config
     from toolkit.validate.megatron import validate_megatron_config
 
-    config = megatron_config(recipe, model, plan, _hf_config_of(recipe, model))
+    config = megatron_config(recipe, model, plan, recipe_hf_config(recipe))
     problems = validate_megatron_config(config, plan.gpus)
     if problems:  # the plan passed resolve_plan, so this is a rule only Megatron-Core knows
         raise UserInputError(f"megatron.yaml: {problems[0].key}", problems[0].message)
     return config
-
-
-def device_context():
-    """Where Megatron-Core runs: as is on a GPU, inside the CPU compatibility layer without one."""
-    import torch
-
-    if torch.cuda.is_available():
-        return contextlib.nullcontext()
-    from toolkit.backends.cpu_compat import cuda_on_cpu
-
-    return cuda_on_cpu()
 
 
 def _tokenised_data(recipe: Recipe, output_dir: Path, seq_len: int):
@@ -164,7 +146,7 @@ def _save_and_exit_requested(output_dir: Path) -> bool:
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None) -> dict:
     """Run training on this rank; returns a summary (steps, last loss)."""
     from toolkit.backends.hf_trainer import resume_checkpoint, run_identity
-    from toolkit.backends.megatron_build import init_distributed
+    from toolkit.runtime.megatron_build import device_context, init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.gpus:
@@ -179,7 +161,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
         if len(tokenizer) > config["model"]["vocab_size"]:
             raise UserInputError("model.config.vocab_size", f"{config['model']['vocab_size']} < tokenizer size "
                                                              f"{len(tokenizer)}")
-        hf_config = _hf_config_of(recipe, model_spec)
+        hf_config = recipe_hf_config(recipe)
         return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config)
 
 
@@ -188,9 +170,9 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from toolkit.backends.megatron_build import build, destroy
+    from toolkit.runtime.megatron_build import build, destroy
     from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
-    from toolkit.backends.metrics import MetricsWriter
+    from toolkit.runtime.metrics import MetricsWriter
 
     setup = build(config)
     step = load_checkpoint(setup, resume_path, plan) if resume_path else 0

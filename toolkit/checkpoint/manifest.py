@@ -14,6 +14,9 @@ from importlib import metadata
 from pathlib import Path
 
 MANIFEST = "dmt_manifest.json"
+# The manifest's `format` of each kind of checkpoint the toolkit writes
+DEEPSPEED_FORMAT = "hf-trainer+deepspeed"  # HF Trainer's checkpoint-N with DeepSpeed's global_stepN inside
+MEGATRON_FORMAT = "megatron-core-dist"  # Megatron-Core dist_checkpointing (torch_dist)
 LATEST = "latest"
 LIBRARIES = ("dm-toolkit", "torch", "deepspeed", "megatron-core", "transformers", "accelerate")
 CHUNK = 8 * 2**20

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from toolkit.backends.megatron_checkpoint import FORMAT
 from toolkit.checkpoint.atomic import atomic_directory
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes, write_dist_checkpoint
 from toolkit.errors import UserInputError
@@ -99,8 +98,8 @@ def megatron_model(config: dict, device: str | None = None):
     under `torch.device(device)` when given ("meta": shapes only)."""
     import torch
 
-    from toolkit.backends.megatron_build import build_model_chunks, destroy, initialize_parallel, transformer_config
-    from toolkit.backends.megatron_core import device_context
+    from toolkit.runtime.megatron_build import (build_model_chunks, destroy, device_context, initialize_parallel,
+                                                transformer_config)
 
     with device_context():
         initialize_parallel(config)
@@ -188,7 +187,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     import torch
     from tqdm import tqdm
 
-    from toolkit.checkpoint.manifest import write_manifest
+    from toolkit.checkpoint.manifest import MEGATRON_FORMAT, write_manifest
     from toolkit.mappings import Rename, hf_names, megatron_tensor, weight_table
 
     padded = megatron_model_config(hf_config, tp=tp)["gpt_model"]["vocab_size"]  # written whole (TP=1), padded for --tp
@@ -226,7 +225,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
             if (hf_dir / side).is_file():
                 shutil.copyfile(hf_dir / side, tmp / side)
         layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "padded_vocab": padded}
-        write_manifest(tmp, step=0, world_size=1, layout=layout, fmt=FORMAT,
+        write_manifest(tmp, step=0, world_size=1, layout=layout, fmt=MEGATRON_FORMAT,
                        extra={"converted_from": str(hf_dir.resolve())})
     log.info("wrote %s (%d tensors, %d parameters)", out_dir, len(by_name), parameters)
     return MegatronConversion(out_dir, len(by_name), parameters, layout, padded)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network, plan_options
+from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network
+from toolkit.cli.options import plan_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def estimate_report(args: argparse.Namespace) -> dict:
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
     model = load_model_spec(args.model)
-    plan = resolve_plan(model, args.gpus, **plan_options(args))
+    plan = resolve_plan(model, args.gpus, **plan_overrides(args))
     return plan_record(model, plan, estimate_memory(model, plan), step_time(model, plan, gpu, network), gpu)
 
 

@@ -6,28 +6,20 @@ import argparse
 import json
 from pathlib import Path
 
-# plan overrides shared with toolkit/train.py, so launch.sh can hand the same ones to the training processes
-OVERRIDE_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "zero", "micro-batch")
+from toolkit.cli.options import add_plan_flags, plan_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=Path, metavar="RECIPE")
     parser.add_argument("--out", type=Path, required=True, help="directory for the generated files")
-    parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None, help="override the recipe's plan")
-    for flag in OVERRIDE_FLAGS:
-        parser.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's plan")
     parser.add_argument("--json", action="store_true", help="print the written files and the plan as JSON")
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict:
-    names = ["backend", *(flag.replace("-", "_") for flag in OVERRIDE_FLAGS)]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    add_plan_flags(parser, overriding="the recipe's plan")
 
 
 def run(args: argparse.Namespace) -> int:
     from toolkit.generate.files import generate
 
-    written = generate(args.recipe, args.out, **overrides_from_args(args))
+    written = generate(args.recipe, args.out, **plan_overrides(args))
     record = json.loads((args.out / "plan.json").read_text())
     if args.json:
         print(json.dumps({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"]}, indent=2))

@@ -6,19 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from toolkit.cli.common import GiB, add_network_arguments
+from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
 from toolkit.errors import UserInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="preset, HF config.json or directory, hub id, or toolkit spec")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--gpu", default="h100-80gb", help="GPU from the catalogue (default %(default)s)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    parser.add_argument("--backend", choices=["deepspeed", "megatron", "both"], default="both")
-    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16")
+    add_plan_arguments(parser, required=("seq_len", "global_batch"))  # any other plan option given is pinned
     parser.add_argument("--top", type=int, default=10, help="plans to show (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of the ranked plans")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
@@ -27,20 +20,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from toolkit.cli.common import build_network
+    from toolkit.cli.options import plan_overrides
     from toolkit.estimate.memory import estimate_memory
-    from toolkit.estimate.timing import step_time
     from toolkit.planner.report import plan_record
     from toolkit.planner.search import search, why_first_beats_second
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
-    from toolkit.cli.common import build_network
+    from toolkit.spec.options import BACKENDS, PlanOptions
+    from toolkit.spec.plan import resolve_plan, validated
 
     if args.top < 1:
         raise UserInputError("--top", f"must be at least 1, got {args.top}")
-    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--seq-len", args.seq_len),
-                        ("--global-batch", args.global_batch)):
-        if value < 1:  # checked here: the search would otherwise reject every candidate and print an empty table
-            raise UserInputError(flag, f"must be a positive integer, got {value}")
+    pinned = plan_overrides(args)
+    if args.gpus < 1:  # checked here: the search would otherwise reject every candidate and print an empty table
+        raise UserInputError("--gpus", f"must be a positive integer, got {args.gpus}")
+    validated(PlanOptions, pinned)  # the same one-line message for a bad pinned value
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise UserInputError("--plot", f"expects a .png file name, got {args.plot}")
     if args.plot is not None and not args.plot.resolve().parent.is_dir():
@@ -48,14 +43,12 @@ def run(args: argparse.Namespace) -> int:
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
     model = load_model_spec(args.model)
-    backends = ("deepspeed", "megatron") if args.backend == "both" else (args.backend,)
-    result = search(model, args.gpus, gpu, network, backends, seq_len=args.seq_len, global_batch=args.global_batch,
-                    gpus_per_node=args.gpus_per_node, precision=args.precision)
+    backends = (pinned.pop("backend"),) if "backend" in pinned else BACKENDS
+    result = search(model, args.gpus, gpu, network, backends, **pinned)
     top = result.ranked[: args.top]
     records = [plan_record(model, c.plan, c.memory, c.time, gpu) for c in top]
     if args.plot is not None:
         from toolkit.planner.plot import write_memory_plot
-        from toolkit.spec.plan import resolve_plan
 
         zero_plans = []
         for stage in range(4):

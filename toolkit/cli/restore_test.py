@@ -7,14 +7,13 @@ import json
 import tempfile
 from pathlib import Path
 
+from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", type=Path, required=True)
-    parser.add_argument("--backend", choices=["deepspeed", "megatron"], default=None,
-                        help="default: the recipe's plan.backend")
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
     parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
     parser.add_argument("--resume-world-size", type=int, default=None,
@@ -27,20 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"--resume-world-size, where the reduction order changes)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the three runs go (default: a new temp dir)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
-    for flag in ("zero", "tp", "pp", "micro-batch"):
-        parser.add_argument(f"--{flag}", type=int, default=None, help="override the recipe's plan in every run")
     parser.add_argument("--json", action="store_true")
+    add_plan_flags(parser, overriding="the recipe's plan in every run")
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.restore_test import restore_test
+    from toolkit.checkpoint.restore import restore_test
     from toolkit.errors import UserInputError
     from toolkit.spec.recipe import load_recipe
 
     if args.resume_world_size is not None and args.resume_world_size < 1:
         raise UserInputError("--resume-world-size", f"must be positive, got {args.resume_world_size}")
     recipe = load_recipe(args.recipe)
-    backend = args.backend or recipe.plan.backend
+    overrides = plan_overrides(args)
+    backend = overrides.get("backend") or recipe.plan.backend
     if backend == "megatron":
         if args.zero is not None:
             raise UserInputError("--zero", "is a DeepSpeed option; the megatron backend shards with --tp/--pp")
@@ -48,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or recipe.training.max_steps
     save_at = args.save_at or steps // 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
-    overrides = {"--backend": backend, "--zero": args.zero, "--tp": args.tp, "--pp": args.pp, "--micro-batch": args.micro_batch}
-    train_args = tuple(part for flag, value in overrides.items() if value is not None for part in (flag, str(value)))
+    train_args = tuple(option_argv({"backend": backend, **overrides}))
     resharded = args.resume_world_size not in (None, recipe.cluster.gpus)
     tolerance = args.tolerance if args.tolerance is not None else RESHARDED_TOLERANCE if resharded else 0.0
     result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,

@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def render_from_args(args: argparse.Namespace) -> str:
-    from toolkit.slurm.render import render_sbatch
-    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+    from toolkit.generate.slurm import render_sbatch
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(args.recipe)
     plan = recipe_plan(recipe, recipe_model(recipe))
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
-    from toolkit.slurm.render import slurm_log_dir
+    from toolkit.generate.slurm import slurm_log_dir
     from toolkit.spec.recipe import load_recipe
 
     slurm_log_dir(load_recipe(args.recipe), args.output_dir).mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from toolkit.estimate.activations import ActivationSetup, stage_activation_bytes
-from toolkit.estimate.pipeline import PipelineSplit, peak_forwards
 from toolkit.estimate.params import ParamCounts, count_params, megatron_padded_vocab
+from toolkit.estimate.pipeline import peak_forwards
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
 GiB = 1024**3

@@ -49,7 +49,8 @@ EXAMPLES = {
 
 def example_context(example: Example):
     """(recipe, plan) of one example: the recipe with its overrides, resolved like `dmt generate` does."""
-    from toolkit.spec.recipe import DeepSpeedSection, load_recipe, recipe_model, recipe_plan
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import DeepSpeedSection, load_recipe, recipe_model
 
     recipe = load_recipe(example.recipe)
     recipe = recipe.model_copy(update={"plan": recipe.plan.model_copy(update={"auto": False}),

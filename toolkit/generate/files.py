@@ -18,7 +18,8 @@ import yaml
 
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe, load_recipe, recipe_model, recipe_plan
+from toolkit.planner.recipe import recipe_plan
+from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def _launch(ctx: GenerationContext) -> str:
 
 def _slurm(ctx: GenerationContext) -> str:
     from toolkit.generate.launch import plan_flags
-    from toolkit.slurm.render import render_sbatch
+    from toolkit.generate.slurm import render_sbatch
 
     deepspeed_json = str(ctx.out_dir / "deepspeed.json") if ctx.plan.backend == "deepspeed" else None
     return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, deepspeed_json=deepspeed_json,
@@ -82,10 +83,10 @@ def _plan(ctx: GenerationContext) -> str:
 
 
 def _megatron_config(ctx: GenerationContext) -> dict:  # issue 5: megatron.yaml / megatron_args.txt writers
-    from toolkit.backends.hf_trainer import _hf_config
+    from toolkit.spec.recipe import recipe_hf_config
     from toolkit.generate.megatron import megatron_config
 
-    return megatron_config(ctx.recipe, ctx.model, ctx.plan, _hf_config(ctx.recipe, ctx.model))
+    return megatron_config(ctx.recipe, ctx.model, ctx.plan, recipe_hf_config(ctx.recipe))
 
 
 def _megatron_yaml(ctx: GenerationContext) -> str:

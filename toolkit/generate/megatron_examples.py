@@ -51,15 +51,16 @@ EXAMPLES = {
 
 def example_config(example: MegatronExample) -> tuple[str, dict]:
     """(recipe name, megatron.yaml dict) of one example: the recipe with its overrides, resolved like `dmt generate`."""
-    from toolkit.backends.hf_trainer import _hf_config
+    from toolkit.spec.recipe import recipe_hf_config
     from toolkit.generate.megatron import megatron_config
-    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(RECIPES / example.recipe)
     recipe = recipe.model_copy(update={"plan": recipe.plan.model_copy(update={"auto": False})})
     model = recipe_model(recipe)
     plan = recipe_plan(recipe, model, **example.overrides)
-    return recipe.name, megatron_config(recipe, model, plan, _hf_config(recipe, model))
+    return recipe.name, megatron_config(recipe, model, plan, recipe_hf_config(recipe))
 
 
 def render_examples() -> dict[str, str]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
-from toolkit.estimate.pipeline import PipelineSplit
+from toolkit.spec.pipeline import PipelineSplit
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec

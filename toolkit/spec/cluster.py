@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from toolkit.errors import UserInputError
 
 CATALOGUE = Path(__file__).resolve().parent.parent / "presets" / "gpus.yaml"
+DEFAULT_GPU = "h100-80gb"
 
 
 class GPU(BaseModel):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, create_model, field_validator, \
+    model_validator
 
 from toolkit.errors import UserInputError
-from toolkit.spec.plan import RecomputeModule, TransformerImpl
+from toolkit.spec.cluster import DEFAULT_GPU
+from toolkit.spec.options import PlanOptions, default, default_text, option_name, recipe_key
 
 
 class _Strict(BaseModel):
@@ -49,8 +52,8 @@ class DataSection(_Strict):
 
 class ClusterSection(_Strict):
     gpus: int = Field(gt=0, description="Total GPUs (CPU processes on a machine without GPUs).")
-    gpus_per_node: int = Field(8, gt=0, description="GPUs (processes) per node.")
-    gpu: str = Field("h100-80gb", description="GPU from the catalogue, for the memory estimate and the planner.")
+    gpus_per_node: int = Field(default("gpus_per_node"), gt=0, description="GPUs (processes) per node.")
+    gpu: str = Field(DEFAULT_GPU, description="GPU from the catalogue, for the memory estimate and the planner.")
     nodes: int | None = Field(None, gt=0, description="Defaults to gpus / gpus_per_node, at least 1.")
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
 
@@ -81,41 +84,22 @@ class TrainingSection(_Strict):
         ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")
 
 
-class PlanSection(_Strict):
-    """Options of toolkit.spec.plan.resolve_plan; seq_len and global_batch come from `training`.
+def _plan_section() -> type[BaseModel]:
+    """The recipe's `plan:` section, derived from PlanOptions: every option a recipe keeps under `plan:`, unset (None)
+    by default, so the planner (`auto: true`) or the option's own default fills it."""
+    fields: dict = {"auto": (StrictBool, Field(False, description="Let the planner choose every option left unset."))}
+    for name, info in PlanOptions.model_fields.items():
+        if recipe_key(name) == f"plan.{name}":
+            annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+            fields[name] = (annotation | None, Field(None, description=f"{info.description} (default: "
+                                                                      f"{default_text(name)})"))
+    return create_model("PlanSection", __base__=_Strict, __doc__=(
+        "Options of the parallel plan (toolkit.spec.options.PlanOptions); seq_len and global_batch come from "
+        "`training`, gpus_per_node from `cluster`. With `auto: true` the planner picks every option left unset "
+        "(`plan: auto` is short for `{auto: true}` over every backend)."), **fields)
 
-    With `auto: true` the planner picks every option left unset (`plan: auto` is short for `{auto: true}` over
-    both backends)."""
 
-    auto: bool = Field(False, description="Let the planner choose every option left unset.")
-    backend: Literal["deepspeed", "megatron"] | None = Field(None, description="Training library.")
-    tp: int | None = Field(None, gt=0, description="Tensor-parallel size.")
-    pp: int | None = Field(None, gt=0, description="Pipeline-parallel stages.")
-    vpp: int | None = Field(None, gt=0, description="Virtual pipeline stages per rank (Megatron interleaving).")
-    cp: int | None = Field(None, gt=0, description="Context-parallel size.")
-    ep: int | None = Field(None, gt=0, description="Expert-parallel size (MoE models).")
-    zero: int | None = Field(None, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (with tp > 1).")
-    distributed_optimizer: bool = Field(False, description="Megatron distributed optimizer.")
-    micro_batch: int | None = Field(None, gt=0, description="Sequences per GPU per forward pass.")
-    recompute: Literal["none", "selective", "full"] | None = Field(None, description="Activation recomputation.")
-    recompute_modules: list[RecomputeModule] | None = Field(
-        None, description="Megatron-Core selective recompute: the modules recomputed (default [core_attn]).")
-    recompute_num_layers: int | None = Field(
-        None, gt=0, description="Megatron-Core full recompute with the block method: the first N layers of every "
-                                "model chunk (default: every layer).")
-    precision: Literal["bf16", "fp16", "fp32", "fp8"] | None = Field(None, description="Training precision.")
-    attention: Literal["sdpa", "eager"] | None = Field(None, description="Attention implementation.")
-    optimizer: Literal["adamw", "adamw8bit", "sgd"] | None = Field(None, description="Optimizer.")
-    offload_optimizer: Literal["none", "cpu", "nvme"] | None = Field(None, description="ZeRO optimizer-state offload.")
-    offload_params: Literal["none", "cpu", "nvme"] | None = Field(None, description="ZeRO-3 parameter offload.")
-    nvme_path: str | None = Field(None, description="Local NVMe directory for nvme offload.")
-    first_stage_layers: int | None = Field(None, gt=0, description="Layers of the first pipeline stage (uneven split).")
-    last_stage_layers: int | None = Field(None, gt=0, description="Layers of the last pipeline stage (uneven split).")
-    account_for_embedding_in_pipeline_split: bool = Field(
-        False, description="Megatron-Core: the embedding counts as one layer of the first pipeline stage.")
-    account_for_loss_in_pipeline_split: bool = Field(
-        False, description="Megatron-Core: the output layer and loss count as one layer of the last pipeline stage.")
+PlanSection = _plan_section()
 
 
 class DeepSpeedSection(_Strict):
@@ -129,15 +113,6 @@ class DeepSpeedSection(_Strict):
                                                  "the explicit numbers.")
 
 
-class MegatronSection(_Strict):
-    """Megatron-Core-only choices that the parallel plan does not model."""
-
-    transformer_impl: TransformerImpl | None = Field(
-        None, description="Layer modules: Transformer Engine's (fused kernels, fp8, context parallelism; the default "
-                          "on GPUs) or Megatron-Core's own `local` ones (the default on CPU; GPUs without Transformer "
-                          "Engine installed).")
-
-
 class Recipe(_Strict):
     name: str = Field(description="Run name (output directory, wandb run name).")
     model: ModelSection = Field(description="What to train.")
@@ -146,7 +121,6 @@ class Recipe(_Strict):
     training: TrainingSection = Field(description="Hyper-parameters, schedule, logging and checkpointing.")
     plan: PlanSection = Field(PlanSection(), description="Parallel plan options, or `auto` for the planner's choice.")
     deepspeed: DeepSpeedSection = Field(DeepSpeedSection(), description="DeepSpeed-only options.")
-    megatron: MegatronSection = Field(MegatronSection(), description="Megatron-Core-only options.")
     base_dir: str = Field(".", description="Set by the loader: the recipe's directory, for relative paths.")
 
     @field_validator("plan", mode="before")
@@ -175,6 +149,8 @@ def _fix_hint(err: dict) -> str:
                 return "unknown key; remove it"
             section = annotation
         return f"unknown key; valid keys here: {', '.join(section.model_fields)}"
+    if err["type"] == "literal_error":
+        return f"got {err['input']!r}; valid: {err['ctx']['expected']}"
     return err["msg"]
 
 
@@ -208,44 +184,41 @@ def recipe_model(recipe: Recipe):
     return load_model_spec(recipe.locate(recipe.model.source))
 
 
-def recipe_plan(recipe: Recipe, model, **overrides):
-    """The resolved Plan: the recipe's explicit plan (with command-line overrides), or the planner's choice."""
-    from toolkit.spec.plan import resolve_plan
-
-    fixed = dict(seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
-                 gpus_per_node=recipe.cluster.gpus_per_node, transformer_impl=megatron_layers(recipe))
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    section = recipe.plan
-    options = {k: v for k, v in section.model_dump(exclude={"auto"}).items() if v is not None and v is not False}
-    options.update(overrides)
-    try:
-        if section.auto:
-            from toolkit.planner.search import best_plan
-            from toolkit.spec.cluster import get_gpu
-
-            return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **fixed, **options)
-        return resolve_plan(model, recipe.cluster.gpus, **fixed, **options)
-    except UserInputError as exc:
-        raise UserInputError(_recipe_key(exc.key, overrides), exc.message) from None
-
-
-def megatron_layers(recipe: Recipe) -> str:
+def megatron_layers(recipe: Recipe) -> str | None:
     """Megatron-Core's layer modules for this recipe: its own choice, else `local` on CPU (Transformer Engine needs a
-    GPU) and Transformer Engine's on GPUs."""
-    return recipe.megatron.transformer_impl or ("local" if recipe.cluster.accelerator == "cpu" else "transformer_engine")
+    GPU); None lets the plan take its default (Transformer Engine's)."""
+    return recipe.plan.transformer_impl or ("local" if recipe.cluster.accelerator == "cpu" else None)
 
 
-# the planner's flags whose value comes from these recipe sections (the rest are plan.<name>)
-_FLAG_SECTIONS = {"gpus": "cluster", "gpus_per_node": "cluster", "seq_len": "training", "global_batch": "training",
-                  "transformer_impl": "megatron"}
-
-
-def _recipe_key(key: str, overrides: dict) -> str:
-    """The planner names the flag at fault (--zero); a value that came from the recipe is named by its recipe key
-    (plan.zero), one given on the command line keeps its flag."""
-    name = key[2:].replace("-", "_") if key.startswith("--") else None
+def recipe_error(exc: UserInputError, overrides: dict) -> UserInputError:
+    """The plan names the flag at fault (--zero); a value that came from the recipe is named by its recipe key
+    (plan.zero, training.seq_len, cluster.gpus), one given on the command line keeps its flag."""
+    name = option_name(exc.key)
+    if exc.key == "--gpus":
+        return UserInputError("cluster.gpus", exc.message)
     if name is None or name in overrides:
-        return key
-    if name in _FLAG_SECTIONS:
-        return f"{_FLAG_SECTIONS[name]}.{name}"
-    return f"plan.{name}" if name in PlanSection.model_fields else key
+        return exc
+    return UserInputError(recipe_key(name), exc.message)
+
+
+def recipe_hf_config(recipe: Recipe) -> dict:
+    """The HF config dict to instantiate: the recipe's inline config, or the config file behind model.source."""
+    if recipe.model.config is not None:
+        return dict(recipe.model.config)
+    from toolkit.spec.model import PRESET_DIR
+
+    source = recipe.model.source
+    for candidate in (recipe.path(source), recipe.path(source) / "config.json", PRESET_DIR / f"{source}.json"):
+        if candidate.is_file():
+            data = json.loads(candidate.read_text())
+            return {k: v for k, v in data.items() if not k.startswith("_dmt")}
+    if "/" in source and not recipe.path(source).exists():  # a hub id: its config.json (the local cache offline)
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(source).to_dict()
+        except (OSError, ValueError) as exc:
+            raise UserInputError("model.source", f"could not load the hub config of '{source}': "
+                                                 f"{str(exc).splitlines()[0]}") from None
+    raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file, directory or "
+                                         f"hub id)")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.estimate.params import megatron_padded_vocab
-from toolkit.spec.plan import TRANSFORMER_IMPLS
+from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
 
 TC = "transformer_config"
@@ -124,8 +124,6 @@ def _model_spec(config: dict):
 def _modelled_recompute_modules(tc: dict):
     """recompute_modules for the plan rules when the toolkit models them all; Megatron-Core's own check (building
     TransformerConfig, below) judges the others (moe_act, layernorm, ...)."""
-    from toolkit.spec.plan import RECOMPUTE_MODULES
-
     modules = tc.get("recompute_modules")
     if tc.get("recompute_granularity") != "selective" or not isinstance(modules, list):
         return None

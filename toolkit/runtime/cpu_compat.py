@@ -158,7 +158,7 @@ def cuda_on_cpu():
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
-    log.info("no GPU: Megatron-Core runs on CPU through toolkit.backends.cpu_compat")
+    log.info("no GPU: Megatron-Core runs on CPU through toolkit.runtime.cpu_compat")
     try:
         with mode:
             yield

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.backends.metrics import METRICS_FILE, read_metrics
+from toolkit.runtime.metrics import METRICS_FILE, read_metrics
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.errors import UserInputError
 
@@ -81,7 +81,7 @@ def _kill_tree(process: subprocess.Popen) -> None:
     psutil.wait_procs(ranks, timeout=30)
     args = list(process.args)
     if "--master_port" in args:  # DeepSpeed's CPU all-reduce segments outlive SIGKILLed ranks
-        from toolkit.backends.ds_shm import release
+        from toolkit.runtime.ds_shm import release
 
         release(args[args.index("--master_port") + 1])
 

@@ -7,6 +7,7 @@ OptimizerParamScheduler, the schedule from get_forward_backward_func).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +27,17 @@ class MegatronSetup:
     model: list  # DDP-wrapped model chunks (several with virtual pipeline stages)
     optimizer: object  # MegatronOptimizer (ChainedOptimizer)
     scheduler: object  # OptimizerParamScheduler
+
+
+def device_context():
+    """Where Megatron-Core runs: as is on a GPU, inside the CPU compatibility layer without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from toolkit.runtime.cpu_compat import cuda_on_cpu
+
+    return cuda_on_cpu()
 
 
 def init_distributed() -> None:

@@ -1,0 +1,90 @@
+"""Imports flow one way: spec -> estimate -> planner -> generate/validate -> runtime -> checkpoint -> backends -> cli.
+
+Every `import toolkit.X` / `from toolkit.X import ...` in the package, at module level or inside a function, is read
+from the source; a module may import its own package and the layers below it, never one above (nor a sibling of its
+own layer). What several layers need lives in the lowest of them.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+PACKAGE = ROOT / "toolkit"
+# lowest first; a package imports only from its own package and the layers before it (the entry points of the last
+# layer also from each other)
+LAYERS = (
+    ("toolkit", "errors", "presets"),
+    ("families", "mappings"),
+    ("spec",),
+    ("estimate",),
+    ("planner",),
+    ("generate",),
+    ("validate",),
+    ("runtime",),  # the libraries' objects at run time (Megatron-Core builder, CPU compatibility, metrics.jsonl)
+    ("checkpoint",),
+    ("backends", "health"),
+    ("cli", "train", "__main__", "explore"),
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def _package(module: str) -> str:
+    """The top-level package (or module) of toolkit a dotted name belongs to; toolkit/__init__.py is `toolkit`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] != "__init__" else parts[0]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "toolkit":
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "toolkit"]
+    return found
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_package_has_a_layer():
+    packages = {_package(".".join(p.relative_to(ROOT).with_suffix("").parts)) for p in _modules()}
+    assert packages <= set(RANK), sorted(packages - set(RANK))
+
+
+def test_imports_flow_one_way():
+    upward = []
+    for path in _modules():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        own = _package(module)
+        for line, target in _imports(path):
+            other = _package(target)
+            entry_points = RANK[own] == len(LAYERS) - 1 == RANK[other]
+            if other != own and RANK[other] >= RANK[own] and not entry_points:
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({own} may not import {other})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The walk above reads imports inside functions too: a planted upward import is found."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from toolkit.backends.hf_trainer import train\n")
+    assert [target for _, target in _imports(planted)] == ["toolkit.backends.hf_trainer"]
+    assert RANK[_package("toolkit.backends.hf_trainer")] > RANK["spec"]
+
+
+@pytest.mark.parametrize("module", ["toolkit.spec.plan", "toolkit.spec.recipe", "toolkit.spec.model",
+                                    "toolkit.spec.cluster"])
+def test_importing_the_spec_loads_no_higher_layer(module):
+    script = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
+              "print(' '.join(m for m in sys.modules if m.startswith('toolkit.')))")
+    loaded = subprocess.run([sys.executable, "-c", script, module], capture_output=True, text=True, check=True,
+                            cwd=ROOT).stdout.split()
+    higher = [m for m in loaded if RANK[_package(m)] > RANK["spec"]]
+    assert module in loaded and not higher, higher

@@ -1,0 +1,65 @@
+"""The plan options as command-line flags, derived from their one declaration (toolkit.spec.options.PlanOptions).
+
+`dmt estimate` and `dmt plan` take them as the plan to estimate or the options to pin; `dmt generate`,
+`dmt restore-test` and `toolkit/train.py` as overrides of a recipe's plan. Every flag defaults to None ("not given"),
+so resolving the plan fills the declared default, or the recipe's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Annotated, get_args, get_origin
+
+from toolkit.spec.options import OPTION_NAMES, PlanOptions, choices, default_text, field_extra, flag
+
+
+def _argument(name: str) -> dict:
+    """argparse keyword arguments for one option: a switch, a comma list, a choice or a typed value."""
+    info = PlanOptions.model_fields[name]
+    annotation = info.annotation
+    inner = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    kind = inner[0]
+    if get_origin(kind) is Annotated:  # PositiveInt: the constraint is checked when the plan resolves
+        kind = get_args(kind)[0]
+    metavar = field_extra(info, "metavar")
+    if kind is bool:
+        return {"action": "store_true"}
+    if get_origin(kind) is tuple:  # a comma list, split by PlanOptions itself
+        return {"type": str, "metavar": metavar or ",".join(choices(name))}
+    try:
+        values = choices(name)
+    except KeyError:
+        return {"type": kind, **({"metavar": metavar} if metavar else {})}
+    return {"type": type(values[0]), "choices": list(values)}
+
+
+def add_plan_flags(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (), required: tuple[str, ...] = (),
+                   overriding: str | None = None) -> None:
+    """One flag per plan option. `overriding` names what an absent flag leaves in place ("the recipe's plan")."""
+    for name in OPTION_NAMES:
+        if name in exclude:
+            continue
+        info = PlanOptions.model_fields[name]
+        when_absent = f"default: {default_text(name)}" if overriding is None else f"overrides {overriding}"
+        text = f"{info.description} ({when_absent})".replace("%", "%%")
+        parser.add_argument(flag(name), dest=name, default=None, required=name in required, help=text,
+                            **_argument(name))
+
+
+def plan_overrides(args: argparse.Namespace) -> dict:
+    """The plan options given on the command line (None: not given)."""
+    return {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
+
+
+def option_argv(options: dict) -> list[str]:
+    """Plan options back as flags, for a launched process: {"zero": 3, "sequence_parallel": True} -> --zero 3
+    --sequence-parallel."""
+    argv = []
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag(name))
+        else:
+            argv += [flag(name), ",".join(value) if isinstance(value, (tuple, list)) else str(value)]
+    return argv

@@ -1,0 +1,33 @@
+"""A recipe's plan: its explicit options resolved (with command-line overrides), or the planner's choice for `auto`."""
+
+from __future__ import annotations
+
+from toolkit.errors import UserInputError
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan, resolve_plan
+from toolkit.spec.recipe import Recipe, megatron_layers, recipe_error
+
+
+def recipe_options(recipe: Recipe, **overrides) -> dict:
+    """The plan options a recipe sets (its plan section and the sizes it keeps elsewhere), overrides applied."""
+    options = dict(seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
+                   gpus_per_node=recipe.cluster.gpus_per_node)
+    options.update({k: v for k, v in recipe.plan.model_dump(exclude={"auto"}).items() if v is not None})
+    options["transformer_impl"] = megatron_layers(recipe)
+    options.update({k: v for k, v in overrides.items() if v is not None})
+    return options
+
+
+def recipe_plan(recipe: Recipe, model: ModelSpec, **overrides) -> Plan:
+    """The resolved Plan: the recipe's explicit plan (with command-line overrides), or the planner's choice."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    options = recipe_options(recipe, **given)
+    try:
+        if recipe.plan.auto:
+            from toolkit.planner.search import best_plan
+            from toolkit.spec.cluster import get_gpu
+
+            return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **options)
+        return resolve_plan(model, recipe.cluster.gpus, **options)
+    except UserInputError as exc:
+        raise recipe_error(exc, given) from None

@@ -1,1 +1,0 @@
-"""SLURM job scripts rendered from a recipe and its plan, and their submission."""

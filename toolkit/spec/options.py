@@ -1,0 +1,146 @@
+"""The plan's options, declared once: each one's type, choices, default and help text.
+
+Everything else is derived from `PlanOptions`: the recipe's `plan:` section (`toolkit.spec.recipe`), the flags of
+`dmt estimate / plan / generate / restore-test` and of `toolkit/train.py` (`toolkit.cli.options`), the choices the
+validators accept, and the resolved `Plan` (`toolkit.spec.plan`), which adds the rules between options. Adding an
+option is one field here plus its rule in plan.py.
+
+A field's `recipe` extra names its recipe key where that is not `plan.<name>` (sizes the recipe keeps under
+`cluster:` or `training:`); `default_note` describes a default that depends on other options.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic.fields import FieldInfo
+
+Backend = Literal["deepspeed", "megatron"]
+ZeroStage = Literal[0, 1, 2, 3]
+Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+Recompute = Literal["none", "selective", "full"]
+# Megatron-Core's selective-recompute modules this toolkit models (TransformerConfig.recompute_modules)
+RecomputeModule = Literal["core_attn", "mlp"]
+# Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused attention and SwiGLU)
+TransformerImpl = Literal["transformer_engine", "local"]
+Attention = Literal["sdpa", "eager"]
+Optimizer = Literal["adamw", "adamw8bit", "sgd"]
+Offload = Literal["none", "cpu", "nvme"]
+
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+def option(default: Any, description: str, *, recipe: str | None = None, default_note: str | None = None,
+           metavar: str | None = None) -> Any:
+    """A PlanOptions field: its default and help text, and where a recipe keeps it when not under `plan:`."""
+    extra = {key: value for key, value in (("recipe", recipe), ("default_note", default_note), ("metavar", metavar))
+             if value is not None}
+    return Field(default, description=description, json_schema_extra=extra or None)
+
+
+class PlanOptions(BaseModel):
+    """Every option of a parallel plan a user can set. Sizes are per job; `None` defaults are derived (see the note)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Backend = option("deepspeed", "training library")
+    gpus_per_node: PositiveInt = option(8, "GPUs (processes) per node", recipe="cluster.gpus_per_node")
+    tp: PositiveInt = option(1, "tensor-parallel size")
+    pp: PositiveInt = option(1, "pipeline-parallel stages")
+    vpp: PositiveInt = option(1, "virtual pipeline stages per rank (Megatron-Core interleaving)")
+    cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)")
+    ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
+    zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 with megatron")
+    distributed_optimizer: StrictBool = option(False, "Megatron-Core distributed optimizer")
+    sequence_parallel: StrictBool = option(False, "Megatron-Core sequence parallelism (needs tp > 1)")
+    micro_batch: PositiveInt = option(1, "sequences per GPU per forward pass")
+    global_batch: PositiveInt | None = option(None, "sequences per optimizer step", recipe="training.global_batch",
+                                              default_note="micro-batch x dp, no gradient accumulation")
+    seq_len: PositiveInt = option(4096, "tokens per sequence", recipe="training.seq_len")
+    recompute: Recompute = option("none", "activation recomputation")
+    recompute_modules: tuple[RecomputeModule, ...] | None = option(
+        None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
+        metavar="core_attn,mlp")
+    recompute_num_layers: PositiveInt | None = option(
+        None, "Megatron-Core full recompute, block method: the first N layers of every model chunk",
+        default_note="every layer", metavar="N")
+    transformer_impl: TransformerImpl | None = option(
+        None, "Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused "
+              "attention and SwiGLU: more activation memory)",
+        default_note="transformer_engine on GPUs, local in CPU recipes")
+    precision: Precision = option("bf16", "training precision (fp8: Transformer Engine)")
+    attention: Attention = option("sdpa", "attention kernels: sdpa keeps no s x s matrix, eager keeps the probabilities")
+    optimizer: Optimizer = option("adamw", "optimizer")
+    offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload")
+    offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload")
+    nvme_path: str | None = option(None, "local NVMe directory for nvme offload", metavar="DIR")
+    first_stage_layers: PositiveInt | None = option(
+        None, "Megatron-Core uneven pipeline split: layers of the first stage (the rest split evenly)")
+    last_stage_layers: PositiveInt | None = option(
+        None, "Megatron-Core uneven pipeline split: layers of the last stage")
+    account_for_embedding_in_pipeline_split: StrictBool = option(
+        False, "Megatron-Core: the embedding counts as one layer of the first pipeline stage (Llama 3 405B's split)")
+    account_for_loss_in_pipeline_split: StrictBool = option(
+        False, "Megatron-Core: the output layer and loss count as one layer of the last pipeline stage")
+
+    @field_validator("recompute_modules", mode="before")
+    @classmethod
+    def _comma_list(cls, value):
+        """`core_attn,mlp`, as the flag gives it, is the list [core_attn, mlp]."""
+        return [part for part in value.split(",") if part] if isinstance(value, str) else value
+
+
+OPTION_NAMES = tuple(PlanOptions.model_fields)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
+TRANSFORMER_IMPLS: tuple[str, ...] = get_args(TransformerImpl)
+
+
+def field_extra(info: FieldInfo, key: str) -> Any:
+    return (info.json_schema_extra or {}).get(key) if isinstance(info.json_schema_extra, dict) else None
+
+
+def recipe_key(name: str) -> str:
+    """The dotted recipe key of a plan option: `plan.zero`, or `training.seq_len` for sizes kept elsewhere."""
+    return field_extra(PlanOptions.model_fields[name], "recipe") or f"plan.{name}"
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a plan option: `--micro-batch` for micro_batch."""
+    return "--" + name.replace("_", "-")
+
+
+def option_name(key: str) -> str | None:
+    """The option a flag (`--micro-batch`) or recipe key (`plan.micro_batch`, `training.seq_len`) names, if any."""
+    if key.startswith("--"):
+        name = key[2:].replace("-", "_")
+        return name if name in PlanOptions.model_fields else None
+    return next((name for name in OPTION_NAMES if recipe_key(name) == key), None)
+
+
+def choices(name: str) -> tuple:
+    """The values a Literal option (or a tuple of them) accepts: `choices("precision")`."""
+    annotation = PlanOptions.model_fields[name].annotation
+    pending = [annotation]
+    while pending:  # Literal[...], or one inside Optional / tuple[...]
+        current = pending.pop(0)
+        if get_origin(current) is Literal:
+            return get_args(current)
+        pending += get_args(current)
+    raise KeyError(f"plan option {name} has no fixed choices")
+
+
+def default(name: str) -> Any:
+    return PlanOptions.model_fields[name].default
+
+
+def default_text(name: str) -> str:
+    """The default as help texts show it: the value, or the note of a derived default."""
+    info = PlanOptions.model_fields[name]
+    note = field_extra(info, "default_note")
+    if note is not None:
+        return note
+    if isinstance(info.default, bool):
+        return "on" if info.default else "off"
+    return "unset" if info.default is None else str(info.default)
