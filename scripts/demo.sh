@@ -18,9 +18,11 @@ echo; echo "== 3. dmt generate: launch files for the tiny CPU recipe"
 dmt generate recipes/tiny-llama-cpu.yaml --out "$OUT/config"
 dmt validate "$OUT/config/deepspeed.json" --world-size 2 --trainer-args "$OUT/config/trainer_args.json"
 
-echo; echo "== 4. deepspeed --num_gpus 2 toolkit/train.py (2 CPU ranks, gloo, ZeRO-2)"
-deepspeed --num_gpus 2 toolkit/train.py --recipe recipes/tiny-llama-cpu.yaml --deepspeed "$OUT/config/deepspeed.json" \
-  --output-dir "$OUT/run" > "$OUT/train.log" 2>&1 || { tail -30 "$OUT/train.log"; exit 1; }
+echo; echo "== 4. deepspeed --num_gpus 2 toolkit/train.py --plan $OUT/config/plan.json (2 CPU ranks, gloo, ZeRO-2)"
+# train.py trains the generated files (plan.json, deepspeed.json, trainer_args.json), and refuses if they no longer
+# match the recipe; $OUT/config/launch.sh runs the same command under deepspeed, accelerate or torchrun
+deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/config/plan.json" --output-dir "$OUT/run" > "$OUT/train.log" 2>&1 \
+  || { tail -30 "$OUT/train.log"; exit 1; }
 python - "$OUT/run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -44,11 +46,11 @@ print('HF model loads; loss on a sentence:', round(float(model(input_ids=ids, la
 echo; echo "== 7. dmt restore-test: kill after a save, resume, compare to the bit"
 dmt restore-test --recipe recipes/tiny-llama-cpu.yaml --steps 10 --save-at 5 --workdir "$OUT/restore"
 
-echo; echo "== 8. Megatron-Core: torchrun --nproc_per_node 2 toolkit/train.py --recipe tiny-llama-megatron-cpu --tp 2 (gloo)"
+echo; echo "== 8. Megatron-Core at TP=2: dmt generate, then the generated launch.sh (torchrun, 2 CPU ranks, gloo)"
 dmt generate recipes/tiny-llama-megatron-cpu.yaml --out "$OUT/megatron-config" --tp 2 > /dev/null
 dmt validate "$OUT/megatron-config/megatron.yaml" --world-size 2
-OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 toolkit/train.py --recipe recipes/tiny-llama-megatron-cpu.yaml --tp 2 \
-  --max-steps 10 --save-steps 10 --output-dir "$OUT/megatron" > "$OUT/megatron.log" 2>&1 || { tail -30 "$OUT/megatron.log"; exit 1; }
+OMP_NUM_THREADS=1 OUTPUT_DIR="$OUT/megatron" bash "$OUT/megatron-config/launch.sh" torchrun --save-steps 10 \
+  > "$OUT/megatron.log" 2>&1 || { tail -30 "$OUT/megatron.log"; exit 1; }
 python - "$OUT/megatron/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -57,5 +59,5 @@ PY
 
 echo; echo "== 9. dmt convert megatron-to-hf, then compare logits with Megatron-Core at TP=2"
 export PYTHONWARNINGS=ignore  # Megatron-Core warns at import that Apex and Transformer Engine are absent (CPU)
-dmt convert megatron-to-hf "$OUT/megatron/checkpoint-10" "$OUT/megatron-hf"
-OMP_NUM_THREADS=1 dmt convert check "$OUT/megatron-hf" "$OUT/megatron/checkpoint-10" --tp 2
+dmt convert megatron-to-hf "$OUT/megatron/checkpoint-30" "$OUT/megatron-hf"
+OMP_NUM_THREADS=1 dmt convert check "$OUT/megatron-hf" "$OUT/megatron/checkpoint-30" --tp 2

@@ -1,4 +1,6 @@
-"""The launchable training entry: `deepspeed|accelerate launch|torchrun toolkit/train.py --recipe R [...]`."""
+"""The launchable training entry: `deepspeed|accelerate launch|torchrun toolkit/train.py --plan DIR/plan.json` trains
+the files `dmt generate` wrote into DIR (and refuses when they no longer match the recipe); `--recipe R` alone
+resolves the plan from the recipe in memory, with the same generators (the quick path)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,12 @@ from toolkit.errors import UserInputError  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit/train.py", description=__doc__)
-    parser.add_argument("--recipe", required=True, type=Path)
-    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (default: generated from the recipe's plan)")
+    parser.add_argument("--plan", type=Path, default=None, metavar="DIR/plan.json",
+                        help="train the plan `dmt generate` wrote, with the generated files beside plan.json")
+    parser.add_argument("--recipe", type=Path, default=None,
+                        help="the recipe (with --plan: default the one plan.json names, and it must be unchanged)")
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON for the quick path (default: generated from "
+                                                          "the recipe's plan)")
     parser.add_argument("--output-dir", type=Path, default=None, help="default: runs/<recipe name>")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (overrides the recipe)")
@@ -43,35 +49,65 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_model
-
     for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
         if value is not None and value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
+    run = _generated(args) if args.plan is not None else _quick(args)
+    updates = {k: v for k, v in (("max_steps", args.max_steps), ("save_steps", args.save_steps)) if v is not None}
+    recipe = run.recipe
+    if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
+        recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
+    output_dir = args.output_dir or Path("runs") / recipe.name
+    if run.plan.backend == "megatron":
+        from toolkit.backends.megatron_core import train as train_megatron
+
+        summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron)
+    else:
+        from toolkit.backends.hf_trainer import train
+
+        trainer_args = run.trainer_args and {**run.trainer_args, **updates}
+        summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
+                        trainer_args)
+    logging.getLogger("toolkit.train").info("done: %s", summary)
+    return 0
+
+
+def _generated(args: argparse.Namespace):
+    """The generated directory's plan and files; nothing on the command line may change what they say."""
+    from toolkit.validate.generated import read_generated
+
+    given = plan_overrides(args)
+    if given:
+        name = next(iter(given))
+        raise UserInputError(f"--{name.replace('_', '-')}", "the plan comes from plan.json; pass it to `dmt generate` "
+                                                            "instead")
+    for flag, value in (("--deepspeed", args.deepspeed), ("--gpus", args.gpus)):
+        if value is not None:
+            raise UserInputError(flag, "the plan comes from plan.json and its files; regenerate instead")
+    run = read_generated(args.plan, args.recipe)
+    if run.megatron is not None and args.max_steps not in (None, run.megatron["schedule"]["train_iters"]):
+        raise UserInputError("--max-steps", f"megatron.yaml trains schedule.train_iters "
+                                            f"{run.megatron['schedule']['train_iters']} steps; regenerate to change it")
+    return run
+
+
+def _quick(args: argparse.Namespace):
+    """The plan resolved from the recipe, its files made in memory by the generators at launch."""
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
+    from toolkit.validate.generated import GeneratedRun
+
+    if args.recipe is None:
+        raise UserInputError("--recipe", "is required without --plan")
     recipe = load_recipe(args.recipe)
     if args.gpus is not None:
         cluster = {"gpus": args.gpus, "gpus_per_node": min(args.gpus, recipe.cluster.gpus_per_node)}
         recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=cluster)})
-    updates = {k: v for k, v in (("max_steps", args.max_steps), ("save_steps", args.save_steps)) if v is not None}
-    if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
-        recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     model = recipe_model(recipe)
     plan = recipe_plan(recipe, model, **plan_overrides(args))
-    output_dir = args.output_dir or Path("runs") / recipe.name
-    if plan.backend == "megatron":  # issue 5: Megatron-Core backend (toolkit/backends/megatron_core.py)
-        if args.deepspeed:
-            raise UserInputError("--deepspeed", "is a DeepSpeed option; the megatron backend builds megatron.yaml")
-        from toolkit.backends.megatron_core import train as train_megatron
-
-        summary = train_megatron(recipe, model, plan, output_dir, args.resume)
-        logging.getLogger("toolkit.train").info("done: %s", summary)
-        return 0
-    from toolkit.backends.hf_trainer import train
-
-    summary = train(recipe, model, plan, output_dir, args.deepspeed, args.resume)
-    logging.getLogger("toolkit.train").info("done: %s", summary)
-    return 0
+    if plan.backend == "megatron" and args.deepspeed:
+        raise UserInputError("--deepspeed", "is a DeepSpeed option; the megatron backend builds megatron.yaml")
+    return GeneratedRun(Path("."), recipe, model, plan)
 
 
 def _destroy_process_group() -> None:

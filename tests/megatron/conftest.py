@@ -59,13 +59,19 @@ def distopt_recipe(megatron_recipe):
 
 
 @pytest.fixture(scope="session")
-def layout_run(torchrun, distopt_recipe):
+def layout_run(torchrun, distopt_recipe, megatron_recipe, tmp_path_factory):
     """layout_run("tp2" | "pp2" | "dp2") -> the Launch of that 2-rank layout, training STEPS steps with a checkpoint
-    every SAVE_AT: TP=2; PP=2 (1F1B); DP=2 with the distributed optimizer."""
-    layouts = {"tp2": (TINY_MEGATRON, "--tp", "2"), "pp2": (TINY_MEGATRON, "--pp", "2"), "dp2": (distopt_recipe,)}
+    every SAVE_AT: TP=2 from the files `dmt generate --tp 2` wrote (train.py --plan, megatron.yaml as generated);
+    PP=2 (1F1B) and DP=2 with the distributed optimizer from the recipe (the quick path)."""
+    from toolkit.cli.main import main
 
     def run(layout: str) -> Launch:
-        recipe, *flags = layouts[layout]
+        if layout == "tp2":
+            recipe = megatron_recipe("tiny-megatron-tp2", training={"max_steps": STEPS, "save_steps": SAVE_AT})
+            generated = tmp_path_factory.mktemp("megatron-tp2-generated")
+            assert main(["generate", str(recipe), "--out", str(generated), "--tp", "2"]) == 0
+            return torchrun(layout, "--plan", str(generated / "plan.json"))
+        recipe, *flags = {"pp2": (TINY_MEGATRON, "--pp", "2"), "dp2": (distopt_recipe,)}[layout]
         return torchrun(layout, "--recipe", str(recipe), *flags, "--max-steps", str(STEPS),
                         "--save-steps", str(SAVE_AT))
 

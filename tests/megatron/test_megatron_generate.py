@@ -67,7 +67,8 @@ def test_dmt_generate_writes_the_megatron_files_of_the_resolved_plan(generated):
     import json
 
     out = generated("--pp", "2")
-    assert {p.name for p in out.iterdir()} == {"plan.json", "megatron.yaml", "megatron_args.txt", "slurm.sbatch"}
+    assert {p.name for p in out.iterdir()} == {"plan.json", "megatron.yaml", "megatron_args.txt", "launch.sh",
+                                              "slurm.sbatch"}
     plan = json.loads((out / "plan.json").read_text())["plan"]
     config = yaml.safe_load((out / "megatron.yaml").read_text())
     tc, schedule = config["transformer_config"], config["schedule"]
@@ -133,3 +134,28 @@ def test_partial_recompute_of_the_recipe_reaches_megatron_yaml_and_args(tmp_path
     assert set(flags) <= set(args)
     assert {line.split()[0] for line in args if line.startswith("--")} <= MEGATRON_LM_FLAGS
     assert validate_megatron_config(config, config["schedule"]["world_size"]) == []
+
+
+def test_train_refuses_a_megatron_yaml_that_contradicts_plan_json(tmp_path):
+    """A hand edit of megatron.yaml that changes the plan stops train.py --plan before launching, naming the file."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    from toolkit.cli.main import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TINY_MEGATRON.read_text().replace("data/", f"{TINY_MEGATRON.parent}/data/"))
+    out = tmp_path / "gen"
+    assert main(["generate", str(recipe), "--out", str(out), "--tp", "2"]) == 0
+    config = yaml.safe_load((out / "megatron.yaml").read_text())
+    config["transformer_config"]["sequence_parallel"] = True  # valid for Megatron-Core, but not the plan
+    (out / "megatron.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, str(ROOT / "toolkit" / "train.py"), "--plan", str(out / "plan.json")],
+                            capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="2"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0] == (f"train.py: error: {out / 'megatron.yaml'}: transformer_config.sequence_parallel is True but "
+                        f"plan.json says sequence_parallel False; run `dmt generate` again, or edit only what the plan "
+                        f"does not set")

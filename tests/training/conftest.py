@@ -64,9 +64,9 @@ def launch(tmp_path_factory):
         train = [str(TRAIN), "--recipe", str(recipe), "--output-dir", str(out), *flags]
         if launcher == "deepspeed":
             cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, *train]
-        elif launcher == "accelerate":
+        elif launcher == "accelerate":  # the generated files: accelerate.yaml, and plan.json with the rest
             cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_dir / "accelerate.yaml"),
-                   "--main_process_port", port, *train, "--deepspeed", str(config_dir / "deepspeed.json")]
+                   "--main_process_port", port, *train, "--plan", str(config_dir / "plan.json")]
         elif launcher == "launch.sh":  # the generated script; its first flag names the launcher
             cmd = ["bash", str(config_dir / "launch.sh"), *flags]
             env = {**(env or {}), "MASTER_PORT": port, "OUTPUT_DIR": str(out), "RECIPE": str(recipe)}

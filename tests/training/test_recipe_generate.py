@@ -101,10 +101,13 @@ def test_plan_auto_shorthand_is_accepted(tmp_path):
 
 
 def test_overrides_reach_the_launch_script_and_multi_node_needs_a_rendezvous(tmp_path):
+    """The override is part of the plan plan.json records, which every launcher of launch.sh trains."""
     out = tmp_path / "gen"
     _generate(ROOT / "recipes/llama-3.1-70b-64xh100.yaml", out, "--micro-batch", "1")
     script = (out / "launch.sh").read_text()
-    assert "--micro-batch 1" in script and "--no_ssh" in script and "--node_rank" in script
+    record = json.loads((out / "plan.json").read_text())
+    assert record["plan"]["micro_batch"] == 1 and record["overrides"] == {"micro_batch": 1}
+    assert '--plan "$HERE/plan.json"' in script and "--no_ssh" in script and "--node_rank" in script
     env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR")}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     result = subprocess.run(["bash", str(out / "launch.sh"), "torchrun"], capture_output=True, text=True, env=env)

@@ -76,13 +76,13 @@ def test_wandb_logs_offline_when_no_api_key_is_configured(launch, wandb_recipe):
 
 def test_accelerate_launch_with_generated_zero2_config(launch, generated):
     config = generated(TINY, "--zero", "2")
-    run = launch("acc-zero2", "accelerate", TINY, "--zero", "2", config_dir=config)
+    run = launch("acc-zero2", "accelerate", TINY, config_dir=config)
     assert_trained(run, RECIPE_STEPS, zero=2)
 
 
 def test_a_max_steps_that_contradicts_the_deepspeed_schedule_is_refused(launch, generated):
     config = generated(TINY, "--zero", "2")
-    run = launch("acc-zero2-steps", "accelerate", TINY, "--zero", "2", "--max-steps", "5", config_dir=config)
+    run = launch("acc-zero2-steps", "accelerate", TINY, "--max-steps", "5", config_dir=config)
     assert run.rc != 0 and not read_metrics(run.out)
     assert "scheduler.params.total_num_steps: 30 in the DeepSpeed JSON but max_steps gives 5" in run.log.read_text()
 
@@ -93,17 +93,29 @@ def test_accelerate_launch_with_zero3_and_hf_auto_values(launch, generated, vari
     recipe = variant("tiny-auto", deepspeed={"auto_values": True})
     config = generated(recipe, "--zero", "3")
     assert json.loads((config / "deepspeed.json").read_text())["train_batch_size"] == "auto"
-    run = launch("acc-zero3-auto", "accelerate", recipe, "--zero", "3", "--max-steps", str(STEPS), config_dir=config)
+    run = launch("acc-zero3-auto", "accelerate", recipe, "--max-steps", str(STEPS), config_dir=config)
     records = assert_trained(run, zero=3)
     peak = max(r["learning_rate"] for r in records)
     assert peak == pytest.approx(0.005, rel=0.05)  # HF filled the recipe's learning rate into the scheduler
 
 
-def test_torchrun_through_the_generated_launch_script(launch, generated):
-    config = generated(TINY, "--zero", "1")
-    assert "--zero 1" in (config / "launch.sh").read_text()  # the override travels to train.py
+def test_torchrun_through_the_generated_launch_script_honours_edits_the_plan_allows(launch, tmp_path):
+    """launch.sh trains plan.json's plan (here ZeRO-1, an override of `dmt generate`) with the files beside it, as
+    they are on disk: a trainer argument and a DeepSpeed bucket size the plan does not set, edited by hand, are used."""
+    from toolkit.cli.main import main
+
+    config = tmp_path / "gen"
+    assert main(["generate", str(TINY), "--out", str(config), "--zero", "1"]) == 0
+    trainer_args = json.loads((config / "trainer_args.json").read_text())
+    (config / "trainer_args.json").write_text(json.dumps({**trainer_args, "logging_steps": 5}))
+    deepspeed = json.loads((config / "deepspeed.json").read_text())
+    deepspeed["zero_optimization"]["reduce_bucket_size"] = 20_000_000
+    (config / "deepspeed.json").write_text(json.dumps(deepspeed))
     run = launch("torchrun-launch-sh", "launch.sh", TINY, "torchrun", config_dir=config)
-    assert_trained(run, RECIPE_STEPS, zero=1)
+    assert [r["step"] for r in read_metrics(run.out)] == [5, 10, 15, 20, 25, 30], run.tail()
+    latest = resolve_latest(run.out)
+    assert latest.name == f"checkpoint-{RECIPE_STEPS}" and read_manifest(latest)["layout"]["zero"] == 1
+    assert verify(latest).ok and run.rc == 0, run.tail()
 
 
 def test_resume_of_a_different_run_is_refused(launch, wandb_recipe, variant):
@@ -152,3 +164,46 @@ def test_fp16_on_cpu_is_refused_before_training(variant, tmp_path):
     result = _train_py(variant("tiny-fp16", plan={"precision": "fp16"}), tmp_path / "run")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "plan.precision: fp16 does not run on DeepSpeed's cpu accelerator" in result.stderr.strip().splitlines()[-1]
+
+
+def _edit_json(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+GENERATED_EDITS = {
+    "changed-recipe": (lambda gen, recipe: recipe.write_text(recipe.read_text().replace("learning_rate: 0.005",
+                                                                                         "learning_rate: 0.001")),
+                       "plan.json: the recipe changed since `dmt generate` wrote it (training.learning_rate: 0.005 -> "
+                       "0.001); run `dmt generate` again"),
+    "edited-plan-json": (lambda gen, recipe: _edit_json(gen / "plan.json", lambda d: d["plan"].update(zero=3)),
+                         "plan.json: plan.zero is 3 but the recipe gives 2; run `dmt generate` again"),
+    "edited-deepspeed-json": (lambda gen, recipe: _edit_json(
+        gen / "deepspeed.json", lambda d: d["zero_optimization"].update(stage=1)),
+        "deepspeed.json: zero_optimization.stage is 1 but plan.json says zero 2"),
+    "edited-trainer-args": (lambda gen, recipe: _edit_json(
+        gen / "trainer_args.json", lambda d: d.update(per_device_train_batch_size=8)),
+        "trainer_args.json: per_device_train_batch_size is 8 but plan.json says micro_batch 4"),
+}
+
+
+@pytest.mark.parametrize("edit", list(GENERATED_EDITS))
+def test_a_generated_directory_that_no_longer_matches_is_refused_with_one_line(variant, tmp_path, edit):
+    """train.py --plan refuses before launching anything when the recipe changed since `dmt generate` or a file
+    changes the plan, naming the file and the key."""
+    from toolkit.cli.main import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(variant("tiny-generated").read_text())
+    gen = tmp_path / "gen"
+    assert main(["generate", str(recipe), "--out", str(gen)]) == 0
+    change, message = GENERATED_EDITS[edit]
+    change(gen, recipe)
+    result = subprocess.run([sys.executable, str(TRAIN), "--plan", str(gen / "plan.json"), "--output-dir",
+                             str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, WORLD_SIZE="2"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"train.py: error: {gen}") and message in lines[0], lines
+    assert not (tmp_path / "run").exists()

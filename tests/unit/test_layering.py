@@ -19,6 +19,7 @@ PACKAGE = ROOT / "toolkit"
 # layer also from each other)
 LAYERS = (
     ("toolkit", "errors", "presets"),
+    ("readers",),
     ("families", "mappings"),
     ("spec",),
     ("estimate",),

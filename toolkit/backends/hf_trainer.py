@@ -9,6 +9,7 @@ from pathlib import Path
 
 from toolkit.runtime.metrics import MetricsWriter, configure_wandb
 from toolkit.errors import UserInputError
+from toolkit.readers import read_json
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
@@ -26,15 +27,16 @@ def adapt_for_cpu(ds_config: dict) -> dict:
     return config
 
 
-def _deepspeed_config(recipe: Recipe, plan: Plan, path: str | None) -> dict:
+def _deepspeed_config(recipe: Recipe, plan: Plan, path: str | None, generated: dict | None) -> dict:
+    """The DeepSpeed config this run trains with: the generated file's (as plan.json's directory holds it), a file
+    given with --deepspeed, or the generator's output for the recipe's plan."""
     from toolkit.generate.deepspeed import deepspeed_config
 
-    if path:
-        try:
-            config = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserInputError("--deepspeed", f"cannot read {path} ({exc})") from None
-        stage = (config.get("zero_optimization") or {}).get("stage", 0) if isinstance(config, dict) else None
+    if generated is not None:
+        config = json.loads(json.dumps(generated))
+    elif path:
+        config = read_json(Path(path), "--deepspeed", what="a DeepSpeed JSON config")
+        stage = (config.get("zero_optimization") or {}).get("stage", 0)
         if stage != plan.zero:  # the manifest, the memory model and resume all go by the plan's stage
             raise UserInputError("--deepspeed", f"zero_optimization.stage is {stage} in {path} but the plan says "
                                                 f"{plan.zero}; pass --zero {stage} or regenerate the file")
@@ -158,8 +160,10 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
 
 
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
-          resume: str | None) -> dict:
-    """Run training; returns a summary (steps, final loss) on every rank."""
+          resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None) -> dict:
+    """Run training; returns a summary (steps, final loss) on every rank. With the generated files' contents
+    (`dmt generate`'s deepspeed.json and trainer_args.json) those are what trains; without, the same generators
+    make them from the recipe's plan."""
     import torch
     from transformers import (AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator,
                               set_seed)
@@ -173,16 +177,20 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     resume_path = resume_checkpoint(output_dir, resume, identity)
     resharded = resume_path is not None and (read_manifest(resume_path) or {}).get("world_size") != world
     output_dir.mkdir(parents=True, exist_ok=True)
-    args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
-    args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json)
+    if generated_trainer_args is not None:
+        args_dict = {**generated_trainer_args, "output_dir": str(output_dir)}
+    else:
+        args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
+    args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json, generated_deepspeed)
     if resharded:  # another world size: DeepSpeed loads a universal checkpoint (made below, once ranks exist)
         args_dict["deepspeed"].setdefault("checkpoint", {})["load_universal"] = True
-    if deepspeed_json:  # a file from elsewhere must agree with this run before DeepSpeed or HF find out mid-launch
+    if deepspeed_json or generated_deepspeed is not None:  # files must agree before DeepSpeed or HF find out mid-launch
         from toolkit.validate.deepspeed import validate_deepspeed_config
 
         problems = validate_deepspeed_config(args_dict["deepspeed"], world, trainer_args=args_dict)
         if problems:
-            raise UserInputError("--deepspeed", "; ".join(str(p) for p in problems))
+            raise UserInputError("deepspeed.json" if generated_deepspeed is not None else "--deepspeed",
+                                 "; ".join(str(p) for p in problems))
     _check_precision_runs_here(args_dict["deepspeed"], args_dict)
     configure_wandb(recipe.training.report_to, output_dir)
     args = TrainingArguments(**installed_field_names(args_dict))

@@ -143,15 +143,17 @@ def _save_and_exit_requested(output_dir: Path) -> bool:
     return flag.item() > 0
 
 
-def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None) -> dict:
-    """Run training on this rank; returns a summary (steps, last loss)."""
+def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None,
+          config: dict | None = None) -> dict:
+    """Run training on this rank; returns a summary (steps, last loss). `config` is the generated megatron.yaml
+    (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe."""
     from toolkit.backends.hf_trainer import resume_checkpoint, run_identity
     from toolkit.runtime.megatron_build import device_context, init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.gpus:
         raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
-    config = megatron_yaml_for(recipe, model_spec, plan)
+    config = config if config is not None else megatron_yaml_for(recipe, model_spec, plan)
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -180,10 +182,10 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     metrics = MetricsWriter(output_dir, plan.global_batch * plan.seq_len) if dist.get_rank() == 0 else None
     forward_backward = get_forward_backward_func()
     dp_rank, per_rank = parallel_state.get_data_parallel_rank(), plan.micro_batch * plan.grad_accum
-    save_every, loss = recipe.training.save_steps, None
+    save_every, loss, last = recipe.training.save_steps, None, config["schedule"]["train_iters"]
     if metrics:
         metrics.mark(step)
-    while step < recipe.training.max_steps:
+    while step < last:
         step += 1
         indices = batches.indices(step)
         tokens = batches.tokens(indices[dp_rank * per_rank:(dp_rank + 1) * per_rank])
@@ -204,7 +206,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
             metrics.write(step, loss, float(grad_norm) if grad_norm is not None else None, learning_rate,
                           data_sha=digest)
         stop = _save_and_exit_requested(output_dir)
-        if stop or step == recipe.training.max_steps or (save_every and step % save_every == 0):
+        if stop or step == last or (save_every and step % save_every == 0):
             save_checkpoint(setup, output_dir, step, plan, identity, hf_config)
         if stop:
             break

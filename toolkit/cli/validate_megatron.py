@@ -19,19 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-    import warnings
-
     from toolkit.errors import UserInputError
     from toolkit.validate.megatron import padding_note, read_megatron_yaml, validate_megatron_config
 
     if args.world_size is not None and args.world_size < 1:
         raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
     config = read_megatron_yaml(args.file)
-    logging.getLogger("megatron").setLevel(logging.ERROR)  # the problems are the output, not library chatter
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        problems = validate_megatron_config(config, args.world_size)
+    problems = validate_megatron_config(config, args.world_size)
     note = None if problems else padding_note(config)
     if args.json:
         print(json.dumps({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems],

@@ -1,7 +1,9 @@
 """`dmt generate`: resolve a recipe once and write every launch file from that one plan, atomically.
 
-Writers form a registry (file name -> function of the context); other parts of the toolkit register theirs
-(megatron.yaml, megatron_args.txt, slurm.sbatch) here.
+Writers form a registry (file name -> function of the context). plan.json is the record of the plan: the resolved
+Plan with its predicted memory and step time, and what it was made from (the recipe's settings, the command-line
+overrides), so that `toolkit/train.py --plan DIR/plan.json` trains exactly these files or refuses when they no longer
+match (toolkit/validate/generated.py).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.spec.model import ModelSpec
-from toolkit.spec.plan import Plan
 from toolkit.planner.recipe import recipe_plan
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import BACKENDS
+from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
 
 
@@ -29,7 +32,7 @@ class GenerationContext:
     model: ModelSpec
     plan: Plan
     out_dir: Path
-    overrides: dict = field(default_factory=dict)  # plan options given on the command line, for launch commands
+    overrides: dict = field(default_factory=dict)  # plan options given on the command line (plan.json keeps them)
 
 
 def _deepspeed(ctx: GenerationContext) -> str:
@@ -54,16 +57,14 @@ def _trainer_args(ctx: GenerationContext) -> str:
 def _launch(ctx: GenerationContext) -> str:
     from toolkit.generate.launch import launch_script
 
-    return launch_script(ctx.recipe, ctx.plan, str(ctx.recipe_path.resolve()), ctx.overrides)
+    return launch_script(ctx.recipe, ctx.plan, str(ctx.recipe_path.resolve()))
 
 
 def _slurm(ctx: GenerationContext) -> str:
-    from toolkit.generate.launch import plan_flags
     from toolkit.generate.slurm import render_sbatch
 
-    deepspeed_json = str(ctx.out_dir / "deepspeed.json") if ctx.plan.backend == "deepspeed" else None
-    return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, deepspeed_json=deepspeed_json,
-                         output_dir=str(ctx.out_dir / "run"), train_flags=plan_flags(ctx.overrides))
+    return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, output_dir=str(ctx.out_dir / "run"),
+                         train_flags=["--plan", str(ctx.out_dir / PLAN_FILE)])
 
 
 def _plan(ctx: GenerationContext) -> str:
@@ -77,14 +78,20 @@ def _plan(ctx: GenerationContext) -> str:
     network = Network.from_catalogue(gpu, ctx.recipe.cluster.gpus_per_node)
     record = plan_record(ctx.model, ctx.plan, estimate_memory(ctx.model, ctx.plan),
                          step_time(ctx.model, ctx.plan, gpu, network), gpu)
-    record["recipe"] = ctx.recipe.name
-    record["auto"] = ctx.recipe.plan == "auto" or ctx.recipe.plan.auto
+    record.update(recipe=ctx.recipe.name, auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
+                  recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
+                  files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
     return json.dumps(record, indent=2) + "\n"
 
 
-def _megatron_config(ctx: GenerationContext) -> dict:  # issue 5: megatron.yaml / megatron_args.txt writers
-    from toolkit.spec.recipe import recipe_hf_config
+def recipe_settings(recipe: Recipe) -> dict:
+    """What plan.json records of the recipe, to tell later whether the recipe changed since (its location aside)."""
+    return recipe.model_dump(mode="json", exclude={"base_dir"})
+
+
+def _megatron_config(ctx: GenerationContext) -> dict:
     from toolkit.generate.megatron import megatron_config
+    from toolkit.spec.recipe import recipe_hf_config
 
     return megatron_config(ctx.recipe, ctx.model, ctx.plan, recipe_hf_config(ctx.recipe))
 
@@ -101,18 +108,24 @@ def _megatron_args(ctx: GenerationContext) -> str:
     return megatron_args_text(_megatron_config(ctx), ctx.recipe.name)
 
 
+PLAN_FILE = "plan.json"
 # file name -> (backends it belongs to, writer)
 WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] = {
-    "plan.json": (("deepspeed", "megatron"), _plan),
+    PLAN_FILE: (BACKENDS, _plan),
     "deepspeed.json": (("deepspeed",), _deepspeed),
     "accelerate.yaml": (("deepspeed",), _accelerate),
     "trainer_args.json": (("deepspeed",), _trainer_args),
-    "launch.sh": (("deepspeed",), _launch),
-    "slurm.sbatch": (("deepspeed", "megatron"), _slurm),
+    "launch.sh": (BACKENDS, _launch),
+    "slurm.sbatch": (BACKENDS, _slurm),
     "megatron.yaml": (("megatron",), _megatron_yaml),
     "megatron_args.txt": (("megatron",), _megatron_args),
 }
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}
+
+
+def files_of(backend: str) -> list[str]:
+    """The files `dmt generate` writes for a plan of this backend."""
+    return [name for name, (backends, _) in WRITERS.items() if backend in backends]
 
 
 def resolve(recipe_path: Path, out_dir: Path = Path("."), **overrides) -> GenerationContext:
@@ -125,7 +138,7 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), **overrides) -> Genera
 
 def render(ctx: GenerationContext) -> dict[str, str]:
     """Every registered file of the plan's backend, as text (nothing written)."""
-    return {name: writer(ctx) for name, (backends, writer) in WRITERS.items() if ctx.plan.backend in backends}
+    return {name: WRITERS[name][1](ctx) for name in files_of(ctx.plan.backend)}
 
 
 def generate(recipe_path: Path, out_dir: Path, **overrides) -> list[Path]:

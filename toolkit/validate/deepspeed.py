@@ -186,25 +186,42 @@ def _scheduler_rules(config: dict) -> list[Problem]:
     return []
 
 
+def deepspeed_plan_view(config: dict) -> dict[str, tuple[str, object]]:
+    """The plan options a DeepSpeed JSON states: option -> (the file's dotted key, its value); "auto" values (HF
+    fills them from the trainer arguments) are left out."""
+    zero = config.get("zero_optimization") or {}
+    offload = {name: zero.get(section) or {} for name, section in (("offload_optimizer", "offload_optimizer"),
+                                                                     ("offload_params", "offload_param"))}
+    bf16, fp16 = ((config.get(section) or {}).get("enabled") for section in ("bf16", "fp16"))
+    view = {
+        "backend": ("deepspeed.json", "deepspeed"),
+        "zero": ("zero_optimization.stage", zero.get("stage", 0)),
+        "micro_batch": ("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu")),
+        "grad_accum": ("gradient_accumulation_steps", config.get("gradient_accumulation_steps")),
+        "global_batch": ("train_batch_size", config.get("train_batch_size")),
+        "tp": ("tensor_parallel.autotp_size", int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)),
+        "offload_optimizer": ("zero_optimization.offload_optimizer.device",
+                              offload["offload_optimizer"].get("device", "none")),
+        "offload_params": ("zero_optimization.offload_param.device", offload["offload_params"].get("device", "none")),
+        "nvme_path": ("zero_optimization.offload_optimizer.nvme_path",
+                      offload["offload_optimizer"].get("nvme_path") or offload["offload_params"].get("nvme_path")),
+    }
+    if "auto" not in (bf16, fp16):
+        view["precision"] = ("bf16.enabled", "bf16" if bf16 else "fp16" if fp16 else "fp32")
+    return {name: (key, value) for name, (key, value) in view.items() if value is not None and value != "auto"}
+
+
 def memory_problem(config: dict, model, gpu, world_size: int, seq_len: int, recompute: str, pp: int = 1):
     """The toolkit's memory model applied to the config's layout: a Problem when it does not fit the GPU."""
     from toolkit.estimate.memory import estimate_memory
     from toolkit.spec.plan import resolve_plan
 
-    zero = config.get("zero_optimization", {})
-    precision = "bf16" if config.get("bf16", {}).get("enabled") else "fp16" if config.get("fp16", {}).get("enabled") else "fp32"
-    offload = (zero.get("offload_optimizer") or {}), (zero.get("offload_param") or {})
-    tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    micro = config.get("train_micro_batch_size_per_gpu")
-    if micro is None:  # DeepSpeed derives it: train_batch_size / (accumulation x dp)
-        dp = max(1, world_size // (tp * pp))
-        micro = max(1, config.get("train_batch_size", 1) // (config.get("gradient_accumulation_steps", 1) * dp))
-    plan = resolve_plan(
-        model, world_size, zero=zero.get("stage", 0), micro_batch=micro,
-        seq_len=seq_len, precision=precision, global_batch=config.get("train_batch_size"), pp=pp,
-        tp=tp, offload_optimizer=offload[0].get("device", "none"), offload_params=offload[1].get("device", "none"),
-        nvme_path=offload[0].get("nvme_path") or offload[1].get("nvme_path"), recompute=recompute,
-    )
+    options = {name: value for name, (_, value) in deepspeed_plan_view(config).items() if name != "grad_accum"}
+    if "micro_batch" not in options:  # DeepSpeed derives it: train_batch_size / (accumulation x dp)
+        dp = max(1, world_size // (options.get("tp", 1) * pp))
+        options["micro_batch"] = max(1, config.get("train_batch_size", 1) // (config.get("gradient_accumulation_steps", 1) * dp))
+    plan = resolve_plan(model, world_size, **{**options, "backend": "deepspeed"}, seq_len=seq_len, pp=pp,
+                        recompute=recompute)
     memory = estimate_memory(model, plan)
     if memory.total > gpu.memory_bytes:
         return Problem("memory", f"{memory.total / 2**30:.1f} GiB per GPU estimated for {model.name} at seq {seq_len}, "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.estimate.params import megatron_padded_vocab
+from toolkit.generate.megatron import OPTIMIZERS
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
 
@@ -132,6 +133,48 @@ def _modelled_recompute_modules(tc: dict):
     return modules if modules and set(modules) <= set(RECOMPUTE_MODULES) else None
 
 
+def _precision(tc: dict) -> str:
+    return "fp8" if tc.get("fp8") else "bf16" if tc.get("bf16") else "fp16" if tc.get("fp16") else "fp32"
+
+
+def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
+    """The plan options a megatron.yaml states: option -> (the file's dotted key, its value)."""
+    tc, schedule = config[TC], config["schedule"]
+    view = {
+        "gpus": "schedule.world_size", "dp": "schedule.data_parallel_size", "tp": f"{TC}.tensor_model_parallel_size",
+        "pp": f"{TC}.pipeline_model_parallel_size", "vpp": f"{TC}.virtual_pipeline_model_parallel_size",
+        "cp": f"{TC}.context_parallel_size", "ep": f"{TC}.expert_model_parallel_size",
+        "micro_batch": "schedule.micro_batch_size", "grad_accum": "schedule.num_microbatches",
+        "global_batch": "schedule.global_batch_size", "seq_len": "schedule.seq_length",
+        "sequence_parallel": f"{TC}.sequence_parallel",
+        "distributed_optimizer": "ddp_config.use_distributed_optimizer",
+        "recompute": f"{TC}.recompute_granularity", "transformer_impl": f"{TC}.transformer_impl",
+        "first_stage_layers": f"{TC}.num_layers_in_first_pipeline_stage",
+        "last_stage_layers": f"{TC}.num_layers_in_last_pipeline_stage",
+        "account_for_embedding_in_pipeline_split": f"{TC}.account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split": f"{TC}.account_for_loss_in_pipeline_split",
+        "optimizer": "optimizer_config.optimizer",
+    }
+    values = {}
+    for name, key in view.items():
+        section, field = key.split(".", 1)
+        values[name] = (key, config[section].get(field))
+    values["vpp"] = (view["vpp"], tc.get("virtual_pipeline_model_parallel_size") or 1)
+    values["recompute"] = (view["recompute"], tc.get("recompute_granularity") or "none")
+    values["optimizer"] = (view["optimizer"], {v: k for k, v in OPTIMIZERS.items()}.get(values["optimizer"][1],
+                                                                                        values["optimizer"][1]))
+    for flag in ("sequence_parallel", "distributed_optimizer", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split"):
+        values[flag] = (view[flag], bool(values[flag][1]))
+    values["precision"] = (f"{TC}.bf16", _precision(tc))
+    values["recompute_modules"] = (f"{TC}.recompute_modules", _modelled_recompute_modules(tc))
+    block = tc.get("recompute_method") == "block"
+    values["recompute_num_layers"] = (f"{TC}.recompute_num_layers", tc.get("recompute_num_layers") if block else None)
+    values["zero"] = ("ddp_config", 0)
+    values["backend"] = ("megatron.yaml", "megatron")
+    return values
+
+
 def _plan_rules(config: dict) -> list[Problem]:
     """The toolkit's own plan rules (toolkit.spec.plan), applied to the numbers in the file."""
     from pydantic import ValidationError
@@ -145,27 +188,14 @@ def _plan_rules(config: dict) -> list[Problem]:
         err = exc.errors()[0]
         message = err["msg"].removeprefix("Value error, ")
         return [Problem(f"{TC}.num_query_groups" if "num_kv_heads" in message else TC, message)]
-    precision = "fp8" if tc.get("fp8") else "bf16" if tc.get("bf16") else "fp16" if tc.get("fp16") else "fp32"
+    options = {name: value for name, (_, value) in megatron_plan_view(config).items()
+               if name not in ("gpus", "dp", "grad_accum")}
+    # an unknown value, or fp8 / CP with the local spec, get the layer-spec rules' own messages below
+    local = tc.get("transformer_impl") == "local" and not (tc.get("fp8") or tc.get("context_parallel_size", 1) > 1)
+    options.update(gpus_per_node=schedule["world_size"], transformer_impl="local" if local else None,
+                   optimizer=options["optimizer"] if options["optimizer"] in OPTIMIZERS else None)
     try:
-        resolve_plan(
-            model, schedule["world_size"], backend="megatron", gpus_per_node=schedule["world_size"],
-            tp=tc.get("tensor_model_parallel_size", 1), pp=tc.get("pipeline_model_parallel_size", 1),
-            vpp=tc.get("virtual_pipeline_model_parallel_size") or 1, cp=tc.get("context_parallel_size", 1),
-            ep=tc.get("expert_model_parallel_size", 1), micro_batch=schedule["micro_batch_size"],
-            global_batch=schedule["global_batch_size"], seq_len=schedule["seq_length"],
-            sequence_parallel=tc.get("sequence_parallel", False),
-            distributed_optimizer=config["ddp_config"].get("use_distributed_optimizer", False),
-            recompute=tc.get("recompute_granularity") or "none", precision=precision,
-            recompute_modules=_modelled_recompute_modules(tc),
-            # an unknown value, or fp8 / CP with the local spec, get the layer-spec rules' own messages below
-            transformer_impl="local" if tc.get("transformer_impl") == "local" and not (
-                tc.get("fp8") or tc.get("context_parallel_size", 1) > 1) else None,
-            recompute_num_layers=tc.get("recompute_num_layers") if tc.get("recompute_method") == "block" else None,
-            first_stage_layers=tc.get("num_layers_in_first_pipeline_stage"),
-            last_stage_layers=tc.get("num_layers_in_last_pipeline_stage"),
-            account_for_embedding_in_pipeline_split=bool(tc.get("account_for_embedding_in_pipeline_split")),
-            account_for_loss_in_pipeline_split=bool(tc.get("account_for_loss_in_pipeline_split")),
-        )
+        resolve_plan(model, schedule["world_size"], **options)
     except UserInputError as exc:
         return [Problem(PLAN_KEYS.get(exc.key, exc.key), exc.message)]
     return []
@@ -248,7 +278,24 @@ def _library_checks(config: dict) -> list[Problem]:
 
 
 def validate_megatron_config(config: dict, world_size: int | None = None) -> list[Problem]:
-    """Every problem of a megatron.yaml dict; `world_size` (the processes to launch) defaults to the file's own."""
+    """Every problem of a megatron.yaml dict; `world_size` (the processes to launch) defaults to the file's own.
+    Megatron-Core's import-time warnings (no Apex, no Transformer Engine on CPU) are held back: the problems are
+    the output."""
+    import logging
+    import warnings
+
+    megatron_log = logging.getLogger("megatron")
+    level = megatron_log.level
+    megatron_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _validate(config, world_size)
+    finally:
+        megatron_log.setLevel(level)
+
+
+def _validate(config: dict, world_size: int | None) -> list[Problem]:
     problems = _structure(config)
     if problems:
         return problems

@@ -154,3 +154,22 @@ def trainer_problems(config: dict, trainer: dict, dp: int, config_path: Path | N
         problems.append(Problem("trainer_args.deepspeed", f"points at {named}, not at the validated {config_path}; "
                                                           f"point it at the file you launch with"))
     return problems
+
+
+def trainer_plan_view(trainer: dict) -> dict[str, tuple[str, object]]:
+    """The plan options HF TrainingArguments state: option -> (the key, its value), for the keys the dict holds."""
+    from toolkit.generate.trainer_args import HF_OPTIMIZERS
+
+    view = {}
+    for name, key in (("micro_batch", "per_device_train_batch_size"), ("grad_accum", "gradient_accumulation_steps")):
+        if key in trainer:
+            view[name] = (key, trainer[key])
+    if "bf16" in trainer or "fp16" in trainer:
+        view["precision"] = ("bf16", "bf16" if trainer.get("bf16") else "fp16" if trainer.get("fp16") else "fp32")
+    for key in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5's name, and the former one
+        if key in trainer:
+            view["recompute"] = (key, "full" if trainer[key] else "none")
+    optimizers = {hf: plan for plan, hf in HF_OPTIMIZERS.items()}
+    if trainer.get("optim") in optimizers:
+        view["optimizer"] = ("optim", optimizers[trainer["optim"]])
+    return view

@@ -1,0 +1,135 @@
+"""A directory `dmt generate` wrote, checked before training runs it: the recipe is the one it was generated from,
+plan.json holds a valid plan that the recipe still gives, and every generated file states that plan.
+
+Training then runs these files as they are (toolkit/train.py --plan DIR/plan.json): a hand edit the files allow, a
+DeepSpeed key the plan does not own say, is honoured; one that changes the plan stops training with one line naming
+the file and the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+from toolkit.generate.files import PLAN_FILE, recipe_settings
+from toolkit.readers import read_json, read_yaml
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan, validated
+from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
+
+
+@dataclass(frozen=True)
+class GeneratedRun:
+    """What training runs: the recipe, the plan of plan.json and the generated files' contents (as on disk)."""
+
+    directory: Path
+    recipe: Recipe
+    model: ModelSpec
+    plan: Plan
+    deepspeed: dict | None = None  # deepspeed.json
+    trainer_args: dict | None = None  # trainer_args.json
+    megatron: dict | None = None  # megatron.yaml
+
+
+def _flatten(data, prefix: str = "") -> dict:
+    if isinstance(data, dict):
+        flat = {}
+        for key, value in data.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat or {prefix.rstrip("."): {}}
+    return {prefix.rstrip("."): data}
+
+
+def _first_difference(recorded: dict, current: dict) -> tuple[str, object, object] | None:
+    then, now = _flatten(recorded), _flatten(current)
+    for key in list(now) + [k for k in then if k not in now]:
+        if then.get(key, "(absent)") != now.get(key, "(absent)"):
+            return key, then.get(key, "(absent)"), now.get(key, "(absent)")
+    return None
+
+
+def _same(a, b) -> bool:
+    return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+
+def _check_recipe(record: dict, recipe: Recipe, plan_path: Path) -> None:
+    difference = _first_difference(record.get("recipe_settings") or {}, recipe_settings(recipe))
+    if difference:
+        key, then, now = difference
+        raise UserInputError(str(plan_path), f"the recipe changed since `dmt generate` wrote it ({key}: {then!r} -> "
+                                             f"{now!r}); run `dmt generate` again")
+
+
+def _check_plan_against_recipe(plan: Plan, recipe: Recipe, model: ModelSpec, record: dict, plan_path: Path) -> None:
+    """Every option the recipe (and the overrides `dmt generate` was given) fixes must be the plan's; with an
+    explicit plan, the whole resolved plan must be."""
+    from toolkit.planner.recipe import recipe_options, recipe_plan
+
+    overrides = record.get("overrides") or {}
+    if recipe.plan.auto:
+        expected = {k: v for k, v in recipe_options(recipe, **overrides).items() if v is not None}
+        expected["gpus"] = recipe.cluster.gpus
+    else:
+        expected = recipe_plan(recipe, model, **overrides).as_dict()
+    stated = plan.as_dict()
+    for name, value in expected.items():
+        if name in stated and not _same(stated[name], value):
+            raise UserInputError(str(plan_path), f"plan.{name} is {stated[name]!r} but the recipe gives {value!r}; "
+                                                 f"run `dmt generate` again (or change the recipe)")
+
+
+def _check_view(path: Path, view: dict, plan: Plan) -> None:
+    stated = plan.as_dict()
+    for name, (key, value) in view.items():
+        if name in stated and not _same(stated[name], value):
+            raise UserInputError(str(path), f"{key} is {value!r} but plan.json says {name} {stated[name]!r}; run "
+                                            f"`dmt generate` again, or edit only what the plan does not set")
+
+
+def read_generated(plan_path: Path, recipe_path: Path | None = None) -> GeneratedRun:
+    """Read and check a generated directory through its plan.json; one UserInputError line on the first problem."""
+    from toolkit.validate.deepspeed import deepspeed_plan_view
+    from toolkit.validate.megatron import megatron_plan_view
+    from toolkit.validate.trainer_args import trainer_plan_view
+
+    plan_path = Path(plan_path)
+    if plan_path.is_dir():
+        plan_path = plan_path / PLAN_FILE
+    record = read_json(plan_path, "--plan", what="the plan.json `dmt generate` writes")
+    if not isinstance(record.get("plan"), dict) or not isinstance(record.get("files"), list):
+        raise UserInputError("--plan", f"{plan_path} is not a plan.json written by `dmt generate` (no plan/files)")
+    recipe_file = recipe_path or record.get("recipe_path")
+    if not recipe_file:
+        raise UserInputError("--recipe", f"{plan_path} names no recipe; pass --recipe")
+    recipe = load_recipe(recipe_file)
+    _check_recipe(record, recipe, plan_path)
+    model = recipe_model(recipe)
+    try:
+        plan = validated(Plan, record["plan"], context={"model": model})
+    except UserInputError as exc:
+        raise UserInputError(f"{plan_path}: plan", f"{exc.key}: {exc.message}") from None
+    _check_plan_against_recipe(plan, recipe, model, record, plan_path)
+    directory = plan_path.parent
+    contents: dict = {}
+    for name in record["files"]:
+        path = directory / name
+        if name == "deepspeed.json":
+            contents["deepspeed"] = read_json(path, what="the DeepSpeed config `dmt generate` writes")
+            _check_view(path, deepspeed_plan_view(contents["deepspeed"]), plan)
+        elif name == "trainer_args.json":
+            contents["trainer_args"] = read_json(path, what="the TrainingArguments `dmt generate` writes")
+            _check_view(path, trainer_plan_view(contents["trainer_args"]), plan)
+        elif name == "megatron.yaml":
+            contents["megatron"] = read_yaml(path, what="the megatron.yaml `dmt generate` writes")
+            _check_megatron_sections(path, contents["megatron"])
+            _check_view(path, megatron_plan_view(contents["megatron"]), plan)
+    return GeneratedRun(directory, recipe, model, plan, **contents)
+
+
+def _check_megatron_sections(path: Path, config: dict) -> None:
+    from toolkit.validate.megatron import validate_megatron_config
+
+    problems = validate_megatron_config(config)
+    if problems:
+        raise UserInputError(str(path), str(problems[0]))
