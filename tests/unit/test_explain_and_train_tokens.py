@@ -76,6 +76,10 @@ def test_explain_states_the_bytes_per_parameter_each_plan_really_pays(capsys):
     megatron = _explain(capsys, *LLAMA_8B, "--backend", "megatron", "--distributed-optimizer")
     assert megatron["model_states"]["bytes_per_param_unsharded"] == pytest.approx(18)
     assert "12 B rule leaves out the fp32 master copy" in megatron["model_states"]["difference"]
+    # offload moves the states, it does not change what a parameter costs: 16 B/param, almost none on the GPU
+    offload = _explain(capsys, *LLAMA_8B, "--zero", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu")
+    assert offload["model_states"]["bytes_per_param_unsharded"] == pytest.approx(16)
+    assert offload["model_states"]["bytes_per_param"] < 1 and "offload" in offload["model_states"]["difference"]
 
 
 def test_explain_numbers_come_from_the_printed_breakdown(capsys):

@@ -56,10 +56,10 @@ def _entry(component: str, value: float, rule: str, thumb: str, thumb_value: flo
 
 
 def replica_plan(plan: Plan) -> Plan:
-    """The same plan on one data-parallel replica: what every parameter costs before ZeRO / distributed-optimizer
-    sharding (experts unsplit, so expert data parallelism is 1 as well)."""
+    """The same plan on one data-parallel replica, nothing offloaded: what every parameter costs before ZeRO /
+    distributed-optimizer sharding and offload (experts unsplit, so expert data parallelism is 1 as well)."""
     return plan.model_copy(update=dict(gpus=plan.model_parallel, dp=1, ep=1, grad_accum=1,
-                                       global_batch=plan.micro_batch))
+                                       global_batch=plan.micro_batch, offload_optimizer="none", offload_params="none"))
 
 
 def explain_estimate(model: ModelSpec, report: dict) -> list[dict]:
@@ -78,9 +78,11 @@ def explain_estimate(model: ModelSpec, report: dict) -> list[dict]:
 
 
 def _sharding(plan: Plan) -> str:
+    experts = f", experts over expert data parallelism = {plan.expert_dp}" if plan.ep > 1 else ""
     if plan.backend == "megatron":
-        return f"distributed optimizer over dp x cp = {plan.dp * plan.cp}" if plan.distributed_optimizer else "none"
-    return f"ZeRO-{plan.zero} over dp = {plan.dp}" if plan.zero else "none (ZeRO-0)"
+        return (f"distributed optimizer over dp x cp = {plan.dp * plan.cp}{experts}" if plan.distributed_optimizer
+                else "none")
+    return f"ZeRO-{plan.zero} over dp = {plan.dp}{experts}" if plan.zero else "none (ZeRO-0)"
 
 
 def _weights(plan, mem, params, per, unsharded) -> dict:
@@ -120,13 +122,14 @@ def _gradients(plan, mem, params, per, unsharded) -> dict:
 def _optimizer(plan, mem, params, per, unsharded) -> dict:
     full = unsharded["optimizer"] * params
     saving = 1 - mem["optimizer"] / full if full else 0.0
-    rule = (f"{plan.optimizer}: {_bpp(unsharded['optimizer'])} (fp32 master copy and moments when training in "
-            f"{plan.precision}); sharding: {_sharding(plan)}")
+    kept = ("its states only: fp32 weights are their own master copy" if plan.precision == "fp32"
+            else f"an fp32 master copy and its states, training in {plan.precision}")
+    rule = f"{plan.optimizer}: {_bpp(unsharded['optimizer'])} ({kept}); sharding: {_sharding(plan)}"
     if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
         why = f"ZeRO-Offload keeps the optimizer states in {plan.offload_optimizer} memory: none on the GPU"
     elif saving > 0:
-        why = (f"sharding keeps 1/{round(1 / (1 - saving))} of the states here: it saves {saving:.0%}, "
-               f"which is 1 - 1/(sharding degree), not a fixed ~{THUMB_ZERO1_SAVING:.0%}")
+        why = (f"sharding keeps {1 - saving:.3g} of the states on this GPU: it saves {saving:.0%}, which is "
+               f"1 - 1/(sharding degree), not a fixed ~{THUMB_ZERO1_SAVING:.0%}")
     else:
         why = "no sharding: every GPU keeps all optimizer states of its parameters"
     return _entry("optimizer", mem["optimizer"], rule,
@@ -139,13 +142,17 @@ def _model_states(plan, mem, params, per, unsharded) -> dict:
     states = mem["weights"] + mem["gradients"] + mem["optimizer"]
     replica_bpp = sum(unsharded.values())
     parts = " + ".join(f"{unsharded[k]:.3g}" for k in ("weights", "gradients", "optimizer"))
-    why = (f"one replica pays {parts} = {replica_bpp:.3g} B/param: the 12 B rule leaves out the fp32 master copy "
-           f"(4 B)")
+    why = f"one replica pays {parts} = {replica_bpp:.3g} B/param: " + (
+        "fp32 training needs no master copy, but keeps 4-byte weights and gradients" if plan.precision == "fp32"
+        else "the 12 B rule leaves out the fp32 master copy (4 B)")
     if replica_bpp > 16:
         why += "; the ZeRO paper's 16 assumes 16-bit gradients, while " + (
             "Megatron-Core keeps fp32 main grads" if plan.backend == "megatron"
             else "DeepSpeed's bf16 ZeRO-0 keeps fp32 gradients")
-    why += f"; after sharding ({_sharding(plan)}) this GPU pays {states / params:.3g} B/param"
+    offloaded = [name for name, where in (("optimizer states", plan.offload_optimizer),
+                                          ("parameters", plan.offload_params)) if where != "none"]
+    why += f"; after sharding ({_sharding(plan)})" + (f" and offload of {' and '.join(offloaded)}" if offloaded else "")
+    why += f" this GPU pays {states / params:.3g} B/param"
     return _entry("model_states", states, f"weights + gradients + optimizer = {_bpp(replica_bpp)} per replica",
                   f"{THUMB_STATE_BYTES[0]} B/param (course) or {THUMB_STATE_BYTES[1]} (ZeRO paper): "
                   f"{_gib(THUMB_STATE_BYTES[0] * params)} / {_gib(THUMB_STATE_BYTES[1] * params)}",
