@@ -6,6 +6,7 @@ import argparse
 import json
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network
+from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
 
 
@@ -13,6 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
     add_network_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_explain_arguments(parser)
 
 
 def estimate_report(args: argparse.Namespace) -> dict:
@@ -33,10 +35,12 @@ def estimate_report(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     report = estimate_report(args)
+    add_extras(report, args)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_report(report)
+        print_extras(report)
     return 0
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
+from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
 
 
@@ -17,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                         help="stacked per-GPU memory of the top plans and of ZeRO 0-3")
     add_network_arguments(parser)
+    add_train_tokens_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     result = search(model, args.gpus, gpu, network, backends, **pinned)
     top = result.ranked[: args.top]
     records = [plan_record(model, c.plan, c.memory, c.time, gpu) for c in top]
+    add_training_time(records, args.train_tokens)
     if args.plot is not None:
         from toolkit.planner.plot import write_memory_plot
 
@@ -81,11 +84,13 @@ def _print_table(model, args, gpu, result, records) -> None:
     console.print(f"[bold]{model.name}[/] on {args.gpus} x {gpu.name}, seq {args.seq_len}, global batch {args.global_batch}: "
                   f"{result.considered} plans considered, {len(result.ranked)} fit")
     table = Table()
-    for col in ("#", "plan", "GiB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"):
+    timed = args.train_tokens is not None
+    for col in ("#", "plan", "GiB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU") + (("days", "GPU-h") if timed else ()):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for rank, r in enumerate(records, 1):
         table.add_row(str(rank), plan_label(Plan(**r["plan"])), f"{r['memory_bytes']['total'] / GiB:.1f}",
-                      f"{r['step_time_s']:.3g}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.0f}", f"{r['mfu']:.1%}")
+                      f"{r['step_time_s']:.3g}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.0f}", f"{r['mfu']:.1%}",
+                      *((f"{r['training_time']['days']:,.1f}", f"{r['training_time']['gpu_hours']:,.0f}") if timed else ()))
     console.print(table)
     rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
     console.print(f"rejected: {rejected}")

@@ -1,0 +1,44 @@
+"""`dmt estimate --explain` and `--train-tokens`: what they add to the record, and the explanation as plain text."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, training_time_line
+
+
+def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    add_train_tokens_argument(parser)
+    parser.add_argument("--explain", action="store_true",
+                        help="for each component: the rule used, its source, and how it differs from the rule of "
+                             "thumb (with --json: an `explain` list)")
+
+
+def add_extras(report: dict, args: argparse.Namespace) -> None:
+    """training_time and explain, each only when its flag is given (the JSON is unchanged otherwise)."""
+    add_training_time([report], args.train_tokens)
+    if args.explain:
+        from toolkit.estimate.explain import explain_estimate
+        from toolkit.spec.model import load_model_spec
+
+        report["explain"] = explain_estimate(load_model_spec(args.model), report)
+
+
+def print_extras(report: dict) -> None:
+    if "training_time" in report:
+        print(training_time_line(report))
+    if "explain" in report:
+        print(explain_text(report["explain"]))
+
+
+def explain_text(entries: list[dict], width: int = 110) -> str:
+    """Plain text, wrapped but never cut: every value whole whether printed to a terminal or a pipe."""
+    lines = ["", "Why these numbers"]
+    for entry in entries:
+        lines.append(f"{entry['component']}:")
+        for label in ("rule", "rule_of_thumb", "difference", "source"):
+            text = f"{label.replace('_', ' ')}: {entry[label]}"
+            lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines)

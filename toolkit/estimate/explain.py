@@ -1,0 +1,229 @@
+"""Why each number of `dmt estimate` is what it is: the rule, its source, and where it parts from the rule of thumb.
+
+Every figure here is read off the breakdown the estimate prints (the `--json` record) or recomputed by the same
+estimator on one data-parallel replica of the plan (its bytes per parameter before ZeRO / distributed-optimizer
+sharding); nothing is a second copy of a byte rule. The rules of thumb are those of the course material:
+12 bytes per parameter for mixed-precision Adam (16 in the ZeRO paper), "ZeRO-1 saves ~60% of optimizer memory",
+activations ~2·b·s·h·L bytes, and training time 6·N·D FLOPs at the GPU's peak.
+"""
+
+from __future__ import annotations
+
+from toolkit.estimate.activations import head_bytes_per_token
+from toolkit.estimate.flops import model_flops_per_token, six_n_flops_per_token
+from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
+from toolkit.estimate.training_time import SECONDS_PER_DAY
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import PRECISION_BYTES, Plan
+
+GiB = 1024**3
+THUMB_STATE_BYTES = (12, 16)  # the course's mixed-precision Adam rule, and the ZeRO paper's 2 + 2 + 12
+THUMB_ZERO1_SAVING = 0.60
+THUMB_ACTIVATION_BYTES = 2  # per token, hidden unit and layer: one 16-bit copy of each layer's input
+SOURCES = {
+    "weights": "ZeRO (Rajbhandari et al., arXiv:1910.02054) Sec. 3-5; Transformer Engine's fp8 weight cache; "
+               "toolkit/estimate/memory.py",
+    "gradients": "DeepSpeed deepspeed/runtime/bf16_optimizer.py (fp32 gradients at ZeRO-0) and "
+                 "deepspeed/runtime/zero/stage_1_and_2.py (grads_in_partition); Megatron-Core "
+                 "distributed/param_and_grad_buffer.py (fp32 main grads); measured on real 2-rank runs",
+    "optimizer": "ZeRO arXiv:1910.02054 (K = 12 for mixed-precision Adam); Megatron-LM "
+                 "docs/source/api-guide/dist_optimizer.md; toolkit/estimate/memory.py OPTIMIZER_BYTES",
+    "model_states": "ZeRO arXiv:1910.02054 Sec. 3.1 (2 + 2 + 12 = 16 B/param); this estimator on one data-parallel "
+                    "replica of the plan",
+    "activations": "toolkit/estimate/activations.py, tensor by tensor, checked with torch saved_tensors_hooks "
+                   "(tests/unit/test_activation_measurement.py, tests/megatron/test_megatron_recompute.py); "
+                   "Korthikanti et al. arXiv:2205.05198 Sec. 4",
+    "overhead": "toolkit/estimate/memory.py: CUDA context, DeepSpeed bucket defaults "
+                "(deepspeed/runtime/zero/config.py), allocator margin",
+    "step_time": "toolkit/estimate/timing.py (per-layer FLOPs, GEMM efficiency, exposed communication, bubble); "
+                 "accuracy against published runs: benchmarks/step_time_accuracy.md; Megatron-LM arXiv:2104.04473 Eq. 3",
+}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _bpp(n: float) -> str:
+    return f"{n:.3g} B/param"
+
+
+def _entry(component: str, value: float, rule: str, thumb: str, thumb_value: float | None, difference: str,
+           **numbers) -> dict:
+    return {"component": component, "bytes" if component != "step_time" else "seconds": value, "rule": rule,
+            "source": SOURCES.get(component, SOURCES["step_time"]), "rule_of_thumb": thumb,
+            "rule_of_thumb_value": thumb_value, "difference": difference, **numbers}
+
+
+def replica_plan(plan: Plan) -> Plan:
+    """The same plan on one data-parallel replica, nothing offloaded: what every parameter costs before ZeRO /
+    distributed-optimizer sharding and offload (experts unsplit, so expert data parallelism is 1 as well)."""
+    return plan.model_copy(update=dict(gpus=plan.model_parallel, dp=1, ep=1, grad_accum=1,
+                                       global_batch=plan.micro_batch, offload_optimizer="none", offload_params="none"))
+
+
+def explain_estimate(model: ModelSpec, report: dict) -> list[dict]:
+    """One entry per component of a `dmt estimate --json` record: rule, source, rule of thumb and the difference."""
+    plan = Plan.model_validate(report["plan"])
+    mem, params = report["memory_bytes"], report["params_per_gpu"]
+    replica = estimate_memory(model, replica_plan(plan))
+    per = {k: mem[k] / params for k in ("weights", "gradients", "optimizer")}
+    unsharded = {k: getattr(replica, k) / replica.params_on_gpu for k in ("weights", "gradients", "optimizer")}
+    entries = [_weights(plan, mem, params, per, unsharded), _gradients(plan, mem, params, per, unsharded),
+               _optimizer(plan, mem, params, per, unsharded), _model_states(plan, mem, params, per, unsharded),
+               _activations(model, plan, report), _overhead(report), _step_time(model, report)]
+    if "training_time" in report:
+        entries.append(_training_time(model, report))
+    return entries
+
+
+def _sharding(plan: Plan) -> str:
+    experts = f", experts over expert data parallelism = {plan.expert_dp}" if plan.ep > 1 else ""
+    if plan.backend == "megatron":
+        return (f"distributed optimizer over dp x cp = {plan.dp * plan.cp}{experts}" if plan.distributed_optimizer
+                else "none")
+    return f"ZeRO-{plan.zero} over dp = {plan.dp}{experts}" if plan.zero else "none (ZeRO-0)"
+
+
+def _weights(plan, mem, params, per, unsharded) -> dict:
+    w = PRECISION_BYTES[plan.precision]
+    rule = f"{_bpp(unsharded['weights'])} ({plan.precision} parameters"
+    rule += ", plus Transformer Engine's 1-byte fp8 copy of each weight)" if plan.precision == "fp8" else ")"
+    why = "same as the rule of thumb"
+    if plan.backend == "deepspeed" and plan.zero == 3:
+        why = f"ZeRO-3 keeps 1/{plan.dp} of the parameters on each GPU and gathers the rest layer by layer"
+        if plan.offload_params != "none":
+            why = f"ZeRO-3 parameter offload keeps them in {plan.offload_params} memory, not on the GPU"
+    elif unsharded["weights"] != 2:
+        why = f"{plan.precision} keeps {unsharded['weights']:.3g} bytes per parameter, not 2"
+    return _entry("weights", mem["weights"], rule, f"2 B/param (one 16-bit copy): {_gib(2 * params)}", 2 * params,
+                  why, bytes_per_param=per["weights"], params_on_gpu=params, bytes_per_param_unsharded=unsharded["weights"])
+
+
+def _gradients(plan, mem, params, per, unsharded) -> dict:
+    if plan.backend == "megatron":
+        rule = "fp32 main-grad buffers (grad_reduce_in_fp32), one per parameter"
+        why = "Megatron-Core accumulates and reduces gradients in fp32: 4 B/param, twice the 16-bit rule"
+    elif plan.zero == 0:
+        fp32 = plan.precision == "bf16"
+        rule = ("fp32 gradients: DeepSpeed's BF16_Optimizer accumulates into fp32 at ZeRO-0" if fp32
+                else f"gradients in the weights' dtype ({plan.precision})")
+        why = "bf16 at ZeRO-0 pays 4 B/param, not 2" if fp32 else "same per parameter; nothing partitioned"
+    else:
+        rule = f"16-bit gradient partition: 1/{plan.dp} per GPU from ZeRO-1 on"
+        why = (f"the textbook ZeRO-1 partitions only optimizer states; DeepSpeed's ZeRO-1 copies just this rank's "
+               f"gradient partition (contiguous_gradients), as measured, so gradients cost 1/{plan.dp} here"
+               if plan.zero == 1 else f"ZeRO-{plan.zero} partitions gradients over dp = {plan.dp}")
+    return _entry("gradients", mem["gradients"], f"{_bpp(unsharded['gradients'])} unsharded; {rule}",
+                  f"2 B/param (16-bit gradients): {_gib(2 * params)}", 2 * params, why,
+                  bytes_per_param=per["gradients"], bytes_per_param_unsharded=unsharded["gradients"])
+
+
+def _optimizer(plan, mem, params, per, unsharded) -> dict:
+    full = unsharded["optimizer"] * params
+    saving = 1 - mem["optimizer"] / full if full else 0.0
+    kept = ("its states only: fp32 weights are their own master copy" if plan.precision == "fp32"
+            else f"an fp32 master copy and its states, training in {plan.precision}")
+    rule = f"{plan.optimizer}: {_bpp(unsharded['optimizer'])} ({kept}); sharding: {_sharding(plan)}"
+    if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
+        why = f"ZeRO-Offload keeps the optimizer states in {plan.offload_optimizer} memory: none on the GPU"
+    elif saving > 0:
+        why = (f"sharding keeps {1 - saving:.3g} of the states on this GPU: it saves {saving:.0%}, which is "
+               f"1 - 1/(sharding degree), not a fixed ~{THUMB_ZERO1_SAVING:.0%}")
+    else:
+        why = "no sharding: every GPU keeps all optimizer states of its parameters"
+    return _entry("optimizer", mem["optimizer"], rule,
+                  f"'ZeRO-1 saves ~{THUMB_ZERO1_SAVING:.0%} of optimizer memory'", full * (1 - THUMB_ZERO1_SAVING),
+                  why, bytes_per_param=per["optimizer"], bytes_per_param_unsharded=unsharded["optimizer"],
+                  saving_vs_unsharded=saving)
+
+
+def _model_states(plan, mem, params, per, unsharded) -> dict:
+    states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+    replica_bpp = sum(unsharded.values())
+    parts = " + ".join(f"{unsharded[k]:.3g}" for k in ("weights", "gradients", "optimizer"))
+    why = f"one replica pays {parts} = {replica_bpp:.3g} B/param: " + (
+        "fp32 training needs no master copy, but keeps 4-byte weights and gradients" if plan.precision == "fp32"
+        else "the 12 B rule leaves out the fp32 master copy (4 B)")
+    if replica_bpp > 16:
+        why += "; the ZeRO paper's 16 assumes 16-bit gradients, while " + (
+            "Megatron-Core keeps fp32 main grads" if plan.backend == "megatron"
+            else "DeepSpeed's bf16 ZeRO-0 keeps fp32 gradients")
+    offloaded = [name for name, where in (("optimizer states", plan.offload_optimizer),
+                                          ("parameters", plan.offload_params)) if where != "none"]
+    why += f"; after sharding ({_sharding(plan)})" + (f" and offload of {' and '.join(offloaded)}" if offloaded else "")
+    why += f" this GPU pays {states / params:.3g} B/param"
+    return _entry("model_states", states, f"weights + gradients + optimizer = {_bpp(replica_bpp)} per replica",
+                  f"{THUMB_STATE_BYTES[0]} B/param (course) or {THUMB_STATE_BYTES[1]} (ZeRO paper): "
+                  f"{_gib(THUMB_STATE_BYTES[0] * params)} / {_gib(THUMB_STATE_BYTES[1] * params)}",
+                  THUMB_STATE_BYTES[1] * params, why, bytes_per_param=states / params,
+                  bytes_per_param_unsharded=replica_bpp)
+
+
+def _activations(model: ModelSpec, plan: Plan, report: dict) -> dict:
+    setup = activation_setup(model, plan)
+    alive, _ = alive_forwards(model, plan, report["most_loaded_stage"])
+    tokens, h = setup.tokens, model.hidden_size
+    last = report["most_loaded_stage"] == plan.pp - 1
+    head = int(head_bytes_per_token(model, setup) * tokens) if last else 0
+    layer_bytes = report["memory_bytes"]["activations"] - head
+    per_unit = layer_bytes / (tokens * h * len(alive)) if alive else 0.0
+    thumb = THUMB_ACTIVATION_BYTES * tokens * h * len(alive)
+    rule = (f"what autograd saves, tensor by tensor, for {len(alive)} layer forward(s) in flight on this GPU "
+            f"(b·s = {tokens} tokens per micro-batch); recompute={plan.recompute}")
+    if plan.recompute == "full":
+        why = ("full recomputation keeps only each layer's 16-bit input, which is the 2·b·s·h·L rule, plus one "
+               "layer's working set during backward")
+    else:
+        why = (f"without full recomputation every layer keeps its norms' inputs and outputs, q, k, v, the attention "
+               f"output and the MLP's ffn-wide tensors (ffn = {model.ffn_hidden_size / h:.2g}·h)")
+        if plan.tp > 1:
+            why += f", divided by tp = {plan.tp}" + (" (norms too, with sequence parallelism)"
+                                                   if plan.sequence_parallel else "")
+    why += f": ~{per_unit:.3g} bytes per token per hidden unit per layer, not {THUMB_ACTIVATION_BYTES}"
+    if head:
+        why += f"; the last stage also holds the fp32 logits ({_gib(head)}), which the rule leaves out"
+    return _entry("activations", report["memory_bytes"]["activations"], rule,
+                  f"2·b·s·h·L = 2 x {tokens} x {h} x {len(alive)} = {_gib(thumb)}", thumb, why,
+                  bytes_per_token_hidden_layer=per_unit, layer_forwards_alive=len(alive), logits_bytes=head)
+
+
+def _overhead(report: dict) -> dict:
+    detail = report["overhead_bytes"]
+    total = report["memory_bytes"]["total"]
+    items = ", ".join(f"{k} {_gib(v)}" for k, v in detail.items())
+    return _entry("overhead", report["memory_bytes"]["overhead"], items,
+                  "usually left out", 0,
+                  f"{report['memory_bytes']['overhead'] / total:.0%} of this GPU's total: memory outside the "
+                  f"tensors (CUDA context, communication buckets, the allocator's fragmentation) still has to fit")
+
+
+def _step_time(model: ModelSpec, report: dict) -> dict:
+    plan = report["plan"]
+    tokens_per_step = plan["global_batch"] * plan["seq_len"]
+    peak = report["tflops_per_gpu"] * 1e12 / report["mfu"] if report["mfu"] else 0.0
+    six_n = six_n_flops_per_token(model)
+    ideal = six_n * tokens_per_step / (plan["gpus"] * peak) if peak else 0.0
+    flops_ratio = model_flops_per_token(model, plan["seq_len"]) / six_n
+    breakdown = report["step_time_breakdown_s"]
+    total = report["step_time_s"]
+    shares = ", ".join(f"{k[:-2]} {v / total:.0%}" for k, v in breakdown.items() if v > 0)
+    return _entry("step_time", total, f"{total:.3g} s per step: {shares}",
+                  f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,
+                  f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {plan['seq_len']} tokens adds to 6·N); "
+                  f"GEMMs reach a size-dependent share of peak; communication, pipeline bubble, recomputation and "
+                  f"the optimizer step add time: MFU {report['mfu']:.1%}", seconds_at_peak=ideal, flops_vs_6n=flops_ratio)
+
+
+def _training_time(model: ModelSpec, report: dict) -> dict:
+    t, plan = report["training_time"], report["plan"]
+    peak = report["tflops_per_gpu"] * 1e12 / report["mfu"] if report["mfu"] else 0.0
+    ideal_days = six_n_flops_per_token(model) * t["tokens"] / (plan["gpus"] * peak) / SECONDS_PER_DAY if peak else 0.0
+    return _entry("training_time", t["days"] * SECONDS_PER_DAY,
+                  f"{t['steps']:,} steps x {report['step_time_s']:.3g} s = {t['days']:,.1f} days, "
+                  f"{t['gpu_hours']:,.0f} GPU-hours",
+                  f"6·N·D at 100% of peak: {ideal_days:,.1f} days on these {plan['gpus']} GPUs "
+                  f"({ideal_days * plan['gpus']:,.0f} days on one)", ideal_days * SECONDS_PER_DAY,
+                  f"no run reaches peak: at the predicted MFU of {report['mfu']:.1%} it takes "
+                  f"{t['days'] / ideal_days if ideal_days else 0:.2g} x the ideal; check a quoted '<N> days' "
+                  f"against the one-GPU figure above", days=t["days"], days_at_peak=ideal_days)

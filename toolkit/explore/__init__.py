@@ -1,0 +1,1 @@
+"""`dmt explore`: the estimator and planner behind a local web page (a JSON API and static assets)."""

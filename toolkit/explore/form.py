@@ -1,0 +1,133 @@
+"""The page's form and the API's request keys, both read off the argparse parsers the CLI verbs build.
+
+A request key is a long flag with dashes as underscores (`--seq-len` -> `seq_len`). Nothing here lists option
+names: a flag added to `dmt estimate` or `dmt plan` becomes a form field and a request key by itself. Options that
+name a file (argparse type Path) are refused, as the page must not read or write outside a temp directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+
+ALWAYS = "json"  # the API answers with what `--json` prints, so it is always on and not a field
+PASTED_MODEL_DIR = "pasted-config"  # the model name a pasted config.json gets (its directory's name)
+
+
+@lru_cache(maxsize=None)
+def verb_parser(verb: str) -> argparse.ArgumentParser:
+    """The parser `dmt <verb>` builds (toolkit.cli.<verb>.add_arguments), on its own."""
+    from toolkit.cli.main import VERBS, _Parser
+
+    parser = _Parser(prog=f"dmt {verb}")
+    importlib.import_module(VERBS[verb][0]).add_arguments(parser)
+    return parser
+
+
+def _key(action: argparse.Action) -> str | None:
+    long_flags = [s for s in action.option_strings if s.startswith("--")]
+    return long_flags[0][2:].replace("-", "_") if long_flags else None
+
+
+def _reads_files(action: argparse.Action) -> bool:
+    return action.type is Path or isinstance(action.type, argparse.FileType)
+
+
+def options(verb: str) -> dict[str, argparse.Action]:
+    """Request key -> argparse action, for every option of the verb the page may set."""
+    found = {}
+    for action in verb_parser(verb)._actions:
+        key = _key(action)
+        if key is None or key == ALWAYS or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        if not _reads_files(action):
+            found[key] = action
+    return found
+
+
+def _kind(action: argparse.Action) -> str:
+    if action.nargs == 0 and action.const is True:  # store_true
+        return "checkbox"
+    if action.choices is not None:
+        return "select"
+    if action.type in (int, float):
+        return "number"
+    return "text"
+
+
+def _help(action: argparse.Action) -> str:
+    text = action.help or ""
+    return text.replace("%(default)s", str(action.default)).replace("%%", "%")
+
+
+def form_fields(verb: str) -> list[dict]:
+    """One field per option, in the parser's order: choices -> select, store_true -> checkbox, int -> number."""
+    fields = []
+    for key, action in options(verb).items():
+        kind = _kind(action)
+        fields.append({
+            "key": key,
+            "flag": "--" + key.replace("_", "-"),
+            "kind": kind,
+            "choices": list(action.choices) if action.choices is not None else None,
+            "step": 1 if action.type is int else "any" if action.type is float else None,
+            "default": action.default if kind == "checkbox" or action.default is None
+            or isinstance(action.default, (int, float, str)) else str(action.default),
+            "required": bool(action.required),
+            "help": _help(action),
+            "metavar": action.metavar if isinstance(action.metavar, str) else None,
+        })
+    return fields
+
+
+def request_argv(verb: str, request: dict, workdir: Path) -> list[str]:
+    """The command line `dmt <verb> ... --json` that a request stands for. A pasted config.json is written under
+    `workdir` (a temp dir); presets are passed by their packaged path, so no other file is read."""
+    if not isinstance(request, dict):
+        raise UserInputError("request", "expected a JSON object of options, e.g. {\"model\": \"llama-3.1-8b\"}")
+    accepted = options(verb)
+    argv = [verb]
+    for key, value in request.items():
+        action = accepted.get(key)
+        if action is None:
+            raise UserInputError(f"--{key.replace('_', '-')}", f"not an option of dmt {verb} the page can set; "
+                                                               f"valid: {', '.join(accepted)}")
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        if value is None or value == "":
+            continue
+        if _kind(action) == "checkbox":
+            if not isinstance(value, bool):
+                raise UserInputError(flag, f"expects true or false, got {value!r}")
+            argv += [flag] if value else []
+        elif key == "model":
+            argv += [flag, model_argument(value, workdir)]
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            argv += [flag, text]
+    return argv + [f"--{ALWAYS}"]
+
+
+def model_argument(value, workdir: Path) -> str:
+    """--model for the CLI: a preset's packaged config, or the pasted config.json written into workdir."""
+    from toolkit.spec.model import PRESET_DIR, preset_names
+
+    if isinstance(value, str) and value.strip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UserInputError("--model", f"the pasted config.json is not valid JSON ({exc})") from None
+    if isinstance(value, dict):
+        directory = workdir / PASTED_MODEL_DIR
+        directory.mkdir(exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(value))
+        return str(directory)
+    if isinstance(value, str) and value in preset_names():
+        return str(PRESET_DIR / f"{value}.json")
+    raise UserInputError("--model", f"the page takes a preset or a pasted HF config.json (files and hub ids: "
+                                    f"`dmt estimate` on the command line), got {value!r}; presets: "
+                                    f"{', '.join(preset_names())}")
