@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # a stale lock left in ~/.cache/torch_extensions by a process killed mid-compile.
 RUN_ENV := PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: demo test venv clean
+.PHONY: demo test check venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -rfE --durations=15 tests
+
+# The fast lane: every test that starts no launcher, server, browser or Slurm (marker `launch`), in under 3 minutes.
+check: $(STAMP)
+	$(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -rfE -m "not launch" --durations=5 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

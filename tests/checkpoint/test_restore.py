@@ -16,7 +16,7 @@ from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 
 
 @pytest.mark.parametrize("zero", [2, 3])

@@ -8,7 +8,7 @@ import torch
 from toolkit.checkpoint.manifest import point_latest, resolve_latest, write_manifest
 from toolkit.cli.main import main
 
-pytestmark = pytest.mark.distributed  # uses the real DeepSpeed checkpoints of conftest.py
+pytestmark = pytest.mark.launch  # uses the real DeepSpeed checkpoints of conftest.py
 
 RANK1 = "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 

@@ -8,7 +8,7 @@ import torch
 from toolkit.checkpoint import zero_to_hf
 from toolkit.cli.main import main
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 
 
 def _reference(ckpt) -> dict:

@@ -23,7 +23,7 @@ from toolkit.estimate.memory import estimate_memory
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 
 PROBE = Path(__file__).resolve().parent / "zero_probe.py"
 VENV_BIN = Path(sys.executable).parent

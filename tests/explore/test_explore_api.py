@@ -169,6 +169,7 @@ def test_bad_explore_flags_exit_2_in_one_line(tmp_path):
     assert code == 2 and "--model" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.launch
 def test_binding_every_interface_prints_a_warning():
     process = subprocess.Popen([sys.executable, "-m", "toolkit", "explore", "--host", "0.0.0.0", "--port", "0"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -212,7 +212,7 @@ def test_bad_input_is_one_line_and_exit_2(flags, named):
 
 # ---- real ranks ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_two_local_ranks_are_healthy(tmp_path):
     out = tmp_path / "health.json"
     result = subprocess.run([*DMT, "health", "--nproc", "2", "--sizes", "1K,1M,4M", "--output", str(out), *CALM],
@@ -234,7 +234,7 @@ def test_two_local_ranks_are_healthy(tmp_path):
     assert report["links"][0]["gbps"] > 0 and all(r["matmul_ms"] > 0 and r["pid"] for r in report["ranks"])
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_under_torchrun():
     cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "toolkit", "health", "--json", "--sizes", "1K,1M", *CALM]
@@ -244,7 +244,7 @@ def test_under_torchrun():
     assert report["ranks"][1]["local_world_size"] == 2
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_under_an_srun_environment_where_rank_0_hosts_the_store():
     """Two tasks as srun starts them (SLURM_* and MASTER_ADDR/PORT, no launcher agent holding a store)."""
     port = str(free_port())
@@ -260,7 +260,7 @@ def test_under_an_srun_environment_where_rank_0_hosts_the_store():
     assert report["world_size"] == 2 and report["ranks"][1]["local_world_size"] == 2 and outputs[1] == ""
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_two_nodes_measure_inter_node_bandwidth(tmp_path):
     """Two torchrun 'nodes' on this machine, told apart by DMT_HEALTH_HOSTNAME: the link between them is inter-node."""
     port = str(free_port())
@@ -293,7 +293,7 @@ def _report(stdout: str) -> dict:
     return json.loads(stdout[stdout.index("{"):])
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank1", "rank0-the-reporter"])
 def test_a_stopped_rank_is_named_unresponsive_within_the_deadline(tmp_path, stopped):
     deadline = 4.0
@@ -331,7 +331,7 @@ def _freeze_main_thread(pid: int) -> None:
             pytest.skip(f"ptrace refused (errno {ctypes.get_errno()})")
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_a_rank_stuck_before_a_collective_is_named_while_its_heartbeat_runs(tmp_path):
     process, pids = _start(tmp_path, DMT, "--nproc", "2", "--deadline-s", "5", "--matmul-seconds", "0.5",
                            "--sizes", "1K,64K,1M,4M", "--iters", "20")
@@ -354,7 +354,7 @@ def test_a_rank_stuck_before_a_collective_is_named_while_its_heartbeat_runs(tmp_
     assert time.monotonic() - started < 5 + 10
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_a_rank_throttled_from_outside_is_a_straggler(tmp_path):
     """Throttle rank 1 the way a CPU quota does: stopped 85% of every 100 ms, by this test, not by a flag."""
     process, pids = _start(tmp_path, DMT, "--nproc", "2", "--matmul-seconds", "3", "--sizes", "1K", "--deadline-s", "20")
@@ -383,7 +383,7 @@ def test_a_rank_throttled_from_outside_is_a_straggler(tmp_path):
     assert process.returncode == 1 and report["unresponsive"] == [] and any("straggler" in p for p in report["problems"])
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_a_dead_rank_is_reported_not_hung_on(tmp_path, launcher):
     if launcher == "spawn":

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_helpers import BIN, STEPS
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 HERE = Path(__file__).resolve().parent
 ROUND_TRIPS = ["llama:2:1", "llama:1:2", "llama:2:2", "mistral:2:2", "qwen2:2:2", "qwen3:2:2", "mixtral:2:2",
                "gpt2:2:2"]

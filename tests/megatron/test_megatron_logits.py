@@ -7,7 +7,7 @@ import pytest
 
 from megatron_helpers import STEPS
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 SCRIPT = Path(__file__).resolve().parent / "mcore_logits.py"
 
 

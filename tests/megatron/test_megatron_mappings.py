@@ -108,7 +108,7 @@ def test_every_family_declares_its_weights():
         assert mapping.family == family and mapping.weights, family
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_hf_checkpoints_give_megatron_core_the_same_logits_through_the_tables(torchrun):
     """llama (also llama3 rope scaling and tied embeddings), mistral, qwen2 (q/k/v biases), qwen3 (q/k norms),
     mixtral (MoE router and experts) and gpt2 (Conv1D, fused c_attn, learned positions, LayerNorm, biases)."""

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_helpers import TINY_MEGATRON
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 SCRIPT = Path(__file__).resolve().parent / "mcore_recompute.py"
 
 

@@ -11,7 +11,7 @@ from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 
 
 def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys):

@@ -9,7 +9,7 @@ from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s", "data_sha"}
 LAYOUTS = {"tp2": dict(tp=2, pp=1, dp=1, distributed_optimizer=False),
            "pp2": dict(tp=1, pp=2, dp=1, distributed_optimizer=False),

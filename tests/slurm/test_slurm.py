@@ -148,7 +148,7 @@ def _submit(slurm, recipe: Path, out: Path, capsys, *flags: str) -> str:
     return capsys.readouterr().out.strip()
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_submitted_job_runs_preflight_trains_and_checkpoints(slurm, tmp_path, capsys):
     out = tmp_path / "run"
     job_id = _submit(slurm, _recipe(tmp_path, 2, 2), out, capsys)
@@ -161,7 +161,7 @@ def test_submitted_job_runs_preflight_trains_and_checkpoints(slurm, tmp_path, ca
     assert resolve_latest(out).name == "checkpoint-30"
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
 def test_accelerate_and_deepspeed_launchers_train_under_slurm(slurm, tmp_path, capsys, launcher):
     """The other launch templates on the real Slurm: `accelerate launch` with the generated accelerate.yaml, and
@@ -183,7 +183,7 @@ def test_accelerate_and_deepspeed_launchers_train_under_slurm(slurm, tmp_path, c
         assert (out / "hostfile").read_text().strip().endswith("slots=2")
 
 
-@pytest.mark.distributed
+@pytest.mark.launch
 def test_usr1_saves_requeues_and_the_next_run_resumes(slurm, tmp_path, capsys):
     out = tmp_path / "run"
     recipe = _recipe(tmp_path, 2, 2, max_steps=60, save_steps=1000)

@@ -14,7 +14,7 @@ from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s"}
 STEPS = 20  # enough for the tiny corpus's loss to fall clearly, few enough for a loaded 2-core machine
 # A generated DeepSpeed JSON carries the recipe's schedule (total_num_steps 30): a launch with it keeps max_steps,
