@@ -30,8 +30,8 @@ def megatron_logits(hf_config: dict, hf_state: dict, tokens):
     """Logits of Megatron-Core's GPTModel (TP=1, local spec) holding the HF weights, mapped by the tables."""
     import torch
 
+    from toolkit.families import megatron_fields, megatron_mapping
     from toolkit.runtime.megatron_build import build_model_chunks, initialize_parallel, transformer_config
-    from toolkit.mappings import megatron_fields, to_megatron_state_dict
 
     sections = megatron_fields(hf_config)
     config = {
@@ -44,7 +44,8 @@ def megatron_logits(hf_config: dict, hf_state: dict, tokens):
     }
     initialize_parallel(config)
     model = build_model_chunks(config, transformer_config(config))[0].eval()
-    missing, unexpected = model.load_state_dict(to_megatron_state_dict(hf_config, hf_state), strict=False)
+    state = megatron_mapping(hf_config["model_type"]).to_megatron_state_dict(hf_config, hf_state)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():

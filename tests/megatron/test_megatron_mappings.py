@@ -8,21 +8,13 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import UserInputError
-from toolkit.mappings import (
-    FAMILY_MODULES,
-    hf_fields,
-    mapping_for,
-    megatron_fields,
-    merge_gated,
-    merge_qkv,
-    split_gated,
-    split_qkv,
-)
+from toolkit.families import FAMILIES, MAPPED, megatron_fields, megatron_mapping
+from toolkit.families.mapping import merge_gated, merge_qkv, split_gated, split_qkv
 from toolkit.spec.model import PRESET_DIR, load_model_spec
 
 SCRIPT = Path(__file__).resolve().parent / "mcore_vs_hf.py"
 MAPPED_PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.json")
-                        if json.loads(p.read_text())["model_type"] in FAMILY_MODULES)
+                        if json.loads(p.read_text())["model_type"] in MAPPED)
 
 
 @pytest.mark.parametrize("heads, groups", [(8, 2), (4, 4), (6, 1)])
@@ -80,7 +72,7 @@ def test_every_mapped_preset_reads_the_same_through_the_table_and_the_model_spec
 def test_the_config_table_reads_both_ways(preset):
     hf = json.loads((PRESET_DIR / f"{preset}.json").read_text())
     sections = megatron_fields(hf)
-    back = hf_fields(hf["model_type"], sections)
+    back = megatron_mapping(hf["model_type"]).hf_fields(hf["model_type"], sections)
     assert back["architectures"] == hf["architectures"]
     assert megatron_fields({**hf, **back}) == sections
     assert {k: v for k, v in back.items() if k in hf and k != "architectures"} == \
@@ -103,9 +95,8 @@ def test_settings_megatron_core_cannot_express_are_refused(change, key, says):
 
 
 def test_every_family_declares_its_weights():
-    for family in FAMILY_MODULES:
-        mapping = mapping_for(family)
-        assert mapping.family == family and mapping.weights, family
+    for family in MAPPED:
+        assert FAMILIES[family].model_type == family and megatron_mapping(family).weights, family
 
 
 @pytest.mark.launch

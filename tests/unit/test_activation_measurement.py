@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from toolkit.estimate.measure import saved_activation_bytes  # noqa: E402
 from toolkit.estimate.memory import estimate_memory  # noqa: E402
-from toolkit.spec.hf_families import spec_from_hf_config  # noqa: E402
+from toolkit.spec.model import spec_from_hf_dict  # noqa: E402
 from toolkit.spec.plan import resolve_plan  # noqa: E402
 
 SHAPES = [  # (batch, seq, hidden, heads, kv heads, ffn, vocab)
@@ -37,7 +37,7 @@ def test_activation_estimate_within_10_percent_of_saved_tensors(family, shape, a
     ids = torch.randint(0, vocab, (batch, seq))
     measured = saved_activation_bytes(model, input_ids=ids, labels=ids)
 
-    spec = spec_from_hf_config(config, family)
+    spec = spec_from_hf_dict(config.to_dict(), family, filled=True)
     plan = resolve_plan(spec, 1, zero=0, micro_batch=batch, seq_len=seq, precision=precision, attention=attention)
     estimated = estimate_memory(spec, plan).activations
     assert estimated == pytest.approx(measured, rel=0.10), f"estimated {estimated}, measured {measured}"
@@ -45,7 +45,7 @@ def test_activation_estimate_within_10_percent_of_saved_tensors(family, shape, a
 
 def test_eager_attention_costs_the_s_squared_term_and_sdpa_does_not():
     config = _config("llama", 128, 8, 2, 352, 1000)
-    spec = spec_from_hf_config(config, "llama")
+    spec = spec_from_hf_dict(config.to_dict(), "llama", filled=True)
     short = {a: estimate_memory(spec, resolve_plan(spec, 1, zero=0, seq_len=256, attention=a)).activations for a in ("sdpa", "eager")}
     long = {a: estimate_memory(spec, resolve_plan(spec, 1, zero=0, seq_len=1024, attention=a)).activations for a in ("sdpa", "eager")}
     assert long["sdpa"] == pytest.approx(4 * short["sdpa"], rel=0.01)  # linear in s

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "toolkit"
 LAYERS = (
     ("toolkit", "errors", "presets"),
     ("readers",),
-    ("families", "mappings"),
+    ("families",),
     ("spec",),
     ("estimate",),
     ("planner",),

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from toolkit.estimate.params import count_params  # noqa: E402
-from toolkit.spec.hf_families import spec_from_hf_config  # noqa: E402
+from toolkit.spec.model import spec_from_hf_dict  # noqa: E402
 
 
 def _random_config(family: str, rng: random.Random):
@@ -66,7 +66,7 @@ def test_param_count_matches_transformers_meta_model(family, seed):
     config = _random_config(family, rng)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    counts = count_params(spec_from_hf_config(config, f"{family}-{seed}"))
+    counts = count_params(spec_from_hf_dict(config.to_dict(), f"{family}-{seed}", filled=True))
     assert counts.total == model.num_parameters()
     assert counts.embedding == model.num_parameters() - model.num_parameters(exclude_embeddings=True)
     expert_total = _expert_param_count(model)

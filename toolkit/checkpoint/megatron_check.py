@@ -38,7 +38,7 @@ class LogitCheck:
 def _tokens(hf_config: dict):
     import torch
 
-    from toolkit.mappings import megatron_fields
+    from toolkit.families import megatron_fields
 
     sections = megatron_fields(hf_config)
     seq = min(SEQ, sections["gpt_model"].get("max_sequence_length") or SEQ)

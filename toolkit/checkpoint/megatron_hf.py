@@ -1,4 +1,4 @@
-"""HF safetensors <-> Megatron-Core dist checkpoints, through the family tables in `toolkit.mappings`, streamed.
+"""HF safetensors <-> Megatron-Core dist checkpoints, through the family tables in `toolkit.families`, streamed.
 
 Megatron-Core supplies the map: a `GPTModel` (TP=1, PP=1, local layer spec) built on the meta device in a one-process
 gloo group gives its `sharded_state_dict()`, the checkpoint key, shape and offset of every weight. hf-to-megatron
@@ -22,6 +22,7 @@ from unittest import mock
 from toolkit.checkpoint.atomic import atomic_directory
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes, write_dist_checkpoint
 from toolkit.errors import UserInputError
+from toolkit.families.mapping import PADDED_VOCAB
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -60,7 +61,7 @@ def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 
                           padded_vocab: int | None = None) -> dict:
     """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec)."""
     from toolkit.estimate.params import megatron_padded_vocab
-    from toolkit.mappings import megatron_fields
+    from toolkit.families import megatron_fields
 
     sections = megatron_fields(hf_config)
     vocab = sections["model"]["vocab_size"]
@@ -159,9 +160,6 @@ class HFTensors:
         return torch.empty(shape, dtype=dtype, device="meta")
 
 
-PADDED = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
 @contextlib.contextmanager
 def meta_sharded_state_dict(config: dict):
     """`sharded_state_dict()` of the GPTModel of `config` built on the meta device: every weight's checkpoint key,
@@ -188,14 +186,14 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     from tqdm import tqdm
 
     from toolkit.checkpoint.manifest import MEGATRON_FORMAT, write_manifest
-    from toolkit.mappings import Rename, hf_names, megatron_tensor, weight_table
+    from toolkit.families import megatron_mapping
 
     padded = megatron_model_config(hf_config, tp=tp)["gpt_model"]["vocab_size"]  # written whole (TP=1), padded for --tp
     config = megatron_model_config(hf_config, padded_vocab=padded)
     source = HFTensors(hf_dir, live)
-    items, geometry = weight_table(hf_config)
-    by_name = {i.megatron: i for i in items if not (isinstance(i, Rename) and i.hf not in source)}
-    for name in (n for item in by_name.values() for n in hf_names(item)):
+    items, geometry = megatron_mapping(hf_config.get("model_type")).weight_table(hf_config)
+    by_name = {i.megatron: i for i in items if not i.absent_from(source)}
+    for name in (n for item in by_name.values() for n in item.hf_names()):
         source.meta(name)  # every HF tensor present before anything is written
     with atomic_directory(out_dir) as tmp, single_process_group(), meta_sharded_state_dict(config) as sharded:
         targets = {name: entry.data for name, entry in sharded.items() if not name.endswith("_extra_state")}
@@ -205,14 +203,14 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
                                  f"unknown {unknown[:5]}, missing {missing[:5]}")
         parameters = 0
         for name, item in by_name.items():  # shapes checked on meta tensors: no half-written output for a bad one
-            shape, want = megatron_tensor(item, source.meta, geometry).shape, targets[name].shape
+            shape, want = item.to_megatron(source.meta, geometry).shape, targets[name].shape
             parameters += shape.numel()
-            if shape != want and not (name in PADDED and shape[1:] == want[1:] and shape[0] <= want[0]):
-                raise UserInputError("HF_DIR", f"{', '.join(hf_names(item))} in {hf_dir} make {name} "
+            if shape != want and not (name in PADDED_VOCAB and shape[1:] == want[1:] and shape[0] <= want[0]):
+                raise UserInputError("HF_DIR", f"{', '.join(item.hf_names())} in {hf_dir} make {name} "
                                                f"{tuple(shape)}; its config.json implies {tuple(want)}")
 
         def model_tensor(name: str):
-            tensor, target = megatron_tensor(by_name[name], source.__getitem__, geometry), targets[name]
+            tensor, target = by_name[name].to_megatron(source.__getitem__, geometry), targets[name]
             if tensor.shape != target.shape:  # vocabulary rows: zeros past the end
                 tensor = torch.cat([tensor, tensor.new_zeros(target.shape[0] - tensor.shape[0], *target.shape[1:])])
             return tensor.to(target.dtype)
@@ -239,9 +237,9 @@ def checkpoint_vocab(ckpt: Path) -> int:
         metadata = FileSystemReader(str(ckpt)).read_metadata()
     except (OSError, ValueError, RuntimeError, EOFError) as exc:
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a Megatron-Core torch_dist checkpoint ({exc})") from None
-    entry = metadata.state_dict_metadata.get(PADDED[0])
+    entry = metadata.state_dict_metadata.get(PADDED_VOCAB[0])
     if entry is None:
-        raise UserInputError("MEGATRON_DIR", f"{ckpt} holds no {PADDED[0]}: not a GPTModel checkpoint")
+        raise UserInputError("MEGATRON_DIR", f"{ckpt} holds no {PADDED_VOCAB[0]}: not a GPTModel checkpoint")
     return int(entry.size[0])
 
 
@@ -272,7 +270,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     from tqdm import tqdm
 
     from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
-    from toolkit.mappings import Rename, hf_tensors, weight_table
+    from toolkit.families import megatron_mapping
 
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
     if out_dtype is None:
@@ -286,17 +284,17 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
                                          f"config.json with --config")
     hf_config = read_hf_config(config_path, "--config")
     reader = DistCheckpointReader(ckpt, live)
-    items, geometry = weight_table(hf_config)
+    items, geometry = megatron_mapping(hf_config.get("model_type")).weight_table(hf_config)
     config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
     with single_process_group(), meta_sharded_state_dict(config) as sharded:
-        items = [i for i in items if not (isinstance(i, Rename) and i.megatron not in sharded)]
+        items = [i for i in items if not (i.optional and i.megatron not in sharded)]
         layout = [(name, tuple(t.shape), out_dtype) for item in items
-                  for name, t in hf_tensors(item, sharded[item.megatron].data, geometry).items()]
+                  for name, t in item.to_hf(sharded[item.megatron].data, geometry).items()]
         with atomic_directory(out_dir) as tmp:
             writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
             with tqdm(total=writer.total, unit="B", unit_scale=True, desc="megatron-to-hf", disable=not progress) as bar:
                 for item in items:
-                    pieces = hf_tensors(item, reader.model_tensor(sharded[item.megatron]), geometry)
+                    pieces = item.to_hf(reader.model_tensor(sharded[item.megatron]), geometry)
                     for name in list(pieces):  # popped: each piece is dropped once written
                         piece = pieces.pop(name).to(out_dtype)
                         bar.update(writer.write(name, live.track(piece) if live else piece))

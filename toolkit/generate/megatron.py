@@ -16,7 +16,7 @@ from __future__ import annotations
 import yaml
 
 from toolkit.estimate.params import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
-from toolkit.mappings import megatron_fields
+from toolkit.families import megatron_fields
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
@@ -144,27 +144,16 @@ def library_kwargs(section: str, values: dict) -> dict:
     """A megatron.yaml section as the keyword arguments of its Megatron-Core class (dtype and function objects)."""
     import torch
 
+    from toolkit.families.activations import megatron_function
+
     kwargs = dict(values)
     for name in DTYPE_FIELDS:
         if isinstance(kwargs.get(name), str):
             kwargs[name] = getattr(torch, kwargs[name])
     if section == "transformer_config":
         if isinstance(kwargs.get("activation_func"), str):
-            kwargs["activation_func"] = activation_function(kwargs["activation_func"])
+            kwargs["activation_func"] = megatron_function(kwargs["activation_func"])
         if isinstance(kwargs.get("window_size"), list):
             kwargs["window_size"] = tuple(kwargs["window_size"])
     return kwargs
 
-
-def activation_function(name: str):
-    """The function behind an activation name of megatron.yaml (the validator lists the same names)."""
-    import torch.nn.functional as F
-
-    from megatron.core.activations import squared_relu
-    from megatron.core.transformer.utils import openai_gelu
-
-    functions = {"silu": F.silu, "gelu": F.gelu, "openai_gelu": openai_gelu, "relu": F.relu,
-                 "squared_relu": squared_relu}
-    if name not in functions:
-        raise ValueError(f"unknown activation '{name}'; one of {', '.join(functions)}")
-    return functions[name]

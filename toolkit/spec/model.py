@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolkit.errors import UserInputError
+from toolkit.families import family_for
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
 
@@ -103,16 +104,16 @@ def load_model_spec(source: str) -> ModelSpec:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserInputError("--model", f"directory {source} holds no config.json")
-        return _from_hf_dict(_read_json(path / "config.json"), name=path.name)
+        return spec_from_hf_dict(_read_json(path / "config.json"), name=path.name)
     if path.is_file():
         if path.suffix in (".yaml", ".yml"):
             return _from_toolkit_dict(_read_yaml(path), source)
         data = _read_json(path)
         if "model_type" in data:
-            return _from_hf_dict(data, name=path.stem if path.name != "config.json" else path.parent.name)
+            return spec_from_hf_dict(data, name=path.stem if path.name != "config.json" else path.parent.name)
         return _from_toolkit_dict(data, source)
     if (PRESET_DIR / f"{source}.json").is_file():
-        return _from_hf_dict(_read_json(PRESET_DIR / f"{source}.json"), name=source)
+        return spec_from_hf_dict(_read_json(PRESET_DIR / f"{source}.json"), name=source)
     if "/" in source and not source.startswith((".", "/")) and source.count("/") == 1:
         return _from_hub(source)
     raise UserInputError(
@@ -165,12 +166,7 @@ def validate_spec(data: dict, source: str) -> ModelSpec:
         raise UserInputError(f"{source}: {key}", err["msg"]) from None
 
 
-def spec_from_hf_dict(data: dict, name: str) -> ModelSpec:
-    """A ModelSpec from the contents of an HF config.json."""
-    return _from_hf_dict(data, name)
-
-
-# HF config sizes that must be positive when given (transformers divides by several of them before validating).
+# HF config sizes that must be positive when given (the family readers and transformers divide by several of them).
 _POSITIVE_HF_KEYS = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "vocab_size", "max_position_embeddings", "n_layer", "n_embd", "n_head", "n_positions", "ffn_dim",
@@ -178,31 +174,32 @@ _POSITIVE_HF_KEYS = (
 )
 
 
-def _from_hf_dict(data: dict, name: str) -> ModelSpec:
-    from toolkit.spec.hf_families import FAMILY_READERS, spec_from_hf_config
-
-    from transformers import AutoConfig
-
-    model_type = data.get("model_type")
-    if not isinstance(model_type, str) or model_type not in FAMILY_READERS:
-        raise UserInputError(
-            f"{name}: model_type",
-            f"family '{model_type}' is not supported; supported: {', '.join(sorted(FAMILY_READERS))}",
-        )
+def spec_from_hf_dict(data: dict, name: str, filled: bool = False) -> ModelSpec:
+    """A ModelSpec from the contents of an HF config.json, read by its family's reader from the dict itself. Only a
+    config that leaves a key the reader needs to transformers' defaults imports transformers (1.5 s) to fill them
+    in; `filled`: the dict is a transformers config's `to_dict()`, defaults filled in already."""
+    family = family_for(data.get("model_type"), f"{name}: model_type")
     for key in _POSITIVE_HF_KEYS:
         value = data.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise UserInputError(f"{name}: {key}", f"must be a positive integer, got {value}")
+    fields = family.spec_fields(data, name, library_config=None if filled else lambda: _library_config(data, name))
+    return validate_spec({**fields, "name": name, "family": family.model_type}, name)
+
+
+def _library_config(data: dict, name: str) -> dict:
+    """The config dict with transformers' defaults filled in (and its own checks run)."""
+    from transformers import AutoConfig
+
+    model_type = data["model_type"]
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in data.items() if k != "model_type"})
     except Exception as exc:  # transformers validates in __post_init__: ValueError, ZeroDivisionError, StrictDataclassError
         raise UserInputError(f"{name}", f"not a valid '{model_type}' config ({_one_line(exc)})") from None
-    return spec_from_hf_config(config, name)
+    return config.to_dict()
 
 
 def _from_hub(hub_id: str) -> ModelSpec:
-    from toolkit.spec.hf_families import spec_from_hf_config
-
     from transformers import AutoConfig
 
     try:
@@ -211,4 +208,4 @@ def _from_hub(hub_id: str) -> ModelSpec:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set)" if offline else ""
         raise UserInputError("--model", f"could not load hub config '{hub_id}'{hint}: {str(exc).splitlines()[0]}") from None
-    return spec_from_hf_config(config, hub_id)
+    return spec_from_hf_dict(config.to_dict(), hub_id, filled=True)

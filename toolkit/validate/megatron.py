@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.estimate.params import megatron_padded_vocab
+from toolkit.families.activations import MEGATRON_ACTIVATIONS
 from toolkit.generate.megatron import OPTIMIZERS
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
@@ -35,7 +36,6 @@ SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_mi
                  "seq_length", "train_iters", "seed")
 MODEL_KEYS = ("family", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size")
 LAYER_SPECS = tuple(sorted(TRANSFORMER_IMPLS))  # the layer specs the toolkit builds
-ACTIVATION_NAMES = ("silu", "gelu", "openai_gelu", "relu", "squared_relu")  # toolkit.generate.megatron.activation_function
 
 
 def _section_fields() -> dict[str, tuple[str, set[str]]]:
@@ -234,8 +234,9 @@ def _runtime_rules(config: dict) -> list[Problem]:
                                                                  f"transformer_config.{flag} is {tc.get(flag)}; the "
                                                                  f"optimizer must keep the model's precision"))
     activation = tc.get("activation_func", "gelu")
-    if isinstance(activation, str) and activation not in ACTIVATION_NAMES:
-        problems.append(Problem(f"{TC}.activation_func", f"{activation!r} is not one of {', '.join(ACTIVATION_NAMES)}"))
+    if isinstance(activation, str) and activation not in MEGATRON_ACTIVATIONS:
+        problems.append(Problem(f"{TC}.activation_func",
+                                f"{activation!r} is not one of {', '.join(MEGATRON_ACTIVATIONS)}"))
     spec = tc.get("transformer_impl", "transformer_engine")
     if spec not in LAYER_SPECS:
         problems.append(Problem(f"{TC}.transformer_impl", f"{spec!r}: use one of {', '.join(LAYER_SPECS)} for training"))
