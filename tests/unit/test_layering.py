@@ -89,3 +89,9 @@ def test_importing_the_spec_loads_no_higher_layer(module):
                             cwd=ROOT).stdout.split()
     higher = [m for m in loaded if RANK[_package(m)] > RANK["spec"]]
     assert module in loaded and not higher, higher
+
+
+def test_no_package_module_is_named_like_a_test():
+    """pytest's default patterns (test_*.py, *_test.py) are for tests; a package module named so reads as one."""
+    named = [str(p.relative_to(ROOT)) for p in _modules() if p.name.startswith("test_") or p.stem.endswith("_test")]
+    assert not named, named

@@ -17,7 +17,7 @@ VERBS = {
     "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
     "health": ("toolkit.cli.health", "preflight: collectives, bandwidth, stragglers, hangs on every rank"),
     "slurm": ("toolkit.cli.slurm", "render or submit SLURM job scripts for a recipe"),
-    "restore-test": ("toolkit.cli.restore_test", "train, kill after a save, resume: prove the run comes back"),
+    "restore-test": ("toolkit.cli.restore", "train, kill after a save, resume: prove the run comes back"),
     "explore": ("toolkit.cli.explore", "a local web page: memory breakdown, sweeps and ranked plans as inputs change"),
 }
 

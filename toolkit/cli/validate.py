@@ -10,7 +10,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.spec.cluster import DEFAULT_GPU
-from toolkit.spec.options import choices
+from toolkit.spec.options import choices, default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainer-args", type=Path, default=None, help="HF TrainingArguments as JSON (trainer_args.json)")
     parser.add_argument("--model", default=None, help="model for the memory-fit estimate (any form --model takes)")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help="GPU for the memory-fit estimate (default %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=4096, help="sequence length for the memory-fit estimate")
+    parser.add_argument("--seq-len", type=int, default=default("seq_len"), help="sequence length for the memory-fit "
+                                                                               "estimate (default %(default)s)")
     parser.add_argument("--recompute", choices=choices("recompute"), default=None,
                         help="activation checkpointing for the estimate (default: the trainer arguments', else none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: ok and the problems")
