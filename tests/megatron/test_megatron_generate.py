@@ -66,8 +66,10 @@ def generated(tmp_path_factory):
 def test_dmt_generate_writes_the_megatron_files_of_the_resolved_plan(generated):
     import json
 
+    from toolkit.outputs import RECORD  # what dmt generate wrote, to tell its files from the user's
+
     out = generated("--pp", "2")
-    assert {p.name for p in out.iterdir()} == {"plan.json", "megatron.yaml", "megatron_args.txt", "launch.sh",
+    assert {p.name for p in out.iterdir()} == {"plan.json", "megatron.yaml", "megatron_args.txt", "launch.sh", RECORD,
                                               "slurm.sbatch"}
     plan = json.loads((out / "plan.json").read_text())["plan"]
     config = yaml.safe_load((out / "megatron.yaml").read_text())

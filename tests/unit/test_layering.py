@@ -19,7 +19,7 @@ PACKAGE = ROOT / "toolkit"
 # layer also from each other)
 LAYERS = (
     ("toolkit", "errors", "presets"),
-    ("readers",),
+    ("readers", "outputs"),
     ("families",),
     ("spec",),
     ("estimate",),

@@ -12,6 +12,8 @@ from toolkit.cli.options import add_plan_flags, plan_overrides
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=Path, metavar="RECIPE")
     parser.add_argument("--out", type=Path, required=True, help="directory for the generated files")
+    parser.add_argument("--force", action="store_true", help="replace files in --out that dmt generate did not write "
+                                                             "(or that were edited since)")
     parser.add_argument("--json", action="store_true", help="print the written files and the plan as JSON")
     add_plan_flags(parser, overriding="the recipe's plan")
 
@@ -19,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from toolkit.generate.files import generate
 
-    written = generate(args.recipe, args.out, **plan_overrides(args))
+    written = generate(args.recipe, args.out, args.force, **plan_overrides(args))
     record = json.loads((args.out / "plan.json").read_text())
     if args.json:
         print(json.dumps({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"]}, indent=2))

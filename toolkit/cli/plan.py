@@ -38,10 +38,10 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus < 1:  # checked here: the search would otherwise reject every candidate and print an empty table
         raise UserInputError("--gpus", f"must be a positive integer, got {args.gpus}")
     validated(PlanOptions, pinned)  # the same one-line message for a bad pinned value
-    if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise UserInputError("--plot", f"expects a .png file name, got {args.plot}")
-    if args.plot is not None and not args.plot.resolve().parent.is_dir():
-        raise UserInputError("--plot", f"directory {args.plot.resolve().parent} does not exist")
+    if args.plot is not None:
+        from toolkit.outputs import output_file
+
+        args.plot = output_file(args.plot, "--plot", suffix=".png")
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
     model = load_model_spec(args.model)

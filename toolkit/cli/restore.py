@@ -33,21 +33,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from toolkit.checkpoint.restore import restore_test
     from toolkit.errors import UserInputError
-    from toolkit.spec.recipe import load_recipe
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
 
-    if args.resume_world_size is not None and args.resume_world_size < 1:
-        raise UserInputError("--resume-world-size", f"must be positive, got {args.resume_world_size}")
+    for flag, value in (("--resume-world-size", args.resume_world_size), ("--timeout", args.timeout)):
+        if value is not None and value <= 0:
+            raise UserInputError(flag, f"must be positive, got {value}")
+    if args.tolerance is not None and args.tolerance < 0:
+        raise UserInputError("--tolerance", f"must be 0 (bitwise) or more, got {args.tolerance}")
+    workdir = None
+    if args.workdir is not None:  # checked before anything runs; an existing directory must hold no earlier runs
+        from toolkit.outputs import output_directory
+
+        workdir = output_directory(args.workdir, "--workdir", inputs=[args.recipe])
     recipe = load_recipe(args.recipe)
+    steps = recipe.training.max_steps if args.steps is None else args.steps
+    if steps < 2:
+        raise UserInputError("--steps", f"must be at least 2 (a save, then a step to compare), got {steps}")
+    save_at = steps // 2 if args.save_at is None else args.save_at
+    if not 0 < save_at < steps:
+        raise UserInputError("--save-at", f"must be between 1 and --steps - 1 = {steps - 1}, got {save_at}")
     overrides = plan_overrides(args)
-    backend = overrides.get("backend") or recipe.plan.backend
-    if backend == "megatron":
-        if args.zero is not None:
-            raise UserInputError("--zero", "is a DeepSpeed option; the megatron backend shards with --tp/--pp")
-        args.launcher = "torchrun"  # toolkit/train.py --backend megatron runs under torchrun
-    steps = args.steps or recipe.training.max_steps
-    save_at = args.save_at or steps // 2
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
-    train_args = tuple(option_argv({"backend": backend, **overrides}))
+    # the plan every launch will train, resolved here: a bad one is one line now, not a worker's log later
+    plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
+    if plan.backend == "megatron":
+        args.launcher = "torchrun"  # toolkit/train.py runs Megatron-Core under torchrun
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
+    train_args = tuple(option_argv({"backend": plan.backend, **overrides}))
     resharded = args.resume_world_size not in (None, recipe.cluster.gpus)
     tolerance = args.tolerance if args.tolerance is not None else RESHARDED_TOLERANCE if resharded else 0.0
     result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,

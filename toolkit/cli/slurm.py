@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--account", default=None)
         p.add_argument("--output-dir", default=None, help="training output directory (default runs/<recipe name>)")
         p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON to train with (default: from the recipe)")
+        p.add_argument("--plan", type=Path, default=None, metavar="DIR/plan.json",
+                       help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
         p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
                        help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun)")
         p.add_argument("--accelerate-config", default=None, help="accelerate.yaml (from dmt generate) for "
@@ -36,29 +37,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def render_from_args(args: argparse.Namespace) -> str:
     from toolkit.generate.slurm import render_sbatch
-    from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_model
 
-    recipe = load_recipe(args.recipe)
-    plan = recipe_plan(recipe, recipe_model(recipe))
+    if args.plan is not None:
+        from toolkit.validate.generated import read_generated
+
+        if args.deepspeed:
+            raise UserInputError("--deepspeed", "the plan's directory holds its DeepSpeed config; drop --deepspeed")
+        run = read_generated(args.plan, args.recipe)
+        recipe, plan, flags = run.recipe, run.plan, ["--plan", str(run.directory / "plan.json")]
+    else:
+        from toolkit.planner.recipe import recipe_plan
+        from toolkit.spec.recipe import load_recipe, recipe_model
+
+        recipe = load_recipe(args.recipe)
+        plan, flags = recipe_plan(recipe, recipe_model(recipe)), []
     return render_sbatch(recipe, plan, args.recipe, args.nodes, args.gpus_per_node, args.partition, args.time,
                          args.account, args.output_dir, args.deepspeed, "convert" if args.convert else "train",
-                         launcher=args.launcher, accelerate_config=args.accelerate_config)
+                         train_flags=flags, launcher=args.launcher, accelerate_config=args.accelerate_config)
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "out", None) is not None and not args.out.parent.is_dir():
-        raise UserInputError("--out", f"directory {args.out.parent} does not exist")
+    from toolkit.outputs import output_file, write_file
+
+    out = getattr(args, "out", None)
+    if out is not None:  # checked before anything is resolved; the recipe is never overwritten
+        out = output_file(out, "--out", inputs=[args.recipe] + ([args.plan] if args.plan else []))
     script = render_from_args(args)
     if args.action == "render":
-        if args.out is None:
+        if out is None:
             print(script, end="")
             return 0
-        tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
-        tmp.write_text(script)
-        tmp.chmod(0o755)
-        os.replace(tmp, args.out)
-        print(f"wrote {args.out}")
+        write_file(out, script, mode=0o755)
+        print(f"wrote {out}")
         return 0
     if args.dry_run:
         print(script, end="")

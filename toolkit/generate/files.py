@@ -9,9 +9,6 @@ match (toolkit/validate/generated.py).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,27 +138,18 @@ def render(ctx: GenerationContext) -> dict[str, str]:
     return {name: WRITERS[name][1](ctx) for name in files_of(ctx.plan.backend)}
 
 
-def generate(recipe_path: Path, out_dir: Path, **overrides) -> list[Path]:
-    """Write every registered file into out_dir. All contents are rendered before anything is written; a new
-    directory appears whole (temp dir + rename); in an existing one each file is replaced atomically and files
-    that are not ours (a run directory, say) are kept."""
+def generate(recipe_path: Path, out_dir: Path, force: bool = False, **overrides) -> list[Path]:
+    """Write every registered file of the plan's backend into out_dir, together (toolkit.outputs.write_generated):
+    every content is rendered and every target checked before anything is written; the recipe and the model's
+    config are never overwritten; files this tool did not write are replaced only with `force`; files it wrote for
+    another backend are removed; a run directory or anything else of the user's stays."""
+    from toolkit.outputs import output_directory, write_generated
+
+    output_directory(out_dir, "--out", inputs=[Path(recipe_path)])  # a bad --out fails before the plan is resolved
     ctx = resolve(recipe_path, out_dir, **overrides)
-    out_dir = ctx.out_dir
     contents = render(ctx)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        for name, text in contents.items():
-            (staging / name).write_text(text)
-            if name in EXECUTABLE:
-                (staging / name).chmod(0o755)
-        staging.chmod(0o755)
-        try:
-            os.rename(staging, out_dir)  # fails if out_dir exists (and is not empty): then file by file
-        except OSError:
-            out_dir.mkdir(exist_ok=True)
-            for name in contents:
-                os.replace(staging / name, out_dir / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return [out_dir / name for name in contents]
+    inputs = [Path(recipe_path)]
+    if ctx.recipe.model.source is not None and ctx.recipe.path(ctx.recipe.model.source).exists():
+        source = ctx.recipe.path(ctx.recipe.model.source)
+        inputs.append(source / "config.json" if source.is_dir() else source)
+    return write_generated(ctx.out_dir, contents, "--out", inputs=inputs, force=force, executable=EXECUTABLE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from string import Template
@@ -26,6 +27,14 @@ LAUNCHERS = {
     "deepspeed": "a hostfile from the allocation, then one `deepspeed --no_ssh` per node with its own node rank "
                  "(single quotes: expanded there).",
 }
+
+
+def sbatch_word(text: str, flag: str) -> str:
+    """One word of an #SBATCH line as sbatch reads it: double quotes, backslash escapes; a line break cannot be one."""
+    if "\n" in text or "\r" in text:
+        raise UserInputError(flag, f"{text!r} holds a line break, which an #SBATCH line cannot carry")
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("#", "\\#")  # an unescaped # starts a comment
+    return f'"{escaped}"'
 
 
 def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
@@ -77,7 +86,9 @@ def render_sbatch(
     cpu = recipe.cluster.accelerator == "cpu"
     extra = [f"#SBATCH --partition={partition}"] if partition else []
     extra += [f"#SBATCH --account={account}"] if account else []
-    log_dir = str(slurm_log_dir(recipe, output_dir))
+    log_dir = slurm_log_dir(recipe, output_dir)
+    train_args = ["--recipe", str(recipe_path.resolve())] + (["--deepspeed", str(Path(deepspeed_json).resolve())]
+                                                              if deepspeed_json else []) + list(train_flags or [])
     values = dict(
         recipe_name=recipe.name,
         job_name=re.sub(r"[^A-Za-z0-9_.-]", "-", recipe.name),
@@ -87,19 +98,20 @@ def render_sbatch(
         gpus_per_node_directive=per_node,
         cpus_per_task=(os.cpu_count() or 2) if cpu else 8 * per_node,  # one launcher task per node: all its CPUs
         time_limit=time_limit,
-        log_dir=log_dir,
+        log_dir=shlex.quote(str(log_dir)),
+        # sbatch expands %-patterns in file names: the directory's own % are doubled, %x (job name) and %j (id) kept
+        log_file=sbatch_word(str(log_dir).replace("%", "%%") + "/%x-%j.out", "--output-dir"),
         signal_lead_s=120,
         extra_directives="\n".join(extra),
-        output_dir=str(Path(output_dir or f"runs/{recipe.name}").resolve()),
+        output_dir=shlex.quote(str(Path(output_dir or f"runs/{recipe.name}").resolve())),
         omp_threads=1 if cpu else 8,
         cpu_env="export CUDA_VISIBLE_DEVICES=''  # CPU recipe: gloo ranks" if cpu else "",
         # CPU recipes: the ranks share cores with each other and with the rest of the machine, so a matmul 2x slower
         # than the median is noise there, not a bad device; the preflight still checks liveness and correctness
         health_flags="--sizes 1K,1M --straggler-factor 10" if cpu else "--sizes 1M,64M,256M",
-        recipe_path=str(recipe_path.resolve()),
-        python_bin_dir=str(Path(sys.executable).parent),
-        train_flags=" ".join(([f"--deepspeed {deepspeed_json}"] if deepspeed_json else []) + list(train_flags or [])),
-        accelerate_config=str(Path(accelerate_config).resolve()) if accelerate_config else "",
+        python_bin_dir=shlex.quote(str(Path(sys.executable).parent)),
+        train_args=" ".join(shlex.quote(arg) for arg in train_args),
+        accelerate_config=shlex.quote(str(Path(accelerate_config).resolve())) if accelerate_config else "",
         launcher=launcher,
         launch_comment=LAUNCHERS[launcher],
         convert_direction="megatron-to-hf" if plan.backend == "megatron" else "zero-to-hf",

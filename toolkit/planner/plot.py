@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from toolkit.estimate.memory import MemoryBreakdown
@@ -53,7 +54,10 @@ def write_memory_plot(
                     bbox=dict(facecolor="black", alpha=0.6, pad=2))
     ax.legend(loc="upper left")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    try:
+        fig.savefig(tmp, dpi=120)
+        tmp.replace(path)  # the plot appears whole or not at all
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)

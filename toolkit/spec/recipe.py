@@ -113,8 +113,12 @@ class DeepSpeedSection(_Strict):
                                                  "the explicit numbers.")
 
 
+RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"  # it names a directory, a wandb run and a Slurm job
+
+
 class Recipe(_Strict):
-    name: str = Field(description="Run name (output directory, wandb run name).")
+    name: str = Field(pattern=RUN_NAME, description="Run name (output directory, wandb run name, Slurm job name): "
+                                                    "letters, digits, '.', '_' and '-', at most 100.")
     model: ModelSection = Field(description="What to train.")
     data: DataSection = Field(description="What to train on.")
     cluster: ClusterSection = Field(description="Where to train.")
@@ -151,6 +155,10 @@ def _fix_hint(err: dict) -> str:
         return f"unknown key; valid keys here: {', '.join(section.model_fields)}"
     if err["type"] == "literal_error":
         return f"got {err['input']!r}; valid: {err['ctx']['expected']}"
+    if err["type"] == "string_pattern_mismatch" and err["loc"] == ("name",):
+        return (f"{err['input']!r}: use letters, digits, '.', '_' and '-' only (no spaces or '/'), at most 100 "
+                f"characters, starting with a letter or digit; it names the run directory, the wandb run and the "
+                f"Slurm job")
     return err["msg"]
 
 
