@@ -44,14 +44,17 @@ Notes on the misses and on the Llama 3 layout:
   micro-batches per pipeline by CP, which cuts the interleaved bubble (p-1)/(V m) and the warm-up memory together.
 - Rank counts each layout once (its fastest recomputation that fits); "slower than the winner" is the predicted step
   of the published layout's best plan over the best plan's.
-- Llama 3 405B at 128K (CP16): under-predicted by 40%. 57% of this step's model FLOPs are attention (counted over
-  the full s x s matrix, PaLM convention); the model runs the causal half at GEMM efficiency and hides the ring
-  exchange behind it, which predicts 64% MFU against the published 38%. Flash/cuDNN attention kernels, backward
-  especially, run well below GEMM efficiency, and the paper does not say whether its TFLOP/s count the causal half
-  (which would shrink the published step by 30%). Before interleaving was modelled this row matched only because a
-  V = 1 bubble of 6 s hid the gap.
-- The largest Megatron GPT rows (PP 35 and 64) are over-predicted by 15%: the paper does not list micro-batch
-  sizes or whether the interleaved schedule was used for Table 1; micro-batch 1 and VPP 1 are assumed here.
+- Llama 3 405B at 128K (CP16): under-predicted by 20%. 57% of this step's model FLOPs are attention (counted over
+  the full s x s matrix, PaLM convention). The model runs the causal half at half the GEMM efficiency
+  (ATTENTION_KERNEL_EFFICIENCY in toolkit/estimate/timing.py: FlashAttention-2 forward + backward on H100 reaches
+  ~335 TFLOP/s, arXiv:2307.08691, against ~60% of peak for large GEMMs) and hides the ring exchange behind it: 48%
+  MFU predicted against the published 38% (it was -40% and 64% while attention ran at GEMM efficiency). The rest
+  may be the ring exchange, which is not perfectly hidden, and the paper does not say whether its TFLOP/s count the
+  causal half (which would shrink the published step by 30%).
+- The Megatron GPT rows moved up by 1-5% with the attention kernels' own efficiency (seq 2048, attention 2-8% of
+  their FLOPs). The 7.5B row (TP 4, hidden 4096: the narrowest GEMMs of the table) is now over-predicted by 17.5%,
+  the largest rows (PP 35 and 64) by 16%: the paper does not list micro-batch sizes or whether the interleaved
+  schedule was used for Table 1; micro-batch 1 and VPP 1 are assumed here.
 """
 
 

@@ -8,3 +8,28 @@ class UserInputError(ValueError):
         self.key = key
         self.message = message
         super().__init__(f"{key}: {message}")
+
+
+def rename_key(exc: UserInputError, names) -> UserInputError:
+    """The same problem under the name the current command gives the key: `names` maps a shared code's key (the
+    flag `--gpus` of resolve_plan, say) to this command's (`cluster.gpus` in a recipe, `--tp` in a converter), or is
+    a function of the key returning the new name or None."""
+    new = names(exc.key) if callable(names) else names.get(exc.key)
+    return UserInputError(new, exc.message) if new and new != exc.key else exc
+
+
+class named_as:  # noqa: N801 (used as `with named_as({...}):`)
+    """Context manager: UserInputErrors raised inside carry this command's names for their keys (see rename_key)."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, traceback):
+        if isinstance(exc, UserInputError):
+            renamed = rename_key(exc, self.names)
+            if renamed is not exc:
+                raise renamed from None
+        return False

@@ -94,7 +94,7 @@ def _generated(args: argparse.Namespace):
 def _quick(args: argparse.Namespace):
     """The plan resolved from the recipe, its files made in memory by the generators at launch."""
     from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_model
+    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
     from toolkit.validate.generated import GeneratedRun
 
     if args.recipe is None:
@@ -103,8 +103,9 @@ def _quick(args: argparse.Namespace):
     if args.gpus is not None:
         cluster = {"gpus": args.gpus, "gpus_per_node": min(args.gpus, recipe.cluster.gpus_per_node)}
         recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=cluster)})
-    model = recipe_model(recipe)
-    plan = recipe_plan(recipe, model, **plan_overrides(args))
+    with recipe_names(plan_overrides(args)):
+        model = recipe_model(recipe)
+        plan = recipe_plan(recipe, model, **plan_overrides(args))
     if plan.backend == "megatron" and args.deepspeed:
         raise UserInputError("--deepspeed", "is a DeepSpeed option; the megatron backend builds megatron.yaml")
     return GeneratedRun(Path("."), recipe, model, plan)

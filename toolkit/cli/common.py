@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags
@@ -36,26 +35,29 @@ def build_network(args: argparse.Namespace, gpu):
     """The Network a plan's communication runs over: catalogue, overridden by flags or a health report."""
     from toolkit.estimate.comm import Network
 
-    intra, inter, measured = gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, False
+    intra, inter, measured = gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, set()
     gpus_per_node = args.gpus_per_node or default("gpus_per_node")
     if args.measured_bw is not None:
-        try:
-            bandwidth = json.loads(args.measured_bw.read_text())["bandwidth"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UserInputError("--measured-bw", f"{args.measured_bw} is not a `dmt health --json` report ({exc})") from None
+        from toolkit.readers import read_json
+
+        report = read_json(args.measured_bw, "--measured-bw", what="a `dmt health --json` report")
+        bandwidth = report.get("bandwidth")
         if not isinstance(bandwidth, dict):
-            raise UserInputError("--measured-bw", f"{args.measured_bw}: 'bandwidth' must be an object")
-        for key in ("intra_node_busbw_gbps", "inter_node_busbw_gbps"):
+            raise UserInputError("--measured-bw", f"{args.measured_bw}: 'bandwidth' must be an object, as `dmt health "
+                                                  f"--json` writes it")
+        for tier, key in (("intra", "intra_node_busbw_gbps"), ("inter", "inter_node_busbw_gbps")):
             value = bandwidth.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-                raise UserInputError("--measured-bw", f"{args.measured_bw}: bandwidth.{key} must be a number of GB/s "
-                                                      f"or null (not measured), got {value!r}")
-        intra = bandwidth.get("intra_node_busbw_gbps") or intra
-        inter = bandwidth.get("inter_node_busbw_gbps") or inter
-        measured = True
+            if value is None:  # that tier was not measured (one node: no inter-node link): the datasheet stands
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise UserInputError("--measured-bw", f"{args.measured_bw}: bandwidth.{key} must be a positive number "
+                                                      f"of GB/s, or null (not measured), got {value!r}")
+            intra, inter = (value, inter) if tier == "intra" else (intra, value)
+            measured.add(tier)
     for flag, value in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
         if value is not None and value <= 0:
             raise UserInputError(flag, f"must be a positive bandwidth in GB/s, got {value}")
     intra = args.intra_node_bw or intra
     inter = args.inter_node_bw or inter
-    return Network(intra_node_bw_gbps=intra, inter_node_bw_gbps=inter, gpus_per_node=gpus_per_node, measured=measured)
+    return Network(intra_node_bw_gbps=intra, inter_node_bw_gbps=inter, gpus_per_node=gpus_per_node,
+                   measured=frozenset(measured))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from toolkit.errors import UserInputError
@@ -58,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return importlib.import_module(VERBS[args.verb][0]).run(args)
+        code = importlib.import_module(VERBS[args.verb][0]).run(args)
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at interpreter exit
+        return code
     except UserInputError as exc:
         print(f"dmt {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of stdout closed it (`dmt plan --json | head -1`): what it read was whole; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

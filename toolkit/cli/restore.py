@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.checkpoint.restore import restore_test
     from toolkit.errors import UserInputError
     from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_model
+    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
 
     for flag, value in (("--resume-world-size", args.resume_world_size), ("--timeout", args.timeout)):
         if value is not None and value <= 0:
@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError("--save-at", f"must be between 1 and --steps - 1 = {steps - 1}, got {save_at}")
     overrides = plan_overrides(args)
     # the plan every launch will train, resolved here: a bad one is one line now, not a worker's log later
-    plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
+    with recipe_names(overrides):
+        plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
     if plan.backend == "megatron":
         args.launcher = "torchrun"  # toolkit/train.py runs Megatron-Core under torchrun
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))

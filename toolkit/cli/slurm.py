@@ -47,10 +47,11 @@ def render_from_args(args: argparse.Namespace) -> str:
         recipe, plan, flags = run.recipe, run.plan, ["--plan", str(run.directory / "plan.json")]
     else:
         from toolkit.planner.recipe import recipe_plan
-        from toolkit.spec.recipe import load_recipe, recipe_model
+        from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
 
         recipe = load_recipe(args.recipe)
-        plan, flags = recipe_plan(recipe, recipe_model(recipe)), []
+        with recipe_names():
+            plan, flags = recipe_plan(recipe, recipe_model(recipe)), []
     return render_sbatch(recipe, plan, args.recipe, args.nodes, args.gpus_per_node, args.partition, args.time,
                          args.account, args.output_dir, args.deepspeed, "convert" if args.convert else "train",
                          train_flags=flags, launcher=args.launcher, accelerate_config=args.accelerate_config)

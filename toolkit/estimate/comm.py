@@ -49,7 +49,9 @@ class Network:
     intra_node_bw_gbps: float
     inter_node_bw_gbps: float
     gpus_per_node: int
-    measured: bool = False  # bandwidths are nccl-tests-style busbw measured by `dmt health`, used as they are
+    # the tiers ("intra", "inter") whose bandwidth is nccl-tests-style busbw measured by `dmt health`, used as it is;
+    # the others are datasheet numbers, of which NCCL reaches ACHIEVABLE_BUS_FRACTION
+    measured: frozenset[str] = frozenset()
 
     @classmethod
     def from_catalogue(cls, gpu, gpus_per_node: int) -> "Network":
@@ -60,7 +62,8 @@ class Network:
         """The link of a group of `group_size` ranks `stride` apart in rank order (Megatron: tp, cp, ep, dp, pp)."""
         span = group_size * stride
         crosses_nodes = group_size > 1 and (span > self.gpus_per_node or stride >= self.gpus_per_node)
-        factor = 1.0 if self.measured else ACHIEVABLE_BUS_FRACTION
+        tier = "inter" if crosses_nodes else "intra"
+        factor = 1.0 if tier in self.measured else ACHIEVABLE_BUS_FRACTION
         if crosses_nodes:
             return Link(self.inter_node_bw_gbps * 1e9 * factor, INTER_NODE_LATENCY_S)
         return Link(self.intra_node_bw_gbps * 1e9 * factor, INTRA_NODE_LATENCY_S)

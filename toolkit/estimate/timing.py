@@ -27,6 +27,12 @@ HBM_EFFICIENCY = 0.7
 # DeepSpeed's CPU Adam on a typical 2-socket host (ZeRO-Offload, arXiv:2101.06840, Sec. 5): ~1e9 params/s per node
 CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
 CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score matrix
+# Fused attention (flash / cuDNN) forward + backward runs the causal half it computes at about half the rate the
+# block's GEMMs reach: FlashAttention-2 on H100, fwd+bwd at training head dims, ~335 of 989 dense TFLOP/s counting the
+# executed half (Dao, arXiv:2307.08691 Fig. 7; FlashAttention-3, arXiv:2407.08608 Fig. 5, speeds up mostly the forward)
+# against ~60% for large GEMMs (toolkit/estimate/efficiency.py). With MFU counted over the full score matrix (PaLM),
+# this also keeps every prediction at or below the GEMM efficiency's share of the peak, whatever the length.
+ATTENTION_KERNEL_EFFICIENCY = 0.5
 STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
                    "optimizer_s", "offload_s")
 
@@ -87,9 +93,10 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
             f = layer_forward_flops(spec, i, plan.seq_len)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
-            work += 3 * (f.matmul + f.attention * CAUSAL_ATTENTION_WORK)
-            work += again.matmul + again.attention * CAUSAL_ATTENTION_WORK
-            attention += f.attention * CAUSAL_ATTENTION_WORK
+            attention_work = CAUSAL_ATTENTION_WORK / ATTENTION_KERNEL_EFFICIENCY  # GEMM-rate equivalent per FLOP
+            work += 3 * (f.matmul + f.attention * attention_work)
+            work += again.matmul + again.attention * attention_work
+            attention += f.attention * attention_work
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
         if stage == plan.pp - 1:
             work += 3 * head_forward_flops(spec)

@@ -19,7 +19,7 @@ from toolkit.planner.recipe import recipe_plan
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
+from toolkit.spec.recipe import Recipe, load_recipe, recipe_model, recipe_names
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,9 @@ def generate(recipe_path: Path, out_dir: Path, force: bool = False, **overrides)
     from toolkit.outputs import output_directory, write_generated
 
     output_directory(out_dir, "--out", inputs=[Path(recipe_path)])  # a bad --out fails before the plan is resolved
-    ctx = resolve(recipe_path, out_dir, **overrides)
-    contents = render(ctx)
+    with recipe_names(overrides):  # a problem in the recipe names its key (cluster.gpu, not --gpu)
+        ctx = resolve(recipe_path, out_dir, **overrides)
+        contents = render(ctx)
     inputs = [Path(recipe_path)]
     if ctx.recipe.model.source is not None and ctx.recipe.path(ctx.recipe.model.source).exists():
         source = ctx.recipe.path(ctx.recipe.model.source)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from toolkit.errors import UserInputError
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan, resolve_plan
-from toolkit.spec.recipe import Recipe, megatron_layers, recipe_error
+from toolkit.spec.recipe import Recipe, megatron_layers, recipe_names
 
 
 def recipe_options(recipe: Recipe, **overrides) -> dict:
@@ -22,12 +21,10 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, **overrides) -> Plan:
     """The resolved Plan: the recipe's explicit plan (with command-line overrides), or the planner's choice."""
     given = {k: v for k, v in overrides.items() if v is not None}
     options = recipe_options(recipe, **given)
-    try:
+    with recipe_names(given):
         if recipe.plan.auto:
             from toolkit.planner.search import best_plan
             from toolkit.spec.cluster import get_gpu
 
             return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **options)
         return resolve_plan(model, recipe.cluster.gpus, **options)
-    except UserInputError as exc:
-        raise recipe_error(exc, given) from None

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, create_model, field_validator, \
     model_validator
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, named_as
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import PlanOptions, default, default_text, option_name, recipe_key
 
@@ -198,15 +198,22 @@ def megatron_layers(recipe: Recipe) -> str | None:
     return recipe.plan.transformer_impl or ("local" if recipe.cluster.accelerator == "cpu" else None)
 
 
-def recipe_error(exc: UserInputError, overrides: dict) -> UserInputError:
-    """The plan names the flag at fault (--zero); a value that came from the recipe is named by its recipe key
-    (plan.zero, training.seq_len, cluster.gpus), one given on the command line keeps its flag."""
-    name = option_name(exc.key)
-    if exc.key == "--gpus":
-        return UserInputError("cluster.gpus", exc.message)
-    if name is None or name in overrides:
-        return exc
-    return UserInputError(recipe_key(name), exc.message)
+# flags of shared code whose value a recipe keeps outside its plan section
+_CLUSTER_FLAGS = {"--gpus": "cluster.gpus", "--gpu": "cluster.gpu"}
+
+
+def recipe_key_of(flag: str, overrides=()) -> str | None:
+    """The recipe key a shared flag names (--zero -> plan.zero, --seq-len -> training.seq_len, --gpu -> cluster.gpu);
+    None for a flag given on the command line (in `overrides`), which keeps its name."""
+    if flag in _CLUSTER_FLAGS:
+        return _CLUSTER_FLAGS[flag]
+    name = option_name(flag)
+    return None if name is None or name in overrides else recipe_key(name)
+
+
+def recipe_names(overrides=()) -> named_as:
+    """`with recipe_names(overrides):` problems found while working from a recipe name its keys."""
+    return named_as(lambda key: recipe_key_of(key, overrides))
 
 
 def recipe_hf_config(recipe: Recipe) -> dict:
