@@ -15,7 +15,8 @@ from toolkit.spec.options import PlanOptions, default, default_text, option_name
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: `micro_batch: true` or `max_steps: "30"` is a mistake in a YAML file, not a 1 or a 30
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ModelSection(_Strict):
@@ -84,6 +85,13 @@ class TrainingSection(_Strict):
         ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")
 
 
+class _PlanBase(BaseModel):
+    """The plan section takes each option's own strictness from PlanOptions (integers strict; a YAML list is a
+    tuple of recompute modules)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 def _plan_section() -> type[BaseModel]:
     """The recipe's `plan:` section, derived from PlanOptions: every option a recipe keeps under `plan:`, unset (None)
     by default, so the planner (`auto: true`) or the option's own default fills it."""
@@ -93,7 +101,7 @@ def _plan_section() -> type[BaseModel]:
             annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
             fields[name] = (annotation | None, Field(None, description=f"{info.description} (default: "
                                                                       f"{default_text(name)})"))
-    return create_model("PlanSection", __base__=_Strict, __doc__=(
+    return create_model("PlanSection", __base__=_PlanBase, __doc__=(
         "Options of the parallel plan (toolkit.spec.options.PlanOptions); seq_len and global_batch come from "
         "`training`, gpus_per_node from `cluster`. With `auto: true` the planner picks every option left unset "
         "(`plan: auto` is short for `{auto: true}` over every backend)."), **fields)
@@ -155,6 +163,11 @@ def _fix_hint(err: dict) -> str:
         return f"unknown key; valid keys here: {', '.join(section.model_fields)}"
     if err["type"] == "literal_error":
         return f"got {err['input']!r}; valid: {err['ctx']['expected']}"
+    if err["type"] in ("int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type"):
+        expected = err["type"].removesuffix("_type").replace("int", "an integer").replace("float", "a number") \
+            .replace("bool", "true or false").replace("string", "a string").replace("list", "a list") \
+            .replace("dict", "a mapping")
+        return f"must be {expected}, got {err['input']!r}"
     if err["type"] == "string_pattern_mismatch" and err["loc"] == ("name",):
         return (f"{err['input']!r}: use letters, digits, '.', '_' and '-' only (no spaces or '/'), at most 100 "
                 f"characters, starting with a letter or digit; it names the run directory, the wandb run and the "

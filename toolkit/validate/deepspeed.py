@@ -6,6 +6,7 @@ the key, the conflicting values and the fix.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from pathlib import Path
 
@@ -14,18 +15,8 @@ from toolkit.validate.trainer_args import fill_auto, trainer_problems
 
 __all__ = ["Problem", "validate_deepspeed_config", "memory_problem"]
 
-# Top-level keys DeepSpeed reads; it silently ignores any other, so a near miss of one of these is a typo to report.
-TOP_LEVEL_KEYS = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "steps_per_print", "wall_clock_breakdown", "zero_optimization", "bf16", "fp16", "optimizer", "scheduler",
-    "tensor_parallel", "activation_checkpointing", "communication_data_type", "prescale_gradients",
-    "gradient_predivide_factor", "gradient_allreduce_op", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "flops_profiler", "comms_logger", "tensorboard", "wandb", "csv_monitor", "aio",
-    "checkpoint", "data_types", "compile", "torch_autocast", "dataloader_drop_last", "sparse_attention", "pipeline",
-    "elasticity", "amp", "autotuning", "data_efficiency", "curriculum_learning", "memory_breakdown", "dump_state",
-    "disable_allgather", "seq_parallel_communication_data_type", "hybrid_engine", "weight_quantization", "timers",
-    "sequence_parallel_size", "expert_parallel", "zenflow",
-)
+# Top-level keys DeepSpeed reads only on paths a small config does not take (traced keys below cover the rest)
+CONDITIONAL_KEYS = ("sequence_parallel_size",)
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -39,14 +30,47 @@ def _import_deepspeed_quietly() -> None:
             import deepspeed  # noqa: F401
 
 
-def _typo_keys(config: dict) -> list[Problem]:
+@functools.lru_cache(maxsize=1)
+def deepspeed_top_level_keys() -> frozenset[str]:
+    """Every top-level key the installed DeepSpeed reads: DeepSpeedConfig built on a dict that records each key it
+    looks up (DeepSpeed ignores any other key silently, so the list must come from DeepSpeed itself)."""
+    _import_deepspeed_quietly()
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    seen: set[str] = set()
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            seen.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            seen.add(key)
+            return super().get(key, default)
+
+        def __contains__(self, key):
+            seen.add(key)
+            return super().__contains__(key)
+
+        def keys(self):
+            return Recording(self)  # `key in config.keys()` is recorded too
+
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        DeepSpeedConfig(Recording(train_micro_batch_size_per_gpu=1))
+    return frozenset(seen) | frozenset(CONDITIONAL_KEYS)
+
+
+def _unknown_keys(config: dict) -> list[Problem]:
+    known = deepspeed_top_level_keys()
     problems = []
     for key in config:
-        if key not in TOP_LEVEL_KEYS:
-            close = difflib.get_close_matches(key, TOP_LEVEL_KEYS, n=1, cutoff=0.85)
-            if close:
-                problems.append(Problem(key, f"is not a DeepSpeed key (DeepSpeed ignores it silently); rename it to "
-                                             f"'{close[0]}'"))
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f"rename it to '{close[0]}'" if close else "remove it"
+            problems.append(Problem(key, f"is not a key DeepSpeed reads (it ignores it silently); {hint}"))
     return problems
 
 
@@ -236,7 +260,7 @@ def validate_deepspeed_config(config: dict, world_size: int, pp: int = 1, traine
     (or left to DeepSpeed's defaults without it); `memory_check(config) -> Problem | None` adds the fit estimate."""
     if not isinstance(config, dict):
         return [Problem("deepspeed", "the file must hold a JSON object")]
-    problems = _typo_keys(config)
+    problems = _unknown_keys(config)
     bad_batch = _batch_values(config)
     if bad_batch:  # the batch arithmetic below needs numbers
         return problems + bad_batch
