@@ -78,4 +78,4 @@ def test_an_unreadable_file_exits_2_in_one_line(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("transformer_config: [unclosed")
     code, lines, _ = _validate(capsys, str(path))
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("validate: error: FILE: cannot read")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"validate: error: FILE: {path} is not valid YAML")

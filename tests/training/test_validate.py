@@ -149,6 +149,6 @@ def test_unreadable_input_is_one_line_and_exit_2(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text("{not json")
     code, lines = _validate(capsys, str(path), "--world-size", "2")
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("dmt validate: error: FILE: cannot read")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"dmt validate: error: FILE: {path} is not valid JSON")
     code, lines = _validate(capsys, str(BROKEN / "batch_mismatch.json"), "--world-size", "0")
     assert code == 2 and lines == ["dmt validate: error: --world-size: must be positive, got 0"]

@@ -21,9 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def initial_model(source: str | None):
     """A preset name, or the contents of an HF config.json (the page sends it back as a pasted config)."""
-    import json
     from pathlib import Path
 
+    from toolkit.readers import read_json
     from toolkit.spec.model import load_model_spec, preset_names
 
     if source is None or source in preset_names():
@@ -34,7 +34,7 @@ def initial_model(source: str | None):
         raise UserInputError("--model", f"{source}: dmt explore takes a preset or an HF config.json (file or "
                                         f"directory); presets: {', '.join(preset_names())}")
     load_model_spec(str(path))  # the same checks and one-line errors as dmt estimate
-    return json.loads(path.read_text())
+    return read_json(path, "--model", what="an HF config.json")
 
 
 def _listen(host: str, port: int):

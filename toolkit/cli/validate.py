@@ -27,11 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object: ok and the problems")
 
 
-def _read_json(path: Path, flag: str):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserInputError(flag, f"cannot read {path} as JSON ({exc})") from None
+def _read_json(path: Path, flag: str, what: str):
+    from toolkit.readers import read_json
+
+    return read_json(path, flag, what=what)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--world-size", args.world_size), ("--pp", args.pp), ("--seq-len", args.seq_len)):
         if value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
-    config = _read_json(args.file, "FILE")
-    trainer = _read_json(args.trainer_args, "--trainer-args") if args.trainer_args else None
+    config = _read_json(args.file, "FILE", "a DeepSpeed config (a JSON object)")
+    trainer = _read_json(args.trainer_args, "--trainer-args", "HF TrainingArguments as a JSON object") \
+        if args.trainer_args else None
     check = None
     if args.model:
         from toolkit.spec.cluster import get_gpu

@@ -61,6 +61,12 @@ def rope_theta(hf_config: dict, default: float):
     return float(params.get("rope_theta", hf_config.get("rope_theta", default)))
 
 
+def rotary_base(theta: float) -> int | float:
+    """Megatron-Core's GPTModel annotates rotary_base as an int and Megatron-LM parses --rotary-base as one; every
+    published rope_theta is a whole number (10000, 500000, 1e6), which is how it is stored."""
+    return int(theta) if float(theta).is_integer() else float(theta)
+
+
 def rope_scaling_enabled(value) -> bool:
     """Megatron-Core's `rope_scaling` is Llama 3.1's frequency scaling; other HF rope types have no equivalent here."""
     if not value:
@@ -99,7 +105,7 @@ def llama_megatron_fields(eps_default: float, theta_default: float, tie_default:
         Field("hidden_act", "transformer_config.activation_func", "silu", megatron_activation, hf_activation),
         Field("vocab_size", "model.vocab_size"),
         Field("max_position_embeddings", "gpt_model.max_sequence_length"),
-        Field("rope_theta", "gpt_model.rotary_base", lambda hf: rope_theta(hf, theta_default), float),
+        Field("rope_theta", "gpt_model.rotary_base", lambda hf: rope_theta(hf, theta_default), rotary_base),
         Field("tie_word_embeddings", "gpt_model.share_embeddings_and_output_weights", tie_default, bool),
     )
 

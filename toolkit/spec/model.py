@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolkit.errors import UserInputError
+from toolkit.readers import one_line, read_json, read_yaml
 from toolkit.families import family_for
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
@@ -123,31 +124,12 @@ def load_model_spec(source: str) -> ModelSpec:
     )
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception's message on one line (YAML and huggingface_hub validation errors span several)."""
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-
-
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserInputError(str(path), f"not a readable JSON file ({_one_line(exc)})") from None
-    if not isinstance(data, dict):
-        raise UserInputError(str(path), "expected a JSON object at the top level")
-    return data
+    return read_json(path, what="an HF config.json or a toolkit model spec (a JSON object)")
 
 
 def _read_yaml(path: Path) -> dict:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserInputError(str(path), f"not a readable YAML file ({_one_line(exc)})") from None
-    if not isinstance(data, dict):
-        raise UserInputError(str(path), "expected a mapping at the top level")
-    return data
+    return read_yaml(path, what="a toolkit model spec (a YAML mapping)")
 
 
 def _from_toolkit_dict(data: dict, source: str) -> ModelSpec:
@@ -195,7 +177,7 @@ def _library_config(data: dict, name: str) -> dict:
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in data.items() if k != "model_type"})
     except Exception as exc:  # transformers validates in __post_init__: ValueError, ZeroDivisionError, StrictDataclassError
-        raise UserInputError(f"{name}", f"not a valid '{model_type}' config ({_one_line(exc)})") from None
+        raise UserInputError(f"{name}", f"not a valid '{model_type}' config ({one_line(exc)})") from None
     return config.to_dict()
 
 

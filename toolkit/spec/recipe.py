@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -10,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
     model_validator
 
 from toolkit.errors import UserInputError, named_as
+from toolkit.readers import read_json, read_yaml
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import PlanOptions, default, default_text, option_name, recipe_key
 
@@ -177,15 +177,8 @@ def _fix_hint(err: dict) -> str:
 
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe; the first problem becomes a UserInputError naming the dotted key."""
-    import yaml
-
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:  # YAML's messages span lines (a caret under the spot): keep one
-        raise UserInputError("--recipe", f"cannot read {path} ({' '.join(str(exc).split())})") from None
-    if not isinstance(data, dict):
-        raise UserInputError(str(path), "expected a mapping at the top level")
+    data = read_yaml(path, "--recipe", what="a recipe (a YAML mapping: name, model, data, cluster, training, plan)")
     data.setdefault("base_dir", str(path.resolve().parent))
     try:
         return Recipe(**data)
@@ -238,7 +231,7 @@ def recipe_hf_config(recipe: Recipe) -> dict:
     source = recipe.model.source
     for candidate in (recipe.path(source), recipe.path(source) / "config.json", PRESET_DIR / f"{source}.json"):
         if candidate.is_file():
-            data = json.loads(candidate.read_text())
+            data = read_json(candidate, "model.source", what="an HF config.json")
             return {k: v for k, v in data.items() if not k.startswith("_dmt")}
     if "/" in source and not recipe.path(source).exists():  # a hub id: its config.json (the local cache offline)
         from transformers import AutoConfig

@@ -15,6 +15,7 @@ from toolkit.families.activations import MEGATRON_ACTIVATIONS
 from toolkit.generate.megatron import OPTIMIZERS
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
+from toolkit.validate.megatron_fields import MODEL_TYPES, SCHEDULE_KEYS, field_problems
 
 TC = "transformer_config"
 # resolve_plan's flags -> the megatron.yaml key holding that number
@@ -32,9 +33,6 @@ PLAN_KEYS = {
     "--recompute": f"{TC}.recompute_granularity", "--precision": f"{TC}.bf16",
     "--recompute-modules": f"{TC}.recompute_modules", "--recompute-num-layers": f"{TC}.recompute_num_layers",
 }
-SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_microbatches", "global_batch_size",
-                 "seq_length", "train_iters", "seed")
-MODEL_KEYS = ("family", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size")
 LAYER_SPECS = tuple(sorted(TRANSFORMER_IMPLS))  # the layer specs the toolkit builds
 
 
@@ -61,7 +59,7 @@ def _section_fields() -> dict[str, tuple[str, set[str]]]:
         "optimizer_config": ("OptimizerConfig", {f.name for f in dataclasses.fields(OptimizerConfig)}),
         "scheduler": ("OptimizerParamScheduler", params(OptimizerParamScheduler.__init__, {"self", "optimizer"})),
         "schedule": ("the toolkit's schedule", set(SCHEDULE_KEYS)),
-        "model": ("the toolkit's model", set(MODEL_KEYS)),
+        "model": ("the toolkit's model", set(MODEL_TYPES)),
     }
 
 
@@ -297,7 +295,7 @@ def validate_megatron_config(config: dict, world_size: int | None = None) -> lis
 
 
 def _validate(config: dict, world_size: int | None) -> list[Problem]:
-    problems = _structure(config)
+    problems = _structure(config) or field_problems(config)
     if problems:
         return problems
     if world_size is not None and world_size != config["schedule"].get("world_size"):
@@ -321,10 +319,6 @@ def padding_note(config: dict) -> str | None:
 
 
 def read_megatron_yaml(path: Path) -> dict:
-    import yaml
+    from toolkit.readers import read_yaml
 
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserInputError("FILE", f"cannot read {path} as YAML ({' '.join(str(exc).split())})") from None
-    return data
+    return read_yaml(path, "FILE", what="a megatron.yaml (a mapping of Megatron-Core sections)")
