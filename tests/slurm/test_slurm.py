@@ -148,12 +148,21 @@ def _submit(slurm, recipe: Path, out: Path, capsys, *flags: str) -> str:
     return capsys.readouterr().out.strip()
 
 
+# a directory name a shell or sbatch would misread if any generated line interpolated it unquoted
+HOSTILE = "we ird 'q' \"dq\" $(touch PWNED) `touch PWNED` #h 50% ü"
+
+
 @pytest.mark.launch
 def test_submitted_job_runs_preflight_trains_and_checkpoints(slurm, tmp_path, capsys):
-    out = tmp_path / "run"
-    job_id = _submit(slurm, _recipe(tmp_path, 2, 2), out, capsys)
+    """A real job whose recipe, output and log directories sit under a hostile name: the #SBATCH lines, the script's
+    variables and the launch line all keep it one word, and nothing in it runs."""
+    hostile = tmp_path / HOSTILE
+    hostile.mkdir()
+    out = hostile / "run"
+    job_id = _submit(slurm, _recipe(hostile, 2, 2), out, capsys)
     job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600)
-    log = next((tmp_path / "slurm-logs").glob(f"*-{job_id}.out")).read_bytes().decode(errors="replace")
+    log = next((hostile / "slurm-logs").glob(f"*-{job_id}.out")).read_bytes().decode(errors="replace")
+    assert not list(tmp_path.rglob("PWNED")) and not (Path.cwd() / "PWNED").exists()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-3000:]
     assert "ranks on" in log and "preflight failed" not in log  # the health preflight ran (and passed) first
     records = read_metrics(out)

@@ -239,3 +239,50 @@ def test_pre_training_from_a_hub_id_reads_its_config_from_the_hub_cache(tmp_path
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env,
                             cwd=ROOT, timeout=120)
     assert result.stdout.split() == ["llama", "64", "model.source"], result.stderr[-2000:]
+
+
+HOSTILE = "we ird 'q' \"dq\" $(touch PWNED) `touch PWNED` ;touch PWNED #h 50% ü"
+
+
+def test_launch_script_keeps_hostile_paths_whole_and_runs_nothing_in_them(tmp_path):
+    """The recipe and the generated directory under a name full of shell syntax (quotes, $(), backticks, ;, #, %,
+    non-ASCII): launch.sh hands each path to the launcher as one argument, and nothing in it runs. (A line break is
+    refused: an #SBATCH line cannot carry one.)"""
+    hostile = tmp_path / HOSTILE
+    hostile.mkdir()
+    recipe = hostile / "recipe.yaml"
+    recipe.write_text(TINY.read_text().replace("data/tiny_corpus.txt", str(TINY.parent / "data/tiny_corpus.txt")))
+    out = hostile / "gen"
+    assert main(["generate", str(recipe), "--out", str(out)]) == 0
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for launcher in ("torchrun", "deepspeed", "accelerate"):  # each records the arguments it was given
+        (fake / launcher).write_text(f"#!{sys.executable}\nimport json, sys\n"
+                                     f"json.dump(sys.argv[1:], open({str(tmp_path / launcher)!r} + '.json', 'w'))\n")
+        (fake / launcher).chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env.pop("RECIPE", None)
+    env.pop("OUTPUT_DIR", None)
+    for launcher in ("torchrun", "deepspeed", "accelerate"):
+        result = subprocess.run(["bash", str(out / "launch.sh"), launcher, "--resume", "auto"], capture_output=True,
+                                text=True, env=env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        argv = json.loads((tmp_path / f"{launcher}.json").read_text())
+        tail = argv[argv.index("--recipe"):]
+        assert tail == ["--recipe", str(recipe), "--plan", str(out / "plan.json"), "--output-dir", str(out / "run"),
+                        "--resume", "auto"], tail
+    assert not list(tmp_path.rglob("PWNED"))
+    broken = tmp_path / "line\nbreak"
+    assert main(["generate", str(recipe), "--out", str(broken)]) == 2
+    assert not broken.exists()
+
+
+@pytest.mark.parametrize("name", ["tiny\ntouch PWNED", "../../escape", "with space", "ünïcode", "-starts-with-dash",
+                                  "x" * 101])
+def test_a_recipe_name_that_is_not_a_safe_run_name_is_refused(tmp_path, capsys, name):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TINY.read_text().replace("name: tiny-llama-cpu", f"name: {json.dumps(name)}"))
+    assert main(["generate", str(recipe), "--out", str(tmp_path / "gen")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "recipe.yaml: name:" in err and "letters, digits" in err, err
+    assert not (tmp_path / "gen").exists()

@@ -58,10 +58,12 @@ def _launch(ctx: GenerationContext) -> str:
 
 
 def _slurm(ctx: GenerationContext) -> str:
+    from toolkit.errors import named_as
     from toolkit.generate.slurm import render_sbatch
 
-    return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, output_dir=str(ctx.out_dir / "run"),
-                         train_flags=["--plan", str(ctx.out_dir / PLAN_FILE)])
+    with named_as({"--output-dir": "--out"}):  # the job trains into --out/run
+        return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, output_dir=str(ctx.out_dir / "run"),
+                             train_flags=["--plan", str(ctx.out_dir / PLAN_FILE)])
 
 
 def _plan(ctx: GenerationContext) -> str:
