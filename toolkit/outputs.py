@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -28,14 +29,19 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _writable_directory(directory: Path, flag: str, target: Path) -> None:
-    """The nearest existing ancestor of `directory` must be a directory we may write into."""
+    """The nearest existing ancestor of `directory` must be a directory we can create a file in: tried for real
+    (permission bits say nothing for root, or for read-only and virtual file systems), then removed."""
     existing = directory
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         raise UserInputError(flag, f"{target}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserInputError(flag, f"{target}: cannot write into {existing} (permission denied)")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".dmt-probe-", dir=existing)
+    except OSError as exc:
+        raise UserInputError(flag, f"{target}: cannot write into {existing} ({exc.strerror or exc})") from None
+    os.close(handle)
+    os.unlink(probe)
 
 
 def output_file(path: Path | str, flag: str, inputs: Iterable[Path] = (), suffix: str | None = None) -> Path:
@@ -66,8 +72,9 @@ def output_directory(path: Path | str, flag: str, inputs: Iterable[Path] = ()) -
     return target
 
 
-def write_file(path: Path, data: str | bytes, mode: int | None = None) -> None:
-    """Write `data` to a temporary sibling, fsync, then rename over `path`: readers see the old file or the new one."""
+def write_file(path: Path, data: str | bytes, flag: str, mode: int | None = None) -> None:
+    """Write `data` to a temporary sibling, fsync, then rename over `path`: readers see the old file or the new one;
+    a failure (a read-only file system, a full disk) is one line naming `flag`, with nothing left behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -78,6 +85,8 @@ def write_file(path: Path, data: str | bytes, mode: int | None = None) -> None:
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
+    except OSError as exc:
+        raise UserInputError(flag, f"cannot write {path} ({exc.strerror or exc})") from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -13,18 +13,19 @@ if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
+from toolkit.cli.paths import path_arg  # noqa: E402
 from toolkit.errors import UserInputError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit/train.py", description=__doc__)
-    parser.add_argument("--plan", type=Path, default=None, metavar="DIR/plan.json",
+    parser.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                         help="train the plan `dmt generate` wrote, with the generated files beside plan.json")
-    parser.add_argument("--recipe", type=Path, default=None,
+    parser.add_argument("--recipe", type=path_arg, default=None,
                         help="the recipe (with --plan: default the one plan.json names, and it must be unchanged)")
     parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON for the quick path (default: generated from "
                                                           "the recipe's plan)")
-    parser.add_argument("--output-dir", type=Path, default=None, help="default: runs/<recipe name>")
+    parser.add_argument("--output-dir", type=path_arg, default=None, help="default: runs/<recipe name>")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (overrides the recipe)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",

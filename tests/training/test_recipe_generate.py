@@ -160,7 +160,7 @@ def test_a_recipe_that_is_not_yaml_is_one_line(tmp_path, capsys):
     bad.write_text("name: [oops\nmodel: {}\n")
     assert main(["generate", str(bad), "--out", str(tmp_path / "gen")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("dmt generate: error: --recipe: cannot read"), err
+    assert len(err.splitlines()) == 1 and err.startswith(f"dmt generate: error: --recipe: {bad} is not valid YAML"), err
 
 
 def test_zero_plus_plus_on_one_node_is_refused_with_the_fix(tmp_path, capsys):

@@ -6,15 +6,17 @@ import argparse
 import json
 from pathlib import Path
 
+from toolkit.cli.paths import path_arg
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=type(parser))
     verify = sub.add_parser("verify", help="completeness, sizes and checksums (against the manifest); --deep loads tensors")
-    verify.add_argument("path", type=Path, metavar="PATH")
+    verify.add_argument("path", type=path_arg, metavar="PATH")
     verify.add_argument("--deep", action="store_true", help="load every tensor and check for NaN/Inf")
     verify.add_argument("--json", action="store_true")
     inspect = sub.add_parser("inspect", help="format, step, layout, parameter count, optimizer state, dtypes, size")
-    inspect.add_argument("path", type=Path, metavar="PATH")
+    inspect.add_argument("path", type=path_arg, metavar="PATH")
     inspect.add_argument("--json", action="store_true")
 
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags
+from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import default
@@ -27,7 +28,7 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-GPU bandwidth inside a node in GB/s (default: the GPU catalogue's)")
     parser.add_argument("--inter-node-bw", type=float, default=None, metavar="GBPS",
                         help="per-GPU bandwidth across nodes in GB/s (default: the GPU catalogue's)")
-    parser.add_argument("--measured-bw", type=Path, default=None, metavar="HEALTH_JSON",
+    parser.add_argument("--measured-bw", type=path_arg, default=None, metavar="HEALTH_JSON",
                         help="bus bandwidths measured by `dmt health --json` instead of datasheet numbers")
 
 

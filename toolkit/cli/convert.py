@@ -5,25 +5,27 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from toolkit.cli.paths import path_arg
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True, parser_class=type(parser))
     zero = sub.add_parser("zero-to-hf", help="DeepSpeed ZeRO 1/2/3 checkpoint -> HF safetensors + config",
                           description="Stream a DeepSpeed ZeRO checkpoint (HF Trainer or bare DeepSpeed layout, any "
                                       "world size) into HF safetensors; equal bit for bit to DeepSpeed's zero_to_fp32.")
-    zero.add_argument("ckpt_dir", type=Path, metavar="CKPT_DIR", help="directory with `latest` (or the tag directory)")
-    zero.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the HF model")
+    zero.add_argument("ckpt_dir", type=path_arg, metavar="CKPT_DIR", help="directory with `latest` (or the tag directory)")
+    zero.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the HF model")
     zero.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: from `latest`)")
     zero.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     zero.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
-    zero.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none beside it")
+    zero.add_argument("--config", type=path_arg, default=None, help="HF config.json when the checkpoint has none beside it")
     zero.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron-Core dist checkpoint",
                               description="Write a Megatron-Core dist checkpoint (torch_dist) of an HF model that a "
                                           "GPTModel at this TP/PP/VPP/EP loads (and, resharded, other layouts).")
-    to_mcore.add_argument("hf_dir", type=Path, metavar="HF_DIR")
-    to_mcore.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the dist checkpoint")
+    to_mcore.add_argument("hf_dir", type=path_arg, metavar="HF_DIR")
+    to_mcore.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the dist checkpoint")
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"), ("ep", "expert")):
         to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{what} parallel size it is meant for")
     to_mcore.add_argument("--check", action="store_true", help="then compare logits with the HF model at --tp/--pp")
@@ -32,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron-Core dist checkpoint -> HF safetensors + config",
                            description="Read a Megatron-Core dist checkpoint (converted or saved by training, any "
                                        "layout) back into HF safetensors.")
-    to_hf.add_argument("megatron_dir", type=Path, metavar="MEGATRON_DIR")
-    to_hf.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the HF model")
-    to_hf.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none")
+    to_hf.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
+    to_hf.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the HF model")
+    to_hf.add_argument("--config", type=path_arg, default=None, help="HF config.json when the checkpoint has none")
     to_hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (HF's max_shard_size)")
     to_hf.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -42,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = sub.add_parser("check", help="max logit difference of an HF model and a Megatron-Core checkpoint",
                            description="Run the HF model and the Megatron-Core model of the checkpoint (at --tp/--pp, "
                                        "under torchrun when more than one process) on the same tokens.")
-    check.add_argument("hf_dir", type=Path, metavar="HF_DIR")
-    check.add_argument("megatron_dir", type=Path, metavar="MEGATRON_DIR")
+    check.add_argument("hf_dir", type=path_arg, metavar="HF_DIR")
+    check.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
     check.add_argument("--tp", type=int, default=1)
     check.add_argument("--pp", type=int, default=1)
     check.add_argument("--tolerance", type=float, default=1e-4, help="largest max-abs logit difference that passes")

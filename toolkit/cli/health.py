@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs each rank must see (default: the launcher's ranks per node)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    out.add_argument("--output", type=Path, default=None, help="also write the JSON report here (for dmt plan --measured-bw)")
+    out.add_argument("--output", type=path_arg, default=None, help="also write the JSON report here (for dmt plan --measured-bw)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     validate(options)
     if args.pid_dir and not Path(args.pid_dir).is_dir():
         raise UserInputError("--pid-dir", f"{args.pid_dir} is not a directory")
-    if args.output and not args.output.parent.is_dir():
-        raise UserInputError("--output", f"directory {args.output.parent} does not exist")
+    if args.output:  # checked before any rank starts; written whole at the end
+        from toolkit.outputs import output_file
+
+        args.output = output_file(args.output, "--output")
     if args.nproc is not None:
         if args.nproc < 1:
             raise UserInputError("--nproc", f"must be at least 1, got {args.nproc}")
@@ -109,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _emit(report: dict, args: argparse.Namespace) -> None:
     if args.output:
-        tmp = args.output.with_name(args.output.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(args.output)
+        from toolkit.outputs import write_file
+
+        write_file(args.output, json.dumps(report, indent=2) + "\n", "--output")
     if args.json:
         print(json.dumps(report, indent=2), flush=True)
     else:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
+from toolkit.cli.paths import path_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
 
@@ -15,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser, required=("seq_len", "global_batch"))  # any other plan option given is pinned
     parser.add_argument("--top", type=int, default=10, help="plans to show (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of the ranked plans")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+    parser.add_argument("--plot", type=path_arg, default=None, metavar="FILE.png",
                         help="stacked per-GPU memory of the top plans and of ZeRO 0-3")
     add_network_arguments(parser)
     add_train_tokens_argument(parser)

@@ -8,12 +8,13 @@ import tempfile
 from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
+from toolkit.cli.paths import path_arg
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", type=Path, required=True)
+    parser.add_argument("--recipe", type=path_arg, required=True)
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
     parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
     parser.add_argument("--resume-world-size", type=int, default=None,
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the three runs go (default: a new temp dir)")
+    parser.add_argument("--workdir", type=path_arg, default=None, help="where the three runs go (default: a new temp dir)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--json", action="store_true")
     add_plan_flags(parser, overriding="the recipe's plan in every run")

@@ -7,6 +7,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
 
 
@@ -14,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=type(parser))
     for name, help_text in (("render", "print or write the sbatch script"), ("submit", "render and submit with sbatch")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("recipe", type=Path, metavar="RECIPE")
+        p.add_argument("recipe", type=path_arg, metavar="RECIPE")
         p.add_argument("--nodes", type=int, default=None)
         p.add_argument("--gpus-per-node", type=int, default=None)
         p.add_argument("--partition", default=None)
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--account", default=None)
         p.add_argument("--output-dir", default=None, help="training output directory (default runs/<recipe name>)")
         p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON to train with (default: from the recipe)")
-        p.add_argument("--plan", type=Path, default=None, metavar="DIR/plan.json",
+        p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                        help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
         p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
                        help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun)")
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                  "--launcher accelerate")
         p.add_argument("--convert", action="store_true", help="a checkpoint-conversion job instead of training")
         if name == "render":
-            p.add_argument("--out", type=Path, default=None, help="write here instead of printing")
+            p.add_argument("--out", type=path_arg, default=None, help="write here instead of printing")
         else:
             p.add_argument("--dry-run", action="store_true", help="print the script, do not submit")
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if out is None:
             print(script, end="")
             return 0
-        write_file(out, script, mode=0o755)
+        write_file(out, script, "--out", mode=0o755)
         print(f"wrote {out}")
         return 0
     if args.dry_run:

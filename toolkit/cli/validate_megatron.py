@@ -10,9 +10,11 @@ import json
 import sys
 from pathlib import Path
 
+from toolkit.cli.paths import path_arg
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, metavar="FILE", help="megatron.yaml (generated or hand-edited)")
+    parser.add_argument("file", type=path_arg, metavar="FILE", help="megatron.yaml (generated or hand-edited)")
     parser.add_argument("--world-size", type=int, default=None, help="processes the job will launch (default: the "
                                                                      "file's schedule.world_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: ok, the problems and notes")

@@ -35,7 +35,9 @@ def _key(action: argparse.Action) -> str | None:
 
 
 def _reads_files(action: argparse.Action) -> bool:
-    return action.type is Path or isinstance(action.type, argparse.FileType)
+    from toolkit.cli.paths import path_arg
+
+    return action.type in (Path, path_arg) or isinstance(action.type, argparse.FileType)
 
 
 def options(verb: str) -> dict[str, argparse.Action]:

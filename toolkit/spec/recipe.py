@@ -58,6 +58,17 @@ class ClusterSection(_Strict):
     nodes: int | None = Field(None, gt=0, description="Defaults to gpus / gpus_per_node, at least 1.")
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
 
+    @field_validator("gpu")
+    @classmethod
+    def _in_catalogue(cls, name: str) -> str:
+        from toolkit.spec.cluster import get_gpu
+
+        try:
+            get_gpu(name)
+            return name
+        except UserInputError as exc:  # pydantic words it as the key's error: `cluster.gpu: unknown GPU ...`
+            raise ValueError(exc.message) from None
+
     @property
     def num_nodes(self) -> int:
         return self.nodes or max(1, -(-self.gpus // self.gpus_per_node))
@@ -163,6 +174,8 @@ def _fix_hint(err: dict) -> str:
         return f"unknown key; valid keys here: {', '.join(section.model_fields)}"
     if err["type"] == "literal_error":
         return f"got {err['input']!r}; valid: {err['ctx']['expected']}"
+    if err["type"] == "value_error":
+        return err["msg"].removeprefix("Value error, ")
     if err["type"] in ("int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type"):
         expected = err["type"].removesuffix("_type").replace("int", "an integer").replace("float", "a number") \
             .replace("bool", "true or false").replace("string", "a string").replace("list", "a list") \

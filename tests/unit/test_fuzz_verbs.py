@@ -1,0 +1,244 @@
+"""Every verb against bad input, as a table: malformed files, wrong types, hostile values, colliding and unwritable
+outputs. For each case: exit code 2, no traceback, at most two lines on stderr naming the flag, key or file at fault,
+every user file unchanged (checksums before and after) and nothing left behind."""
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY
+from toolkit.cli.main import main
+
+RECIPE_TEXT = TINY.read_text().replace("data/tiny_corpus.txt", str(TINY.parent / "data/tiny_corpus.txt"))
+
+# how a file the user names can be wrong
+MALFORMED = {
+    "binary": lambda p: p.write_bytes(random.Random(0).randbytes(512)),
+    "utf16": lambda p: p.write_bytes('{"model_type": "llama"}'.encode("utf-16")),
+    "empty": lambda p: p.write_text(""),
+    "a-list": lambda p: p.write_text("[1, 2, 3]\n"),
+    "truncated": lambda p: p.write_text('{"model_type": "llama", "hidden_size": '),
+    "bad-yaml": lambda p: p.write_text("key: [unclosed\n  - x: {"),
+    "a-number": lambda p: p.write_text("42\n"),
+    "directory": lambda p: p.mkdir(),
+    "missing": lambda p: None,
+}
+
+# verbs that read a user's file: argv with {file} for it, and what the error must name besides the path
+FILE_INPUTS = {
+    "estimate --model": (["estimate", "--model", "{file}", "--gpus", "8"], None),
+    "estimate --measured-bw": (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--measured-bw", "{file}"],
+                               "--measured-bw"),
+    "plan --model": (["plan", "--model", "{file}", "--gpus", "8", "--seq-len", "512", "--global-batch", "8"], None),
+    "generate RECIPE": (["generate", "{file}", "--out", "{tmp}/gen"], "--recipe"),
+    "validate deepspeed.json": (["validate", "{file}.json", "--world-size", "2"], "FILE"),
+    "validate megatron.yaml": (["validate", "{file}.yaml", "--world-size", "2"], "FILE"),
+    "validate --trainer-args": (["validate", "{valid_ds}", "--world-size", "2", "--trainer-args", "{file}"],
+                                "--trainer-args"),
+    "slurm render RECIPE": (["slurm", "render", "{file}"], "--recipe"),
+    "restore-test --recipe": (["restore-test", "--recipe", "{file}", "--workdir", "{tmp}/restore"], "--recipe"),
+    "convert hf-to-megatron HF_DIR": (["convert", "hf-to-megatron", "{file}", "{tmp}/mcore"], "HF_DIR"),
+}
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every path under root with the checksum of each file (directories as such)."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        key = str(path.relative_to(root))
+        found[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
+    return found
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, list[str]]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, [line for line in captured.err.splitlines() if line.strip()]
+
+
+def _assert_refused(code: int, err: list[str], *names: str) -> None:
+    text = "\n".join(err)
+    assert code == 2, (code, text)
+    assert "Traceback" not in text and 1 <= len(err) <= 2, text
+    assert all(name in text for name in names if name), (names, text)
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """A user's directory: a recipe, a valid DeepSpeed JSON; the test's own files go beside them."""
+    (tmp_path / "recipe.yaml").write_text(RECIPE_TEXT)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization":
+                                                  {"stage": 2}}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+@pytest.mark.parametrize("verb", sorted(FILE_INPUTS))
+def test_a_malformed_input_file_is_one_line_naming_it(sandbox, capsys, verb, kind):
+    argv_template, flag = FILE_INPUTS[verb]
+    bad = sandbox / f"input-{kind}"
+    suffix = next((part[len("{file}"):] for part in argv_template if part.startswith("{file}")), "")
+    MALFORMED[kind](Path(f"{bad}{suffix}"))
+    before = _snapshot(sandbox)
+    argv = [part.format(file=bad, tmp=sandbox, valid_ds=sandbox / "ds.json") for part in argv_template]
+    code, err = _run(capsys, argv)
+    if kind == "missing" and verb.endswith("--model"):
+        flag = "--model"  # a name that is no file is tried as a preset or hub id: the flag says what it takes
+    _assert_refused(code, err, flag, "" if flag == "--model" else bad.name)
+    assert _snapshot(sandbox) == before
+
+
+# outputs: argv with {out}, the flag, and whether the target is a file or a directory
+OUTPUTS = {
+    "generate --out": (["generate", "{recipe}", "--out", "{out}"], "--out", "dir"),
+    "plan --plot": (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "512", "--global-batch", "8",
+                     "--plot", "{out}"], "--plot", "file"),
+    "slurm render --out": (["slurm", "render", "{recipe}", "--out", "{out}"], "--out", "file"),
+    "restore-test --workdir": (["restore-test", "--recipe", "{recipe}", "--workdir", "{out}"], "--workdir", "dir"),
+    "health --output": (["health", "--nproc", "1", "--output", "{out}"], "--output", "file"),
+}
+
+
+def _bad_target(sandbox: Path, kind: str, target: str, suffix: str) -> str:
+    if kind == "a-file-for-a-directory":
+        path = sandbox / "taken"
+        path.write_text("the user's\n")
+        return str(path)
+    if kind == "a-directory-for-a-file":
+        path = sandbox / f"taken{suffix}"
+        path.mkdir()
+        return str(path)
+    if kind == "under-a-file":
+        (sandbox / "plain").write_text("the user's\n")
+        return str(sandbox / "plain" / f"out{suffix}")
+    if kind == "unwritable":
+        return f"/proc/dmt-fuzz/out{suffix}"
+    if kind == "empty":
+        return ""
+    if kind == "the-input-itself":
+        return str(sandbox / "recipe.yaml")
+    raise ValueError(kind)
+
+
+OUTPUT_KINDS = ("a-file-for-a-directory", "a-directory-for-a-file", "under-a-file", "unwritable", "empty",
+                "the-input-itself")
+
+
+@pytest.mark.parametrize("kind", OUTPUT_KINDS)
+@pytest.mark.parametrize("verb", sorted(OUTPUTS))
+def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, verb, kind):
+    argv_template, flag, target = OUTPUTS[verb]
+    if (kind == "a-file-for-a-directory" and target == "file") or (kind == "a-directory-for-a-file" and target == "dir"):
+        pytest.skip("a valid target of this kind")
+    if kind == "the-input-itself" and verb == "health --output":
+        pytest.skip("dmt health reads no file of the user's")
+    suffix = ".png" if verb == "plan --plot" else ""
+    out = _bad_target(sandbox, kind, target, suffix)
+    if kind == "the-input-itself" and suffix:
+        out = str(sandbox / "ds.png")
+        (sandbox / "ds.png").write_bytes(b"a user's picture")
+        argv_template = [*argv_template[:-2], "--model", out, "--plot", out]
+    before = _snapshot(sandbox)
+    argv = [part.format(out=out, recipe=sandbox / "recipe.yaml") for part in argv_template]
+    code, err = _run(capsys, argv)
+    _assert_refused(code, err, flag if kind != "the-input-itself" or not suffix else "")
+    assert _snapshot(sandbox) == before
+    assert not Path("/proc/dmt-fuzz").exists()
+
+
+def test_generate_never_replaces_what_it_did_not_write_and_cleans_its_own(sandbox, capsys):
+    """A deepspeed.json of the user's stops `dmt generate` (--force replaces it); switching the recipe to Megatron
+    removes the files generate wrote for DeepSpeed and keeps the user's own files and run directory."""
+    out = sandbox / "gen"
+    out.mkdir()
+    (out / "deepspeed.json").write_text('{"mine": true}\n')
+    (out / "notes.txt").write_text("the user's\n")
+    before = _snapshot(sandbox)
+    code, err = _run(capsys, ["generate", str(sandbox / "recipe.yaml"), "--out", str(out)])
+    _assert_refused(code, err, "--out", "deepspeed.json", "--force")
+    assert _snapshot(sandbox) == before
+    assert main(["generate", str(sandbox / "recipe.yaml"), "--out", str(out), "--force"]) == 0
+    assert json.loads((out / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 2
+    (out / "run").mkdir()
+    megatron = sandbox / "megatron.yaml"
+    megatron.write_text(RECIPE_TEXT.replace("backend: deepspeed\n  zero: 2", "backend: megatron"))
+    assert main(["generate", str(megatron), "--out", str(out)]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"megatron.yaml", "plan.json", "launch.sh", "notes.txt", "run"} <= names
+    assert not names & {"deepspeed.json", "accelerate.yaml", "trainer_args.json"}
+    assert not [p for p in sandbox.iterdir() if ".tmp-" in p.name]
+    capsys.readouterr()
+
+
+def test_generate_never_overwrites_the_recipe_it_reads(sandbox, capsys):
+    """A recipe saved as DIR/megatron.yaml, generated into DIR: refused, the recipe intact."""
+    directory = sandbox / "job"
+    directory.mkdir()
+    recipe = directory / "megatron.yaml"
+    recipe.write_text(RECIPE_TEXT.replace("backend: deepspeed\n  zero: 2", "backend: megatron"))
+    before = _snapshot(sandbox)
+    code, err = _run(capsys, ["generate", str(recipe), "--out", str(directory)])
+    _assert_refused(code, err, "--out", "megatron.yaml")
+    assert _snapshot(sandbox) == before
+
+
+RECIPE_VALUES = {  # a recipe line replaced -> the key the error must name
+    "micro_batch: true": ("micro_batch: 4", "micro_batch: true", "plan.micro_batch"),
+    "max_steps as text": ("max_steps: 30", "max_steps: '30'", "training.max_steps"),
+    "zero 5": ("zero: 2", "zero: 5", "plan.zero"),
+    "unknown gpu": ("gpu: h100-80gb", "gpu: h100-81gb", "cluster.gpu"),
+    "hostile name": ("name: tiny-llama-cpu", "name: 'x; touch PWNED'", "name"),
+    "name escaping": ("name: tiny-llama-cpu", "name: ../../escape", "name"),
+    "negative seq": ("seq_len: 64", "seq_len: -64", "training.seq_len"),
+    "tp not dividing heads": ("zero: 2", "zero: 2\n  tp: 3", "plan.tp"),
+    "unknown plan key": ("zero: 2", "zero: 2\n  zerro: 1", "plan.zerro"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_VALUES))
+@pytest.mark.parametrize("verb", ["generate", "slurm render", "restore-test"])
+def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, case, verb):
+    old, new, key = RECIPE_VALUES[case]
+    assert old in RECIPE_TEXT
+    recipe = sandbox / "recipe.yaml"
+    recipe.write_text(RECIPE_TEXT.replace(old, new, 1))
+    before = _snapshot(sandbox)
+    argv = {"generate": ["generate", str(recipe), "--out", str(sandbox / "gen")],
+            "slurm render": ["slurm", "render", str(recipe)],
+            "restore-test": ["restore-test", "--recipe", str(recipe), "--workdir", str(sandbox / "restore")]}[verb]
+    code, err = _run(capsys, argv)
+    _assert_refused(code, err, key)
+    assert _snapshot(sandbox) == before
+    assert not list(sandbox.rglob("PWNED")) and not list(Path("/tmp").glob("dmt-restore-*/reference"))
+
+
+FLAG_VALUES = [  # argv -> the flag the error must name
+    (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "0"], "--seq-len"),
+    (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--recompute-modules", "core_attn,all"],
+     "--recompute-modules"),
+    (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", "many"], "--train-tokens"),
+    (["plan", "--model", "llama-3.1-8b", "--gpus", "0", "--seq-len", "512", "--global-batch", "8"], "--gpus"),
+    (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "512", "--global-batch", "8", "--top", "0"],
+     "--top"),
+    (["slurm", "render", "{recipe}", "--output-dir", "runs\n#SBATCH --qos=high/x"], "--output-dir"),
+    (["slurm", "render", "{recipe}", "--time", "1 day"], "--time"),
+    (["restore-test", "--recipe", "{recipe}", "--steps", "0"], "--steps"),
+    (["restore-test", "--recipe", "{recipe}", "--steps", "-5"], "--steps"),
+    (["restore-test", "--recipe", "{recipe}", "--save-at", "30"], "--save-at"),
+    (["restore-test", "--recipe", "{recipe}", "--timeout", "0"], "--timeout"),
+    (["validate", "{ds}", "--world-size", "0"], "--world-size"),
+    (["health", "--nproc", "0"], "--nproc"),
+    (["explore", "--port", "70000"], "--port"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", FLAG_VALUES, ids=[f"{a[0]}{a[-2]}" for a, _ in FLAG_VALUES])
+def test_a_wrong_flag_value_names_the_flag(sandbox, capsys, argv, flag):
+    before = _snapshot(sandbox)
+    code, err = _run(capsys, [part.format(recipe=sandbox / "recipe.yaml", ds=sandbox / "ds.json") for part in argv])
+    _assert_refused(code, err, flag)
+    assert _snapshot(sandbox) == before
