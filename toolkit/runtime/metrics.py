@@ -51,10 +51,15 @@ def gpu_memory() -> dict:
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
+    """The records of a run; a last line cut short (the writer was killed mid-write) is not a record."""
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines = lines[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def wandb_key_configured() -> bool:

@@ -165,7 +165,10 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
                  "account_for_loss_in_pipeline_split"):
         values[flag] = (view[flag], bool(values[flag][1]))
     values["precision"] = (f"{TC}.bf16", _precision(tc))
-    values["recompute_modules"] = (f"{TC}.recompute_modules", _modelled_recompute_modules(tc))
+    selective = tc.get("recompute_granularity") == "selective"
+    # Megatron-Core's default [core_attn] is left out of the file by the generator; () is the plan's "not selective"
+    values["recompute_modules"] = (f"{TC}.recompute_modules",
+                                   tc.get("recompute_modules", ["core_attn"]) if selective else [])
     block = tc.get("recompute_method") == "block"
     values["recompute_num_layers"] = (f"{TC}.recompute_num_layers", tc.get("recompute_num_layers") if block else None)
     values["zero"] = ("ddp_config", 0)
@@ -191,6 +194,7 @@ def _plan_rules(config: dict) -> list[Problem]:
     # an unknown value, or fp8 / CP with the local spec, get the layer-spec rules' own messages below
     local = tc.get("transformer_impl") == "local" and not (tc.get("fp8") or tc.get("context_parallel_size", 1) > 1)
     options.update(gpus_per_node=schedule["world_size"], transformer_impl="local" if local else None,
+                   recompute_modules=_modelled_recompute_modules(tc),
                    optimizer=options["optimizer"] if options["optimizer"] in OPTIMIZERS else None)
     try:
         resolve_plan(model, schedule["world_size"], **options)
