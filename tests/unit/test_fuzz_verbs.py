@@ -242,3 +242,21 @@ def test_a_wrong_flag_value_names_the_flag(sandbox, capsys, argv, flag):
     code, err = _run(capsys, [part.format(recipe=sandbox / "recipe.yaml", ds=sandbox / "ds.json") for part in argv])
     _assert_refused(code, err, flag)
     assert _snapshot(sandbox) == before
+
+
+def test_tables_read_through_a_pipe_keep_every_value_whole(tmp_path):
+    """Off a terminal the table is as wide as its content: a long model path and the plan labels arrive whole."""
+    import subprocess
+    import sys
+
+    from helpers import tiny_llama_config
+
+    deep = tmp_path / ("a-directory-name-long-enough-to-be-cut-by-any-eighty-or-140-column-table-" * 2)
+    deep.mkdir()
+    (deep / "config.json").write_text(json.dumps(tiny_llama_config()))
+    for argv in (["estimate", "--model", str(deep), "--gpus", "2", "--seq-len", "128"],
+                 ["plan", "--model", str(deep), "--gpus", "16", "--seq-len", "128", "--global-batch", "16",
+                  "--top", "20"]):
+        result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert deep.name in result.stdout and "…" not in result.stdout, result.stdout

@@ -40,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(report) -> None:
-    from rich.console import Console
+    from toolkit.cli.console import console as make_console
     from rich.table import Table
 
-    console = Console(width=None if Console().is_terminal else 140)
+    console = make_console()
     source = "manifest" if report.manifest else "structure (no manifest)"
     verdict = "[green]sound[/]" if report.ok else f"[red]{len(report.problems)} problem(s)[/]"
     console.print(f"{report.path}: {report.format}, checked against {source}, {report.files_checked} files, "

@@ -45,14 +45,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
+    from toolkit.cli.console import console as make_console
     from rich.table import Table
 
     from toolkit.planner.report import recompute_label
     from toolkit.spec.plan import Plan
 
     plan, mem, params = report["plan"], report["memory_bytes"], report["params"]
-    console = Console(width=None if Console().is_terminal else 140)
+    console = make_console()
     layout = " ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "vpp", "cp", "ep"))
     console.print(
         f"[bold]{report['model']}[/] ({report['family']}): {params['total'] / 1e9:.3f}B params, "

@@ -122,10 +122,11 @@ def _emit(report: dict, args: argparse.Namespace) -> None:
 
 
 def _print_table(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    from toolkit.cli.console import console as make_console
+
+    console = make_console()
     verdict = "[green]healthy[/]" if report.get("ok") else f"[red]NOT healthy[/] ({report.get('phase')})"
     console.print(f"dmt health: {report.get('world_size')} ranks on {', '.join(report.get('hosts', [])) or '?'}: {verdict}")
     if report.get("ranks"):

@@ -75,13 +75,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(model, args, gpu, result, records) -> None:
-    from rich.console import Console
+    from toolkit.cli.console import console as make_console
     from rich.table import Table
 
     from toolkit.planner.report import MFU_NOTE, plan_label
     from toolkit.spec.plan import Plan
 
-    console = Console(width=None if Console().is_terminal else 140)
+    console = make_console()
     console.print(f"[bold]{model.name}[/] on {args.gpus} x {gpu.name}, seq {args.seq_len}, global batch {args.global_batch}: "
                   f"{result.considered} plans considered, {len(result.ranked)} fit")
     table = Table()
