@@ -73,7 +73,7 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
 
     megatron = backend == "megatron"
     tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0])
-    pps = axis("pp", range(1, model.num_layers + 1))
+    pps = axis("pp", range(1, model.num_layers + 1) if megatron else [1])  # see the deepspeed rule of spec/plan.py
     for tp, pp in itertools.product(tps, pps):
         if gpus % (tp * pp):
             continue
@@ -86,7 +86,7 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
                     states = [dict(distributed_optimizer=fixed.get("distributed_optimizer", True),
                                    sequence_parallel=fixed.get("sequence_parallel", tp > 1))]
                 else:
-                    zeros = axis("zero", [0, 1] if pp > 1 else [0, 1, 2, 3])
+                    zeros = axis("zero", [0, 1, 2, 3])
                     states = [dict(zero=z) for z in zeros]
                     states += [dict(zero=z, offload_optimizer="cpu") for z in zeros if z >= 1 and "offload_optimizer" not in fixed]
                     if 3 in zeros and "offload_params" not in fixed and "offload_optimizer" not in fixed:  # ZeRO-Infinity

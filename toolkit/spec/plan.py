@@ -168,8 +168,10 @@ def _check_experts(p: Plan, model: ModelSpec | None) -> None:
 
 
 def _check_deepspeed(p: Plan) -> None:
-    if p.pp > 1 and p.zero >= 2:
-        raise UserInputError("--zero", f"ZeRO-{p.zero} cannot be combined with DeepSpeed pipeline parallelism; use 0 or 1")
+    if p.pp > 1:  # DeepSpeed's pipeline engine trains a PipelineModule in its own loop, which the HF Trainer is not
+        raise UserInputError("--pp", "the HF Trainer cannot run DeepSpeed's pipeline engine (it needs a PipelineModule "
+                                     "and DeepSpeed's own training loop); use --backend megatron for pipeline "
+                                     "parallelism")
     if p.tp > 1 and p.zero == 3:
         raise UserInputError("--zero", "DeepSpeed AutoTP training supports ZeRO 0-2; use --zero 2 or --tp 1")
     if p.vpp > 1:
