@@ -115,7 +115,12 @@ def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[
         tensor = last["tensor"]
         if part is not None:
             tensor = _factory_parts(sharded[name], tensor)[part].data
-        chunk = track(tensor.reshape(_chunk_shape(entry)).contiguous())
+        chunk = tensor.reshape(_chunk_shape(entry)).contiguous()
+        if chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
+            # a view (a SwiGLU fc1 half, a slice): torch.save would write the whole storage behind it, e.g. the fused
+            # fc1 once more for each half; DCP's own writer copies such views first, as here
+            chunk = chunk.clone()
+        chunk = track(chunk)
         on_chunk(chunk.numel() * chunk.element_size())
         return chunk
 
