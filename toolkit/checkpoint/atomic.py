@@ -20,18 +20,17 @@ TEMP_MARK = ".tmp-"
 
 def check_output_dir(out: Path, flag: str = "OUT_DIR", inputs: Iterable[Path | None] = ()) -> Path:
     """`out`, absolute, if a new directory can be made there; otherwise a UserInputError at `flag` saying why.
-    Nothing is created: a refused conversion leaves the file system as it found it."""
+    Nothing is left behind (a probe directory is made and removed): a refused conversion leaves the file system as
+    it found it."""
     out = Path(out).expanduser().absolute()
     for source in (Path(p).expanduser().resolve() for p in inputs if p is not None):
         if out.resolve() == source:
             raise UserInputError(flag, f"{out} is one of the inputs; choose a new directory for the output")
-    if out.is_file() or out.is_symlink() and not out.is_dir():
+    if out.is_file() or (out.is_symlink() and not out.is_dir()):  # a dangling link too
         raise UserInputError(flag, f"{out} is an existing file; choose a new directory")
-    if out.is_dir():
-        if any(out.iterdir()):
-            raise UserInputError(flag, f"{out} already exists and is not empty; choose a new directory")
-        return out
-    ancestor = out.parent
+    if out.is_dir() and any(out.iterdir()):
+        raise UserInputError(flag, f"{out} already exists and is not empty; choose a new directory")
+    ancestor = out.parent  # where the temporary sibling goes, or the nearest existing directory above it
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
@@ -86,6 +85,7 @@ def atomic_directory(out: Path, flag: str = "OUT_DIR", inputs: Iterable[Path | N
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(out)
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an attempt interrupted while cleaning up
         tmp.mkdir()
     except OSError as exc:
         _remove_made(made)

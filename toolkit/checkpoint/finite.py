@@ -71,7 +71,7 @@ def zero_findings(checkpoint) -> Iterator[Finding]:
 
 def dcp_findings(path: Path, metadata) -> Iterator[Finding]:
     """A torch.distributed.checkpoint directory (Megatron-Core's torch_dist): every stored chunk of every floating
-    tensor, model and optimizer alike, one chunk in memory at a time, then the tensors inside stored objects."""
+    tensor, model and optimizer alike, one chunk in memory at a time, and the tensors inside stored objects."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     from toolkit.checkpoint.megatron_stream import DistCheckpointReader
