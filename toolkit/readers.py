@@ -4,6 +4,7 @@ file and what was expected, never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,72 @@ def read_yaml(path: Path, key: str | None = None, expect: type | None = dict, wh
     except yaml.YAMLError as exc:
         raise problem(path, key, f"is not valid YAML ({one_line(exc)}); expected {what}") from None
     return _shape(data, path, key, expect, what)
+
+
+# safetensors (its docs, "Format"): an 8-byte little-endian header length, a JSON header mapping each tensor name to
+# dtype, shape and [begin, end) offsets into the data that follows; safetensors itself refuses headers over 100 MB
+SAFETENSORS_HEADER_LIMIT = 100_000_000
+
+
+def read_safetensors_header(path: Path, key: str | None = None) -> dict[str, dict]:
+    """The tensors of a safetensors file, name -> {"dtype", "shape", "data_offsets"}, checked to lie inside the
+    file (so that safetensors' own reader can then map them); `__metadata__` is left out."""
+    import struct
+
+    path = Path(path)
+    what = "a safetensors file (8-byte header length, JSON header, tensor data)"
+    fault = key or str(path)
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+            if not 2 <= length <= min(size - 8, SAFETENSORS_HEADER_LIMIT):
+                raise UserInputError(fault, f"{path} has no valid header ({size} bytes, header length "
+                                            f"{length}); expected {what}")
+            text = handle.read(length)
+    except OSError as exc:
+        raise UserInputError(fault, f"cannot read {path} ({exc.strerror or one_line(exc)}); expected {what}") from None
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserInputError(fault, f"{path}: its header is not JSON; expected {what}") from None
+    if not isinstance(header, dict):
+        raise UserInputError(fault, f"{path}: its header is not a JSON object; expected {what}")
+    data = size - 8 - length
+    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in tensors.items():
+        if not _safetensors_entry_fits(entry, data):
+            raise UserInputError(fault, f"{path}: header entry {name!r} is not a dtype, shape and offsets inside "
+                                        f"the file's {data} data bytes (truncated or corrupt); expected {what}")
+    return tensors
+
+
+def _safetensors_entry_fits(entry: Any, data_bytes: int) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    return (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes)
+
+
+def read_dcp_metadata(checkpoint: Path, key: str | None = None):
+    """The `.metadata` of a torch.distributed.checkpoint directory (read by torch's own FileSystemReader): every
+    tensor's global shape and chunks, and where each chunk is stored."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(checkpoint) / ".metadata"
+    what = "torch.distributed.checkpoint metadata (a pickled Metadata, as dcp.save writes it)"
+    try:
+        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    except FileNotFoundError:
+        raise UserInputError(key or str(path), f"{path} does not exist; expected {what}") from None
+    except Exception as exc:  # unpickling damaged bytes can raise almost any exception type
+        raise UserInputError(key or str(path), f"{path} cannot be read ({type(exc).__name__}: {one_line(exc)[:200]}); "
+                                               f"expected {what}") from None
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)):
+        raise UserInputError(key or str(path), f"{path} holds a {type(metadata).__name__}; expected {what}")
+    return metadata

@@ -94,3 +94,47 @@ def test_latest_moves_only_to_a_checkpoint_with_a_manifest(tmp_path):
     with pytest.raises(ValueError):
         point_latest(tmp_path, second)  # a save that died before its manifest never becomes latest
     assert resolve_latest(tmp_path) == first
+
+
+def _poison(rank_file, key_suffix: str, index: int = 7) -> str:
+    """Write a NaN into element `index` of the tensor whose key ends with `key_suffix`, in place (the file's bytes
+    otherwise unchanged); returns the full key."""
+    import struct
+
+    from toolkit.checkpoint.finite import _lazy_tensors
+    from toolkit.checkpoint.torch_zip import index_torch_file
+
+    key, lazy = next((k, t) for k, t in _lazy_tensors(index_torch_file(rank_file), "") if k.endswith(key_suffix))
+    with open(rank_file, "r+b") as handle:
+        handle.seek(lazy.offset + 4 * index)
+        handle.write(struct.pack("<f", float("nan")))
+    return key
+
+
+@pytest.mark.parametrize("name", ["zero1-tied", "zero2", "zero3"])
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_deep_scans_the_optimizer_state_not_only_the_weights(zero_copy, capsys, name, moment):
+    """Adam's second moment gone NaN: the weights are finite today and NaN after the next step of a resumed run."""
+    ckpt = zero_copy(name)
+    rank_file = ckpt / RANK1
+    key = _poison(rank_file, f"state.0.{moment}")
+    code, report = _verify(capsys, ckpt, "--deep")
+    assert code == 1 and report["problems"] == [{"file": str(rank_file), "problem": f"{key} holds 1 NaN/Inf values"}]
+
+
+def test_piped_output_keeps_whole_values(zero3_copy):
+    """`dmt ckpt verify DIR | cat` and `| grep`: the damaged file's name is the one thing the reader is after."""
+    import subprocess
+    import sys
+
+    def piped(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "toolkit", "ckpt", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+
+    inspect = piped("inspect", str(zero3_copy))
+    assert inspect.returncode == 0 and f"path             {zero3_copy}\n" in inspect.stdout, inspect.stdout
+    shard = zero3_copy / RANK1
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    verify = piped("verify", str(zero3_copy))
+    assert verify.returncode == 1 and "…" not in verify.stdout, verify.stdout
+    assert verify.stdout.splitlines()[1].startswith(f"{shard}: "), verify.stdout

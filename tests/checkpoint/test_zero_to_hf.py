@@ -1,6 +1,7 @@
 """`dmt convert zero-to-hf` on checkpoints written by real 2-rank DeepSpeed runs: bitwise equal to zero_to_fp32."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,63 @@ def test_the_fp32_path_copies_bytes_without_importing_torch(zero_checkpoints, tm
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False", result.stderr
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("damaged", ["global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                     "global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt", "config.json"])
+def test_a_checkpoint_whose_bytes_changed_since_its_manifest_is_refused(zero3_copy, tmp_path, refused, damaged):
+    from toolkit.checkpoint.manifest import write_manifest
+
+    write_manifest(zero3_copy, step=2, world_size=2, layout={"zero": 3}, fmt="deepspeed-zero")
+    file = zero3_copy / damaged
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, same size: only the checksum can tell
+    file.write_bytes(bytes(data))
+    refused(["convert", "zero-to-hf", zero3_copy, tmp_path / "out"], str(file), "sha256 differs from the manifest")
+    file.write_bytes(bytes(data[:-8]))
+    refused(["convert", "zero-to-hf", zero3_copy / "global_step2", tmp_path / "out"], str(file), "manifest says")
+
+
+def _other_models() -> dict:
+    from helpers import tiny_llama_config
+
+    return {"a wider llama": (tiny_llama_config(), "model.embed_tokens.weight"),
+            "a gpt2": ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 301},
+                       "which the gpt2 model"),
+            "a deeper llama": (tiny_llama_config(hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                                                 num_key_value_heads=2, vocab_size=301), "model.layers.2.")}
+
+
+@pytest.mark.parametrize("other", ["a wider llama", "a gpt2", "a deeper llama"])
+def test_a_config_of_another_model_is_refused_before_writing(zero_checkpoints, tmp_path, refused, other):
+    config, says = _other_models()[other]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    refused(["convert", "zero-to-hf", zero_checkpoints["zero2"], tmp_path / "out", "--config", tmp_path / "config.json"],
+            "--config", says)
+
+
+def test_a_parent_directorys_config_is_checked_like_a_given_one(zero_copy, tmp_path, refused):
+    ckpt = zero_copy("zero2")
+    (ckpt / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(_other_models()["a wider llama"][0]))
+    refused(["convert", "zero-to-hf", ckpt, tmp_path / "out"], str(tmp_path / "config.json"), "embed_tokens")
+
+
+@pytest.mark.parametrize("config, says", [([1], "holds a list"), ({"hidden_size": 64}, "has no model_type")])
+def test_an_unreadable_config_names_it(zero_checkpoints, tmp_path, refused, config, says):
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    refused(["convert", "zero-to-hf", zero_checkpoints["zero2"], tmp_path / "out", "--config", tmp_path / "c.json"],
+            "--config", says)
+
+
+@pytest.mark.parametrize("case", ["an existing file", "a path under a file", "an unwritable place", "the input itself",
+                                  "the config given"])
+def test_an_output_it_cannot_make_is_refused(zero_copy, tmp_path, refused, case):
+    ckpt = zero_copy("zero2")
+    (tmp_path / "notes.txt").write_text("mine")
+    out, says = {"an existing file": (tmp_path / "notes.txt", "is an existing file"),
+                 "a path under a file": (tmp_path / "notes.txt" / "out", "which is a file"),
+                 "an unwritable place": (Path("/sys/dmt-cannot-write-here/out"), "cannot be created"),
+                 "the input itself": (ckpt, "is one of the inputs"),
+                 "the config given": (ckpt / "config.json", "is one of the inputs")}[case]
+    refused(["convert", "zero-to-hf", ckpt, out, "--config", ckpt / "config.json"], "OUT_DIR", str(out), says)

@@ -15,19 +15,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.readers import read_text
 
 OPTIM_SUFFIX = "_optim_states.pt"
 MODEL_SUFFIX = "_model_states.pt"
+MASTER_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")  # the fp32 master partitions, ZeRO-1/2 and 3
 
 
 def _natural_key(path: Path) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
 
 
-def _load(path: Path) -> dict:
+def rank_files(tag_dir: Path) -> list[Path]:
+    """Every rank's optimizer-state and model-state file of a tag directory, ranks in order."""
+    return [*sorted(tag_dir.glob("*" + OPTIM_SUFFIX), key=_natural_key),
+            *sorted(tag_dir.glob("*" + MODEL_SUFFIX), key=_natural_key)]
+
+
+def _load(path: Path):
     from toolkit.checkpoint.torch_zip import index_torch_file
 
     return index_torch_file(path)
+
+
+def _field(value, path: Path, *keys: str):
+    """`value[keys[0]][keys[1]]...` of the object indexed from rank file `path`; each missing one a UserInputError."""
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            raise UserInputError(str(path), f"holds no {key}: not a DeepSpeed ZeRO rank file")
+        value = value[key]
+    return value
 
 
 def resolve_tag_dir(path: Path, tag: str | None) -> Path:
@@ -41,7 +58,7 @@ def resolve_tag_dir(path: Path, tag: str | None) -> Path:
             raise UserInputError("--tag", f"no tag '{tag}' in {path}; tags present: {', '.join(tags) or 'none'}")
         return tag_dir
     if (path / "latest").is_file():
-        tag_dir = path / (path / "latest").read_text().strip()
+        tag_dir = path / read_text(path / "latest", what="the name of the checkpoint's tag directory").strip()
         if not tag_dir.is_dir():
             raise UserInputError(str(path / "latest"), f"points to {tag_dir.name}, which does not exist")
         return tag_dir
@@ -153,21 +170,20 @@ def open_zero_checkpoint(path: Path, tag: str | None = None) -> ZeroCheckpoint:
     model_files = sorted(tag_dir.glob("*" + MODEL_SUFFIX), key=_natural_key)
     if not optim_files or not model_files:
         raise UserInputError(str(tag_dir), f"no *{OPTIM_SUFFIX} or *{MODEL_SUFFIX} files: not a ZeRO checkpoint")
-    first = _load(optim_files[0])["optimizer_state_dict"]
-    if "zero_stage" not in first:
-        raise UserInputError(str(optim_files[0]), "is not a ZeRO optimizer state (no zero_stage)")
-    stage = int(first["zero_stage"])
-    world_size = first["partition_count"]
+    first = _field(_load(optim_files[0]), optim_files[0], "optimizer_state_dict")
+    stage = int(_field(first, optim_files[0], "zero_stage"))
+    world_size = _field(first, optim_files[0], "partition_count")
     world_size = max(world_size) if isinstance(world_size, list) else int(world_size)
     _check_rank_files(tag_dir, optim_files, world_size, "optimizer")
     if stage == 3:
         _check_rank_files(tag_dir, model_files, world_size, "model-state")
-    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    flat_groups = [first[key]] + [_load(f)["optimizer_state_dict"][key] for f in optim_files[1:]]
+    key = MASTER_KEYS[1] if stage == 3 else MASTER_KEYS[0]
+    flat_groups = [_field(first, optim_files[0], key)]
+    flat_groups += [_field(_load(f), f, "optimizer_state_dict", key) for f in optim_files[1:]]
     model_states = [_load(f) for f in (model_files if stage == 3 else model_files[:1])]
     state = model_states[0]
-    if "param_shapes" not in state:
-        raise UserInputError(str(model_files[0]), "is not a DeepSpeed model-state file (no param_shapes)")
+    _field(state, model_files[0], "param_shapes")
+    _field(state, model_files[0], "module")
     param_shapes, groups = {}, []
     for group in state["param_shapes"]:
         groups.append(list(group))

@@ -13,6 +13,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from toolkit.errors import UserInputError
+from toolkit.readers import read_json, read_text
+
 MANIFEST = "dmt_manifest.json"
 # The manifest's `format` of each kind of checkpoint the toolkit writes
 DEEPSPEED_FORMAT = "hf-trainer+deepspeed"  # HF Trainer's checkpoint-N with DeepSpeed's global_stepN inside
@@ -75,10 +78,42 @@ def write_manifest(ckpt_dir: Path, *, step: int, world_size: int, layout: dict, 
 
 
 def read_manifest(ckpt_dir: Path) -> dict | None:
+    """The manifest of `ckpt_dir` (None when it has none); a damaged one is a UserInputError naming it."""
     path = ckpt_dir / MANIFEST
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    what = 'a dmt manifest: {"files": {"<relative path>": {"bytes": <int>, "sha256": "<hex>"}, ...}, ...}'
+    manifest = read_json(path, what=what)
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise UserInputError(str(path), f"has no 'files' object; expected {what}")
+    for rel, entry in files.items():
+        parts = Path(rel).parts
+        if (not parts or Path(rel).is_absolute() or ".." in parts or not isinstance(entry, dict)
+                or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str)):
+            raise UserInputError(str(path), f"files[{rel!r}] is {json.dumps(entry)[:80]}; expected {what}")
+    return manifest
+
+
+def manifest_problems(root: Path, manifest: dict, only: set[Path] | None = None,
+                      hash_up_to: int | None = None) -> list[tuple[Path, str]]:
+    """(file, problem) for each file the manifest lists (those in `only`, when given) that is missing, has another
+    size or, if no larger than `hash_up_to` bytes (None: every file), another sha256."""
+    problems = []
+    wanted = None if only is None else {path.resolve() for path in only}
+    for rel, expected in manifest["files"].items():
+        file = root / rel
+        if wanted is not None and file.resolve() not in wanted:
+            continue
+        if not file.is_file():
+            problems.append((file, "listed in the manifest but missing"))
+            continue
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            problems.append((file, f"size {size} bytes, manifest says {expected['bytes']} (truncated or replaced)"))
+        elif (hash_up_to is None or size <= hash_up_to) and sha256_file(file) != expected["sha256"]:
+            problems.append((file, "sha256 differs from the manifest (bytes changed)"))
+    return problems
 
 
 def point_latest(root: Path, ckpt_dir: Path) -> None:
@@ -93,5 +128,5 @@ def resolve_latest(root: Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    target = root / pointer.read_text().strip()
+    target = root / read_text(pointer, what="the name of a checkpoint directory").strip()
     return target if target.is_dir() else None

@@ -93,7 +93,7 @@ def megatron_logits(ckpt: Path, hf_config: dict, tp: int, pp: int, tokens):
 
 def compare(hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float) -> LogitCheck | None:
     """This rank's part of the comparison; the result on the rank that holds the logits (None elsewhere)."""
-    from toolkit.checkpoint.megatron_hf import read_hf_config
+    from toolkit.checkpoint.hf_config import read_hf_config
 
     hf_config = read_hf_config(hf_dir, "HF_DIR")
     tokens = _tokens(hf_config)
@@ -117,7 +117,8 @@ def _writer(tp: int, pp: int) -> bool:
 
 def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: float = 1e-4) -> LogitCheck:
     """Compare in this process (TP x PP = 1) or in a torchrun launch of TP x PP processes."""
-    from toolkit.checkpoint.megatron_hf import check_layout, read_hf_config, single_process_group
+    from toolkit.checkpoint.hf_config import read_hf_config
+    from toolkit.checkpoint.megatron_hf import check_layout, single_process_group
 
     check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, 1)
     if not ckpt.is_dir():

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from toolkit.checkpoint.atomic import atomic_directory
+from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
+from toolkit.checkpoint.hf_config import config_file, read_hf_config
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes, write_dist_checkpoint
+from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
 from toolkit.families.mapping import PADDED_VOCAB
+from toolkit.readers import read_dcp_metadata, read_safetensors_header
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -35,16 +38,6 @@ class MegatronConversion:
     parameters: int
     layout: dict
     padded_vocab: int
-
-
-def read_hf_config(path: Path, flag: str) -> dict:
-    config_path = path / "config.json" if path.is_dir() else path
-    try:
-        return json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise UserInputError(flag, f"{config_path} not found: an HF model directory holds config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserInputError(flag, f"{config_path} is not a readable JSON config ({exc})") from None
 
 
 def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int) -> None:
@@ -121,16 +114,11 @@ class HFTensors:
     read maps its file and copies out one tensor; `meta(name)` gives its shape and dtype without reading data."""
 
     def __init__(self, hf_dir: Path, live: LiveBytes | None = None):
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (hf_dir / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            with safe_open(hf_dir / "model.safetensors", "pt") as handle:
-                weight_map = {name: "model.safetensors" for name in handle.keys()}
-        else:
+        weight_map = safetensors_weight_map(hf_dir, "HF_DIR")
+        if weight_map is None:
             raise UserInputError("HF_DIR", f"{hf_dir} has no model.safetensors or model.safetensors.index.json")
+        for file in sorted(set(weight_map.values())):  # every file opens before anything is written
+            read_safetensors_header(hf_dir / file, "HF_DIR")
         self.hf_dir, self.weight_map, self.live = hf_dir, weight_map, live
 
     def __contains__(self, name: str) -> bool:
@@ -182,6 +170,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
 
     hf_config = read_hf_config(hf_dir, "HF_DIR")
     check_layout(hf_config, tp, pp, vpp, ep)
+    check_output_dir(out_dir, inputs=[hf_dir])
     import torch
     from tqdm import tqdm
 
@@ -195,7 +184,8 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     by_name = {i.megatron: i for i in items if not i.absent_from(source)}
     for name in (n for item in by_name.values() for n in item.hf_names()):
         source.meta(name)  # every HF tensor present before anything is written
-    with atomic_directory(out_dir) as tmp, single_process_group(), meta_sharded_state_dict(config) as sharded:
+    with atomic_directory(out_dir, inputs=[hf_dir]) as tmp, single_process_group(), \
+            meta_sharded_state_dict(config) as sharded:
         targets = {name: entry.data for name, entry in sharded.items() if not name.endswith("_extra_state")}
         unknown, missing = sorted(set(by_name) - set(targets)), sorted(set(targets) - set(by_name))
         if unknown or missing:
@@ -231,13 +221,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
 
 def checkpoint_vocab(ckpt: Path) -> int:
     """Rows of the embedding in a dist checkpoint (the padded vocabulary it was saved with)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(str(ckpt)).read_metadata()
-    except (OSError, ValueError, RuntimeError, EOFError) as exc:
-        raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a Megatron-Core torch_dist checkpoint ({exc})") from None
-    entry = metadata.state_dict_metadata.get(PADDED_VOCAB[0])
+    entry = read_dcp_metadata(ckpt, "MEGATRON_DIR").state_dict_metadata.get(PADDED_VOCAB[0])
     if entry is None:
         raise UserInputError("MEGATRON_DIR", f"{ckpt} holds no {PADDED_VOCAB[0]}: not a GPTModel checkpoint")
     return int(entry.size[0])
@@ -279,10 +263,12 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     if not ckpt.is_dir():
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a directory")
     config_path = config or ckpt / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise UserInputError("--config", f"{ckpt} has no config.json beside the checkpoint; pass the model's HF "
                                          f"config.json with --config")
-    hf_config = read_hf_config(config_path, "--config")
+    hf_config = read_hf_config(config_path, "--config" if config else str(config_file(config_path)))
+    inputs = [ckpt, config_path]
+    check_output_dir(out_dir, inputs=inputs)
     reader = DistCheckpointReader(ckpt, live)
     items, geometry = megatron_mapping(hf_config.get("model_type")).weight_table(hf_config)
     config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
@@ -290,7 +276,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
         items = [i for i in items if not (i.optional and i.megatron not in sharded)]
         layout = [(name, tuple(t.shape), out_dtype) for item in items
                   for name, t in item.to_hf(sharded[item.megatron].data, geometry).items()]
-        with atomic_directory(out_dir) as tmp:
+        with atomic_directory(out_dir, inputs=inputs) as tmp:
             writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
             with tqdm(total=writer.total, unit="B", unit_scale=True, desc="megatron-to-hf", disable=not progress) as bar:
                 for item in items:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.readers import read_dcp_metadata
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,12 @@ def write_dist_checkpoint(out_dir: Path, sharded: dict, model_tensor: Callable[[
         tensor = last["tensor"]
         if part is not None:
             tensor = _factory_parts(sharded[name], tensor)[part].data
-        chunk = track(tensor.reshape(_chunk_shape(entry)).contiguous())
+        chunk = tensor.reshape(_chunk_shape(entry)).contiguous()
+        if chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
+            # a view (a SwiGLU fc1 half, a slice): torch.save would write the whole storage behind it, e.g. the fused
+            # fc1 once more for each half; DCP's own writer copies such views first, as here
+            chunk = chunk.clone()
+        chunk = track(chunk)
         on_chunk(chunk.numel() * chunk.element_size())
         return chunk
 
@@ -195,16 +201,12 @@ def lazy_save_planner(items: list, resolve: Callable):
 class DistCheckpointReader:
     """Regions of the tensors of a torch_dist checkpoint, read chunk by chunk from the files the metadata names."""
 
-    def __init__(self, ckpt: Path, live: LiveBytes | None = None):
-        from torch.distributed.checkpoint import FileSystemReader
-
-        try:
-            metadata = FileSystemReader(str(ckpt)).read_metadata()
-        except (OSError, ValueError, RuntimeError, EOFError) as exc:
-            raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a Megatron-Core torch_dist checkpoint "
-                                                 f"({exc})") from None
+    def __init__(self, ckpt: Path, live: LiveBytes | None = None, metadata=None, key: str = "MEGATRON_DIR"):
+        """`key` names the input in errors (the flag, or the checkpoint for `dmt ckpt verify`)."""
+        metadata = read_dcp_metadata(ckpt, key) if metadata is None else metadata
         self.ckpt, self.tensors, self.storage = ckpt, metadata.state_dict_metadata, metadata.storage_data
         self.track = live.track if live else _untracked
+        self.key = key
 
     def model_tensor(self, entry):
         """The whole local tensor a meta ShardedTensor or ShardedTensorFactory of a TP=1 model stands for."""
@@ -224,13 +226,13 @@ class DistCheckpointReader:
 
         meta = self.tensors.get(key)
         if not isinstance(meta, TensorStorageMetadata):
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt} holds no tensor {key}: not this model's checkpoint")
+            raise UserInputError(self.key, f"{self.ckpt} holds no tensor {key}: not this model's checkpoint")
         if global_shape is not None and tuple(meta.size) != tuple(global_shape):
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: {key} is {tuple(meta.size)}, this model's config.json "
-                                                 f"implies {tuple(global_shape)}")
+            raise UserInputError(self.key, f"{self.ckpt}: {key} is {tuple(meta.size)}, this model's config.json "
+                                           f"implies {tuple(global_shape)}")
         for chunk in meta.chunks:  # the usual case: the region is one chunk, returned as loaded
             if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
-                return self._load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
+                return self.load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
         out = self.track(torch.empty(sizes, dtype=meta.properties.dtype))
         covered = 0
         for chunk in meta.chunks:
@@ -238,26 +240,44 @@ class DistCheckpointReader:
             hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(a >= b for a, b in zip(lo, hi)):
                 continue
-            data = self._load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
+            data = self.load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
             source = data[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets))]
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = source
             covered += source.numel()
             del data, source
         if covered != out.numel():
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: the chunks of {key} do not cover "
-                                                 f"{tuple(offsets)} + {tuple(sizes)}")
+            raise UserInputError(self.key, f"{self.ckpt}: the chunks of {key} do not cover "
+                                           f"{tuple(offsets)} + {tuple(sizes)}")
         return out
 
-    def _load_chunk(self, index, sizes):
-        import torch
-
+    def _storage(self, index):
         info = self.storage.get(index)
         if info is None:
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: no storage entry for {index.fqn} at "
-                                                 f"{tuple(index.offset)}")
+            raise UserInputError(self.key, f"{self.ckpt}: no storage entry for {index.fqn} at "
+                                           f"{tuple(index.offset)}")
+        return info
+
+    def object_bytes(self, index) -> tuple[Path, bytes]:
+        """The file and the stored bytes of one object (a ShardedObject's torch.save archive)."""
+        info = self._storage(index)
+        path = self.ckpt / info.relative_path
+        try:
+            with open(path, "rb") as handle:
+                data = os.pread(handle.fileno(), info.length, info.offset)
+        except OSError as exc:
+            raise UserInputError(self.key, f"cannot read {path} ({exc.strerror})") from None
+        if len(data) != info.length:
+            raise UserInputError(self.key, f"{path}: ends before object {index.fqn} does (truncated)")
+        return path, data
+
+    def load_chunk(self, index, sizes):
+        """One stored chunk of a tensor, as saved (its file, offset and length from the metadata)."""
+        import torch
+
+        info = self._storage(index)
         if info.transform_descriptors:
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: {index.fqn} is stored with transforms "
-                                                 f"{info.transform_descriptors}, which this reader does not undo")
+            raise UserInputError(self.key, f"{self.ckpt}: {index.fqn} is stored with transforms "
+                                           f"{info.transform_descriptors}, which this reader does not undo")
         path = self.ckpt / info.relative_path
         try:
             with open(path, "rb") as handle:
@@ -266,11 +286,10 @@ class DistCheckpointReader:
                 tensor = torch.load(FileSlice(handle, info.offset, info.length), map_location="cpu",
                                     weights_only=True)
         except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
-            raise UserInputError("MEGATRON_DIR", f"{path}: cannot read {index.fqn} ({exc}): truncated or "
-                                                 f"corrupt") from None
+            raise UserInputError(self.key, f"{path}: cannot read {index.fqn} ({exc}): truncated or corrupt") from None
         if tuple(tensor.shape) != tuple(sizes):
-            raise UserInputError("MEGATRON_DIR", f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
-                                                 f"says {tuple(sizes)}")
+            raise UserInputError(self.key, f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
+                                           f"says {tuple(sizes)}")
         return self.track(tensor)
 
 

@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.readers import read_json, read_safetensors_header
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 # torch dtype name -> (safetensors dtype, bytes per element)
@@ -167,6 +168,22 @@ class ShardedSafetensorsWriter:
             weight_map = {name: file for file, shard in zip(self.names, self.shards) for name, _, _ in shard}
             index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
             (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def safetensors_weight_map(model_dir: Path, key: str | None = None) -> dict[str, str] | None:
+    """Tensor name -> file of an HF model directory in the layout above (None when it has neither
+    model.safetensors.index.json nor model.safetensors); a damaged index is a UserInputError naming it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        what = 'a safetensors index: {"weight_map": {"<tensor>": "<file in this directory>", ...}}'
+        weight_map = read_json(index, key, what=what).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and Path(v).name == v and v.endswith(".safetensors") for v in weight_map.values()):
+            raise UserInputError(key or str(index), f"{index}: its weight_map is not {what}")
+        return weight_map
+    if (model_dir / "model.safetensors").is_file():
+        return dict.fromkeys(read_safetensors_header(model_dir / "model.safetensors", key), "model.safetensors")
+    return None
 
 
 def _copy_range(source: int, target: int, count: int, offset: int) -> int:

@@ -8,13 +8,14 @@ listed file must exist with its size and sha256; without one, every file must op
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checkpoint.manifest import MANIFEST, read_manifest, sha256_file
+from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
+from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
+from toolkit.readers import read_dcp_metadata, read_json, read_safetensors_header
 
 
 @dataclass
@@ -44,10 +45,9 @@ def detect_format(path: Path) -> str:
         return "megatron-dist"
     if (path / "trainer_state.json").is_file():
         return "hf-trainer"
-    if any(path.glob("*_optim_states.pt")) or ((path / "latest").is_file() and (path / (path / "latest").read_text().strip()).is_dir()
-                                               and any((path / (path / "latest").read_text().strip()).glob("*_optim_states.pt"))):
+    if any(path.glob("*_optim_states.pt")) or ((path / "latest").is_file() and any(path.glob("*/*_optim_states.pt"))):
         return "deepspeed-zero"
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         return "hf-safetensors"
     raise UserInputError("PATH", f"{path}: no known checkpoint format (DeepSpeed ZeRO, HF Trainer, Megatron dist, HF safetensors)")
 
@@ -56,10 +56,16 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
     fmt = detect_format(path)
     report = VerifyReport(path=str(path), format=fmt)
     root = path if path.is_dir() else path.parent
-    manifest = read_manifest(root) if path.is_dir() else None
+    try:
+        manifest = read_manifest(root) if path.is_dir() else None
+    except UserInputError as exc:  # a damaged manifest is a damaged checkpoint
+        report.problem(root / MANIFEST, exc.message)
+        manifest = None
     if manifest is not None:
         report.manifest = True
-        _check_manifest(root, manifest, report)
+        report.files_checked += len(manifest["files"])
+        for file, problem in manifest_problems(root, manifest):
+            report.problem(file, problem)
     if fmt == "deepspeed-zero":
         _check_zero(path, report, deep)
     elif fmt == "hf-trainer":
@@ -69,20 +75,6 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
     else:
         _check_safetensors(path, report, deep)
     return report
-
-
-def _check_manifest(root: Path, manifest: dict, report: VerifyReport) -> None:
-    for rel, expected in manifest.get("files", {}).items():
-        file = root / rel
-        if not file.is_file():
-            report.problem(file, "listed in the manifest but missing")
-            continue
-        report.files_checked += 1
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            report.problem(file, f"size {size} bytes, manifest says {expected['bytes']} (truncated or replaced)")
-        elif sha256_file(file) != expected["sha256"]:
-            report.problem(file, "sha256 differs from the manifest (bytes changed)")
 
 
 def _check_zero(path: Path, report: VerifyReport, deep: bool) -> None:
@@ -95,112 +87,100 @@ def _check_zero(path: Path, report: VerifyReport, deep: bool) -> None:
         return
     report.files_checked = max(report.files_checked, len(list(checkpoint.tag_dir.iterdir())))
     if deep:
-        _check_finite(checkpoint.tensors(), checkpoint.tag_dir, report)
+        from toolkit.checkpoint.finite import zero_findings
+
+        _scan(zero_findings(checkpoint), report)
 
 
 def _check_hf_trainer(path: Path, report: VerifyReport, deep: bool) -> None:
     try:
-        json.loads((path / "trainer_state.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        report.problem(path / "trainer_state.json", f"unreadable ({exc})")
+        read_json(path / "trainer_state.json", what="HF Trainer's state (a JSON object)")
+    except UserInputError as exc:
+        report.problem(path / "trainer_state.json", exc.message)
     tags = [p for p in path.iterdir() if p.is_dir() and any(p.glob("*_optim_states.pt"))]
     if tags:
         _check_zero(path, report, deep)
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         _check_safetensors(path, report, deep)
     if not tags and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         report.problem(path, "HF Trainer checkpoint without model weights")
 
 
 def _safetensors_files(path: Path, report: VerifyReport) -> list[Path]:
+    """A file itself, or every .safetensors file of a directory and every one its index names (each must exist)."""
     if path.is_file():
         return [path]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
-            report.problem(index, f"unreadable index ({exc})")
-            return []
-        files = sorted({path / name for name in weight_map.values()})
-        for file in files:
-            if not file.is_file():
-                report.problem(file, "named in model.safetensors.index.json but missing")
-        return [f for f in files if f.is_file()]
-    return [path / "model.safetensors"]
+    files = set(path.glob("*.safetensors"))
+    try:
+        weight_map = safetensors_weight_map(path) if (path / "model.safetensors.index.json").is_file() else {}
+    except UserInputError as exc:
+        report.problem(exc.key, exc.message)
+        weight_map = {}
+    for name in sorted(set(weight_map.values())):
+        if not (path / name).is_file():
+            report.problem(path / name, "named in model.safetensors.index.json but missing")
+    return sorted(files)
 
 
 def _check_safetensors(path: Path, report: VerifyReport, deep: bool) -> None:
-    from safetensors import safe_open
+    from toolkit.checkpoint.finite import safetensors_findings
 
     for file in _safetensors_files(path, report):
         try:
-            with safe_open(str(file), framework="pt") as handle:
-                report.files_checked += 1
-                if deep:
-                    _check_finite(((k, handle.get_tensor(k)) for k in handle.keys()), file, report)
-        except Exception as exc:  # safetensors raises its own error types for bad headers / short files
-            report.problem(file, f"cannot be opened as safetensors ({type(exc).__name__}: {exc})")
+            read_safetensors_header(file)
+        except UserInputError as exc:
+            report.problem(file, exc.message)
+            continue
+        report.files_checked += 1
+        if deep:
+            _scan(safetensors_findings(file), report)
 
 
 def _check_megatron(path: Path, report: VerifyReport, deep: bool) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:
-        report.problem(path / ".metadata", f"unreadable dist-checkpoint metadata ({type(exc).__name__}: {exc})")
+        metadata = read_dcp_metadata(path)
+    except UserInputError as exc:
+        report.problem(path / ".metadata", exc.message)
         return
-    needed = {info.relative_path for info in metadata.storage_data.values()}
-    for rel in sorted(needed):
-        file = path / rel
-        if not file.is_file():
-            report.problem(file, "storage file named by the checkpoint metadata is missing")
-        else:
-            report.files_checked += 1
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for rel, end in ends.items():
+    for rel, end in sorted(ends.items()):
         file = path / rel
-        if file.is_file() and file.stat().st_size < end:
-            report.problem(file, f"{file.stat().st_size} bytes, metadata needs {end} (truncated)")
-    if deep and report.ok:
-        _check_megatron_tensors(path, metadata, report)
-
-
-def _check_megatron_tensors(path: Path, metadata, report: VerifyReport) -> None:
-    import torch
-    from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata) or not meta.properties.dtype.is_floating_point:
+        if not file.is_file():
+            report.problem(file, "storage file named by the checkpoint metadata is missing")
             continue
-        target = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
-        load(target, storage_reader=FileSystemReader(str(path)), no_dist=True)
-        _check_finite([(key, target[key])], path, report)
+        report.files_checked += 1
+        if file.stat().st_size < end:
+            report.problem(file, f"{file.stat().st_size} bytes, metadata needs {end} (truncated)")
+    if deep:  # a damaged file too: the scan reports what it reads, and the first read that fails
+        from toolkit.checkpoint.finite import dcp_findings
+
+        _scan(dcp_findings(path, metadata), report)
 
 
-def _check_finite(tensors, where: Path, report: VerifyReport) -> None:
-    import torch
-
-    for name, tensor in tensors:
-        report.tensors_checked += 1
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
-            report.problem(where, f"tensor {name} holds {bad} NaN/Inf values")
+def _scan(findings, report: VerifyReport) -> None:
+    """Count the tensors of a deep scan and report those that are not finite; a file that cannot be read ends that
+    scan as one more problem."""
+    try:
+        for file, problem in findings:
+            report.tensors_checked += 1
+            if problem:
+                report.problem(file, problem)
+    except UserInputError as exc:
+        report.problem(exc.key, exc.message)
 
 
 def inspect(path: Path) -> dict:
-    """What is in a checkpoint: format, step, layout, parameters, optimizer state, dtypes, size."""
+    """What is in a checkpoint directory or one weights file: format, step, layout, parameters, optimizer state,
+    dtypes, size (the file's own for a file). Unreadable parts are a UserInputError naming the file."""
     fmt = detect_format(path)
-    root = path if path.is_dir() else path.parent
-    info: dict = {"path": str(path), "format": fmt, "bytes": sum(f.stat().st_size for f in root.rglob("*") if f.is_file())}
-    manifest = read_manifest(root)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    info: dict = {"path": str(path), "format": fmt, "bytes": sum(f.stat().st_size for f in files)}
+    manifest = read_manifest(path) if path.is_dir() else None
     if manifest:
         info.update(step=manifest.get("step"), world_size=manifest.get("world_size"), layout=manifest.get("layout"))
-    if fmt in ("deepspeed-zero", "hf-trainer") and (any(root.glob("*/*_optim_states.pt")) or any(root.glob("*_optim_states.pt"))):
+    if fmt in ("deepspeed-zero", "hf-trainer") and (any(path.glob("*/*_optim_states.pt")) or any(path.glob("*_optim_states.pt"))):
         from toolkit.checkpoint.deepspeed_zero import open_zero_checkpoint
 
         checkpoint = open_zero_checkpoint(path)
@@ -208,26 +188,22 @@ def inspect(path: Path) -> dict:
                     parameters=sum(math.prod(s) for s in checkpoint.param_shapes.values()), dtypes=["float32 (master)"],
                     tag=checkpoint.tag_dir.name)
     elif fmt in ("hf-safetensors", "hf-trainer"):
-        from safetensors import safe_open
-
-        count, dtypes = 0, set()
-        for file in _safetensors_files(path, VerifyReport(str(path), fmt)):
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    sliced = handle.get_slice(key)
-                    count += math.prod(sliced.get_shape())
-                    dtypes.add(sliced.get_dtype())
-        info.update(parameters=count, dtypes=sorted(dtypes), optimizer_state=(root / "optimizer.pt").is_file())
+        report = VerifyReport(str(path), fmt)
+        headers = [read_safetensors_header(file) for file in _safetensors_files(path, report)]
+        if report.problems:
+            raise UserInputError(report.problems[0]["file"], report.problems[0]["problem"])
+        entries = [entry for header in headers for entry in header.values()]
+        info.update(parameters=sum(math.prod(e["shape"]) for e in entries), dtypes=sorted({e["dtype"] for e in entries}),
+                    optimizer_state=path.is_dir() and (path / "optimizer.pt").is_file())
     elif fmt == "megatron-dist":
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        meta = read_dcp_metadata(path).state_dict_metadata
         tensors = {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
         info.update(parameters=sum(math.prod(v.size) for k, v in tensors.items() if "optimizer" not in k),
                     optimizer_state=any("optimizer" in k for k in tensors),
                     dtypes=sorted({str(v.properties.dtype).removeprefix("torch.") for v in tensors.values()}))
-    if (root / "trainer_state.json").is_file():
-        info["step"] = json.loads((root / "trainer_state.json").read_text()).get("global_step", info.get("step"))
-    info["manifest"] = (root / MANIFEST).is_file()
+    if path.is_dir() and (path / "trainer_state.json").is_file():
+        info["step"] = read_json(path / "trainer_state.json").get("global_step", info.get("step"))
+    info["manifest"] = path.is_dir() and (path / MANIFEST).is_file()
     return info

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.checkpoint.atomic import atomic_directory
-from toolkit.checkpoint.deepspeed_zero import open_zero_checkpoint
+from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
+from toolkit.checkpoint.deepspeed_zero import open_zero_checkpoint, rank_files, resolve_tag_dir
+from toolkit.checkpoint.hf_config import check_tensors_match, find_config, read_hf_config
+from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
+# Larger files are checked against the manifest by size only: hashing them would read several times the bytes the
+# conversion copies (each rank file holds Adam's two moments beside the fp32 weights); `dmt ckpt verify` hashes all.
+HASH_UP_TO = 256 * 2**20
 # Files next to an HF Trainer checkpoint that from_pretrained users expect to travel with the weights.
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
@@ -30,16 +34,20 @@ class ConversionResult:
     world_size: int
 
 
-def find_config(ckpt_dir: Path, tag_dir: Path, config: Path | None) -> Path:
-    if config is not None:
-        path = config / "config.json" if config.is_dir() else config
-        if not path.is_file():
-            raise UserInputError("--config", f"{config} is not an HF config.json or a directory with one")
-        return path
-    for candidate in (tag_dir / "config.json", ckpt_dir / "config.json", ckpt_dir.parent / "config.json"):
-        if candidate.is_file():
-            return candidate
-    raise UserInputError("--config", f"no config.json next to {ckpt_dir}; pass --config PATH/config.json")
+def check_against_manifest(ckpt_dir: Path, tag_dir: Path, reads: list[Path]) -> None:
+    """The files the conversion `reads`, against the checkpoint's manifest when it has one: a missing file, another
+    size, or another sha256 (files up to HASH_UP_TO) is a UserInputError naming the file. Copying a damaged
+    checkpoint would give weights that load and are wrong."""
+    root = next((d for d in (ckpt_dir, tag_dir.parent) if (d / MANIFEST).is_file()), None)
+    if root is None:
+        return
+    problems = manifest_problems(root, read_manifest(root), only=set(reads), hash_up_to=HASH_UP_TO)
+    if problems:
+        file, problem = problems[0]
+        raise UserInputError(str(file), f"{problem}; the checkpoint is damaged (`dmt ckpt verify {root}` lists "
+                                        f"every problem); nothing was written")
+    log.info("%d input files agree with %s (sha256 of those up to %d bytes, sizes of the rest)", len(reads),
+             root / MANIFEST, HASH_UP_TO)
 
 
 def convert_zero_to_hf(
@@ -58,12 +66,15 @@ def convert_zero_to_hf(
     if out_dtype is None:
         raise UserInputError("--dtype", f"must be fp32 or bf16, got {dtype}")
     max_bytes = parse_size(max_shard_size)
+    check_output_dir(out_dir, inputs=[ckpt_dir, config])
+    tag_dir = resolve_tag_dir(ckpt_dir, tag)
+    config_path, own_config = find_config(ckpt_dir, tag_dir, config)
+    sides = {side: folder / side for side in SIDE_FILES for folder in (ckpt_dir, tag_dir)
+             if (folder / side).is_file()}  # the tag directory's copy, when both have one
+    check_against_manifest(ckpt_dir, tag_dir, [*rank_files(tag_dir), config_path, *sides.values()])
     checkpoint = open_zero_checkpoint(ckpt_dir, tag)
-    config_path = find_config(ckpt_dir, checkpoint.tag_dir, config)
-    try:
-        config_data = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserInputError(str(config_path), f"not a readable JSON config ({exc})") from None
+    config_flag = "--config" if config is not None else str(config_path)
+    config_data = read_hf_config(config_path, config_flag)
     tied = bool(config_data.get("tie_word_embeddings", True))
 
     def target(name: str):
@@ -73,8 +84,10 @@ def convert_zero_to_hf(
     layout = [(name, tuple(checkpoint.shape(name)), target(name)) for name in checkpoint.names]
     aliases = {} if tied else {alias: source for alias, source in checkpoint.shared.items() if source in checkpoint.names}
     layout += [(alias, tuple(checkpoint.shape(source)), target(source)) for alias, source in aliases.items()]
+    if not own_config:
+        check_tensors_match(config_data, config_path, {name: shape for name, shape, _ in layout}, config_flag)
     written = 0
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, inputs=[ckpt_dir, config]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
         with tqdm(total=writer.total, unit="B", unit_scale=True, desc="zero-to-hf",
                   disable=not progress or None) as bar:
@@ -102,11 +115,8 @@ def convert_zero_to_hf(
                 bar.update(nbytes)
         writer.close()
         shutil.copyfile(config_path, tmp / "config.json")
-        for side in SIDE_FILES:
-            for folder in (checkpoint.tag_dir, ckpt_dir):
-                if (folder / side).is_file():
-                    shutil.copyfile(folder / side, tmp / side)
-                    break
+        for side, path in sides.items():
+            shutil.copyfile(path, tmp / side)
     shards = len(writer.shards)
     log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, shards, out_dir)
     return ConversionResult(out_dir, len(layout), written, shards, checkpoint.stage, checkpoint.world_size)

@@ -40,16 +40,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(report) -> None:
-    from toolkit.cli.console import console as make_console
+    """A table on a terminal; plain `file: problem` lines, never cut, when piped or redirected (a cut file name is
+    the one thing the reader was looking for)."""
+    import sys
+
+    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = make_console()
     source = "manifest" if report.manifest else "structure (no manifest)"
+    summary = (f"{report.path}: {report.format}, checked against {source}, {report.files_checked} files, "
+               f"{report.tensors_checked} tensors: ")
+    if not sys.stdout.isatty():
+        print(summary + ("sound" if report.ok else f"{len(report.problems)} problem(s)"))
+        for problem in report.problems:
+            print(f"{problem['file']}: {problem['problem']}")
+        return
+    console = Console()
     verdict = "[green]sound[/]" if report.ok else f"[red]{len(report.problems)} problem(s)[/]"
-    console.print(f"{report.path}: {report.format}, checked against {source}, {report.files_checked} files, "
-                  f"{report.tensors_checked} tensors: {verdict}")
+    console.print(escape(summary) + verdict, highlight=False)
     if report.problems:
         table = Table("file", "problem")
+        table.columns[0].overflow = table.columns[1].overflow = "fold"  # wrapped, never cut with an ellipsis
         for problem in report.problems:
             table.add_row(problem["file"], problem["problem"])
         console.print(table)
