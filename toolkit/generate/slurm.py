@@ -10,6 +10,7 @@ from pathlib import Path
 from string import Template
 
 from toolkit.errors import UserInputError
+from toolkit.generate.launch import launch_environment
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
@@ -61,7 +62,9 @@ def render_sbatch(
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
     picks slurm/launch/<launcher>.tmpl (torchrun for both backends; accelerate and deepspeed for the HF path)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
-    per_node = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    # a job smaller than a node takes the GPUs it needs, not the node's count
+    per_node = (min(recipe.cluster.gpus_per_node, max(1, plan.gpus // nodes)) if gpus_per_node is None
+                else gpus_per_node)
     if nodes < 1:
         raise UserInputError("--nodes", f"must be at least 1, got {nodes}")
     if per_node < 1:
@@ -106,6 +109,7 @@ def render_sbatch(
         output_dir=shlex.quote(str(Path(output_dir or f"runs/{recipe.name}").resolve())),
         omp_threads=1 if cpu else 8,
         cpu_env="export CUDA_VISIBLE_DEVICES=''  # CPU recipe: gloo ranks" if cpu else "",
+        launch_env=launch_environment(plan),
         # CPU recipes: the ranks share cores with each other and with the rest of the machine, so a matmul 2x slower
         # than the median is noise there, not a bad device; the preflight still checks liveness and correctness
         health_flags="--sizes 1K,1M --straggler-factor 10" if cpu else "--sizes 1M,64M,256M",

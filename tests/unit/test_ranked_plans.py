@@ -1,0 +1,71 @@
+"""The contract of `dmt plan`: the `plan` object of every ranked plan, pasted as a recipe's `plan:` section (less what
+a recipe keeps under `cluster:` and `training:`, and the derived dp / grad_accum), is accepted; `dmt generate` writes
+its files, which `dmt validate` (and, for Megatron-LM's flags, its recorded parser) accepts; and the recipe's
+plan.json, like `dmt estimate` with the same options, predicts the same memory and step time."""
+
+import json
+
+import pytest
+import yaml
+
+from helpers import TINY
+from megatron_lm_args import problems as megatron_lm_problems
+from toolkit.cli.main import main
+from toolkit.cli.options import option_argv
+from toolkit.spec.options import recipe_key
+
+# dense, GQA and MoE models, one GPU to 1024; each backend's best plans
+CASES = [("llama-3.2-1b", 1, 2048, 8), ("llama-3.1-8b", 8, 4096, 64), ("llama-3.1-70b", 64, 8192, 256),
+         ("mixtral-8x7b", 16, 4096, 64), ("qwen2.5-7b", 1024, 4096, 2048)]
+DERIVED = ("dp", "grad_accum")
+
+
+def _json(capsys, *argv):
+    assert main([*argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def recipe_from_record(record: dict, model: str) -> dict:
+    """A recipe whose plan section is the ranked plan's, with the sizes a recipe keeps elsewhere where they go."""
+    plan = dict(record["plan"])
+    cluster = {"gpus": plan.pop("gpus"), "gpus_per_node": plan.pop("gpus_per_node"), "gpu": record["gpu"]}
+    training = {"seq_len": plan.pop("seq_len"), "global_batch": plan.pop("global_batch"), "max_steps": 100,
+                "learning_rate": 3e-4}
+    for name in DERIVED:
+        plan.pop(name)
+    assert all(recipe_key(name) == f"plan.{name}" for name in plan)  # nothing else lives outside `plan:`
+    return {"name": "ranked", "model": {"source": model},
+            "data": {"train_files": [str(TINY.parent / "data" / "tiny_corpus.txt")]},
+            "cluster": cluster, "training": training, "plan": plan}
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
+@pytest.mark.parametrize("model, gpus, seq, batch", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_every_ranked_plan_generates_validates_and_estimates_the_same(tmp_path, capsys, model, gpus, seq, batch,
+                                                                      backend):
+    ranked = _json(capsys, "plan", "--model", model, "--gpus", str(gpus), "--seq-len", str(seq), "--global-batch",
+                   str(batch), "--backend", backend, "--top", "3")
+    assert ranked or backend == "megatron" and gpus == 1, "the search found nothing"
+    for index, record in enumerate(ranked):
+        recipe = tmp_path / f"recipe-{index}.yaml"
+        recipe.write_text(yaml.safe_dump(recipe_from_record(record, model)))
+        out = tmp_path / f"gen-{index}"
+        assert main(["generate", str(recipe), "--out", str(out)]) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        written = json.loads((out / "plan.json").read_text())
+        assert written["plan"] == record["plan"]
+        assert (written["memory_bytes"], written["step_time_s"]) == (record["memory_bytes"], record["step_time_s"])
+        options = {k: v for k, v in record["plan"].items() if k not in ("gpus", *DERIVED)}
+        estimate = _json(capsys, "estimate", "--model", model, "--gpus", str(gpus), *option_argv(options))
+        assert (estimate["memory_bytes"], estimate["step_time_s"]) == (record["memory_bytes"], record["step_time_s"])
+        if backend == "deepspeed":
+            argv = ["validate", str(out / "deepspeed.json"), "--world-size", str(gpus), "--trainer-args",
+                    str(out / "trainer_args.json")]
+        else:
+            argv = ["validate", str(out / "megatron.yaml"), "--world-size", str(gpus)]
+            assert megatron_lm_problems((out / "megatron_args.txt").read_text()) == []
+            if record["plan"]["tp"] > 1 or record["plan"]["cp"] > 1:  # Megatron-LM's validate_args asserts it
+                assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in (out / "launch.sh").read_text()
+                assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in (out / "slurm.sbatch").read_text()
+        assert main(argv) == 0, capsys.readouterr()
+        capsys.readouterr()
