@@ -62,11 +62,11 @@ def render_sbatch(
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
     picks slurm/launch/<launcher>.tmpl (torchrun for both backends; accelerate and deepspeed for the HF path)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
+    if nodes < 1:
+        raise UserInputError("--nodes", f"must be at least 1, got {nodes}")
     # a job smaller than a node takes the GPUs it needs, not the node's count
     per_node = (min(recipe.cluster.gpus_per_node, max(1, plan.gpus // nodes)) if gpus_per_node is None
                 else gpus_per_node)
-    if nodes < 1:
-        raise UserInputError("--nodes", f"must be at least 1, got {nodes}")
     if per_node < 1:
         raise UserInputError("--gpus-per-node", f"must be at least 1, got {per_node}")
     if nodes * per_node != plan.gpus:
