@@ -49,16 +49,17 @@ def test_every_plan_option_has_its_recipe_key():
 
 
 def test_a_plan_built_from_a_dict_is_checked_by_the_same_rules():
-    plan = resolve_plan(LLAMA_8B, 8, tp=2, zero=2).as_dict()
-    assert validated(Plan, plan) == resolve_plan(LLAMA_8B, 8, tp=2, zero=2)
+    plan = resolve_plan(LLAMA_8B, 8, zero=2, offload_optimizer="cpu").as_dict()
+    assert validated(Plan, plan) == resolve_plan(LLAMA_8B, 8, zero=2, offload_optimizer="cpu")
     with pytest.raises(UserInputError) as err:  # the rule between options, without any model
-        validated(Plan, {**plan, "zero": 3})
-    assert err.value.key == "--zero" and "AutoTP" in err.value.message
+        validated(Plan, {**plan, "zero": 0})
+    assert err.value.key == "--offload-optimizer" and "needs --zero 1, 2 or 3" in err.value.message
     with pytest.raises(UserInputError) as err:  # derived sizes must agree
         validated(Plan, {**plan, "grad_accum": 2})
     assert err.value.key == "grad_accum"
     with pytest.raises(UserInputError) as err:  # the model's rules, with the model in the context
-        validated(Plan, {**plan, "tp": 3, "dp": 1, "gpus": 3}, context={"model": LLAMA_8B})
+        validated(Plan, {**plan, "backend": "megatron", "zero": 0, "offload_optimizer": "none", "tp": 3, "dp": 1,
+                         "gpus": 3, "transformer_impl": "transformer_engine"}, context={"model": LLAMA_8B})
     assert err.value.key == "--tp"
 
 

@@ -125,8 +125,6 @@ def deepspeed_config(plan: Plan, training: TrainingSection, options: DeepSpeedSe
         config["zero_allow_untested_optimizer"] = True
     config.update(scheduler=_scheduler(training), steps_per_print=max(1, training.logging_steps),
                   wall_clock_breakdown=False)
-    if plan.tp > 1:  # DeepSpeed AutoTP training
-        config["tensor_parallel"] = {"autotp_size": plan.tp}
     if options is not None and options.auto_values:
         _set_auto(config)
     return config

@@ -72,7 +72,8 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
         return [fixed[name]] if fixed.get(name) is not None else list(values)
 
     megatron = backend == "megatron"
-    tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0])
+    tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0]
+               if megatron else [1])  # tensor parallelism is Megatron-Core's here (see the deepspeed rules of plan.py)
     pps = axis("pp", range(1, model.num_layers + 1) if megatron else [1])  # see the deepspeed rule of spec/plan.py
     for tp, pp in itertools.product(tps, pps):
         if gpus % (tp * pp):
@@ -83,8 +84,9 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
                 dp = gpus // (tp * pp * cp)
                 eps = [e for e in _divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1]
                 if megatron:
+                    local = fixed.get("transformer_impl") == "local"  # torch norms: no sequence parallelism
                     states = [dict(distributed_optimizer=fixed.get("distributed_optimizer", True),
-                                   sequence_parallel=fixed.get("sequence_parallel", tp > 1))]
+                                   sequence_parallel=fixed.get("sequence_parallel", tp > 1 and not local))]
                 else:
                     zeros = axis("zero", [0, 1, 2, 3])
                     states = [dict(zero=z) for z in zeros]

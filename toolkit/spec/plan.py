@@ -172,8 +172,10 @@ def _check_deepspeed(p: Plan) -> None:
         raise UserInputError("--pp", "the HF Trainer cannot run DeepSpeed's pipeline engine (it needs a PipelineModule "
                                      "and DeepSpeed's own training loop); use --backend megatron for pipeline "
                                      "parallelism")
-    if p.tp > 1 and p.zero == 3:
-        raise UserInputError("--zero", "DeepSpeed AutoTP training supports ZeRO 0-2; use --zero 2 or --tp 1")
+    if p.tp > 1:  # launched for real: HF's DeepSpeed config check counts the TP ranks as data-parallel ones
+        raise UserInputError("--tp", "DeepSpeed AutoTP does not train through the HF Trainer here (transformers "
+                                     "5.23 checks train_batch_size against every rank as data-parallel); use "
+                                     "--backend megatron for tensor parallelism")
     if p.vpp > 1:
         raise UserInputError("--vpp", "DeepSpeed's pipeline has no interleaved schedule; use --backend megatron")
     if p.cp > 1:
@@ -209,6 +211,9 @@ def _check_megatron(p: Plan) -> None:
         raise UserInputError("--offload-optimizer", "offload is modelled for --backend deepspeed only")
     if p.sequence_parallel and p.tp == 1:
         raise UserInputError("--sequence-parallel", "needs --tp > 1")
+    if p.sequence_parallel and p.transformer_impl == "local":  # Megatron-Core's WrappedTorchNorm asserts it
+        raise UserInputError("--sequence-parallel", f"needs {TE_MODULES}: the local spec's torch norms do not "
+                                                    f"support sequence parallelism")
     if p.optimizer == "adamw8bit":
         raise UserInputError("--optimizer", "Megatron-Core supports adamw and sgd")
 
