@@ -159,12 +159,13 @@ def test_train_refuses_a_megatron_yaml_that_contradicts_plan_json(tmp_path):
     out = tmp_path / "gen"
     assert main(["generate", str(recipe), "--out", str(out), "--tp", "2"]) == 0
     config = yaml.safe_load((out / "megatron.yaml").read_text())
-    config["transformer_config"]["sequence_parallel"] = True  # valid for Megatron-Core, but not the plan
+    for section in ("ddp_config", "optimizer_config"):  # valid for Megatron-Core, but not the plan
+        config[section]["use_distributed_optimizer"] = True
     (out / "megatron.yaml").write_text(yaml.safe_dump(config))
     result = subprocess.run([sys.executable, str(ROOT / "toolkit" / "train.py"), "--plan", str(out / "plan.json")],
                             capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="2"))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-    assert lines[0] == (f"train.py: error: {out / 'megatron.yaml'}: transformer_config.sequence_parallel is True but "
-                        f"plan.json says sequence_parallel False; run `dmt generate` again, or edit only what the plan "
-                        f"does not set")
+    assert lines[0] == (f"train.py: error: {out / 'megatron.yaml'}: ddp_config.use_distributed_optimizer is True but "
+                        f"plan.json says distributed_optimizer False; run `dmt generate` again, or edit only what the "
+                        f"plan does not set")
