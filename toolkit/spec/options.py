@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from pydantic.fields import FieldInfo
 
-Backend = Literal["deepspeed", "megatron"]
+Backend = Literal["deepspeed", "megatron", "fsdp"]
 ZeroStage = Literal[0, 1, 2, 3]
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Recompute = Literal["none", "selective", "full"]
@@ -51,7 +51,16 @@ class PlanOptions(BaseModel):
     vpp: PositiveInt = option(1, "virtual pipeline stages per rank (Megatron-Core interleaving)")
     cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)")
     ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
-    zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 with megatron")
+    zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise")
+    dp_shard: PositiveInt | None = option(
+        None, "FSDP2: ranks each parameter is sharded over (Accelerate's ParallelismConfig dp_shard_size)",
+        default_note="every data-parallel rank of a replica (dp / dp_replicate) with fsdp")
+    dp_replicate: PositiveInt | None = option(
+        None, "FSDP2: replicas of the sharded model (HSDP when > 1; dp_replicate x dp_shard x tp = GPUs)",
+        default_note="1 with fsdp")
+    reshard_after_forward: StrictBool | None = option(
+        None, "FSDP2: free each layer group's gathered parameters after forward (FULL_SHARD-like) or keep them "
+              "until backward (false: SHARD_GRAD_OP-like, no second all-gather)", default_note="true with fsdp")
     distributed_optimizer: StrictBool = option(False, "Megatron-Core distributed optimizer")
     sequence_parallel: StrictBool = option(False, "Megatron-Core sequence parallelism (needs tp > 1)")
     micro_batch: PositiveInt = option(1, "sequences per GPU per forward pass")
@@ -73,7 +82,8 @@ class PlanOptions(BaseModel):
     attention: Attention = option("sdpa", "attention kernels: sdpa keeps no s x s matrix, eager keeps the probabilities")
     optimizer: Optimizer = option("adamw", "optimizer")
     offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload")
-    offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload")
+    offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload; with fsdp, cpu is FSDP2's "
+                                              "CPUOffloadPolicy (parameters, gradients and optimizer states on the host)")
     nvme_path: str | None = option(None, "local NVMe directory for nvme offload", metavar="DIR")
     first_stage_layers: PositiveInt | None = option(
         None, "Megatron-Core uneven pipeline split: layers of the first stage (the rest split evenly)")
