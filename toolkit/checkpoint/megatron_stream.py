@@ -193,16 +193,17 @@ def lazy_save_planner(items: list, resolve: Callable):
 # -- reading ------------------------------------------------------------------------------------------------------
 
 class DistCheckpointReader:
-    """Regions of the tensors of a torch_dist checkpoint, read chunk by chunk from the files the metadata names."""
+    """Regions of the tensors of a torch DCP checkpoint (Megatron-Core's torch_dist, Accelerate's FSDP2
+    SHARDED_STATE_DICT), read chunk by chunk from the files the metadata names. `key` names the argument in errors."""
 
-    def __init__(self, ckpt: Path, live: LiveBytes | None = None):
+    def __init__(self, ckpt: Path, live: LiveBytes | None = None, key: str = "MEGATRON_DIR"):
         from torch.distributed.checkpoint import FileSystemReader
 
+        self.key = key
         try:
             metadata = FileSystemReader(str(ckpt)).read_metadata()
         except (OSError, ValueError, RuntimeError, EOFError) as exc:
-            raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a Megatron-Core torch_dist checkpoint "
-                                                 f"({exc})") from None
+            raise UserInputError(key, f"{ckpt} is not a torch distributed checkpoint ({exc})") from None
         self.ckpt, self.tensors, self.storage = ckpt, metadata.state_dict_metadata, metadata.storage_data
         self.track = live.track if live else _untracked
 
@@ -224,9 +225,9 @@ class DistCheckpointReader:
 
         meta = self.tensors.get(key)
         if not isinstance(meta, TensorStorageMetadata):
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt} holds no tensor {key}: not this model's checkpoint")
+            raise UserInputError(self.key, f"{self.ckpt} holds no tensor {key}: not this model's checkpoint")
         if global_shape is not None and tuple(meta.size) != tuple(global_shape):
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: {key} is {tuple(meta.size)}, this model's config.json "
+            raise UserInputError(self.key, f"{self.ckpt}: {key} is {tuple(meta.size)}, this model's config.json "
                                                  f"implies {tuple(global_shape)}")
         for chunk in meta.chunks:  # the usual case: the region is one chunk, returned as loaded
             if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
@@ -244,7 +245,7 @@ class DistCheckpointReader:
             covered += source.numel()
             del data, source
         if covered != out.numel():
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: the chunks of {key} do not cover "
+            raise UserInputError(self.key, f"{self.ckpt}: the chunks of {key} do not cover "
                                                  f"{tuple(offsets)} + {tuple(sizes)}")
         return out
 
@@ -253,10 +254,10 @@ class DistCheckpointReader:
 
         info = self.storage.get(index)
         if info is None:
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: no storage entry for {index.fqn} at "
+            raise UserInputError(self.key, f"{self.ckpt}: no storage entry for {index.fqn} at "
                                                  f"{tuple(index.offset)}")
         if info.transform_descriptors:
-            raise UserInputError("MEGATRON_DIR", f"{self.ckpt}: {index.fqn} is stored with transforms "
+            raise UserInputError(self.key, f"{self.ckpt}: {index.fqn} is stored with transforms "
                                                  f"{info.transform_descriptors}, which this reader does not undo")
         path = self.ckpt / info.relative_path
         try:
@@ -266,10 +267,10 @@ class DistCheckpointReader:
                 tensor = torch.load(FileSlice(handle, info.offset, info.length), map_location="cpu",
                                     weights_only=True)
         except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
-            raise UserInputError("MEGATRON_DIR", f"{path}: cannot read {index.fqn} ({exc}): truncated or "
+            raise UserInputError(self.key, f"{path}: cannot read {index.fqn} ({exc}): truncated or "
                                                  f"corrupt") from None
         if tuple(tensor.shape) != tuple(sizes):
-            raise UserInputError("MEGATRON_DIR", f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
+            raise UserInputError(self.key, f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
                                                  f"says {tuple(sizes)}")
         return self.track(tensor)
 

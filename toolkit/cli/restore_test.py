@@ -17,10 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
     parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
     parser.add_argument("--resume-world-size", type=int, default=None,
-                        help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core: "
-                             "the dist checkpoint reshards)")
+                        help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core "
+                             "and FSDP2: the DCP checkpoint reshards on load)")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
-                        help="launcher of the deepspeed backend (megatron always runs under torchrun)")
+                        help="launcher of the deepspeed backend (megatron and fsdp run under torchrun)")
     parser.add_argument("--tolerance", type=float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
@@ -40,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     overrides = plan_overrides(args)
     backend = overrides.get("backend") or recipe.plan.backend
-    if backend == "megatron":
+    if backend != "deepspeed":
         if args.zero is not None:
-            raise UserInputError("--zero", "is a DeepSpeed option; the megatron backend shards with --tp/--pp")
-        args.launcher = "torchrun"  # toolkit/train.py --backend megatron runs under torchrun
+            raise UserInputError("--zero", f"is a DeepSpeed option; the {backend} backend shards with "
+                                           f"{'--tp/--pp' if backend == 'megatron' else '--dp-shard'}")
+        args.launcher = "torchrun"  # toolkit/train.py --backend megatron|fsdp runs under torchrun
     steps = args.steps or recipe.training.max_steps
     save_at = args.save_at or steps // 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))

@@ -20,22 +20,40 @@ MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 STATE_DICT_TYPE = "SHARDED_STATE_DICT"  # DCP checkpoints, one file per rank: pytorch_model_fsdp_0/, optimizer_0/
 
 
-def fsdp_settings(plan: Plan, layer_classes: list[str]) -> list[tuple[str, str, object, object]]:
-    """(accelerate.yaml key, trainer fsdp_config key, YAML value, trainer value) of every FSDP2 setting."""
-    offload = plan.offload_params == "cpu"
-    checkpointing = plan.recompute == "full"  # FSDP's own activation checkpointing, not the Trainer's
-    return [
-        ("fsdp_version", "version", 2, 2),
-        ("fsdp_auto_wrap_policy", "auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "TRANSFORMER_BASED_WRAP"),
-        ("fsdp_transformer_layer_cls_to_wrap", "transformer_layer_cls_to_wrap", ",".join(layer_classes),
-         list(layer_classes)),
-        ("fsdp_reshard_after_forward", "reshard_after_forward", plan.reshard_after_forward, plan.reshard_after_forward),
-        ("fsdp_offload_params", "cpu_offload", offload, offload),
-        ("fsdp_state_dict_type", "state_dict_type", STATE_DICT_TYPE, STATE_DICT_TYPE),
+# accelerate.yaml's fsdp_config key -> the Trainer's fsdp_config key, for every setting the toolkit writes
+SETTING_KEYS = {
+    "fsdp_version": "version",
+    "fsdp_auto_wrap_policy": "auto_wrap_policy",
+    "fsdp_transformer_layer_cls_to_wrap": "transformer_layer_cls_to_wrap",  # comma list / list
+    "fsdp_reshard_after_forward": "reshard_after_forward",
+    "fsdp_offload_params": "cpu_offload",
+    "fsdp_state_dict_type": "state_dict_type",
+    "fsdp_cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
+    "fsdp_activation_checkpointing": "activation_checkpointing",  # FSDP's own, not the Trainer's
+}
+
+
+def fsdp_settings(plan: Plan, layer_classes: list[str]) -> dict:
+    """accelerate.yaml's fsdp_config of a plan (the Trainer's is the same under SETTING_KEYS' names)."""
+    return {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": ",".join(layer_classes),
+        "fsdp_reshard_after_forward": plan.reshard_after_forward,
+        "fsdp_offload_params": plan.offload_params == "cpu",
+        "fsdp_state_dict_type": STATE_DICT_TYPE,
         # every rank builds (or loads) the model itself; rank-0 loading is for pretrained weights on big models
-        ("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading", False, False),
-        ("fsdp_activation_checkpointing", "activation_checkpointing", checkpointing, checkpointing),
-    ]
+        "fsdp_cpu_ram_efficient_loading": False,
+        "fsdp_activation_checkpointing": plan.recompute == "full",
+    }
+
+
+def trainer_fsdp_config(settings: dict) -> dict:
+    """An accelerate.yaml fsdp_config under the Trainer's names (the layer classes as a list)."""
+    config = {SETTING_KEYS[key]: value for key, value in settings.items() if key in SETTING_KEYS}
+    if isinstance(config.get("transformer_layer_cls_to_wrap"), str):
+        config["transformer_layer_cls_to_wrap"] = config["transformer_layer_cls_to_wrap"].split(",")
+    return config
 
 
 def parallelism_sizes(plan: Plan) -> dict[str, int] | None:
@@ -51,7 +69,7 @@ def accelerate_fsdp_config(recipe: Recipe, plan: Plan, layer_classes: list[str])
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
-        "fsdp_config": {yaml_key: value for yaml_key, _, value, _ in fsdp_settings(plan, layer_classes)},
+        "fsdp_config": fsdp_settings(plan, layer_classes),
         "machine_rank": 0,
         "main_training_function": "main",
         "mixed_precision": MIXED_PRECISION[plan.precision],
@@ -74,7 +92,7 @@ def trainer_fsdp_arguments(plan: Plan, layer_classes: list[str]) -> dict:
     (toolkit/estimate/fsdp.py). `parallelism_config` holds ParallelismConfig's keyword arguments."""
     args = {
         "fsdp": True,
-        "fsdp_config": {trainer_key: value for _, trainer_key, _, value in fsdp_settings(plan, layer_classes)},
+        "fsdp_config": trainer_fsdp_config(fsdp_settings(plan, layer_classes)),
         "activation_checkpointing": False,  # FSDP checkpoints the layers itself (fsdp_config.activation_checkpointing)
         "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}},
     }
