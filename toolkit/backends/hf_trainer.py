@@ -84,10 +84,16 @@ def _check_world(plan: Plan) -> int:
     return world
 
 
-def _check_fsdp_precision_runs_here(plan: Plan) -> None:
-    """Accelerate refuses fp16 on CPU ranks only when it builds its state; say so first, in one line."""
+def _check_fsdp_runs_here(plan: Plan) -> None:
+    """What Accelerate would refuse only after the model is built, said first in one line: fp16 on CPU ranks (its grad
+    scaler), and TP, which it applies only to a model loaded already sharded by a TP plan (transformers'
+    DistributedConfig), which this backend does not do yet."""
     import torch
 
+    if plan.tp > 1:
+        raise UserInputError("plan.tp", f"{plan.tp}: the fsdp backend of toolkit/train.py trains FSDP2 and HSDP; TP "
+                                        f"plans are for dmt estimate, plan and generate (Accelerate's "
+                                        f"ParallelismConfig); train with --tp 1 or --backend megatron")
     if plan.precision == "fp16" and not torch.cuda.is_available():
         raise UserInputError("plan.precision", "fp16 mixed precision needs a GPU (Accelerate's grad scaler); use bf16 "
                                                "or fp32 on CPU ranks")
@@ -208,7 +214,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     if fsdp:
         if deepspeed_json:
             raise UserInputError("--deepspeed", "is a DeepSpeed option; the fsdp backend shards with FSDP2")
-        _check_fsdp_precision_runs_here(plan)
+        _check_fsdp_runs_here(plan)
         if isinstance(args_dict.get("parallelism_config"), dict):  # HSDP / TP: Accelerate's ParallelismConfig
             from accelerate import ParallelismConfig
 

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--output-dir", default=None, help="training output directory (default runs/<recipe name>)")
         p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON to train with (default: from the recipe)")
         p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
-                       help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun)")
+                       help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun; "
+                            "fsdp recipes: torchrun or accelerate)")
         p.add_argument("--accelerate-config", default=None, help="accelerate.yaml (from dmt generate) for "
                                                                  "--launcher accelerate")
         p.add_argument("--convert", action="store_true", help="a checkpoint-conversion job instead of training")

@@ -19,13 +19,17 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # partition/account
 
 # launcher -> what the script's comment says about it
 LAUNCHERS = {
-    "torchrun": "one torchrun per node (HF Trainer + DeepSpeed, or Megatron-Core); node rank from each task's own "
-                "environment (single quotes: expanded there).",
+    "torchrun": "one torchrun per node (HF Trainer + DeepSpeed or FSDP2, or Megatron-Core); node rank from each "
+                "task's own environment (single quotes: expanded there).",
     "accelerate": "one `accelerate launch` per node; machine rank from each task's own environment (single quotes: "
                   "expanded there).",
     "deepspeed": "a hostfile from the allocation, then one `deepspeed --no_ssh` per node with its own node rank "
                  "(single quotes: expanded there).",
 }
+
+
+# the `dmt convert` direction that turns each backend's checkpoint into HF safetensors
+CONVERSIONS = {"deepspeed": "zero-to-hf", "megatron": "megatron-to-hf", "fsdp": "fsdp-to-hf"}
 
 
 def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
@@ -65,12 +69,14 @@ def render_sbatch(
     for flag, value in (("--partition", partition), ("--account", account)):
         if value is not None and not _NAME.match(value):
             raise UserInputError(flag, f"{value!r} is not a Slurm name (letters, digits, _ . - and commas between names)")
-    if deepspeed_json and plan.backend == "megatron":
-        raise UserInputError("--deepspeed", "is a DeepSpeed option; this recipe trains with the megatron backend")
+    if deepspeed_json and plan.backend != "deepspeed":
+        raise UserInputError("--deepspeed", f"is a DeepSpeed option; this recipe trains with the {plan.backend} backend")
     if launcher not in LAUNCHERS:
         raise UserInputError("--launcher", f"'{launcher}': use one of {', '.join(LAUNCHERS)}")
     if launcher != "torchrun" and plan.backend == "megatron":
         raise UserInputError("--launcher", f"the megatron backend runs under torchrun, not {launcher}")
+    if launcher == "deepspeed" and plan.backend == "fsdp":
+        raise UserInputError("--launcher", "the fsdp backend runs under torchrun or accelerate, not deepspeed")
     if launcher == "accelerate" and not accelerate_config:
         raise UserInputError("--accelerate-config", "the accelerate launcher needs the accelerate.yaml that "
                                                     "`dmt generate` writes")
@@ -102,7 +108,7 @@ def render_sbatch(
         accelerate_config=str(Path(accelerate_config).resolve()) if accelerate_config else "",
         launcher=launcher,
         launch_comment=LAUNCHERS[launcher],
-        convert_direction="megatron-to-hf" if plan.backend == "megatron" else "zero-to-hf",
+        convert_direction=CONVERSIONS[plan.backend],
     )
     values["launch"] = Template((TEMPLATES / "launch" / f"{launcher}.tmpl").read_text()).substitute(values).rstrip()
     text = Template((TEMPLATES / f"{kind}.sbatch.tmpl").read_text()).substitute(values)
