@@ -74,7 +74,13 @@ def run(args: argparse.Namespace) -> int:
         def check(filled: dict):
             return memory_problem(filled, model, gpu, args.world_size, args.seq_len, recompute, args.pp)
 
-    problems = validate_deepspeed_config(config, args.world_size, args.pp, trainer, check, config_path=args.file)
+    return report(args, validate_deepspeed_config(config, args.world_size, args.pp, trainer, check,
+                                                  config_path=args.file))
+
+
+def report(args: argparse.Namespace, problems: list) -> int:
+    """The problems as `dmt validate` prints them (one JSON object with --json, else one line each on stderr, or that
+    the file is valid); its exit code."""
     if args.json:
         print(json.dumps({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems]}))
     elif problems:
