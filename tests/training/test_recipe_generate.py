@@ -103,7 +103,7 @@ def test_plan_auto_shorthand_is_accepted(tmp_path):
     short.write_text(text.replace("plan:\n  auto: true\n  backend: deepspeed", "plan: auto"))
     assert "plan: auto\n" in short.read_text()
     plan = load_recipe(short).plan
-    assert plan.auto is True and plan.backend is None  # both backends are searched
+    assert plan.auto is True and plan.backend is None  # every backend is searched
 
 
 def test_overrides_reach_the_launch_script_and_multi_node_needs_a_rendezvous(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network
+from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network, sharding_text
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
 
@@ -59,7 +59,7 @@ def print_report(report: dict) -> None:
         f"{params['active'] / 1e9:.3f}B active, {params['embedding'] / 1e9:.3f}B in embeddings"
     )
     console.print(
-        f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} {_sharding(plan)} "
+        f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} {sharding_text(plan)} "
         f"micro_batch={plan['micro_batch']} grad_accum={plan['grad_accum']} global_batch={plan['global_batch']} "
         f"seq_len={plan['seq_len']} recompute={recompute_label(Plan.model_validate(plan))} {plan['precision']}"
         + (f" layers={plan['transformer_impl']}" if plan["transformer_impl"] else "")
@@ -82,10 +82,3 @@ def print_report(report: dict) -> None:
         f"predicted step {report['step_time_s']:.3g} s, {report['tokens_per_s']:,.0f} tokens/s, "
         f"{report['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {report['mfu']:.1%} ({report['mfu_definition']})"
     )
-
-
-def _sharding(plan: dict) -> str:
-    if plan["backend"] == "fsdp":
-        return (f"dp_shard={plan['dp_shard']} dp_replicate={plan['dp_replicate']} "
-                f"reshard_after_forward={str(plan['reshard_after_forward']).lower()}")
-    return f"zero={plan['zero']}"

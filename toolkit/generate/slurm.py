@@ -54,7 +54,7 @@ def render_sbatch(
     accelerate_config: str | None = None,
 ) -> str:
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
-    picks slurm/launch/<launcher>.tmpl (torchrun for both backends; accelerate and deepspeed for the HF path)."""
+    picks slurm/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed for DeepSpeed)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
     per_node = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
     if nodes < 1:
