@@ -43,8 +43,8 @@ def ensure_checkpoint(workdir: Path) -> Path:
     ckpt = workdir / "fsdp-250m"
     if (ckpt / "pytorch_model_fsdp_0" / ".metadata").is_file():
         return ckpt
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29663", str(ROOT / "benchmarks/fsdp_save.py"),
-           str(ckpt)]
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29663",
+           str(ROOT / "benchmarks/fsdp_save.py"), str(ckpt)]
     subprocess.run(cmd, check=False, env=dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}"), capture_output=True)
     if not (ckpt / "pytorch_model_fsdp_0" / ".metadata").is_file():
         raise SystemExit("saving the benchmark checkpoint failed")

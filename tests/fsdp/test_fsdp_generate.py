@@ -32,7 +32,8 @@ def test_accelerate_yaml_and_trainer_args_state_the_same_plugin(fsdp_generated, 
     hf = json.loads((fsdp_generated / "trainer_args.json").read_text())
     args = TrainingArguments(**hf)
     assert args.bf16 and not args.activation_checkpointing and "deepspeed" not in hf
-    assert args.per_device_train_batch_size == plan["micro_batch"] and args.gradient_accumulation_steps == plan["grad_accum"]
+    assert args.per_device_train_batch_size == plan["micro_batch"]
+    assert args.gradient_accumulation_steps == plan["grad_accum"]
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)  # what the Trainer hands to its Accelerator
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is fsdp["fsdp_reshard_after_forward"]
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]

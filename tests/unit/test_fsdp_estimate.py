@@ -134,4 +134,5 @@ def test_plan_searches_fsdp_next_to_the_other_backends(capsys):
     assert {"fsdp", "deepspeed"} <= backends
     assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "64",
                  "--backends", "deepspeed,fdsp"]) == 2
-    assert "--backends: got 'deepspeed,fdsp'; valid: a comma list of deepspeed, megatron, fsdp" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--backends: got 'deepspeed,fdsp'; valid: a comma list of deepspeed, megatron, fsdp" in error

@@ -78,9 +78,9 @@ def _check_world(plan: Plan) -> int:
     # plugin from the launcher's environment)
     for variable, backend in (("ACCELERATE_USE_FSDP", "fsdp"), ("ACCELERATE_USE_DEEPSPEED", "deepspeed")):
         if os.environ.get(variable, "false").lower() == "true" and plan.backend != backend:
-            raise UserInputError("plan.backend", f"accelerate launch was given a {backend} accelerate.yaml but the plan "
-                                                 f"trains with {plan.backend}; launch with the plan's own accelerate.yaml "
-                                                 f"(dmt generate) or pass --backend {backend}")
+            raise UserInputError("plan.backend", f"accelerate launch was given a {backend} accelerate.yaml but the "
+                                                 f"plan trains with {plan.backend}; launch with the plan's own "
+                                                 f"accelerate.yaml (dmt generate) or pass --backend {backend}")
     return world
 
 
@@ -139,7 +139,8 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
 
     metrics = MetricsWriter(output_dir, tokens_per_step)
     fsdp = plan.backend == "fsdp"
-    layout_keys = ("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward") if fsdp else ("dp", "tp", "pp", "zero")
+    layout_keys = (("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward") if fsdp
+                   else ("dp", "tp", "pp", "zero"))
 
     class ToolkitCallback(TrainerCallback):
         """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save."""
@@ -226,7 +227,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     if not fsdp:
         import deepspeed
 
-        deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
+        deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction
         if recipe.cluster.accelerator == "cpu":
             from toolkit.runtime.ds_shm import release_at_exit
 

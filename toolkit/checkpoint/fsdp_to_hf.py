@@ -83,7 +83,8 @@ def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard
     written = 0
     with atomic_directory(out_dir) as tmp:
         writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
-        with tqdm(total=writer.total, unit="B", unit_scale=True, desc="fsdp-to-hf", disable=not progress or None) as bar:
+        with tqdm(total=writer.total, unit="B", unit_scale=True, desc="fsdp-to-hf",
+                  disable=not progress or None) as bar:
             for key, (name, shape, dt) in zip(names, layout):
                 ranges = row_ranges(source, tensors[key], metadata.storage_data, key) \
                     if dt == tensors[key].properties.dtype else None

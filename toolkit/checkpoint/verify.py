@@ -150,7 +150,8 @@ def _check_safetensors(path: Path, report: VerifyReport, deep: bool) -> None:
 
 
 def fsdp_dirs(path: Path) -> list[Path]:
-    """The DCP directories Accelerate's FSDP saving writes into a Trainer checkpoint (pytorch_model_fsdp_0, optimizer_0)."""
+    """The DCP directories Accelerate's FSDP saving writes into a Trainer checkpoint (pytorch_model_fsdp_0,
+    optimizer_0)."""
     return sorted(p for p in path.glob("*_0") if p.is_dir() and (p / ".metadata").is_file()
                   and p.name.split("_")[0] in ("pytorch", "optimizer"))
 

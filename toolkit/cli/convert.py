@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     fsdp = sub.add_parser("fsdp-to-hf", help="FSDP2 sharded checkpoint (DCP) -> HF safetensors + config",
                           description="Stream an Accelerate FSDP2 SHARDED_STATE_DICT checkpoint (a Trainer "
-                                      "checkpoint-N or its pytorch_model_fsdp_0/, saved by any number of ranks) into HF "
-                                      "safetensors, tensor by tensor; equal bit for bit to `accelerate merge-weights`.")
+                                      "checkpoint-N or its pytorch_model_fsdp_0/, saved by any number of ranks) into "
+                                      "HF safetensors, tensor by tensor; equal bit for bit to `accelerate "
+                                      "merge-weights`.")
     fsdp.add_argument("ckpt_dir", type=Path, metavar="CKPT", help="checkpoint-N, or its pytorch_model_fsdp_0/")
     fsdp.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the HF model")
     fsdp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

@@ -15,7 +15,8 @@ from toolkit.spec.options import choices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, metavar="FILE", help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP) or megatron.yaml")
+    parser.add_argument("file", type=Path, metavar="FILE",
+                        help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP) or megatron.yaml")
     parser.add_argument("--world-size", type=int, required=True, help="processes the job will launch")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages of the model (DeepSpeed PipelineModule)")
     parser.add_argument("--trainer-args", type=Path, default=None, help="HF TrainingArguments as JSON (trainer_args.json)")

@@ -136,7 +136,8 @@ def _gradients(plan, mem, params, per, unsharded) -> dict:
 def _optimizer(plan, mem, params, per, unsharded) -> dict:
     full = unsharded["optimizer"] * params
     saving = 1 - mem["optimizer"] / full if full else 0.0
-    kept = ("its states only: fp32 weights are their own master copy" if plan.precision == "fp32" or plan.backend == "fsdp"
+    kept = ("its states only: fp32 weights are their own master copy"
+            if plan.precision == "fp32" or plan.backend == "fsdp"
             else f"an fp32 master copy and its states, training in {plan.precision}")
     rule = f"{plan.optimizer}: {_bpp(unsharded['optimizer'])} ({kept}); sharding: {_sharding(plan)}"
     if plan.backend == "deepspeed" and plan.offload_optimizer != "none":

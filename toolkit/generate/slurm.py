@@ -54,7 +54,8 @@ def render_sbatch(
     accelerate_config: str | None = None,
 ) -> str:
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
-    picks slurm/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed for DeepSpeed)."""
+    picks slurm/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed for
+    DeepSpeed)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
     per_node = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
     if nodes < 1:
@@ -70,7 +71,8 @@ def render_sbatch(
         if value is not None and not _NAME.match(value):
             raise UserInputError(flag, f"{value!r} is not a Slurm name (letters, digits, _ . - and commas between names)")
     if deepspeed_json and plan.backend != "deepspeed":
-        raise UserInputError("--deepspeed", f"is a DeepSpeed option; this recipe trains with the {plan.backend} backend")
+        raise UserInputError("--deepspeed", f"is a DeepSpeed option; this recipe trains with the {plan.backend} "
+                                            f"backend")
     if launcher not in LAUNCHERS:
         raise UserInputError("--launcher", f"'{launcher}': use one of {', '.join(LAUNCHERS)}")
     if launcher != "torchrun" and plan.backend == "megatron":

@@ -1,5 +1,5 @@
-"""HF TrainingArguments of a plan, agreeing with the DeepSpeed JSON (or, with fsdp, accelerate.yaml) on every number both
-name."""
+"""HF TrainingArguments of a plan, agreeing with the DeepSpeed JSON (or, with fsdp, accelerate.yaml) on every number
+both name."""
 
 from __future__ import annotations
 

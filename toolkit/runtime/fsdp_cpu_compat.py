@@ -1,4 +1,4 @@
-"""The one CPU compatibility step for Accelerate's FSDP2: without it, an FSDP run on CPU ranks silently trains unsharded.
+"""The one CPU compatibility step for Accelerate's FSDP2: without it an FSDP run on CPU ranks silently trains unsharded.
 
 On CPU (gloo) processes Accelerate's PartialState says `DistributedType.MULTI_CPU`, and AcceleratorState turns an
 FSDP plugin into `DistributedType.FSDP` only for GPU-like types (accelerate/state.py, AcceleratorState.__init__: the

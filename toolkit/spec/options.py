@@ -29,6 +29,8 @@ Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+# the backends an option belongs to (an option without is every backend's)
+DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
 
 
 def option(default: Any, description: str, *, recipe: str | None = None, default_note: str | None = None,
@@ -50,20 +52,23 @@ class PlanOptions(BaseModel):
     tp: PositiveInt = option(1, "tensor-parallel size")
     pp: PositiveInt = option(1, "pipeline-parallel stages")
     vpp: PositiveInt = option(1, "virtual pipeline stages per rank (Megatron-Core interleaving)")
-    cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)", backends=("megatron",))
+    cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)", backends=MEGATRON)
     ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
-    zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise", backends=("deepspeed",))
+    zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise",
+                                    backends=DEEPSPEED)
     dp_shard: PositiveInt | None = option(
         None, "FSDP2: ranks each parameter is sharded over (Accelerate's ParallelismConfig dp_shard_size)",
-        default_note="every data-parallel rank of a replica (dp / dp_replicate) with fsdp", backends=("fsdp",))
+        default_note="every data-parallel rank of a replica (dp / dp_replicate) with fsdp", backends=FSDP)
     dp_replicate: PositiveInt | None = option(
         None, "FSDP2: replicas of the sharded model (HSDP when > 1; dp_replicate x dp_shard x tp = GPUs)",
-        default_note="1 with fsdp", backends=("fsdp",))
+        default_note="1 with fsdp", backends=FSDP)
     reshard_after_forward: StrictBool | None = option(
         None, "FSDP2: free each layer group's gathered parameters after forward (FULL_SHARD-like) or keep them "
-              "until backward (false: SHARD_GRAD_OP-like, no second all-gather)", default_note="true with fsdp", backends=("fsdp",))
-    distributed_optimizer: StrictBool = option(False, "Megatron-Core distributed optimizer", backends=("megatron",))
-    sequence_parallel: StrictBool = option(False, "Megatron-Core sequence parallelism (needs tp > 1)", backends=("megatron",))
+              "until backward (false: SHARD_GRAD_OP-like, no second all-gather)", default_note="true with fsdp",
+        backends=FSDP)
+    distributed_optimizer: StrictBool = option(False, "Megatron-Core distributed optimizer", backends=MEGATRON)
+    sequence_parallel: StrictBool = option(False, "Megatron-Core sequence parallelism (needs tp > 1)",
+                                           backends=MEGATRON)
     micro_batch: PositiveInt = option(1, "sequences per GPU per forward pass")
     global_batch: PositiveInt | None = option(None, "sequences per optimizer step", recipe="training.global_batch",
                                               default_note="micro-batch x dp, no gradient accumulation")
@@ -71,29 +76,33 @@ class PlanOptions(BaseModel):
     recompute: Recompute = option("none", "activation recomputation")
     recompute_modules: tuple[RecomputeModule, ...] | None = option(
         None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
-        metavar="core_attn,mlp", backends=("megatron",))
+        metavar="core_attn,mlp", backends=MEGATRON)
     recompute_num_layers: PositiveInt | None = option(
         None, "Megatron-Core full recompute, block method: the first N layers of every model chunk",
-        default_note="every layer", metavar="N", backends=("megatron",))
+        default_note="every layer", metavar="N", backends=MEGATRON)
     transformer_impl: TransformerImpl | None = option(
         None, "Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused "
               "attention and SwiGLU: more activation memory)",
-        default_note="transformer_engine on GPUs, local in CPU recipes", backends=("megatron",))
+        default_note="transformer_engine on GPUs, local in CPU recipes", backends=MEGATRON)
     precision: Precision = option("bf16", "training precision (fp8: Transformer Engine)")
     attention: Attention = option("sdpa", "attention kernels: sdpa keeps no s x s matrix, eager keeps the probabilities")
     optimizer: Optimizer = option("adamw", "optimizer")
-    offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload", backends=("deepspeed",))
+    offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload", backends=DEEPSPEED)
     offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload; with fsdp, cpu is FSDP2's "
-                                              "CPUOffloadPolicy (parameters, gradients and optimizer states on the host)", backends=("deepspeed", "fsdp"))
-    nvme_path: str | None = option(None, "local NVMe directory for nvme offload", metavar="DIR", backends=("deepspeed",))
+                                             "CPUOffloadPolicy (parameters, gradients and optimizer states on the "
+                                             "host)", backends=DEEPSPEED + FSDP)
+    nvme_path: str | None = option(None, "local NVMe directory for nvme offload", metavar="DIR", backends=DEEPSPEED)
     first_stage_layers: PositiveInt | None = option(
-        None, "Megatron-Core uneven pipeline split: layers of the first stage (the rest split evenly)", backends=("megatron",))
+        None, "Megatron-Core uneven pipeline split: layers of the first stage (the rest split evenly)",
+        backends=MEGATRON)
     last_stage_layers: PositiveInt | None = option(
-        None, "Megatron-Core uneven pipeline split: layers of the last stage", backends=("megatron",))
+        None, "Megatron-Core uneven pipeline split: layers of the last stage", backends=MEGATRON)
     account_for_embedding_in_pipeline_split: StrictBool = option(
-        False, "Megatron-Core: the embedding counts as one layer of the first pipeline stage (Llama 3 405B's split)", backends=("megatron",))
+        False, "Megatron-Core: the embedding counts as one layer of the first pipeline stage (Llama 3 405B's split)",
+        backends=MEGATRON)
     account_for_loss_in_pipeline_split: StrictBool = option(
-        False, "Megatron-Core: the output layer and loss count as one layer of the last pipeline stage", backends=("megatron",))
+        False, "Megatron-Core: the output layer and loss count as one layer of the last pipeline stage",
+        backends=MEGATRON)
 
     @field_validator("recompute_modules", mode="before")
     @classmethod

@@ -231,7 +231,8 @@ def accelerate_plan_view(config: dict) -> dict[str, tuple[str, object]]:
         view["precision"] = ("mixed_precision", precisions[str(config["mixed_precision"])])
     for name, key, convert in (("reshard_after_forward", "fsdp_reshard_after_forward", _flag),
                                ("offload_params", "fsdp_offload_params", lambda v: "cpu" if _flag(v) else "none"),
-                               ("recompute", "fsdp_activation_checkpointing", lambda v: "full" if _flag(v) else "none")):
+                               ("recompute", "fsdp_activation_checkpointing",
+                                lambda v: "full" if _flag(v) else "none")):
         if key in fsdp:
             view[name] = (f"fsdp_config.{key}", convert(fsdp[key]))
     if config.get("parallelism_config"):
