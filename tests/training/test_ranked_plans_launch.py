@@ -1,7 +1,7 @@
 """The plans `dmt plan` ranks launch for real: on a tiny 4-layer model and 2 CPU ranks, one plan for every value of
-every option the search varies (backend, ZeRO stage, offload, recomputation, TP, PP, VPP, sequence parallelism, the
-distributed optimizer), each pasted into a recipe, generated, and trained for two steps through the generated
-launch.sh."""
+every option the search varies, per backend (ZeRO stage, offload, recomputation, TP, PP, VPP, sequence parallelism,
+the distributed optimizer, FSDP2's shard group and resharding), each pasted into a recipe, generated, and trained for
+two steps through the generated launch.sh."""
 
 import json
 
@@ -16,7 +16,8 @@ from toolkit.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
 VARIED = ("backend", "zero", "offload_optimizer", "offload_params", "recompute", "recompute_modules",
-          "recompute_num_layers", "tp", "pp", "vpp", "sequence_parallel", "distributed_optimizer")
+          "recompute_num_layers", "tp", "pp", "vpp", "sequence_parallel", "distributed_optimizer", "dp_shard",
+          "dp_replicate", "reshard_after_forward")
 SEARCH = ["--gpus", "2", "--gpus-per-node", "2", "--seq-len", "64", "--global-batch", "8", "--precision", "fp32",
           "--transformer-impl", "local", "--top", "1000"]
 # the search tries offload and recomputation only where a plan would not fit: pinned here so they are covered too
@@ -59,7 +60,7 @@ def test_one_plan_per_searched_option_value_trains_two_steps(tiny4, launch, caps
     directory, base = tiny4
     records = [record for pins in PINS for record in _ranked(capsys, directory / "config.json", pins)]
     chosen = _cover(records)
-    assert {r["plan"]["backend"] for r in chosen} == {"deepspeed", "megatron"}
+    assert {r["plan"]["backend"] for r in chosen} == {"deepspeed", "megatron", "fsdp"}
     failures = []
     for index, record in enumerate(chosen):
         plan = {k: v for k, v in record["plan"].items()

@@ -39,7 +39,7 @@ def recipe_from_record(record: dict, model: str) -> dict:
             "cluster": cluster, "training": training, "plan": plan}
 
 
-@pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
+@pytest.mark.parametrize("backend", ["deepspeed", "megatron", "fsdp"])
 @pytest.mark.parametrize("model, gpus, seq, batch", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_every_ranked_plan_generates_validates_and_estimates_the_same(tmp_path, capsys, model, gpus, seq, batch,
                                                                       backend):
@@ -58,9 +58,9 @@ def test_every_ranked_plan_generates_validates_and_estimates_the_same(tmp_path, 
         options = {k: v for k, v in record["plan"].items() if k not in ("gpus", *DERIVED)}
         estimate = _json(capsys, "estimate", "--model", model, "--gpus", str(gpus), *option_argv(options))
         assert (estimate["memory_bytes"], estimate["step_time_s"]) == (record["memory_bytes"], record["step_time_s"])
-        if backend == "deepspeed":
-            argv = ["validate", str(out / "deepspeed.json"), "--world-size", str(gpus), "--trainer-args",
-                    str(out / "trainer_args.json")]
+        if backend != "megatron":
+            first = out / ("deepspeed.json" if backend == "deepspeed" else "accelerate.yaml")
+            argv = ["validate", str(first), "--world-size", str(gpus), "--trainer-args", str(out / "trainer_args.json")]
         else:
             argv = ["validate", str(out / "megatron.yaml"), "--world-size", str(gpus)]
             assert megatron_lm_problems((out / "megatron_args.txt").read_text()) == []

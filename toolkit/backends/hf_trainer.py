@@ -1,4 +1,5 @@
-"""Train with HF Trainer and the generated DeepSpeed config (under deepspeed, accelerate launch or torchrun)."""
+"""Train with HF Trainer and the generated DeepSpeed config (under deepspeed, accelerate launch or torchrun), or with
+FSDP2 through Accelerate's plugin (under accelerate launch or torchrun)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,24 @@ def _check_world(plan: Plan) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.gpus:
         raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
+    # `accelerate launch` with an accelerate.yaml of the other backend would mix the two (the Trainer takes its
+    # plugin from the launcher's environment)
+    for variable, backend in (("ACCELERATE_USE_FSDP", "fsdp"), ("ACCELERATE_USE_DEEPSPEED", "deepspeed")):
+        if os.environ.get(variable, "false").lower() == "true" and plan.backend != backend:
+            raise UserInputError("plan.backend", f"accelerate launch was given a {backend} accelerate.yaml but the "
+                                                 f"plan trains with {plan.backend}; launch with the plan's own "
+                                                 f"accelerate.yaml (dmt generate) or pass --backend {backend}")
     return world
+
+
+def _check_fsdp_runs_here(plan: Plan) -> None:
+    """What Accelerate would refuse only after the model is built, said first in one line: fp16 on CPU ranks (its grad
+    scaler)."""
+    import torch
+
+    if plan.precision == "fp16" and not torch.cuda.is_available():
+        raise UserInputError("plan.precision", "fp16 mixed precision needs a GPU (Accelerate's grad scaler); use bf16 "
+                                               "or fp32 on CPU ranks")
 
 
 class BatchFingerprints:
@@ -112,9 +130,12 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
                fingerprints: BatchFingerprints):
     from transformers import TrainerCallback
 
-    from toolkit.checkpoint.manifest import DEEPSPEED_FORMAT, point_latest, write_manifest
+    from toolkit.checkpoint.manifest import DEEPSPEED_FORMAT, FSDP_FORMAT, point_latest, write_manifest
 
     metrics = MetricsWriter(output_dir, tokens_per_step)
+    fsdp = plan.backend == "fsdp"
+    layout_keys = (("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward") if fsdp
+                   else ("dp", "tp", "pp", "zero"))
 
     class ToolkitCallback(TrainerCallback):
         """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save."""
@@ -142,16 +163,18 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
                     metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
                                   epoch=logs.get("epoch"), data_sha=data_sha)
 
-        def on_save(self, args, state, control, **kwargs):
+        def on_save(self, args, state, control, model=None, **kwargs):
             import torch.distributed as dist
 
             ckpt = output_dir / f"checkpoint-{state.global_step}"
             if dist.is_initialized():
                 dist.barrier()  # every rank's files are on disk before they are hashed
             if state.is_world_process_zero:
-                layout = {k: getattr(plan, k) for k in ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "global_batch")}
-                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout, fmt=DEEPSPEED_FORMAT,
-                               extra={"run": identity})
+                if fsdp:  # sharded DCP weights carry no config: `dmt convert fsdp-to-hf` finds it beside them
+                    model.config.save_pretrained(ckpt)
+                layout = {k: getattr(plan, k) for k in (*layout_keys, "micro_batch", "grad_accum", "global_batch")}
+                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout,
+                               fmt=FSDP_FORMAT if fsdp else DEEPSPEED_FORMAT, extra={"run": identity})
                 point_latest(output_dir, ckpt)
             if dist.is_initialized():
                 dist.barrier()
@@ -173,38 +196,41 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     from toolkit.generate.trainer_args import trainer_arguments
 
     world = _check_world(plan)
+    fsdp = plan.backend == "fsdp"
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
+    # another world size: DeepSpeed loads a universal checkpoint (made below, once ranks exist); FSDP2's DCP
+    # checkpoints reshard on load by themselves
     resharded = resume_path is not None and (read_manifest(resume_path) or {}).get("world_size") != world
     output_dir.mkdir(parents=True, exist_ok=True)
     if generated_trainer_args is not None:
         args_dict = {**generated_trainer_args, "output_dir": str(output_dir)}
     else:
         args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
-    args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json, generated_deepspeed)
-    if resharded:  # another world size: DeepSpeed loads a universal checkpoint (made below, once ranks exist)
-        args_dict["deepspeed"].setdefault("checkpoint", {})["load_universal"] = True
-    if deepspeed_json or generated_deepspeed is not None:  # files must agree before DeepSpeed or HF find out mid-launch
-        from toolkit.validate.deepspeed import validate_deepspeed_config
+    if fsdp:
+        if deepspeed_json:
+            raise UserInputError("--deepspeed", "is a DeepSpeed option; the fsdp backend shards with FSDP2")
+        _check_fsdp_runs_here(plan)
+        if isinstance(args_dict.get("parallelism_config"), dict):  # HSDP / TP: Accelerate's ParallelismConfig
+            from accelerate import ParallelismConfig
 
-        problems = validate_deepspeed_config(args_dict["deepspeed"], world, trainer_args=args_dict)
-        if problems:
-            raise UserInputError("deepspeed.json" if generated_deepspeed is not None else "--deepspeed",
-                                 "; ".join(str(p) for p in problems))
-    _check_precision_runs_here(args_dict["deepspeed"], args_dict)
+            args_dict["parallelism_config"] = ParallelismConfig(**args_dict["parallelism_config"])
+    else:
+        _deepspeed_arguments(args_dict, recipe, plan, world, deepspeed_json, generated_deepspeed, resharded)
     configure_wandb(recipe.training.report_to, output_dir)
     args = TrainingArguments(**installed_field_names(args_dict))
-    import deepspeed
+    if not fsdp:
+        import deepspeed
 
-    deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
-    if recipe.cluster.accelerator == "cpu":
-        from toolkit.runtime.ds_shm import release_at_exit
+        deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction
+        if recipe.cluster.accelerator == "cpu":
+            from toolkit.runtime.ds_shm import release_at_exit
 
-        release_at_exit()
-    if resharded:
-        from toolkit.checkpoint.universal import universal_checkpoint
+            release_at_exit()
+        if resharded:
+            from toolkit.checkpoint.universal import universal_checkpoint
 
-        resume_path = universal_checkpoint(resume_path, output_dir)
+            resume_path = universal_checkpoint(resume_path, output_dir)
     set_seed(recipe.training.seed)
 
     tokenizer_dir = output_dir / "tokenizer"
@@ -235,11 +261,54 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             fingerprints.add(inputs["input_ids"])
             return super().training_step(model, inputs, num_items_in_batch)
 
-    trainer = FingerprintingTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                                    data_collator=default_data_collator, processing_class=tokenizer,
-                                    callbacks=_callbacks(output_dir, plan, tokens_per_step, world, identity, fingerprints))
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            if fsdp:  # before preparation calls fully_shard with it
+                from toolkit.backends.fsdp import mixed_precision_policy
+
+                self.accelerator.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(plan.precision)
+
+    callbacks = _callbacks(output_dir, plan, tokens_per_step, world, identity, fingerprints)
+    if fsdp:
+        from toolkit.backends.fsdp import sharding_callback
+
+        callbacks.append(sharding_callback(output_dir, plan))
+    with _accelerator_building(plan):
+        trainer = FingerprintingTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                                        data_collator=default_data_collator, processing_class=tokenizer,
+                                        callbacks=callbacks)
     result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
     return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}
+
+
+def _deepspeed_arguments(args_dict: dict, recipe: Recipe, plan: Plan, world: int, deepspeed_json: str | None,
+                         generated_deepspeed: dict | None, resharded: bool) -> None:
+    """The DeepSpeed config into the trainer arguments, checked against them before DeepSpeed or HF find out
+    mid-launch."""
+    args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json, generated_deepspeed)
+    if resharded:
+        args_dict["deepspeed"].setdefault("checkpoint", {})["load_universal"] = True
+    if deepspeed_json or generated_deepspeed is not None:
+        from toolkit.validate.deepspeed import validate_deepspeed_config
+
+        problems = validate_deepspeed_config(args_dict["deepspeed"], world, trainer_args=args_dict)
+        if problems:
+            raise UserInputError("deepspeed.json" if generated_deepspeed is not None else "--deepspeed",
+                                 "; ".join(str(p) for p in problems))
+    _check_precision_runs_here(args_dict["deepspeed"], args_dict)
+
+
+def _accelerator_building(plan: Plan):
+    """Where the Trainer builds its Accelerator: on CPU ranks an fsdp plan needs Accelerate's FSDP path opened."""
+    import contextlib
+
+    import torch
+
+    if plan.backend != "fsdp" or torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from toolkit.runtime.fsdp_cpu_compat import fsdp_on_cpu_ranks
+
+    return fsdp_on_cpu_ranks()
 
 
 def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> Path | None:

@@ -199,7 +199,8 @@ def lazy_save_planner(items: list, resolve: Callable):
 # -- reading ------------------------------------------------------------------------------------------------------
 
 class DistCheckpointReader:
-    """Regions of the tensors of a torch_dist checkpoint, read chunk by chunk from the files the metadata names."""
+    """Regions of the tensors of a torch DCP checkpoint (Megatron-Core's torch_dist, Accelerate's FSDP2
+    SHARDED_STATE_DICT), read chunk by chunk from the files the metadata names."""
 
     def __init__(self, ckpt: Path, live: LiveBytes | None = None, metadata=None, key: str = "MEGATRON_DIR"):
         """`key` names the input in errors (the flag, or the checkpoint for `dmt ckpt verify`)."""

@@ -153,29 +153,43 @@ def _contiguous_strides(size: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def index_torch_file(path: Path):
-    """The object saved in `path`, with every tensor replaced by a LazyTensor. Damaged files raise UserInputError."""
+def index_torch_file(path: Path, region: tuple[int, int] | None = None):
+    """The object saved in `path` (or in its bytes [offset, offset + length) when `region` is given: one torch.save
+    archive inside a DCP .distcp file), with every tensor replaced by a LazyTensor. Damaged files raise
+    UserInputError."""
+    start, length = region or (0, None)
     try:
-        with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
-            names = archive.namelist()
-            pickle_name = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
-            prefix = pickle_name[: -len("data.pkl")]
-            offsets = {}
-            for info in archive.infolist():
-                if info.filename.startswith(prefix + "data/"):
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        raise ValueError(f"storage {info.filename} is compressed")
-                    raw.seek(info.header_offset)
-                    header = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
-                    if header[0] != _LOCAL_HEADER_SIGNATURE:
-                        raise ValueError(f"bad local header for {info.filename}")
-                    data_offset = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
-                    if data_offset + info.file_size > os.fstat(raw.fileno()).st_size:
-                        raise ValueError(f"storage {info.filename} runs past the end of the file")
-                    offsets[info.filename[len(prefix) + len("data/"):]] = data_offset
-            with archive.open(pickle_name) as handle:
-                return _IndexUnpickler(handle, path, offsets).load()
+        with open(path, "rb") as handle:
+            if region is not None and os.fstat(handle.fileno()).st_size < start + length:
+                raise ValueError(f"the file ends before byte {start + length}")
+            return _index(path, handle, start, length)
     except UserInputError:
         raise
     except Exception as exc:  # zipfile, pickle and struct errors all mean a damaged file
         raise UserInputError(str(path), f"cannot be read, truncated or corrupt ({type(exc).__name__}: {exc})") from None
+
+
+def _index(path: Path, handle, start: int, length: int | None):
+    from toolkit.checkpoint.megatron_stream import FileSlice
+
+    raw = handle if length is None else FileSlice(handle, start, length)
+    end = start + (length if length is not None else os.fstat(handle.fileno()).st_size)
+    with zipfile.ZipFile(raw) as archive:
+        names = archive.namelist()
+        pickle_name = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
+        prefix = pickle_name[: -len("data.pkl")]
+        offsets = {}
+        for info in archive.infolist():
+            if info.filename.startswith(prefix + "data/"):
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"storage {info.filename} is compressed")
+                raw.seek(info.header_offset)
+                header = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
+                if header[0] != _LOCAL_HEADER_SIGNATURE:
+                    raise ValueError(f"bad local header for {info.filename}")
+                data_offset = start + info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
+                if data_offset + info.file_size > end:
+                    raise ValueError(f"storage {info.filename} runs past the end of the file")
+                offsets[info.filename[len(prefix) + len("data/"):]] = data_offset
+        with archive.open(pickle_name) as pickled:
+            return _IndexUnpickler(pickled, path, offsets).load()

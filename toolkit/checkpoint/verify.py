@@ -1,9 +1,10 @@
 """`dmt ckpt verify` / `inspect`: detect a checkpoint's format, check it is complete and intact, describe it.
 
 Formats: DeepSpeed ZeRO (a tag directory or a directory with `latest`), HF Trainer (checkpoint-N with
-trainer_state.json, weights as safetensors or a DeepSpeed tag), Megatron-Core dist checkpoints (metadata.json +
-*.distcp, torch.distributed.checkpoint), HF safetensors (model.safetensors or an index). With a manifest, every
-listed file must exist with its size and sha256; without one, every file must open and shards must agree.
+trainer_state.json, weights as safetensors, a DeepSpeed tag or FSDP2's DCP directories pytorch_model_fsdp_0/ and
+optimizer_0/), Megatron-Core dist checkpoints (metadata.json + *.distcp, torch.distributed.checkpoint), a bare DCP
+directory (.metadata + *.distcp), HF safetensors (model.safetensors or an index). With a manifest, every listed file
+must exist with its size and sha256; without one, every file must open and shards must agree.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def detect_format(path: Path) -> str:
         return "hf-safetensors" if path.suffix == ".safetensors" else "unknown"
     if (path / "metadata.json").is_file() and any(path.glob("*.distcp")):
         return "megatron-dist"
+    if (path / ".metadata").is_file() and any(path.glob("*.distcp")):
+        return "dcp"
     if (path / "trainer_state.json").is_file():
         return "hf-trainer"
     if any(path.glob("*_optim_states.pt")) or ((path / "latest").is_file() and any(path.glob("*/*_optim_states.pt"))):
@@ -54,7 +57,7 @@ def detect_format(path: Path) -> str:
 
 def verify(path: Path, deep: bool = False) -> VerifyReport:
     fmt = detect_format(path)
-    report = VerifyReport(path=str(path), format=fmt)
+    report = VerifyReport(path=str(path), format="hf-trainer+fsdp" if fmt == "hf-trainer" and fsdp_dirs(path) else fmt)
     root = path if path.is_dir() else path.parent
     try:
         manifest = read_manifest(root) if path.is_dir() else None
@@ -70,8 +73,8 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
         _check_zero(path, report, deep)
     elif fmt == "hf-trainer":
         _check_hf_trainer(path, report, deep)
-    elif fmt == "megatron-dist":
-        _check_megatron(path, report, deep)
+    elif fmt in ("megatron-dist", "dcp"):
+        _check_dcp(path, report, deep)
     else:
         _check_safetensors(path, report, deep)
     return report
@@ -102,7 +105,10 @@ def _check_hf_trainer(path: Path, report: VerifyReport, deep: bool) -> None:
         _check_zero(path, report, deep)
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         _check_safetensors(path, report, deep)
-    if not tags and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    sharded = fsdp_dirs(path)  # FSDP2 (Accelerate's SHARDED_STATE_DICT): one DCP directory each for model, optimizer
+    for directory in sharded:
+        _check_dcp(directory, report, deep)
+    if not tags and not sharded and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         report.problem(path, "HF Trainer checkpoint without model weights")
 
 
@@ -136,7 +142,16 @@ def _check_safetensors(path: Path, report: VerifyReport, deep: bool) -> None:
             _scan(safetensors_findings(file), report)
 
 
-def _check_megatron(path: Path, report: VerifyReport, deep: bool) -> None:
+def fsdp_dirs(path: Path) -> list[Path]:
+    """The DCP directories Accelerate's FSDP saving writes into a Trainer checkpoint (pytorch_model_fsdp_0,
+    optimizer_0)."""
+    return sorted(p for p in path.glob("*_0") if p.is_dir() and (p / ".metadata").is_file()
+                  and p.name.split("_")[0] in ("pytorch", "optimizer"))
+
+
+def _check_dcp(path: Path, report: VerifyReport, deep: bool) -> None:
+    """A torch DCP directory (Megatron-Core's, FSDP2's): metadata readable, every storage file it names present and
+    long enough; with `deep`, every tensor read chunk by chunk."""
     try:
         metadata = read_dcp_metadata(path)
     except UserInputError as exc:
@@ -187,6 +202,10 @@ def inspect(path: Path) -> dict:
         info.update(zero_stage=checkpoint.stage, world_size=checkpoint.world_size, optimizer_state=True,
                     parameters=sum(math.prod(s) for s in checkpoint.param_shapes.values()), dtypes=["float32 (master)"],
                     tag=checkpoint.tag_dir.name)
+    elif fmt == "hf-trainer" and fsdp_dirs(path):
+        model = [d for d in fsdp_dirs(path) if d.name.startswith("pytorch_model_fsdp")]
+        info.update(_dcp_contents(model[0]) if model else {}, sharding="FSDP2 (torch DCP)", format="hf-trainer+fsdp",
+                    optimizer_state=any(d.name.startswith("optimizer") for d in fsdp_dirs(path)))
     elif fmt in ("hf-safetensors", "hf-trainer"):
         report = VerifyReport(str(path), fmt)
         headers = [read_safetensors_header(file) for file in _safetensors_files(path, report)]
@@ -195,15 +214,22 @@ def inspect(path: Path) -> dict:
         entries = [entry for header in headers for entry in header.values()]
         info.update(parameters=sum(math.prod(e["shape"]) for e in entries), dtypes=sorted({e["dtype"] for e in entries}),
                     optimizer_state=path.is_dir() and (path / "optimizer.pt").is_file())
-    elif fmt == "megatron-dist":
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        meta = read_dcp_metadata(path).state_dict_metadata
-        tensors = {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
-        info.update(parameters=sum(math.prod(v.size) for k, v in tensors.items() if "optimizer" not in k),
-                    optimizer_state=any("optimizer" in k for k in tensors),
-                    dtypes=sorted({str(v.properties.dtype).removeprefix("torch.") for v in tensors.values()}))
+    elif fmt in ("megatron-dist", "dcp"):
+        info.update(_dcp_contents(path))
     if path.is_dir() and (path / "trainer_state.json").is_file():
         info["step"] = read_json(path / "trainer_state.json").get("global_step", info.get("step"))
     info["manifest"] = path.is_dir() and (path / MANIFEST).is_file()
     return info
+
+
+def _dcp_contents(path: Path) -> dict:
+    """Parameters (tensors not under an `optimizer` key), whether optimizer state is there, dtypes, and how many rank
+    files hold the chunks."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(path)
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    return {"parameters": sum(math.prod(v.size) for k, v in tensors.items() if "optimizer" not in k),
+            "optimizer_state": any("optimizer" in k for k in tensors),
+            "dtypes": sorted({str(v.properties.dtype).removeprefix("torch.") for v in tensors.values()}),
+            "rank_files": len({info.relative_path for info in metadata.storage_data.values()})}

@@ -62,3 +62,11 @@ def build_network(args: argparse.Namespace, gpu):
     inter = args.inter_node_bw or inter
     return Network(intra_node_bw_gbps=intra, inter_node_bw_gbps=inter, gpus_per_node=gpus_per_node,
                    measured=frozenset(measured))
+
+
+def sharding_text(plan: dict) -> str:
+    """How a plan (as plan.json records it) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
+    if plan["backend"] == "fsdp":
+        return (f"dp_shard={plan['dp_shard']} dp_replicate={plan['dp_replicate']} "
+                f"reshard_after_forward={str(plan['reshard_after_forward']).lower()}")
+    return f"zero={plan['zero']}"

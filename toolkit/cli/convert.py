@@ -1,4 +1,5 @@
-"""`dmt convert`: checkpoint conversion between DeepSpeed ZeRO, HF safetensors and Megatron-Core layouts."""
+"""`dmt convert`: checkpoint conversion between DeepSpeed ZeRO, FSDP2 (DCP), HF safetensors and Megatron-Core
+layouts."""
 
 from __future__ import annotations
 
@@ -41,6 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (HF's max_shard_size)")
     to_hf.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
+    fsdp = sub.add_parser("fsdp-to-hf", help="FSDP2 sharded checkpoint (DCP) -> HF safetensors + config",
+                          description="Stream an Accelerate FSDP2 SHARDED_STATE_DICT checkpoint (a Trainer "
+                                      "checkpoint-N or its pytorch_model_fsdp_0/, saved by any number of ranks) into "
+                                      "HF safetensors, tensor by tensor; equal bit for bit to `accelerate "
+                                      "merge-weights`.")
+    fsdp.add_argument("ckpt_dir", type=Path, metavar="CKPT", help="checkpoint-N, or its pytorch_model_fsdp_0/")
+    fsdp.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the HF model")
+    fsdp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    fsdp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
+    fsdp.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none beside it")
+    fsdp.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
     check = sub.add_parser("check", help="max logit difference of an HF model and a Megatron-Core checkpoint",
                            description="Run the HF model and the Megatron-Core model of the checkpoint (at --tp/--pp, "
                                        "under torchrun when more than one process) on the same tokens.")
@@ -54,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     handlers = {"zero-to-hf": _zero_to_hf, "hf-to-megatron": _hf_to_megatron, "megatron-to-hf": _megatron_to_hf,
-                "check": _check}
+                "fsdp-to-hf": _fsdp_to_hf, "check": _check}
     return handlers[args.direction](args)
 
 
@@ -123,6 +136,17 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
                              progress=_interactive(), max_shard_size=args.max_shard_size)
     _print(args, summary, f"{args.megatron_dir} -> {summary['out_dir']}: {summary['tensors']} tensors, "
                           f"{summary['parameters']:,} parameters")
+    return 0
+
+
+def _fsdp_to_hf(args: argparse.Namespace) -> int:
+    from toolkit.checkpoint.fsdp_to_hf import convert_fsdp_to_hf
+
+    summary = convert_fsdp_to_hf(args.ckpt_dir, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                 config=args.config, progress=_interactive())
+    _print(args, summary, f"FSDP2 checkpoint of {summary['rank_files']} rank file(s) -> {summary['out_dir']}: "
+                          f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "
+                          f"{summary['bytes'] / 2**20:.1f} MiB in {summary['shards']} shard(s)")
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network
+from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network, sharding_text
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
 
@@ -59,7 +59,7 @@ def print_report(report: dict) -> None:
         f"{params['active'] / 1e9:.3f}B active, {params['embedding'] / 1e9:.3f}B in embeddings"
     )
     console.print(
-        f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} zero={plan['zero']} "
+        f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} {sharding_text(plan)} "
         f"micro_batch={plan['micro_batch']} grad_accum={plan['grad_accum']} global_batch={plan['global_batch']} "
         f"seq_len={plan['seq_len']} recompute={recompute_label(Plan.model_validate(plan))} {plan['precision']}"
         + (f" layers={plan['transformer_impl']}" if plan["transformer_impl"] else "")

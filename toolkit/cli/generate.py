@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from toolkit.cli.common import sharding_text
     from toolkit.generate.files import generate
 
     written = generate(args.recipe, args.out, args.force, **plan_overrides(args))
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"]}, indent=2))
         return 0
     p = record["plan"]
-    print(f"{record['recipe']}: {p['backend']} dp={p['dp']} tp={p['tp']} pp={p['pp']} zero={p['zero']} "
+    print(f"{record['recipe']}: {p['backend']} dp={p['dp']} tp={p['tp']} pp={p['pp']} {sharding_text(p)} "
           f"micro_batch={p['micro_batch']} grad_accum={p['grad_accum']} global_batch={p['global_batch']} "
           f"({'fits' if record['fits'] else 'does NOT fit'} {record['gpu']}, "
           f"{record['memory_bytes']['total'] / 2**30:.1f} GiB/GPU)")

@@ -11,10 +11,11 @@ from toolkit.errors import UserInputError
 # verb -> module under toolkit.cli exposing add_arguments(parser) and run(args) -> int; imported on use only
 VERBS = {
     "estimate": ("toolkit.cli.estimate", "per-GPU memory, parameter counts and step time for one model and plan"),
-    "plan": ("toolkit.cli.plan", "search the fastest DP/ZeRO/TP/PP/VPP/CP/EP plan that fits"),
+    "plan": ("toolkit.cli.plan", "search the fastest DP/ZeRO/FSDP/TP/PP/VPP/CP/EP plan that fits"),
     "generate": ("toolkit.cli.generate", "write deepspeed.json, accelerate.yaml, trainer_args.json, launch.sh, plan.json"),
-    "validate": ("toolkit.cli.validate", "check a DeepSpeed JSON (and HF trainer arguments) before launching"),
-    "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, HF <-> Megatron-Core"),
+    "validate": ("toolkit.cli.validate", "check a DeepSpeed JSON, an FSDP accelerate.yaml (and HF trainer arguments) "
+                                         "or a megatron.yaml before launching"),
+    "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, FSDP2 -> HF, HF <-> Megatron-Core"),
     "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
     "health": ("toolkit.cli.health", "preflight: collectives, bandwidth, stragglers, hangs on every rank"),
     "slurm": ("toolkit.cli.slurm", "render or submit SLURM job scripts for a recipe"),

@@ -22,8 +22,8 @@ def _argument(name: str) -> dict:
     if get_origin(kind) is Annotated:  # PositiveInt: the constraint is checked when the plan resolves
         kind = get_args(kind)[0]
     metavar = field_extra(info, "metavar")
-    if kind is bool:
-        return {"action": "store_true"}
+    if kind is bool:  # a switch; one whose default depends on other options can also be turned off (--no-...)
+        return {"action": "store_true" if info.default is False else argparse.BooleanOptionalAction}
     if get_origin(kind) is tuple:  # a comma list, split by PlanOptions itself
         return {"type": str, "metavar": metavar or ",".join(choices(name))}
     try:
@@ -52,10 +52,12 @@ def plan_overrides(args: argparse.Namespace) -> dict:
 
 
 def option_argv(options: dict) -> list[str]:
-    """Plan options back as flags, for a launched process: {"zero": 3, "sequence_parallel": True} -> --zero 3
-    --sequence-parallel."""
+    """Plan options back as flags, for a launched process: {"zero": 3, "sequence_parallel": True,
+    "reshard_after_forward": False} -> --zero 3 --sequence-parallel --no-reshard-after-forward."""
     argv = []
     for name, value in options.items():
+        if value is False and PlanOptions.model_fields[name].default is None:
+            argv.append("--no-" + flag(name)[2:])
         if value is None or value is False:
             continue
         if value is True:

@@ -10,10 +10,13 @@ from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import path_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
+from toolkit.spec.options import BACKENDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser, required=("seq_len", "global_batch"))  # any other plan option given is pinned
+    parser.add_argument("--backends", default=None, metavar=",".join(BACKENDS),
+                        help="search only these backends (default: all; --backend pins one)")
     parser.add_argument("--top", type=int, default=10, help="plans to show (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of the ranked plans")
     parser.add_argument("--plot", type=path_arg, default=None, metavar="FILE.png",
@@ -30,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.planner.search import search, why_first_beats_second
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
-    from toolkit.spec.options import BACKENDS, PlanOptions
+    from toolkit.spec.options import PlanOptions
     from toolkit.spec.plan import resolve_plan, validated
 
     if args.top < 1:
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
     model = load_model_spec(args.model)
-    backends = (pinned.pop("backend"),) if "backend" in pinned else BACKENDS
+    backends = _backends(args.backends, pinned.pop("backend", None))
     result = search(model, args.gpus, gpu, network, backends, **pinned)
     top = result.ranked[: args.top]
     records = [plan_record(model, c.plan, c.memory, c.time, gpu) for c in top]
@@ -72,6 +75,19 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"memory plot written to {args.plot}")
     return 0 if records else 1
+
+
+def _backends(listed: str | None, pinned: str | None) -> tuple[str, ...]:
+    """The backends to search: --backends (a comma list), or the one --backend pins, or all of them."""
+    if listed is None:
+        return (pinned,) if pinned else BACKENDS
+    names = tuple(dict.fromkeys(name.strip() for name in listed.split(",") if name.strip()))
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise UserInputError("--backends", f"got {listed!r}; valid: a comma list of {', '.join(BACKENDS)}")
+    if pinned and pinned not in names:
+        raise UserInputError("--backend", f"{pinned} is not among --backends {','.join(names)}")
+    return (pinned,) if pinned else names
 
 
 def _print_table(model, args, gpu, result, records) -> None:

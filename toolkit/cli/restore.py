@@ -18,10 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
     parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
     parser.add_argument("--resume-world-size", type=int, default=None,
-                        help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core: "
-                             "the dist checkpoint reshards)")
+                        help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core "
+                             "and FSDP2: the DCP checkpoint reshards on load)")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
-                        help="launcher of the deepspeed backend (megatron always runs under torchrun)")
+                        help="launcher of the deepspeed backend (megatron and fsdp run under torchrun)")
     parser.add_argument("--tolerance", type=float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     # the plan every launch will train, resolved here: a bad one is one line now, not a worker's log later
     with recipe_names(overrides):
         plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
-    if plan.backend == "megatron":
-        args.launcher = "torchrun"  # toolkit/train.py runs Megatron-Core under torchrun
+    if plan.backend != "deepspeed":
+        args.launcher = "torchrun"  # toolkit/train.py runs Megatron-Core and FSDP2 under torchrun
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
     train_args = tuple(option_argv({"backend": plan.backend, **overrides}))
     resharded = args.resume_world_size not in (None, recipe.cluster.gpus)

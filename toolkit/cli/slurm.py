@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                        help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
         p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
-                       help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun)")
+                       help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun; "
+                            "fsdp recipes: torchrun or accelerate)")
         p.add_argument("--accelerate-config", default=None, help="accelerate.yaml (from dmt generate) for "
                                                                  "--launcher accelerate")
         p.add_argument("--convert", action="store_true", help="a checkpoint-conversion job instead of training")

@@ -1,5 +1,6 @@
-"""`dmt validate FILE --world-size N [--model M] [--trainer-args FILE]`: check a DeepSpeed JSON (or, for a .yaml
-file, a megatron.yaml through `toolkit.cli.validate_megatron`) before launching."""
+"""`dmt validate FILE --world-size N [--model M] [--trainer-args FILE]`: check a DeepSpeed JSON, an Accelerate FSDP
+config (accelerate.yaml, through `toolkit.cli.validate_accelerate`) or a megatron.yaml (`toolkit.cli.validate_megatron`)
+before launching."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from toolkit.spec.options import choices, default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=path_arg, metavar="FILE", help="DeepSpeed JSON (generated or hand-written), or megatron.yaml")
+    parser.add_argument("file", type=path_arg, metavar="FILE",
+                        help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP) or megatron.yaml")
     parser.add_argument("--world-size", type=int, required=True, help="processes the job will launch")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages of the model (DeepSpeed PipelineModule)")
     parser.add_argument("--trainer-args", type=path_arg, default=None, help="HF TrainingArguments as JSON (trainer_args.json)")
@@ -37,7 +39,16 @@ def _read_json(path: Path, flag: str, what: str):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    if args.file.suffix in (".yaml", ".yml"):  # megatron.yaml: Megatron-Core's classes and run-time rules
+    if args.file.suffix in (".yaml", ".yml"):  # accelerate.yaml (FSDP), or megatron.yaml
+        from toolkit.readers import read_yaml
+
+        config = read_yaml(args.file, "FILE", what="an accelerate.yaml or a megatron.yaml")
+        if "distributed_type" in config:  # Accelerate's own config: its plugin classes and launch-time rules
+            from toolkit.cli import validate_accelerate
+
+            if args.world_size < 1:
+                raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
+            return validate_accelerate.run(args, config)
         from toolkit.cli import validate_megatron
 
         return validate_megatron.run(args)
@@ -66,7 +77,13 @@ def run(args: argparse.Namespace) -> int:
         def check(filled: dict):
             return memory_problem(filled, model, gpu, args.world_size, args.seq_len, recompute, args.pp)
 
-    problems = validate_deepspeed_config(config, args.world_size, args.pp, trainer, check, config_path=args.file)
+    return report(args, validate_deepspeed_config(config, args.world_size, args.pp, trainer, check,
+                                                  config_path=args.file))
+
+
+def report(args: argparse.Namespace, problems: list) -> int:
+    """The problems as `dmt validate` prints them (one JSON object with --json, else one line each on stderr, or that
+    the file is valid); its exit code."""
     if args.json:
         print(json.dumps({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems]}))
     elif problems:

@@ -34,7 +34,7 @@ HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE = ("gpt2",)
 class ActivationSetup:
     """What decides activation memory besides the architecture."""
 
-    backend: str  # "deepspeed" (HF modules) or "megatron" (Megatron-Core modules)
+    backend: str  # "deepspeed" or "fsdp" (HF modules), or "megatron" (Megatron-Core modules)
     micro_batch: int
     seq_len: int
     act_bytes: int  # bytes of one activation element: 2 for bf16/fp16, 4 for fp32
@@ -90,7 +90,7 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_kv_heads * spec.head_dim
     heads, s = spec.num_attention_heads, setup.seq_len // setup.cp
-    hf = setup.backend == "deepspeed"
+    hf = setup.backend != "megatron"  # deepspeed and fsdp train the HF modules
     out = a * q  # attention output, kept by o_proj
     qk_norm = 0
     if spec.qk_norm and hf:  # HF per-head RMSNorm on q and k, as _norm_bytes for rmsnorm

@@ -22,7 +22,7 @@ THUMB_ZERO1_SAVING = 0.60
 THUMB_ACTIVATION_BYTES = 2  # per token, hidden unit and layer: one 16-bit copy of each layer's input
 SOURCES = {
     "weights": "ZeRO (Rajbhandari et al., arXiv:1910.02054) Sec. 3-5; Transformer Engine's fp8 weight cache; "
-               "toolkit/estimate/memory.py",
+               "toolkit/estimate/memory.py; FSDP2 as Accelerate applies it: toolkit/estimate/fsdp.py",
     "gradients": "DeepSpeed deepspeed/runtime/bf16_optimizer.py (fp32 gradients at ZeRO-0) and "
                  "deepspeed/runtime/zero/stage_1_and_2.py (grads_in_partition); Megatron-Core "
                  "distributed/param_and_grad_buffer.py (fp32 main grads); measured on real 2-rank runs",
@@ -58,8 +58,10 @@ def _entry(component: str, value: float, rule: str, thumb: str, thumb_value: flo
 def replica_plan(plan: Plan) -> Plan:
     """The same plan on one data-parallel replica, nothing offloaded: what every parameter costs before ZeRO /
     distributed-optimizer sharding and offload (experts unsplit, so expert data parallelism is 1 as well)."""
+    fsdp = dict(dp_shard=1, dp_replicate=1) if plan.backend == "fsdp" else {}
     return plan.model_copy(update=dict(gpus=plan.model_parallel, dp=1, ep=1, grad_accum=1,
-                                       global_batch=plan.micro_batch, offload_optimizer="none", offload_params="none"))
+                                       global_batch=plan.micro_batch, offload_optimizer="none", offload_params="none",
+                                       **fsdp))
 
 
 def explain_estimate(model: ModelSpec, report: dict) -> list[dict]:
@@ -82,6 +84,9 @@ def _sharding(plan: Plan) -> str:
     if plan.backend == "megatron":
         return (f"distributed optimizer over dp x cp = {plan.dp * plan.cp}{experts}" if plan.distributed_optimizer
                 else "none")
+    if plan.backend == "fsdp":
+        replicas = f", replicated {plan.dp_replicate} times (HSDP)" if plan.dp_replicate > 1 else ""
+        return f"FSDP2 over dp_shard = {plan.dp_shard}{replicas}"
     return f"ZeRO-{plan.zero} over dp = {plan.dp}{experts}" if plan.zero else "none (ZeRO-0)"
 
 
@@ -90,7 +95,13 @@ def _weights(plan, mem, params, per, unsharded) -> dict:
     rule = f"{_bpp(unsharded['weights'])} ({plan.precision} parameters"
     rule += ", plus Transformer Engine's 1-byte fp8 copy of each weight)" if plan.precision == "fp8" else ")"
     why = "same as the rule of thumb"
-    if plan.backend == "deepspeed" and plan.zero == 3:
+    if plan.backend == "fsdp":
+        rule = f"{_bpp(unsharded['weights'])} (fp32 parameters: Accelerate upcasts them for FSDP2 mixed precision)"
+        why = (f"FSDP2 keeps a 1/{plan.dp_shard} fp32 shard of every parameter and gathers {plan.precision} copies "
+               f"group by group (fsdp_gathered_params, under overhead)")
+        if plan.offload_params != "none":
+            why = "FSDP2's CPUOffloadPolicy keeps the shards in host memory; only gathered copies reach the GPU"
+    elif plan.backend == "deepspeed" and plan.zero == 3:
         why = f"ZeRO-3 keeps 1/{plan.dp} of the parameters on each GPU and gathers the rest layer by layer"
         if plan.offload_params != "none":
             why = f"ZeRO-3 parameter offload keeps them in {plan.offload_params} memory, not on the GPU"
@@ -104,6 +115,9 @@ def _gradients(plan, mem, params, per, unsharded) -> dict:
     if plan.backend == "megatron":
         rule = "fp32 main-grad buffers (grad_reduce_in_fp32), one per parameter"
         why = "Megatron-Core accumulates and reduces gradients in fp32: 4 B/param, twice the 16-bit rule"
+    elif plan.backend == "fsdp":
+        rule = f"fp32 gradient shards (the fp32 reduce-scatter's output): 1/{plan.dp_shard} per GPU"
+        why = f"FSDP2 reduce-scatters every micro-batch's gradients in fp32 over dp_shard = {plan.dp_shard}"
     elif plan.zero == 0:
         fp32 = plan.precision == "bf16"
         rule = ("fp32 gradients: DeepSpeed's BF16_Optimizer accumulates into fp32 at ZeRO-0" if fp32
@@ -122,11 +136,14 @@ def _gradients(plan, mem, params, per, unsharded) -> dict:
 def _optimizer(plan, mem, params, per, unsharded) -> dict:
     full = unsharded["optimizer"] * params
     saving = 1 - mem["optimizer"] / full if full else 0.0
-    kept = ("its states only: fp32 weights are their own master copy" if plan.precision == "fp32"
+    kept = ("its states only: fp32 weights are their own master copy"
+            if plan.precision == "fp32" or plan.backend == "fsdp"
             else f"an fp32 master copy and its states, training in {plan.precision}")
     rule = f"{plan.optimizer}: {_bpp(unsharded['optimizer'])} ({kept}); sharding: {_sharding(plan)}"
     if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
         why = f"ZeRO-Offload keeps the optimizer states in {plan.offload_optimizer} memory: none on the GPU"
+    elif plan.backend == "fsdp" and plan.offload_params != "none":
+        why = "FSDP2's CPUOffloadPolicy steps the optimizer in host memory: none on the GPU"
     elif saving > 0:
         why = (f"sharding keeps {1 - saving:.3g} of the states on this GPU: it saves {saving:.0%}, which is "
                f"1 - 1/(sharding degree), not a fixed ~{THUMB_ZERO1_SAVING:.0%}")
@@ -144,10 +161,12 @@ def _model_states(plan, mem, params, per, unsharded) -> dict:
     parts = " + ".join(f"{unsharded[k]:.3g}" for k in ("weights", "gradients", "optimizer"))
     why = f"one replica pays {parts} = {replica_bpp:.3g} B/param: " + (
         "fp32 training needs no master copy, but keeps 4-byte weights and gradients" if plan.precision == "fp32"
+        else "FSDP2's fp32 weights are the master copy, its gradients fp32 too" if plan.backend == "fsdp"
         else "the 12 B rule leaves out the fp32 master copy (4 B)")
     if replica_bpp > 16:
         why += "; the ZeRO paper's 16 assumes 16-bit gradients, while " + (
             "Megatron-Core keeps fp32 main grads" if plan.backend == "megatron"
+            else "FSDP2 keeps fp32 gradient shards" if plan.backend == "fsdp"
             else "DeepSpeed's bf16 ZeRO-0 keeps fp32 gradients")
     offloaded = [name for name, where in (("optimizer states", plan.offload_optimizer),
                                           ("parameters", plan.offload_params)) if where != "none"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from toolkit.estimate.activations import ActivationSetup, stage_activation_bytes
+from toolkit.estimate.fsdp import fsdp_groups, fsdp_model_states
 from toolkit.estimate.params import ParamCounts, count_params, megatron_padded_vocab
 from toolkit.estimate.pipeline import peak_forwards
 from toolkit.spec.model import ModelSpec
@@ -155,6 +156,9 @@ def _model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params
     """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU."""
     w = PRECISION_BYTES[plan.precision]
     mixed = plan.precision != "fp32"
+    if plan.backend == "fsdp":  # fp32 shards are their own master copy: the optimizer keeps its states only
+        groups = fsdp_groups(count_params(spec), params.total, layer_params, plan.tp)
+        return fsdp_model_states(plan, groups, OPTIMIZER_BYTES[plan.optimizer][1])
     opt_bytes = OPTIMIZER_BYTES[plan.optimizer][0 if mixed else 1]
     dense, expert = params.dense, params.expert
     buffers: dict[str, int] = {}

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import gemm_efficiency
+from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
@@ -139,6 +140,8 @@ def _data_parallel_and_optimizer(
     """(exposed DP/ZeRO communication, optimizer step, offload transfers) per step, in seconds."""
     a = PRECISION_BYTES[plan.precision]
     params = stage_params(spec, count_params(spec), plan, 0)
+    if plan.backend == "fsdp":
+        return _fsdp_step(spec, plan, gpu, network, compute_micro, params.total)
     megatron = plan.backend == "megatron"
     dp_group = plan.dp * plan.cp if megatron else plan.dp
     link = network.link(dp_group, plan.tp)  # tp is innermost; megatron's dp x cp group sits right above it
@@ -177,3 +180,18 @@ def _data_parallel_and_optimizer(
     if plan.backend == "deepspeed" and plan.offload_params != "none":
         offload_s += 2 * m * params.total * a / plan.dp / (gpu.pcie_bw_gbps * 1e9)
     return exposed, optimizer_s, offload_s
+
+
+def _fsdp_step(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float,
+               params_total: int) -> tuple[float, float, float]:
+    """FSDP2: exposed all-gathers and reduce-scatters (estimate/fsdp.py); AdamW over the fp32 shard, on the GPU or,
+    with CPUOffloadPolicy, by torch's AdamW on the host after the gradients travel down."""
+    counts = count_params(spec)
+    largest_layer = max(layer.total for layer in counts.layers) // plan.tp
+    groups = fsdp_groups(counts, params_total, largest_layer, plan.tp)
+    exposed = fsdp_communication(plan, groups, network, compute_micro)
+    shard = params_total / plan.dp_shard
+    if plan.offload_params == "cpu":
+        optimizer_s = shard * plan.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE
+        return exposed, optimizer_s, fsdp_offload_time(plan, groups, gpu.pcie_bw_gbps * 1e9)
+    return exposed, shard * OPTIMIZER_BYTES_TOUCHED / (gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY), 0.0

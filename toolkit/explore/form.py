@@ -52,10 +52,13 @@ def options(verb: str) -> dict[str, argparse.Action]:
     return found
 
 
+SWITCH_CHOICES = ["true", "false"]  # a switch with a --no- form (its default depends on other options): unset, on, off
+
+
 def _kind(action: argparse.Action) -> str:
     if action.nargs == 0 and action.const is True:  # store_true
         return "checkbox"
-    if action.choices is not None:
+    if action.choices is not None or isinstance(action, argparse.BooleanOptionalAction):
         return "select"
     if action.type in (int, float):
         return "number"
@@ -76,7 +79,8 @@ def form_fields(verb: str) -> list[dict]:
             "key": key,
             "flag": "--" + key.replace("_", "-"),
             "kind": kind,
-            "choices": list(action.choices) if action.choices is not None else None,
+            "choices": list(action.choices) if action.choices is not None else
+            SWITCH_CHOICES if isinstance(action, argparse.BooleanOptionalAction) else None,
             "step": 1 if action.type is int else "any" if action.type is float else None,
             "default": action.default if kind == "checkbox" or action.default is None
             or isinstance(action.default, (int, float, str)) else str(action.default),
@@ -102,7 +106,11 @@ def request_argv(verb: str, request: dict, workdir: Path) -> list[str]:
         flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
         if value is None or value == "":
             continue
-        if _kind(action) == "checkbox":
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if str(value).lower() not in SWITCH_CHOICES:
+                raise UserInputError(action.option_strings[0], f"expects true or false, got {value!r}")
+            argv += [action.option_strings[0] if str(value).lower() == "true" else action.option_strings[1]]
+        elif _kind(action) == "checkbox":
             if not isinstance(value, bool):
                 raise UserInputError(flag, f"expects true or false, got {value!r}")
             argv += [flag] if value else []

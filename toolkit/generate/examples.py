@@ -68,6 +68,22 @@ def render_examples() -> dict[str, str]:
     return rendered
 
 
+def write_examples(out: Path, rendered: dict[str, str]) -> None:
+    """Write every rendered example file into `out`, and remove the files there that are no longer one."""
+    out.mkdir(exist_ok=True)
+    for stale in {p.name for p in out.iterdir() if p.is_file()} - set(rendered):
+        (out / stale).unlink()
+        print(f"removed {out / stale}")
+    for name, text in rendered.items():
+        (out / name).write_text(text)
+        print(f"wrote {out / name}")
+
+
+def examples_readme(title: str, intro: str, about: dict[str, str]) -> str:
+    """A README of generated examples: the title, what they are, and one line per example."""
+    return "\n".join([f"# {title}", "", intro, "", *(f"- `{name}`: {text}." for name, text in about.items())]) + "\n"
+
+
 def main() -> None:
     OUT.mkdir(exist_ok=True)
     for stale in set(p.name for p in OUT.glob("*.json")) - set(EXAMPLES):

@@ -39,6 +39,12 @@ def _deepspeed(ctx: GenerationContext) -> str:
 
 
 def _accelerate(ctx: GenerationContext) -> str:
+    if ctx.plan.backend == "fsdp":
+        from toolkit.generate.fsdp import accelerate_fsdp_config, decoder_layer_classes
+        from toolkit.spec.recipe import recipe_hf_config
+
+        config = accelerate_fsdp_config(ctx.recipe, ctx.plan, decoder_layer_classes(recipe_hf_config(ctx.recipe)))
+        return yaml.safe_dump(config, sort_keys=False)
     from toolkit.generate.accelerate import accelerate_config
 
     return yaml.safe_dump(accelerate_config(ctx.recipe, ctx.plan, str(ctx.out_dir / "deepspeed.json")), sort_keys=False)
@@ -47,7 +53,8 @@ def _accelerate(ctx: GenerationContext) -> str:
 def _trainer_args(ctx: GenerationContext) -> str:
     from toolkit.generate.trainer_args import trainer_arguments
 
-    args = trainer_arguments(ctx.recipe, ctx.plan, str(ctx.out_dir / "run"), str(ctx.out_dir / "deepspeed.json"))
+    deepspeed_json = str(ctx.out_dir / "deepspeed.json") if ctx.plan.backend == "deepspeed" else None
+    args = trainer_arguments(ctx.recipe, ctx.plan, str(ctx.out_dir / "run"), deepspeed_json)
     return json.dumps(args, indent=2) + "\n"
 
 
@@ -112,8 +119,8 @@ PLAN_FILE = "plan.json"
 WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] = {
     PLAN_FILE: (BACKENDS, _plan),
     "deepspeed.json": (("deepspeed",), _deepspeed),
-    "accelerate.yaml": (("deepspeed",), _accelerate),
-    "trainer_args.json": (("deepspeed",), _trainer_args),
+    "accelerate.yaml": (("deepspeed", "fsdp"), _accelerate),
+    "trainer_args.json": (("deepspeed", "fsdp"), _trainer_args),
     "launch.sh": (BACKENDS, _launch),
     "slurm.sbatch": (BACKENDS, _slurm),
     "megatron.yaml": (("megatron",), _megatron_yaml),

@@ -60,8 +60,10 @@ FOOTER = """  *) echo "launch.sh: unknown launcher '$LAUNCHER' ({launchers})" >&
 esac
 """
 
-# Megatron-Core runs under torchrun only; DeepSpeed's HF path under any of the three
-LAUNCHERS = {"deepspeed": ("deepspeed", "accelerate", "torchrun"), "megatron": ("torchrun",)}
+# Megatron-Core runs under torchrun only; DeepSpeed's HF path under any of the three; FSDP2 under accelerate launch
+# (accelerate.yaml) or torchrun (the Trainer builds the same plugin from trainer_args.json)
+LAUNCHERS = {"deepspeed": ("deepspeed", "accelerate", "torchrun"), "megatron": ("torchrun",),
+             "fsdp": ("accelerate", "torchrun")}
 
 
 def launch_environment(plan: Plan) -> str:

@@ -21,8 +21,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # partition/account
 
 # launcher -> what the script's comment says about it
 LAUNCHERS = {
-    "torchrun": "one torchrun per node (HF Trainer + DeepSpeed, or Megatron-Core); node rank from each task's own "
-                "environment (single quotes: expanded there).",
+    "torchrun": "one torchrun per node (HF Trainer + DeepSpeed or FSDP2, or Megatron-Core); node rank from each "
+                "task's own environment (single quotes: expanded there).",
     "accelerate": "one `accelerate launch` per node; machine rank from each task's own environment (single quotes: "
                   "expanded there).",
     "deepspeed": "a hostfile from the allocation, then one `deepspeed --no_ssh` per node with its own node rank "
@@ -36,6 +36,10 @@ def sbatch_word(text: str, flag: str) -> str:
         raise UserInputError(flag, f"{text!r} holds a line break, which an #SBATCH line cannot carry")
     escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("#", "\\#")  # an unescaped # starts a comment
     return f'"{escaped}"'
+
+
+# the `dmt convert` direction that turns each backend's checkpoint into HF safetensors
+CONVERSIONS = {"deepspeed": "zero-to-hf", "megatron": "megatron-to-hf", "fsdp": "fsdp-to-hf"}
 
 
 def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
@@ -60,7 +64,8 @@ def render_sbatch(
     accelerate_config: str | None = None,
 ) -> str:
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
-    picks slurm/launch/<launcher>.tmpl (torchrun for both backends; accelerate and deepspeed for the HF path)."""
+    picks slurm/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed for
+    DeepSpeed)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
     if nodes < 1:
         raise UserInputError("--nodes", f"must be at least 1, got {nodes}")
@@ -77,12 +82,15 @@ def render_sbatch(
     for flag, value in (("--partition", partition), ("--account", account)):
         if value is not None and not _NAME.match(value):
             raise UserInputError(flag, f"{value!r} is not a Slurm name (letters, digits, _ . - and commas between names)")
-    if deepspeed_json and plan.backend == "megatron":
-        raise UserInputError("--deepspeed", "is a DeepSpeed option; this recipe trains with the megatron backend")
+    if deepspeed_json and plan.backend != "deepspeed":
+        raise UserInputError("--deepspeed", f"is a DeepSpeed option; this recipe trains with the {plan.backend} "
+                                            f"backend")
     if launcher not in LAUNCHERS:
         raise UserInputError("--launcher", f"'{launcher}': use one of {', '.join(LAUNCHERS)}")
     if launcher != "torchrun" and plan.backend == "megatron":
         raise UserInputError("--launcher", f"the megatron backend runs under torchrun, not {launcher}")
+    if launcher == "deepspeed" and plan.backend == "fsdp":
+        raise UserInputError("--launcher", "the fsdp backend runs under torchrun or accelerate, not deepspeed")
     if launcher == "accelerate" and not accelerate_config:
         raise UserInputError("--accelerate-config", "the accelerate launcher needs the accelerate.yaml that "
                                                     "`dmt generate` writes")
@@ -118,7 +126,7 @@ def render_sbatch(
         accelerate_config=shlex.quote(str(Path(accelerate_config).resolve())) if accelerate_config else "",
         launcher=launcher,
         launch_comment=LAUNCHERS[launcher],
-        convert_direction="megatron-to-hf" if plan.backend == "megatron" else "zero-to-hf",
+        convert_direction=CONVERSIONS[plan.backend],
     )
     values["launch"] = Template((TEMPLATES / "launch" / f"{launcher}.tmpl").read_text()).substitute(values).rstrip()
     text = Template((TEMPLATES / f"{kind}.sbatch.tmpl").read_text()).substitute(values)

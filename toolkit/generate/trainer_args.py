@@ -1,4 +1,5 @@
-"""HF TrainingArguments of a plan, agreeing with the DeepSpeed JSON on every number both name."""
+"""HF TrainingArguments of a plan, agreeing with the DeepSpeed JSON (or, with fsdp, accelerate.yaml) on every number
+both name."""
 
 from __future__ import annotations
 
@@ -53,4 +54,9 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         args["eval_steps"] = training.eval_steps
     if deepspeed_json is not None:
         args["deepspeed"] = deepspeed_json
+    if plan.backend == "fsdp":
+        from toolkit.generate.fsdp import decoder_layer_classes, trainer_fsdp_arguments
+        from toolkit.spec.recipe import recipe_hf_config
+
+        args.update(trainer_fsdp_arguments(plan, decoder_layer_classes(recipe_hf_config(recipe))))
     return args

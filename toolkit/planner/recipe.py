@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import for_backend
 from toolkit.spec.plan import Plan, resolve_plan
 from toolkit.spec.recipe import Recipe, megatron_layers, recipe_names
 
 
 def recipe_options(recipe: Recipe, **overrides) -> dict:
-    """The plan options a recipe sets (its plan section and the sizes it keeps elsewhere), overrides applied."""
+    """The plan options a recipe sets (its plan section and the sizes it keeps elsewhere), overrides applied. A
+    backend given on the command line leaves out the recipe's options of another backend (`--backend fsdp` on a
+    recipe that says `zero: 2`)."""
     options = dict(seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
                    gpus_per_node=recipe.cluster.gpus_per_node)
     options.update({k: v for k, v in recipe.plan.model_dump(exclude={"auto"}).items() if v is not None})
+    switched = overrides.get("backend")
+    if switched is not None and switched != recipe.plan.backend:
+        options = {k: v for k, v in options.items() if for_backend(k, switched)}
     options["transformer_impl"] = megatron_layers(recipe)
     options.update({k: v for k, v in overrides.items() if v is not None})
     return options

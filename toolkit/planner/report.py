@@ -50,6 +50,11 @@ def plan_label(plan: Plan) -> str:
         parts.append(f"z{plan.zero}")
         parts += ["+off-opt"] if plan.offload_optimizer != "none" else []
         parts += ["+off-par"] if plan.offload_params != "none" else []
+    elif plan.backend == "fsdp":  # fsdp dp16 tp1 pp1 shard8 rep2 keep-gathered +off-par: HSDP, SHARD_GRAD_OP-like
+        parts.append(f"shard{plan.dp_shard}")
+        parts += [f"rep{plan.dp_replicate}"] if plan.dp_replicate and plan.dp_replicate > 1 else []
+        parts += ["keep-gathered"] if plan.reshard_after_forward is False else []
+        parts += ["+off-par"] if plan.offload_params != "none" else []
     else:
         parts += ["local-spec"] if plan.transformer_impl == "local" else []
         parts += ["+sp"] if plan.sequence_parallel else []

@@ -14,6 +14,7 @@ from toolkit.spec.pipeline import PipelineSplit
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import BACKENDS
 from toolkit.spec.plan import Plan, resolve_plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -72,8 +73,12 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
         return [fixed[name]] if fixed.get(name) is not None else list(values)
 
     megatron = backend == "megatron"
+    # tensor parallelism is Megatron-Core's here (see the deepspeed and fsdp rules of spec/plan.py)
     tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0]
-               if megatron else [1])  # tensor parallelism is Megatron-Core's here (see the deepspeed rules of plan.py)
+               if megatron else [1])
+    if backend == "fsdp":
+        yield from _fsdp_layouts(gpus, gpus_per_node, tps, fixed, axis)
+        return
     pps = axis("pp", range(1, model.num_layers + 1) if megatron else [1])  # see the deepspeed rule of spec/plan.py
     for tp, pp in itertools.product(tps, pps):
         if gpus % (tp * pp):
@@ -97,12 +102,31 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
                     yield dict(fixed, backend=backend, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
 
+def _fsdp_layouts(gpus: int, gpus_per_node: int, tps: list[int], fixed: dict, axis) -> Iterator[dict]:
+    """FSDP2 over every data-parallel rank, and HSDP sharding inside a node and replicating across nodes (shorter
+    all-gathers on NVLink for one all-reduce of the shards over the network); reshard after forward or keep the
+    gathered layers (one all-gather less, more memory); parameters on the GPU or CPUOffloadPolicy."""
+    for tp in tps:
+        if gpus % tp:
+            continue
+        dp = gpus // tp
+        in_node = max(1, gpus_per_node // tp)
+        hsdp = in_node > 1 and dp > in_node and dp % in_node == 0  # a shard group must have ranks to shard over
+        replicas = axis("dp_replicate", [1, dp // in_node] if hsdp else [1])
+        for replicate, reshard, offload in itertools.product(replicas, axis("reshard_after_forward", [True, False]),
+                                                             axis("offload_params", ["none", "cpu"])):
+            yield dict(fixed, backend="fsdp", tp=tp, pp=axis("pp", [1])[0], vpp=axis("vpp", [1])[0],
+                       cp=axis("cp", [1])[0], ep=axis("ep", [1])[0],
+                       dp_replicate=replicate, dp_shard=fixed.get("dp_shard") or max(1, dp // replicate),
+                       reshard_after_forward=reshard, offload_params=offload)
+
+
 def search(
     model: ModelSpec,
     gpus: int,
     gpu: GPU,
     network: Network,
-    backends: tuple[str, ...] = ("deepspeed", "megatron"),
+    backends: tuple[str, ...] = BACKENDS,
     **fixed,
 ) -> SearchResult:
     """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...)."""
@@ -198,7 +222,7 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
 def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None, **fixed) -> Plan:
     """The fastest plan that fits, for recipes that say `plan: auto`."""
     network = network or Network.from_catalogue(gpu, fixed.get("gpus_per_node") or 8)
-    backends = (fixed.pop("backend"),) if fixed.get("backend") else ("deepspeed", "megatron")
+    backends = (fixed.pop("backend"),) if fixed.get("backend") else BACKENDS
     result = search(model, gpus, gpu, network, backends, **fixed)
     if not result.ranked:
         reasons = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common())

@@ -1,4 +1,4 @@
-"""Training progress: metrics.jsonl (one JSON object per logged step, both backends) and wandb's mode."""
+"""Training progress: metrics.jsonl (one JSON object per logged step, every backend) and wandb's mode."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from pydantic.fields import FieldInfo
 
-Backend = Literal["deepspeed", "megatron"]
+Backend = Literal["deepspeed", "megatron", "fsdp"]
 ZeroStage = Literal[0, 1, 2, 3]
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Recompute = Literal["none", "selective", "full"]
@@ -29,13 +29,16 @@ Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+# the backends an option belongs to (an option without is every backend's)
+DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
 
 
 def option(default: Any, description: str, *, recipe: str | None = None, default_note: str | None = None,
-           metavar: str | None = None) -> Any:
-    """A PlanOptions field: its default and help text, and where a recipe keeps it when not under `plan:`."""
-    extra = {key: value for key, value in (("recipe", recipe), ("default_note", default_note), ("metavar", metavar))
-             if value is not None}
+           metavar: str | None = None, backends: tuple[str, ...] | None = None) -> Any:
+    """A PlanOptions field: its default and help text, where a recipe keeps it when not under `plan:`, and the
+    backends it belongs to (None: all)."""
+    extra = {key: value for key, value in (("recipe", recipe), ("default_note", default_note), ("metavar", metavar),
+                                           ("backends", backends)) if value is not None}
     return Field(default, description=description, json_schema_extra=extra or None)
 
 
@@ -49,11 +52,23 @@ class PlanOptions(BaseModel):
     tp: PositiveInt = option(1, "tensor-parallel size")
     pp: PositiveInt = option(1, "pipeline-parallel stages")
     vpp: PositiveInt = option(1, "virtual pipeline stages per rank (Megatron-Core interleaving)")
-    cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)")
+    cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)", backends=MEGATRON)
     ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
-    zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 with megatron")
-    distributed_optimizer: StrictBool = option(False, "Megatron-Core distributed optimizer")
-    sequence_parallel: StrictBool = option(False, "Megatron-Core sequence parallelism (needs tp > 1)")
+    zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise",
+                                    backends=DEEPSPEED)
+    dp_shard: PositiveInt | None = option(
+        None, "FSDP2: ranks each parameter is sharded over (Accelerate's ParallelismConfig dp_shard_size)",
+        default_note="every data-parallel rank of a replica (dp / dp_replicate) with fsdp", backends=FSDP)
+    dp_replicate: PositiveInt | None = option(
+        None, "FSDP2: replicas of the sharded model (HSDP when > 1; dp_replicate x dp_shard x tp = GPUs)",
+        default_note="1 with fsdp", backends=FSDP)
+    reshard_after_forward: StrictBool | None = option(
+        None, "FSDP2: free each layer group's gathered parameters after forward (FULL_SHARD-like) or keep them "
+              "until backward (false: SHARD_GRAD_OP-like, no second all-gather)", default_note="true with fsdp",
+        backends=FSDP)
+    distributed_optimizer: StrictBool = option(False, "Megatron-Core distributed optimizer", backends=MEGATRON)
+    sequence_parallel: StrictBool = option(False, "Megatron-Core sequence parallelism (needs tp > 1)",
+                                           backends=MEGATRON)
     micro_batch: PositiveInt = option(1, "sequences per GPU per forward pass")
     global_batch: PositiveInt | None = option(None, "sequences per optimizer step", recipe="training.global_batch",
                                               default_note="micro-batch x dp, no gradient accumulation")
@@ -61,28 +76,33 @@ class PlanOptions(BaseModel):
     recompute: Recompute = option("none", "activation recomputation")
     recompute_modules: tuple[RecomputeModule, ...] | None = option(
         None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
-        metavar="core_attn,mlp")
+        metavar="core_attn,mlp", backends=MEGATRON)
     recompute_num_layers: PositiveInt | None = option(
         None, "Megatron-Core full recompute, block method: the first N layers of every model chunk",
-        default_note="every layer", metavar="N")
+        default_note="every layer", metavar="N", backends=MEGATRON)
     transformer_impl: TransformerImpl | None = option(
         None, "Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused "
               "attention and SwiGLU: more activation memory)",
-        default_note="transformer_engine on GPUs, local in CPU recipes")
+        default_note="transformer_engine on GPUs, local in CPU recipes", backends=MEGATRON)
     precision: Precision = option("bf16", "training precision (fp8: Transformer Engine)")
     attention: Attention = option("sdpa", "attention kernels: sdpa keeps no s x s matrix, eager keeps the probabilities")
     optimizer: Optimizer = option("adamw", "optimizer")
-    offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload")
-    offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload")
-    nvme_path: str | None = option(None, "local NVMe directory for nvme offload", metavar="DIR")
+    offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload", backends=DEEPSPEED)
+    offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload; with fsdp, cpu is FSDP2's "
+                                             "CPUOffloadPolicy (parameters, gradients and optimizer states on the "
+                                             "host)", backends=DEEPSPEED + FSDP)
+    nvme_path: str | None = option(None, "local NVMe directory for nvme offload", metavar="DIR", backends=DEEPSPEED)
     first_stage_layers: PositiveInt | None = option(
-        None, "Megatron-Core uneven pipeline split: layers of the first stage (the rest split evenly)")
+        None, "Megatron-Core uneven pipeline split: layers of the first stage (the rest split evenly)",
+        backends=MEGATRON)
     last_stage_layers: PositiveInt | None = option(
-        None, "Megatron-Core uneven pipeline split: layers of the last stage")
+        None, "Megatron-Core uneven pipeline split: layers of the last stage", backends=MEGATRON)
     account_for_embedding_in_pipeline_split: StrictBool = option(
-        False, "Megatron-Core: the embedding counts as one layer of the first pipeline stage (Llama 3 405B's split)")
+        False, "Megatron-Core: the embedding counts as one layer of the first pipeline stage (Llama 3 405B's split)",
+        backends=MEGATRON)
     account_for_loss_in_pipeline_split: StrictBool = option(
-        False, "Megatron-Core: the output layer and loss count as one layer of the last pipeline stage")
+        False, "Megatron-Core: the output layer and loss count as one layer of the last pipeline stage",
+        backends=MEGATRON)
 
     @field_validator("recompute_modules", mode="before")
     @classmethod
@@ -129,6 +149,12 @@ def choices(name: str) -> tuple:
             return get_args(current)
         pending += get_args(current)
     raise KeyError(f"plan option {name} has no fixed choices")
+
+
+def for_backend(name: str, backend: str) -> bool:
+    """Whether a plan option means something to a backend (`zero` only to deepspeed, `dp_shard` only to fsdp)."""
+    backends = field_extra(PlanOptions.model_fields[name], "backends")
+    return backends is None or backend in backends
 
 
 def default(name: str) -> Any:

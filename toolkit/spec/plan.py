@@ -103,8 +103,8 @@ def resolve_plan(model: ModelSpec, gpus: int, **options: Any) -> Plan:
         raise UserInputError("--gpus", f"must be a positive integer, got {gpus!r}")
     values = validated(PlanOptions, given).model_dump()
     megatron = values["backend"] == "megatron"
-    if values["zero"] is None:
-        values["zero"] = 0 if megatron else 1  # DeepSpeed's usual start; Megatron uses its distributed optimizer
+    if values["zero"] is None:  # DeepSpeed's usual start; Megatron and FSDP2 shard their own way
+        values["zero"] = 1 if values["backend"] == "deepspeed" else 0
     # Megatron-Core layer modules; the HF modules of the other backends have no such choice
     values["transformer_impl"] = (values["transformer_impl"] or "transformer_engine") if megatron else None
     # dp and grad_accum as close as the sizes allow: the rules below say what does not divide
@@ -114,6 +114,10 @@ def resolve_plan(model: ModelSpec, gpus: int, **options: Any) -> Plan:
     global_batch = values["global_batch"] or micro * dp
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
+    if values["backend"] == "fsdp":  # one replica (HSDP: each of dp_replicate) shards over all its data ranks
+        replicas = values["dp_replicate"] = values["dp_replicate"] or 1
+        values["dp_shard"] = values["dp_shard"] or max(1, dp // replicas)
+        values["reshard_after_forward"] = values["reshard_after_forward"] in (None, True)
     return validated(Plan, values, context={"model": model})
 
 
@@ -148,10 +152,14 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     _check_experts(p, model)
     if p.cp > 1 and p.seq_len % (2 * p.cp):
         raise UserInputError("--seq-len", f"{p.seq_len} must be divisible by 2 x cp = {2 * p.cp}")
+    if p.backend != "fsdp":
+        _check_not_fsdp(p)
     if p.backend == "deepspeed":
         _check_deepspeed(p)
-    else:
+    elif p.backend == "megatron":
         _check_megatron(p)
+    else:
+        _check_fsdp(p)
     _check_recompute(p)
     _check_batch(p)
 
@@ -216,6 +224,55 @@ def _check_megatron(p: Plan) -> None:
                                                     f"support sequence parallelism")
     if p.optimizer == "adamw8bit":
         raise UserInputError("--optimizer", "Megatron-Core supports adamw and sgd")
+
+
+FSDP_OPTIONS = ("dp_shard", "dp_replicate", "reshard_after_forward")
+
+
+def _check_not_fsdp(p: Plan) -> None:
+    for name in FSDP_OPTIONS:
+        if getattr(p, name) is not None:
+            raise UserInputError(flag(name), "is an FSDP2 option; use --backend fsdp")
+
+
+def _check_fsdp(p: Plan) -> None:
+    """FSDP2 through Accelerate and the HF Trainer: fully_shard over dp_shard ranks (HSDP: replicated dp_replicate
+    times); nothing of Megatron's or DeepSpeed's."""
+    missing = [name for name in FSDP_OPTIONS if getattr(p, name) is None]
+    if missing:
+        raise UserInputError(flag(missing[0]), "must be set for an fsdp plan")
+    if p.zero:
+        raise UserInputError("--zero", "is a DeepSpeed option; FSDP2 shards parameters, gradients and optimizer "
+                                       "states over --dp-shard")
+    for name, why in (("pp", "pipeline parallelism"), ("cp", "context parallelism"), ("ep", "expert parallelism")):
+        if getattr(p, name) > 1:
+            raise UserInputError(flag(name), f"{why} is not part of the fsdp backend (Accelerate's FSDP2 + HF "
+                                             f"Trainer); use --backend megatron")
+    for name in ("distributed_optimizer", "sequence_parallel", "transformer_impl"):
+        if getattr(p, name) not in (None, False):
+            raise UserInputError(flag(name), "is a Megatron-Core option; FSDP2 trains the HF modules")
+    if p.recompute == "selective":
+        raise UserInputError("--recompute", "FSDP2 checkpoints whole decoder layers: use none or full with fsdp")
+    if p.tp > 1:  # Accelerate applies TP only to a model transformers loaded sharded by a TP plan (DistributedConfig)
+        raise UserInputError("--tp", "FSDP2 with tensor parallelism needs the model loaded sharded by a TP plan "
+                                     "(transformers' DistributedConfig), which the fsdp backend does not do; use "
+                                     "--backend megatron for tensor parallelism")
+    if p.precision == "fp8":
+        raise UserInputError("--precision", "fp8 training is modelled for --backend megatron (Transformer Engine)")
+    if p.offload_optimizer != "none":
+        raise UserInputError("--offload-optimizer", "FSDP2's CPUOffloadPolicy moves parameters, gradients and "
+                                                    "optimizer states together: use --offload-params cpu")
+    if p.offload_params == "nvme":
+        raise UserInputError("--offload-params", "FSDP2 offloads to cpu memory only; use --offload-params cpu")
+    if p.optimizer == "adamw8bit":
+        raise UserInputError("--optimizer", "8-bit AdamW over FSDP2's DTensor shards is not modelled; use adamw or sgd")
+    if p.dp_replicate * p.dp_shard != p.dp:
+        raise UserInputError("--dp-shard", f"dp_replicate x dp_shard = {p.dp_replicate} x {p.dp_shard} must equal the "
+                                           f"data-parallel ranks gpus / tp = {p.dp}")
+    if p.dp_shard == 1 and p.dp_replicate > 1:  # accelerate/parallelism_config.py: FSDP needs a dp_shard dimension
+        raise UserInputError("--dp-replicate", f"{p.dp_replicate} leaves one rank per shard group: FSDP2 has nothing to "
+                                               f"shard over (Accelerate refuses dp_shard_size 1 here); lower it so that "
+                                               f"--dp-shard is at least 2")
 
 
 def _check_recompute(p: Plan) -> None:

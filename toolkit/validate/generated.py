@@ -30,6 +30,7 @@ class GeneratedRun:
     deepspeed: dict | None = None  # deepspeed.json
     trainer_args: dict | None = None  # trainer_args.json
     megatron: dict | None = None  # megatron.yaml
+    accelerate: dict | None = None  # accelerate.yaml of an fsdp plan (its launcher reads it; checked here)
 
 
 def _flatten(data, prefix: str = "") -> dict:
@@ -124,7 +125,20 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
             contents["megatron"] = read_yaml(path, what="the megatron.yaml `dmt generate` writes")
             _check_megatron_sections(path, contents["megatron"])
             _check_view(path, megatron_plan_view(contents["megatron"]), plan)
+        elif name == "accelerate.yaml" and plan.backend == "fsdp":
+            contents["accelerate"] = read_yaml(path, what="the accelerate.yaml `dmt generate` writes")
+    if "accelerate" in contents:  # with the trainer arguments it must agree with
+        _check_accelerate(directory / "accelerate.yaml", contents["accelerate"], contents.get("trainer_args"), plan)
     return GeneratedRun(directory, recipe, model, plan, **contents)
+
+
+def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan) -> None:
+    from toolkit.validate.accelerate_fsdp import accelerate_plan_view, validate_accelerate_fsdp
+
+    problems = validate_accelerate_fsdp(config, plan.gpus, trainer)
+    if problems:
+        raise UserInputError(str(path), str(problems[0]))
+    _check_view(path, accelerate_plan_view(config), plan)
 
 
 def _check_megatron_sections(path: Path, config: dict) -> None:

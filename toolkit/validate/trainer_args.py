@@ -169,6 +169,14 @@ def trainer_plan_view(trainer: dict) -> dict[str, tuple[str, object]]:
     for key in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5's name, and the former one
         if key in trainer:
             view["recompute"] = (key, "full" if trainer[key] else "none")
+    fsdp = trainer.get("fsdp_config") if trainer.get("fsdp") else None
+    if isinstance(fsdp, dict):  # FSDP2 checkpoints layers itself; reshard and offload are its settings too
+        stated = {"activation_checkpointing": ("recompute", lambda v: "full" if v else "none"),
+                  "reshard_after_forward": ("reshard_after_forward", lambda v: v),
+                  "cpu_offload": ("offload_params", lambda v: "cpu" if v else "none")}
+        for key, (name, convert) in stated.items():
+            if key in fsdp:
+                view[name] = (f"fsdp_config.{key}", convert(fsdp[key]))
     optimizers = {hf: plan for plan, hf in HF_OPTIMIZERS.items()}
     if trainer.get("optim") in optimizers:
         view["optimizer"] = ("optim", optimizers[trainer["optim"]])

@@ -1,0 +1,43 @@
+"""Fixtures of the FSDP2 tests: `dmt generate` of the tiny FSDP recipe, and real 2-rank CPU launches (gloo) shared by
+every test that asserts something about them (each runs once per session)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fsdp_helpers import BIN, STEPS, TINY_FSDP, TRAIN, environment, restore_test
+from helpers import TINY, Launch, free_port
+
+
+@pytest.fixture(scope="session")
+def fsdp_generated(tmp_path_factory) -> Path:
+    """The directory `dmt generate recipes/tiny-llama-fsdp-cpu.yaml` writes."""
+    from toolkit.cli.main import main
+
+    out = tmp_path_factory.mktemp("fsdp-generated") / "gen"
+    assert main(["generate", str(TINY_FSDP), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def accelerate_run(fsdp_generated, tmp_path_factory) -> Launch:
+    """`accelerate launch --config_file gen/accelerate.yaml toolkit/train.py --plan gen/plan.json`: the generated files
+    as written, 2 CPU ranks, STEPS steps, a checkpoint every STEPS / 2."""
+    root = tmp_path_factory.mktemp("fsdp-accelerate")
+    out, log = root / "run", root / "train.log"
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(fsdp_generated / "accelerate.yaml"),
+           "--main_process_port", str(free_port()), str(TRAIN), "--plan", str(fsdp_generated / "plan.json"),
+           "--output-dir", str(out), "--max-steps", str(STEPS), "--save-steps", str(STEPS // 2)]
+    with open(log, "w") as handle:
+        rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=environment(), timeout=600).returncode
+    return Launch(out, rc, log)
+
+
+@pytest.fixture(scope="session")
+def torchrun_restore(tmp_path_factory) -> tuple[Path, dict]:
+    """`dmt restore-test --recipe tiny-llama-cpu.yaml --backend fsdp`: its reference run is the torchrun launch of
+    `toolkit/train.py --recipe R --backend fsdp` (the DeepSpeed tiny recipe switched to FSDP2 on the command line)."""
+    workdir = tmp_path_factory.mktemp("fsdp-restore") / "work"
+    return workdir, restore_test(workdir, "--recipe", str(TINY), "--backend", "fsdp", "--steps", str(STEPS),
+                                 "--save-at", str(STEPS // 2))

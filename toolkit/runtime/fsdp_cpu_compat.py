@@ -1,0 +1,49 @@
+"""The one CPU compatibility step for Accelerate's FSDP2: without it an FSDP run on CPU ranks silently trains unsharded.
+
+On CPU (gloo) processes Accelerate's PartialState says `DistributedType.MULTI_CPU`, and AcceleratorState turns an
+FSDP plugin into `DistributedType.FSDP` only for GPU-like types (accelerate/state.py, AcceleratorState.__init__: the
+branch over MULTI_GPU, MULTI_NPU, ...). The plugin is dropped, the HF Trainer sees no `fsdp_plugin`, and the model
+is wrapped in DistributedDataParallel: training runs and nothing says it was never sharded. FSDP2 itself
+(`fully_shard`) works on CPU with gloo, so the step below does, for MULTI_CPU, exactly what that branch does for a
+GPU: distributed type FSDP, the plugin's mixed precision, the plugin on the state. Everything after it (fully_shard,
+MixedPrecisionPolicy, DCP checkpoints) is the libraries' own code path.
+
+Used only while the Trainer builds its Accelerator, and only when there is no GPU; the GPU path never imports it.
+toolkit/backends/fsdp.py checks after preparation, on every device, that the model really is sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def fsdp_on_cpu_ranks():
+    """While active, an AcceleratorState created with an FSDP plugin on CPU ranks takes Accelerate's FSDP path."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        plugin = signature.bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            log.info("CPU ranks: Accelerate takes its FSDP path (fsdp_version %s) instead of plain DDP",
+                     plugin.fsdp_version)
+
+    AcceleratorState.__init__ = __init__
+    try:
+        yield
+    finally:
+        AcceleratorState.__init__ = original

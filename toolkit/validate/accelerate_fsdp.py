@@ -1,0 +1,242 @@
+"""An Accelerate FSDP config (accelerate.yaml) checked before launching: Accelerate's own config loader, plugin and
+ParallelismConfig classes, plus what they only hit at launch or never say: FSDP1 keys in an FSDP2 config (ignored
+or refused), both FSDP's and the Trainer's activation checkpointing, mixed precision or FSDP settings that the
+trainer arguments contradict, parallel sizes that do not multiply to the world size, unknown or misspelt keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+from functools import lru_cache
+
+from toolkit.validate import Problem
+
+# FSDP1 keys, and what FSDP2 (fsdp_version 2) does instead (accelerate/utils/dataclasses.py
+# FullyShardedDataParallelPlugin.__post_init__ drops, warns about or refuses each)
+FSDP1_ONLY = {
+    "fsdp_sharding_strategy": "FSDP2 says it with fsdp_reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP)",
+    "fsdp_backward_prefetch": "FSDP2 prefetches the next group by itself; remove it",
+    "fsdp_forward_prefetch": "FSDP2 refuses it (not implemented); remove it",
+    "fsdp_use_orig_params": "FSDP2 always trains the original parameters; remove it",
+    "fsdp_sync_module_states": "FSDP2 needs no broadcast of module states; remove it",
+}
+TRAINER_CHECKPOINTING = ("activation_checkpointing", "gradient_checkpointing")  # transformers 5's name, the former
+TRAINER_PRECISION = {"bf16": "bf16", "fp16": "fp16"}
+
+
+@lru_cache(maxsize=1)
+def _launch_keys() -> tuple[frozenset, frozenset]:
+    """The fsdp_* and parallelism_config_* keys `accelerate launch` takes from a config file (its own flags)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    dests = {action.dest for action in launch_command_parser()._actions}
+    return (frozenset(d for d in dests if d.startswith("fsdp_")),
+            frozenset(d for d in dests if d.startswith("parallelism_config_")))
+
+
+def _unknown(key: str, where: str, known, fix: str = "remove it") -> Problem:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return Problem(f"{where}{key}", f"is not a key Accelerate reads here; " +
+                   (f"did you mean '{close[0]}'?" if close else fix))
+
+
+def _flag(value) -> bool | None:
+    """A YAML true/false as Accelerate's str_to_bool reads it; None when it is neither."""
+    text = str(value).lower()
+    return True if text in ("true", "1", "yes", "y", "on") else False if text in ("false", "0", "no", "n", "off") \
+        else None
+
+
+def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None = None) -> list[Problem]:
+    """Every problem of an accelerate.yaml for FSDP2 (and of the trainer arguments beside it), all at once."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    if not isinstance(config, dict):
+        return [Problem("accelerate.yaml", "must be a mapping of Accelerate config keys")]
+    problems = [_unknown(key, "", ClusterConfig.__dataclass_fields__, "remove it") for key in config
+                if key not in ClusterConfig.__dataclass_fields__]
+    kind = str(config.get("distributed_type", "(absent)"))
+    if kind != "FSDP":
+        return problems + [Problem("distributed_type", f"is {kind}, not FSDP: this checks FSDP configs "
+                                                       f"(a DeepSpeed one: validate the JSON its deepspeed_config "
+                                                       f"names)")]
+    fsdp = config.get("fsdp_config") or {}
+    if not isinstance(fsdp, dict):
+        return problems + [Problem("fsdp_config", "must be a mapping of fsdp_* keys")]
+    fsdp = {(key if key.startswith("fsdp_") else f"fsdp_{key}"): value for key, value in fsdp.items()}
+    problems += _fsdp_keys(fsdp)
+    problems += _sizes(config, world_size)
+    if trainer is not None:
+        problems += _against_trainer(config, fsdp, trainer)
+    if not problems:
+        problems += _plugin(fsdp)
+    return problems
+
+
+def _fsdp_keys(fsdp: dict) -> list[Problem]:
+    from accelerate.utils.constants import FSDP2_STATE_DICT_TYPE, FSDP_AUTO_WRAP_POLICY
+
+    known, _ = _launch_keys()
+    problems = [_unknown(key, "fsdp_config.", known) for key in fsdp if key not in known]
+    version = str(fsdp.get("fsdp_version", "1"))
+    if version != "2":
+        return problems + [Problem("fsdp_config.fsdp_version", f"is {version}: the toolkit trains FSDP2 (fully_shard); "
+                                                               f"set 2 (FSDP1 is deprecated in transformers)")]
+    problems += [Problem(f"fsdp_config.{key}", f"is an FSDP1 option: {why}") for key, why in FSDP1_ONLY.items()
+                 if key in fsdp]
+    for key in ("fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_activation_checkpointing",
+                "fsdp_activation_checkpointing_offload", "fsdp_cpu_ram_efficient_loading"):
+        if key in fsdp and _flag(fsdp[key]) is None:
+            problems.append(Problem(f"fsdp_config.{key}", f"is {fsdp[key]!r}; FSDP2 takes true or false"))
+    policy = fsdp.get("fsdp_auto_wrap_policy")
+    if policy is not None and str(policy).upper() not in FSDP_AUTO_WRAP_POLICY:
+        problems.append(Problem("fsdp_config.fsdp_auto_wrap_policy", f"is {policy!r}; valid: "
+                                                                     f"{', '.join(FSDP_AUTO_WRAP_POLICY)}"))
+    state_dict = fsdp.get("fsdp_state_dict_type")
+    if state_dict is not None and str(state_dict).upper() not in FSDP2_STATE_DICT_TYPE:
+        problems.append(Problem("fsdp_config.fsdp_state_dict_type", f"is {state_dict!r}; FSDP2 saves "
+                                                                    f"{' or '.join(FSDP2_STATE_DICT_TYPE)}"))
+    return problems
+
+
+def parallel_sizes(config: dict) -> dict[str, int]:
+    """dp_replicate / dp_shard / tp / cp sizes of parallelism_config (1 where absent; dp_shard: every process)."""
+    section = config.get("parallelism_config") or {}
+    sizes = {name: section.get(f"parallelism_config_{name}_size", 1) for name in ("dp_replicate", "tp", "cp")}
+    sizes["dp_shard"] = section.get("parallelism_config_dp_shard_size", None)
+    return sizes
+
+
+def _sizes(config: dict, world_size: int) -> list[Problem]:
+    problems = []
+    processes = config.get("num_processes")
+    if processes is not None and processes != world_size:
+        problems.append(Problem("num_processes", f"is {processes} but the job launches {world_size} processes"))
+    section = config.get("parallelism_config")
+    if not section:
+        return problems
+    if not isinstance(section, dict):
+        return problems + [Problem("parallelism_config", "must be a mapping of parallelism_config_* keys")]
+    _, known = _launch_keys()
+    problems += [_unknown(key, "parallelism_config.", known) for key in section if key not in known]
+    sizes = parallel_sizes(config)
+    bad = [name for name, size in sizes.items() if not isinstance(size, int) or isinstance(size, bool) or size < 1]
+    if bad:
+        return problems + [Problem(f"parallelism_config.parallelism_config_{bad[0]}_size", "must be a positive "
+                                                                                           "integer")]
+    total = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"] * sizes["cp"]
+    if total != world_size:
+        problems.append(Problem("parallelism_config", f"dp_replicate x dp_shard x tp x cp = {sizes['dp_replicate']} x "
+                                                      f"{sizes['dp_shard']} x {sizes['tp']} x {sizes['cp']} = {total}, "
+                                                      f"the world size is {world_size}"))
+    if sizes["dp_shard"] == 1 and sizes["cp"] == 1:  # accelerate/parallelism_config.py _validate_accelerator
+        problems.append(Problem("parallelism_config.parallelism_config_dp_shard_size",
+                                "is 1: FSDP has no dimension to shard across (Accelerate refuses it at launch); "
+                                "shard over at least 2 ranks"))
+    try:
+        from accelerate import ParallelismConfig
+
+        ParallelismConfig(**{f"{name}_size": size for name, size in sizes.items()})
+    except ValueError as exc:
+        problems.append(Problem("parallelism_config", str(exc).splitlines()[0]))
+    return problems
+
+
+def _against_trainer(config: dict, fsdp: dict, trainer: dict) -> list[Problem]:
+    """What the HF Trainer would do differently from the YAML: it builds its own FSDP plugin from its arguments."""
+    from toolkit.generate.fsdp import SETTING_KEYS, trainer_fsdp_config
+
+    problems = []
+    precision = "bf16" if trainer.get("bf16") else "fp16" if trainer.get("fp16") else "no"
+    mixed = str(config.get("mixed_precision") or "no")
+    if mixed != precision:
+        problems.append(Problem("mixed_precision", f"is {mixed} but the trainer arguments train in {precision} "
+                                                   f"(bf16/fp16); make them the same"))
+    checkpointing = next((key for key in TRAINER_CHECKPOINTING if trainer.get(key)), None)
+    if checkpointing and _flag(fsdp.get("fsdp_activation_checkpointing")):
+        problems.append(Problem("fsdp_config.fsdp_activation_checkpointing",
+                                f"and the trainer arguments' {checkpointing} are both on; the Trainer refuses both: "
+                                f"keep FSDP's and set {checkpointing} false"))
+    if not trainer.get("fsdp"):
+        return problems + [Problem("trainer_args.fsdp", "is not set: the Trainer would not build the FSDP plugin "
+                                                        "this accelerate.yaml describes")]
+    expected = trainer_fsdp_config({key: value for key, value in fsdp.items() if key in SETTING_KEYS})
+    stated = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (trainer.get("fsdp_config") or {}).items()}
+    for key, value in expected.items():
+        if _normal(stated.get(key)) != _normal(value):
+            yaml_key = next(k for k, v in SETTING_KEYS.items() if v == key)
+            problems.append(Problem(f"trainer_args.fsdp_config.{key}", f"is {stated.get(key)!r} but accelerate.yaml's "
+                                                                       f"{yaml_key} is {value!r}; make them the same"))
+    sizes = {f"{name}_size": size for name, size in parallel_sizes(config).items()}
+    theirs = trainer.get("parallelism_config") or {}
+    if (config.get("parallelism_config") or theirs) and any(theirs.get(k, 1) != v for k, v in sizes.items()
+                                                            if v is not None):
+        problems.append(Problem("trainer_args.parallelism_config", f"is {theirs or 'absent'} but accelerate.yaml's "
+                                                                   f"parallelism_config gives {sizes}; make them "
+                                                                   f"the same"))
+    return problems
+
+
+def _normal(value):
+    """A setting as both files may spell it: true / "true", 2 / "2", a list or a comma list."""
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+        return _flag(value)
+    return str(value)
+
+
+def _plugin(fsdp: dict) -> list[Problem]:
+    """Accelerate's FullyShardedDataParallelPlugin built from the file, as `accelerate launch` would hand it over."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    arguments = {"fsdp_version": 2, "reshard_after_forward": fsdp.get("fsdp_reshard_after_forward", True),
+                 "cpu_offload": bool(_flag(fsdp.get("fsdp_offload_params", False))),
+                 "auto_wrap_policy": fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP"),
+                 "transformer_cls_names_to_wrap": fsdp.get("fsdp_transformer_layer_cls_to_wrap"),
+                 "state_dict_type": fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT"),
+                 "activation_checkpointing": bool(_flag(fsdp.get("fsdp_activation_checkpointing", False))),
+                 "activation_checkpointing_offload": bool(_flag(fsdp.get("fsdp_activation_checkpointing_offload",
+                                                                         False))),
+                 "cpu_ram_efficient_loading": bool(_flag(fsdp.get("fsdp_cpu_ram_efficient_loading", False)))}
+    with _environment_kept():  # the plugin reads and writes FSDP_* variables
+        try:
+            FullyShardedDataParallelPlugin(**arguments)
+        except (ValueError, TypeError, KeyError) as exc:
+            return [Problem("fsdp_config", f"Accelerate's FullyShardedDataParallelPlugin refuses it: "
+                                           f"{str(exc).splitlines()[0]}")]
+    return []
+
+
+@contextlib.contextmanager
+def _environment_kept():
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def accelerate_plan_view(config: dict) -> dict[str, tuple[str, object]]:
+    """The plan options an FSDP accelerate.yaml states: option -> (its key, its value)."""
+    fsdp = {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in (config.get("fsdp_config") or {}).items()}
+    precisions = {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}
+    view = {"backend": ("distributed_type", "fsdp" if config.get("distributed_type") == "FSDP" else
+                        str(config.get("distributed_type")).lower()),
+            "gpus": ("num_processes", config.get("num_processes"))}
+    if str(config.get("mixed_precision")) in precisions:
+        view["precision"] = ("mixed_precision", precisions[str(config["mixed_precision"])])
+    for name, key, convert in (("reshard_after_forward", "fsdp_reshard_after_forward", _flag),
+                               ("offload_params", "fsdp_offload_params", lambda v: "cpu" if _flag(v) else "none"),
+                               ("recompute", "fsdp_activation_checkpointing",
+                                lambda v: "full" if _flag(v) else "none")):
+        if key in fsdp:
+            view[name] = (f"fsdp_config.{key}", convert(fsdp[key]))
+    if config.get("parallelism_config"):
+        sizes = parallel_sizes(config)
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            view[name] = (f"parallelism_config.parallelism_config_{name}_size", sizes[name])
+    return {name: (key, value) for name, (key, value) in view.items() if value is not None}
