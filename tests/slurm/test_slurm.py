@@ -1,8 +1,6 @@
 """Generated SLURM scripts: multi-node rendering checked against Slurm's own variables, and real jobs on a real Slurm."""
 
-import json
 import os
-import stat
 import subprocess
 import sys
 import time

@@ -11,7 +11,6 @@ from toolkit.cli.main import main
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups
-from toolkit.estimate.memory import estimate_memory
 from toolkit.estimate.params import count_params
 from toolkit.planner.report import plan_label
 from toolkit.spec.cluster import get_gpu
@@ -24,9 +23,9 @@ LLAMA_8B = load_model_spec("llama-3.1-8b")
 def test_defaults_shard_over_every_data_parallel_rank():
     plan = resolve_plan(LLAMA_8B, 16, backend="fsdp")
     assert (plan.dp_shard, plan.dp_replicate, plan.reshard_after_forward, plan.zero) == (16, 1, True, 0)
-    hsdp = resolve_plan(LLAMA_8B, 16, backend="fsdp", dp_replicate=2, tp=2)
-    assert (hsdp.dp, hsdp.dp_shard, hsdp.dp_replicate) == (8, 4, 2)
-    assert plan_label(hsdp) == "fsdp dp8 tp2 pp1 shard4 rep2 mb1 rc=none"
+    hsdp = resolve_plan(LLAMA_8B, 16, backend="fsdp", dp_replicate=2)
+    assert (hsdp.dp, hsdp.dp_shard, hsdp.dp_replicate) == (16, 8, 2)
+    assert plan_label(hsdp) == "fsdp dp16 tp1 pp1 shard8 rep2 mb1 rc=none"
     deepspeed = resolve_plan(LLAMA_8B, 16)
     assert deepspeed.dp_shard is None and deepspeed.reshard_after_forward is None  # nothing of FSDP's elsewhere
 

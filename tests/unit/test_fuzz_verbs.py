@@ -4,7 +4,6 @@ every user file unchanged (checksums before and after) and nothing left behind."
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 
@@ -42,6 +41,11 @@ FILE_INPUTS = {
     "slurm render RECIPE": (["slurm", "render", "{file}"], "--recipe"),
     "restore-test --recipe": (["restore-test", "--recipe", "{file}", "--workdir", "{tmp}/restore"], "--recipe"),
     "convert hf-to-megatron HF_DIR": (["convert", "hf-to-megatron", "{file}", "{tmp}/mcore"], "HF_DIR"),
+    "convert zero-to-hf CKPT_DIR": (["convert", "zero-to-hf", "{file}", "{tmp}/hf"], "CKPT_DIR"),
+    "convert fsdp-to-hf CKPT": (["convert", "fsdp-to-hf", "{file}", "{tmp}/hf"], None),
+    "convert megatron-to-hf MEGATRON_DIR": (["convert", "megatron-to-hf", "{file}", "{tmp}/hf"], "MEGATRON_DIR"),
+    "ckpt inspect PATH": (["ckpt", "inspect", "{file}"], "PATH"),
+    "validate accelerate.yaml": (["validate", "{file}.yaml", "--world-size", "2"], "FILE"),
 }
 
 

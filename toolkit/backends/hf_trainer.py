@@ -8,9 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from toolkit.runtime.metrics import MetricsWriter, configure_wandb
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json
+from toolkit.runtime.metrics import MetricsWriter, configure_wandb
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
@@ -188,8 +188,14 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     (`dmt generate`'s deepspeed.json and trainer_args.json) those are what trains; without, the same generators
     make them from the recipe's plan."""
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator,
-                              set_seed)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+        set_seed,
+    )
 
     from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
     from toolkit.checkpoint.manifest import read_manifest

@@ -172,8 +172,8 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from toolkit.runtime.megatron_build import build, destroy
     from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.runtime.megatron_build import build, destroy
     from toolkit.runtime.metrics import MetricsWriter
 
     setup = build(config)

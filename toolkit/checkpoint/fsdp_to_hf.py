@@ -14,17 +14,18 @@ them bit for bit).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
-from toolkit.checkpoint.atomic import atomic_directory
+from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
+from toolkit.checkpoint.hf_config import check_tensors_match, find_config, read_hf_config
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
-from toolkit.checkpoint.zero_to_hf import SIDE_FILES, find_config
+from toolkit.checkpoint.zero_to_hf import SIDE_FILES
 from toolkit.errors import UserInputError
+from toolkit.readers import read_dcp_metadata
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate/utils/fsdp_utils.py save_fsdp_model: f"{FSDP_MODEL_NAME}_{index}"
@@ -57,7 +58,6 @@ def hf_names(metadata) -> dict[str, str]:
 def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard_size: str = "5GB",
                        config: Path | None = None, progress: bool = False, live: LiveBytes | None = None) -> dict:
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
     from tqdm import tqdm
 
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
@@ -65,12 +65,12 @@ def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard
         raise UserInputError("--dtype", f"must be fp32 or bf16, got {dtype}")
     max_bytes = parse_size(max_shard_size)
     ckpt = Path(ckpt)
+    check_output_dir(out_dir, inputs=[ckpt, config])
     source = model_dcp_dir(ckpt)
-    config_path = find_config(ckpt, source, config)
-    try:
-        metadata = FileSystemReader(str(source)).read_metadata()
-    except (OSError, ValueError, RuntimeError, EOFError) as exc:
-        raise UserInputError(KEY, f"{source}/.metadata is unreadable ({exc})") from None
+    config_path, own_config = find_config(ckpt, source, config)
+    config_flag = "--config" if config is not None else str(config_path)
+    config_data = read_hf_config(config_path, config_flag)
+    metadata = read_dcp_metadata(source, KEY)
     names = hf_names(metadata)
     tensors = metadata.state_dict_metadata
 
@@ -79,9 +79,11 @@ def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard
         return out_dtype if stored.is_floating_point else stored
 
     layout = [(names[key], tuple(tensors[key].size), target(key)) for key in names]
-    reader = DistCheckpointReader(source, live, key=KEY)
+    if not own_config:  # a --config (or the parent directory's) of another model would write an unloadable result
+        check_tensors_match(config_data, config_path, {name: shape for name, shape, _ in layout}, config_flag)
+    reader = DistCheckpointReader(source, live, metadata=metadata, key=KEY)
     written = 0
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, inputs=[ckpt, config]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
         with tqdm(total=writer.total, unit="B", unit_scale=True, desc="fsdp-to-hf",
                   disable=not progress or None) as bar:
@@ -107,7 +109,7 @@ def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard
     log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, len(writer.shards), out_dir)
     return {"out_dir": str(out_dir), "tensors": len(layout), "bytes": written, "shards": len(writer.shards),
             "parameters": sum(int(torch.Size(shape).numel()) for _, shape, _ in layout), "rank_files": ranks,
-            "config": json.loads(config_path.read_text()).get("model_type")}
+            "config": config_data.get("model_type")}
 
 
 def row_ranges(source: Path, meta, storage: dict, key: str) -> list[tuple[Path, int, int]] | None:

@@ -92,8 +92,13 @@ def megatron_model(config: dict, device: str | None = None):
     under `torch.device(device)` when given ("meta": shapes only)."""
     import torch
 
-    from toolkit.runtime.megatron_build import (build_model_chunks, destroy, device_context, initialize_parallel,
-                                                transformer_config)
+    from toolkit.runtime.megatron_build import (
+        build_model_chunks,
+        destroy,
+        device_context,
+        initialize_parallel,
+        transformer_config,
+    )
 
     with device_context():
         initialize_parallel(config)
@@ -262,6 +267,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     max_bytes = parse_size(max_shard_size)
     if not ckpt.is_dir():
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a directory")
+    metadata = read_dcp_metadata(ckpt, "MEGATRON_DIR")  # a checkpoint first: then its config
     config_path = config or ckpt / "config.json"
     if not config_path.exists():
         raise UserInputError("--config", f"{ckpt} has no config.json beside the checkpoint; pass the model's HF "
@@ -269,7 +275,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     hf_config = read_hf_config(config_path, "--config" if config else str(config_file(config_path)))
     inputs = [ckpt, config_path]
     check_output_dir(out_dir, inputs=inputs)
-    reader = DistCheckpointReader(ckpt, live)
+    reader = DistCheckpointReader(ckpt, live, metadata=metadata)
     items, geometry = megatron_mapping(hf_config.get("model_type")).weight_table(hf_config)
     config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
     with single_process_group(), meta_sharded_state_dict(config) as sharded:

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.runtime.metrics import METRICS_FILE, read_metrics
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.errors import UserInputError
+from toolkit.runtime.metrics import METRICS_FILE, read_metrics
 
 TRAIN = Path(__file__).resolve().parent.parent / "train.py"
 COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")

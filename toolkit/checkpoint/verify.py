@@ -41,7 +41,10 @@ def detect_format(path: Path) -> str:
     if not path.exists():
         raise UserInputError("PATH", f"{path} does not exist")
     if path.is_file():
-        return "hf-safetensors" if path.suffix == ".safetensors" else "unknown"
+        if path.suffix != ".safetensors":
+            raise UserInputError("PATH", f"{path} is not a checkpoint: give a checkpoint directory or a .safetensors "
+                                         f"file")
+        return "hf-safetensors"
     if (path / "metadata.json").is_file() and any(path.glob("*.distcp")):
         return "megatron-dist"
     if (path / ".metadata").is_file() and any(path.glob("*.distcp")):

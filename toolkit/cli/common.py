@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags
 from toolkit.cli.paths import path_arg

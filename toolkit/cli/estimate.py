@@ -45,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(report: dict) -> None:
-    from toolkit.cli.console import console as make_console
     from rich.table import Table
 
+    from toolkit.cli.console import console as make_console
     from toolkit.planner.report import recompute_label
     from toolkit.spec.plan import Plan
 

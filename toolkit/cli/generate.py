@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags, plan_overrides
 from toolkit.cli.paths import path_arg

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import path_arg
@@ -91,9 +90,9 @@ def _backends(listed: str | None, pinned: str | None) -> tuple[str, ...]:
 
 
 def _print_table(model, args, gpu, result, records) -> None:
-    from toolkit.cli.console import console as make_console
     from rich.table import Table
 
+    from toolkit.cli.console import console as make_console
     from toolkit.planner.report import MFU_NOTE, plan_label
     from toolkit.spec.plan import Plan
 

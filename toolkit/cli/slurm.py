@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import tempfile
-from pathlib import Path
 
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError

@@ -14,7 +14,7 @@ from toolkit.estimate.flops import model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
 from toolkit.estimate.training_time import SECONDS_PER_DAY
 from toolkit.spec.model import ModelSpec
-from toolkit.spec.plan import PRECISION_BYTES, Plan
+from toolkit.spec.plan import Plan
 
 GiB = 1024**3
 THUMB_STATE_BYTES = (12, 16)  # the course's mixed-precision Adam rule, and the ZeRO paper's 2 + 2 + 12
@@ -91,7 +91,6 @@ def _sharding(plan: Plan) -> str:
 
 
 def _weights(plan, mem, params, per, unsharded) -> dict:
-    w = PRECISION_BYTES[plan.precision]
     rule = f"{_bpp(unsharded['weights'])} ({plan.precision} parameters"
     rule += ", plus Transformer Engine's 1-byte fp8 copy of each weight)" if plan.precision == "fp8" else ")"
     why = "same as the rule of thumb"

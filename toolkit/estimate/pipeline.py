@@ -12,7 +12,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 
-
 def peak_forwards(pp: int, vpp: int, stage: int, micro_batches: int) -> list[int]:
     """The virtual stage of every forward pass rank `stage` holds activations for when its first backward starts."""
     if pp == 1:

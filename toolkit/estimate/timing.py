@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import gemm_efficiency
-from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
+from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.spec.cluster import GPU

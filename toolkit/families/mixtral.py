@@ -5,8 +5,14 @@ HF's router takes a softmax over all experts, keeps the top k and renormalises t
 """
 
 from toolkit.families.family import Family, HFConfig
-from toolkit.families.lineage import LLAMA_FIXED, LLAMA_WEIGHTS, MOE_ROUTING, llama_megatron_fields, llama_spec, \
-    moe_weights
+from toolkit.families.lineage import (
+    LLAMA_FIXED,
+    LLAMA_WEIGHTS,
+    MOE_ROUTING,
+    llama_megatron_fields,
+    llama_spec,
+    moe_weights,
+)
 from toolkit.families.mapping import Field, MegatronMapping
 from toolkit.families.mistral import sliding_window, window_size
 

@@ -53,10 +53,9 @@ EXAMPLES = {
 
 def example_config(example: MegatronExample) -> tuple[str, dict]:
     """(recipe name, megatron.yaml dict) of one example: the recipe with its overrides, resolved like `dmt generate`."""
-    from toolkit.spec.recipe import recipe_hf_config
     from toolkit.generate.megatron import megatron_config
     from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_model
+    from toolkit.spec.recipe import load_recipe, recipe_hf_config, recipe_model
 
     recipe = load_recipe(RECIPES / example.recipe)
     recipe = recipe.model_copy(update={"plan": recipe.plan.model_copy(update={"auto": False})})

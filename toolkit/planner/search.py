@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
-from toolkit.spec.pipeline import PipelineSplit
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
+from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import Plan, resolve_plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)

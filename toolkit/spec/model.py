@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -10,8 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolkit.errors import UserInputError
-from toolkit.readers import one_line, read_json, read_yaml
 from toolkit.families import family_for
+from toolkit.readers import one_line, read_json, read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
 

@@ -137,7 +137,7 @@ def _precision(tc: dict) -> str:
 
 def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
     """The plan options a megatron.yaml states: option -> (the file's dotted key, its value)."""
-    tc, schedule = config[TC], config["schedule"]
+    tc = config[TC]
     view = {
         "gpus": "schedule.world_size", "dp": "schedule.data_parallel_size", "tp": f"{TC}.tensor_model_parallel_size",
         "pp": f"{TC}.pipeline_model_parallel_size", "vpp": f"{TC}.virtual_pipeline_model_parallel_size",
