@@ -48,6 +48,7 @@ def print_report(report: dict) -> None:
     from rich.table import Table
 
     from toolkit.cli.console import console as make_console
+    from toolkit.estimate.efficiency import EXECUTION_PATHS
     from toolkit.planner.report import recompute_label
     from toolkit.spec.plan import Plan
 
@@ -82,3 +83,6 @@ def print_report(report: dict) -> None:
         f"predicted step {report['step_time_s']:.3g} s, {report['tokens_per_s']:,.0f} tokens/s, "
         f"{report['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {report['mfu']:.1%} ({report['mfu_definition']})"
     )
+    path = EXECUTION_PATHS[report["execution_path"]]
+    console.print(f"execution path {path.name}: {path.description}, {path.compute_scale:.2f} of the fused kernels' rate "
+                  f"(toolkit/estimate/efficiency.py)")

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from toolkit.estimate.comm import Network, collective_time
-from toolkit.estimate.efficiency import gemm_efficiency
+from toolkit.estimate.efficiency import (UNFUSED_ATTENTION_BACKWARD_BYTES, UNFUSED_ATTENTION_FORWARD_BYTES, ExecutionPath,
+                                        execution_path, gemm_efficiency)
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
 from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
@@ -25,6 +26,12 @@ ZERO3_OVERLAP = 0.7
 # Adam over a parameter partition touches ~28 B/param of HBM (read master, m, v, grad; write master, m, v, bf16 copy)
 OPTIMIZER_BYTES_TOUCHED = 28
 HBM_EFFICIENCY = 0.7
+# DeepSpeed ZeRO-1/2's own work around the optimizer (deepspeed/runtime/zero/stage_1_and_2.py, 0.19): every
+# micro-batch each rank copies its bf16 gradients into the reduction buckets (read 2 + write 2 B/param); every step,
+# over its partition, it flattens them (2 + 2), casts them to fp32 (2 + 4), takes their norm (2) and unscales and
+# clips them in place (4 + 4) before Adam runs.
+DEEPSPEED_BUCKET_BYTES = 4
+DEEPSPEED_STEP_BYTES = 20
 # DeepSpeed's CPU Adam on a typical 2-socket host (ZeRO-Offload, arXiv:2101.06840, Sec. 5): ~1e9 params/s per node
 CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
 CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score matrix
@@ -53,6 +60,7 @@ class StepTime:
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (no recomputation) per second per GPU
     mfu: float
+    execution_path: str  # toolkit/estimate/efficiency.py EXECUTION_PATHS
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -63,11 +71,21 @@ def _peak_flops(gpu: GPU, precision: str) -> float:
     return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12
 
 
-def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTime:
+def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: ExecutionPath | None = None) -> StepTime:
+    """`path`: the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's own."""
     a = PRECISION_BYTES[plan.precision]
     peak = _peak_flops(gpu, plan.precision)
     tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
-    efficiency = gemm_efficiency(spec.hidden_size, plan.tp, tokens)
+    path = path or execution_path(plan.backend, plan.transformer_impl)
+    efficiency = gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale
+    hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    # GEMM-rate equivalent of one attention FLOP: flash kernels skip the causal half at their own efficiency; the
+    # unfused path computes the whole score matrix with cuBLAS batched GEMMs and moves it through memory
+    attention_work = 1.0 if path.unfused_attention else CAUSAL_ATTENTION_WORK / ATTENTION_KERNEL_EFFICIENCY
+    # seconds per token and layer the unfused path spends moving scores (heads/tp x s elements per token) in the
+    # forward and in the backward
+    scores = spec.num_attention_heads / plan.tp * plan.seq_len / hbm if path.unfused_attention else 0.0
+    score_forward_s, score_backward_s = scores * UNFUSED_ATTENTION_FORWARD_BYTES, scores * UNFUSED_ATTENTION_BACKWARD_BYTES
 
     # The slowest stage sets the pipeline's pace: every stage's micro-batch time, compute and exposed communication.
     act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
@@ -77,8 +95,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     cp_link = network.link(plan.cp, plan.tp)
     kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
     cp_per_layer = 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
-    ep_link = network.link(plan.ep, plan.tp * plan.cp)
-    ep_per_moe_layer = 4 * collective_time("all_to_all", act * spec.experts_top_k / plan.tp, plan.ep, ep_link)
+    ep_per_moe_layer = 4 * network.all_to_all_time(act * spec.experts_top_k / plan.tp, plan.ep, plan.tp * plan.cp)
     pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
     p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
     pp_comm = 2 * plan.vpp * collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
@@ -88,20 +105,20 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     for stage in representative_stages(spec, plan):
         layers = stage_layers(spec.num_layers, plan, stage)
         recomputed = recomputed_layers(spec, plan, stage)
-        work = attention = 0.0  # FLOPs run per token: forward + backward (x3) plus recomputation
+        work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
         collectives = 0
         for i in layers:
             f = layer_forward_flops(spec, i, plan.seq_len)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
-            attention_work = CAUSAL_ATTENTION_WORK / ATTENTION_KERNEL_EFFICIENCY  # GEMM-rate equivalent per FLOP
             work += 3 * (f.matmul + f.attention * attention_work)
             work += again.matmul + again.attention * attention_work
             attention += f.attention * attention_work
+            memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
         if stage == plan.pp - 1:
             work += 3 * head_forward_flops(spec)
-        compute = tokens * work / plan.tp / rate
+        compute = tokens * (work / plan.tp / rate + memory_bound)
         attention_time = tokens * attention * 3 / plan.tp / rate
         cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time)
         ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
@@ -131,6 +148,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
         tokens_per_s=step_tokens / total,
         tflops_per_gpu=tflops / 1e12,
         mfu=tflops / peak,
+        execution_path=path.name,
     )
 
 
@@ -170,7 +188,10 @@ def _data_parallel_and_optimizer(
             per_micro += collective_time("reduce_scatter", grads, dp_group, link)
             exposed = m * max(0.0, per_micro - ZERO3_OVERLAP * compute_micro)
         partition = params.total / (dp_group if plan.zero >= 1 else 1)
-    optimizer_s = partition * OPTIMIZER_BYTES_TOUCHED / (gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY)
+    hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    optimizer_s = partition * OPTIMIZER_BYTES_TOUCHED / hbm
+    if plan.backend == "deepspeed" and plan.zero <= 2:
+        optimizer_s += (partition * DEEPSPEED_STEP_BYTES + m * params.total * DEEPSPEED_BUCKET_BYTES) / hbm
     offload_s = 0.0
     if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
         pcie = gpu.pcie_bw_gbps * 1e9

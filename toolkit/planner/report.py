@@ -32,6 +32,7 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
         "tflops_per_gpu": time.tflops_per_gpu,
         "mfu": time.mfu,
         "mfu_definition": MFU_NOTE,
+        "execution_path": time.execution_path,
         "step_time_breakdown_s": {k: getattr(time, k) for k in STEP_COMPONENTS},
     }
 
