@@ -11,8 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from toolkit.estimate.comm import Network, collective_time
-from toolkit.estimate.efficiency import (UNFUSED_ATTENTION_BACKWARD_BYTES, UNFUSED_ATTENTION_FORWARD_BYTES, ExecutionPath,
-                                        execution_path, gemm_efficiency)
+from toolkit.estimate.efficiency import (
+    UNFUSED_ATTENTION_BACKWARD_BYTES,
+    UNFUSED_ATTENTION_FORWARD_BYTES,
+    ExecutionPath,
+    execution_path,
+    gemm_efficiency,
+)
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
 from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
