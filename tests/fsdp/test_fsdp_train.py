@@ -16,7 +16,7 @@ from toolkit.checkpoint.manifest import FSDP_FORMAT, read_manifest, resolve_late
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_metrics
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 
 
 def assert_trained(out, steps: int = STEPS) -> list[dict]:
