@@ -167,8 +167,14 @@ def _print(calibration, out) -> None:
     console.print(table)
     for path, value in calibration.efficiency.items():
         residual = calibration.residuals[path]
-        console.print(f"{path}: peak efficiency {value.peak_efficiency:.3g} (published {value.uncalibrated:.3g}), "
-                      f"{residual.runs} run(s), residual rms {residual.rms_error:.1%}, max {residual.max_abs_error:.1%}")
+        console.print(f"{path}: compute scale {value.compute_scale:.3g} of the fused-kernel curve (published "
+                      f"{value.uncalibrated:.3g}), {residual.runs} run(s), residual rms {residual.rms_error:.1%}, max "
+                      f"{residual.max_abs_error:.1%}")
+        if value.compute_scale > 1:
+            console.print("  above 1: this hardware runs these runs' GEMMs faster against its peak than the fused-kernel "
+                          "curve allows (on a CPU host the curve's GPU shape marks narrow layers down far more than "
+                          "the host does); the fit holds near these runs' model width, and no prediction exceeds the "
+                          "peak")
     if calibration.host_peak_tflops:
         peaks = ", ".join(f"{key} {value * 1e3:.1f} GFLOP/s" for key, value in calibration.host_peak_tflops.items())
         console.print(f"host matmul peak the runs were predicted with: {peaks} (kept in the file)")
