@@ -50,7 +50,7 @@ def provisional(hardware: str, efficiency: dict[str, float], host_peak_tflops: d
 
 def predicted_step_time(observation: Observation, gpu: GPU, calibration: Calibration | None) -> float:
     network = Network.from_catalogue(gpu, observation.plan.gpus_per_node)
-    return step_time(observation.model, observation.plan, gpu, network, calibration).total_s
+    return step_time(observation.model, observation.plan, gpu, network, calibration=calibration).total_s
 
 
 def _log_error(observations: list[Observation], gpu: GPU, trial: Calibration) -> float:

@@ -18,8 +18,8 @@ MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x G
 def predicted_record(model: ModelSpec, plan: Plan, gpu: GPU, network: Network,
                      calibration: Calibration | None = None) -> dict:
     """The prediction of one plan, as every output that states one records it."""
-    return plan_record(model, plan, estimate_memory(model, plan), step_time(model, plan, gpu, network, calibration),
-                       gpu, calibration)
+    time = step_time(model, plan, gpu, network, calibration=calibration)
+    return plan_record(model, plan, estimate_memory(model, plan), time, gpu, calibration)
 
 
 def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: StepTime, gpu: GPU,

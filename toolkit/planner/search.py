@@ -170,7 +170,7 @@ def search(
                         result.rejected["out of memory"] += 1
                         exhausted.add(index)
                         continue
-                    fitting.append(Candidate(*found, step_time(model, found[0], gpu, network, calibration)))
+                    fitting.append(Candidate(*found, step_time(model, found[0], gpu, network, calibration=calibration)))
                 if fitting:  # of the same layout and micro-batch, only the recomputation that is fastest
                     fitting.sort(key=lambda c: c.time.total_s)
                     result.ranked.append(fitting[0])

@@ -147,7 +147,9 @@ def compare_errors(report: RunReport) -> None:
 
 
 def repredict(report: RunReport, calibration) -> None:
-    """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration)."""
+    """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration).
+    On the host entry the calibration brings its own peak: the measured MFU is restated against it, so measured and
+    predicted MFU keep one denominator."""
     from toolkit.estimate.comm import Network
     from toolkit.planner.report import predicted_record
     from toolkit.spec.cluster import get_gpu
@@ -169,5 +171,8 @@ def repredict(report: RunReport, calibration) -> None:
     prediction = predicted_record(model, plan, gpu, Network.from_catalogue(gpu, plan.gpus_per_node), calibration)
     report.predicted = predicted_figures(prediction)
     report.calibration = prediction["calibration"]
+    before, after = record.get("peak_tflops"), prediction["peak_tflops"]
+    if report.measured["mfu"] is not None and before and after:  # the host peak of the calibration, not the launch's
+        report.measured["mfu"] *= before / after
     if report.status == "completed":
         compare_errors(report)
