@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
     if warmup < 0:
         raise UserInputError("--warmup", f"must be 0 or more, got {warmup}")
-    out = output_file(args.out, "--out", inputs=[p for d in args.run_dirs for p in Path(d).glob("*")]
-                      + ([args.health] if args.health else []))
+    inputs = [*args.run_dirs, *(p for d in args.run_dirs for p in Path(d).glob("*")), *filter(None, [args.health])]
+    out = output_file(args.out, "--out", inputs=inputs)
     links = _links(args.health)
     reports = [read_run(path, warmup) for path in args.run_dirs]
     observations, hardware, host_peak = _observations(reports)

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from toolkit.outputs import output_file
 
-        args.plot = output_file(args.plot, "--plot", suffix=".png")
+        args.plot = output_file(args.plot, "--plot", suffix=".png", inputs=args.run_dirs)
     calibration = None
     if args.calibration is not None:
         from toolkit.spec.calibration import load_calibration

@@ -14,16 +14,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from toolkit.estimate.comm import Network
-from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
+from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path, gemm_efficiency
 from toolkit.estimate.timing import step_time
 from toolkit.spec.calibration import FORMAT, Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 
-# the search interval of a compute scale: far below any real run, and far above 1 (where the product with the curve
-# passes 1 the curve's shape, not the path's rate, is what misses these runs; step_time caps it, calibrate says so)
-LOWEST, HIGHEST = 1e-4, 1e3
+# the search interval of a compute scale starts far below any real run; it ends where every run's GEMM efficiency
+# reaches the peak (step_time caps it there, so a larger scale changes nothing). A scale above 1 says the curve's
+# shape, not the path's rate, is what misses these runs; calibrate says so.
+LOWEST = 1e-4
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -61,6 +62,12 @@ def path_of(plan: Plan) -> str:
     return execution_path(plan.backend, plan.transformer_impl).name
 
 
+def _ceiling(runs: list[Observation]) -> float:
+    """The scale from which on every run computes at the peak (the largest 1 / curve among them)."""
+    return max(1.0 / gemm_efficiency(o.model.hidden_size, o.plan.tp, o.plan.micro_batch * o.plan.seq_len // o.plan.cp)
+               for o in runs)
+
+
 def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float] | None = None,
                        links=None) -> dict[str, float]:
     """The fitted compute scale of every execution path among the observations (golden-section search on its log,
@@ -74,11 +81,11 @@ def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflo
             trial = provisional(gpu.name, {**fitted, path: math.exp(log_value)}, host_peak_tflops, links)
             return _log_error(runs, gpu, trial)
 
-        low, high = math.log(LOWEST), math.log(HIGHEST)
+        low, high = math.log(LOWEST), math.log(_ceiling(runs))
         a, b = high - GOLDEN * (high - low), low + GOLDEN * (high - low)
         loss_a, loss_b = loss(a), loss(b)
         while high - low > 1e-6:
-            if loss_a < loss_b:
+            if loss_a <= loss_b:
                 high, b, loss_b = b, a, loss_a
                 a = high - GOLDEN * (high - low)
                 loss_a = loss(a)
