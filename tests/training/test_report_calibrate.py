@@ -168,3 +168,23 @@ def test_calibrate_refuses_runs_it_cannot_fit(runs, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is unfinished" in err[0] and "RUN_DIR" in err[0], err
     assert not (tmp_path / "c.yaml").exists()
+
+
+def test_calibrate_takes_the_links_dmt_health_measured(runs, tmp_path, capsys):
+    """A real `dmt health` on 2 CPU ranks: its all_reduce bus bandwidth joins the calibration, replaces the
+    catalogue's intra-node link in every prediction the file makes, and the fit accounts for it."""
+    health = tmp_path / "health.json"
+    result = subprocess.run([sys.executable, "-m", "toolkit", "health", "--nproc", "2", "--sizes", "1K,1M,4M",
+                             "--matmul-seconds", "0.2", "--straggler-factor", "4", "--output", str(health)], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)
+    assert health.is_file(), result.stderr[-2000:]
+    measured = json.loads(health.read_text())["bandwidth"]["intra_node_busbw_gbps"]
+    calibration = tmp_path / "with-links.yaml"
+    fitted = _json(capsys, "calibrate", str(runs[2].out), str(runs[4].out), "--health", str(health), "--out",
+                   str(calibration))
+    assert fitted["links"] == {"intra_node_busbw_gbps": measured, "inter_node_busbw_gbps": None,
+                               "source": str(health)}
+    assert main(["report", str(runs[8].out), "--calibration", str(calibration)]) == 0
+    assert f"measured links intra-node {measured:g} GB/s" in capsys.readouterr().out
+    for run in fitted["runs"]:
+        assert abs(run["error_after"]) < abs(run["error_before"])
