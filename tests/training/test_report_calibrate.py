@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -175,8 +176,8 @@ def test_calibrate_takes_the_links_dmt_health_measured(runs, tmp_path, capsys):
     catalogue's intra-node link in every prediction the file makes, and the fit accounts for it."""
     health = tmp_path / "health.json"
     result = subprocess.run([sys.executable, "-m", "toolkit", "health", "--nproc", "2", "--sizes", "1K,1M,4M",
-                             "--matmul-seconds", "0.2", "--straggler-factor", "4", "--output", str(health)], capture_output=True, text=True,
-                            timeout=300, cwd=ROOT)
+                             "--matmul-seconds", "0.2", "--straggler-factor", "4", "--output", str(health)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert health.is_file(), result.stderr[-2000:]
     measured = json.loads(health.read_text())["bandwidth"]["intra_node_busbw_gbps"]
     calibration = tmp_path / "with-links.yaml"
@@ -188,3 +189,32 @@ def test_calibrate_takes_the_links_dmt_health_measured(runs, tmp_path, capsys):
     assert f"measured links intra-node {measured:g} GB/s" in capsys.readouterr().out
     for run in fitted["runs"]:
         assert abs(run["error_after"]) < abs(run["error_before"])
+
+
+def test_a_run_killed_mid_training_is_reported_unfinished(host_recipe, tmp_path, capsys):
+    """SIGKILL to the whole launch once it has logged a few steps (as the OOM killer or a scheduler would): rank 0
+    never records an end, so the run is `unfinished`, with its logged steps but no measured figures."""
+    import signal
+    import time
+
+    from helpers import free_port
+
+    out = tmp_path / "killed"
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               str(TRAIN), "--recipe", str(host_recipe), "--output-dir", str(out), "--max-steps", "500"]
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while len(read_metrics(out)) < WARMUP + 2 and time.monotonic() < deadline and process.poll() is None:
+                time.sleep(0.5)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    logged = len(read_metrics(out))
+    assert logged >= WARMUP + 2, (tmp_path / "killed.log").read_text()[-3000:]
+    report = _json(capsys, "report", str(out))["runs"][0]
+    assert report["status"] == "unfinished" and "no end recorded" in report["reason"]
+    assert report["steps"] == logged and set(report["measured"].values()) == {None}
+    assert report["predicted"]["step_time_s"] > 0

@@ -187,3 +187,16 @@ def test_a_report_of_nothing_measured_has_no_numbers():
     report = RunReport("run", "crashed", "RuntimeError: boom", 2, 2, None, None, None)
     assert set(report.as_dict()["measured"].values()) == {None}
     assert report.as_dict()["error"] == {"step_time": None, "memory": None}
+
+
+def test_a_relaunch_keeps_the_earlier_launches_of_the_directory(tmp_path):
+    """run_plan.json says the latest launch's status; a resume or a refused relaunch does not erase the earlier."""
+    from toolkit.runtime.metrics import end_run_record, read_run_record, start_run_record
+
+    start_run_record(tmp_path, {"step_time_s": 1.0}, {"argv": ["first"]})
+    end_run_record(tmp_path, "completed")
+    start_run_record(tmp_path, {"step_time_s": 1.0}, {"argv": ["second"]})
+    end_run_record(tmp_path, "failed", "UserInputError: --resume: belongs to a different run")
+    record = read_run_record(tmp_path)
+    assert record["status"] == "failed" and record["launch"]["argv"] == ["second"]
+    assert [(p["argv"], p["status"]) for p in record["previous_launches"]] == [(["first"], "completed")]

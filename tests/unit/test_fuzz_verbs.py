@@ -149,7 +149,8 @@ OUTPUT_KINDS = ("a-file-for-a-directory", "a-directory-for-a-file", "under-a-fil
 @pytest.mark.parametrize("verb", sorted(OUTPUTS))
 def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, verb, kind):
     argv_template, flag, target = OUTPUTS[verb]
-    if (kind == "a-file-for-a-directory" and target == "file") or (kind == "a-directory-for-a-file" and target == "dir"):
+    if (kind == "a-file-for-a-directory" and target == "file") or \
+            (kind == "a-directory-for-a-file" and target == "dir"):
         pytest.skip("a valid target of this kind")
     if kind == "the-input-itself" and verb in ("health --output", "report --plot"):
         pytest.skip("reads no file a .png could be: dmt health none, dmt report directories (a directory is refused "

@@ -8,9 +8,9 @@ import json
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
 
-HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for the\n"
-          "# hardware named. Use it with `dmt estimate / plan / generate / report --calibration FILE` or a recipe's\n"
-          "# cluster.calibration. The errors are signed: predicted / measured - 1.\n")
+HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for\n"
+          "# the hardware named. Use it with `dmt estimate / plan / generate / report --calibration FILE` or a\n"
+          "# recipe's cluster.calibration. The errors are signed: predicted / measured - 1.\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,8 +171,8 @@ def _print(calibration, out) -> None:
                       f"{value.uncalibrated:.3g}), {residual.runs} run(s), residual rms {residual.rms_error:.1%}, max "
                       f"{residual.max_abs_error:.1%}")
         if value.compute_scale > 1:
-            console.print("  above 1: this hardware runs these runs' GEMMs faster against its peak than the fused-kernel "
-                          "curve allows (on a CPU host the curve's GPU shape marks narrow layers down far more than "
+            console.print("  above 1: this hardware runs these runs' GEMMs faster against its peak than the "
+                          "fused-kernel curve allows (on a CPU host the curve's GPU shape marks narrow layers down far more than "
                           "the host does); the fit holds near these runs' model width, and no prediction exceeds the "
                           "peak")
     if calibration.host_peak_tflops:

@@ -92,7 +92,8 @@ def print_report(report: dict) -> None:
     )
     path = EXECUTION_PATHS[report["execution_path"]]
     fitted = ((report.get("calibration") or {}).get("compute_scale") or {}).get(path.name)
-    scale = f"{path.compute_scale:.2f}" if fitted is None else f"{fitted:.3g} (calibrated; published {path.compute_scale:.2f})"
+    scale = f"{path.compute_scale:.2f}" if fitted is None else \
+        f"{fitted:.3g} (calibrated; published {path.compute_scale:.2f})"
     console.print(f"execution path {path.name}: {path.description}, {scale} of the fused kernels' rate "
                   f"(toolkit/estimate/efficiency.py)")
     console.print(calibration_line(report.get("calibration")))

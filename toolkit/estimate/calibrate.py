@@ -3,8 +3,8 @@
 For every execution path (toolkit/estimate/efficiency.py EXECUTION_PATHS) seen in the runs, one number is fitted:
 its compute_scale, the rate of its GEMMs and the work between them against the fused-kernel curve (the curve's shape
 in width and tokens is kept). It is the value minimising the squared log ratio of predicted to measured step time
-over that path's runs, so a run 2x too slow and one 2x too fast weigh alike. Everything else the prediction uses is held at what the calibration states
-(the host peak, measured links) or the catalogue's. Pure arithmetic: runs come in as (model, plan, measured time).
+over that path's runs, so a run 2x too slow and one 2x too fast weigh alike. Everything else the prediction uses is
+held at what the calibration states (the host peak, measured links) or the catalogue's. Pure arithmetic: runs come in as (model, plan, measured time).
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class MetricsWriter:
 
 
 def gpu_memory() -> dict:
-    """This rank's peak CUDA allocator figures so far (what `dmt estimate` predicts, less the CUDA context); {} on CPU."""
+    """This rank's peak CUDA allocator figures so far (what `dmt estimate` predicts, less the CUDA context); {} on
+    CPU."""
     import sys
 
     torch = sys.modules.get("torch")
@@ -149,11 +150,17 @@ def _utc_now() -> str:
 
 def start_run_record(output_dir: Path, prediction: dict, launch: dict) -> dict:
     """run_plan.json at the start of a launch: the plan and what was predicted for it (plan.json's record), where and
-    how it runs, and `status: running` until end_run_record (a run killed on the way keeps saying running)."""
+    how it runs, and `status: running` until end_run_record (a run killed on the way keeps saying running). The
+    directory's earlier launches (a resume, a refused relaunch) stay listed under `previous_launches`."""
     from toolkit.outputs import write_file
 
+    earlier = read_run_record(output_dir)
+    previous = []
+    if earlier is not None:
+        ending = {k: earlier[k] for k in ("status", "ended", "error") if k in earlier}
+        previous = [*earlier.get("previous_launches", []), {**earlier.get("launch", {}), **ending}]
     record = {**prediction, "launch": {**launch, "started": _utc_now(), "host": socket.gethostname()},
-              "status": "running"}
+              "status": "running", "previous_launches": previous}
     output_dir.mkdir(parents=True, exist_ok=True)
     write_file(output_dir / RUN_FILE, json.dumps(record, indent=2) + "\n", "--output-dir")
     return record

@@ -107,7 +107,8 @@ class Calibration(_Strict):
 
 
 def load_calibration(path: Path | str, key: str = "--calibration") -> Calibration:
-    """Read and check a calibration file; any problem is one UserInputError line naming `key`, the file and the field."""
+    """Read and check a calibration file; any problem is one UserInputError line naming `key`, the file and the
+    field."""
     path = Path(path)
     data = read_yaml(path, key, what="a calibration file written by `dmt calibrate`")
     try:
