@@ -98,6 +98,7 @@ def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
         from toolkit.spec.recipe import recipe_calibration
 
         prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe))
+    prediction = {"model_spec": run.model.model_dump(mode="json"), **prediction}  # a plan.json of an older toolkit
     start_run_record(output_dir, prediction, {
         "argv": argv, "plan_json": str(run.directory / "plan.json") if run.prediction is not None else None,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")), "accelerator": recipe.cluster.accelerator,

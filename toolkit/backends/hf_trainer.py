@@ -270,12 +270,12 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             fingerprints.add(inputs["input_ids"])
             return super().training_step(model, inputs, num_items_in_batch)
 
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
+        def get_batch_samples(self, *args, **kwargs):  # the Trainer's one wait for data: next() on its loader
             import time
 
             start = time.perf_counter()
             try:
-                return super().get_batch_samples(epoch_iterator, num_batches, device)
+                return super().get_batch_samples(*args, **kwargs)
             finally:
                 metrics.add_data_wait(time.perf_counter() - start)
 

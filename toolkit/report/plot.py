@@ -48,8 +48,8 @@ def write_report_plot(path: Path, runs: list[tuple[RunReport, list[dict]]]) -> N
     speed_ax.set_title("tokens/s (dashed: predicted)")
     memory_ax.set_title("GPU memory, GiB per rank (dashed: predicted)")
     if not memory_measured:
-        memory_ax.text(0.5, 0.5, "not measured: no CUDA device in these runs", transform=memory_ax.transAxes,
-                       ha="center", va="center", color="grey")
+        memory_ax.text(0.5, 0.95, "measured: nothing (no CUDA device in these runs)", transform=memory_ax.transAxes,
+                       ha="center", va="top", color="grey")
     for ax in (speed_ax, memory_ax):
         ax.set_xlabel("step")
     loss_ax.legend(fontsize=8)

@@ -86,6 +86,8 @@ def _status(record: dict | None, metrics: list[dict], timed: int, warmup: int) -
         return "crashed", record.get("error") or "training raised an error"
     if record is not None and record.get("status") == "running":
         return "unfinished", "no end recorded: killed, crashed without a trace, or still running"
+    if metrics and not timed:
+        return "too-few-steps", "metrics.jsonl has no step times (written by a toolkit before they were recorded)"
     if timed <= warmup:
         return "too-few-steps", f"{timed} timed step record(s), not more than the warm-up of {warmup}"
     return "completed", None if record is not None else "no run_plan.json: nothing predicted to compare with"
