@@ -54,3 +54,42 @@ def tiny_llama_config(**overrides) -> dict:
     )
     config.update(overrides)
     return config
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows (one dict per wandb.log call) of the one offline wandb run under `run_dir`/wandb, read from
+    its .wandb file: wandb's record log (LevelDB log format: a 7-byte ':W&B' header, then 32 KiB blocks of records
+    with a 7-byte header each: crc32, length, type FULL/FIRST/MIDDLE/LAST) of `wandb_internal_pb2.Record`s."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = list((Path(run_dir) / "wandb").glob("offline-run-*/*.wandb"))
+    data, block, position, pending, records = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B", path
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:  # a block's tail too short for a header is padding
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if length == 0 and kind == 0:
+            position += left
+            continue
+        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind in (2, 3):
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+            pending = b""
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -59,18 +60,57 @@ def _run(args: argparse.Namespace) -> int:
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     output_dir = args.output_dir or Path("runs") / recipe.name
-    if run.plan.backend == "megatron":
-        from toolkit.backends.megatron_core import train as train_megatron
+    throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
+    try:
+        if run.plan.backend == "megatron":
+            from toolkit.backends.megatron_core import train as train_megatron
 
-        summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron)
-    else:
-        from toolkit.backends.hf_trainer import train
+            summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron, throughput)
+        else:
+            from toolkit.backends.hf_trainer import train
 
-        trainer_args = run.trainer_args and {**run.trainer_args, **updates}
-        summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
-                        trainer_args)
+            trainer_args = run.trainer_args and {**run.trainer_args, **updates}
+            summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
+                            trainer_args, throughput)
+    except BaseException as exc:
+        _record_end(output_dir, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        raise
+    _record_end(output_dir, "completed")
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
+
+
+def _rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
+    """Rank 0 keeps the prediction this launch trains against in the run directory (run_plan.json: plan.json's record
+    with `--plan`, else the same prediction made now); every rank gets what turns its step times into tokens/s and
+    MFU (the peak only where the device is the one predicted for, and only on rank 0, which writes metrics)."""
+    from toolkit.runtime.metrics import Throughput, run_throughput, start_run_record
+
+    if not _rank_zero():
+        return Throughput(run.plan.global_batch * run.plan.seq_len)
+    prediction = run.prediction
+    if prediction is None:
+        from toolkit.planner.recipe import recipe_prediction
+        from toolkit.spec.recipe import recipe_calibration
+
+        prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe))
+    prediction = {"model_spec": run.model.model_dump(mode="json"), **prediction}  # a plan.json of an older toolkit
+    start_run_record(output_dir, prediction, {
+        "argv": argv, "plan_json": str(run.directory / "plan.json") if run.prediction is not None else None,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")), "accelerator": recipe.cluster.accelerator,
+        "max_steps": recipe.training.max_steps})
+    return run_throughput(run.model, run.plan, prediction, recipe.cluster.accelerator)
+
+
+def _record_end(output_dir: Path, status: str, detail: str | None = None) -> None:
+    if _rank_zero():
+        from toolkit.runtime.metrics import end_run_record
+
+        end_run_record(output_dir, status, detail)
 
 
 def _generated(args: argparse.Namespace):

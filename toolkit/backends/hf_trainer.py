@@ -10,7 +10,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json
-from toolkit.runtime.metrics import MetricsWriter, configure_wandb
+from toolkit.runtime.metrics import MetricsWriter, Throughput, configure_wandb
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
@@ -126,13 +126,12 @@ class BatchFingerprints:
         return hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:16]
 
 
-def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, identity: dict,
+def _callbacks(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: int, identity: dict,
                fingerprints: BatchFingerprints):
     from transformers import TrainerCallback
 
     from toolkit.checkpoint.manifest import DEEPSPEED_FORMAT, FSDP_FORMAT, point_latest, write_manifest
 
-    metrics = MetricsWriter(output_dir, tokens_per_step)
     fsdp = plan.backend == "fsdp"
     layout_keys = (("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward") if fsdp
                    else ("dp", "tp", "pp", "zero"))
@@ -141,7 +140,7 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
         """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save."""
 
         def on_train_begin(self, args, state, control, **kwargs):
-            metrics.mark(state.global_step)
+            metrics.mark(state.global_step)  # on every rank: each measures, rank 0 writes
 
         def on_step_end(self, args, state, control, **kwargs):
             # a scheduler's "save and exit" request (the SLURM script's USR1 handler touches this file); every rank
@@ -159,9 +158,9 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 data_sha = fingerprints.pop()  # a collective: every rank logs the same steps
-                if state.is_world_process_zero:
+                if state.is_world_process_zero:  # the step's figures: measured in ToolkitTrainer.log, before wandb
                     metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
-                                  epoch=logs.get("epoch"), data_sha=data_sha)
+                                  metrics.pending, epoch=logs.get("epoch"), data_sha=data_sha)
 
         def on_save(self, args, state, control, model=None, **kwargs):
             import torch.distributed as dist
@@ -183,10 +182,11 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
 
 
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
-          resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None) -> dict:
+          resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None,
+          throughput: Throughput | None = None) -> dict:
     """Run training; returns a summary (steps, final loss) on every rank. With the generated files' contents
     (`dmt generate`'s deepspeed.json and trainer_args.json) those are what trains; without, the same generators
-    make them from the recipe's plan."""
+    make them from the recipe's plan. `throughput` turns step times into tokens/s and MFU (train.py makes it)."""
     import torch
     from transformers import (
         AutoConfig,
@@ -259,13 +259,33 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
-    tokens_per_step = plan.global_batch * plan.seq_len
     fingerprints = BatchFingerprints(plan.grad_accum)
+    metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len))
 
-    class FingerprintingTrainer(Trainer):
+    class ToolkitTrainer(Trainer):
+        """HF's Trainer, plus: which samples each step trains on, how long it waits for them, and what each logged
+        step cost, put into the logs before any logger (metrics.jsonl, wandb, TensorBoard) sees them."""
+
         def training_step(self, model, inputs, num_items_in_batch=None):
             fingerprints.add(inputs["input_ids"])
             return super().training_step(model, inputs, num_items_in_batch)
+
+        def get_batch_samples(self, *args, **kwargs):  # the Trainer's one wait for data: next() on its loader
+            import time
+
+            start = time.perf_counter()
+            try:
+                return super().get_batch_samples(*args, **kwargs)
+            finally:
+                metrics.add_data_wait(time.perf_counter() - start)
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:  # a training step's log (every rank gets here: gathering memory is a collective)
+                from toolkit.runtime.metrics import gpu_memory_of_ranks, logged_figures
+
+                metrics.pending = {**metrics.measure(self.state.global_step), **gpu_memory_of_ranks()}
+                logs.update(logged_figures(metrics.pending))  # loggers take numbers; metrics.jsonl takes them all
+            super().log(logs, start_time)
 
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
@@ -274,13 +294,13 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
                 self.accelerator.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(plan.precision)
 
-    callbacks = _callbacks(output_dir, plan, tokens_per_step, world, identity, fingerprints)
+    callbacks = _callbacks(output_dir, plan, metrics, world, identity, fingerprints)
     if fsdp:
         from toolkit.backends.fsdp import sharding_callback
 
         callbacks.append(sharding_callback(output_dir, plan))
     with _accelerator_building(plan):
-        trainer = FingerprintingTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+        trainer = ToolkitTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                                         data_collator=default_data_collator, processing_class=tokenizer,
                                         callbacks=callbacks)
     result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)

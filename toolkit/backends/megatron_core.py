@@ -144,9 +144,10 @@ def _save_and_exit_requested(output_dir: Path) -> bool:
 
 
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None,
-          config: dict | None = None) -> dict:
+          config: dict | None = None, throughput=None) -> dict:
     """Run training on this rank; returns a summary (steps, last loss). `config` is the generated megatron.yaml
-    (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe."""
+    (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe.
+    `throughput` (toolkit.runtime.metrics.Throughput, from train.py) turns step times into tokens/s and MFU."""
     from toolkit.backends.hf_trainer import resume_checkpoint, run_identity
     from toolkit.runtime.megatron_build import device_context, init_distributed
 
@@ -164,22 +165,29 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
             raise UserInputError("model.config.vocab_size", f"{config['model']['vocab_size']} < tokenizer size "
                                                              f"{len(tokenizer)}")
         hf_config = recipe_hf_config(recipe)
-        return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config)
+        return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput)
 
 
-def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config) -> dict:
+def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput) -> dict:
+    import time
+
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
     from toolkit.runtime.megatron_build import build, destroy
-    from toolkit.runtime.metrics import MetricsWriter
+    from toolkit.runtime.metrics import MetricsWriter, Throughput, WandbRun, configure_wandb, gpu_memory_of_ranks
 
     setup = build(config)
     step = load_checkpoint(setup, resume_path, plan) if resume_path else 0
     batches = GlobalBatches(train_set, plan.global_batch, recipe.training.seed)
-    metrics = MetricsWriter(output_dir, plan.global_batch * plan.seq_len) if dist.get_rank() == 0 else None
+    rank0 = dist.get_rank() == 0
+    metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len)) if rank0 else None
+    wandb = None
+    if rank0 and "wandb" in recipe.training.report_to:
+        configure_wandb(recipe.training.report_to, output_dir)
+        wandb = WandbRun(recipe.name, output_dir, {"plan": plan.as_dict(), "recipe": recipe.name})
     forward_backward = get_forward_backward_func()
     dp_rank, per_rank = parallel_state.get_data_parallel_rank(), plan.micro_batch * plan.grad_accum
     save_every, loss, last = recipe.training.save_steps, None, config["schedule"]["train_iters"]
@@ -187,9 +195,12 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         metrics.mark(step)
     while step < last:
         step += 1
+        fetching = time.perf_counter()
         indices = batches.indices(step)
         tokens = batches.tokens(indices[dp_rank * per_rank:(dp_rank + 1) * per_rank])
         micro = _micro_batches(tokens, plan.micro_batch, config)
+        if metrics:
+            metrics.add_data_wait(time.perf_counter() - fetching)
         learning_rate = setup.optimizer.param_groups[0]["lr"]
         for chunk in setup.model:
             chunk.zero_grad_buffer()
@@ -201,14 +212,21 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         _, grad_norm, _ = setup.optimizer.step()
         setup.scheduler.step(increment=1)
         loss = _global_loss(losses)
-        if metrics and step % recipe.training.logging_steps == 0:
+        logged = step % recipe.training.logging_steps == 0
+        memory = gpu_memory_of_ranks() if logged else {}  # a collective (GPUs only): every rank takes part
+        if metrics and logged:
             digest = hashlib.sha256(batches.tokens(indices).numpy().tobytes()).hexdigest()[:16]
-            metrics.write(step, loss, float(grad_norm) if grad_norm is not None else None, learning_rate,
-                          data_sha=digest)
+            figures = {**metrics.measure(step), **memory}
+            record = metrics.write(step, loss, float(grad_norm) if grad_norm is not None else None, learning_rate,
+                                   figures, data_sha=digest)
+            if wandb is not None:
+                wandb.log(record)
         stop = _save_and_exit_requested(output_dir)
         if stop or step == last or (save_every and step % save_every == 0):
             save_checkpoint(setup, output_dir, step, plan, identity, hf_config)
         if stop:
             break
+    if wandb is not None:
+        wandb.finish()
     destroy()
     return {"global_step": step, "train_loss": loss}

@@ -52,11 +52,24 @@ class Network:
     # the tiers ("intra", "inter") whose bandwidth is nccl-tests-style busbw measured by `dmt health`, used as it is;
     # the others are datasheet numbers, of which NCCL reaches ACHIEVABLE_BUS_FRACTION
     measured: frozenset[str] = frozenset()
+    # the tiers this command was given figures for (flags, a health report): a calibration's do not replace them
+    given: frozenset[str] = frozenset()
 
     @classmethod
     def from_catalogue(cls, gpu, gpus_per_node: int) -> "Network":
         """The datasheet links of a catalogue GPU (toolkit/presets/gpus.yaml); `dmt plan` flags may override them."""
         return cls(gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, gpus_per_node)
+
+    def with_measured(self, intra: float | None = None, inter: float | None = None) -> "Network":
+        """Measured bus bandwidths (GB/s) in place of the tiers' figures, except on tiers given for this command."""
+        import dataclasses
+
+        changes, measured = {}, set(self.measured)
+        for tier, value in (("intra", intra), ("inter", inter)):
+            if value is not None and tier not in self.given:
+                changes[f"{tier}_node_bw_gbps"] = value
+                measured.add(tier)
+        return dataclasses.replace(self, **changes, measured=frozenset(measured)) if changes else self
 
     def link(self, group_size: int, stride: int) -> Link:
         """The ring link of a group of `group_size` ranks `stride` apart in rank order (Megatron: tp, cp, ep, dp, pp).

@@ -22,8 +22,11 @@ The execution paths differ in the kernels that run between and around the GEMMs,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+
+from toolkit.spec.calibration import Calibration
 
 # Best sustained fraction of dense peak for large bf16 GEMM-dominated training steps (fused kernels).
 PEAK_EFFICIENCY = 0.60
@@ -96,3 +99,11 @@ def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
     width = 1.0 - math.exp(-math.sqrt(hidden * hidden / tp) / WIDTH_SCALE)
     rows = 1.0 - math.exp(-tokens / TOKEN_SCALE)
     return PEAK_EFFICIENCY * width * rows
+
+
+def calibrated_path(path: ExecutionPath, calibration: Calibration | None) -> ExecutionPath:
+    """The path with the compute scale `dmt calibrate` fitted for it on this hardware, else as published. A fitted
+    scale may put a path's product with the curve above 1 (a CPU host on a tiny model, whose narrow GEMMs the
+    GPU-shaped curve marks down far more than the host does); step_time caps the product at the peak."""
+    fitted = calibration.compute_scale(path.name) if calibration is not None else None
+    return path if fitted is None else dataclasses.replace(path, compute_scale=fitted)

@@ -15,6 +15,7 @@ from toolkit.estimate.efficiency import (
     UNFUSED_ATTENTION_BACKWARD_BYTES,
     UNFUSED_ATTENTION_FORWARD_BYTES,
     ExecutionPath,
+    calibrated_path,
     execution_path,
     gemm_efficiency,
 )
@@ -22,7 +23,8 @@ from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, mode
 from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
-from toolkit.spec.cluster import GPU
+from toolkit.spec.calibration import Calibration
+from toolkit.spec.cluster import GPU, peak_flops
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
@@ -66,23 +68,36 @@ class StepTime:
     tflops_per_gpu: float  # model FLOPs (no recomputation) per second per GPU
     mfu: float
     execution_path: str  # toolkit/estimate/efficiency.py EXECUTION_PATHS
+    peak_tflops: float  # the dense peak of one GPU (rank) at the plan's precision that mfu is a fraction of
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _peak_flops(gpu: GPU, precision: str) -> float:
-    key = {"fp8": "fp8", "fp32": "tf32"}.get(precision, "bf16")
-    return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12
+def calibrated(gpu: GPU, network: Network, calibration: Calibration | None) -> tuple[GPU, Network]:
+    """The hardware figures a calibration replaces: the host's matmul peak it was fitted with (the `cpu` entry), and
+    the link bus bandwidths `dmt health` measured (where this command was not given its own)."""
+    if calibration is None:
+        return gpu, network
+    if gpu.host and calibration.host_peak_tflops:
+        gpu = gpu.model_copy(update={"peak_tflops": {**gpu.peak_tflops, **calibration.host_peak_tflops}})
+    if calibration.links is not None:
+        network = network.with_measured(intra=calibration.links.intra_node_busbw_gbps,
+                                        inter=calibration.links.inter_node_busbw_gbps)
+    return gpu, network
 
 
-def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: ExecutionPath | None = None) -> StepTime:
-    """`path`: the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's own."""
+def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: ExecutionPath | None = None,
+              calibration: Calibration | None = None) -> StepTime:
+    """`path`: the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's own. `calibration`
+    (`dmt calibrate`): its compute scale for the path and its measured hardware figures (see `calibrated`) replace
+    the published ones; this is the one place a calibration enters a prediction."""
+    gpu, network = calibrated(gpu, network, calibration)
     a = PRECISION_BYTES[plan.precision]
-    peak = _peak_flops(gpu, plan.precision)
+    peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
     tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
-    path = path or execution_path(plan.backend, plan.transformer_impl)
-    efficiency = gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale
+    path = calibrated_path(path or execution_path(plan.backend, plan.transformer_impl), calibration)
+    efficiency = min(1.0, gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale)
     hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
     # GEMM-rate equivalent of one attention FLOP: flash kernels skip the causal half at their own efficiency; the
     # unfused path computes the whole score matrix with cuBLAS batched GEMMs and moves it through memory
@@ -154,6 +169,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         tflops_per_gpu=tflops / 1e12,
         mfu=tflops / peak,
         execution_path=path.name,
+        peak_tflops=peak / 1e12,
     )
 
 

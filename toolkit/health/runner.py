@@ -16,6 +16,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.health.options import STORE_HOSTED_ENV, HealthOptions, RankEnv
+from toolkit.spec.device_peak import matmul_benchmark
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "dmt-health"
@@ -89,7 +90,7 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
         facts = checks.host_facts(env.host, device) | {"local_world_size": env.local_world_size}
         facts["memory_check"] = checks.memory_check(device, options.mem_fraction)
         watchdog.step("matmul benchmark")
-        facts.update(checks.matmul_benchmark(device, options.matmul_seconds))
+        facts.update(matmul_benchmark(device, options.matmul_seconds))
         bandwidth: dict = {"intra_node_busbw_gbps": None, "inter_node_busbw_gbps": None, "size_bytes": max(sizes),
                            "per_host_intra_node_busbw_gbps": {}}
         links: list[dict] = []

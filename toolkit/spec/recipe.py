@@ -65,6 +65,8 @@ class ClusterSection(_Strict):
     gpu: str = Field(DEFAULT_GPU, description="GPU from the catalogue, for the memory estimate and the planner.")
     nodes: int | None = Field(None, gt=0, description="Defaults to gpus / gpus_per_node, at least 1.")
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
+    calibration: str | None = Field(None, description="A calibration file `dmt calibrate` wrote for cluster.gpu "
+                                                      "(relative to the recipe): the plan's predictions use it.")
 
     @field_validator("gpu")
     @classmethod
@@ -217,6 +219,20 @@ def recipe_model(recipe: Recipe):
     if recipe.model.config is not None:
         return spec_from_hf_dict(recipe.model.config, name=recipe.name)
     return load_model_spec(recipe.locate(recipe.model.source))
+
+
+def recipe_calibration(recipe: Recipe, override: str | Path | None = None):
+    """The calibration a recipe's predictions use: `override` (a --calibration flag), else cluster.calibration; checked
+    to be one of cluster.gpu. None without either."""
+    from toolkit.spec.calibration import load_calibration
+
+    if override is None and recipe.cluster.calibration is None:
+        return None
+    key = "--calibration" if override is not None else "cluster.calibration"
+    path = Path(override) if override is not None else recipe.path(recipe.cluster.calibration)
+    calibration = load_calibration(path, key)
+    calibration.check_hardware(recipe.cluster.gpu, key)
+    return calibration
 
 
 def megatron_layers(recipe: Recipe) -> str | None:
