@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 trained, 1 a failure (incident.json says which rank), 2 bad input, 3 a hang the watchdog ended,
+    4 stopped by the NaN/spike guard."""
+    from toolkit.runtime.guard import GuardStop
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
@@ -45,11 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
+    except GuardStop as exc:
+        print(f"train.py: stopped by the guard: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         _destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> int:
+    from toolkit.runtime.guard import GuardStop
+
     for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
         if value is not None and value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
@@ -59,18 +68,47 @@ def _run(args: argparse.Namespace) -> int:
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     output_dir = args.output_dir or Path("runs") / recipe.name
-    if run.plan.backend == "megatron":
-        from toolkit.backends.megatron_core import train as train_megatron
+    watch = _watched(output_dir, recipe.training.hang_timeout_s)
+    try:
+        if run.plan.backend == "megatron":
+            from toolkit.backends.megatron_core import train as train_megatron
 
-        summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron)
-    else:
-        from toolkit.backends.hf_trainer import train
+            summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron, watch)
+        else:
+            from toolkit.backends.hf_trainer import train
 
-        trainer_args = run.trainer_args and {**run.trainer_args, **updates}
-        summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
-                        trainer_args)
+            trainer_args = run.trainer_args and {**run.trainer_args, **updates}
+            summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
+                            trainer_args, watch)
+    except UserInputError as exc:  # on one rank while the others may already wait for it in a collective
+        watch.fail(exc, code=2, line=f"train.py: error: {exc}")
+        raise
+    except GuardStop:  # every rank stops at the same step: nothing to report or end
+        raise
+    except Exception as exc:
+        watch.fail(exc)
+        raise
+    finally:
+        watch.finish()
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
+
+
+def _watched(output_dir: Path, hang_timeout_s: float):
+    """This rank's training watchdog; on GPUs, torch's NCCL flight recorder on (unless the environment says
+    otherwise) so that a hang's report keeps each rank's record of its last collectives."""
+    import os
+
+    import torch
+
+    from toolkit.runtime.incident import flight_recorder_environment, last_words_dir
+    from toolkit.runtime.supervision import TrainingWatchdog
+
+    if torch.cuda.is_available():
+        for name, value in flight_recorder_environment(output_dir).items():
+            os.environ.setdefault(name, value)
+        last_words_dir(output_dir).mkdir(parents=True, exist_ok=True)
+    return TrainingWatchdog(output_dir, hang_timeout_s)
 
 
 def _generated(args: argparse.Namespace):

@@ -20,7 +20,7 @@ from toolkit.health.checks import match_gpu, parse_cpulist
 from toolkit.health.collectives import bandwidths, element_count, ring_pair_phases
 from toolkit.health.options import HealthOptions, rank_env
 from toolkit.health.report import judge, thresholds_for
-from toolkit.health.watchdog import Beat, LivenessTracker, Observation, find_unresponsive, parse_beat
+from toolkit.runtime.watchdog import Beat, LivenessTracker, Observation, find_unresponsive, parse_beat
 
 DMT = [sys.executable, "-m", "toolkit"]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
