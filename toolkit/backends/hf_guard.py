@@ -41,7 +41,7 @@ class TrainerGuard:
         engine = _engine(trainer)
         self.skipped_before = engine.skipped_steps if engine is not None else 0
 
-    def on_loss(self, trainer, loss):
+    def on_loss(self, trainer, loss, num_items_in_batch=None):
         """Every micro-batch's loss, before its backward; returns the loss to back-propagate."""
         import torch
         import torch.distributed as dist
@@ -50,17 +50,17 @@ class TrainerGuard:
         factor = faults.loss_factor(step)
         if factor is not None:
             loss = loss * factor
-        self.micro.append(loss.detach().float().reshape(()))
+        self.micro.append(_as_logged(trainer, loss.detach().float().reshape(()), num_items_in_batch))
         if len(self.micro) < trainer.current_gradient_accumulation_steps:
             return loss
         values = torch.stack(self.micro).cpu().double()
         finite = torch.isfinite(values)
-        stats = torch.stack([values[finite].sum(), finite.sum().double(), (~finite).sum().double()])
+        stats = torch.stack([values[finite].sum(), (~finite).sum().double(), torch.tensor(1.0, dtype=torch.double)])
         if dist.is_initialized():
             device = stats.to(trainer.args.device)
             dist.all_reduce(device)
             stats = device.cpu()
-        self.loss = float(stats[0] / stats[1]) if stats[2] == 0 else float("nan")
+        self.loss = float(stats[0] / stats[2]) if stats[1] == 0 else float("nan")  # what HF logs for the step
         verdict = self.guard.judge(step, self.loss)
         if verdict.action is None:
             return loss
@@ -110,7 +110,7 @@ class TrainerGuard:
             if target is None:
                 verdict = Verdict("stop", verdict.reason + "; no verified checkpoint to roll back to", verdict.loss)
         self.verdict, self.target = verdict, target
-        self.records[step] = {"loss": verdict.loss, **step_record(verdict)}
+        self.records[step] = {"loss": verdict.loss, "guard": step_record(step, verdict)}
         report(self.output_dir, trainer.args.process_index, step, verdict, self.fingerprints.digest(clear=False),
                **extra)
 
@@ -141,10 +141,20 @@ class TrainerGuard:
         guarded = {s: self.records.pop(s) for s in sorted(self.records) if s <= step}
         if not guarded:
             return {}
-        extra = {"guard": [{"step": s, **r["guard"]} for s, r in guarded.items()]}
+        extra = {"guard": [record["guard"] for record in guarded.values()]}
         if step in guarded:
             extra["loss"] = guarded[step]["loss"]
         return extra
+
+
+def _as_logged(trainer, loss, num_items_in_batch):
+    """A micro-batch's share of the step's loss as HF Trainer's training_step returns it (and then sums for its
+    log): divided by the accumulation steps unless the loss already is (HF's own test, transformers 5)."""
+    scaled = trainer.loss_is_scaled_for_ga
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+            or trainer.compute_loss_func is not None
+    return loss if scaled else loss / trainer.current_gradient_accumulation_steps
 
 
 def _engine(trainer):

@@ -220,6 +220,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     args = TrainingArguments(**installed_field_names(args_dict))
     import deepspeed
 
+    if recipe.cluster.accelerator == "cpu":
+        from toolkit.runtime.ds_shm import release_stale
+
+        release_stale()
     deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
     if recipe.cluster.accelerator == "cpu":
         from toolkit.runtime.ds_shm import release_at_exit
@@ -273,9 +277,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             if not getattr(self, "_guarded", False):
                 return result
             watch.phase(self.state.global_step + 1, "backward")  # and, under DeepSpeed, the optimizer step
+            items = kwargs.get("num_items_in_batch")
             if isinstance(result, tuple):  # (loss, outputs)
-                return (guard.on_loss(self, result[0]), *result[1:])
-            return guard.on_loss(self, result)
+                return (guard.on_loss(self, result[0], items), *result[1:])
+            return guard.on_loss(self, result, items)
 
     callbacks = _callbacks(output_dir, plan, tokens_per_step, world, identity, fingerprints, watch, guard)
     trainer = ToolkitTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,

@@ -258,7 +258,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
             setup.scheduler.step(increment=1)
             guard.accept(step, loss)
         else:
-            guarded = {"loss": verdict.loss, **step_record(verdict)}
+            guarded = {"loss": verdict.loss, "guard": [step_record(step, verdict)]}
             _guarded(verdict, setup, plan, output_dir, step, digest, guard)
         if metrics and step % recipe.training.logging_steps == 0:
             record = {"loss": loss, **guarded}

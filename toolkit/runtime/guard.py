@@ -84,6 +84,6 @@ def report(output_dir: Path, rank: int, step: int, verdict: Verdict, data_sha: s
         raise GuardStop(f"step {step}: {verdict.reason} (data {data_sha}); nothing was saved")
 
 
-def step_record(verdict: Verdict, **extra) -> dict:
-    """What metrics.jsonl says of a guarded step."""
-    return {"guard": {"action": verdict.action, "reason": verdict.reason, **extra}}
+def step_record(step: int, verdict: Verdict) -> dict:
+    """What metrics.jsonl says of a guarded step (a record's `guard` lists those it covers)."""
+    return {"step": step, "action": verdict.action, "reason": verdict.reason}
