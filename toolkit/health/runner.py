@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -178,8 +179,9 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
     store = PrefixStore(STORE_PREFIX, server)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), **{STORE_HOSTED_ENV: "1", OPTIONS_ENV: json.dumps(asdict(options))})
+    stderr = [tempfile.TemporaryFile() for _ in range(nproc)]  # each rank's; its one-line error becomes ours
     procs = [subprocess.Popen([sys.executable, "-m", "toolkit.health.worker"], stdout=subprocess.DEVNULL,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
+                              stderr=stderr[r], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
              for r in range(nproc)]
     started = time.monotonic()
     tracker = LivenessTracker(nproc, started)
@@ -221,6 +223,7 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL also ends a stopped process
             proc.wait()
+        _replay_worker_errors(stderr, exits)
     done = {rank for rank, beat in beats.items() if beat.finished}
     died = [{"rank": rank, "host": hosts[rank], "how": _how(code)} for rank, code in sorted(exits.items())
             if code != 0 and rank not in done]
@@ -231,6 +234,22 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
         report = add_deaths(report, died)
     healthy = report.get("ok") and all(code == 0 or rank in done for rank, code in exits.items())
     return report, 0 if healthy and len(exits) == nproc else 1
+
+
+def _replay_worker_errors(stderr: list, exits: dict[int, int]) -> None:
+    """What the ranks wrote to stderr goes to ours; a rank that refused bad input (exit code 2) makes this command
+    refuse it too, with that rank's one line."""
+    from toolkit.errors import worker_error
+
+    texts = []
+    for handle in stderr:
+        handle.seek(0)
+        texts.append(handle.read().decode(errors="replace"))
+        handle.close()
+    for rank, code in sorted(exits.items()):
+        if code == 2 and (error := worker_error(texts[rank], f"rank {rank}")) is not None:
+            raise error
+    sys.stderr.write("".join(texts))
 
 
 def _how(code: int) -> str:
