@@ -110,13 +110,15 @@ class TrainingWatchdog:
         if watchdog.tripped.is_set():  # the monitor is already reporting a hang and will end this process
             time.sleep(self.timeout + 30)
         elif watchdog.claim_report():
-            silent = watchdog.silent_ranks(min(max(3 * self.interval_s, 1.5), 15.0))
+            try:  # the store may be gone with its host (rank 0 under deepspeed): then nobody is named
+                died = self._ranks(watchdog.silent_ranks(min(max(3 * self.interval_s, 1.5), 15.0)), watchdog.store)
+            except Exception:
+                died = None
             step, phase = where(watchdog.step_name)
             first = (str(exc).splitlines() or [""])[0][:300]
             reason = f"rank {self.rank} ({self.env.host}) at step {step}, phase {phase}: {type(exc).__name__}: {first}"
-            append_incident(self.output_dir, {"event": "failure", "reason": reason,
-                                              "died": self._ranks(silent, watchdog.store), "reported_by": self.rank,
-                                              "latest": latest_name(self.output_dir),
+            append_incident(self.output_dir, {"event": "failure", "reason": reason, "died": died,
+                                              "reported_by": self.rank, "latest": latest_name(self.output_dir),
                                               "last_words": str(last_words_dir(self.output_dir))})
             watchdog.report_written()
         else:
