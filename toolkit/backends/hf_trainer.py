@@ -220,10 +220,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     args = TrainingArguments(**installed_field_names(args_dict))
     import deepspeed
 
-    if recipe.cluster.accelerator == "cpu":
-        from toolkit.runtime.ds_shm import release_stale
-
-        release_stale()
     deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction over the world
     if recipe.cluster.accelerator == "cpu":
         from toolkit.runtime.ds_shm import release_at_exit

@@ -44,10 +44,3 @@ def release_at_exit() -> None:
     if port is not None and rank is not None:
         atexit.register(release, port, int(rank))
 
-
-def release_stale() -> None:
-    """Before a CPU rank opens its segment: one of the same port and rank left by a killed predecessor (a restarted
-    job reuses the port) goes first; no live process can own it, as the port is this job's."""
-    port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
-    if port is not None and rank is not None:
-        release(port, int(rank))
