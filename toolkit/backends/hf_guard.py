@@ -5,8 +5,10 @@ loss of the whole global batch: one all-reduce per step). Under DeepSpeed the op
 backward (accelerate's DeepSpeedEngineWrapper), so a step is dropped through DeepSpeed's own overflow path: the
 guard makes that last loss NaN, DeepSpeed's check of the gradients (on for ZeRO 1-3, bf16, fp16) discards the step,
 does not step the learning rate, and counts it in `skipped_steps`; a step DeepSpeed dropped by itself (a non-finite
-gradient with a finite loss) is judged after it. Without DeepSpeed (an HF Trainer whose optimizer step is its own)
-the gradients are checked and, for a dropped step, cleared just before `optimizer.step()`, so no parameter moves.
+gradient with a finite loss) is judged after it. Without DeepSpeed (an HF Trainer whose optimizer step is its own,
+e.g. FSDP through Accelerate) the gradients are checked and, for a dropped step, cleared just before
+`optimizer.step()`, so no parameter or optimizer state moves; HF Trainer still steps the learning-rate schedule
+there (untested here: this branch has no such backend yet).
 A rollback reloads the latest verified checkpoint with HF Trainer's own resume functions, in place: HF's step
 counter and its data loader go on, so the steps since that checkpoint, and their data, are dropped.
 """
