@@ -93,3 +93,48 @@ def wandb_history(run_dir: Path) -> list[dict]:
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
     return rows
+def launch_watched(cmd: list[str], log: Path, act, changes: dict | None = None, timeout: float = 600) -> int:
+    """Run a launcher with its output in `log`; every 50 ms `act(process)` may act on its ranks (stop or kill one)
+    until it returns True. The launcher's exit code (the run is killed whole past `timeout`)."""
+    import signal
+    import time
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    env.update(changes or {})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    done, deadline = False, time.monotonic() + timeout
+    with open(log, "w") as handle:
+        process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            while process.poll() is None and time.monotonic() < deadline:
+                done = done or bool(act(process))
+                time.sleep(0.05)
+        finally:
+            if process.poll() is None:
+                for child in rank_processes(process):
+                    child.kill()
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode
+
+
+def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list:
+    """The training processes (toolkit/train.py) below a launcher: all, or the one of `rank` in the launcher's
+    first attempt (their environment says which)."""
+    import psutil
+
+    found = []
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for child in children:
+        try:
+            environ, cmdline = child.environ(), " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "train.py" not in cmdline or "RANK" not in environ:
+            continue
+        if rank is None or (environ["RANK"] == str(rank) and environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt):
+            found.append(child)
+    return found

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 trained, 1 a failure (incident.json says which rank), 2 bad input, 3 a hang the watchdog ended,
+    4 stopped by the NaN/spike guard."""
+    from toolkit.runtime.guard import GuardStop
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
@@ -46,11 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
+    except GuardStop as exc:
+        print(f"train.py: stopped by the guard: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         _destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> int:
+    from toolkit.runtime.guard import GuardStop
+
     for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
         if value is not None and value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
@@ -61,20 +70,29 @@ def _run(args: argparse.Namespace) -> int:
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     output_dir = args.output_dir or Path("runs") / recipe.name
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
+    watch = _watched(output_dir, recipe.training.hang_timeout_s)
     try:
         if run.plan.backend == "megatron":
             from toolkit.backends.megatron_core import train as train_megatron
 
-            summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron, throughput)
+            summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron, throughput,
+                                     watch)
         else:
             from toolkit.backends.hf_trainer import train
 
             trainer_args = run.trainer_args and {**run.trainer_args, **updates}
             summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
-                            trainer_args, throughput)
+                            trainer_args, throughput, watch)
     except BaseException as exc:
+        # rank 0's run_plan.json says how the launch ended before the watchdog ends this process
         _record_end(output_dir, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if isinstance(exc, UserInputError):  # on one rank while the others may already wait for it in a collective
+            watch.fail(exc, code=2, line=f"train.py: error: {exc}")
+        elif isinstance(exc, Exception) and not isinstance(exc, GuardStop):  # the guard stops every rank at once
+            watch.fail(exc)
         raise
+    finally:
+        watch.finish()
     _record_end(output_dir, "completed")
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
@@ -111,6 +129,21 @@ def _record_end(output_dir: Path, status: str, detail: str | None = None) -> Non
         from toolkit.runtime.metrics import end_run_record
 
         end_run_record(output_dir, status, detail)
+
+
+def _watched(output_dir: Path, hang_timeout_s: float):
+    """This rank's training watchdog; on GPUs, torch's NCCL flight recorder on (unless the environment says
+    otherwise) so that a hang's report keeps each rank's record of its last collectives."""
+    import torch
+
+    from toolkit.runtime.incident import flight_recorder_environment, last_words_dir
+    from toolkit.runtime.supervision import TrainingWatchdog
+
+    if torch.cuda.is_available():
+        for name, value in flight_recorder_environment(output_dir).items():
+            os.environ.setdefault(name, value)
+        last_words_dir(output_dir).mkdir(parents=True, exist_ok=True)
+    return TrainingWatchdog(output_dir, hang_timeout_s)
 
 
 def _generated(args: argparse.Namespace):

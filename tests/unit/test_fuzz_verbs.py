@@ -286,3 +286,23 @@ def test_tables_read_through_a_pipe_keep_every_value_whole(tmp_path):
         result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert deep.name in result.stdout and "…" not in result.stdout, result.stdout
+
+
+def test_validate_and_generate_read_through_a_pipe_keep_every_path_whole(tmp_path):
+    """The other verbs that print results (not tables: one line a result) through a real pipe: every path whole."""
+    import subprocess
+    import sys
+
+    from helpers import TINY
+
+    deep = tmp_path / ("a-directory-name-long-enough-to-be-cut-by-any-eighty-or-140-column-table-" * 2)
+    recipe = deep / "recipe.yaml"
+    deep.mkdir()
+    recipe.write_text(TINY.read_text().replace("data/tiny_corpus.txt", str(TINY.parent / "data/tiny_corpus.txt")))
+    for argv, says in ((["generate", str(recipe), "--out", str(deep / "gen")], f"wrote {deep / 'gen' / 'launch.sh'}"),
+                       (["validate", str(deep / "gen" / "deepspeed.json"), "--world-size", "2"],
+                        f"{deep / 'gen' / 'deepspeed.json'}: valid for world size 2")):
+        result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert says in result.stdout.splitlines() or any(line.strip() == says for line in result.stdout.splitlines()), \
+            result.stdout

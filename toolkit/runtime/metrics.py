@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run_plan.json"
+DISCARDED_FILE = "metrics.discarded.jsonl"  # records of steps a resume dropped (trained, then lost with their process)
 PERFORMANCE_KEYS = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s")
 
 
@@ -93,6 +95,7 @@ class MetricsWriter:
         figures = performance if performance is not None else self.measure(step)
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, **figures,
                   **extra}
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}  # JSON
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         return record
@@ -185,6 +188,25 @@ def read_run_record(output_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def keep_until(output_dir: Path, step: int) -> None:
+    """A run resumed from the checkpoint of `step`: the records of later steps (trained by the attempt that ended,
+    whose updates the resume drops) move to metrics.discarded.jsonl, so that metrics.jsonl holds each step once."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    text, records = path.read_text(), read_metrics(output_dir)
+    later = [r for r in records if r["step"] > step]
+    if not later and (not text or text.endswith("\n")):  # nothing later, no line cut short
+        return
+    with open(Path(output_dir) / DISCARDED_FILE, "a") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in later)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
+    os.replace(tmp, path)
+    log.info("metrics.jsonl: steps %s moved to %s (the resume continues from step %d)",
+             [r["step"] for r in later], DISCARDED_FILE, step)
 
 
 def wandb_key_configured() -> bool:
