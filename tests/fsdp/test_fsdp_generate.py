@@ -44,7 +44,8 @@ def test_accelerate_yaml_and_trainer_args_state_the_same_plugin(fsdp_generated, 
 def test_launch_script_offers_accelerate_and_torchrun(fsdp_generated):
     script = (fsdp_generated / "launch.sh").read_text()
     assert subprocess.run(["bash", "-n", str(fsdp_generated / "launch.sh")]).returncode == 0
-    assert 'LAUNCHER="${1:-accelerate}"' in script and "torchrun --nproc_per_node 2" in script
+    assert 'LAUNCHER="${1:-accelerate}"' in script and "exec torchrun --max-restarts" in script
+    assert "--nproc_per_node 2" in script
     assert 'accelerate launch --config_file "$HERE/accelerate.yaml"' in script and "deepspeed --num_gpus" not in script
 
 

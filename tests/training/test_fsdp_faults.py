@@ -1,0 +1,126 @@
+"""Faults in an FSDP2 run (HF Trainer + Accelerate's FSDP2 plugin, fully_shard over 2 CPU ranks, DCP checkpoints)
+through the generated launch.sh: a rank SIGKILLed after a save (torchrun restarts the job from the checkpoint and it
+ends as the uninterrupted run does, to the bit), a rank frozen while a checkpoint is written (named, the job fails,
+`latest` stays on the verified checkpoint before), and the guard's skip (no parameter shard or Adam moment moves).
+The DeepSpeed and Megatron-Core versions are tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
+
+import signal
+
+import pytest
+import torch
+
+from helpers import free_port, launch_watched, rank_processes
+from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
+from toolkit.checkpoint.verify import verify
+from toolkit.cli.main import main
+from toolkit.runtime.incident import read_incidents
+from toolkit.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.launch
+STEPS, HANG_TIMEOUT_S = 6, 10
+COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
+FAULTY = {"max_steps": STEPS, "save_steps": 2, "hang_timeout_s": HANG_TIMEOUT_S, "max_restarts": 1}
+FSDP_PLAN = {"backend": "fsdp", "micro_batch": 4, "precision": "bf16"}
+
+
+@pytest.fixture(scope="module")
+def fsdp_launch(variant, tmp_path_factory):
+    """run(name, act(process, out), DMT_FAULT, **training) -> (rc, output directory, log): the generated launch.sh of
+    an FSDP2 variant of the tiny recipe under torchrun (one generation per training change)."""
+    root = tmp_path_factory.mktemp("fsdp-faults")
+
+    def run(name: str, act=None, fault: str = "", **training):
+        recipe = variant(f"tiny-fsdp-{name}", training={**FAULTY, **training}, replace={"plan": FSDP_PLAN})
+        generated = root / f"{name}-generated"
+        assert main(["generate", str(recipe), "--out", str(generated)]) == 0
+        out = root / name
+        changes = {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "DMT_FAULT": fault}
+        rc = launch_watched(["bash", str(generated / "launch.sh"), "torchrun"], root / f"{name}.log",
+                            (lambda process: act(process, out)) if act else (lambda process: True), changes)
+        return rc, out, root / f"{name}.log"
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(fsdp_launch):
+    rc, out, log = fsdp_launch("reference")
+    assert rc == 0 and [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1)), log.read_text()[-3000:]
+    assert (out / "sharding.json").is_file()  # trained sharded: the post-preparation check wrote what each rank held
+    return read_metrics(out)
+
+
+def _dcp(ckpt, tmp_path) -> dict:
+    """Every tensor of an FSDP2 checkpoint's DCP directories (model and optimizer), gathered whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tensors = {}
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        target = tmp_path / f"{ckpt.name}-{part}.pt"
+        dcp_to_torch_save(ckpt / part, target)
+        flat = {}
+
+        def walk(prefix, value):
+            if isinstance(value, torch.Tensor):
+                flat[prefix] = value
+            elif isinstance(value, dict):
+                for key, inner in value.items():
+                    walk(f"{prefix}.{key}", inner)
+
+        walk(part, torch.load(target, weights_only=False))
+        tensors.update(flat)
+    return tensors
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_run(fsdp_launch, reference):
+    killed = []
+
+    def kill_rank_1_after_the_first_save(process, out):
+        latest = resolve_latest(out) if out.exists() else None
+        if latest is not None and latest.name == "checkpoint-2":
+            for victim in rank_processes(process, rank=1):
+                victim.send_signal(signal.SIGKILL)
+                killed.append(victim.pid)
+            return bool(killed)
+
+    rc, out, log = fsdp_launch("restarted", kill_rank_1_after_the_first_save)
+    assert killed and rc == 0, log.read_text()[-3000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
+    for step in range(3, STEPS + 1):  # trained again after the restart, from checkpoint-2's DCP shards
+        assert {k: records[step - 1][k] for k in COMPARED} == {k: reference[step - 1][k] for k in COMPARED}, step
+    failure, restart = read_incidents(out)
+    assert failure["event"] == "failure" and [d["rank"] for d in failure["died"]] == [1]
+    assert restart["event"] == "restart" and restart["resume_from"] == "checkpoint-2"
+    assert verify(resolve_latest(out)).ok
+
+
+def test_a_frozen_fsdp_rank_in_a_save_is_named_and_latest_stays_on_the_checkpoint_before(fsdp_launch):
+    rc, out, log = fsdp_launch("frozen", fault="stop@rank=1,step=4,phase=manifest", max_restarts=0)
+    assert rc != 0, log.read_text()[-3000:]
+    hang = next(e for e in read_incidents(out) if e["event"] == "hang")
+    [named] = hang["unresponsive"]
+    assert (named["rank"], named["step"], named["phase"]) == (1, 4, "manifest"), hang
+    assert named["pid"] and "no heartbeat" in named["reason"]
+    assert resolve_latest(out).name == "checkpoint-2" and verify(resolve_latest(out)).ok
+    assert not (out / "checkpoint-4" / MANIFEST).exists()
+
+
+def test_the_guard_skips_an_fsdp_step_without_moving_a_shard(fsdp_launch, reference, tmp_path):
+    rc, out, log = fsdp_launch("guard-skip", fault="nan@step=3", save_steps=1, guard={"on_nan": "skip"})
+    assert rc == 0, log.read_text()[-3000:]
+    records = read_metrics(out)
+    assert records[2]["loss"] is None and records[2]["guard"][0]["action"] == "skip"
+    assert all(r["loss"] is not None for r in records[3:])
+    assert [{k: r[k] for k in COMPARED} for r in records[:2]] == [{k: r[k] for k in COMPARED} for r in reference[:2]]
+    before, skipped, after = (_dcp(out / f"checkpoint-{step}", tmp_path) for step in (2, 3, 4))
+    assert any(".exp_avg" in k for k in before)  # the optimizer's moments are among the compared tensors
+    assert _same(before, skipped)  # not one parameter or Adam moment moved at step 3
+    assert not _same(skipped, after)
+    [event] = read_incidents(out)
+    assert (event["step"], event["action"], event["data_sha"]) == (3, "skip", records[2]["data_sha"])
+
