@@ -19,7 +19,9 @@ def recipe_options(recipe: Recipe, **overrides) -> dict:
     if switched is not None and switched != recipe.plan.backend:
         options = {k: v for k, v in options.items() if for_backend(k, switched)}
     options["transformer_impl"] = megatron_layers(recipe)
-    options.update({k: v for k, v in overrides.items() if v is not None})
+    options.update({k: v for k, v in overrides.items() if v is not None and k != "finetune"})
+    # what trains: the recipe's finetune section, with the fields given on the command line
+    options["finetune"] = {**recipe.finetune.model_dump(), **(overrides.get("finetune") or {})}
     return options
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime
@@ -17,7 +18,8 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
     return {
         "model": model.name,
         "family": model.family,
-        "params": {"total": counts.total, "embedding": counts.embedding, "active": counts.active},
+        "params": {"total": counts.total, "embedding": counts.embedding, "active": counts.active,
+                   "trainable": trainable_params(model, plan.finetune)},
         "plan": plan.as_dict(),
         "gpu": gpu.name,
         "gpu_memory_bytes": gpu.memory_bytes,

@@ -19,6 +19,7 @@ from pydantic import (
 from toolkit.errors import UserInputError, named_as
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.cluster import DEFAULT_GPU
+from toolkit.spec.finetune import FinetuneOptions, finetune_field, finetune_key
 from toolkit.spec.options import PlanOptions, default, default_text, option_name, recipe_key
 
 
@@ -152,6 +153,8 @@ class Recipe(_Strict):
     training: TrainingSection = Field(description="Hyper-parameters, schedule, logging and checkpointing.")
     plan: PlanSection = Field(PlanSection(), description="Parallel plan options, or `auto` for the planner's choice.")
     deepspeed: DeepSpeedSection = Field(DeepSpeedSection(), description="DeepSpeed-only options.")
+    finetune: FinetuneOptions = Field(FinetuneOptions(), description="What trains: every parameter, or LoRA / QLoRA "
+                                                                     "adapters on a frozen base (PEFT).")
     base_dir: str = Field(".", description="Set by the loader: the recipe's directory, for relative paths.")
 
     @field_validator("plan", mode="before")
@@ -234,6 +237,9 @@ def recipe_key_of(flag: str, overrides=()) -> str | None:
     None for a flag given on the command line (in `overrides`), which keeps its name."""
     if flag in _CLUSTER_FLAGS:
         return _CLUSTER_FLAGS[flag]
+    if (field := finetune_field(flag)) is not None:
+        given = (overrides.get("finetune") or {}) if isinstance(overrides, dict) else {}
+        return None if field in given else finetune_key(field)
     name = option_name(flag)
     return None if name is None or name in overrides else recipe_key(name)
 
