@@ -3,8 +3,9 @@
 A name is the module's path below a decoder layer (`self_attn.q_proj`), or below the model for the few linear
 modules outside the layers (OPT's `project_in` / `project_out`). Widths are sums of the spec's sizes: `hidden`,
 `q` (heads x head_dim), `kv` (kv heads x head_dim), `ffn` (the dense MLP) and `embed` (OPT's word_embed_proj_dim).
-Routed experts are 3-D parameters in transformers 5 (`MixtralExperts.gate_up_proj`), not linear modules, so a MoE
-layer offers only its attention to LoRA. The output head is never a target (PEFT's `all-linear` leaves it out).
+Routed experts are 3-D parameters in transformers 5 (`MixtralExperts.gate_up_proj`), not linear modules; PEFT 0.21
+adapts them through `target_parameters` when a target names an MLP projection or all-linear, which is not modelled:
+the MoE families (`MOE`) offer their attention projections only. The output head is never a target (PEFT's `all-linear` leaves it out).
 Checked against PEFT on random configs of every family (tests/unit/test_lora_params_vs_peft.py).
 """
 
@@ -30,9 +31,10 @@ def _llama_lineage() -> tuple[Linear, ...]:
 
 
 LLAMA = _llama_lineage()
+MOE = ("mixtral", "qwen3_moe")
 LINEARS: dict[str, tuple[Linear, ...]] = {
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gemma2": LLAMA,
-    "mixtral": LLAMA, "qwen3_moe": LLAMA,  # their MoE layers keep only the attention projections
+    "mixtral": LLAMA[:4], "qwen3_moe": LLAMA[:4],  # the attention projections
     "phi3": (Linear("self_attn.qkv_proj", "hidden", "q+kv+kv"), Linear("self_attn.o_proj", "q", "hidden"),
              Linear("mlp.gate_up_proj", "hidden", "ffn+ffn"), Linear("mlp.down_proj", "ffn", "hidden")),
     "gpt2": (Linear("attn.c_attn", "hidden", "q+kv+kv"), Linear("attn.c_proj", "q", "hidden"),  # Conv1D modules

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
 
 from toolkit.errors import UserInputError
-from toolkit.families.linears import LINEARS, Linear
+from toolkit.families.linears import LINEARS, MOE, Linear
 
 Method = Literal["full", "lora", "qlora"]
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module but the output head
@@ -94,6 +94,10 @@ def lora_linears(family: str, targets: tuple[str, ...]) -> tuple[Linear, ...]:
     if linears is None:
         raise UserInputError("--finetune", f"LoRA targets are declared for {', '.join(sorted(LINEARS))}, not for "
                                            f"model family '{family}'")
+    if ALL_LINEAR in targets and family in MOE:
+        raise UserInputError("--lora-target-modules", f"{ALL_LINEAR} on {family}: PEFT also adapts the routed experts' "
+                                                      f"3-D parameters then (target_parameters), which is not modelled; "
+                                                      f"name the attention projections (q_proj,k_proj,v_proj,o_proj)")
     if ALL_LINEAR in targets:
         if len(targets) > 1:
             raise UserInputError("--lora-target-modules", f"{ALL_LINEAR} already names every linear layer; give it "
