@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toolkit.errors import UserInputError
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import for_backend
 from toolkit.spec.plan import Plan, resolve_plan
@@ -34,5 +35,15 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, **overrides) -> Plan:
             from toolkit.planner.search import best_plan
             from toolkit.spec.cluster import get_gpu
 
-            return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **options)
-        return resolve_plan(model, recipe.cluster.gpus, **options)
+            plan = best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **options)
+        else:
+            plan = resolve_plan(model, recipe.cluster.gpus, **options)
+    check_data_format(recipe, plan)
+    return plan
+
+
+def check_data_format(recipe: Recipe, plan: Plan) -> None:
+    """Chat and prompt/completion data go through the HF Trainer's collators (loss masks, packed position ids)."""
+    if recipe.data.format != "text" and plan.backend == "megatron":
+        raise UserInputError("data.format", f"{recipe.data.format} data (loss on the answers only) trains through the "
+                                            f"HF Trainer: use plan.backend deepspeed or fsdp, or format: text")

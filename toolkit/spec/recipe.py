@@ -49,7 +49,21 @@ class TokenizerSection(_Strict):
 class DataSection(_Strict):
     train_files: list[str] = Field([], description="Local json/jsonl/text/parquet files (relative to the recipe).")
     hub_dataset: str | None = Field(None, description="A datasets hub id instead of local files (needs network).")
+    format: Literal["text", "chat", "prompt_completion"] = Field(
+        "text", description="text: plain text, every token trained, packed into blocks; chat: `messages` lists "
+                            "(role/content) rendered with the chat template, loss on the assistant tokens only; "
+                            "prompt_completion: two fields, loss on the completion only.")
     text_field: str = Field("text", description="Column holding the text in json/jsonl/parquet files.")
+    messages_field: str = Field("messages", description="chat: column holding the list of {role, content} messages.")
+    prompt_field: str = Field("prompt", description="prompt_completion: column holding the prompt.")
+    completion_field: str = Field("completion", description="prompt_completion: column holding the completion.")
+    chat_template: str | None = Field(None, description="chat: a Jinja chat template file (relative to the recipe) "
+                                                        "with {% generation %} markers around what the assistant "
+                                                        "says; default: the tokenizer's own (TRL's training variant "
+                                                        "where it has one), else ChatML.")
+    packing: bool = Field(True, description="chat / prompt_completion: pack several examples per sequence (position "
+                                            "ids restart per example, so neither attention nor the loss crosses an "
+                                            "example boundary); false: one example per sequence, padded.")
     eval_fraction: float = Field(0.05, ge=0, lt=0.5, description="Share of packed sequences held out for eval.")
     tokenizer: TokenizerSection = Field(TokenizerSection(), description="Which tokenizer, or how to train one.")
 
@@ -57,6 +71,8 @@ class DataSection(_Strict):
     def _one_source(self) -> "DataSection":
         if bool(self.train_files) == bool(self.hub_dataset):
             raise ValueError("set exactly one of data.train_files and data.hub_dataset")
+        if self.chat_template is not None and self.format != "chat":
+            raise ValueError("data.chat_template applies to format: chat")
         return self
 
 
