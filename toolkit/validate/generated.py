@@ -15,7 +15,7 @@ from toolkit.errors import UserInputError
 from toolkit.generate.files import PLAN_FILE, recipe_settings
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.model import ModelSpec
-from toolkit.spec.plan import Plan, validated
+from toolkit.spec.plan import Plan, finetune_options, validated
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
 
 
@@ -71,6 +71,7 @@ def _check_plan_against_recipe(plan: Plan, recipe: Recipe, model: ModelSpec, rec
     if recipe.plan.auto:
         expected = {k: v for k, v in recipe_options(recipe, **overrides).items() if v is not None}
         expected["gpus"] = recipe.cluster.gpus
+        expected["finetune"] = finetune_options(expected["finetune"]).model_dump(mode="json")
     else:
         expected = recipe_plan(recipe, model, **overrides).as_dict()
     stated = plan.as_dict()
