@@ -263,6 +263,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
+    if recipe.data.format != "text":  # packed chat / prompt-completion rows: each example attends to itself only
+        from toolkit.backends.sft_data import keep_examples_apart
+
+        keep_examples_apart(model)
     tokens_per_step = plan.global_batch * plan.seq_len
     fingerprints = BatchFingerprints(plan.grad_accum)
 

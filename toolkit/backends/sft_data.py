@@ -132,3 +132,9 @@ def sft_datasets(recipe: Recipe, tokenizer, rows, seq_len: int):
              len(splits[1]) if splits[1] is not None else 0, seq_len, "packed" if packing else "one example each")
     collator = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=packing)
     return splits[0], splits[1], collator
+
+
+def keep_examples_apart(model) -> None:
+    """Training needs no KV cache, and with one transformers' mask builder does not look for packed rows
+    (masking_utils: find_packed_sequence_indices runs only when past_key_values is None)."""
+    model.config.use_cache = False

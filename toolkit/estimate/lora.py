@@ -45,6 +45,8 @@ class FinetuneCounts:
     quantized_outside: int
     targeted_inputs: tuple[int, ...]  # per layer: the summed input widths of the targeted modules (dropout copies)
     targeted_modules: tuple[int, ...]  # per layer: how many modules carry adapters
+    linear_sizes: tuple[int, ...] = ()  # every linear weight of the base, in elements (ZeRO-3 persistence)
+    adapter_sizes: tuple[int, ...] = ()  # every lora_A and lora_B matrix, in elements
 
     @property
     def adapters(self) -> int:
@@ -61,6 +63,9 @@ def finetune_counts(spec: ModelSpec, finetune: FinetuneOptions) -> FinetuneCount
     every = LINEARS.get(spec.family, ())
     r = finetune.r
 
+    linear_sizes: list[int] = []
+    adapter_sizes: list[int] = []
+
     def tally(layer: int | None) -> tuple[int, int, int, int]:
         adapter = quantized = inputs = modules = 0
         for linear in every:
@@ -68,8 +73,10 @@ def finetune_counts(spec: ModelSpec, finetune: FinetuneOptions) -> FinetuneCount
                 continue
             fan_in, fan_out = _width(spec, linear.in_features), _width(spec, linear.out_features)
             quantized += fan_in * fan_out
+            linear_sizes.append(fan_in * fan_out)
             if linear in targets:
                 adapter += r * (fan_in + fan_out)
+                adapter_sizes.extend((r * fan_in, r * fan_out))
                 inputs += fan_in
                 modules += 1
         return adapter, quantized, inputs, modules
@@ -80,7 +87,8 @@ def finetune_counts(spec: ModelSpec, finetune: FinetuneOptions) -> FinetuneCount
         adapter_layers=tuple(p[0] for p in per_layer), adapter_outside=outside[0],
         quantized_layers=tuple(p[1] for p in per_layer) if finetune.method == "qlora" else (0,) * spec.num_layers,
         quantized_outside=outside[1] if finetune.method == "qlora" else 0,
-        targeted_inputs=tuple(p[2] for p in per_layer), targeted_modules=tuple(p[3] for p in per_layer))
+        targeted_inputs=tuple(p[2] for p in per_layer), targeted_modules=tuple(p[3] for p in per_layer),
+        linear_sizes=tuple(linear_sizes), adapter_sizes=tuple(adapter_sizes))
 
 
 def trainable_params(spec: ModelSpec, finetune: FinetuneOptions) -> int:
@@ -88,12 +96,6 @@ def trainable_params(spec: ModelSpec, finetune: FinetuneOptions) -> int:
     if not finetune.peft:
         return count_params(spec).total
     return finetune_counts(spec, finetune).adapters
-
-
-def base_bytes(spec: ModelSpec, finetune: FinetuneOptions, params: int, quantized: int, element_bytes: int) -> float:
-    """Bytes of `params` base parameters of which `quantized` are 4-bit linear weights (the rest, embeddings, norms,
-    biases and the head, stay at `element_bytes`)."""
-    return (params - quantized) * element_bytes + quantized * NF4_BYTES
 
 
 def adapter_forward_flops(spec: ModelSpec, finetune: FinetuneOptions, layer: int) -> float:

@@ -38,6 +38,9 @@ DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 DS_ALLGATHER_BUCKET_ELEMENTS = 500_000_000
 DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
 DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+# ZeRO-3 keeps a parameter of at most this many elements gathered on every rank, next to its partition
+# (stage3_param_persistence_threshold, deepspeed/runtime/zero/config.py): LoRA's A and B matrices mostly are
+DS_STAGE3_PERSISTENCE_THRESHOLD = 100_000
 # ZeRO-1/2 allocate their gradient buckets at full reduce_bucket_size, twice with overlap_comm (double buffering,
 # stage_1_and_2.py setup_buckets); the generated configs turn overlap_comm on.
 DS_OVERLAP_COMM = True
@@ -246,7 +249,14 @@ def _frozen_base_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_
         buffers["reduce_buckets"] = DS_REDUCE_BUCKET_ELEMENTS * w * (2 if DS_OVERLAP_COMM else 1)
         buffers["allgather_bucket"] = min(DS_ALLGATHER_BUCKET_ELEMENTS, adapters) * w
     if plan.zero == 3:
-        weights = (packed + adapters * w) / plan.dp + scales
+        # a 4-bit weight is a bf16 tensor of a quarter of its elements (two nf4 values per byte, two bytes each)
+        stored = 0.25 if plan.finetune.method == "qlora" else 1
+        persistent = sum(n * stored for n in counts.linear_sizes if n * stored <= DS_STAGE3_PERSISTENCE_THRESHOLD)
+        persistent_adapters = sum(n for n in counts.adapter_sizes if n <= DS_STAGE3_PERSISTENCE_THRESHOLD)
+        # ZeRO-3 casts nothing it did not build under zero.Init: PEFT's adapters on a bf16 base stay in the fp32 it
+        # upcasts them to (autocast_adapter_dtype); on a 4-bit base they stay in the compute dtype (measured)
+        a = FP32 if plan.finetune.method == "lora" else w
+        weights = (packed + adapters * a) / plan.dp + persistent * w + persistent_adapters * a + scales
         buffers["stage3_live_params"] = int(min(DS_STAGE3_MAX_LIVE_PARAMETERS * w, 2 * layer_bytes))
         buffers["stage3_prefetch_bucket"] = min(DS_STAGE3_PREFETCH_ELEMENTS, params.total) * w
         buffers["reduce_bucket"] = DS_REDUCE_BUCKET_ELEMENTS * w
