@@ -1,6 +1,6 @@
 """Fine-tuning for real on 2 CPU ranks: LoRA on chat data under DeepSpeed ZeRO-2 and QLoRA (a 4-bit bitsandbytes base)
 on prompt/completion data under ZeRO-3, each launched once and judged the way a user would: the loss on the answers
-falls, the checkpoint's adapter holds every module's tensors at the plan's rank with values moved from PEFT's init,
+falls (also for LoRA on FSDP2, whose parameters are checked to be DTensor shards), the checkpoint's adapter holds every module's tensors at the plan's rank with values moved from PEFT's init,
 PeftModel.from_pretrained puts it on the base, and `dmt convert merge-lora` equals PEFT's merge_and_unload()."""
 
 import json
@@ -28,13 +28,21 @@ def qlora(launch):
     return launch("qlora-zero3", "deepspeed", QLORA, "--max-steps", str(STEPS), "--save-steps", str(STEPS))
 
 
+@pytest.fixture(scope="module")
+def lora_fsdp(launch, generated):
+    """The same LoRA recipe on FSDP2, through the generated launch.sh under torchrun."""
+    out = generated(LORA, "--backend", "fsdp")
+    return launch("lora-fsdp", "launch.sh", LORA, "torchrun", "--max-steps", str(STEPS), "--save-steps", str(STEPS),
+                  config_dir=out)
+
+
 def _checkpoint(run):
     checkpoint = run.out / f"checkpoint-{STEPS}"
     assert (checkpoint / "adapter_model.safetensors").is_file(), run.tail()
     return checkpoint
 
 
-@pytest.mark.parametrize("which", ["lora", "qlora"])
+@pytest.mark.parametrize("which", ["lora", "qlora", "lora_fsdp"])
 def test_the_loss_on_the_answers_falls(which, request):
     run = request.getfixturevalue(which)
     losses = [record["loss"] for record in read_metrics(run.out)]
@@ -42,7 +50,7 @@ def test_the_loss_on_the_answers_falls(which, request):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
-@pytest.mark.parametrize("which", ["lora", "qlora"])
+@pytest.mark.parametrize("which", ["lora", "qlora", "lora_fsdp"])
 def test_the_adapter_is_whole_and_trained(which, request):
     """Every targeted module of every layer has lora_A (r x in) and lora_B (out x r), none empty (ZeRO-3 saves
     partitions as size-0 tensors when nothing gathers them), and every lora_B moved away from PEFT's zero init: the

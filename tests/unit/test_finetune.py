@@ -218,3 +218,12 @@ def test_checkpointed_layers_of_a_frozen_base_pass_gradients_to_every_adapter():
         adapter_grads(reentrant=True, input_grads=False)
     generated = adapter_grads(reentrant=False, input_grads=True)
     assert len(generated) == 14 and all(grad is not None and grad.abs().max() > 0 for grad in generated)
+
+
+def test_dmt_validate_refuses_a_zero3_config_that_would_save_the_adapter_empty(tmp_path, capsys):
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    assert main(["validate", str(tmp_path / "ds.json"), "--world-size", "2"]) == 0  # full training: fine
+    assert main(["validate", str(tmp_path / "ds.json"), "--world-size", "2", "--finetune", "lora"]) == 2
+    assert "stage3_gather_16bit_weights_on_model_save: is unset (false) under ZeRO-3" in capsys.readouterr().err

@@ -286,7 +286,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     if plan.finetune.peft:
         from toolkit.backends.peft_model import adapter_callback
 
-        callbacks.append(adapter_callback(plan.finetune))
+        callbacks.insert(0, adapter_callback(plan))  # FSDP2's adapter is written before the manifest lists the files
     if fsdp:
         from toolkit.backends.fsdp import sharding_callback
 

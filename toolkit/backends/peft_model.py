@@ -137,16 +137,31 @@ def adapter_problems(checkpoint: Path, finetune: FinetuneOptions) -> list[str]:
     return problems
 
 
-def adapter_callback(finetune: FinetuneOptions):
-    """After every save, on the main process: the adapter the checkpoint holds is whole (or training stops here,
-    rather than after hours of saving nothing)."""
+def save_sharded_adapter(model, checkpoint: Path, is_main: bool) -> None:
+    """FSDP2 checkpoints are DCP shards, and the HF Trainer writes no adapter beside them: every rank gathers the
+    adapters' DTensor shards (small: only the adapters), the main process saves them as PEFT does."""
+    from torch.distributed.tensor import DTensor
+
+    adapters = {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu()
+                for name, param in model.named_parameters() if param.requires_grad}
+    if is_main:
+        model.save_pretrained(checkpoint, state_dict=adapters)
+
+
+def adapter_callback(plan: Plan):
+    """After every save: FSDP2's adapter written beside its shards; then, on the main process, the adapter the
+    checkpoint holds is whole (or training stops here, rather than after hours of saving nothing)."""
     from transformers import TrainerCallback
 
+    finetune = plan.finetune
+
     class AdapterCheck(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
+        def on_save(self, args, state, control, model=None, **kwargs):
+            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if plan.backend == "fsdp":
+                save_sharded_adapter(model, checkpoint, state.is_world_process_zero)
             if not state.is_world_process_zero:
                 return
-            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             problems = adapter_problems(checkpoint, finetune)
             if problems:
                 raise RuntimeError(f"the adapter saved at step {state.global_step} is not whole: {problems[0]}")

@@ -91,7 +91,7 @@ def _check_view(path: Path, view: dict, plan: Plan) -> None:
 
 def read_generated(plan_path: Path, recipe_path: Path | None = None) -> GeneratedRun:
     """Read and check a generated directory through its plan.json; one UserInputError line on the first problem."""
-    from toolkit.validate.deepspeed import deepspeed_plan_view
+    from toolkit.validate.deepspeed import deepspeed_plan_view, finetune_problems
     from toolkit.validate.megatron import megatron_plan_view
     from toolkit.validate.trainer_args import trainer_plan_view
 
@@ -119,6 +119,8 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
         if name == "deepspeed.json":
             contents["deepspeed"] = read_json(path, what="the DeepSpeed config `dmt generate` writes")
             _check_view(path, deepspeed_plan_view(contents["deepspeed"]), plan)
+            for problem in finetune_problems(contents["deepspeed"], plan.finetune.method):
+                raise UserInputError(str(path), str(problem))
         elif name == "trainer_args.json":
             contents["trainer_args"] = read_json(path, what="the TrainingArguments `dmt generate` writes")
             _check_view(path, trainer_plan_view(contents["trainer_args"]), plan)
