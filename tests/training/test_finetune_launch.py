@@ -144,3 +144,31 @@ def test_merge_lora_of_a_qlora_adapter_is_within_two_nf4_roundings_of_peft_on_th
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
                                           checkpoint).merge_and_unload().state_dict()
     assert all(torch.equal(ours[name], reference[name]) for name in ours)  # the base as stored (fp32): bit for bit
+
+
+def test_restore_test_of_a_qlora_run_resumes_bit_for_bit(tmp_path, capsys):
+    """Reference run, SIGKILL right after the save at step 3, resume: adapters, their optimizer states, the data order
+    and the 4-bit base come back, steps 4-6 identical to the bit."""
+    code = main(["restore-test", "--recipe", str(QLORA), "--steps", "6", "--save-at", "3", "--workdir",
+                 str(tmp_path / "restore"), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["identical"], result["mismatches"]
+
+
+def test_fsdp_shards_the_adapters_and_holds_what_the_estimate_says(lora_fsdp):
+    """sharding.json (what each rank held after its first step) against the memory model: the adapters' fp32 shards,
+    their gradients and AdamW's two moments, each 1/2 of the adapters per rank."""
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
+
+    recipe = load_recipe(LORA)
+    model = recipe_model(recipe)
+    plan = recipe_plan(recipe, model, backend="fsdp")
+    predicted = estimate_memory(model, plan)
+    ranks = json.loads((lora_fsdp.out / "sharding.json").read_text())["ranks"]
+    for rank in ranks:
+        assert rank["sharded"] == rank["parameters"] == 28  # every adapter matrix is a DTensor shard
+        assert rank["gradient_bytes"] == predicted.gradients
+        assert rank["optimizer_bytes"] >= predicted.optimizer  # + AdamW's 0-dim step tensors
+        assert rank["optimizer_bytes"] - predicted.optimizer <= 8 * 28

@@ -11,6 +11,9 @@ from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 
 MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x GPUs x dense peak)"
+# LoRA's useful work: the frozen base's forward and input gradients, attention's three passes, the adapters' three
+FINETUNE_MFU_NOTE = ("fine-tuning FLOPs without recomputation (2 x base matmuls, 3 x attention and adapters) / (step "
+                     "time x GPUs x dense peak)")
 
 
 def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: StepTime, gpu: GPU) -> dict:
@@ -33,7 +36,7 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
         "tokens_per_s": time.tokens_per_s,
         "tflops_per_gpu": time.tflops_per_gpu,
         "mfu": time.mfu,
-        "mfu_definition": MFU_NOTE,
+        "mfu_definition": FINETUNE_MFU_NOTE if plan.finetune.peft else MFU_NOTE,
         "step_time_breakdown_s": {k: getattr(time, k) for k in STEP_COMPONENTS},
     }
 
@@ -62,6 +65,7 @@ def plan_label(plan: Plan) -> str:
         parts += ["+sp"] if plan.sequence_parallel else []
         parts += ["+dopt"] if plan.distributed_optimizer else []
     parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]
+    parts += [f"{plan.finetune.method}-r{plan.finetune.r}"] if plan.finetune.peft else []
     return " ".join(parts)
 
 
