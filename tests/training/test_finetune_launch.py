@@ -99,9 +99,9 @@ def test_peft_loads_the_adapter_onto_the_base_and_merge_lora_equals_merge_and_un
 
 # PEFT merges into a 4-bit base by dequantising it, adding the delta and quantising again; `dmt convert merge-lora` adds
 # the same delta to the weights the 4-bit base was quantised from. They differ by two nf4 roundings, the base's and
-# PEFT's requantisation: on the tiny QLoRA run ~0.13 of each weight's norm (nf4 alone rounds a random-init weight by
-# ~0.09 of its norm); the bound stated: 0.35, and never more than the two roundings together.
-NF4_MERGE_TOLERANCE = 0.35
+# PEFT's requantisation: on the tiny QLoRA run 0.13 to 0.31 of a weight's norm (nf4 alone rounds a random-init weight by
+# 0.09 to 0.24 of its norm); the bound stated: 0.5, and never more than the two roundings together.
+NF4_MERGE_TOLERANCE = 0.5
 
 
 def test_merge_lora_of_a_qlora_adapter_is_within_two_nf4_roundings_of_peft_on_the_4bit_base(qlora, tmp_path):
