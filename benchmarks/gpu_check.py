@@ -11,6 +11,10 @@ step time, and puts them beside `dmt estimate`'s figures for the same recipe and
 - time: the predicted step time (catalogue peak of the GPU named in the recipe, efficiency curve of
   toolkit/estimate/efficiency.py) against the median measured step after warm-up.
 
+With `--cross-validate`, each case is then re-predicted with a calibration (`dmt calibrate`) fitted on the other
+cases of its execution path (leave-one-out, as benchmarks/calibration_cpu.py does on a CPU host): a case's run
+directory keeps metrics.jsonl and run_plan.json (its checkpoints are removed).
+
 It also times bf16 GEMMs of transformer shapes and prints the fraction of the catalogue's dense peak they reach
 beside `gemm_efficiency`, the curve the step-time model uses (that curve is calibrated on end-to-end training
 throughput, so it sits below the bare GEMM), and runs `dmt health --nproc 1` (NCCL, one rank: the matmul and
@@ -52,6 +56,8 @@ def recipe_text(name: str, corpus: Path, gpu: str, steps: int) -> str:
     preset, backend, seq, micro, accum, zero, recompute = CASES[name]
     plan = [f"backend: {backend}", f"micro_batch: {micro}", f"recompute: {recompute}", "precision: bf16"]
     plan += [f"zero: {zero}"] if zero is not None else []
+    # Transformer Engine is not on every GPU image; Megatron-Core's own modules then
+    plan += ["transformer_impl: local"] if backend == "megatron" and not _has_te() else []
     return "\n".join([
         f"name: {name}",
         f"model: {{source: {preset}}}",
@@ -60,8 +66,6 @@ def recipe_text(name: str, corpus: Path, gpu: str, steps: int) -> str:
         f"training: {{seq_len: {seq}, global_batch: {micro * accum}, max_steps: {steps}, learning_rate: 1.0e-4, "
         f"logging_steps: 1, save_steps: 0}}",
         "plan: {" + ", ".join(plan) + "}",
-        # Transformer Engine is not on every GPU image; Megatron-Core's own modules then
-        *(["megatron: {transformer_impl: local}"] if backend == "megatron" and not _has_te() else []),
     ]) + "\n"
 
 
@@ -72,21 +76,15 @@ def _has_te() -> bool:
 
 
 def predicted(recipe_path: Path) -> dict:
-    from toolkit.estimate.comm import Network
-    from toolkit.estimate.memory import estimate_memory
-    from toolkit.estimate.timing import step_time
-    from toolkit.spec.cluster import get_gpu
-    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_plan
+    """The prediction plan.json and the run's run_plan.json record for the recipe (toolkit.planner.recipe)."""
+    from toolkit.planner.recipe import recipe_plan, recipe_prediction
+    from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(recipe_path)
     model = recipe_model(recipe)
-    plan = recipe_plan(recipe, model)
-    gpu = get_gpu(recipe.cluster.gpu)
-    memory = estimate_memory(model, plan)
-    network = Network.from_catalogue(gpu, gpus_per_node=1)
-    timing = step_time(model, plan, gpu, network)
-    return {"memory": memory.as_dict(), "overhead": memory.overhead_detail, "step_time_s": timing.total_s,
-            "mfu": timing.mfu}
+    record = recipe_prediction(recipe, model, recipe_plan(recipe, model))
+    return {"memory": record["memory_bytes"], "overhead": record["overhead_bytes"],
+            "step_time_s": record["step_time_s"], "mfu": record["mfu"]}
 
 
 def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:
@@ -129,7 +127,9 @@ def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:
     result["memory_error"] = allocated_side / result["measured_max_allocated"] - 1
     result["reserved_error"] = reserved_side / result["measured_max_reserved"] - 1
     result["time_error"] = estimate["step_time_s"] / result["measured_step_s"] - 1
-    shutil.rmtree(out, ignore_errors=True)  # the final checkpoint: tens of GB
+    for checkpoint in out.glob("checkpoint-*"):  # tens of GB; metrics.jsonl and run_plan.json stay for calibrate
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    result["run_dir"] = str(out)
     return result
 
 
@@ -170,6 +170,8 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--skip-health", action="store_true")
     parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="re-predict every case with a calibration fitted on the other cases of its path")
     args = parser.parse_args()
     import torch
 
@@ -191,7 +193,18 @@ def main() -> int:
         report["cases"].append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("estimate",)}, default=str), flush=True)
         args.out.write_text(json.dumps(report, indent=2, default=str))
+    if args.cross_validate:
+        from calibration_cpu import leave_one_out
+
+        runs = {r["case"]: Path(r["run_dir"]) for r in report["cases"] if "run_dir" in r}
+        report["leave_one_out"] = {name: {"measured_step_s": r["measured"]["step_time_s"],
+                                          "predicted_step_s": r["predicted"]["step_time_s"],
+                                          "error": r["error"]["step_time"], "calibration": r["calibration"]}
+                                   for name, r in leave_one_out(runs, args.work).items()}
     args.out.write_text(json.dumps(report, indent=2, default=str))
+    for name, row in report.get("leave_one_out", {}).items():
+        print(f"{name}: calibrated on the other cases of its path: step {row['measured_step_s']:.3f} s vs "
+              f"{row['predicted_step_s']:.3f} s ({row['error']:+.1%})")
     for row in report["gemm"]:
         print(f"gemm h={row['hidden']:>5} tokens={row['tokens']:>5}: {row['tflops']:6.0f} TFLOP/s "
               f"= {row['fraction_of_peak']:.2f} of peak; model {row['model_efficiency']:.2f}")

@@ -1,9 +1,12 @@
-"""Predicted step time and plan rank against published Megatron-LM and Llama 3 training runs.
+"""Predicted step time and plan rank against published training runs of every execution path.
 
 Run: .venv/bin/python benchmarks/step_time_accuracy.py [--write benchmarks/step_time_accuracy.md]
 Prints, for each reference row of benchmarks/step_time_references.yaml, the published step time (implied by the
-published TFLOP/s per GPU), the predicted one, the error, and where `dmt plan` ranks the published layout for that
-model and cluster. Also times the full search for Llama 3.1 405B on 16,384 H100s.
+published TFLOP/s or tokens/s per GPU where the source gives no step time), the predicted one, the error, and for the
+Megatron-LM and Llama 3 rows where `dmt plan` ranks the published layout for that model and cluster; then the modern
+H100 rows of each execution path (Megatron-Core + Transformer Engine, HF/eager modules under DeepSpeed and FSDP2,
+Megatron-Core's local spec), and the published rows the model cannot reach yet, with the reason. Also times the full
+search for Llama 3.1 405B on 16,384 H100s.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.estimate.comm import Network
+from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
 from toolkit.estimate.flops import model_flops_per_token
 from toolkit.estimate.memory import estimate_memory
 from toolkit.estimate.timing import step_time
@@ -51,10 +55,27 @@ Notes on the misses and on the Llama 3 layout:
   MFU predicted against the published 38% (it was -40% and 64% while attention ran at GEMM efficiency). The rest
   may be the ring exchange, which is not perfectly hidden, and the paper does not say whether its TFLOP/s count the
   causal half (which would shrink the published step by 30%).
-- The Megatron GPT rows moved up by 1-5% with the attention kernels' own efficiency (seq 2048, attention 2-8% of
-  their FLOPs). The 7.5B row (TP 4, hidden 4096: the narrowest GEMMs of the table) is now over-predicted by 17.5%,
-  the largest rows (PP 35 and 64) by 16%: the paper does not list micro-batch sizes or whether the interleaved
-  schedule was used for Table 1; micro-batch 1 and VPP 1 are assumed here.
+- The Megatron GPT rows: the paper does not list micro-batch sizes or whether the interleaved schedule was used for
+  Table 1; micro-batch 1 and VPP 1 are assumed here. The largest rows (PP 35 and 64) are over-predicted by 16%. The
+  1.7B row (TP 1: its data-parallel group of 32 spans 4 nodes with all 8 GPUs of each) moved from -2% to -18% when
+  rings across nodes began to use every NIC of a node (toolkit/estimate/comm.py: 8 x 25 GB/s HDR per DGX A100
+  instead of one): its gradient all-reduce is now ~0.1 s, and what is left of the gap is its narrow GEMMs (hidden
+  2304) running faster in the paper than the width curve allows.
+- Execution paths (toolkit/estimate/efficiency.py). megatron-te: the Megatron-LM, Llama 3 and Megatron-Bridge rows.
+  The Bridge rows use Transformer Engine's TP communication overlap (userbuffers), which the toolkit's generated
+  configs do not enable and the model does not credit; FP8 runs every GEMM and the attention at the fp8 peak times
+  the same curve, which these rows support (-3% and +3%). The Qwen3 MoE row ran Bridge's HybridEP dispatcher; the
+  model sends each rank's expert tokens through its own NIC for the share bound for the other node (+1%).
+- hf: HF or eager PyTorch modules. The eager rate (0.57 of the fused one) fits torchtitan's one-node Llama 3.1 8B row
+  and the toolkit's own DeepSpeed run on one H100 alike (+1% each); torchtitan's machines were Grand Teton H100s
+  with 96 GB of HBM2e at 2.4 TB/s and a 500 W power limit, with selective (op) activation checkpointing (82.4 GiB:
+  "fits" is False for an 80 GB H100), which make that row slower than an H100 SXM at 700 W, so the rate is if
+  anything conservative for the HF Trainer on SXM parts. NeMo AutoModel's Llama 3 70B row runs HF model code with
+  Transformer Engine's kernels and torch.compile, so it is predicted on the fused rate; its CP 2 under FSDP2 is
+  outside the fsdp backend's rules and is patched into the plan for the step model only.
+- megatron-local: Megatron-Core's local spec without Apex: the eager rate plus the unfused attention's memory
+  traffic, counted per score element from Megatron-Core 0.16.1's code (UNFUSED_ATTENTION_*_BYTES): -5% (the model
+  had it 3.9x too fast before the paths).
 """
 
 
@@ -130,23 +151,59 @@ def llama_rows(refs: dict) -> list[dict]:
     return rows
 
 
+def path_rows(refs: dict) -> list[dict]:
+    """Modern H100 rows: the published layout resolved as a toolkit plan (the fastest VPP split where pp > 1), any
+    layout the toolkit's rules do not offer patched in, evaluated on the reference's kernels."""
+    gpu = get_gpu(refs["gpu"])
+    rows = []
+    for ref in refs["rows"]:
+        model = load_model_spec(ref["model"])
+        options = dict(ref["plan"])
+        vpp = options.pop("vpp", 1)
+        splits = pipeline_splits(model.num_layers, options["pp"], megatron=True) if options.get("pp", 1) > 1 else [({}, [1])]
+        plans = [resolve_plan(model, ref["gpus"], vpp=vpp, **split, **options) for split, vpps in splits if vpp in vpps]
+        plans = [plan.model_copy(update=ref.get("outside_rules", {})) for plan in plans]
+        path = EXECUTION_PATHS[ref["path"]] if "path" in ref else None
+        predicted_s, plan = min(((step_time(model, plan, gpu, network_for(gpu), path).total_s, plan) for plan in plans),
+                                key=lambda v: v[0])
+        published = ref.get("published") or (plan.global_batch * plan.seq_len
+                                              / (ref["tokens_per_s_per_gpu"] * plan.gpus))
+        kernels = (path or execution_path(plan.backend, plan.transformer_impl)).name
+        patched = ", ".join(f"{k} {v}" for k, v in ref.get("outside_rules", {}).items())
+        rows.append(dict(name=ref["name"], published_s=published, predicted_s=predicted_s,
+                         fits=estimate_memory(model, plan).total <= gpu.memory_bytes, rank=None, fitting=None,
+                         gap=None, how=f"{kernels}{f'; outside the rules: {patched}' if patched else ''}",
+                         source=ref["source"]))
+    return rows
+
+
 def report() -> None:
     refs = yaml.safe_load((HERE / "step_time_references.yaml").read_text())
-    rows = megatron_rows(refs["megatron_gpt"]) + llama_rows(refs["llama3_405b"])
+    rows = megatron_rows(refs["megatron_gpt"]) + llama_rows(refs["llama3_405b"]) + path_rows(refs["h100_paths"])
     print(f"machine: {platform.node()} {platform.machine()} python {platform.python_version()}")
     print("| reference | published step s | predicted step s | error | fits | rank of published layout | "
-          "slower than the winner | its recompute | source |")
+          "slower than the winner | its recompute (Megatron-LM, Llama 3) or kernels | source |")
     print("|---|---:|---:|---:|---|---:|---:|---|---|")
     errors = []
     for r in rows:
         error = (r["predicted_s"] - r["published_s"]) / r["published_s"]
         errors.append(abs(error))
-        rank = f"{r['rank']} of {r['fitting']}" if r["rank"] else f"not fitting ({r['fitting']} fit)"
-        print(f"| {r['name']} | {r['published_s']:.2f} | {r['predicted_s']:.2f} | {error:+.1%} | {r['fits']} | {rank} | "
-              f"{r['gap']:.1%} | {r['how']} | {r['source']} |")
+        if r["fitting"] is None:
+            rank = gap = "-"
+        else:
+            rank = f"{r['rank']} of {r['fitting']}" if r["rank"] else f"not fitting ({r['fitting']} fit)"
+            gap = f"{r['gap']:.1%}"
+        print(f"| {r['name']} | {r['published_s']:.3g} | {r['predicted_s']:.3g} | {error:+.1%} | {r['fits']} | {rank} | "
+              f"{gap} | {r['how']} | {r['source']} |")
+    print("\nPublished rows the model cannot reach yet:\n\n| reference | why |\n|---|---|")
+    for row in refs["h100_paths"]["unreachable"]:
+        print(f"| {row['reference']} | {row['why']} |")
     print(NOTES)
-    within = sum(e <= 0.15 for e in errors)
-    print(f"\n{within} of {len(errors)} rows within 15%; median |error| {sorted(errors)[len(errors) // 2]:.1%}")
+    errors.sort()
+    median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
+    print(f"\n{sum(e <= 0.10 for e in errors)} of {len(errors)} rows within 10%, {sum(e <= 0.15 for e in errors)} within "
+          f"15%, {sum(e <= 0.20 for e in errors)} within 20% (target: median <= 10%, none beyond 20%); median |error| "
+          f"{median:.1%}, largest {errors[-1]:.1%}")
 
     model, gpu = load_model_spec("llama-3.1-405b"), get_gpu("h100-80gb")
     start = time.perf_counter()

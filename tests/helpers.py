@@ -54,3 +54,87 @@ def tiny_llama_config(**overrides) -> dict:
     )
     config.update(overrides)
     return config
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows (one dict per wandb.log call) of the one offline wandb run under `run_dir`/wandb, read from
+    its .wandb file: wandb's record log (LevelDB log format: a 7-byte ':W&B' header, then 32 KiB blocks of records
+    with a 7-byte header each: crc32, length, type FULL/FIRST/MIDDLE/LAST) of `wandb_internal_pb2.Record`s."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = list((Path(run_dir) / "wandb").glob("offline-run-*/*.wandb"))
+    data, block, position, pending, records = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B", path
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:  # a block's tail too short for a header is padding
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if length == 0 and kind == 0:
+            position += left
+            continue
+        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind in (2, 3):
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+            pending = b""
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+def launch_watched(cmd: list[str], log: Path, act, changes: dict | None = None, timeout: float = 600) -> int:
+    """Run a launcher with its output in `log`; every 50 ms `act(process)` may act on its ranks (stop or kill one)
+    until it returns True. The launcher's exit code (the run is killed whole past `timeout`)."""
+    import signal
+    import time
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    env.update(changes or {})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    done, deadline = False, time.monotonic() + timeout
+    with open(log, "w") as handle:
+        process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            while process.poll() is None and time.monotonic() < deadline:
+                done = done or bool(act(process))
+                time.sleep(0.05)
+        finally:
+            if process.poll() is None:
+                for child in rank_processes(process):
+                    child.kill()
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode
+
+
+def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list:
+    """The training processes (toolkit/train.py) below a launcher: all, or the one of `rank` in the launcher's
+    first attempt (their environment says which)."""
+    import psutil
+
+    found = []
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for child in children:
+        try:
+            environ, cmdline = child.environ(), " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "train.py" not in cmdline or "RANK" not in environ:
+            continue
+        if rank is None or (environ["RANK"] == str(rank) and environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt):
+            found.append(child)
+    return found

@@ -1,5 +1,7 @@
 """The one exception type for bad user input; the CLI turns it into exit code 2 and one line."""
 
+import re
+
 
 class UserInputError(ValueError):
     """Input the user can fix. `key` names the flag, file or dotted config key at fault."""
@@ -33,3 +35,18 @@ class named_as:  # noqa: N801 (used as `with named_as({...}):`)
             if renamed is not exc:
                 raise renamed from None
         return False
+
+
+# The one line a toolkit worker prints before it exits on bad input (toolkit/train.py, `dmt health` ranks), or
+# when the NaN/spike guard stops training
+_WORKER_LINE = re.compile(r"^(?:train\.py|dmt [a-z-]+): (?:error|stopped by the guard): (.+?)\s*$")
+
+
+def worker_error(log_text: str, where: str) -> UserInputError | None:
+    """The last such line in a worker's output, as this command's own error (`where`: which launch, its log), so a
+    launcher's failure reads as the worker's reason and not only 'see LOG'; None when the worker printed none."""
+    lines = [match.group(1) for match in map(_WORKER_LINE.match, log_text.splitlines()) if match]
+    if not lines:
+        return None
+    key, _, message = lines[-1].partition(": ")
+    return UserInputError(key, f"{message} ({where})") if message else UserInputError(where, key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 trained, 1 a failure (incident.json says which rank), 2 bad input, 3 a hang the watchdog ended,
+    4 stopped by the NaN/spike guard."""
+    from toolkit.runtime.guard import GuardStop
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
@@ -45,11 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
+    except GuardStop as exc:
+        print(f"train.py: stopped by the guard: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         _destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> int:
+    from toolkit.runtime.guard import GuardStop
+
     for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
         if value is not None and value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
@@ -59,18 +69,81 @@ def _run(args: argparse.Namespace) -> int:
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     output_dir = args.output_dir or Path("runs") / recipe.name
-    if run.plan.backend == "megatron":
-        from toolkit.backends.megatron_core import train as train_megatron
+    throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
+    watch = _watched(output_dir, recipe.training.hang_timeout_s)
+    try:
+        if run.plan.backend == "megatron":
+            from toolkit.backends.megatron_core import train as train_megatron
 
-        summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron)
-    else:
-        from toolkit.backends.hf_trainer import train
+            summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron, throughput,
+                                     watch)
+        else:
+            from toolkit.backends.hf_trainer import train
 
-        trainer_args = run.trainer_args and {**run.trainer_args, **updates}
-        summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
-                        trainer_args)
+            trainer_args = run.trainer_args and {**run.trainer_args, **updates}
+            summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
+                            trainer_args, throughput, watch)
+    except BaseException as exc:
+        # rank 0's run_plan.json says how the launch ended before the watchdog ends this process
+        _record_end(output_dir, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if isinstance(exc, UserInputError):  # on one rank while the others may already wait for it in a collective
+            watch.fail(exc, code=2, line=f"train.py: error: {exc}")
+        elif isinstance(exc, Exception) and not isinstance(exc, GuardStop):  # the guard stops every rank at once
+            watch.fail(exc)
+        raise
+    finally:
+        watch.finish()
+    _record_end(output_dir, "completed")
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
+
+
+def _rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
+    """Rank 0 keeps the prediction this launch trains against in the run directory (run_plan.json: plan.json's record
+    with `--plan`, else the same prediction made now); every rank gets what turns its step times into tokens/s and
+    MFU (the peak only where the device is the one predicted for, and only on rank 0, which writes metrics)."""
+    from toolkit.runtime.metrics import Throughput, run_throughput, start_run_record
+
+    if not _rank_zero():
+        return Throughput(run.plan.global_batch * run.plan.seq_len)
+    prediction = run.prediction
+    if prediction is None:
+        from toolkit.planner.recipe import recipe_prediction
+        from toolkit.spec.recipe import recipe_calibration
+
+        prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe))
+    prediction = {"model_spec": run.model.model_dump(mode="json"), **prediction}  # a plan.json of an older toolkit
+    start_run_record(output_dir, prediction, {
+        "argv": argv, "plan_json": str(run.directory / "plan.json") if run.prediction is not None else None,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")), "accelerator": recipe.cluster.accelerator,
+        "max_steps": recipe.training.max_steps})
+    return run_throughput(run.model, run.plan, prediction, recipe.cluster.accelerator)
+
+
+def _record_end(output_dir: Path, status: str, detail: str | None = None) -> None:
+    if _rank_zero():
+        from toolkit.runtime.metrics import end_run_record
+
+        end_run_record(output_dir, status, detail)
+
+
+def _watched(output_dir: Path, hang_timeout_s: float):
+    """This rank's training watchdog; on GPUs, torch's NCCL flight recorder on (unless the environment says
+    otherwise) so that a hang's report keeps each rank's record of its last collectives."""
+    import torch
+
+    from toolkit.runtime.incident import flight_recorder_environment, last_words_dir
+    from toolkit.runtime.supervision import TrainingWatchdog
+
+    if torch.cuda.is_available():
+        for name, value in flight_recorder_environment(output_dir).items():
+            os.environ.setdefault(name, value)
+        last_words_dir(output_dir).mkdir(parents=True, exist_ok=True)
+    return TrainingWatchdog(output_dir, hang_timeout_s)
 
 
 def _generated(args: argparse.Namespace):

@@ -10,7 +10,7 @@ import pytest
 
 from fsdp_helpers import BIN, STEPS, environment
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 
 
 @pytest.fixture(scope="module")

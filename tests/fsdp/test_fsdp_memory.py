@@ -13,7 +13,7 @@ import pytest
 from fsdp_helpers import TINY_FSDP
 from toolkit.backends.fsdp import SHARDING_FILE
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launch
 HELD = {"weights": "local_bytes", "gradients": "gradient_bytes", "optimizer": "optimizer_bytes"}
 
 

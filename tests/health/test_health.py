@@ -20,7 +20,7 @@ from toolkit.health.checks import match_gpu, parse_cpulist
 from toolkit.health.collectives import bandwidths, element_count, ring_pair_phases
 from toolkit.health.options import HealthOptions, rank_env
 from toolkit.health.report import judge, thresholds_for
-from toolkit.health.watchdog import Beat, LivenessTracker, Observation, find_unresponsive, parse_beat
+from toolkit.runtime.watchdog import Beat, LivenessTracker, Observation, find_unresponsive, parse_beat
 
 DMT = [sys.executable, "-m", "toolkit"]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -214,12 +214,15 @@ def test_bad_input_is_one_line_and_exit_2(flags, named):
 
 @pytest.mark.launch
 def test_two_local_ranks_are_healthy(tmp_path):
+    """Read through a pipe, as in a CI or Slurm log: the table keeps a host name longer than any terminal whole."""
     out = tmp_path / "health.json"
+    host = "node-" + "with-a-name-longer-than-any-table-column-" * 4 + "7"
     result = subprocess.run([*DMT, "health", "--nproc", "2", "--sizes", "1K,1M,4M", "--output", str(out), *CALM],
-                            capture_output=True, text=True, timeout=180)
+                            capture_output=True, text=True, timeout=180, env=dict(os.environ, DMT_HEALTH_HOSTNAME=host))
     report = json.loads(out.read_text())
     assert result.returncode == 0 and report["ok"], report["problems"]
     assert "healthy" in result.stdout and "busbw GB/s" in result.stdout  # the human table
+    assert report["hosts"] == [host] and host in result.stdout and "…" not in result.stdout
     assert report["world_size"] == 2 and report["phase"] == "complete" and report["unresponsive"] == report["died"] == []
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv"):
         rows = report["collectives"][op]

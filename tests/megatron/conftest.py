@@ -55,7 +55,8 @@ def torchrun(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def distopt_recipe(megatron_recipe):
-    return megatron_recipe("tiny-megatron-distopt", plan={"distributed_optimizer": True})
+    return megatron_recipe("tiny-megatron-distopt", plan={"distributed_optimizer": True},
+                           training={"report_to": ["wandb"]})
 
 
 @pytest.fixture(scope="session")

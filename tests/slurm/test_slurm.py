@@ -39,7 +39,9 @@ def _fake_bin(tmp_path: Path) -> Path:
 
 # launcher -> what every node's command line must hold, for node index {node} of {nodes} (8 GPUs each)
 LAUNCH_CHECKS = {
-    "torchrun": ("--nnodes={nodes}", "--node_rank={node}", "--nproc_per_node=8", "--master_addr=gpu001 --master_port={port}"),
+    # torchrun's c10d rendezvous at node 0 assigns the node ranks (and serves its restarts)
+    "torchrun": ("--nnodes={nodes}", "--nproc_per_node=8", "--max-restarts=3", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=gpu001:{port}", "--rdzv-id=123456"),
     "accelerate": ("launch --config_file", "--num_machines={nodes}", "--machine_rank={node}",
                    "--num_processes={world}", "--main_process_ip=gpu001 --main_process_port={port}"),
     "deepspeed": ("--no_ssh", "--num_nodes={nodes}", "--node_rank={node}", "--num_gpus=8",

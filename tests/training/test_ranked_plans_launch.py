@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from helpers import TINY
+from toolkit.backends.fsdp import SHARDING_FILE
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
@@ -75,4 +76,8 @@ def test_one_plan_per_searched_option_value_trains_two_steps(tiny4, launch, caps
         latest = resolve_latest(run.out)
         if steps != [1, 2] or latest is None or not verify(latest).ok or run.rc != 0:
             failures.append(f"{json.dumps(plan)}: steps {steps}, rc {run.rc}\n{run.tail(25)}")
+        elif plan["backend"] == "fsdp":  # what fully_shard was given, read from the prepared model on every rank
+            policies = {r["offload_policy"] for r in json.loads((run.out / SHARDING_FILE).read_text())["ranks"]}
+            if policies != {"CPUOffloadPolicy" if plan["offload_params"] == "cpu" else "OffloadPolicy"}:
+                failures.append(f"{json.dumps(plan)}: FSDP2 offload policies {policies}")
     assert not failures, "\n\n".join(failures)

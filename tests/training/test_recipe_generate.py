@@ -278,7 +278,7 @@ def test_launch_script_keeps_hostile_paths_whole_and_runs_nothing_in_them(tmp_pa
         argv = json.loads((tmp_path / f"{launcher}.json").read_text())
         tail = argv[argv.index("--recipe"):]
         assert tail == ["--recipe", str(recipe), "--plan", str(out / "plan.json"), "--output-dir", str(out / "run"),
-                        "--resume", "auto"], tail
+                        "--resume", "auto", "--resume", "auto"], tail  # launch.sh's own, then the one given
     assert not list(tmp_path.rglob("PWNED"))
     broken = tmp_path / "line\nbreak"
     assert main(["generate", str(recipe), "--out", str(broken)]) == 2

@@ -9,18 +9,26 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, wandb_history
 from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 
 pytestmark = pytest.mark.launch
-METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s"}
+METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "step_time_s", "tokens_per_s", "mfu", "data_wait_s"}
 STEPS = 20  # enough for the tiny corpus's loss to fall clearly, few enough for a loaded 2-core machine
 # A generated DeepSpeed JSON carries the recipe's schedule (total_num_steps 30): a launch with it keeps max_steps,
 # since train.py refuses a --max-steps that disagrees with an explicit total_num_steps (HF Trainer would too)
 RECIPE_STEPS = 30
 TRAIN = ROOT / "toolkit" / "train.py"
+
+
+def assert_step_cost(record: dict, tokens_per_step: int = 16 * 64) -> None:
+    """What a step cost: its time, tokens/s from it, the data-loader wait inside it; the tiny recipe names an H100
+    but trains on CPU ranks, so its MFU has no catalogue peak (null) and no CUDA allocator keys are written."""
+    assert record["step_time_s"] > 0 and 0 <= record["data_wait_s"] < record["step_time_s"]
+    assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"])
+    assert record["mfu"] is None and not [key for key in record if key.startswith("gpu_")]
 
 
 def assert_trained(run, steps: int = STEPS, zero: int | None = None) -> list[dict]:
@@ -29,6 +37,7 @@ def assert_trained(run, steps: int = STEPS, zero: int | None = None) -> list[dic
     for record in records:
         assert METRIC_KEYS <= set(record)
         assert record["loss"] > 0 and record["grad_norm"] > 0 and record["learning_rate"] >= 0
+        assert_step_cost(record)
     assert all(r["tokens_per_s"] > 0 for r in records[1:])
     first = sum(r["loss"] for r in records[:3]) / 3
     last = sum(r["loss"] for r in records[-3:]) / 3
@@ -68,10 +77,20 @@ def test_cpu_ranks_leave_no_deepspeed_shared_memory_behind(launch, wandb_recipe)
 
 
 def test_wandb_logs_offline_when_no_api_key_is_configured(launch, wandb_recipe):
+    """...and it gets the figures metrics.jsonl has, step by step: loss, step time, tokens/s, data-loader wait (the
+    MFU is null here, so it is not logged)."""
     run = deepspeed_run(launch, wandb_recipe, 2)
     offline_runs = list((run.out / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1, run.tail()  # rank 0 only, under the output directory
     assert list(offline_runs[0].glob("*.wandb"))
+    logged = {row["train/global_step"]: row for row in wandb_history(run.out) if "train/loss" in row}
+    records = read_metrics(run.out)
+    assert sorted(logged) == [r["step"] for r in records]
+    for record in records:
+        row = logged[record["step"]]
+        for key in ("loss", "step_time_s", "tokens_per_s", "data_wait_s"):
+            assert row[f"train/{key}"] == pytest.approx(record[key]), key
+        assert "train/mfu" not in row
 
 
 def test_accelerate_launch_with_generated_zero2_config(launch, generated):

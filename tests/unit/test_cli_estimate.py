@@ -11,14 +11,15 @@ from toolkit.spec.model import preset_names
 
 PRESETS = [
     "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.1",
-    "mixtral-8x7b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-30b-a3b", "gemma-2-9b",
-    "phi-3-mini", "gpt2", "gpt2-xl", "opt-1.3b", "pythia-1b",
+    "mixtral-8x7b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+    "gemma-2-9b", "phi-3-mini", "gpt2", "gpt2-xl", "opt-1.3b", "pythia-1b",
 ]
 # Published sizes (model cards), in billions, to the precision the cards state them.
 PUBLISHED_B = {
     "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.1-405b": 405.85, "llama-3.2-1b": 1.24,
     "llama-3.2-3b": 3.21, "mistral-7b-v0.1": 7.24, "mixtral-8x7b": 46.70, "qwen2.5-0.5b": 0.49,
-    "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.53, "gemma-2-9b": 9.24,
+    "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.53, "qwen3-235b-a22b": 235.0,
+    "gemma-2-9b": 9.24,
     "phi-3-mini": 3.82, "gpt2": 0.124, "gpt2-xl": 1.56, "opt-1.3b": 1.32, "pythia-1b": 1.01,
 }
 

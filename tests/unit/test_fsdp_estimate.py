@@ -100,29 +100,36 @@ def test_memory_is_fp32_shards_gathered_groups_and_host_offload(capsys):
 
 def test_communication_model_rederives_torchtitans_16_node_throughput():
     """torchtitan (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3): Llama 3.1 8B FSDP, local batch
-    2 x 8192, 5,762 tokens/s/GPU on 8 H100s and 5,605 on 128. With the one-node step as the compute, the modelled
-    exposed communication predicts the 128-GPU figure within 2%."""
+    2 x 8192, 5,762 tokens/s/GPU on 8 H100s and 5,605 on 128 (-2.7%). With the one-node step as the compute, the
+    rings over all eight NICs of a node leave ~1% of the 16-node step exposed: the prediction is within 3%."""
     gpu = get_gpu("h100-80gb")
     counts = count_params(LLAMA_8B)
     groups = fsdp_groups(counts, counts.total, max(layer.total for layer in counts.layers), 1)
     step_8 = 2 * 8192 / 5762
     plan = resolve_plan(LLAMA_8B, 128, backend="fsdp", seq_len=8192, micro_batch=2, global_batch=256)
     predicted = 2 * 8192 / (step_8 + fsdp_communication(plan, groups, Network.from_catalogue(gpu, 8), step_8))
-    assert predicted == pytest.approx(5605, rel=0.02)
+    assert predicted == pytest.approx(5605, rel=0.03)
+    assert predicted < 5762
     one_node = resolve_plan(LLAMA_8B, 8, backend="fsdp", seq_len=8192, micro_batch=2, global_batch=16)
     assert fsdp_communication(one_node, groups, Network.from_catalogue(gpu, 8), step_8) < 0.01  # NVLink: hidden
 
 
-def test_hsdp_and_keeping_layers_gathered_cut_communication():
-    gpu = get_gpu("h100-80gb")
-    network = Network.from_catalogue(gpu, 8)
+def test_hsdp_and_keeping_layers_gathered_change_communication():
+    """Keeping layers gathered drops the backward all-gather. HSDP moves the all-gathers and reduce-scatters inside
+    the node and all-reduces the shards across replicas through each rank's own NIC: on a rail network (a NIC per
+    GPU) full sharding's rings through all eight NICs are as fast, and HSDP's extra intra-node step makes it slower;
+    where a node shares one 100 Gb/s NIC, HSDP is the faster."""
     counts = count_params(LLAMA_8B)
     groups = fsdp_groups(counts, counts.total, max(layer.total for layer in counts.layers), 1)
     common = dict(backend="fsdp", seq_len=4096, global_batch=64)
-    full = fsdp_communication(resolve_plan(LLAMA_8B, 64, **common), groups, network, 0.0)
-    hsdp = fsdp_communication(resolve_plan(LLAMA_8B, 64, dp_replicate=8, **common), groups, network, 0.0)
-    kept = fsdp_communication(resolve_plan(LLAMA_8B, 64, reshard_after_forward=False, **common), groups, network, 0.0)
-    assert hsdp < full / 2 and kept < full
+    for network, hsdp_faster in ((Network.from_catalogue(get_gpu("h100-80gb"), 8), False),
+                                 (Network(intra_node_bw_gbps=450, inter_node_bw_gbps=12.5 / 8, gpus_per_node=8), True)):
+        full = fsdp_communication(resolve_plan(LLAMA_8B, 64, **common), groups, network, 0.0)
+        hsdp = fsdp_communication(resolve_plan(LLAMA_8B, 64, dp_replicate=8, **common), groups, network, 0.0)
+        kept = fsdp_communication(resolve_plan(LLAMA_8B, 64, reshard_after_forward=False, **common), groups, network,
+                                  0.0)
+        assert kept < full
+        assert (hsdp < full) == hsdp_faster, (network, hsdp, full)
 
 
 def test_plan_searches_fsdp_next_to_the_other_backends(capsys):

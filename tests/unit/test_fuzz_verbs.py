@@ -47,6 +47,17 @@ FILE_INPUTS = {
     "convert merge-lora BASE ADAPTER": (["convert", "merge-lora", "{file}", "{file}", "{tmp}/merged"], "BASE"),
     "ckpt inspect PATH": (["ckpt", "inspect", "{file}"], "PATH"),
     "validate accelerate.yaml": (["validate", "{file}.yaml", "--world-size", "2"], "FILE"),
+    "estimate --calibration": (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--calibration", "{file}"],
+                               "--calibration"),
+    "plan --calibration": (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "512", "--global-batch",
+                            "8", "--calibration", "{file}"], "--calibration"),
+    "generate --calibration": (["generate", "{tmp}/recipe.yaml", "--out", "{tmp}/gen", "--calibration", "{file}"],
+                               "--calibration"),
+    "report RUN_DIR": (["report", "{file}"], "RUN_DIR"),
+    "report --calibration": (["report", "{tmp}", "--calibration", "{file}"], "--calibration"),
+    "calibrate RUN_DIR": (["calibrate", "{file}", "--out", "{tmp}/calibration.yaml"], "RUN_DIR"),
+    "calibrate --health": (["calibrate", "{tmp}", "--health", "{file}", "--out", "{tmp}/calibration.yaml"],
+                           "--health"),
 }
 
 
@@ -105,6 +116,8 @@ OUTPUTS = {
     "slurm render --out": (["slurm", "render", "{recipe}", "--out", "{out}"], "--out", "file"),
     "restore-test --workdir": (["restore-test", "--recipe", "{recipe}", "--workdir", "{out}"], "--workdir", "dir"),
     "health --output": (["health", "--nproc", "1", "--output", "{out}"], "--output", "file"),
+    "report --plot": (["report", "{run}", "--plot", "{out}"], "--plot", "file"),
+    "calibrate --out": (["calibrate", "{run}", "--out", "{out}"], "--out", "file"),
 }
 
 
@@ -137,18 +150,25 @@ OUTPUT_KINDS = ("a-file-for-a-directory", "a-directory-for-a-file", "under-a-fil
 @pytest.mark.parametrize("verb", sorted(OUTPUTS))
 def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, verb, kind):
     argv_template, flag, target = OUTPUTS[verb]
-    if (kind == "a-file-for-a-directory" and target == "file") or (kind == "a-directory-for-a-file" and target == "dir"):
+    if (kind == "a-file-for-a-directory" and target == "file") or \
+            (kind == "a-directory-for-a-file" and target == "dir"):
         pytest.skip("a valid target of this kind")
-    if kind == "the-input-itself" and verb == "health --output":
-        pytest.skip("dmt health reads no file of the user's")
-    suffix = ".png" if verb == "plan --plot" else ""
+    if kind == "the-input-itself" and verb in ("health --output", "report --plot"):
+        pytest.skip("reads no file a .png could be: dmt health none, dmt report directories (a directory is refused "
+                    "as a plot in the a-directory-for-a-file case)")
+    suffix = ".png" if verb in ("plan --plot", "report --plot") else ""
     out = _bad_target(sandbox, kind, target, suffix)
-    if kind == "the-input-itself" and suffix:
+    run = sandbox / "run"  # a run directory (its contents do not matter: outputs are checked first)
+    run.mkdir()
+    if kind == "the-input-itself" and verb == "plan --plot":
         out = str(sandbox / "ds.png")
         (sandbox / "ds.png").write_bytes(b"a user's picture")
         argv_template = [*argv_template[:-2], "--model", out, "--plot", out]
+    elif kind == "the-input-itself" and verb == "calibrate --out":  # a file of a run it reads
+        out = str(run / "metrics.jsonl")
+        (run / "metrics.jsonl").write_text("{}\n")
     before = _snapshot(sandbox)
-    argv = [part.format(out=out, recipe=sandbox / "recipe.yaml") for part in argv_template]
+    argv = [part.format(out=out, recipe=sandbox / "recipe.yaml", run=run) for part in argv_template]
     code, err = _run(capsys, argv)
     _assert_refused(code, err, flag if kind != "the-input-itself" or not suffix else "")
     assert _snapshot(sandbox) == before
@@ -238,6 +258,8 @@ FLAG_VALUES = [  # argv -> the flag the error must name
     (["validate", "{ds}", "--world-size", "0"], "--world-size"),
     (["health", "--nproc", "0"], "--nproc"),
     (["explore", "--port", "70000"], "--port"),
+    (["report", "{ds}", "--warmup", "-1"], "--warmup"),
+    (["calibrate", "{ds}", "--out", "{ds}.yaml", "--warmup", "-2"], "--warmup"),
 ]
 
 
@@ -265,3 +287,23 @@ def test_tables_read_through_a_pipe_keep_every_value_whole(tmp_path):
         result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert deep.name in result.stdout and "…" not in result.stdout, result.stdout
+
+
+def test_validate_and_generate_read_through_a_pipe_keep_every_path_whole(tmp_path):
+    """The other verbs that print results (not tables: one line a result) through a real pipe: every path whole."""
+    import subprocess
+    import sys
+
+    from helpers import TINY
+
+    deep = tmp_path / ("a-directory-name-long-enough-to-be-cut-by-any-eighty-or-140-column-table-" * 2)
+    recipe = deep / "recipe.yaml"
+    deep.mkdir()
+    recipe.write_text(TINY.read_text().replace("data/tiny_corpus.txt", str(TINY.parent / "data/tiny_corpus.txt")))
+    for argv, says in ((["generate", str(recipe), "--out", str(deep / "gen")], f"wrote {deep / 'gen' / 'launch.sh'}"),
+                       (["validate", str(deep / "gen" / "deepspeed.json"), "--world-size", "2"],
+                        f"{deep / 'gen' / 'deepspeed.json'}: valid for world size 2")):
+        result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert says in result.stdout.splitlines() or any(line.strip() == says for line in result.stdout.splitlines()), \
+            result.stdout

@@ -28,7 +28,7 @@ LAYERS = (
     ("validate",),
     ("runtime",),  # the libraries' objects at run time (Megatron-Core builder, CPU compatibility, metrics.jsonl)
     ("checkpoint",),
-    ("backends", "health"),
+    ("backends", "health", "report"),  # report: run directories read back against their predictions
     ("cli", "train", "__main__", "explore"),
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

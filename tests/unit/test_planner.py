@@ -5,7 +5,7 @@ import json
 import pytest
 
 from toolkit.cli.main import main
-from toolkit.estimate.comm import Link, Network, collective_time
+from toolkit.estimate.comm import ACHIEVABLE_BUS_FRACTION, Link, Network, collective_time
 from toolkit.estimate.flops import model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import estimate_memory
 from toolkit.estimate.timing import step_time
@@ -51,8 +51,13 @@ def test_ring_all_reduce_and_gather_costs():
 
 
 def test_groups_crossing_nodes_use_the_inter_node_link():
+    nic = FAST.inter_node_bw_gbps * 1e9 * ACHIEVABLE_BUS_FRACTION
     assert FAST.link(8, 1).bus_bw > FAST.link(16, 1).bus_bw  # 16 ranks span two nodes
-    assert FAST.link(2, 8).bus_bw == FAST.link(16, 1).bus_bw  # stride of a node: every hop crosses nodes
+    assert FAST.link(2, 8).bus_bw == nic  # stride of a node: one rank per node, its own NIC
+    # eight ranks per node: NCCL's rings leave the node through all eight NICs, up to the NVLink rate
+    assert FAST.link(16, 1).bus_bw == min(8 * nic, FAST.intra_node_bw_gbps * 1e9 * ACHIEVABLE_BUS_FRACTION)
+    assert FAST.link(8, 2).bus_bw == 4 * nic  # four of the group's ranks on each node
+    assert FAST.link(16, 1).bus_bw == 8 * nic
 
 
 @pytest.mark.parametrize("pp, vpp, global_batch", [(4, 1, 16), (4, 2, 16), (2, 1, 64)])

@@ -57,6 +57,20 @@ def parameter_shards(model) -> dict:
     return found
 
 
+def offload_policies(model) -> set[str]:
+    """The class names of the offload policies of the model's FSDP2 parameter groups (CPUOffloadPolicy or
+    OffloadPolicy): what fully_shard was really given, not what the plugin was asked for."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+            names |= {type(group.offload_policy).__name__ for group in groups if group is not None}
+    return names
+
+
 def check_sharded(model, plan: Plan) -> dict:
     """This rank's parameter shards, or one line saying how the prepared model differs from the plan (an unsharded
     model, DDP for instance, trains just as well, so nothing else would tell)."""
@@ -72,6 +86,12 @@ def check_sharded(model, plan: Plan) -> dict:
         raise UserInputError("fsdp", f"this rank holds {share:.3f} of the parameters, the plan shards them over "
                                      f"dp_shard={plan.dp_shard}{f' x tp={plan.tp}' if plan.tp > 1 else ''} "
                                      f"({1 / expected:.3f} each)")
+    policies = offload_policies(model)
+    wanted = "CPUOffloadPolicy" if plan.offload_params == "cpu" else "OffloadPolicy"
+    if policies != {wanted}:
+        raise UserInputError("fsdp", f"after preparation the FSDP2 offload policies are {sorted(policies)}, the plan's "
+                                     f"offload_params={plan.offload_params} asks for {wanted}")
+    shards["offload_policy"] = wanted
     return shards
 
 

@@ -8,9 +8,12 @@ import logging
 import os
 from pathlib import Path
 
+from toolkit.backends.hf_guard import TrainerGuard
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json
-from toolkit.runtime.metrics import MetricsWriter, configure_wandb
+from toolkit.runtime.guard import LossGuard
+from toolkit.runtime.metrics import MetricsWriter, Throughput, configure_wandb
+from toolkit.runtime.supervision import TrainingWatchdog
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
@@ -111,7 +114,7 @@ class BatchFingerprints:
         digest = hashlib.sha256(input_ids.detach().cpu().numpy().tobytes()).digest()
         self.recent = (self.recent + [digest])[-self.micro_batches:]
 
-    def pop(self) -> str:
+    def digest(self, clear: bool = True) -> str:
         """Called on every rank at the same step: the micro-batches of all data-parallel ranks, in a canonical
         order, so the fingerprint names the global batch whatever the world size (a resume on fewer ranks sees the
         same micro-batches, dealt out differently)."""
@@ -119,7 +122,9 @@ class BatchFingerprints:
 
         import torch.distributed as dist
 
-        digests, self.recent = self.recent, []
+        digests = self.recent
+        if clear:
+            self.recent = []
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, digests)
@@ -127,24 +132,41 @@ class BatchFingerprints:
         return hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:16]
 
 
-def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, identity: dict,
-               fingerprints: BatchFingerprints):
+def _callbacks(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: int, identity: dict,
+               fingerprints: BatchFingerprints, watch, guard):
+    """The toolkit's hooks in HF Trainer's loop (any HF Trainer backend: DeepSpeed, FSDP2 through Accelerate)."""
     from transformers import TrainerCallback
 
-    from toolkit.checkpoint.manifest import DEEPSPEED_FORMAT, FSDP_FORMAT, point_latest, write_manifest
+    from toolkit.checkpoint.manifest import (
+        DEEPSPEED_FORMAT,
+        FSDP_FORMAT,
+        point_latest,
+        write_manifest,
+    )
 
-    metrics = MetricsWriter(output_dir, tokens_per_step)
     fsdp = plan.backend == "fsdp"
     layout_keys = (("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward") if fsdp
                    else ("dp", "tp", "pp", "zero"))
 
     class ToolkitCallback(TrainerCallback):
-        """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save."""
+        """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save; the watchdog's
+        phases and the guard's verdicts around every step."""
+
+        trainer = None  # set once the Trainer exists: the guard acts on it
 
         def on_train_begin(self, args, state, control, **kwargs):
-            metrics.mark(state.global_step)
+            metrics.mark(state.global_step)  # on every rank: each measures, rank 0 writes
+            watch.start()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            watch.phase(state.global_step + 1, "train")
+            guard.begin_step(self.trainer)
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            guard.before_optimizer_step(self.trainer, kwargs["model"])
 
         def on_step_end(self, args, state, control, **kwargs):
+            guard.end_step(self.trainer)
             # a scheduler's "save and exit" request (the SLURM script's USR1 handler touches this file); every rank
             # must agree on the step, so the flag is reduced across ranks
             import torch
@@ -156,17 +178,20 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
             if flag.item() > 0:
                 control.should_save = True
                 control.should_training_stop = True
+            watch.phase(state.global_step, "save" if control.should_save else "log")
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
-                data_sha = fingerprints.pop()  # a collective: every rank logs the same steps
-                if state.is_world_process_zero:
+                data_sha = fingerprints.digest()  # a collective: every rank logs the same steps
+                if state.is_world_process_zero:  # the step's figures: measured in ToolkitTrainer.log, before wandb
                     metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
-                                  epoch=logs.get("epoch"), data_sha=data_sha)
+                                  metrics.pending, epoch=logs.get("epoch"), data_sha=data_sha,
+                                  **guard.metrics_of(state.global_step))
 
         def on_save(self, args, state, control, model=None, **kwargs):
             import torch.distributed as dist
 
+            watch.phase(state.global_step, "manifest")
             ckpt = output_dir / f"checkpoint-{state.global_step}"
             if dist.is_initialized():
                 dist.barrier()  # every rank's files are on disk before they are hashed
@@ -175,7 +200,8 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
                     model.config.save_pretrained(ckpt)
                 layout = {k: getattr(plan, k) for k in (*layout_keys, "micro_batch", "grad_accum", "global_batch")}
                 write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout,
-                               fmt=FSDP_FORMAT if fsdp else DEEPSPEED_FORMAT, extra={"run": identity})
+                               fmt=FSDP_FORMAT if fsdp else DEEPSPEED_FORMAT,
+                               extra={"run": identity, "guard_window": guard.guard.state()})
                 point_latest(output_dir, ckpt)
             if dist.is_initialized():
                 dist.barrier()
@@ -184,10 +210,12 @@ def _callbacks(output_dir: Path, plan: Plan, tokens_per_step: int, world: int, i
 
 
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
-          resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None) -> dict:
+          resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None,
+          throughput: Throughput | None = None, watch=None) -> dict:
     """Run training; returns a summary (steps, final loss) on every rank. With the generated files' contents
     (`dmt generate`'s deepspeed.json and trainer_args.json) those are what trains; without, the same generators
-    make them from the recipe's plan."""
+    make them from the recipe's plan. `throughput` turns step times into tokens/s and MFU (train.py makes it);
+    `watch` is this rank's toolkit.runtime.supervision.TrainingWatchdog."""
     import torch
     from transformers import (
         AutoConfig,
@@ -203,6 +231,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
     world = _check_world(plan)
     fsdp = plan.backend == "fsdp"
+    watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
     # another world size: DeepSpeed loads a universal checkpoint (made below, once ranks exist); FSDP2's DCP
@@ -267,13 +296,41 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         from toolkit.backends.sft_data import keep_examples_apart
 
         keep_examples_apart(model)
-    tokens_per_step = plan.global_batch * plan.seq_len
     fingerprints = BatchFingerprints(plan.grad_accum)
+    metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len))
+    guard = TrainerGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)), output_dir,
+                         fingerprints)
 
-    class FingerprintingTrainer(Trainer):
+    class ToolkitTrainer(Trainer):
+        """HF's Trainer, plus: which samples each step trains on, how long it waits for them, and what each logged
+        step cost, put into the logs before any logger (metrics.jsonl, wandb, TensorBoard) sees them; the guard sees
+        every micro-batch's loss before backward."""
+
         def training_step(self, model, inputs, num_items_in_batch=None):
             fingerprints.add(inputs["input_ids"])
-            return super().training_step(model, inputs, num_items_in_batch)
+            watch.phase(self.state.global_step + 1, "forward")
+            self._guarded = True  # compute_loss also serves evaluation, which the guard does not judge
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._guarded = False
+
+        def get_batch_samples(self, *args, **kwargs):  # the Trainer's one wait for data: next() on its loader
+            import time
+
+            start = time.perf_counter()
+            try:
+                return super().get_batch_samples(*args, **kwargs)
+            finally:
+                metrics.add_data_wait(time.perf_counter() - start)
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:  # a training step's log (every rank gets here: gathering memory is a collective)
+                from toolkit.runtime.metrics import gpu_memory_of_ranks, logged_figures
+
+                metrics.pending = {**metrics.measure(self.state.global_step), **gpu_memory_of_ranks()}
+                logs.update(logged_figures(metrics.pending))  # loggers take numbers; metrics.jsonl takes them all
+            super().log(logs, start_time)
 
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
@@ -282,7 +339,18 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
                 self.accelerator.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(plan.precision)
 
-    callbacks = _callbacks(output_dir, plan, tokens_per_step, world, identity, fingerprints)
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            result = super().compute_loss(model, inputs, *args, **kwargs)
+            if not getattr(self, "_guarded", False):
+                return result
+            watch.phase(self.state.global_step + 1, "backward")  # and, under DeepSpeed, the optimizer step
+            items = kwargs.get("num_items_in_batch")
+            if isinstance(result, tuple):  # (loss, outputs)
+                return (guard.on_loss(self, result[0], items), *result[1:])
+            return guard.on_loss(self, result, items)
+
+    callbacks = _callbacks(output_dir, plan, metrics, world, identity, fingerprints, watch, guard)
+    toolkit_callback = callbacks[0]  # the guard acts through it on the Trainer
     if plan.finetune.peft:
         from toolkit.backends.peft_model import adapter_callback
 
@@ -292,9 +360,9 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
         callbacks.append(sharding_callback(output_dir, plan))
     with _accelerator_building(plan):
-        trainer = FingerprintingTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                                        data_collator=collator, processing_class=tokenizer,
-                                        callbacks=callbacks)
+        trainer = ToolkitTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                                 data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+    toolkit_callback.trainer = trainer
     result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
     return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}
 
@@ -330,18 +398,33 @@ def _accelerator_building(plan: Plan):
 
 
 def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> Path | None:
-    """The checkpoint to resume from (latest, auto: latest if any, or a path), checked to belong to this run."""
-    from toolkit.checkpoint.manifest import resolve_latest
+    """The checkpoint to resume from (latest: the latest verified one; auto: that if any, the way restarted and
+    requeued jobs continue; or a path), checked to belong to this run. On rank 0, metrics.jsonl then drops the
+    steps after it (they are trained again) and a restarted launch says in incident.json why it restarted."""
+    from toolkit.checkpoint.manifest import latest_verified, read_manifest
+    from toolkit.runtime.metrics import keep_until
+    from toolkit.runtime.supervision import record_restart
 
-    if resume == "auto":  # requeued jobs: continue when a checkpoint exists, start fresh otherwise
-        resume = "latest" if resolve_latest(output_dir) is not None else None
-    if not resume:
-        return None
-    path = resolve_latest(output_dir) if resume == "latest" else Path(resume)
-    if path is None or not path.is_dir():
-        raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
-    check_resume_compatible(path, identity)
+    latest = latest_verified(output_dir) if resume in ("auto", "latest") else None
+    if resume == "auto":
+        resume = "latest" if latest is not None else None
+    path = None
+    if resume:
+        path = latest if resume == "latest" else Path(resume)
+        if path is None or not path.is_dir():
+            raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
+        check_resume_compatible(path, identity)
+    record_restart(output_dir, path.name if path is not None else None)
+    if path is not None and os.environ.get("RANK", "0") == "0":
+        keep_until(output_dir, read_manifest(path)["step"])
     return path
+
+
+def guard_window(checkpoint: Path | None) -> list:
+    """The spike rule's window as the checkpoint saved it (the guard judges a resumed run like the first one)."""
+    from toolkit.checkpoint.manifest import read_manifest
+
+    return (read_manifest(checkpoint) or {}).get("guard_window", []) if checkpoint is not None else []
 
 
 def run_identity(recipe: Recipe, plan: Plan) -> dict:

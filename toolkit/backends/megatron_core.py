@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.runtime.supervision import TrainingWatchdog
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
@@ -98,8 +99,9 @@ def _micro_batches(tokens, micro: int, config: dict) -> list[dict]:
     return batches
 
 
-def forward_step(data_iterator, model):
-    """Megatron-Core's forward step contract: (output, loss_func), loss_func -> (loss sum, tokens, logged)."""
+def forward_step(data_iterator, model, loss_factor: float | None = None):
+    """Megatron-Core's forward step contract: (output, loss_func), loss_func -> (loss sum, tokens, logged).
+    `loss_factor`: a fault the tests inject (toolkit.runtime.faults)."""
     import torch
 
     batch = next(data_iterator)
@@ -108,6 +110,8 @@ def forward_step(data_iterator, model):
     def loss_func(per_token_loss):
         mask = batch["loss_mask"].view(-1).float()
         loss_sum = torch.sum(per_token_loss.view(-1).float() * mask)
+        if loss_factor is not None:
+            loss_sum = loss_sum * loss_factor
         tokens = mask.sum().to(torch.int)
         return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
 
@@ -144,13 +148,16 @@ def _save_and_exit_requested(output_dir: Path) -> bool:
 
 
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None,
-          config: dict | None = None) -> dict:
+          config: dict | None = None, throughput=None, watch=None) -> dict:
     """Run training on this rank; returns a summary (steps, last loss). `config` is the generated megatron.yaml
-    (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe."""
+    (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe.
+    `throughput` (toolkit.runtime.metrics.Throughput, from train.py) turns step times into tokens/s and MFU; `watch`
+    is this rank's toolkit.runtime.supervision.TrainingWatchdog."""
     from toolkit.backends.hf_trainer import resume_checkpoint, run_identity
     from toolkit.runtime.megatron_build import device_context, init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     if world != plan.gpus:
         raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
     config = config if config is not None else megatron_yaml_for(recipe, model_spec, plan)
@@ -164,22 +171,79 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
             raise UserInputError("model.config.vocab_size", f"{config['model']['vocab_size']} < tokenizer size "
                                                              f"{len(tokenizer)}")
         hf_config = recipe_hf_config(recipe)
-        return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config)
+        return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput,
+                           watch)
 
 
-def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config) -> dict:
+def _grads_finite(setup) -> bool:
+    """Every gradient element of every rank is finite (what a finite grad norm means), checked before the
+    optimizer step so that the guard can still drop it."""
+    import torch
+    import torch.distributed as dist
+
+    finite = all(bool(torch.isfinite(buffer.grad_data).all()) for chunk in setup.model
+                 for buffer in chunk.buffers + chunk.expert_parallel_buffers)
+    flag = torch.tensor([1.0 if finite else 0.0])
+    flag = flag.cuda() if torch.cuda.is_available() else flag
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag.item() > 0
+
+
+def _guarded(verdict, setup, plan, output_dir, step, digest, guard) -> None:
+    """Act on a guard verdict before the optimizer step: stop raises; skip leaves the step out (no optimizer or
+    scheduler step); rollback also reloads the latest verified checkpoint, the data going on from `step`."""
+    import torch.distributed as dist
+
+    from toolkit.backends.megatron_checkpoint import load_checkpoint
+    from toolkit.checkpoint.manifest import latest_verified, read_manifest
+    from toolkit.runtime.guard import Verdict, report
+
+    target = latest_verified(output_dir) if verdict.action == "rollback" else None
+    extra = {}
+    if verdict.action == "rollback" and target is None:
+        verdict = Verdict("stop", verdict.reason + "; no verified checkpoint to roll back to", verdict.loss)
+    elif target is not None:
+        extra = {"checkpoint": target.name, "dropped_steps": [read_manifest(target)["step"] + 1, step]}
+    report(output_dir, dist.get_rank(), step, verdict, digest, **extra)
+    if target is not None:
+        guard.rolled_back_to(target, read_manifest(target).get("guard_window", []))
+        load_checkpoint(setup, target, plan)
+        log.warning("guard: rolled back to %s at step %d; steps %d-%d dropped", target.name, step, *extra["dropped_steps"])
+
+
+def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput,
+                watch) -> dict:
+    import functools
+    import time
+
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from toolkit.backends.hf_trainer import guard_window
     from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.runtime import faults
+    from toolkit.runtime.guard import LossGuard, step_record
     from toolkit.runtime.megatron_build import build, destroy
-    from toolkit.runtime.metrics import MetricsWriter
+    from toolkit.runtime.metrics import (
+        MetricsWriter,
+        Throughput,
+        WandbRun,
+        configure_wandb,
+        gpu_memory_of_ranks,
+    )
 
     setup = build(config)
     step = load_checkpoint(setup, resume_path, plan) if resume_path else 0
+    guard = LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path))
+    watch.start()
     batches = GlobalBatches(train_set, plan.global_batch, recipe.training.seed)
-    metrics = MetricsWriter(output_dir, plan.global_batch * plan.seq_len) if dist.get_rank() == 0 else None
+    rank0 = dist.get_rank() == 0
+    metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len)) if rank0 else None
+    wandb = None
+    if rank0 and "wandb" in recipe.training.report_to:
+        configure_wandb(recipe.training.report_to, output_dir)
+        wandb = WandbRun(recipe.name, output_dir, {"plan": plan.as_dict(), "recipe": recipe.name})
     forward_backward = get_forward_backward_func()
     dp_rank, per_rank = parallel_state.get_data_parallel_rank(), plan.micro_batch * plan.grad_accum
     save_every, loss, last = recipe.training.save_steps, None, config["schedule"]["train_iters"]
@@ -187,28 +251,50 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         metrics.mark(step)
     while step < last:
         step += 1
+        watch.phase(step, "train")
+        fetching = time.perf_counter()
         indices = batches.indices(step)
         tokens = batches.tokens(indices[dp_rank * per_rank:(dp_rank + 1) * per_rank])
         micro = _micro_batches(tokens, plan.micro_batch, config)
+        if metrics:
+            metrics.add_data_wait(time.perf_counter() - fetching)
         learning_rate = setup.optimizer.param_groups[0]["lr"]
         for chunk in setup.model:
             chunk.zero_grad_buffer()
         setup.optimizer.zero_grad()
         iterators = [iter(micro) for _ in setup.model] if len(setup.model) > 1 else iter(micro)
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=setup.model,
-                                  num_microbatches=plan.grad_accum, seq_length=plan.seq_len,
-                                  micro_batch_size=plan.micro_batch, forward_only=False)
-        _, grad_norm, _ = setup.optimizer.step()
-        setup.scheduler.step(increment=1)
+        watch.phase(step, "forward-backward")
+        losses = forward_backward(forward_step_func=functools.partial(forward_step, loss_factor=faults.loss_factor(step)),
+                                  data_iterator=iterators, model=setup.model, num_microbatches=plan.grad_accum,
+                                  seq_length=plan.seq_len, micro_batch_size=plan.micro_batch, forward_only=False)
+        watch.phase(step, "optimizer")
         loss = _global_loss(losses)
-        if metrics and step % recipe.training.logging_steps == 0:
-            digest = hashlib.sha256(batches.tokens(indices).numpy().tobytes()).hexdigest()[:16]
-            metrics.write(step, loss, float(grad_norm) if grad_norm is not None else None, learning_rate,
-                          data_sha=digest)
+        digest = hashlib.sha256(batches.tokens(indices).numpy().tobytes()).hexdigest()[:16]
+        verdict, grad_norm, guarded = guard.judge(step, loss, _grads_finite(setup)), None, {}
+        if verdict.action is None:
+            _, grad_norm, _ = setup.optimizer.step()
+            setup.scheduler.step(increment=1)
+            guard.accept(step, loss)
+        else:
+            guarded = {"loss": verdict.loss, "guard": [step_record(step, verdict)]}
+            _guarded(verdict, setup, plan, output_dir, step, digest, guard)
+        logged = step % recipe.training.logging_steps == 0
+        memory = gpu_memory_of_ranks() if logged else {}  # a collective (GPUs only): every rank takes part
+        if metrics and logged:
+            figures = {**metrics.measure(step), **memory}
+            extra = {"loss": loss, **guarded}
+            record = metrics.write(step, extra.pop("loss"), float(grad_norm) if grad_norm is not None else None,
+                                   learning_rate, figures, data_sha=digest, **extra)
+            if wandb is not None:
+                wandb.log(record)
         stop = _save_and_exit_requested(output_dir)
         if stop or step == last or (save_every and step % save_every == 0):
-            save_checkpoint(setup, output_dir, step, plan, identity, hf_config)
+            save_checkpoint(setup, output_dir, step, plan, identity, hf_config, watch, guard.state())
+        else:
+            watch.phase(step, "log")
         if stop:
             break
+    if wandb is not None:
+        wandb.finish()
     destroy()
     return {"global_step": step, "train_loss": loss}

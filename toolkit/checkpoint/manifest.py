@@ -124,6 +124,31 @@ def point_latest(root: Path, ckpt_dir: Path) -> None:
     atomic_write_text(root / LATEST, ckpt_dir.name + "\n")
 
 
+def checkpoint_step(ckpt_dir: Path) -> int | None:
+    """N of a `checkpoint-N` directory; None for any other name."""
+    prefix, _, number = ckpt_dir.name.rpartition("-")
+    return int(number) if prefix == "checkpoint" and number.isdigit() else None
+
+
+def latest_verified(root: Path) -> Path | None:
+    """The checkpoint a restart or a rollback continues from: the one `latest` names, or the newest before it,
+    whose manifest is readable and whose files all exist with the manifest's sizes (hashing every file of a large
+    checkpoint would delay every restart; `dmt ckpt verify` does that). None when there is none."""
+    pointed = resolve_latest(root)
+    candidates = sorted((p for p in root.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is not None),
+                        key=checkpoint_step, reverse=True) if root.is_dir() else []
+    if pointed is not None:
+        candidates = [pointed] + [p for p in candidates if checkpoint_step(p) < (checkpoint_step(pointed) or 0)]
+    for ckpt in candidates:
+        try:
+            manifest = read_manifest(ckpt)
+        except UserInputError:
+            manifest = None
+        if manifest is not None and not manifest_problems(ckpt, manifest, hash_up_to=-1):
+            return ckpt
+    return None
+
+
 def resolve_latest(root: Path) -> Path | None:
     """The checkpoint `root/latest` names, or None when there is none."""
     pointer = root / LATEST

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.checkpoint.manifest import resolve_latest
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, worker_error
 from toolkit.runtime.metrics import METRICS_FILE, read_metrics
 
 TRAIN = Path(__file__).resolve().parent.parent / "train.py"
@@ -113,7 +113,13 @@ def _run_and_kill_after_save(cmd: list[str], out: Path, save_at: int, log: Path,
         if process.poll() is None:
             _kill_tree(process)
             raise UserInputError("--timeout", f"no checkpoint at step {save_at} within {timeout:.0f} s; see {log}")
-    raise UserInputError("--save-at", f"training ended (rc={process.returncode}) before it saved step {save_at}; see {log}")
+    raise _failed(log, "the interrupted run") or UserInputError(
+        "--save-at", f"training ended (rc={process.returncode}) before it saved step {save_at}; see {log}")
+
+
+def _failed(log: Path, run: str) -> UserInputError | None:
+    """The worker's own one-line error of a launch that failed (a bad recipe value only training finds)."""
+    return worker_error(log.read_text(errors="replace") if log.is_file() else "", f"{run}; log: {log}")
 
 
 def _by_step(records: list[dict]) -> dict[int, dict]:
@@ -136,7 +142,8 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
     rc = _run(_command(launcher, nprocs, recipe, reference, steps, steps, False, train_args), workdir / "reference.log", timeout)
     ref = _by_step(read_metrics(reference))
     if steps not in ref:
-        raise UserInputError("--recipe", f"the reference run did not reach step {steps} (rc={rc}); see {workdir / 'reference.log'}")
+        raise _failed(workdir / "reference.log", "the reference run") or UserInputError(
+            "--recipe", f"the reference run did not reach step {steps} (rc={rc}); see {workdir / 'reference.log'}")
     killed_at = _run_and_kill_after_save(_command(launcher, nprocs, recipe, run, steps, save_at, False, train_args), run, save_at,
                                          workdir / "interrupted.log", timeout)
     os.replace(run / METRICS_FILE, run / f"killed.{METRICS_FILE}")
@@ -146,7 +153,8 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
               workdir / "resumed.log", timeout)
     resumed = _by_step(read_metrics(run))
     if steps not in resumed:
-        raise UserInputError("--recipe", f"the resumed run did not reach step {steps} (rc={rc}); see {workdir / 'resumed.log'}")
+        raise _failed(workdir / "resumed.log", "the resumed run") or UserInputError(
+            "--recipe", f"the resumed run did not reach step {steps} (rc={rc}); see {workdir / 'resumed.log'}")
     compared = list(range(save_at + 1, steps + 1))
     mismatches, max_diff = [], 0.0
     for step in compared:

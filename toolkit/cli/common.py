@@ -29,38 +29,81 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-GPU bandwidth across nodes in GB/s (default: the GPU catalogue's)")
     parser.add_argument("--measured-bw", type=path_arg, default=None, metavar="HEALTH_JSON",
                         help="bus bandwidths measured by `dmt health --json` instead of datasheet numbers")
+    add_calibration_argument(parser)
+
+
+def add_calibration_argument(parser: argparse.ArgumentParser, what: str = "predictions") -> None:
+    parser.add_argument("--calibration", type=path_arg, default=None, metavar="CALIBRATION_YAML",
+                        help=f"{what} with the efficiencies and links `dmt calibrate` fitted to measured runs on this "
+                             f"hardware")
+
+
+def measured_links(path, flag: str) -> dict[str, float]:
+    """The bus bandwidths a `dmt health --json` report measured: {"intra": GB/s, "inter": GB/s}, tiers it did not
+    measure (one node: no inter-node link) left out."""
+    from toolkit.readers import read_json
+
+    report = read_json(path, flag, what="a `dmt health --json` report")
+    bandwidth = report.get("bandwidth")
+    if not isinstance(bandwidth, dict):
+        raise UserInputError(flag, f"{path}: 'bandwidth' must be an object, as `dmt health --json` writes it")
+    links = {}
+    for tier, key in (("intra", "intra_node_busbw_gbps"), ("inter", "inter_node_busbw_gbps")):
+        value = bandwidth.get(key)
+        if value is None:  # that tier was not measured: the datasheet (or a calibration) stands
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UserInputError(flag, f"{path}: bandwidth.{key} must be a positive number of GB/s, or null (not "
+                                       f"measured), got {value!r}")
+        links[tier] = float(value)
+    return links
 
 
 def build_network(args: argparse.Namespace, gpu):
-    """The Network a plan's communication runs over: catalogue, overridden by flags or a health report."""
+    """The Network a plan's communication runs over: catalogue, overridden by flags or a health report (a calibration's
+    measured links then fill only the tiers these left alone, in step_time)."""
     from toolkit.estimate.comm import Network
 
     intra, inter, measured = gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, set()
     gpus_per_node = args.gpus_per_node or default("gpus_per_node")
     if args.measured_bw is not None:
-        from toolkit.readers import read_json
-
-        report = read_json(args.measured_bw, "--measured-bw", what="a `dmt health --json` report")
-        bandwidth = report.get("bandwidth")
-        if not isinstance(bandwidth, dict):
-            raise UserInputError("--measured-bw", f"{args.measured_bw}: 'bandwidth' must be an object, as `dmt health "
-                                                  f"--json` writes it")
-        for tier, key in (("intra", "intra_node_busbw_gbps"), ("inter", "inter_node_busbw_gbps")):
-            value = bandwidth.get(key)
-            if value is None:  # that tier was not measured (one node: no inter-node link): the datasheet stands
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise UserInputError("--measured-bw", f"{args.measured_bw}: bandwidth.{key} must be a positive number "
-                                                      f"of GB/s, or null (not measured), got {value!r}")
-            intra, inter = (value, inter) if tier == "intra" else (intra, value)
-            measured.add(tier)
+        links = measured_links(args.measured_bw, "--measured-bw")
+        intra, inter = links.get("intra", intra), links.get("inter", inter)
+        measured = set(links)
     for flag, value in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
         if value is not None and value <= 0:
             raise UserInputError(flag, f"must be a positive bandwidth in GB/s, got {value}")
+    given = set(measured) | {tier for tier, value in (("intra", args.intra_node_bw), ("inter", args.inter_node_bw))
+                             if value is not None}
     intra = args.intra_node_bw or intra
     inter = args.inter_node_bw or inter
     return Network(intra_node_bw_gbps=intra, inter_node_bw_gbps=inter, gpus_per_node=gpus_per_node,
-                   measured=frozenset(measured))
+                   measured=frozenset(measured), given=frozenset(given))
+
+
+def calibration_for(path, gpu_name: str, key: str = "--calibration"):
+    """The calibration file at `path` (None: none), checked to be one of this hardware."""
+    if path is None:
+        return None
+    from toolkit.spec.calibration import load_calibration
+
+    calibration = load_calibration(path, key)
+    calibration.check_hardware(gpu_name, key)
+    return calibration
+
+
+def calibration_line(calibration: dict | None) -> str:
+    """Whether a prediction used a calibration, and which: every output with a prediction says so. `calibration` is
+    what records keep of it (Calibration.describe())."""
+    if not calibration:
+        return "uncalibrated: the published efficiency curve and catalogue figures (dmt calibrate fits them to runs)"
+    fitted = ", ".join(f"{path} compute scale {value:.3g}" for path, value in calibration["compute_scale"].items())
+    links = calibration.get("links") or {}
+    measured = [f"{tier} {links[key]:g} GB/s" for tier, key in (("intra-node", "intra_node_busbw_gbps"),
+                                                                 ("inter-node", "inter_node_busbw_gbps"))
+                if links.get(key) is not None]
+    extra = f"; measured links {', '.join(measured)}" if measured else ""
+    return f"calibrated by {calibration['file']} ({calibration['hardware']}: {fitted}{extra})"
 
 
 def sharding_text(plan: dict) -> str:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments, build_network, sharding_text
+from toolkit.cli.common import (
+    GiB,
+    add_network_arguments,
+    add_plan_arguments,
+    build_network,
+    calibration_for,
+    calibration_line,
+    sharding_text,
+)
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
 
@@ -19,18 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def estimate_report(args: argparse.Namespace) -> dict:
     """Everything `dmt estimate --json` prints, as a dict."""
-    from toolkit.estimate.memory import estimate_memory
-    from toolkit.estimate.timing import step_time
-    from toolkit.planner.report import plan_record
+    from toolkit.planner.report import predicted_record
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.plan import resolve_plan
 
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
+    calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
     plan = resolve_plan(model, args.gpus, **plan_overrides(args))
-    return plan_record(model, plan, estimate_memory(model, plan), step_time(model, plan, gpu, network), gpu)
+    return predicted_record(model, plan, gpu, network, calibration)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +55,7 @@ def print_report(report: dict) -> None:
     from rich.table import Table
 
     from toolkit.cli.console import console as make_console
+    from toolkit.estimate.efficiency import EXECUTION_PATHS
     from toolkit.planner.report import recompute_label
     from toolkit.spec.plan import Plan
 
@@ -82,5 +90,12 @@ def print_report(report: dict) -> None:
     console.print(f"{verdict} in {capacity:.1f} GiB ({report['gpu']})")
     console.print(
         f"predicted step {report['step_time_s']:.3g} s, {report['tokens_per_s']:,.0f} tokens/s, "
-        f"{report['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {report['mfu']:.1%} ({report['mfu_definition']})"
+        f"{report['tflops_per_gpu']:.3g} TFLOP/s per GPU, MFU {report['mfu']:.1%} ({report['mfu_definition']})"
     )
+    path = EXECUTION_PATHS[report["execution_path"]]
+    fitted = ((report.get("calibration") or {}).get("compute_scale") or {}).get(path.name)
+    scale = f"{path.compute_scale:.2f}" if fitted is None else \
+        f"{fitted:.3g} (calibrated; published {path.compute_scale:.2f})"
+    console.print(f"execution path {path.name}: {path.description}, {scale} of the fused kernels' rate "
+                  f"(toolkit/estimate/efficiency.py)")
+    console.print(calibration_line(report.get("calibration")))

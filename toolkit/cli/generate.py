@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from toolkit.cli.common import add_calibration_argument
 from toolkit.cli.options import add_plan_flags, plan_overrides
 from toolkit.cli.paths import path_arg
 
@@ -15,23 +16,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace files in --out that dmt generate did not write "
                                                              "(or that were edited since)")
     parser.add_argument("--json", action="store_true", help="print the written files and the plan as JSON")
+    add_calibration_argument(parser, "plan.json's prediction (and the planner's ranking with plan: auto), in place "
+                                     "of the recipe's cluster.calibration,")
     add_plan_flags(parser, overriding="the recipe's plan")
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.cli.common import sharding_text
+    from toolkit.cli.common import calibration_line, sharding_text
     from toolkit.generate.files import generate
 
-    written = generate(args.recipe, args.out, args.force, **plan_overrides(args))
+    written = generate(args.recipe, args.out, args.force, args.calibration, **plan_overrides(args))
     record = json.loads((args.out / "plan.json").read_text())
     if args.json:
-        print(json.dumps({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"]}, indent=2))
+        print(json.dumps({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"],
+                          "predicted": {k: record[k] for k in ("step_time_s", "tokens_per_s", "mfu")},
+                          "calibration": record["calibration"]}, indent=2))
         return 0
     p = record["plan"]
     print(f"{record['recipe']}: {p['backend']} dp={p['dp']} tp={p['tp']} pp={p['pp']} {sharding_text(p)} "
           f"micro_batch={p['micro_batch']} grad_accum={p['grad_accum']} global_batch={p['global_batch']} "
           f"({'fits' if record['fits'] else 'does NOT fit'} {record['gpu']}, "
           f"{record['memory_bytes']['total'] / 2**30:.1f} GiB/GPU)")
+    print(f"predicted step {record['step_time_s']:.3g} s, {record['tokens_per_s']:,.0f} tokens/s, MFU "
+          f"{record['mfu']:.1%}; {calibration_line(record['calibration'])}")
     for path in written:
         print(f"  wrote {path}")
     return 0

@@ -20,6 +20,8 @@ VERBS = {
     "health": ("toolkit.cli.health", "preflight: collectives, bandwidth, stragglers, hangs on every rank"),
     "slurm": ("toolkit.cli.slurm", "render or submit SLURM job scripts for a recipe"),
     "restore-test": ("toolkit.cli.restore", "train, kill after a save, resume: prove the run comes back"),
+    "report": ("toolkit.cli.report", "measured against predicted for finished runs: step time, tokens/s, MFU, memory"),
+    "calibrate": ("toolkit.cli.calibrate", "fit the step-time model's efficiencies (and measured links) to runs"),
     "explore": ("toolkit.cli.explore", "a local web page: memory breakdown, sweeps and ranked plans as inputs change"),
 }
 

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.cli.common import build_network
+    from toolkit.cli.common import build_network, calibration_for
     from toolkit.cli.options import plan_overrides
     from toolkit.estimate.memory import estimate_memory
     from toolkit.planner.report import plan_record
@@ -49,11 +49,12 @@ def run(args: argparse.Namespace) -> int:
         args.plot = output_file(args.plot, "--plot", suffix=".png")
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
+    calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
     backends = _backends(args.backends, pinned.pop("backend", None))
-    result = search(model, args.gpus, gpu, network, backends, **pinned)
+    result = search(model, args.gpus, gpu, network, backends, calibration=calibration, **pinned)
     top = result.ranked[: args.top]
-    records = [plan_record(model, c.plan, c.memory, c.time, gpu) for c in top]
+    records = [plan_record(model, c.plan, c.memory, c.time, gpu, calibration) for c in top]
     add_training_time(records, args.train_tokens)
     if args.plot is not None:
         from toolkit.planner.plot import write_memory_plot
@@ -94,6 +95,7 @@ def _backends(listed: str | None, pinned: str | None) -> tuple[str, ...]:
 def _print_table(model, args, gpu, result, records) -> None:
     from rich.table import Table
 
+    from toolkit.cli.common import calibration_line
     from toolkit.cli.console import console as make_console
     from toolkit.planner.report import MFU_NOTE, plan_label
     from toolkit.spec.plan import Plan
@@ -113,3 +115,4 @@ def _print_table(model, args, gpu, result, records) -> None:
     rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
     console.print(f"rejected: {rejected}")
     console.print(f"MFU = {MFU_NOTE}")
+    console.print(calibration_line(records[0]["calibration"] if records else None))

@@ -1,18 +1,34 @@
-"""Achievable fraction of dense peak for transformer GEMMs, as a function of the per-GPU matrix width.
+"""How fast each execution path computes: the achievable fraction of dense peak for a block's GEMMs, per path.
 
-One curve, calibrated on published end-to-end training throughput (benchmarks/step_time_references.yaml):
-Megatron-LM on A100 reaches 44-52% of peak including communication and bubbles (Narayanan et al., SC21,
-arXiv:2104.04473, Table 1), Llama 3 405B on H100 38-43% MFU (Llama Team, arXiv:2407.21783, Table 4). Those figures
-include communication, which toolkit/estimate/timing.py models separately, so the GEMM efficiency here sits
-above them. Narrow per-GPU slices (small hidden / large TP) run less efficiently: the curve falls as the local
-width shrinks, as cuBLAS GEMM benchmarks show for k, n below ~2-4K.
+The curve (gemm_efficiency) is calibrated on published end-to-end training throughput of fused-kernel stacks
+(benchmarks/step_time_references.yaml): Megatron-LM on A100 reaches 44-52% of peak including communication and
+bubbles (Narayanan et al., SC21, arXiv:2104.04473, Table 1), Llama 3 405B on H100 38-43% MFU (Llama Team,
+arXiv:2407.21783, Table 4), Megatron-Bridge's H100 FP8 Llama 3 rows (docs/performance-summary*.md of
+NVIDIA-NeMo/Megatron-Bridge). Those figures include communication, which toolkit/estimate/timing.py models
+separately, so the GEMM efficiency here sits above them. Narrow per-GPU slices (small hidden / large TP) run less
+efficiently: the curve falls as the local width shrinks, which stands for the non-GEMM work (norms, rotary,
+activations, kernel launches) whose share grows as layers get narrower (bare bf16 GEMMs saturate at ~0.75 of an
+H100's peak from h = 2048 on: benchmarks/gpu_check.md).
+
+The execution paths differ in the kernels that run between and around the GEMMs, so each has its own rate
+(ExecutionPath.compute_scale, relative to the fused curve) and attention kernel:
+- megatron-te: Megatron-Core with Transformer Engine (fused norm+linear, fused rotary, fused SwiGLU, cuDNN/flash
+  attention): the curve itself.
+- hf: the HF transformers modules the deepspeed and fsdp backends train (eager PyTorch RMSNorm, rotary and SwiGLU,
+  SDPA flash attention), under DeepSpeed's engine or FSDP2's hooks.
+- megatron-local: Megatron-Core's local spec (torch norms, unfused rotary and activation, and an unfused core
+  attention that writes the score matrix to memory: counted separately, UNFUSED_ATTENTION_BYTES).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
-# Best sustained fraction of dense peak for large bf16 GEMM-dominated training steps.
+from toolkit.spec.calibration import Calibration
+
+# Best sustained fraction of dense peak for large bf16 GEMM-dominated training steps (fused kernels).
 PEAK_EFFICIENCY = 0.60
 # Effective GEMM width at which efficiency reaches 1 - 1/e of its best.
 WIDTH_SCALE = 1000.0
@@ -20,8 +36,62 @@ WIDTH_SCALE = 1000.0
 TOKEN_SCALE = 256.0
 
 
+@dataclass(frozen=True)
+class ExecutionPath:
+    """The kernels a plan's training runs, and how fast they go against the fused curve."""
+
+    name: str
+    description: str
+    compute_scale: float  # rate of the path's GEMMs and the work between them, relative to gemm_efficiency
+    unfused_attention: bool  # the core attention writes the s x s scores to memory (no flash kernel)
+    source: str
+
+
+# The eager path's rate, from two measured runs of un-fused PyTorch modules on H100 (benchmarks/step_time_accuracy.md
+# reproduces both rows with this value):
+# - torchtitan Llama 3.1 8B, FSDP2 on 8 H100s, local batch 2 x 8192, bf16, no torch.compile, no float8: 5,762
+#   tokens/s/GPU (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1): its RMSNorm, rotary
+#   and SwiGLU are eager PyTorch as in HF's Llama, attention SDPA's flash kernel; 2.84 s against 1.64 s on the curve.
+# - the toolkit's own run of HF Llama 3.2 1B under DeepSpeed ZeRO-2 on one H100, seq 2048, micro-batch 4 (the HF
+#   Trainer): 0.254 s, 27% MFU (benchmarks/gpu_check.md), against 0.145 s on the curve.
+# Both are 0.57-0.58 of the fused rate (1.75x); the gap does not shrink from h = 2048 to 4096 as a term of
+# elementwise memory traffic (which grows with h, GEMMs with h^2) would, so it is a rate, not a per-token cost.
+EAGER_COMPUTE_SCALE = 0.57
+
+HF = ExecutionPath(
+    "hf", "HF modules (eager PyTorch norms, rotary and SwiGLU; SDPA flash attention)", EAGER_COMPUTE_SCALE, False,
+    "torchtitan Llama 3.1 8B FSDP2 eager on 8 H100 (benchmarks/llama3_h100_202412_torchtitan.md, Table 1); "
+    "benchmarks/gpu_check.md (HF Llama 3.2 1B, DeepSpeed ZeRO-2, one H100)")
+MEGATRON_TE = ExecutionPath(
+    "megatron-te", "Megatron-Core with Transformer Engine (fused kernels, cuDNN/flash attention)", 1.0, False,
+    "arXiv:2104.04473 Table 1; arXiv:2407.21783 Table 4; Megatron-Bridge H100 performance summary")
+MEGATRON_LOCAL = ExecutionPath(
+    "megatron-local", "Megatron-Core local spec (torch norms, unfused rotary and SwiGLU, unfused core attention)",
+    EAGER_COMPUTE_SCALE, True,
+    "the eager rate as for hf; the unfused attention's memory traffic counted from Megatron-Core 0.16.1's "
+    "DotProductAttention and FusedScaleMaskSoftmax.forward_torch_softmax; checked against benchmarks/gpu_check.md")
+EXECUTION_PATHS = {path.name: path for path in (MEGATRON_TE, MEGATRON_LOCAL, HF)}
+
+# Bytes moved per element of the s x s score matrix, forward + backward, when Megatron-Core's local DotProductAttention
+# falls back to torch's softmax (no Apex/Megatron fused softmax kernel, as on an image without them): forward baddbmm
+# writes bf16 scores (2), .float() reads and writes (2 + 4), the causal masked_fill (4 + 1 + 4), softmax (4 + 4),
+# the cast back (4 + 2), the bmm with V reads the probabilities (2): 33; backward the probabilities' gradient and the
+# probabilities for dV (2 + 2), the cast (2 + 4), softmax backward (4 + 4 + 4), masked_fill (4 + 1 + 4), the cast
+# (4 + 2), baddbmm's backward reads the scores' gradient twice (2 + 2): 41.
+UNFUSED_ATTENTION_FORWARD_BYTES = 33
+UNFUSED_ATTENTION_BACKWARD_BYTES = 41
+
+
+def execution_path(backend: str, transformer_impl: str | None) -> ExecutionPath:
+    """The path a plan trains on: deepspeed and fsdp run the HF modules; megatron runs Transformer Engine unless the
+    plan asks for the local spec."""
+    if backend == "megatron":
+        return MEGATRON_LOCAL if transformer_impl == "local" else MEGATRON_TE
+    return HF
+
+
 def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
-    """Fraction of dense peak reached by a block's GEMMs on one GPU.
+    """Fraction of dense peak reached by a block's GEMMs on one GPU with fused kernels.
 
     Tensor parallelism cuts one dimension of each GEMM (column-parallel: the output, row-parallel: the reduction)
     and leaves the other at `hidden`, so the effective width is the geometric mean sqrt(hidden x hidden / tp).
@@ -29,3 +99,11 @@ def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
     width = 1.0 - math.exp(-math.sqrt(hidden * hidden / tp) / WIDTH_SCALE)
     rows = 1.0 - math.exp(-tokens / TOKEN_SCALE)
     return PEAK_EFFICIENCY * width * rows
+
+
+def calibrated_path(path: ExecutionPath, calibration: Calibration | None) -> ExecutionPath:
+    """The path with the compute scale `dmt calibrate` fitted for it on this hardware, else as published. A fitted
+    scale may put a path's product with the curve above 1 (a CPU host on a tiny model, whose narrow GEMMs the
+    GPU-shaped curve marks down far more than the host does); step_time caps the product at the peak."""
+    fitted = calibration.compute_scale(path.name) if calibration is not None else None
+    return path if fitted is None else dataclasses.replace(path, compute_scale=fitted)

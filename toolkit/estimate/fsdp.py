@@ -31,14 +31,13 @@ FP32 = 4
 # gathered layer groups alive at once while resharding: the one computing and the one prefetched (FSDP2's implicit
 # forward and backward prefetch of the next group's all-gather)
 GATHERED_LAYERS = 2
-# Share of a micro-batch's compute that FSDP2's prefetching hides communication behind. Calibrated on torchtitan's
+# Share of a micro-batch's compute that FSDP2's prefetching hides communication behind. First fitted on torchtitan's
 # Llama 3.1 8B FSDP2 runs on H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3,
-# local batch 2 x 8192, fp32 reduce): 5,762 tokens/s/GPU on one node (2.84 s per step, communication over NVLink
-# all but hidden) and 5,605 on 16 nodes (2.92 s). Over InfiniBand each step all-gathers the bf16 weights twice and
-# reduce-scatters fp32 gradients, ~1.6 s by the model below, of which only ~0.08 s shows: with the measured 2.84 s
-# of compute that is 0.55 of it (tests/unit/test_fsdp_estimate.py re-derives the 16-node figure from the one-node
-# step). The shared compute model predicts HF/PyTorch modules ~1.9x faster than torchtitan measured (as
-# benchmarks/gpu_check.md found 1.8x for the HF Trainer): the overlap is calibrated on measured compute, not on it.
+# local batch 2 x 8192: 5,762 tokens/s/GPU on one node, 5,605 on 16) when the model sent a ring across nodes through
+# one NIC. With rings through every NIC of a node (toolkit/estimate/comm.py) that row's communication is hidden at any
+# value above ~0.1 (tests/unit/test_fsdp_estimate.py); the one published FSDP2 row whose communication is a large
+# share of its compute, NeMo AutoModel's Llama 3 70B on 64 H100s (~60% of it, benchmarks/step_time_accuracy.md), is
+# predicted within 7% at this value. Nothing published yet pins it more tightly.
 FSDP2_OVERLAP = 0.55
 
 

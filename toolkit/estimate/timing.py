@@ -11,13 +11,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from toolkit.estimate.comm import Network, collective_time
-from toolkit.estimate.efficiency import gemm_efficiency
+from toolkit.estimate.efficiency import (
+    UNFUSED_ATTENTION_BACKWARD_BYTES,
+    UNFUSED_ATTENTION_FORWARD_BYTES,
+    ExecutionPath,
+    calibrated_path,
+    execution_path,
+    gemm_efficiency,
+)
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
 from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
-from toolkit.spec.cluster import GPU
+from toolkit.spec.calibration import Calibration
+from toolkit.spec.cluster import GPU, peak_flops
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
@@ -26,6 +34,12 @@ ZERO3_OVERLAP = 0.7
 # Adam over a parameter partition touches ~28 B/param of HBM (read master, m, v, grad; write master, m, v, bf16 copy)
 OPTIMIZER_BYTES_TOUCHED = 28
 HBM_EFFICIENCY = 0.7
+# DeepSpeed ZeRO-1/2's own work around the optimizer (deepspeed/runtime/zero/stage_1_and_2.py, 0.19): every
+# micro-batch each rank copies its bf16 gradients into the reduction buckets (read 2 + write 2 B/param); every step,
+# over its partition, it flattens them (2 + 2), casts them to fp32 (2 + 4), takes their norm (2) and unscales and
+# clips them in place (4 + 4) before Adam runs.
+DEEPSPEED_BUCKET_BYTES = 4
+DEEPSPEED_STEP_BYTES = 20
 # DeepSpeed's CPU Adam on a typical 2-socket host (ZeRO-Offload, arXiv:2101.06840, Sec. 5): ~1e9 params/s per node
 CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
 CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score matrix
@@ -54,21 +68,45 @@ class StepTime:
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (no recomputation) per second per GPU
     mfu: float
+    execution_path: str  # toolkit/estimate/efficiency.py EXECUTION_PATHS
+    peak_tflops: float  # the dense peak of one GPU (rank) at the plan's precision that mfu is a fraction of
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _peak_flops(gpu: GPU, precision: str) -> float:
-    key = {"fp8": "fp8", "fp32": "tf32"}.get(precision, "bf16")
-    return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12
+def calibrated(gpu: GPU, network: Network, calibration: Calibration | None) -> tuple[GPU, Network]:
+    """The hardware figures a calibration replaces: the host's matmul peak it was fitted with (the `cpu` entry), and
+    the link bus bandwidths `dmt health` measured (where this command was not given its own)."""
+    if calibration is None:
+        return gpu, network
+    if gpu.host and calibration.host_peak_tflops:
+        gpu = gpu.model_copy(update={"peak_tflops": {**gpu.peak_tflops, **calibration.host_peak_tflops}})
+    if calibration.links is not None:
+        network = network.with_measured(intra=calibration.links.intra_node_busbw_gbps,
+                                        inter=calibration.links.inter_node_busbw_gbps)
+    return gpu, network
 
 
-def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTime:
+def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: ExecutionPath | None = None,
+              calibration: Calibration | None = None) -> StepTime:
+    """`path`: the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's own. `calibration`
+    (`dmt calibrate`): its compute scale for the path and its measured hardware figures (see `calibrated`) replace
+    the published ones; this is the one place a calibration enters a prediction."""
+    gpu, network = calibrated(gpu, network, calibration)
     a = PRECISION_BYTES[plan.precision]
-    peak = _peak_flops(gpu, plan.precision)
+    peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
     tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
-    efficiency = gemm_efficiency(spec.hidden_size, plan.tp, tokens)
+    path = calibrated_path(path or execution_path(plan.backend, plan.transformer_impl), calibration)
+    efficiency = min(1.0, gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale)
+    hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    # GEMM-rate equivalent of one attention FLOP: flash kernels skip the causal half at their own efficiency; the
+    # unfused path computes the whole score matrix with cuBLAS batched GEMMs and moves it through memory
+    attention_work = 1.0 if path.unfused_attention else CAUSAL_ATTENTION_WORK / ATTENTION_KERNEL_EFFICIENCY
+    # seconds per token and layer the unfused path spends moving scores (heads/tp x s elements per token) in the
+    # forward and in the backward
+    scores = spec.num_attention_heads / plan.tp * plan.seq_len / hbm if path.unfused_attention else 0.0
+    score_forward_s, score_backward_s = scores * UNFUSED_ATTENTION_FORWARD_BYTES, scores * UNFUSED_ATTENTION_BACKWARD_BYTES
 
     # The slowest stage sets the pipeline's pace: every stage's micro-batch time, compute and exposed communication.
     act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
@@ -78,8 +116,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     cp_link = network.link(plan.cp, plan.tp)
     kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
     cp_per_layer = 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
-    ep_link = network.link(plan.ep, plan.tp * plan.cp)
-    ep_per_moe_layer = 4 * collective_time("all_to_all", act * spec.experts_top_k / plan.tp, plan.ep, ep_link)
+    ep_per_moe_layer = 4 * network.all_to_all_time(act * spec.experts_top_k / plan.tp, plan.ep, plan.tp * plan.cp)
     pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
     p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
     pp_comm = 2 * plan.vpp * collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
@@ -93,20 +130,20 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     for stage in representative_stages(spec, plan):
         layers = stage_layers(spec.num_layers, plan, stage)
         recomputed = recomputed_layers(spec, plan, stage)
-        work = attention = 0.0  # FLOPs run per token: forward + backward (x3) plus recomputation
+        work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
         collectives = 0
         for i in layers:
             f = layer_forward_flops(spec, i, plan.seq_len)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
-            attention_work = CAUSAL_ATTENTION_WORK / ATTENTION_KERNEL_EFFICIENCY  # GEMM-rate equivalent per FLOP
             work += matmul_passes * f.matmul + 3 * (f.attention * attention_work + adapter_forward_flops(spec, ft, i))
             work += again.matmul + again.attention * attention_work
             attention += f.attention * attention_work
+            memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
         if stage == plan.pp - 1:
             work += matmul_passes * head_forward_flops(spec)
-        compute = tokens * work / plan.tp / rate
+        compute = tokens * (work / plan.tp / rate + memory_bound)
         attention_time = tokens * attention * 3 / plan.tp / rate
         cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time)
         ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
@@ -120,9 +157,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
     dp_comm, optimizer_s, offload_s = _data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro)
     total = m * micro + bubble + dp_comm + optimizer_s + offload_s
     step_tokens = plan.global_batch * plan.seq_len
-    model_flops = model_flops_per_token(spec, plan.seq_len) * step_tokens
-    if ft.peft:  # the work fine-tuning needs: no weight gradients of the base, the adapters' three passes
-        model_flops = _finetune_model_flops(spec, plan) * step_tokens
+    model_flops = useful_flops_per_token(spec, plan) * step_tokens
     tflops = model_flops / total / plan.gpus
     return StepTime(
         compute_s=m * compute_micro,
@@ -138,7 +173,17 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network) -> StepTi
         tokens_per_s=step_tokens / total,
         tflops_per_gpu=tflops / 1e12,
         mfu=tflops / peak,
+        execution_path=path.name,
+        peak_tflops=peak / 1e12,
     )
+
+
+def useful_flops_per_token(spec: ModelSpec, plan: Plan) -> float:
+    """The model FLOPs per token MFU counts for this plan (no recomputation, PaLM convention): the whole model's
+    forward and backward, or, fine-tuning with adapters, the work that needs (what a run's measured MFU counts too)."""
+    if plan.finetune.peft:  # no weight gradients of the base, the adapters' three passes
+        return _finetune_model_flops(spec, plan)
+    return model_flops_per_token(spec, plan.seq_len)
 
 
 def _finetune_model_flops(spec: ModelSpec, plan: Plan) -> float:
@@ -189,7 +234,10 @@ def _data_parallel_and_optimizer(
             per_micro += collective_time("reduce_scatter", grads, dp_group, link)
             exposed = m * max(0.0, per_micro - ZERO3_OVERLAP * compute_micro)
         partition = trainable / (dp_group if plan.zero >= 1 else 1)
-    optimizer_s = partition * OPTIMIZER_BYTES_TOUCHED / (gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY)
+    hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    optimizer_s = partition * OPTIMIZER_BYTES_TOUCHED / hbm
+    if plan.backend == "deepspeed" and plan.zero <= 2:  # gradient buckets hold the trainable parameters' gradients
+        optimizer_s += (partition * DEEPSPEED_STEP_BYTES + m * trainable * DEEPSPEED_BUCKET_BYTES) / hbm
     offload_s = 0.0
     if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
         pcie = gpu.pcie_bw_gbps * 1e9

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.planner.recipe import recipe_plan
+from toolkit.planner.recipe import recipe_plan, recipe_prediction
+from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe, load_recipe, recipe_model, recipe_names
+from toolkit.spec.recipe import Recipe, load_recipe, recipe_calibration, recipe_model, recipe_names
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class GenerationContext:
     plan: Plan
     out_dir: Path
     overrides: dict = field(default_factory=dict)  # plan options given on the command line (plan.json keeps them)
+    calibration: Calibration | None = None  # --calibration, else the recipe's cluster.calibration
 
 
 def _deepspeed(ctx: GenerationContext) -> str:
@@ -74,16 +76,7 @@ def _slurm(ctx: GenerationContext) -> str:
 
 
 def _plan(ctx: GenerationContext) -> str:
-    from toolkit.estimate.comm import Network
-    from toolkit.estimate.memory import estimate_memory
-    from toolkit.estimate.timing import step_time
-    from toolkit.planner.report import plan_record
-    from toolkit.spec.cluster import get_gpu
-
-    gpu = get_gpu(ctx.recipe.cluster.gpu)
-    network = Network.from_catalogue(gpu, ctx.recipe.cluster.gpus_per_node)
-    record = plan_record(ctx.model, ctx.plan, estimate_memory(ctx.model, ctx.plan),
-                         step_time(ctx.model, ctx.plan, gpu, network), gpu)
+    record = recipe_prediction(ctx.recipe, ctx.model, ctx.plan, ctx.calibration)
     record.update(recipe=ctx.recipe.name, auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
                   recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
                   files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
@@ -134,12 +127,16 @@ def files_of(backend: str) -> list[str]:
     return [name for name, (backends, _) in WRITERS.items() if backend in backends]
 
 
-def resolve(recipe_path: Path, out_dir: Path = Path("."), **overrides) -> GenerationContext:
+def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | None = None,
+            **overrides) -> GenerationContext:
+    """The recipe, its model and plan (with overrides), and the calibration its predictions use (`calibration`: a
+    --calibration file in place of the recipe's cluster.calibration)."""
     recipe = load_recipe(recipe_path)
     model = recipe_model(recipe)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    return GenerationContext(recipe, Path(recipe_path), model, recipe_plan(recipe, model, **overrides),
-                             Path(out_dir).resolve(), overrides)
+    fitted = recipe_calibration(recipe, calibration)
+    return GenerationContext(recipe, Path(recipe_path), model, recipe_plan(recipe, model, fitted, **overrides),
+                             Path(out_dir).resolve(), overrides, fitted)
 
 
 def render(ctx: GenerationContext) -> dict[str, str]:
@@ -147,7 +144,8 @@ def render(ctx: GenerationContext) -> dict[str, str]:
     return {name: WRITERS[name][1](ctx) for name in files_of(ctx.plan.backend)}
 
 
-def generate(recipe_path: Path, out_dir: Path, force: bool = False, **overrides) -> list[Path]:
+def generate(recipe_path: Path, out_dir: Path, force: bool = False, calibration: Path | None = None,
+             **overrides) -> list[Path]:
     """Write every registered file of the plan's backend into out_dir, together (toolkit.outputs.write_generated):
     every content is rendered and every target checked before anything is written; the recipe and the model's
     config are never overwritten; files this tool did not write are replaced only with `force`; files it wrote for
@@ -156,9 +154,9 @@ def generate(recipe_path: Path, out_dir: Path, force: bool = False, **overrides)
 
     output_directory(out_dir, "--out", inputs=[Path(recipe_path)])  # a bad --out fails before the plan is resolved
     with recipe_names(overrides):  # a problem in the recipe names its key (cluster.gpu, not --gpu)
-        ctx = resolve(recipe_path, out_dir, **overrides)
+        ctx = resolve(recipe_path, out_dir, calibration, **overrides)
         contents = render(ctx)
-    inputs = [Path(recipe_path)]
+    inputs = [Path(recipe_path), *([Path(ctx.calibration.source)] if ctx.calibration is not None else [])]
     if ctx.recipe.model.source is not None and ctx.recipe.path(ctx.recipe.model.source).exists():
         source = ctx.recipe.path(ctx.recipe.model.source)
         inputs.append(source / "config.json" if source.is_dir() else source)

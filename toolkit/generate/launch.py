@@ -18,37 +18,56 @@ RECIPE="${{RECIPE:-}}"; [ -n "$RECIPE" ] || RECIPE={recipe}
 OUTPUT_DIR="${{OUTPUT_DIR:-$HERE/run}}"
 MASTER_PORT="${{MASTER_PORT:-29500}}"
 TRAIN="$(python -c 'import toolkit.train as t; print(t.__file__)')"
-# train.py trains the plan recorded in plan.json with the files beside it, and refuses if they no longer match
-ARGS=(--recipe "$RECIPE" --plan "$HERE/plan.json" --output-dir "$OUTPUT_DIR")
+# train.py trains the plan recorded in plan.json with the files beside it, and refuses if they no longer match;
+# it continues from the latest verified checkpoint in OUTPUT_DIR when there is one (a restart, or a rerun)
+ARGS=(--recipe "$RECIPE" --plan "$HERE/plan.json" --output-dir "$OUTPUT_DIR" --resume auto)
 LAUNCHER="${{1:-{default_launcher}}}"; shift || true
+# A failed job restarts from the latest verified checkpoint, at most training.max_restarts times: torchrun's own
+# --max-restarts, with its c10d rendezvous and a new store per attempt (a store shared across attempts hands a
+# restart the last attempt's addresses: pytorch/pytorch#135712); deepspeed and accelerate have none here, so a
+# failed launch is started again. Bad input (exit 2) and a stop by the NaN/spike guard (4) are final. Why each
+# restart happened: OUTPUT_DIR/incident.json.
+MAX_RESTARTS={max_restarts}
+relaunch() {{
+  local attempt=0 code
+  while true; do
+    DMT_RESTART_COUNT=$attempt "$@" && return 0 || code=$?
+    case "$code" in 2|4) return "$code" ;; esac
+    [ "$attempt" -lt "$MAX_RESTARTS" ] || return "$code"
+    attempt=$((attempt + 1))
+    echo "launch.sh: the job failed (exit code $code); restart $attempt of $MAX_RESTARTS" >&2
+  done
+}}
 {environment}"""
 
 SINGLE_NODE = {
     "deepspeed": """  deepspeed)
-    exec deepspeed --num_gpus {per_node} --master_port "$MASTER_PORT" "$TRAIN" "${{ARGS[@]}}" "$@" ;;
+    relaunch deepspeed --num_gpus {per_node} --master_port "$MASTER_PORT" "$TRAIN" "${{ARGS[@]}}" "$@" ;;
 """,
     "accelerate": """  accelerate)
-    exec accelerate launch --config_file "$HERE/accelerate.yaml" --main_process_port "$MASTER_PORT" "$TRAIN" \\
+    relaunch accelerate launch --config_file "$HERE/accelerate.yaml" --main_process_port "$MASTER_PORT" "$TRAIN" \\
       "${{ARGS[@]}}" "$@" ;;
 """,
     "torchrun": """  torchrun)
-    exec torchrun --nproc_per_node {per_node} --master_port "$MASTER_PORT" "$TRAIN" "${{ARGS[@]}}" "$@" ;;
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exec torchrun --max-restarts "$MAX_RESTARTS" --rdzv-backend c10d \\
+      --rdzv-endpoint "127.0.0.1:$MASTER_PORT" \\
+      --nproc_per_node {per_node} "$TRAIN" "${{ARGS[@]}}" "$@" ;;
 """,
 }
 
 MULTI_NODE = {
     "deepspeed": """  deepspeed)
     : "${{HOSTFILE:?set HOSTFILE to a DeepSpeed hostfile (one 'host slots={per_node}' line per node)}}"
-    exec deepspeed --hostfile "$HOSTFILE" --no_ssh --node_rank "$NODE_RANK" --num_nodes {nodes} \\
+    relaunch deepspeed --hostfile "$HOSTFILE" --no_ssh --node_rank "$NODE_RANK" --num_nodes {nodes} \\
       --num_gpus {per_node} --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$TRAIN" "${{ARGS[@]}}" "$@" ;;
 """,
     "accelerate": """  accelerate)
-    exec accelerate launch --config_file "$HERE/accelerate.yaml" --machine_rank "$NODE_RANK" \\
+    relaunch accelerate launch --config_file "$HERE/accelerate.yaml" --machine_rank "$NODE_RANK" \\
       --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" "$TRAIN" "${{ARGS[@]}}" "$@" ;;
 """,
     "torchrun": """  torchrun)
-    exec torchrun --nnodes {nodes} --node_rank "$NODE_RANK" --nproc_per_node {per_node} --master_addr "$MASTER_ADDR" \\
-      --master_port "$MASTER_PORT" "$TRAIN" "${{ARGS[@]}}" "$@" ;;
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exec torchrun --max-restarts "$MAX_RESTARTS" --rdzv-backend c10d \\
+      --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id {name} --nnodes {nodes} --nproc_per_node {per_node} "$TRAIN" "${{ARGS[@]}}" "$@" ;;
 """,
 }
 
@@ -81,7 +100,7 @@ def launch_script(recipe: Recipe, plan: Plan, recipe_path: str) -> str:
     fields = dict(name=recipe.name, gpus=plan.gpus, nodes=nodes, per_node=per_node, last_node=nodes - 1,
                   recipe=shlex.quote(recipe_path),
                   backend=plan.backend, launchers="|".join(launchers), default_launcher=launchers[0],
-                  environment=launch_environment(plan),
+                  environment=launch_environment(plan), max_restarts=recipe.training.max_restarts,
                   multi_note="\n# Several nodes: run it on each with NODE_RANK and MASTER_ADDR set (and HOSTFILE for "
                              "deepspeed)." if nodes > 1 else "")
     cases = MULTI_NODE if nodes > 1 else SINGLE_NODE

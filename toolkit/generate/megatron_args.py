@@ -126,7 +126,7 @@ def megatron_args_text(config: dict, recipe_name: str) -> str:
     vocab = config["model"]
     lines = [
         f"# Megatron-LM pretrain_gpt.py arguments of recipe {recipe_name}, written by `dmt generate`.",
-        f"# Usage: torchrun ... pretrain_gpt.py $(grep -v '^#' megatron_args.txt) --data-path ... --tokenizer-type ...",
+        "# Usage: torchrun ... pretrain_gpt.py $(grep -v '^#' megatron_args.txt) --data-path ... --tokenizer-type ...",
         f"# Vocabulary {vocab['vocab_size']}: Megatron-LM pads it to {vocab['padded_vocab_size']} "
         f"(multiple of {vocab['make_vocab_size_divisible_by']} x tp).",
     ]

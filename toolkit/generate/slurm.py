@@ -21,8 +21,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # partition/account
 
 # launcher -> what the script's comment says about it
 LAUNCHERS = {
-    "torchrun": "one torchrun per node (HF Trainer + DeepSpeed or FSDP2, or Megatron-Core); node rank from each "
-                "task's own environment (single quotes: expanded there).",
+    "torchrun": "one torchrun per node (HF Trainer + DeepSpeed or FSDP2, or Megatron-Core), meeting at node 0 through torchrun's "
+                "c10d rendezvous, which also serves its restarts of a failed job (training.max_restarts) inside the "
+                "allocation, each with a new store (pytorch/pytorch#135712); variables expanded in each task's own "
+                "environment (single quotes).",
     "accelerate": "one `accelerate launch` per node; machine rank from each task's own environment (single quotes: "
                   "expanded there).",
     "deepspeed": "a hostfile from the allocation, then one `deepspeed --no_ssh` per node with its own node rank "
@@ -126,6 +128,7 @@ def render_sbatch(
         accelerate_config=shlex.quote(str(Path(accelerate_config).resolve())) if accelerate_config else "",
         launcher=launcher,
         launch_comment=LAUNCHERS[launcher],
+        max_restarts=recipe.training.max_restarts,
         convert_direction=CONVERSIONS[plan.backend],
     )
     values["launch"] = Template((TEMPLATES / "launch" / f"{launcher}.tmpl").read_text()).substitute(values).rstrip()

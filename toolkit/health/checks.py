@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 # The environment that decides how NCCL/gloo pick transports and devices; differences between ranks are suspicious.
@@ -140,34 +139,6 @@ def memory_check(device, fraction: float) -> str | None:
     finally:
         torch.cuda.empty_cache()
     return None
-
-
-def matmul_benchmark(device, seconds: float, size: int | None = None) -> dict:
-    """Square matmuls for a fixed wall-clock window, so that an outside slowdown (throttling, contention) shows.
-
-    Returns {matmul_ms: mean time of one matmul, matmul_gflops, matmul_size, matmul_dtype}.
-    """
-    import torch
-
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    size = size or (8192 if cuda else 512)  # 8192^2 bf16 reaches a GPU's tensor-core peak; 512 keeps a CPU busy
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # first call pays for kernel selection and page faults
-    if cuda:
-        torch.cuda.synchronize(device)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-        if cuda and count % 8 == 0:
-            torch.cuda.synchronize(device)  # keep the queue short so the window means GPU time
-    if cuda:
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
-    return {"matmul_ms": elapsed / count * 1e3, "matmul_gflops": 2 * size**3 * count / elapsed / 1e9,
-            "matmul_size": size, "matmul_dtype": str(dtype).removeprefix("torch.")}
 
 
 def cpu_threads_per_rank(local_world_size: int | None) -> int:

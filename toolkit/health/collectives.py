@@ -16,7 +16,7 @@ from toolkit.estimate.comm import BUS_FACTOR
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
 ELEMENT_BYTES = 4  # float32: exact small-integer patterns make every result checkable with ==
-Progress = Callable[..., None]  # progress(step name, uniform=True): see toolkit/health/watchdog.py
+Progress = Callable[..., None]  # progress(step name, uniform=True): see toolkit/runtime/watchdog.py
 
 
 def bus_factor(op: str, world: int) -> float:

@@ -1,21 +1,15 @@
-"""What one health run is asked to do (HealthOptions) and where a rank stands (RankEnv, read from any launcher)."""
+"""What one health run is asked to do (HealthOptions); where a rank stands (RankEnv) is toolkit.runtime.job's."""
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from toolkit.errors import UserInputError
+from toolkit.runtime.job import HOSTNAME_ENV, STORE_HOSTED_ENV, RankEnv, rank_env  # noqa: F401 (re-exported)
 
 # Small on CPU so `--nproc 2` takes seconds; on GPUs up to 1 GiB, where NCCL reaches its link speed.
 CPU_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)
 GPU_SIZES = (1 << 10, 1 << 20, 1 << 24, 1 << 28, 1 << 30)
-# Set by `dmt health --nproc`, which hosts the TCPStore itself so that it outlives any rank.
-STORE_HOSTED_ENV = "DMT_HEALTH_STORE_HOSTED"
-# The node name a rank reports; defaults to the hostname (containers that share one hostname can set it).
-HOSTNAME_ENV = "DMT_HEALTH_HOSTNAME"
 
 
 @dataclass(frozen=True)
@@ -79,53 +73,3 @@ def validate(options: HealthOptions) -> None:
     for flag, value in (("--min-busbw-gbps", options.min_busbw_gbps), ("--min-inter-busbw-gbps", options.min_inter_busbw_gbps)):
         if value is not None and value < 0:
             raise UserInputError(flag, f"must not be negative, got {value}")
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """One rank's place in the job, as the launcher announced it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int | None
-    master_addr: str
-    master_port: int
-    host: str
-    agent_store: bool
-    """The launcher (torchrun's agent, or `dmt health --nproc`) hosts the TCPStore; otherwise rank 0 does."""
-
-
-def _int(environ: Mapping[str, str], name: str) -> int | None:
-    value = environ.get(name)
-    if value is None or value == "":
-        return None
-    if not value.isdigit():
-        raise UserInputError(name, f"must be a non-negative integer, got '{value}'")
-    return int(value)
-
-
-def rank_env(environ: Mapping[str, str] | None = None) -> RankEnv | None:
-    """torchrun / deepspeed / accelerate (RANK, WORLD_SIZE, ...) or srun (SLURM_PROCID, ...); None: no launcher."""
-    environ = os.environ if environ is None else environ
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
-        local = _int(environ, "LOCAL_RANK")
-        local_world = _int(environ, "LOCAL_WORLD_SIZE")
-        if local_world is None:  # the deepspeed launcher says LOCAL_SIZE
-            local_world = _int(environ, "LOCAL_SIZE")
-    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
-        local = _int(environ, "SLURM_LOCALID")
-        per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
-        local_world = int(per_node) if per_node.isdigit() else None  # "4(x2),2" forms: nodes differ, no single answer
-    else:
-        return None
-    if world < 1 or rank >= world:
-        raise UserInputError("RANK", f"rank {rank} does not fit world size {world}")
-    if world > 1 and "MASTER_ADDR" not in environ:
-        raise UserInputError("MASTER_ADDR", "not set: export the address of rank 0's node (the generated SLURM script does)")
-    return RankEnv(rank=rank, world_size=world, local_rank=local if local is not None else 0, local_world_size=local_world,
-                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(environ, "MASTER_PORT") or 29500,
-                   host=environ.get(HOSTNAME_ENV) or socket.gethostname(),
-                   agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or environ.get(STORE_HOSTED_ENV) == "1")

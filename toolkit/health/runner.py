@@ -8,14 +8,17 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
-from toolkit.errors import UserInputError
-from toolkit.health.options import STORE_HOSTED_ENV, HealthOptions, RankEnv
+from toolkit.health.options import HealthOptions
+from toolkit.runtime.job import STORE_HOSTED_ENV, RankEnv, connect_store
+from toolkit.runtime.watchdog import raise_terminated
+from toolkit.spec.device_peak import matmul_benchmark
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "dmt-health"
@@ -23,23 +26,6 @@ OPTIONS_ENV = "DMT_HEALTH_OPTIONS"  # spawned ranks get their options as JSON he
 REPORT_KEY = "report"  # ... and hand the report back under this store key
 GRACE_S = 3.0  # after the report: time for the ranks to exit by themselves before they are killed
 Emit = Callable[[dict, object], None]  # (report, a store client the calling thread may use)
-
-
-class LauncherTerminated(Exception):
-    """SIGTERM: the launcher is ending the job (torchrun does when another rank failed)."""
-
-
-def connect_store(env: RankEnv, timeout_s: float, master: bool):
-    """The job's TCPStore at MASTER_ADDR:MASTER_PORT: rank 0 hosts it unless a launcher already does."""
-    from torch.distributed import TCPStore
-
-    try:
-        return TCPStore(env.master_addr, env.master_port, None, master, timedelta(seconds=timeout_s),
-                        wait_for_workers=False, multi_tenant=master)
-    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError: the address is what the user can fix
-        what = "cannot listen on" if master else f"no TCPStore answered within {timeout_s:.0f} s at"
-        raise UserInputError("MASTER_ADDR", f"{what} {env.master_addr}:{env.master_port} (MASTER_PORT); "
-                                            f"{str(exc).splitlines()[0][:160]}") from exc
 
 
 def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
@@ -50,7 +36,7 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
 
     from toolkit.health import checks, collectives
     from toolkit.health.report import incomplete, judge
-    from toolkit.health.watchdog import Watchdog
+    from toolkit.runtime.watchdog import Watchdog
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", _device_index(env.local_rank, torch.cuda.device_count())) if cuda else torch.device("cpu")
@@ -79,7 +65,7 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
     watchdog.start()
     if options.pid_dir:  # written once the heartbeat runs: whoever reads it may stop or kill a rank that is being watched
         Path(options.pid_dir, f"rank{env.rank}.pid").write_text(str(os.getpid()))
-    previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_term = signal.signal(signal.SIGTERM, raise_terminated)
     sizes, iters = options.sizes_for(cuda), options.iters_for(cuda)
     try:
         watchdog.step("init_process_group")
@@ -89,7 +75,7 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
         facts = checks.host_facts(env.host, device) | {"local_world_size": env.local_world_size}
         facts["memory_check"] = checks.memory_check(device, options.mem_fraction)
         watchdog.step("matmul benchmark")
-        facts.update(checks.matmul_benchmark(device, options.matmul_seconds))
+        facts.update(matmul_benchmark(device, options.matmul_seconds))
         bandwidth: dict = {"intra_node_busbw_gbps": None, "inter_node_busbw_gbps": None, "size_bytes": max(sizes),
                            "per_host_intra_node_busbw_gbps": {}}
         links: list[dict] = []
@@ -149,10 +135,6 @@ def _snapshot(results: dict) -> dict:
     return {}
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise LauncherTerminated("terminated by the launcher (SIGTERM), usually because another rank failed")
-
-
 def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, emit: Emit, partial: dict) -> None:
     """Name who is gone (connection lost and no heartbeat), report once for the job, and exit non-zero now:
     destroying a process group with a dead peer can block."""
@@ -161,7 +143,7 @@ def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, em
     if watchdog.tripped.is_set():  # the monitor is already reporting a hang and will end this process
         time.sleep(options.deadline_s + 30)
     elif watchdog.claim_report():
-        silent = poll_silent(watchdog, max(1.5, 6 * options.heartbeat_s))
+        silent = watchdog.silent_ranks(max(1.5, 6 * options.heartbeat_s))
         hosts = watchdog.hosts()
         died = [{"rank": r, "host": hosts[r], "how": "connection lost and no heartbeat (killed, crashed or stopped)"}
                 for r in silent]
@@ -179,15 +161,6 @@ def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, em
     os._exit(1)
 
 
-def poll_silent(watchdog, window_s: float) -> list[int]:
-    """Ranks whose heartbeat does not move during `window_s` (and that have not finished)."""
-    first = watchdog.read_beats()
-    time.sleep(window_s)
-    second = watchdog.read_beats()
-    return [r for r in range(watchdog.world)
-            if r not in second or (r in first and first[r].count == second[r].count and not second[r].finished)]
-
-
 # ---- `dmt health --nproc N` ------------------------------------------------------------------------------------
 
 
@@ -201,14 +174,20 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
     from torch.distributed import PrefixStore, TCPStore
 
     from toolkit.health.report import add_deaths, incomplete
-    from toolkit.health.watchdog import LivenessTracker, find_unresponsive, read_beats, read_hosts
+    from toolkit.runtime.watchdog import (
+        LivenessTracker,
+        find_unresponsive,
+        read_beats,
+        read_hosts,
+    )
 
     server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     store = PrefixStore(STORE_PREFIX, server)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), **{STORE_HOSTED_ENV: "1", OPTIONS_ENV: json.dumps(asdict(options))})
+    stderr = [tempfile.TemporaryFile() for _ in range(nproc)]  # each rank's; its one-line error becomes ours
     procs = [subprocess.Popen([sys.executable, "-m", "toolkit.health.worker"], stdout=subprocess.DEVNULL,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
+                              stderr=stderr[r], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
              for r in range(nproc)]
     started = time.monotonic()
     tracker = LivenessTracker(nproc, started)
@@ -250,6 +229,7 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL also ends a stopped process
             proc.wait()
+        _replay_worker_errors(stderr, exits)
     done = {rank for rank, beat in beats.items() if beat.finished}
     died = [{"rank": rank, "host": hosts[rank], "how": _how(code)} for rank, code in sorted(exits.items())
             if code != 0 and rank not in done]
@@ -260,6 +240,22 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
         report = add_deaths(report, died)
     healthy = report.get("ok") and all(code == 0 or rank in done for rank, code in exits.items())
     return report, 0 if healthy and len(exits) == nproc else 1
+
+
+def _replay_worker_errors(stderr: list, exits: dict[int, int]) -> None:
+    """What the ranks wrote to stderr goes to ours; a rank that refused bad input (exit code 2) makes this command
+    refuse it too, with that rank's one line."""
+    from toolkit.errors import worker_error
+
+    texts = []
+    for handle in stderr:
+        handle.seek(0)
+        texts.append(handle.read().decode(errors="replace"))
+        handle.close()
+    for rank, code in sorted(exits.items()):
+        if code == 2 and (error := worker_error(texts[rank], f"rank {rank}")) is not None:
+            raise error
+    sys.stderr.write("".join(texts))
 
 
 def _how(code: int) -> str:

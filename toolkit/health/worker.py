@@ -3,19 +3,26 @@ to the TCPStore that the spawning process hosts."""
 
 import json
 import os
+import sys
 import warnings
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes on every collective
 
 
 def main() -> int:
+    from toolkit.errors import UserInputError
     from toolkit.health.options import HealthOptions, rank_env
     from toolkit.health.runner import OPTIONS_ENV, REPORT_KEY, run_rank
 
     fields = json.loads(os.environ[OPTIONS_ENV])
     if fields.get("sizes") is not None:
         fields["sizes"] = tuple(fields["sizes"])
-    return run_rank(HealthOptions(**fields), rank_env(), lambda report, store: store.set(REPORT_KEY, json.dumps(report)))
+    try:
+        return run_rank(HealthOptions(**fields), rank_env(),
+                        lambda report, store: store.set(REPORT_KEY, json.dumps(report)))
+    except UserInputError as exc:  # the spawning `dmt health` prints this line as its own
+        print(f"dmt health: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

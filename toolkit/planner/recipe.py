@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from toolkit.errors import UserInputError
+from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import for_backend
 from toolkit.spec.plan import Plan, resolve_plan
-from toolkit.spec.recipe import Recipe, megatron_layers, recipe_names
+from toolkit.spec.recipe import Recipe, megatron_layers, recipe_calibration, recipe_names
 
 
 def recipe_options(recipe: Recipe, **overrides) -> dict:
@@ -26,8 +27,9 @@ def recipe_options(recipe: Recipe, **overrides) -> dict:
     return options
 
 
-def recipe_plan(recipe: Recipe, model: ModelSpec, **overrides) -> Plan:
-    """The resolved Plan: the recipe's explicit plan (with command-line overrides), or the planner's choice."""
+def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | None = None, **overrides) -> Plan:
+    """The resolved Plan: the recipe's explicit plan (with command-line overrides), or the planner's choice, ranked
+    with `calibration` (default: the recipe's cluster.calibration)."""
     given = {k: v for k, v in overrides.items() if v is not None}
     options = recipe_options(recipe, **given)
     with recipe_names(given):
@@ -35,7 +37,9 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, **overrides) -> Plan:
             from toolkit.planner.search import best_plan
             from toolkit.spec.cluster import get_gpu
 
-            plan = best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), **options)
+            calibration = calibration or recipe_calibration(recipe)
+            plan = best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), calibration=calibration,
+                             **options)
         else:
             plan = resolve_plan(model, recipe.cluster.gpus, **options)
     check_data_format(recipe, plan)
@@ -47,3 +51,17 @@ def check_data_format(recipe: Recipe, plan: Plan) -> None:
     if recipe.data.format != "text" and plan.backend == "megatron":
         raise UserInputError("data.format", f"{recipe.data.format} data (loss on the answers only) trains through the "
                                             f"HF Trainer: use plan.backend deepspeed or fsdp, or format: text")
+
+
+def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration: Calibration | None = None) -> dict:
+    """What plan.json and a run's run_plan.json record of a recipe's plan: the prediction on the recipe's cluster
+    (catalogue links, or a calibration's), and the model spec it was made for (so a run can be re-predicted)."""
+    from toolkit.estimate.comm import Network
+    from toolkit.planner.report import predicted_record
+    from toolkit.spec.cluster import get_gpu
+
+    gpu = get_gpu(recipe.cluster.gpu)
+    network = Network.from_catalogue(gpu, recipe.cluster.gpus_per_node)
+    record = predicted_record(model, plan, gpu, network, calibration)
+    record["model_spec"] = model.model_dump(mode="json")
+    return record

@@ -1,11 +1,14 @@
-"""The one JSON record of a model under a plan, shared by `dmt estimate --json` and `dmt plan --json`."""
+"""The one JSON record of a model under a plan, shared by `dmt estimate --json`, `dmt plan --json`, plan.json and the
+prediction a run keeps (run_plan.json): the plan, its predicted memory, step time, tokens/s and MFU."""
 
 from __future__ import annotations
 
+from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
-from toolkit.estimate.memory import MemoryBreakdown
+from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
 from toolkit.estimate.params import count_params
-from toolkit.estimate.timing import STEP_COMPONENTS, StepTime
+from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
+from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
@@ -16,7 +19,15 @@ FINETUNE_MFU_NOTE = ("fine-tuning FLOPs without recomputation (2 x base matmuls,
                      "time x GPUs x dense peak)")
 
 
-def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: StepTime, gpu: GPU) -> dict:
+def predicted_record(model: ModelSpec, plan: Plan, gpu: GPU, network: Network,
+                     calibration: Calibration | None = None) -> dict:
+    """The prediction of one plan, as every output that states one records it."""
+    time = step_time(model, plan, gpu, network, calibration=calibration)
+    return plan_record(model, plan, estimate_memory(model, plan), time, gpu, calibration)
+
+
+def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: StepTime, gpu: GPU,
+                calibration: Calibration | None = None) -> dict:
     counts = count_params(model)
     return {
         "model": model.name,
@@ -37,6 +48,9 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
         "tflops_per_gpu": time.tflops_per_gpu,
         "mfu": time.mfu,
         "mfu_definition": FINETUNE_MFU_NOTE if plan.finetune.peft else MFU_NOTE,
+        "execution_path": time.execution_path,
+        "peak_tflops": time.peak_tflops,
+        "calibration": None if calibration is None else calibration.describe(),
         "step_time_breakdown_s": {k: getattr(time, k) for k in STEP_COMPONENTS},
     }
 

@@ -11,6 +11,7 @@ from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
+from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
@@ -127,9 +128,11 @@ def search(
     gpu: GPU,
     network: Network,
     backends: tuple[str, ...] = BACKENDS,
+    calibration: Calibration | None = None,
     **fixed,
 ) -> SearchResult:
-    """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...)."""
+    """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...);
+    a calibration (dmt calibrate) ranks them by its calibrated step times."""
     result = SearchResult(ranked=[])
     fixed = {k: v for k, v in fixed.items() if v is not None}
     gpus_per_node = fixed.setdefault("gpus_per_node", network.gpus_per_node)
@@ -167,7 +170,7 @@ def search(
                         result.rejected["out of memory"] += 1
                         exhausted.add(index)
                         continue
-                    fitting.append(Candidate(*found, step_time(model, found[0], gpu, network)))
+                    fitting.append(Candidate(*found, step_time(model, found[0], gpu, network, calibration=calibration)))
                 if fitting:  # of the same layout and micro-batch, only the recomputation that is fastest
                     fitting.sort(key=lambda c: c.time.total_s)
                     result.ranked.append(fitting[0])
@@ -219,11 +222,12 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
     return found
 
 
-def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None, **fixed) -> Plan:
+def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None,
+              calibration: Calibration | None = None, **fixed) -> Plan:
     """The fastest plan that fits, for recipes that say `plan: auto`."""
     network = network or Network.from_catalogue(gpu, fixed.get("gpus_per_node") or 8)
     backends = (fixed.pop("backend"),) if fixed.get("backend") else BACKENDS
-    result = search(model, gpus, gpu, network, backends, **fixed)
+    result = search(model, gpus, gpu, network, backends, calibration, **fixed)
     if not result.ranked:
         reasons = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common())
         raise UserInputError("plan", f"no plan of {model.name} fits {gpus} x {gpu.name} ({reasons})")

@@ -43,3 +43,4 @@ def release_at_exit() -> None:
     port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
     if port is not None and rank is not None:
         atexit.register(release, port, int(rank))
+

@@ -5,7 +5,8 @@ FSDP plugin into `DistributedType.FSDP` only for GPU-like types (accelerate/stat
 branch over MULTI_GPU, MULTI_NPU, ...). The plugin is dropped, the HF Trainer sees no `fsdp_plugin`, and the model
 is wrapped in DistributedDataParallel: training runs and nothing says it was never sharded. FSDP2 itself
 (`fully_shard`) works on CPU with gloo, so the step below does, for MULTI_CPU, exactly what that branch does for a
-GPU: distributed type FSDP, the plugin's mixed precision, the plugin on the state. Everything after it (fully_shard,
+GPU: distributed type FSDP, the plugin's mixed precision, the plugin on the state (and CPUOffloadPolicy without
+pinned memory, which needs an accelerator). Everything after it (fully_shard,
 MixedPrecisionPolicy, DCP checkpoints) is the libraries' own code path.
 
 Used only while the Trainer builds its Accelerator, and only when there is no GPU; the GPU path never imports it.
@@ -26,6 +27,7 @@ def fsdp_on_cpu_ranks():
     """While active, an AcceleratorState created with an FSDP plugin on CPU ranks takes Accelerate's FSDP path."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     original = AcceleratorState.__init__
     signature = inspect.signature(original)
@@ -37,6 +39,11 @@ def fsdp_on_cpu_ranks():
             self.distributed_type = DistributedType.FSDP
             if self._mixed_precision != "no":
                 plugin.set_mixed_precision(self._mixed_precision)
+            if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+                # Accelerate builds CPUOffloadPolicy() with pin_memory=True; pinning needs an accelerator
+                # ("Cannot access accelerator device when none is available"): on CPU ranks the host memory is
+                # where the parameters already are, so the policy is the same without pinning.
+                plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
             self.fsdp_plugin = plugin
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             log.info("CPU ranks: Accelerate takes its FSDP path (fsdp_version %s) instead of plain DDP",

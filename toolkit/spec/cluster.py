@@ -1,7 +1,9 @@
-"""The GPU catalogue (presets/gpus.yaml): memory, peak throughput and link bandwidths, with their sources."""
+"""The GPU catalogue (presets/gpus.yaml): memory, peak throughput and link bandwidths, with their sources; and the
+`cpu` entry, the host itself, whose peak and memory are this machine's (measured, not a datasheet's)."""
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -11,6 +13,8 @@ from toolkit.errors import UserInputError
 
 CATALOGUE = Path(__file__).resolve().parent.parent / "presets" / "gpus.yaml"
 DEFAULT_GPU = "h100-80gb"
+# the peak_tflops key a training precision runs at (fp32 training runs its matmuls in TF32 on tensor cores)
+PEAK_KEY = {"fp8": "fp8", "fp32": "tf32"}
 
 
 class GPU(BaseModel):
@@ -18,14 +22,22 @@ class GPU(BaseModel):
 
     name: str
     vendor: str
-    memory_bytes: int = Field(gt=0, description="Device memory as torch.cuda reports total_memory.")
-    peak_tflops: dict[str, float] = Field(description="Dense peak TFLOP/s per precision.")
+    memory_bytes: int = Field(gt=0, description="Device memory as torch.cuda reports total_memory; the host's RAM "
+                                                "for the host entry.")
+    peak_tflops: dict[str, float] = Field(description="Dense peak TFLOP/s per precision; for the host entry, the "
+                                                      "whole host's (measured when absent).")
     hbm_bandwidth_gbps: float
     intra_node_bw_gbps: float = Field(description="Unidirectional GB/s per GPU inside a node.")
     inter_node_bw_gbps: float = Field(description="Unidirectional GB/s per GPU across nodes.")
     pcie_bw_gbps: float = Field(description="Host <-> device GB/s, unidirectional.")
     gpus_per_node_default: int = 8
     aliases: tuple[str, ...] = ()
+    host: bool = Field(False, description="The machine running the toolkit (CPU ranks): its peak is a matmul "
+                                          "measurement here, shared by the ranks on it, and its memory is its RAM.")
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @lru_cache(maxsize=1)
@@ -35,6 +47,8 @@ def load_catalogue() -> dict[str, GPU]:
     raw = yaml.safe_load(CATALOGUE.read_text())["gpus"]
     gpus: dict[str, GPU] = {}
     for name, fields in raw.items():
+        if fields.get("host"):
+            fields = {**fields, "memory_bytes": host_memory_bytes()}
         gpu = GPU(name=name, **fields)
         gpus[name] = gpu
         for alias in gpu.aliases:
@@ -48,3 +62,15 @@ def get_gpu(name: str) -> GPU:
     if gpu is None:
         raise UserInputError("--gpu", f"unknown GPU '{name}'; known: {', '.join(sorted(catalogue))}")
     return gpu
+
+
+def peak_flops(gpu: GPU, precision: str, ranks_per_node: int = 1) -> float:
+    """Dense peak FLOP/s of one rank at a training precision. The host entry's peak is the host's matmul rate (from a
+    calibration file, else measured now by toolkit.spec.device_peak), split evenly between the ranks it runs."""
+    key = PEAK_KEY.get(precision, "bf16")
+    if gpu.host:
+        from toolkit.spec.device_peak import host_matmul_tflops
+
+        tflops = gpu.peak_tflops.get(key) or host_matmul_tflops(key)
+        return tflops * 1e12 / max(1, ranks_per_node)
+    return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12

@@ -82,6 +82,8 @@ class ClusterSection(_Strict):
     gpu: str = Field(DEFAULT_GPU, description="GPU from the catalogue, for the memory estimate and the planner.")
     nodes: int | None = Field(None, gt=0, description="Defaults to gpus / gpus_per_node, at least 1.")
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
+    calibration: str | None = Field(None, description="A calibration file `dmt calibrate` wrote for cluster.gpu "
+                                                      "(relative to the recipe): the plan's predictions use it.")
 
     @field_validator("gpu")
     @classmethod
@@ -97,6 +99,27 @@ class ClusterSection(_Strict):
     @property
     def num_nodes(self) -> int:
         return self.nodes or max(1, -(-self.gpus // self.gpus_per_node))
+
+
+class GuardSection(_Strict):
+    """The NaN and loss-spike guard: judged on every optimizer step, on the loss of the whole global batch."""
+
+    on_nan: Literal["stop", "skip", "rollback"] = Field(
+        "stop", description="What a non-finite loss or gradient norm, or a loss spike, does: stop (save nothing, "
+                            "exit code 4, no automatic restart), skip (drop that optimizer step; the learning-rate "
+                            "schedule does not advance), rollback (reload the latest verified checkpoint and go on "
+                            "with the data after the offending step: the steps since the checkpoint are dropped).")
+    spike_factor: float = Field(0.0, ge=0, description="A loss above this many times the median of the last `window` "
+                                                       "steps is a spike (e.g. 3); 0: no spike rule.")
+    window: int = Field(50, gt=0, description="Steps in the running median of the spike rule; the rule judges once "
+                                              "that many steps are known.")
+
+    @field_validator("spike_factor")
+    @classmethod
+    def _above_one(cls, factor: float) -> float:
+        if 0 < factor <= 1:
+            raise ValueError(f"must be 0 (off) or above 1 (3 = three times the median), got {factor}")
+        return factor
 
 
 class TrainingSection(_Strict):
@@ -119,6 +142,17 @@ class TrainingSection(_Strict):
     eval_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N steps (0: never).")
     report_to: list[Literal["wandb", "tensorboard", "none"]] = Field(
         ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")
+    hang_timeout_s: float = Field(600.0, ge=0, description="A rank whose heartbeat stops, or a step or collective "
+                                                           "that no rank leaves, for this long is named in "
+                                                           "OUTPUT/incident.json with the Python stacks, and every "
+                                                           "rank exits (code 3) for the launcher to restart the job. "
+                                                           "Longer than the slowest step and checkpoint save; 0: no "
+                                                           "watchdog.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a failed job from the latest verified checkpoint by "
+                                                   "launch.sh and slurm.sbatch (torchrun's --max-restarts; a retry "
+                                                   "loop for the deepspeed and accelerate launchers); 0: none.")
+    guard: GuardSection = Field(GuardSection(), description="What a non-finite loss or gradient norm, or a loss "
+                                                            "spike, does to the run.")
 
 
 class _PlanBase(BaseModel):
@@ -236,6 +270,20 @@ def recipe_model(recipe: Recipe):
     if recipe.model.config is not None:
         return spec_from_hf_dict(recipe.model.config, name=recipe.name)
     return load_model_spec(recipe.locate(recipe.model.source))
+
+
+def recipe_calibration(recipe: Recipe, override: str | Path | None = None):
+    """The calibration a recipe's predictions use: `override` (a --calibration flag), else cluster.calibration; checked
+    to be one of cluster.gpu. None without either."""
+    from toolkit.spec.calibration import load_calibration
+
+    if override is None and recipe.cluster.calibration is None:
+        return None
+    key = "--calibration" if override is not None else "cluster.calibration"
+    path = Path(override) if override is not None else recipe.path(recipe.cluster.calibration)
+    calibration = load_calibration(path, key)
+    calibration.check_hardware(recipe.cluster.gpu, key)
+    return calibration
 
 
 def megatron_layers(recipe: Recipe) -> str | None:

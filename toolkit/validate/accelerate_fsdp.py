@@ -38,7 +38,7 @@ def _launch_keys() -> tuple[frozenset, frozenset]:
 
 def _unknown(key: str, where: str, known, fix: str = "remove it") -> Problem:
     close = difflib.get_close_matches(key, list(known), n=1)
-    return Problem(f"{where}{key}", f"is not a key Accelerate reads here; " +
+    return Problem(f"{where}{key}", "is not a key Accelerate reads here; " +
                    (f"did you mean '{close[0]}'?" if close else fix))
 
 

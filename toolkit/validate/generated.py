@@ -31,6 +31,7 @@ class GeneratedRun:
     trainer_args: dict | None = None  # trainer_args.json
     megatron: dict | None = None  # megatron.yaml
     accelerate: dict | None = None  # accelerate.yaml of an fsdp plan (its launcher reads it; checked here)
+    prediction: dict | None = None  # plan.json's record: the plan with its predicted memory, step time, tokens/s, MFU
 
 
 def _flatten(data, prefix: str = "") -> dict:
@@ -132,7 +133,7 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
             contents["accelerate"] = read_yaml(path, what="the accelerate.yaml `dmt generate` writes")
     if "accelerate" in contents:  # with the trainer arguments it must agree with
         _check_accelerate(directory / "accelerate.yaml", contents["accelerate"], contents.get("trainer_args"), plan)
-    return GeneratedRun(directory, recipe, model, plan, **contents)
+    return GeneratedRun(directory, recipe, model, plan, **contents, prediction=record)
 
 
 def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan) -> None:

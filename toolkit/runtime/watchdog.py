@@ -21,8 +21,19 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
+PUBLISH_SPACING_S = 0.1  # a step entered is published at once, but at most this often however fast steps are
 MONITOR_RANKS = (0, 1)  # two monitors: a stopped rank 0 is still named; more would only load the store
 CLAIM_KEY, WRITTEN_KEY, ABORT_KEY = "report/claim", "report/written", "report/abort"
+
+
+class LauncherTerminated(Exception):
+    """SIGTERM: the launcher is ending the job (torchrun does when another rank failed)."""
+
+
+def raise_terminated(signum, frame) -> None:
+    """A SIGTERM handler: the main thread leaves what it was doing and reports (the job's failure report names who
+    died first)."""
+    raise LauncherTerminated("terminated by the launcher (SIGTERM), usually because another rank failed")
 
 
 class Beat(NamedTuple):
@@ -152,14 +163,17 @@ class Watchdog:
     (from the monitor thread, with that thread's store client)."""
 
     def __init__(self, store_factory: Callable[[], object], rank: int, world: int, host: str, deadline_s: float,
-                 interval_s: float, on_hang: Callable[[list[dict], object], None], store_host_rank: int | None):
+                 interval_s: float, on_hang: Callable[[list[dict], object], None], store_host_rank: int | None,
+                 on_exit: Callable[[], None] | None = None, exit_code: int = 1):
         self.rank, self.world, self.deadline_s, self.interval_s = rank, world, deadline_s, interval_s
         self.on_hang, self.store_host_rank = on_hang, store_host_rank
+        self.on_exit, self.exit_code = on_exit, exit_code  # last words of a rank the watchdog ends, and its code
         self.store = store_factory()  # main thread's client; the threads get their own connections
         self._beat_store = store_factory()
         self._monitor_store = store_factory() if rank in MONITOR_RANKS else None
         self._step: tuple[int, str, bool, int] = (-1, "start", True, 0)  # index, name, uniform, sequence at entry
         self._stop = threading.Event()
+        self._moved = threading.Event()  # the main thread entered a step: the heartbeat says so now, not later
         self._beats = 0
         self._threads: list[threading.Thread] = []
         self.tripped = threading.Event()
@@ -168,6 +182,7 @@ class Watchdog:
     def step(self, name: str, uniform: bool = True) -> None:
         """The main thread enters its next step (`uniform`: every rank issues the same collectives in it)."""
         self._step = (self._step[0] + 1, name, uniform, _collectives_issued())
+        self._moved.set()
 
     @property
     def step_name(self) -> str:
@@ -183,7 +198,7 @@ class Watchdog:
 
     def finish(self) -> None:
         """Stop both threads and mark this rank done, so a monitor never mistakes a finished rank for a hung one."""
-        self._stop.set()
+        self._halt()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5 * self.interval_s + 5)
@@ -191,7 +206,7 @@ class Watchdog:
 
     def mark_exit(self, store=None) -> None:
         """Say this rank ends on purpose (after a report), so that no launcher counts it as died."""
-        self._stop.set()
+        self._halt()
         try:
             self._publish("exit", store or self.store)
         except Exception as exc:
@@ -203,8 +218,16 @@ class Watchdog:
         ops = max(0, _collectives_issued() - at_entry)
         (store or self._beat_store).set(f"beat/{self.rank}", f"{self._beats} {step} {state} {ops} {int(uniform)} {name}")
 
+    def _halt(self) -> None:
+        self._stop.set()
+        self._moved.set()
+
     def _beat(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            self._moved.wait(self.interval_s)
+            self._moved.clear()
+            if self._stop.is_set() or self._stop.wait(PUBLISH_SPACING_S):
+                return
             try:
                 self._publish("run")
                 aborted = self._beat_store.check([ABORT_KEY])
@@ -213,7 +236,7 @@ class Watchdog:
                 continue
             if aborted and not self._stop.is_set():  # another rank reported a hang or a failure: this job is over,
                 self.mark_exit(self._beat_store)  # whatever collective this rank waits in (NCCL may wait 10 min)
-                _exit_now()
+                self._end()
 
     def read_beats(self, store=None) -> dict[int, Beat]:
         return read_beats(store or self.store, self.world)
@@ -246,6 +269,14 @@ class Watchdog:
                 reporter = next((r for r in MONITOR_RANKS if r < self.world and r not in stopped), None)
                 self._trip(unresponsive, own=reporter == self.rank)
                 return
+
+    def silent_ranks(self, window_s: float) -> list[int]:
+        """Ranks whose heartbeat does not move during `window_s` (and that have not finished)."""
+        first = self.read_beats()
+        time.sleep(window_s)
+        second = self.read_beats()
+        return [r for r in range(self.world)
+                if r not in second or (r in first and first[r].count == second[r].count and not second[r].finished)]
 
     def claim_report(self, store=None) -> bool:
         """True for the one rank that writes the report (first to claim), whichever path found the problem."""
@@ -286,10 +317,18 @@ class Watchdog:
         else:
             self.wait_for_report(store=store)
         self.mark_exit(store)
-        _exit_now()
+        self._end()
+
+    def _end(self) -> None:
+        if self.on_exit is not None:
+            try:
+                self.on_exit()
+            except Exception:  # the exit matters more than its last words
+                log.exception("before exiting")
+        _exit_now(self.exit_code)
 
 
-def _exit_now() -> None:
+def _exit_now(code: int = 1) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)

@@ -1,0 +1,134 @@
+"""Faults in a Megatron-Core run of the tiny recipe (2 gloo ranks, data parallel): a rank SIGSTOPped from outside
+mid-training is named within the timeout and the job ends; a rank SIGKILLed inside a dist-checkpoint save leaves
+`latest` on the checkpoint before, and launch.sh's torchrun restarts the job from it; the guard's skip and
+rollback act on Megatron-Core's optimizer step and checkpoints."""
+
+import signal
+import time
+
+import pytest
+
+from helpers import free_port, launch_watched, rank_processes
+from megatron_helpers import BIN, TRAIN
+from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
+from toolkit.checkpoint.megatron_stream import DistCheckpointReader
+from toolkit.checkpoint.verify import verify
+from toolkit.cli.main import main
+from toolkit.runtime.incident import read_incidents
+from toolkit.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.launch
+STEPS, HANG_TIMEOUT_S = 6, 10
+FAULTY = {"max_steps": STEPS, "save_steps": 2, "hang_timeout_s": HANG_TIMEOUT_S, "max_restarts": 1}
+
+
+def _torchrun(out, recipe, log, act=lambda process: True, fault: str = "", *flags: str) -> int:
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),
+           "--recipe", str(recipe), "--output-dir", str(out), *flags]
+    return launch_watched(cmd, log, act, {"OMP_NUM_THREADS": "1", "DMT_FAULT": fault})
+
+
+def _tensors(ckpt) -> dict:
+    """Every tensor of a dist checkpoint (model and optimizer state), read whole."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = DistCheckpointReader(ckpt)
+    return {key: reader.read(key, [0] * len(meta.size), list(meta.size)) for key, meta in reader.tensors.items()
+            if isinstance(meta, TensorStorageMetadata)}
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recipe, tmp_path):
+    recipe = megatron_recipe("tiny-megatron-hang", training=FAULTY)
+    out, stopped = tmp_path / "run", {}
+
+    def stop_rank_1_at_step_3(process):
+        if "pid" not in stopped and [r["step"] for r in read_metrics(out)][-1:] == [3]:
+            for victim in rank_processes(process, rank=1):
+                victim.send_signal(signal.SIGSTOP)
+                stopped.update(pid=victim.pid, at=time.time())
+        return "pid" in stopped
+
+    rc = _torchrun(out, recipe, tmp_path / "hang.log", stop_rank_1_at_step_3)
+    assert stopped and rc != 0, (tmp_path / "hang.log").read_text()[-3000:]
+    [hang] = read_incidents(out)
+    [named] = hang["unresponsive"]
+    assert (named["rank"], named["pid"]) == (1, stopped["pid"]) and named["step"] >= 3, hang
+    assert "no heartbeat" in named["reason"] and named["phase"]
+    import datetime
+
+    reported = datetime.datetime.fromisoformat(hang["time"]).timestamp()
+    assert reported - stopped["at"] <= HANG_TIMEOUT_S + 30
+    latest = resolve_latest(out)
+    assert latest is not None and verify(latest).ok and latest.name == hang["latest"]
+
+
+def test_a_rank_killed_inside_a_save_leaves_latest_before_it_and_the_job_restarts_from_there(megatron_recipe,
+                                                                                            tmp_path):
+    """Rank 0 is SIGKILLed once every shard of checkpoint-4 is written, before its manifest; launch.sh's torchrun
+    restarts the job (training.max_restarts), which resumes from checkpoint-2 and rewrites checkpoint-4."""
+    recipe = megatron_recipe("tiny-megatron-kill-in-save", training=FAULTY)
+    generated = tmp_path / "gen"
+    assert main(["generate", str(recipe), "--out", str(generated)]) == 0
+    out, seen = tmp_path / "run", {}
+
+    def look_when_the_kill_comes(process):  # the fault's log line comes 0.5 s before its SIGKILL
+        if "fault injection: kill" in log.read_text():
+            seen.update(latest=resolve_latest(out).name, manifest=(out / "checkpoint-4" / MANIFEST).exists())
+            return True
+
+    log = tmp_path / "kill.log"
+    rc = launch_watched(["bash", str(generated / "launch.sh"), "torchrun"], log, look_when_the_kill_comes,
+                        {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+                         "DMT_FAULT": "kill@rank=0,step=4,phase=manifest"})
+    assert rc == 0, log.read_text()[-3000:]
+    assert seen == {"latest": "checkpoint-2", "manifest": False}
+    [restart] = [e for e in read_incidents(out) if e["event"] == "restart"]
+    assert restart["resume_from"] == "checkpoint-2" and restart["attempt"]["torchrun"] == 1
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
+    for step in (2, 4, 6):
+        report = verify(out / f"checkpoint-{step}")
+        assert report.ok and report.format == "megatron-dist", report.problems
+
+
+@pytest.fixture(scope="module")
+def guarded(megatron_recipe, tmp_path_factory):
+    """guarded(action) -> the output directory of a run whose guard meets an injected fault at step 3 (skip: a NaN
+    loss, checkpoints every step) or 4 (rollback: a loss 50 times the median of the last 2 steps)."""
+    root = tmp_path_factory.mktemp("megatron-guard")
+
+    def run(action: str):
+        guard = {"on_nan": action, **({"spike_factor": 3, "window": 2} if action == "rollback" else {})}
+        training = {**FAULTY, "guard": guard, **({"save_steps": 1} if action == "skip" else {})}
+        recipe = megatron_recipe(f"tiny-megatron-{action}", training=training)
+        fault = "nan@step=3" if action == "skip" else "spike=50@step=4"
+        rc = _torchrun(root / action, recipe, root / f"{action}.log", fault=fault)
+        assert rc == 0, (root / f"{action}.log").read_text()[-3000:]
+        return root / action
+
+    return run
+
+
+def test_skip_leaves_megatron_cores_model_and_optimizer_as_they_were(guarded):
+    out = guarded("skip")
+    assert _same(_tensors(out / "checkpoint-2"), _tensors(out / "checkpoint-3"))
+    assert not _same(_tensors(out / "checkpoint-3"), _tensors(out / "checkpoint-4"))
+    records = read_metrics(out)
+    assert records[2]["loss"] is None and records[2]["guard"] == [
+        {"step": 3, "action": "skip", "reason": "the loss of step 3 is nan"}]
+    assert records[3]["learning_rate"] == records[2]["learning_rate"]  # the schedule did not advance either
+    [event] = read_incidents(out)
+    assert (event["step"], event["action"], event["data_sha"]) == (3, "skip", records[2]["data_sha"])
+
+
+def test_rollback_reloads_the_dist_checkpoint_in_place(guarded):
+    out = guarded("rollback")
+    [event] = read_incidents(out)
+    assert (event["action"], event["checkpoint"], event["dropped_steps"]) == ("rollback", "checkpoint-2", [3, 4])
+    assert _same(_tensors(out / "checkpoint-2"), _tensors(out / "checkpoint-4"))
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))

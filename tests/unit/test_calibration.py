@@ -1,0 +1,202 @@
+"""The calibration loop without a launch: the host (`cpu`) catalogue entry and its measured peak, the fit of each
+execution path's compute scale, the one place a calibration enters a prediction, the calibration file, and the
+commands and recipe key that take it (the loop on real runs: tests/training/test_report_calibrate.py)."""
+
+import json
+from typing import get_args
+
+import pytest
+import yaml
+
+from helpers import TINY
+from toolkit.cli.main import main
+from toolkit.estimate.calibrate import Observation, fit_compute_scales, provisional
+from toolkit.estimate.comm import ACHIEVABLE_BUS_FRACTION, Network
+from toolkit.estimate.efficiency import EXECUTION_PATHS, HF
+from toolkit.estimate.timing import step_time
+from toolkit.report.runs import RunReport, _status
+from toolkit.spec.calibration import ExecutionPath, MeasuredLinks, load_calibration
+from toolkit.spec.cluster import get_gpu, host_memory_bytes, peak_flops
+from toolkit.spec.device_peak import host_matmul_tflops
+from toolkit.spec.model import load_model_spec
+from toolkit.spec.plan import resolve_plan
+
+H100 = get_gpu("h100-80gb")
+LLAMA_1B = load_model_spec("llama-3.2-1b")
+
+
+def _plan(**options):
+    options = {"seq_len": 2048, "global_batch": 16, "gpus_per_node": 8, **options}
+    return resolve_plan(LLAMA_1B, options.pop("gpus", 8), **options)
+
+
+def _calibration_file(path, hardware="cpu", scale=2.0, host_peak=None, links=None):
+    """A calibration file as `dmt calibrate` writes it (one fitted run)."""
+    run = {"run_dir": "runs/a", "execution_path": "hf", "plan": "deepspeed dp2 tp1 pp1 z2 mb4 rc=none", "steps": 7,
+           "measured_step_time_s": 0.1, "predicted_step_time_s_before": 1.0, "predicted_step_time_s_after": 0.1,
+           "error_before": 9.0, "error_after": 0.0}
+    data = {"format": "dmt-calibration/1", "hardware": hardware,
+            "efficiency": {"hf": {"compute_scale": scale, "uncalibrated": HF.compute_scale, "runs": 1}},
+            "host_peak_tflops": host_peak, "links": links, "warmup_steps": 3, "runs": [run],
+            "residuals": {"hf": {"runs": 1, "rms_error": 0.0, "max_abs_error": 0.0}},
+            "created": "2026-11-23T00:00:00+00:00", "machine": {"host": "test"}}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_the_calibration_file_names_exactly_the_execution_paths_of_the_step_time_model():
+    assert set(get_args(ExecutionPath)) == set(EXECUTION_PATHS)
+
+
+def test_the_cpu_entry_is_this_host_with_a_measured_peak_shared_by_its_ranks():
+    cpu = get_gpu("cpu")
+    assert cpu.host and cpu.memory_bytes == host_memory_bytes() > 2**30
+    assert cpu.peak_tflops == {}  # no datasheet: measured
+    measured = host_matmul_tflops("bf16")
+    assert measured > 0 and host_matmul_tflops("bf16") == measured  # once per process
+    assert peak_flops(cpu, "bf16", ranks_per_node=2) == pytest.approx(measured * 1e12 / 2)
+    assert peak_flops(cpu, "fp32", ranks_per_node=1) == pytest.approx(host_matmul_tflops("tf32") * 1e12)
+    assert not H100.host and peak_flops(H100, "bf16", 8) == H100.peak_tflops["bf16"] * 1e12  # datasheet, per GPU
+
+
+@pytest.mark.parametrize("truth", [{"hf": 0.31}, {"hf": 0.9, "megatron-te": 0.55}])
+def test_the_fit_recovers_the_compute_scales_that_made_the_step_times(truth):
+    """Step times made by the model itself with known compute scales (several plans per path: micro-batches, ZeRO
+    stages, TP) are fitted back to those scales."""
+    made_by = provisional("h100-80gb", truth, None, None)
+    plans = [_plan(zero=2, micro_batch=1), _plan(zero=2, micro_batch=2), _plan(zero=3, micro_batch=2)]
+    if "megatron-te" in truth:
+        plans += [_plan(backend="megatron", micro_batch=1), _plan(backend="megatron", tp=2, micro_batch=2)]
+    observations = [Observation(LLAMA_1B, plan, step_time(LLAMA_1B, plan, H100, Network.from_catalogue(H100, 8),
+                                                          calibration=made_by).total_s) for plan in plans]
+    fitted = fit_compute_scales(observations, H100)
+    assert fitted.keys() == truth.keys()
+    for path, value in truth.items():
+        assert fitted[path] == pytest.approx(value, rel=1e-4)
+
+
+def test_a_calibration_enters_the_prediction_in_step_time(tmp_path):
+    """Its compute scale replaces the path's, its host peak the measurement, its measured links the datasheet's
+    (except on a tier this command was given its own figure for)."""
+    plan = _plan(zero=2, micro_batch=2, gpus=16, global_batch=32)  # two nodes: the data-parallel ring crosses them
+    network = Network.from_catalogue(H100, 8)
+    base = step_time(LLAMA_1B, plan, H100, network)
+    doubled = step_time(LLAMA_1B, plan, H100, network,
+                        calibration=provisional("h100-80gb", {"hf": 2 * HF.compute_scale}, None, None))
+    assert doubled.compute_s == pytest.approx(base.compute_s / 2, rel=1e-9)
+    assert doubled.peak_tflops == base.peak_tflops == H100.peak_tflops["bf16"]
+    slow_links = provisional("h100-80gb", {}, None, MeasuredLinks(intra_node_busbw_gbps=10.0,
+                                                                  inter_node_busbw_gbps=1.0, source="health.json"))
+    slowed = step_time(LLAMA_1B, plan, H100, network, calibration=slow_links)
+    assert slowed.dp_comm_s > base.dp_comm_s and slowed.compute_s == base.compute_s
+    given = Network(H100.intra_node_bw_gbps, 40.0, 8, given=frozenset({"inter"}))
+    assert given.with_measured(intra=10.0, inter=1.0) == Network(10.0, 40.0, 8, measured=frozenset({"intra"}),
+                                                                 given=frozenset({"inter"}))
+    assert Network(100.0, 10.0, 8).link(2, 1).bus_bw == pytest.approx(100e9 * ACHIEVABLE_BUS_FRACTION)
+    cpu = get_gpu("cpu")
+    host = provisional("cpu", {}, {"bf16": 0.5}, None)
+    cpu_plan = _plan(gpus=2, gpus_per_node=2, micro_batch=2)
+    assert step_time(LLAMA_1B, cpu_plan, cpu, Network.from_catalogue(cpu, 2),
+                     calibration=host).peak_tflops == pytest.approx(0.25)  # the file's host peak, per rank of 2
+
+
+def test_a_calibration_file_is_checked_and_describes_itself(tmp_path):
+    path = _calibration_file(tmp_path / "cal.yaml", "h100-sxm")  # an alias is its catalogue entry
+    calibration = load_calibration(path)
+    assert calibration.hardware == "h100-80gb" and calibration.source == str(path)
+    assert calibration.compute_scale("hf") == 2.0 and calibration.compute_scale("megatron-te") is None
+    assert calibration.describe()["compute_scale"] == {"hf": 2.0}
+    calibration.check_hardware("h100-sxm", "--calibration")
+    with pytest.raises(Exception) as refused:
+        calibration.check_hardware("a100-80gb", "--calibration")
+    assert "fitted on h100-80gb runs; this plan is for a100-80gb" in str(refused.value)
+
+
+def test_estimate_and_plan_say_whether_a_calibration_is_in_use(tmp_path, capsys):
+    path = _calibration_file(tmp_path / "cal.yaml", "h100-80gb", scale=HF.compute_scale * 2)
+    argv = ["--model", "llama-3.2-1b", "--gpus", "8", "--seq-len", "2048", "--micro-batch", "2"]
+    assert main(["estimate", *argv, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *argv, "--json", "--calibration", str(path)]) == 0
+    calibrated = json.loads(capsys.readouterr().out)
+    assert plain["calibration"] is None and calibrated["calibration"]["file"] == str(path)
+    assert calibrated["step_time_breakdown_s"]["compute_s"] == pytest.approx(
+        plain["step_time_breakdown_s"]["compute_s"] / 2, rel=1e-9)
+    assert main(["estimate", *argv, "--calibration", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"calibrated by {path} (h100-80gb: hf compute scale 1.14)" in out
+    assert main(["estimate", *argv]) == 0
+    assert "uncalibrated" in capsys.readouterr().out
+    assert main(["plan", *argv[:6], "--global-batch", "16", "--backend", "deepspeed", "--calibration", str(path),
+                 "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    assert ranked and all(r["calibration"]["compute_scale"] == {"hf": pytest.approx(1.14)} for r in ranked)
+
+
+def test_a_calibration_of_other_hardware_is_refused_in_one_line(tmp_path, capsys):
+    path = _calibration_file(tmp_path / "cal.yaml", "cpu")
+    code = main(["estimate", "--model", "llama-3.2-1b", "--gpus", "8", "--calibration", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"dmt estimate: error: --calibration: {path} was fitted on cpu runs; this plan is for h100-80gb: "
+                      f"calibrate on runs of h100-80gb (dmt calibrate) or leave the calibration out")
+
+
+def _recipe(tmp_path, **cluster):
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["data"]["train_files"] = [str(TINY.parent / f) for f in recipe["data"]["train_files"]]
+    recipe["cluster"].update(cluster)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def test_generate_records_the_recipe_calibration_in_plan_json(tmp_path, capsys):
+    """cluster.calibration (relative to the recipe) is what plan.json's prediction uses; --calibration replaces it;
+    one of other hardware names the key it came from."""
+    _calibration_file(tmp_path / "cal.yaml", "cpu", scale=3.0, host_peak={"bf16": 0.2})
+    recipe = _recipe(tmp_path, gpu="cpu", calibration="cal.yaml")
+    assert main(["generate", str(recipe), "--out", str(tmp_path / "gen")]) == 0
+    assert "calibrated by" in capsys.readouterr().out
+    record = json.loads((tmp_path / "gen" / "plan.json").read_text())
+    assert record["calibration"]["file"] == str(tmp_path / "cal.yaml")
+    assert record["calibration"]["compute_scale"] == {"hf": 3.0}
+    assert record["peak_tflops"] == pytest.approx(0.1)  # the file's host peak, shared by 2 ranks
+    assert record["model_spec"]["hidden_size"] == 64 and record["gpu"] == "cpu"
+    other = _calibration_file(tmp_path / "other.yaml", "h100-80gb")
+    assert main(["generate", str(recipe), "--out", str(tmp_path / "gen2"), "--calibration", str(other)]) == 2
+    assert "--calibration:" in capsys.readouterr().err
+    mismatched = _recipe(tmp_path, calibration="other.yaml", gpu="a100-80gb")
+    assert main(["generate", str(mismatched), "--out", str(tmp_path / "gen3")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cluster.calibration:" in err[0] and "this plan is for a100-80gb" in err[0], err
+
+
+@pytest.mark.parametrize("record, timed, status", [
+    ({"status": "failed", "error": "RuntimeError: boom"}, 20, "crashed"),
+    ({"status": "running"}, 20, "unfinished"),  # what a SIGKILLed or OOM-killed launch leaves behind
+    ({"status": "completed"}, 3, "too-few-steps"),
+    ({"status": "completed"}, 4, "completed"),
+    (None, 4, "completed"),  # metrics of a run without run_plan.json: measured, nothing to compare with
+])
+def test_a_run_that_did_not_finish_or_is_too_short_is_named_so(record, timed, status):
+    assert _status(record, [], timed, 3)[0] == status
+
+
+def test_a_report_of_nothing_measured_has_no_numbers():
+    report = RunReport("run", "crashed", "RuntimeError: boom", 2, 2, None, None, None)
+    assert set(report.as_dict()["measured"].values()) == {None}
+    assert report.as_dict()["error"] == {"step_time": None, "memory": None}
+
+
+def test_a_relaunch_keeps_the_earlier_launches_of_the_directory(tmp_path):
+    """run_plan.json says the latest launch's status; a resume or a refused relaunch does not erase the earlier."""
+    from toolkit.runtime.metrics import end_run_record, read_run_record, start_run_record
+
+    start_run_record(tmp_path, {"step_time_s": 1.0}, {"argv": ["first"]})
+    end_run_record(tmp_path, "completed")
+    start_run_record(tmp_path, {"step_time_s": 1.0}, {"argv": ["second"]})
+    end_run_record(tmp_path, "failed", "UserInputError: --resume: belongs to a different run")
+    record = read_run_record(tmp_path)
+    assert record["status"] == "failed" and record["launch"]["argv"] == ["second"]
+    assert [(p["argv"], p["status"]) for p in record["previous_launches"]] == [(["first"], "completed")]

@@ -1,0 +1,200 @@
+"""The fault-tolerance pieces on their own (no launch): the guard's verdicts, fault injection, incident.json and the
+reason of a restart, metrics.jsonl after a resume, the checkpoint a restart continues from, the recipe keys, the
+restart loop of launch.sh, and a worker's one-line error."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import TINY
+from toolkit.checkpoint.manifest import latest_verified, point_latest, write_manifest
+from toolkit.cli.main import main
+from toolkit.errors import worker_error
+from toolkit.runtime import faults
+from toolkit.runtime.guard import GuardStop, LossGuard, report
+from toolkit.runtime.incident import append_incident, read_incidents, restart_counts
+from toolkit.runtime.metrics import DISCARDED_FILE, MetricsWriter, keep_until, read_metrics
+from toolkit.runtime.supervision import record_restart, where
+from toolkit.spec.recipe import load_recipe
+
+
+def test_the_guard_stops_skips_or_rolls_back_on_a_non_finite_loss_or_gradient():
+    guard = LossGuard(on_nan="skip")
+    assert guard.judge(1, 5.0).action is None
+    verdict = guard.judge(2, math.nan)
+    assert verdict.action == "skip" and "step 2" in verdict.reason and verdict.loss is None
+    assert guard.judge(3, 5.0, grads_finite=False).action == "skip"
+    assert LossGuard().judge(4, math.inf).action == "stop"  # the default
+
+
+def test_a_spike_is_judged_against_the_median_of_the_window_once_it_is_full():
+    guard = LossGuard(on_nan="rollback", spike_factor=3, window=3)
+    for step, loss in enumerate((4.0, 100.0), start=1):  # the window is not full: no spike rule yet
+        assert guard.judge(step, loss).action is None
+        guard.accept(step, loss)
+    guard.accept(3, 3.0)
+    verdict = guard.judge(4, 13.0)  # median(4, 100, 3) = 4; 13 > 3 x 4
+    assert verdict.action == "rollback" and verdict.median == 4.0 and "13" in verdict.reason
+    assert guard.judge(4, 11.9).action is None
+    guard.accept(4, 5.0)
+    assert guard.state() == [(2, 100.0), (3, 3.0), (4, 5.0)]  # the last `window` applied steps only
+
+
+def test_rollbacks_to_one_checkpoint_are_capped(tmp_path):
+    guard = LossGuard(on_nan="rollback")
+    for _ in range(3):
+        guard.rolled_back_to(tmp_path / "checkpoint-4", [(4, 2.0)])
+    assert guard.history == [(4, 2.0)]
+    with pytest.raises(GuardStop, match="checkpoint-4 3 times"):
+        guard.rolled_back_to(tmp_path / "checkpoint-4", [])
+
+
+def test_a_stop_is_reported_by_rank_0_and_raised_on_every_rank(tmp_path):
+    verdict = LossGuard().judge(7, math.nan)
+    for rank in (1, 0):
+        with pytest.raises(GuardStop, match="step 7"):
+            report(tmp_path, rank, 7, verdict, "abc")
+    events = read_incidents(tmp_path)
+    assert len(events) == 1 and events[0]["event"] == "guard" and events[0]["step"] == 7
+    assert events[0]["action"] == "stop" and events[0]["data_sha"] == "abc"
+
+
+def test_faults_are_parsed_and_only_the_first_launch_acts_them_out(monkeypatch):
+    parsed = faults.parse_faults("nan@step=5; spike=50@step=6;stop@rank=1,step=4,phase=manifest")
+    assert [(f.kind, f.step, f.rank, f.phase) for f in parsed] == [("nan", 5, None, None), ("spike", 6, None, None),
+                                                                   ("stop", 4, 1, "manifest")]
+    assert parsed[1].factor == 50
+    monkeypatch.setenv(faults.FAULT_ENV, "nan@step=5;spike=50@step=6")
+    assert math.isnan(faults.loss_factor(5)) and faults.loss_factor(6) == 50 and faults.loss_factor(7) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert faults.loss_factor(5) is None
+
+
+def test_a_restart_records_what_ended_the_previous_attempt(tmp_path, monkeypatch):
+    for name in ("TORCHELASTIC_RESTART_COUNT", "DMT_RESTART_COUNT", "SLURM_RESTART_COUNT", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    record_restart(tmp_path, None)  # a first launch records nothing
+    assert read_incidents(tmp_path) == []
+    append_incident(tmp_path, {"event": "hang", "unresponsive": [{"rank": 1}]})
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    record_restart(tmp_path, "checkpoint-4")
+    restart = read_incidents(tmp_path)[-1]
+    assert restart["event"] == "restart" and restart["resume_from"] == "checkpoint-4"
+    assert restart["cause"]["event"] == "hang" and restart["attempt"] == restart_counts()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # attempt 1 ended without a word (SIGKILL)
+    record_restart(tmp_path, "checkpoint-4")
+    assert "without a report" in read_incidents(tmp_path)[-1]["cause"]
+
+
+def test_a_run_the_guard_stopped_is_not_restarted(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(GuardStop):
+        report(tmp_path, 0, 3, LossGuard().judge(3, math.nan), None)
+    monkeypatch.setenv("DMT_RESTART_COUNT", "1")
+    with pytest.raises(GuardStop, match="not restarting: the guard stopped this run at step 3"):
+        record_restart(tmp_path, "checkpoint-2")
+
+
+def test_a_resume_moves_the_records_of_later_steps_aside(tmp_path):
+    writer = MetricsWriter(tmp_path, 64)
+    for step in range(1, 6):
+        writer.write(step, float(step), math.inf, 0.1)
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "lo')  # the writer was killed mid-line
+    assert read_metrics(tmp_path)[0]["grad_norm"] is None  # non-finite values are null: strict JSON
+    keep_until(tmp_path, 3)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n")
+    discarded = [json.loads(line)["step"] for line in (tmp_path / DISCARDED_FILE).read_text().splitlines()]
+    assert discarded == [4, 5]
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    ckpt = root / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "weights.bin").write_bytes(b"x" * 100)
+    write_manifest(ckpt, step=step, world_size=1, layout={}, fmt="test")
+    point_latest(root, ckpt)
+    return ckpt
+
+
+def test_a_restart_continues_from_the_newest_checkpoint_that_is_whole(tmp_path):
+    assert latest_verified(tmp_path) is None
+    older, newer = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
+    (tmp_path / "checkpoint-6").mkdir()  # a save in progress: no manifest
+    assert latest_verified(tmp_path) == newer
+    (newer / "weights.bin").write_bytes(b"x" * 10)  # truncated after the fact
+    assert latest_verified(tmp_path) == older
+
+
+def test_fault_tolerance_keys_have_defaults_and_name_what_is_wrong(tmp_path, capsys):
+    recipe = load_recipe(TINY)
+    assert (recipe.training.hang_timeout_s, recipe.training.max_restarts, recipe.training.guard.on_nan,
+            recipe.training.guard.spike_factor) == (600.0, 3, "stop", 0.0)
+    data = yaml.safe_load(TINY.read_text())
+    for guard, says in (({"spike_factor": 0.5}, "training.guard.spike_factor: must be 0 (off) or above 1"),
+                        ({"on_nan": "ignore"}, "training.guard.on_nan: got 'ignore'; valid:"),
+                        ({"windw": 3}, "training.guard.windw: unknown key; valid keys here: on_nan, spike_factor")):
+        data["training"]["guard"] = guard
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(data))
+        assert main(["generate", str(path), "--out", str(tmp_path / "gen")]) == 2
+        assert says in capsys.readouterr().err
+
+
+def _generated_launch(tmp_path: Path, max_restarts: int) -> Path:
+    data = yaml.safe_load(TINY.read_text())
+    data["data"]["train_files"] = [str(TINY.parent / f) for f in data["data"]["train_files"]]
+    data["training"]["max_restarts"] = max_restarts
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    assert main(["generate", str(recipe), "--out", str(tmp_path / "gen")]) == 0
+    return tmp_path / "gen" / "launch.sh"
+
+
+def test_launch_sh_restarts_a_failed_launch_up_to_max_restarts_and_never_after_bad_input_or_a_guard_stop(tmp_path):
+    """A fake `deepspeed` fails with the codes it is given, one per launch, and records each launch's
+    DMT_RESTART_COUNT; torchrun gets its own --max-restarts with the c10d rendezvous."""
+    script = _generated_launch(tmp_path, 2)
+    text = script.read_text()
+    assert "MAX_RESTARTS=2" in text and 'exec torchrun --max-restarts "$MAX_RESTARTS" --rdzv-backend c10d' in text
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "deepspeed").write_text(f"#!{sys.executable}\nimport os, sys\n"
+                                    "log = os.environ['FAKE_LOG']; codes = os.environ['FAKE_CODES'].split(',')\n"
+                                    "n = len(open(log).readlines()) if os.path.exists(log) else 0\n"
+                                    "open(log, 'a').write(os.environ.get('DMT_RESTART_COUNT', '-') + '\\n')\n"
+                                    "sys.exit(int(codes[n]))\n")
+    (fake / "deepspeed").chmod(0o755)
+    for codes, rc, launches in (("1,3,0", 0, ["0", "1", "2"]), ("1,1,1,0", 1, ["0", "1", "2"]),
+                                ("4,0", 4, ["0"]), ("3,2,0", 2, ["0", "1"])):
+        log = tmp_path / f"launches-{codes}.txt"
+        env = dict(os.environ, PATH=f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}", FAKE_LOG=str(log),
+                   FAKE_CODES=codes, OUTPUT_DIR=str(tmp_path / "run"))
+        result = subprocess.run(["bash", str(script), "deepspeed"], env=env, capture_output=True, text=True)
+        assert result.returncode == rc, (codes, result.stderr)
+        assert log.read_text().split() == launches, codes
+    assert "restart 2 of 2" in subprocess.run(
+        ["bash", str(script), "deepspeed"], capture_output=True, text=True,
+        env=dict(env, FAKE_LOG=str(tmp_path / "again.txt"), FAKE_CODES="1,1,0")).stderr
+
+
+def test_a_workers_one_line_error_becomes_the_commands_own():
+    log = "noise\n[rank1]: Traceback ...\ntrain.py: error: model.config.vocab_size: 300 < tokenizer size 512\nmore noise\n"
+    error = worker_error(log, "the reference run; log: /tmp/x.log")
+    assert str(error) == ("model.config.vocab_size: 300 < tokenizer size 512 (the reference run; log: /tmp/x.log)")
+    assert worker_error("train.py: stopped by the guard: step 3: the loss of step 3 is nan", "w").key == "step 3"
+    assert worker_error("dmt health: error: MASTER_ADDR: cannot listen", "rank 1").key == "MASTER_ADDR"
+    assert worker_error("Traceback (most recent call last):\nRuntimeError: boom\n", "w") is None
+
+
+def test_a_heartbeats_step_name_reads_as_step_and_phase():
+    assert where("step 12 manifest") == (12, "manifest") and where("step 3 forward-backward") == (3, "forward-backward")
+    assert where("start") == (None, "start") and where(None) == (None, None)

@@ -1,0 +1,185 @@
+"""`dmt calibrate RUN_DIR ... --out calibration.yaml`: fit the step-time model's free parameters to measured runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from toolkit.cli.paths import path_arg
+from toolkit.errors import UserInputError
+
+HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for\n"
+          "# the hardware named. Use it with `dmt estimate / plan / generate / report --calibration FILE` or a\n"
+          "# recipe's cluster.calibration. The errors are signed: predicted / measured - 1.\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", type=path_arg, nargs="+", metavar="RUN_DIR",
+                        help="finished training runs on one hardware (toolkit/train.py --output-dir)")
+    parser.add_argument("--out", type=path_arg, required=True, metavar="CALIBRATION_YAML",
+                        help="the calibration file to write")
+    parser.add_argument("--health", type=path_arg, default=None, metavar="HEALTH_JSON",
+                        help="a `dmt health --json` report of the same machines: its measured link bandwidths join "
+                             "the calibration")
+    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+                        help="logged steps left out of each run's median step time (default 3)")
+    parser.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    import platform
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    import yaml
+
+    from toolkit.outputs import output_file, write_file
+    from toolkit.report.runs import DEFAULT_WARMUP, read_run
+
+    warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+    if warmup < 0:
+        raise UserInputError("--warmup", f"must be 0 or more, got {warmup}")
+    inputs = [*args.run_dirs, *(p for d in args.run_dirs for p in Path(d).glob("*")), *filter(None, [args.health])]
+    out = output_file(args.out, "--out", inputs=inputs)
+    links = _links(args.health)
+    reports = [read_run(path, warmup) for path in args.run_dirs]
+    observations, hardware, host_peak = _observations(reports)
+    calibration = _fit(observations, reports, hardware, host_peak, links, warmup)
+    calibration = calibration.model_copy(update={
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "python": platform.python_version(), **_torch_version()}})
+    data = calibration.model_dump(mode="json")
+    write_file(out, HEADER + yaml.safe_dump(data, sort_keys=False), "--out")
+    if args.json:
+        print(json.dumps({**data, "file": str(out)}, indent=2))
+        return 0
+    _print(calibration, out)
+    return 0
+
+
+def _torch_version() -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {}
+    return {"torch": torch.__version__}
+
+
+def _links(health):
+    if health is None:
+        return None
+    from toolkit.cli.common import measured_links
+    from toolkit.spec.calibration import MeasuredLinks
+
+    measured = measured_links(health, "--health")
+    if not measured:
+        raise UserInputError("--health", f"{health} measured no link (one rank per node and one node?); calibrate "
+                                         f"without --health")
+    return MeasuredLinks(intra_node_busbw_gbps=measured.get("intra"), inter_node_busbw_gbps=measured.get("inter"),
+                         source=str(health))
+
+
+def _observations(reports):
+    """(observations, hardware, host peak per precision key) of finished runs on one hardware; else one line."""
+    import statistics
+
+    from toolkit.estimate.calibrate import Observation
+    from toolkit.runtime.metrics import RUN_FILE, read_run_record
+    from toolkit.spec.cluster import PEAK_KEY, get_gpu
+    from toolkit.spec.model import ModelSpec
+    from toolkit.spec.plan import Plan, validated
+
+    observations, hardware, peaks = [], {}, {}
+    for report in reports:
+        if report.status != "completed" or report.measured["step_time_s"] is None:
+            raise UserInputError("RUN_DIR", f"{report.run_dir} is {report.status} ({report.reason}): only finished "
+                                            f"runs with more logged steps than the warm-up calibrate")
+        record = read_run_record(report.run_dir) or {}
+        if not isinstance(record.get("model_spec"), dict) or not isinstance(record.get("plan"), dict):
+            raise UserInputError("RUN_DIR", f"{report.run_dir} has no {RUN_FILE} with the model and plan it trained "
+                                            f"(written by toolkit/train.py)")
+        try:
+            model = validated(ModelSpec, record["model_spec"])
+            plan = validated(Plan, record["plan"], context={"model": model})
+            gpu = get_gpu(str(record.get("gpu")))
+        except UserInputError as exc:
+            raise UserInputError("RUN_DIR", f"{report.run_dir}/{RUN_FILE}: {exc.key}: {exc.message}") from None
+        hardware[gpu.name] = report.run_dir
+        if gpu.host and record.get("peak_tflops"):  # a rank's share of the host: the host's rate is gpus_per_node x it
+            key = PEAK_KEY.get(plan.precision, "bf16")
+            peaks.setdefault(key, []).append(record["peak_tflops"] * plan.gpus_per_node)
+        observations.append(Observation(model, plan, report.measured["step_time_s"]))
+    if len(hardware) > 1:
+        named = ", ".join(f"{name} ({run})" for name, run in hardware.items())
+        raise UserInputError("RUN_DIR", f"the runs trained on different hardware: {named}; a calibration is for one")
+    host_peak = {key: statistics.median(values) for key, values in peaks.items()} or None
+    return observations, next(iter(hardware)), host_peak
+
+
+def _fit(observations, reports, hardware: str, host_peak, links, warmup: int):
+    import math
+
+    from toolkit.estimate.calibrate import fit_compute_scales, path_of, predicted_step_time, provisional
+    from toolkit.estimate.efficiency import EXECUTION_PATHS
+    from toolkit.planner.report import plan_label
+    from toolkit.spec.calibration import FORMAT, Calibration, FittedRun, PathEfficiency, Residuals
+    from toolkit.spec.cluster import get_gpu
+
+    gpu = get_gpu(hardware)
+    fitted = fit_compute_scales(observations, gpu, host_peak, links)
+    before = provisional(hardware, {}, host_peak, None)  # the published model at the same host peak
+    after = provisional(hardware, fitted, host_peak, links)
+    runs = []
+    for observation, report in zip(observations, reports):
+        predicted_before = predicted_step_time(observation, gpu, before)
+        predicted_after = predicted_step_time(observation, gpu, after)
+        measured = observation.measured_step_time_s
+        runs.append(FittedRun(run_dir=report.run_dir, execution_path=path_of(observation.plan),
+                              plan=plan_label(observation.plan), steps=max(0, report.steps - warmup),
+                              measured_step_time_s=measured, predicted_step_time_s_before=predicted_before,
+                              predicted_step_time_s_after=predicted_after, error_before=predicted_before / measured - 1,
+                              error_after=predicted_after / measured - 1))
+    residuals = {}
+    for path in fitted:
+        errors = [run.error_after for run in runs if run.execution_path == path]
+        residuals[path] = Residuals(runs=len(errors), rms_error=math.sqrt(sum(e * e for e in errors) / len(errors)),
+                                    max_abs_error=max(abs(e) for e in errors))
+    efficiency = {path: PathEfficiency(compute_scale=value, uncalibrated=EXECUTION_PATHS[path].compute_scale,
+                                       runs=residuals[path].runs) for path, value in fitted.items()}
+    return Calibration(format=FORMAT, hardware=hardware, efficiency=efficiency, host_peak_tflops=host_peak,
+                       links=links, warmup_steps=warmup, runs=runs, residuals=residuals, created="", machine={})
+
+
+def _print(calibration, out) -> None:
+    from rich.table import Table
+
+    from toolkit.cli.console import console as make_console
+
+    console = make_console()
+    table = Table(title=f"{calibration.hardware}: step time measured / predicted before -> after calibration",
+                  title_justify="left")
+    for column in ("run", "plan", "path", "measured s", "before s", "after s"):
+        table.add_column(column, justify="left" if column in ("run", "plan", "path") else "right")
+    for r in calibration.runs:
+        table.add_row(r.run_dir, r.plan, r.execution_path, f"{r.measured_step_time_s:.3g}",
+                      f"{r.predicted_step_time_s_before:.3g} ({r.error_before:+.0%})",
+                      f"{r.predicted_step_time_s_after:.3g} ({r.error_after:+.0%})")
+    console.print(table)
+    for path, value in calibration.efficiency.items():
+        residual = calibration.residuals[path]
+        console.print(f"{path}: compute scale {value.compute_scale:.3g} of the fused-kernel curve (published "
+                      f"{value.uncalibrated:.3g}), {residual.runs} run(s), residual rms {residual.rms_error:.1%}, max "
+                      f"{residual.max_abs_error:.1%}")
+        if value.compute_scale > 1:
+            console.print("  above 1: this hardware runs these runs' GEMMs faster against its peak than the "
+                          "fused-kernel curve allows (on a CPU host the curve's GPU shape marks narrow layers down far more than "
+                          "the host does); the fit holds near these runs' model width, and no prediction exceeds the "
+                          "peak")
+    if calibration.host_peak_tflops:
+        peaks = ", ".join(f"{key} {value * 1e3:.1f} GFLOP/s" for key, value in calibration.host_peak_tflops.items())
+        console.print(f"host matmul peak the runs were predicted with: {peaks} (kept in the file)")
+    if calibration.links is not None:
+        console.print(f"measured links from {calibration.links.source}: intra-node "
+                      f"{calibration.links.intra_node_busbw_gbps} GB/s, inter-node "
+                      f"{calibration.links.inter_node_busbw_gbps} GB/s")
+    console.print(f"written to {out}")

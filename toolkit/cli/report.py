@@ -1,0 +1,99 @@
+"""`dmt report RUN_DIR [RUN_DIR ...]`: what each training run achieved against what was predicted for it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from toolkit.cli.common import GiB, add_calibration_argument
+from toolkit.cli.paths import path_arg
+from toolkit.errors import UserInputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", type=path_arg, nargs="+", metavar="RUN_DIR",
+                        help="training output directories (toolkit/train.py --output-dir; `dmt generate` DIR/run)")
+    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+                        help="logged steps left out of the medians (allocation, compilation; default 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: {runs: [...]}")
+    parser.add_argument("--plot", type=path_arg, default=None, metavar="FILE.png",
+                        help="loss, grad norm, tokens/s and memory over the steps, with the predicted lines")
+    add_calibration_argument(parser, "re-predict every run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from toolkit.report.runs import DEFAULT_WARMUP, read_run, repredict
+    from toolkit.runtime.metrics import read_metrics
+
+    warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+    if warmup < 0:
+        raise UserInputError("--warmup", f"must be 0 or more, got {warmup}")
+    if args.plot is not None:
+        from toolkit.outputs import output_file
+
+        args.plot = output_file(args.plot, "--plot", suffix=".png", inputs=args.run_dirs)
+    calibration = None
+    if args.calibration is not None:
+        from toolkit.spec.calibration import load_calibration
+
+        calibration = load_calibration(args.calibration)
+    reports = [read_run(path, warmup) for path in args.run_dirs]
+    for report in reports:
+        if calibration is not None:
+            repredict(report, calibration)
+    if args.plot is not None:
+        from toolkit.report.plot import write_report_plot
+
+        write_report_plot(args.plot, [(report, read_metrics(report.run_dir)) for report in reports])
+    if args.json:
+        print(json.dumps({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
+        return 0
+    _print_table(reports, warmup)
+    if args.plot is not None:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _number(value, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def _pair(measured, predicted, form: str, error=None) -> str:
+    text = f"{_number(measured, form)} / {_number(predicted, form)}"
+    return text + (f" ({error:+.0%})" if error is not None else "")
+
+
+def _print_table(reports, warmup: int) -> None:
+    from rich.table import Table
+
+    from toolkit.cli.common import calibration_line
+    from toolkit.cli.console import console as make_console
+    from toolkit.planner.report import plan_label
+    from toolkit.spec.plan import Plan
+
+    console = make_console()
+    table = Table(title=f"measured / predicted (medians after {warmup} warm-up records; error = predicted / "
+                        f"measured - 1)", title_justify="left")
+    for column in ("run", "plan", "status", "steps", "step s", "tokens/s", "MFU", "GiB (allocator)", "data wait s"):
+        table.add_column(column, justify="left" if column in ("run", "plan", "status") else "right")
+    for r in reports:
+        m, p = r.measured, r.predicted
+        label = plan_label(Plan.model_validate(r.plan)) if r.plan else "-"
+        gib = [None if v is None else v / GiB for v in (m["peak_allocated_bytes"], p["allocated_bytes"])]
+        memory = _pair(*gib, ".2f", r.error["memory"]) if gib[0] is not None else \
+            f"not measured / {_number(gib[1], '.2f')}"
+        table.add_row(r.run_dir, label, r.status if r.reason is None or r.status == "completed" else
+                      f"{r.status}: {r.reason}", str(r.steps),
+                      _pair(m["step_time_s"], p["step_time_s"], ".3g", r.error["step_time"]),
+                      _pair(m["tokens_per_s"], p["tokens_per_s"], ",.0f"),
+                      _pair(m["mfu"], p["mfu"], ".1%"),
+                      memory,
+                      _number(m["data_wait_s"], ".3g"))
+    console.print(table)
+    for r in reports:
+        notes = [calibration_line(r.calibration)]
+        if r.status == "completed" and r.reason:
+            notes.append(r.reason)
+        if r.measured["mfu"] is None and r.status == "completed":
+            notes.append("MFU not measured: the device that ran has no catalogue peak (a CPU run of a GPU recipe)")
+        console.print(f"{r.run_dir}: " + "; ".join(notes))

@@ -1,0 +1,1 @@
+"""Training runs read back: measured against predicted (dmt report), and what dmt calibrate fits from."""

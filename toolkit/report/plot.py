@@ -1,0 +1,63 @@
+"""The plot of `dmt report --plot`: loss, grad norm, tokens/s and memory over the steps of every run, with the
+predicted tokens/s and memory drawn in as dashed lines of the run's colour."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from toolkit.report.runs import RunReport
+
+GiB = 1024**3
+COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
+
+
+def _series(records: list[dict], key: str) -> tuple[list, list]:
+    points = [(r["step"], r[key]) for r in records
+              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def write_report_plot(path: Path, runs: list[tuple[RunReport, list[dict]]]) -> None:
+    """One PNG of 4 panels; `runs` are the reports with their metrics.jsonl records."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
+    (loss_ax, norm_ax), (speed_ax, memory_ax) = axes
+    memory_measured = False
+    for index, (report, records) in enumerate(runs):
+        colour = COLOURS[index % len(COLOURS)]
+        label = f"{Path(report.run_dir).name} ({report.status})"
+        loss_ax.plot(*_series(records, "loss"), color=colour, label=label)
+        norm_ax.plot(*_series(records, "grad_norm"), color=colour)
+        speed_ax.plot(*_series(records, "tokens_per_s"), color=colour, marker=".", linewidth=1)
+        if report.predicted["tokens_per_s"]:
+            speed_ax.axhline(report.predicted["tokens_per_s"], color=colour, linestyle="--", linewidth=1)
+        steps, allocated = _series(records, "gpu_max_allocated_bytes")
+        if allocated:
+            memory_measured = True
+            memory_ax.plot(steps, [v / GiB for v in allocated], color=colour, label="max allocated")
+        if report.predicted["allocated_bytes"]:
+            memory_ax.axhline(report.predicted["allocated_bytes"] / GiB, color=colour, linestyle="--", linewidth=1,
+                              label="predicted (allocator share)")
+    loss_ax.set_title("loss")
+    norm_ax.set_title("grad norm")
+    speed_ax.set_title("tokens/s (dashed: predicted)")
+    memory_ax.set_title("GPU memory, GiB per rank (dashed: predicted)")
+    if not memory_measured:
+        memory_ax.text(0.5, 0.95, "measured: nothing (no CUDA device in these runs)", transform=memory_ax.transAxes,
+                       ha="center", va="top", color="grey")
+    for ax in (speed_ax, memory_ax):
+        ax.set_xlabel("step")
+    loss_ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    try:
+        fig.savefig(tmp, dpi=110)
+        tmp.replace(path)  # the plot appears whole or not at all
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)

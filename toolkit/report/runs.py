@@ -1,0 +1,180 @@
+"""A training run directory read back: what was predicted (run_plan.json), what was measured (metrics.jsonl), whether
+it finished, and the two side by side with signed errors (`dmt report`, `dmt calibrate`).
+
+Measured figures are medians over the logged steps after the warm-up (the first `warmup` records, which pay for
+allocation, compilation and caches); peak memory is the largest allocator figure any record holds (GPUs only). A run
+that crashed, was killed or is still running, or that logged no more steps than the warm-up, has no measured
+figures: its status says why instead of a number.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE, read_metrics, read_run_record
+
+DEFAULT_WARMUP = 3
+MEASURED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s", "peak_allocated_bytes", "peak_reserved_bytes")
+PREDICTED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "memory_bytes", "allocated_bytes")
+
+
+@dataclass
+class RunReport:
+    """One run directory: its status, the figures measured and predicted, and their signed errors."""
+
+    run_dir: str
+    status: str  # completed | crashed | unfinished | too-few-steps
+    reason: str | None
+    steps: int  # logged records
+    last_step: int | None
+    plan: dict | None  # the plan the run trained (plan.json's plan), None without run_plan.json
+    gpu: str | None
+    execution_path: str | None
+    measured: dict = field(default_factory=lambda: dict.fromkeys(MEASURED_KEYS))
+    predicted: dict = field(default_factory=lambda: dict.fromkeys(PREDICTED_KEYS))
+    error: dict = field(default_factory=lambda: {"step_time": None, "memory": None})
+    calibration: dict | None = None  # the calibration the prediction used (Calibration.describe())
+    measured_per_rank: dict = field(default_factory=dict)  # GPUs: peak_allocated_bytes per rank, in rank order
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def signed_error(predicted: float | None, measured: float | None) -> float | None:
+    """predicted / measured - 1: positive when the prediction is above what happened; None when either is missing."""
+    if predicted is None or not measured:
+        return None
+    return predicted / measured - 1
+
+
+def _median(values: list) -> float | None:
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return statistics.median(numbers) if numbers else None
+
+
+def _peak(records: list[dict], key: str) -> int | None:
+    values = [r[key] for r in records if isinstance(r.get(key), int)]
+    return max(values) if values else None
+
+
+def _peak_per_rank(records: list[dict], key: str) -> list[int] | None:
+    lists = [r[key] for r in records if isinstance(r.get(key), list)]
+    return [max(column) for column in zip(*lists)] if lists else None
+
+
+def allocator_comparable(prediction: dict) -> int | None:
+    """The predicted bytes the allocator's max_memory_allocated can be compared with: the estimate less what lives
+    outside PyTorch's allocator (the CUDA context) and its fragmentation margin (as benchmarks/gpu_check.py does)."""
+    memory, overhead = prediction.get("memory_bytes"), prediction.get("overhead_bytes") or {}
+    if not isinstance(memory, dict) or "total" not in memory:
+        return None
+    return memory["total"] - overhead.get("cuda_context", 0) - overhead.get("allocator_margin", 0)
+
+
+def predicted_figures(prediction: dict) -> dict:
+    memory = prediction.get("memory_bytes")
+    return {"step_time_s": prediction.get("step_time_s"), "tokens_per_s": prediction.get("tokens_per_s"),
+            "mfu": prediction.get("mfu"), "memory_bytes": memory.get("total") if isinstance(memory, dict) else None,
+            "allocated_bytes": allocator_comparable(prediction)}
+
+
+def _status(record: dict | None, metrics: list[dict], timed: int, warmup: int) -> tuple[str, str | None]:
+    if record is not None and record.get("status") == "failed":
+        return "crashed", record.get("error") or "training raised an error"
+    if record is not None and record.get("status") == "running":
+        return "unfinished", "no end recorded: killed, crashed without a trace, or still running"
+    if metrics and not timed:
+        return "too-few-steps", "metrics.jsonl has no step times (written by a toolkit before they were recorded)"
+    if timed <= warmup:
+        return "too-few-steps", f"{timed} timed step record(s), not more than the warm-up of {warmup}"
+    return "completed", None if record is not None else "no run_plan.json: nothing predicted to compare with"
+
+
+def read_run(run_dir: Path, warmup: int = DEFAULT_WARMUP, key: str = "RUN_DIR") -> RunReport:
+    """Read one run directory (toolkit/train.py's --output-dir); not one at all is one UserInputError line."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserInputError(key, f"{run_dir} is not a directory; give a training run's output directory")
+    record = read_run_record(run_dir)
+    if record is None and (run_dir / RUN_FILE).exists():
+        raise UserInputError(key, f"{run_dir / RUN_FILE} is not a JSON object; it is written by toolkit/train.py")
+    try:
+        metrics = read_metrics(run_dir)
+    except ValueError:
+        raise UserInputError(key, f"{run_dir / METRICS_FILE} holds a line that is not JSON; it is written by "
+                                  f"toolkit/train.py") from None
+    if record is None and not metrics:
+        raise UserInputError(key, f"{run_dir} holds neither {RUN_FILE} nor {METRICS_FILE}: not a training run's "
+                                  f"output directory")
+    timed = [r for r in metrics if isinstance(r, dict) and r.get("step_time_s") is not None]
+    status, reason = _status(record, metrics, len(timed), warmup)
+    report = RunReport(run_dir=str(run_dir), status=status, reason=reason, steps=len(metrics),
+                       last_step=metrics[-1].get("step") if metrics else None,
+                       plan=(record or {}).get("plan"), gpu=(record or {}).get("gpu"),
+                       execution_path=(record or {}).get("execution_path"),
+                       calibration=(record or {}).get("calibration"))
+    if record is not None:
+        report.predicted = predicted_figures(record)
+    if status != "completed":
+        return report
+    steady = timed[warmup:]
+    step = _median([r["step_time_s"] for r in steady])
+    tokens_per_step = (report.plan or {}).get("global_batch", 0) * (report.plan or {}).get("seq_len", 0)
+    report.measured = {
+        "step_time_s": step,
+        "tokens_per_s": tokens_per_step / step if tokens_per_step and step else _median([r.get("tokens_per_s")
+                                                                                        for r in steady]),
+        "mfu": _median([r.get("mfu") for r in steady]),
+        "data_wait_s": _median([r.get("data_wait_s") for r in steady]),
+        "peak_allocated_bytes": _peak(metrics, "gpu_max_allocated_bytes"),
+        "peak_reserved_bytes": _peak(metrics, "gpu_max_reserved_bytes"),
+    }
+    per_rank = _peak_per_rank(metrics, "gpu_max_allocated_bytes_per_rank")
+    if per_rank:
+        report.measured_per_rank = {"peak_allocated_bytes": per_rank}
+    compare_errors(report)
+    return report
+
+
+def compare_errors(report: RunReport) -> None:
+    """The signed errors of a report's prediction: step time, and memory against the most loaded rank's allocator
+    peak (the estimate is for the most loaded stage)."""
+    measured_memory = max(report.measured_per_rank.get("peak_allocated_bytes") or [0]) or \
+        report.measured["peak_allocated_bytes"]
+    report.error = {"step_time": signed_error(report.predicted["step_time_s"], report.measured["step_time_s"]),
+                    "memory": signed_error(report.predicted["allocated_bytes"], measured_memory)}
+
+
+def repredict(report: RunReport, calibration) -> None:
+    """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration).
+    On the host entry the calibration brings its own peak: the measured MFU is restated against it, so measured and
+    predicted MFU keep one denominator."""
+    from toolkit.estimate.comm import Network
+    from toolkit.planner.report import predicted_record
+    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.model import ModelSpec
+    from toolkit.spec.plan import Plan, validated
+
+    record = read_run_record(Path(report.run_dir)) or {}
+    if not isinstance(record.get("model_spec"), dict) or not isinstance(record.get("plan"), dict):
+        raise UserInputError("--calibration", f"{report.run_dir}: {RUN_FILE} holds no model spec and plan to "
+                                              f"re-predict (written by an older toolkit); report it without "
+                                              f"--calibration")
+    try:
+        model = validated(ModelSpec, record["model_spec"])
+        plan = validated(Plan, record["plan"], context={"model": model})
+        gpu = get_gpu(str(record.get("gpu")))
+    except UserInputError as exc:
+        raise UserInputError("RUN_DIR", f"{report.run_dir}: {RUN_FILE}: {exc.key}: {exc.message}") from None
+    calibration.check_hardware(gpu.name, "--calibration")
+    prediction = predicted_record(model, plan, gpu, Network.from_catalogue(gpu, plan.gpus_per_node), calibration)
+    report.predicted = predicted_figures(prediction)
+    report.calibration = prediction["calibration"]
+    before, after = record.get("peak_tflops"), prediction["peak_tflops"]
+    if report.measured["mfu"] is not None and before and after:  # the host peak of the calibration, not the launch's
+        report.measured["mfu"] *= before / after
+    if report.status == "completed":
+        compare_errors(report)

@@ -1,0 +1,119 @@
+"""OUTPUT/incident.json: the faults of a training job, one event each, appended by the one rank that reports it, and
+the last words of every rank the job ends (its Python stacks; on NCCL the flight recorder's record of collectives).
+
+incident.json is {"events": [...]}, oldest first. Every event has `event`, `time` (UTC, ISO 8601) and `attempt`
+(restarts before this launch: {"torchrun", "launch", "slurm"}), and by kind:
+  hang     unresponsive [{rank, host, pid, step, phase, silent_s, reason}], reported_by, latest (the checkpoint
+           `latest` named when it happened), last_words (the directory of the ranks' stacks and NCCL traces)
+  failure  reason (the reporting rank's error line), died [{rank, host, pid, step, phase}], reported_by, latest,
+           last_words
+  guard    step, action (stop | skip | rollback), reason, loss, median, data_sha; a rollback adds checkpoint (what
+           was reloaded) and dropped_steps [first, last]
+  restart  resume_from (the checkpoint this attempt continues from, or null), cause (the event that ended the
+           previous attempt, or why there is none)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
+
+from toolkit.outputs import write_file
+
+log = logging.getLogger(__name__)
+INCIDENT_FILE = "incident.json"
+LAST_WORDS_DIR = "incident"  # OUTPUT/incident/attempt-<tag>/rank<R>.stacks.txt, rank<R>.nccl_trace.pkl
+# Exit codes of a training rank (bad input is 2, as for every command)
+EXIT_FAILURE, EXIT_HANG, EXIT_GUARD_STOP = 1, 3, 4
+# launcher -> the variable that counts its restarts of this job
+RESTART_COUNTERS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "launch": "DMT_RESTART_COUNT",
+                    "slurm": "SLURM_RESTART_COUNT"}
+
+
+def restart_counts(environ=None) -> dict[str, int]:
+    environ = os.environ if environ is None else environ
+    counts = {}
+    for launcher, name in RESTART_COUNTERS.items():
+        value = environ.get(name, "")
+        counts[launcher] = int(value) if value.isdigit() else 0
+    return counts
+
+
+def attempt_tag(environ=None) -> str:
+    """One name per launch of the job: every restart, of whichever launcher, gets a new one."""
+    counts = restart_counts(environ)
+    return "-".join(str(counts[launcher]) for launcher in RESTART_COUNTERS)
+
+
+def is_restart(environ=None) -> bool:
+    return any(restart_counts(environ).values())
+
+
+def read_incidents(output_dir: Path) -> list[dict]:
+    """The events so far; [] when there are none or the file cannot be read (it is a log, not an input)."""
+    try:
+        events = json.loads((Path(output_dir) / INCIDENT_FILE).read_text()).get("events")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return events if isinstance(events, list) else []
+
+
+def append_incident(output_dir: Path, event: dict) -> dict:
+    """Append one event (with its time and attempt) and rewrite the file whole; never raises: a fault report that
+    fails must not hide the fault, so the event is logged in any case."""
+    event = {"event": event["event"], "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "attempt": restart_counts(), **{k: v for k, v in event.items() if k != "event"}}
+    log.error("incident: %s", json.dumps(event, default=str))
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        events = read_incidents(output_dir) + [event]
+        write_file(Path(output_dir) / INCIDENT_FILE, json.dumps({"events": events}, indent=2, default=str) + "\n",
+                   "incident.json")
+    except Exception:
+        log.exception("could not write %s", Path(output_dir) / INCIDENT_FILE)
+    return event
+
+
+def last_words_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / LAST_WORDS_DIR / f"attempt-{attempt_tag()}"
+
+
+def write_last_words(output_dir: Path, rank: int) -> None:
+    """This rank's Python stacks (every thread: the main one shows where it waits) and, on NCCL, the flight
+    recorder's record of its collectives; for a rank the job is ending."""
+    import faulthandler
+
+    directory = last_words_dir(output_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"rank{rank}.stacks.txt", "w") as handle:
+        faulthandler.dump_traceback(file=handle, all_threads=True)
+    trace = nccl_flight_record()
+    if trace is not None:
+        (directory / f"rank{rank}.nccl_trace.pkl").write_bytes(trace)
+
+
+def nccl_flight_record() -> bytes | None:
+    """torch's NCCL flight recorder dump (a pickle: the last collectives, their state and stacks), as NCCL's own
+    timeout would write it; None without NCCL or with the recorder off (TORCH_NCCL_TRACE_BUFFER_SIZE=0)."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if not (torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"):
+            return None
+        return torch._C._distributed_c10d._dump_nccl_trace(True, True, False)
+    except Exception as exc:  # an older torch or a build without NCCL: the stacks still say where each rank was
+        log.debug("no NCCL flight record: %s", exc)
+        return None
+
+
+def flight_recorder_environment(output_dir: Path) -> dict[str, str]:
+    """torch's NCCL flight recorder, on unless the launcher's environment says otherwise: a ring of the last
+    collectives per rank (TORCH_NCCL_TRACE_BUFFER_SIZE), dumped when NCCL's own watchdog times out
+    (TORCH_NCCL_DUMP_ON_TIMEOUT) into OUTPUT/incident/ (TORCH_FR_DUMP_TEMP_FILE, a file name prefix). Read when the
+    NCCL process group is created, so set before it; gloo ignores them."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(last_words_dir(output_dir) / "nccl_timeout_trace_rank_")}

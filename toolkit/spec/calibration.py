@@ -1,0 +1,121 @@
+"""A calibration file (what `dmt calibrate` writes): the step-time model's free parameters fitted to measured runs on
+one hardware, with the runs it was fitted on and the fit's residuals.
+
+`dmt estimate / plan / generate / report --calibration FILE` and a recipe's `cluster.calibration` apply it; the
+step-time model takes it in one place (toolkit.estimate.timing.step_time): each execution path's peak GEMM
+efficiency, the host's matmul peak the fit used (the `cpu` entry only) and the link bus bandwidths `dmt health`
+measured. A calibration of one hardware never applies to another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from toolkit.errors import UserInputError
+from toolkit.readers import read_yaml
+
+FORMAT = "dmt-calibration/1"
+# How a plan's GEMMs are executed, each with its own rate (toolkit/estimate/efficiency.py EXECUTION_PATHS, whose names
+# these are): Megatron-Core with Transformer Engine, Megatron-Core's own `local` modules, HF modules (DeepSpeed, FSDP2).
+ExecutionPath = Literal["megatron-te", "megatron-local", "hf"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PathEfficiency(_Strict):
+    compute_scale: float = Field(gt=0, description="Fitted rate of this path's GEMMs and the work between them, "
+                                                   "relative to the fused-kernel curve (ExecutionPath.compute_scale in "
+                                                   "toolkit/estimate/efficiency.py; the curve's shape is kept).")
+    uncalibrated: float = Field(gt=0, description="The published compute_scale the model uses without a calibration.")
+    runs: int = Field(ge=1, description="Runs of this path the value was fitted on.")
+
+
+class MeasuredLinks(_Strict):
+    intra_node_busbw_gbps: float | None = Field(None, gt=0, description="all_reduce bus bandwidth inside a node.")
+    inter_node_busbw_gbps: float | None = Field(None, gt=0, description="all_reduce bus bandwidth across nodes.")
+    source: str = Field(description="The `dmt health --json` report they were read from.")
+
+
+class FittedRun(_Strict):
+    run_dir: str
+    execution_path: ExecutionPath
+    plan: str = Field(description="The run's plan, as dmt plan labels it.")
+    steps: int = Field(description="Steps whose times were used (after the warm-up).")
+    measured_step_time_s: float = Field(gt=0, description="Median step time after the warm-up.")
+    predicted_step_time_s_before: float = Field(gt=0)
+    predicted_step_time_s_after: float = Field(gt=0)
+    error_before: float = Field(description="Signed: predicted / measured - 1, uncalibrated.")
+    error_after: float = Field(description="Signed: predicted / measured - 1, with this calibration.")
+
+
+class Residuals(_Strict):
+    runs: int
+    rms_error: float = Field(description="Root mean square of the runs' signed errors after the fit.")
+    max_abs_error: float
+
+
+class Calibration(_Strict):
+    format: Literal["dmt-calibration/1"] = Field(description="This file's format.")
+    hardware: str = Field(description="The catalogue entry (toolkit/presets/gpus.yaml) the runs trained on.")
+    efficiency: dict[ExecutionPath, PathEfficiency] = Field(description="Fitted per execution path seen in the runs.")
+    host_peak_tflops: dict[str, float] | None = Field(
+        None, description="The host entry only: the matmul TFLOP/s per precision key the runs' predictions used, so "
+                          "the fitted efficiencies multiply the same peak wherever the file is used.")
+    links: MeasuredLinks | None = Field(None, description="Bus bandwidths measured by `dmt health` (--health).")
+    warmup_steps: int = Field(ge=0, description="Logged steps left out of each run's median.")
+    runs: list[FittedRun] = Field(min_length=1)
+    residuals: dict[ExecutionPath, Residuals]
+    created: str = Field(description="When `dmt calibrate` wrote it (UTC, ISO 8601).")
+    machine: dict[str, str] = Field({}, description="Where it was fitted: host name, torch version.")
+    source: str = Field("", exclude=True, description="Set by the loader: the file it was read from.")
+
+    @field_validator("hardware")
+    @classmethod
+    def _in_catalogue(cls, name: str) -> str:
+        from toolkit.spec.cluster import get_gpu
+
+        try:
+            return get_gpu(name).name
+        except UserInputError as exc:
+            raise ValueError(exc.message) from None
+
+    def compute_scale(self, path: str) -> float | None:
+        """The fitted compute scale of an execution path, or None where no run of that path was fitted."""
+        fitted = self.efficiency.get(path)  # type: ignore[call-overload]
+        return fitted.compute_scale if fitted else None
+
+    def check_hardware(self, gpu_name: str, key: str) -> None:
+        """Refuse to apply this calibration to a plan for other hardware: its efficiencies and links are another's."""
+        from toolkit.spec.cluster import get_gpu
+
+        if self.hardware != get_gpu(gpu_name).name:
+            raise UserInputError(key, f"{self.source or 'the calibration'} was fitted on {self.hardware} runs; this "
+                                      f"plan is for {gpu_name}: calibrate on runs of {gpu_name} (dmt calibrate) or "
+                                      f"leave the calibration out")
+
+    def describe(self) -> dict:
+        """What outputs record of the calibration in use (plan.json, --json outputs)."""
+        return {"file": self.source, "hardware": self.hardware, "created": self.created,
+                "compute_scale": {path: fitted.compute_scale for path, fitted in self.efficiency.items()},
+                "host_peak_tflops": self.host_peak_tflops,
+                "links": None if self.links is None else self.links.model_dump(exclude={"source"})}
+
+
+def load_calibration(path: Path | str, key: str = "--calibration") -> Calibration:
+    """Read and check a calibration file; any problem is one UserInputError line naming `key`, the file and the
+    field."""
+    path = Path(path)
+    data = read_yaml(path, key, what="a calibration file written by `dmt calibrate`")
+    try:
+        calibration = Calibration(**data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"]) or "file"
+        raise UserInputError(key, f"{path}: {field}: {error['msg']} (not a calibration `dmt calibrate` wrote; "
+                                  f"run it again)") from None
+    return calibration.model_copy(update={"source": str(path)})

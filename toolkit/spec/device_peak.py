@@ -1,0 +1,78 @@
+"""The matmul benchmark (`dmt health` runs it on every rank) and, from it, the peak of the catalogue's `cpu` entry,
+which has no datasheet: the rate this host reaches on square matmuls, measured the first time a prediction needs it.
+
+It sits this low because the catalogue itself (toolkit.spec.cluster.peak_flops) needs it for the host entry; `dmt
+health` imports it from here, so the toolkit has one matmul measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from functools import lru_cache
+
+log = logging.getLogger(__name__)
+
+HOST_MATMUL_SIZE = 512  # as dmt health on CPU ranks: large enough to keep the vector units busy, quick to run
+HOST_MATMUL_SECONDS = 0.3
+# the best of several short windows: a peak is what the host reaches when nothing else runs, and a window that
+# another process shared (a launcher, a sibling rank starting up) shows as a slower one
+HOST_MATMUL_WINDOWS = 6
+# the peak key of a precision (spec.cluster.PEAK_KEY) -> the dtype its matmuls run in on a host CPU
+HOST_DTYPES = {"bf16": "bfloat16", "tf32": "float32", "fp8": "bfloat16"}
+
+
+def matmul_benchmark(device, seconds: float, size: int | None = None, dtype=None) -> dict:
+    """Square matmuls for a fixed wall-clock window, so that an outside slowdown (throttling, contention) shows.
+
+    bf16 on GPUs, fp32 on CPUs unless `dtype` says otherwise. Returns {matmul_ms: mean time of one matmul,
+    matmul_gflops, matmul_size, matmul_dtype}.
+    """
+    import torch
+
+    cuda = device.type == "cuda"
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    size = size or (8192 if cuda else HOST_MATMUL_SIZE)  # 8192^2 bf16 reaches a GPU's tensor-core peak
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # first call pays for kernel selection and page faults
+    if cuda:
+        torch.cuda.synchronize(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+        if cuda and count % 8 == 0:
+            torch.cuda.synchronize(device)  # keep the queue short so the window means GPU time
+    if cuda:
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    return {"matmul_ms": elapsed / count * 1e3, "matmul_gflops": 2 * size**3 * count / elapsed / 1e9,
+            "matmul_size": size, "matmul_dtype": str(dtype).removeprefix("torch.")}
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, as a launcher or Slurm set it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@lru_cache(maxsize=None)
+def host_matmul_tflops(key: str) -> float:
+    """TFLOP/s of this host on HOST_MATMUL_SIZE^2 matmuls in the dtype of a peak key (bf16, tf32 = fp32 here), with
+    every core this process may use, the best of HOST_MATMUL_WINDOWS windows; once per process and key, so every
+    prediction of a process sees one figure."""
+    import torch
+
+    dtype = getattr(torch, HOST_DTYPES.get(key, "bfloat16"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(host_cores())  # a launched rank may have been given one thread; the host has them all
+    try:
+        windows = [matmul_benchmark(torch.device("cpu"), HOST_MATMUL_SECONDS / HOST_MATMUL_WINDOWS, HOST_MATMUL_SIZE,
+                                    dtype) for _ in range(HOST_MATMUL_WINDOWS)]
+    finally:
+        torch.set_num_threads(threads)
+    result = max(windows, key=lambda window: window["matmul_gflops"])
+    log.info("host peak (%s): %.1f GFLOP/s on %d cores, %dx%d matmuls", key, result["matmul_gflops"], host_cores(),
+             HOST_MATMUL_SIZE, HOST_MATMUL_SIZE)
+    return result["matmul_gflops"] / 1e3
