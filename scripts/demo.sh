@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job end to end on CPU: estimate, plan, generate, train on 2 ranks, verify, convert, restore-test; then
-# the same recipe shape on Megatron-Core at TP=2 and its checkpoint back to HF.
+# the same recipe shape on Megatron-Core at TP=2 and its checkpoint back to HF; then QLoRA fine-tuning and merge-lora.
 # Run through `make demo` (which creates .venv first). Everything goes under runs/demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,3 +61,16 @@ echo; echo "== 9. dmt convert megatron-to-hf, then compare logits with Megatron-
 export PYTHONWARNINGS=ignore  # Megatron-Core warns at import that Apex and Transformer Engine are absent (CPU)
 dmt convert megatron-to-hf "$OUT/megatron/checkpoint-30" "$OUT/megatron-hf"
 OMP_NUM_THREADS=1 dmt convert check "$OUT/megatron-hf" "$OUT/megatron/checkpoint-30" --tp 2
+
+echo; echo "== 10. Fine-tuning: QLoRA (4-bit nf4 base, bitsandbytes on CPU) on prompt/completion data, ZeRO-3, 2 ranks"
+dmt estimate --model llama-3.1-70b --gpus 8 --zero 3 --recompute full --finetune qlora --lora-r 16
+dmt generate recipes/tiny-llama-qlora-cpu.yaml --out "$OUT/qlora-config" > /dev/null
+deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/qlora-config/plan.json" --output-dir "$OUT/qlora" \
+  --max-steps 20 --save-steps 20 > "$OUT/qlora.log" 2>&1 || { tail -30 "$OUT/qlora.log"; exit 1; }
+python - "$OUT/qlora/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print(f"trained the adapters {rows[-1]['step']} steps: loss on the completions {rows[0]['loss']:.3f} -> "
+      f"{rows[-1]['loss']:.3f}")
+PY
+dmt convert merge-lora "$OUT/qlora/base" "$OUT/qlora/checkpoint-20" "$OUT/qlora-merged"

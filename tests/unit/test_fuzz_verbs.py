@@ -44,6 +44,7 @@ FILE_INPUTS = {
     "convert zero-to-hf CKPT_DIR": (["convert", "zero-to-hf", "{file}", "{tmp}/hf"], "CKPT_DIR"),
     "convert fsdp-to-hf CKPT": (["convert", "fsdp-to-hf", "{file}", "{tmp}/hf"], None),
     "convert megatron-to-hf MEGATRON_DIR": (["convert", "megatron-to-hf", "{file}", "{tmp}/hf"], "MEGATRON_DIR"),
+    "convert merge-lora BASE ADAPTER": (["convert", "merge-lora", "{file}", "{file}", "{tmp}/merged"], "BASE"),
     "ckpt inspect PATH": (["ckpt", "inspect", "{file}"], "PATH"),
     "validate accelerate.yaml": (["validate", "{file}.yaml", "--world-size", "2"], "FILE"),
     "estimate --calibration": (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--calibration", "{file}"],

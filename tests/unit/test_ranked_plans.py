@@ -33,10 +33,11 @@ def recipe_from_record(record: dict, model: str) -> dict:
                 "learning_rate": 3e-4}
     for name in DERIVED:
         plan.pop(name)
+    finetune = plan.pop("finetune")  # the recipe's own section
     assert all(recipe_key(name) == f"plan.{name}" for name in plan)  # nothing else lives outside `plan:`
     return {"name": "ranked", "model": {"source": model},
             "data": {"train_files": [str(TINY.parent / "data" / "tiny_corpus.txt")]},
-            "cluster": cluster, "training": training, "plan": plan}
+            "cluster": cluster, "training": training, "plan": plan, "finetune": finetune}
 
 
 @pytest.mark.parametrize("backend", ["deepspeed", "megatron", "fsdp"])

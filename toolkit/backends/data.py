@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from toolkit.backends.sft_data import CHATML_TOKENS
 from toolkit.errors import UserInputError
 from toolkit.spec.recipe import Recipe
 
@@ -27,8 +28,8 @@ def data_files(recipe: Recipe) -> list[Path]:
     return files
 
 
-def load_texts(recipe: Recipe):
-    """A `datasets.Dataset` with one column `text`."""
+def load_rows(recipe: Recipe):
+    """The recipe's examples as a `datasets.Dataset`, columns as in the files."""
     import datasets
 
     if recipe.data.hub_dataset:
@@ -39,6 +40,18 @@ def load_texts(recipe: Recipe):
         if len(builders) > 1:
             raise UserInputError("data.train_files", "mix of file types; use one of text, json(l) or parquet")
         dataset = datasets.load_dataset(builders.pop(), data_files=[str(f) for f in files], split="train")
+    return dataset
+
+
+def load_texts(recipe: Recipe):
+    """A `datasets.Dataset` with one column `text` (for chat and prompt/completion data: the words of each example,
+    which a locally trained tokenizer learns from)."""
+    dataset = load_rows(recipe)
+    if recipe.data.format != "text":
+        from toolkit.backends.sft_data import check_columns, tokenizer_texts
+
+        check_columns(recipe, dataset.column_names)
+        return tokenizer_texts(recipe, dataset)
     field = recipe.data.text_field
     if field not in dataset.column_names:
         raise UserInputError("data.text_field", f"'{field}' is not a column; columns: {', '.join(dataset.column_names)}")
@@ -54,9 +67,22 @@ def build_tokenizer(recipe: Recipe, texts):
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
+    special = [EOS] + (list(CHATML_TOKENS) if recipe.data.format == "chat" and not recipe.data.chat_template else [])
     bpe.train_from_iterator((t for t in texts["text"] if t), vocab_size=recipe.data.tokenizer.vocab_size,
-                            min_frequency=2, special_tokens=[EOS], show_progress=False)
+                            min_frequency=2, special_tokens=special, show_progress=False)
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+
+
+def training_datasets(recipe: Recipe, tokenizer, seq_len: int):
+    """(train, eval, collator) of the recipe's data format: text packed into blocks (every token trained), or chat /
+    prompt-completion examples with the loss on the answers only (toolkit.backends.sft_data)."""
+    if recipe.data.format == "text":
+        from transformers import default_data_collator
+
+        return (*packed_datasets(recipe, tokenizer, seq_len), default_data_collator)
+    from toolkit.backends.sft_data import sft_datasets
+
+    return sft_datasets(recipe, tokenizer, load_rows(recipe), seq_len)
 
 
 def packed_datasets(recipe: Recipe, tokenizer, seq_len: int):

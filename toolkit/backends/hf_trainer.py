@@ -55,9 +55,10 @@ def installed_field_names(args_dict: dict) -> dict:
     from transformers import TrainingArguments
 
     fields = TrainingArguments.__dataclass_fields__
-    if "activation_checkpointing" in args_dict and "activation_checkpointing" not in fields:
-        args_dict = dict(args_dict)
-        args_dict["gradient_checkpointing"] = args_dict.pop("activation_checkpointing")
+    for name in ("activation_checkpointing", "activation_checkpointing_kwargs"):
+        if name in args_dict and name not in fields:
+            args_dict = dict(args_dict)
+            args_dict[name.replace("activation", "gradient")] = args_dict.pop(name)
     return args_dict
 
 
@@ -221,11 +222,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         AutoModelForCausalLM,
         Trainer,
         TrainingArguments,
-        default_data_collator,
         set_seed,
     )
 
-    from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
+    from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
     from toolkit.checkpoint.manifest import read_manifest
     from toolkit.generate.trainer_args import trainer_arguments
 
@@ -278,9 +278,13 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             tokenizer = build_tokenizer(recipe, load_texts(recipe))
             if args.process_index == 0:
                 tokenizer.save_pretrained(tokenizer_dir)
-        train_set, eval_set = packed_datasets(recipe, tokenizer, plan.seq_len)
+        train_set, eval_set, collator = training_datasets(recipe, tokenizer, plan.seq_len)
 
-    if recipe.model.pretrained:
+    if plan.finetune.peft:  # LoRA / QLoRA adapters on a frozen base (toolkit.backends.peft_model)
+        from toolkit.backends.peft_model import finetune_model
+
+        model = finetune_model(recipe, plan, output_dir, args)
+    elif recipe.model.pretrained:
         model = AutoModelForCausalLM.from_pretrained(recipe.locate(recipe.model.pretrained), dtype=torch.float32)
     else:
         config = AutoConfig.for_model(**recipe_hf_config(recipe))
@@ -288,6 +292,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
+    if recipe.data.format != "text":  # packed chat / prompt-completion rows: each example attends to itself only
+        from toolkit.backends.sft_data import keep_examples_apart
+
+        keep_examples_apart(model)
     fingerprints = BatchFingerprints(plan.grad_accum)
     metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len))
     guard = TrainerGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)), output_dir,
@@ -342,15 +350,19 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             return guard.on_loss(self, result, items)
 
     callbacks = _callbacks(output_dir, plan, metrics, world, identity, fingerprints, watch, guard)
+    toolkit_callback = callbacks[0]  # the guard acts through it on the Trainer
+    if plan.finetune.peft:
+        from toolkit.backends.peft_model import adapter_callback
+
+        callbacks.insert(0, adapter_callback(plan))  # FSDP2's adapter is written before the manifest lists the files
     if fsdp:
         from toolkit.backends.fsdp import sharding_callback
 
         callbacks.append(sharding_callback(output_dir, plan))
     with _accelerator_building(plan):
         trainer = ToolkitTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                                 data_collator=default_data_collator, processing_class=tokenizer,
-                                 callbacks=callbacks)
-    callbacks[0].trainer = trainer
+                                 data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+    toolkit_callback.trainer = trainer
     result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
     return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}
 

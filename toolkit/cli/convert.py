@@ -1,5 +1,5 @@
 """`dmt convert`: checkpoint conversion between DeepSpeed ZeRO, FSDP2 (DCP), HF safetensors and Megatron-Core
-layouts."""
+layouts, and LoRA adapters merged into their base."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fsdp.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none beside it")
     fsdp.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
+    merge = sub.add_parser("merge-lora", help="LoRA adapter + its base -> merged HF safetensors",
+                           description="Merge a PEFT LoRA adapter (adapter_model.safetensors + adapter_config.json, a "
+                                       "training checkpoint-N holds them) into its HF base, tensor by tensor; equal "
+                                       "bit for bit to PEFT's merge_and_unload() of the base as stored.")
+    merge.add_argument("base_dir", type=path_arg, metavar="BASE", help="the HF base model directory (safetensors)")
+    merge.add_argument("adapter_dir", type=path_arg, metavar="ADAPTER", help="the adapter directory (or checkpoint-N)")
+    merge.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the merged model")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
+    merge.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
     check = sub.add_parser("check", help="max logit difference of an HF model and a Megatron-Core checkpoint",
                            description="Run the HF model and the Megatron-Core model of the checkpoint (at --tp/--pp, "
                                        "under torchrun when more than one process) on the same tokens.")
@@ -67,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     handlers = {"zero-to-hf": _zero_to_hf, "hf-to-megatron": _hf_to_megatron, "megatron-to-hf": _megatron_to_hf,
-                "fsdp-to-hf": _fsdp_to_hf, "check": _check}
+                "fsdp-to-hf": _fsdp_to_hf, "merge-lora": _merge_lora, "check": _check}
     return handlers[args.direction](args)
 
 
@@ -147,6 +157,16 @@ def _fsdp_to_hf(args: argparse.Namespace) -> int:
     _print(args, summary, f"FSDP2 checkpoint of {summary['rank_files']} rank file(s) -> {summary['out_dir']}: "
                           f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "
                           f"{summary['bytes'] / 2**20:.1f} MiB in {summary['shards']} shard(s)")
+    return 0
+
+
+def _merge_lora(args: argparse.Namespace) -> int:
+    from toolkit.checkpoint.merge_lora import merge_lora
+
+    summary = merge_lora(args.base_dir, args.adapter_dir, args.out_dir, max_shard_size=args.max_shard_size)
+    _print(args, summary, f"{args.adapter_dir} merged into {args.base_dir} -> {summary['out_dir']}: "
+                          f"{summary['merged']} of {summary['tensors']} tensors adapted (scaling "
+                          f"{summary['scaling']:g}), {summary['shards']} shard(s)")
     return 0
 
 

@@ -65,6 +65,8 @@ def print_report(report: dict) -> None:
     console.print(
         f"[bold]{report['model']}[/] ({report['family']}): {params['total'] / 1e9:.3f}B params, "
         f"{params['active'] / 1e9:.3f}B active, {params['embedding'] / 1e9:.3f}B in embeddings"
+        + (f"; {plan['finetune']['method']}: {params['trainable']:,} trainable adapter parameters"
+           if plan["finetune"]["method"] != "full" else "")
     )
     console.print(
         f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} {sharding_text(plan)} "

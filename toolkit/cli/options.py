@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Annotated, get_args, get_origin
 
+from toolkit.spec.finetune import FINETUNE_NAMES, FinetuneOptions, finetune_flag
 from toolkit.spec.options import OPTION_NAMES, PlanOptions, choices, default_text, field_extra, flag
+
+FINETUNE = "finetune"  # plan_overrides' key for the FinetuneOptions fields given on the command line
 
 
 def _argument(name: str) -> dict:
@@ -44,17 +47,44 @@ def add_plan_flags(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] 
         text = f"{info.description} ({when_absent})".replace("%", "%%")
         parser.add_argument(flag(name), dest=name, default=None, required=name in required, help=text,
                             **_argument(name))
+    add_finetune_flags(parser, overriding)
+
+
+def _finetune_dest(name: str) -> str:
+    return finetune_flag(name)[2:].replace("-", "_")  # --lora-r -> lora_r, --finetune -> finetune
+
+
+def add_finetune_flags(parser: argparse.ArgumentParser, overriding: str | None = None) -> None:
+    """One flag per FinetuneOptions field (--finetune, --lora-r, ...); None when not given."""
+    for name in FINETUNE_NAMES:
+        info = FinetuneOptions.model_fields[name]
+        shown = ",".join(info.default) if isinstance(info.default, tuple) else info.default
+        when_absent = f"default: {shown}" if overriding is None else f"overrides the recipe's finetune.{name}"
+        if name == "method":
+            kind: dict = {"choices": list(get_args(info.annotation))}
+        elif name == "target_modules":
+            kind = {"type": str, "metavar": info.json_schema_extra["metavar"]}
+        else:  # the rank is an integer; alpha and dropout may be fractions
+            kind = {"type": int if isinstance(info.default, int) and name == "r" else float}
+        parser.add_argument(finetune_flag(name), dest=_finetune_dest(name), default=None,
+                            help=f"{info.description} ({when_absent})".replace("%", "%%"), **kind)
 
 
 def plan_overrides(args: argparse.Namespace) -> dict:
-    """The plan options given on the command line (None: not given)."""
-    return {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
+    """The plan options given on the command line (None: not given); the fine-tuning ones as one `finetune` dict."""
+    given = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
+    finetune = {name: getattr(args, _finetune_dest(name)) for name in FINETUNE_NAMES
+                if getattr(args, _finetune_dest(name), None) is not None}
+    return {**given, FINETUNE: finetune} if finetune else given
 
 
 def option_argv(options: dict) -> list[str]:
     """Plan options back as flags, for a launched process: {"zero": 3, "sequence_parallel": True,
     "reshard_after_forward": False} -> --zero 3 --sequence-parallel --no-reshard-after-forward."""
     argv = []
+    for name, value in options.get(FINETUNE, {}).items():
+        argv += [finetune_flag(name), ",".join(value) if isinstance(value, (tuple, list)) else str(value)]
+    options = {k: v for k, v in options.items() if k != FINETUNE}
     for name, value in options.items():
         if value is False and PlanOptions.model_fields[name].default is None:
             argv.append("--no-" + flag(name)[2:])

@@ -33,14 +33,16 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.options import PlanOptions
-    from toolkit.spec.plan import resolve_plan, validated
+    from toolkit.cli.options import FINETUNE
+    from toolkit.spec.plan import finetune_options, resolve_plan, validated
 
     if args.top < 1:
         raise UserInputError("--top", f"must be at least 1, got {args.top}")
     pinned = plan_overrides(args)
     if args.gpus < 1:  # checked here: the search would otherwise reject every candidate and print an empty table
         raise UserInputError("--gpus", f"must be a positive integer, got {args.gpus}")
-    validated(PlanOptions, pinned)  # the same one-line message for a bad pinned value
+    validated(PlanOptions, {k: v for k, v in pinned.items() if k != FINETUNE})  # one line for a bad pinned value
+    finetune_options(pinned.get(FINETUNE))
     if args.plot is not None:
         from toolkit.outputs import output_file
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         zero_plans = []
         for stage in range(4):
             try:
-                plan = resolve_plan(model, args.gpus, zero=stage, seq_len=args.seq_len, global_batch=args.global_batch,
+                plan = resolve_plan(model, args.gpus, zero=stage, seq_len=args.seq_len, global_batch=args.global_batch, finetune=pinned.get(FINETUNE),
                                     gpus_per_node=args.gpus_per_node, precision=args.precision, recompute="full")
             except UserInputError:
                 continue

@@ -15,6 +15,12 @@ from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import choices, default
 
 
+def choices_of(annotation) -> list:
+    from typing import get_args
+
+    return list(get_args(annotation))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=path_arg, metavar="FILE",
                         help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP) or megatron.yaml")
@@ -27,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                                "estimate (default %(default)s)")
     parser.add_argument("--recompute", choices=choices("recompute"), default=None,
                         help="activation checkpointing for the estimate (default: the trainer arguments', else none)")
+    from toolkit.spec.finetune import FinetuneOptions, finetune_flag
+
+    method = FinetuneOptions.model_fields["method"]
+    parser.add_argument(finetune_flag("method"), dest="finetune", choices=choices_of(method.annotation),
+                        default=method.default, help=f"{method.description} (default %(default)s): what the run "
+                                                     f"trains, for the rules that depend on it")
     parser.add_argument("--json", action="store_true", help="print one JSON object: ok and the problems")
 
 
@@ -77,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
         def check(filled: dict):
             return memory_problem(filled, model, gpu, args.world_size, args.seq_len, recompute, args.pp)
 
+    from toolkit.validate.deepspeed import finetune_problems
+
     return report(args, validate_deepspeed_config(config, args.world_size, args.pp, trainer, check,
-                                                  config_path=args.file))
+                                                  config_path=args.file) + finetune_problems(config, args.finetune))
 
 
 def report(args: argparse.Namespace, problems: list) -> int:

@@ -75,21 +75,23 @@ def fsdp_model_states(plan: Plan, groups: FsdpGroups, optimizer_state_bytes: int
     return int(weights), int(gradients), int(optimizer), buffers, host
 
 
-def fsdp_communication(plan: Plan, groups: FsdpGroups, network: Network, compute_micro: float) -> float:
+def fsdp_communication(plan: Plan, groups: FsdpGroups, network: Network, compute_micro: float,
+                       trained_share: float = 1.0) -> float:
     """Exposed FSDP2 communication of one step, in seconds: every micro-batch all-gathers each group in forward (again
     in backward when resharded), reduce-scatters fp32 gradients in the shard group and, with HSDP, all-reduces the
     shards across replicas. Prefetch hides it behind FSDP2_OVERLAP of the compute, except the first group's gather
-    and the last group's reduction, which have nothing to overlap with."""
+    and the last group's reduction, which have nothing to overlap with. `trained_share`: the share of parameters that
+    have gradients to reduce (LoRA: the adapters)."""
     a = PRECISION_BYTES[plan.precision]
     shard_link = network.link(plan.dp_shard, plan.tp)  # TP innermost, then the shard group, then replicas
     gathers = 1 if not plan.reshard_after_forward else 2
     layer_gather = collective_time("all_gather", groups.layer * a, plan.dp_shard, shard_link)
-    layer_reduce = collective_time("reduce_scatter", groups.layer * FP32, plan.dp_shard, shard_link)
+    layer_reduce = collective_time("reduce_scatter", groups.layer * trained_share * FP32, plan.dp_shard, shard_link)
     comm = gathers * collective_time("all_gather", groups.total * a, plan.dp_shard, shard_link)
-    comm += collective_time("reduce_scatter", groups.total * FP32, plan.dp_shard, shard_link)
+    comm += collective_time("reduce_scatter", groups.total * trained_share * FP32, plan.dp_shard, shard_link)
     if plan.dp_replicate > 1:
         replica_link = network.link(plan.dp_replicate, plan.tp * plan.dp_shard)
-        replica_reduce = collective_time("all_reduce", groups.total * FP32 / plan.dp_shard, plan.dp_replicate,
+        replica_reduce = collective_time("all_reduce", groups.total * trained_share * FP32 / plan.dp_shard, plan.dp_replicate,
                                          replica_link)
         comm += replica_reduce
         layer_reduce += replica_reduce * groups.layer / groups.total

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from toolkit.estimate.activations import ActivationSetup, stage_activation_bytes
-from toolkit.estimate.fsdp import fsdp_groups, fsdp_model_states
+from toolkit.estimate.fsdp import GATHERED_LAYERS, fsdp_groups, fsdp_model_states
+from toolkit.estimate.lora import NF4_BYTES, adapter_activation_bytes, finetune_counts
 from toolkit.estimate.params import ParamCounts, count_params, megatron_padded_vocab
 from toolkit.estimate.pipeline import peak_forwards
 from toolkit.spec.model import ModelSpec
@@ -37,6 +38,9 @@ DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 DS_ALLGATHER_BUCKET_ELEMENTS = 500_000_000
 DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
 DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+# ZeRO-3 keeps a parameter of at most this many elements gathered on every rank, next to its partition
+# (stage3_param_persistence_threshold, deepspeed/runtime/zero/config.py): LoRA's A and B matrices mostly are
+DS_STAGE3_PERSISTENCE_THRESHOLD = 100_000
 # ZeRO-1/2 allocate their gradient buckets at full reduce_bucket_size, twice with overlap_comm (double buffering,
 # stage_1_and_2.py setup_buckets); the generated configs turn overlap_comm on.
 DS_OVERLAP_COMM = True
@@ -156,6 +160,8 @@ def _model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params
     """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU."""
     w = PRECISION_BYTES[plan.precision]
     mixed = plan.precision != "fp32"
+    if plan.finetune.peft:
+        return _frozen_base_states(spec, plan, params, layer_params)
     if plan.backend == "fsdp":  # fp32 shards are their own master copy: the optimizer keeps its states only
         groups = fsdp_groups(count_params(spec), params.total, layer_params, plan.tp)
         return fsdp_model_states(plan, groups, OPTIMIZER_BYTES[plan.optimizer][1])
@@ -203,7 +209,68 @@ def _model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params
     return int(weights), int(gradients), int(optimizer), {k: int(v) for k, v in buffers.items()}, int(host)
 
 
-def _step_fp32_grads(plan: Plan, params: StageParams) -> int:
+def _frozen_base_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> tuple[int, int, int, dict, int]:
+    """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU when LoRA adapters train on a frozen base.
+
+    The base keeps its stored precision (bf16, or nf4 with its block scales for qlora) and is sharded only where the
+    plan shards parameters (ZeRO-3, FSDP2); gradients, optimizer states and fp32 masters exist for the adapters only.
+    DeepSpeed casts the whole module, adapters included, to the training dtype; Accelerate's FSDP2 preparation upcasts
+    the trainable adapters to fp32 (their own master copy) and leaves the frozen base as loaded (bf16; a 4-bit base
+    as bitsandbytes packed it, in bnb_4bit_quant_storage = the training dtype). bitsandbytes' block scales are
+    buffers of the quantisation state, not parameters: no sharding divides them.
+    """
+    w = PRECISION_BYTES[plan.precision]
+    counts = finetune_counts(spec, plan.finetune)
+    adapters, quantized = counts.adapters, counts.quantized
+    base = params.total  # deepspeed and fsdp plans hold the whole model per stage (pp = tp = 1)
+    packed = (base - quantized) * w + quantized * 0.5  # parameters: bf16 ones and nf4 values packed two per byte
+    scales = quantized * (NF4_BYTES - 0.5)
+    layer_bytes = layer_params * (w if plan.finetune.method == "lora" else NF4_BYTES)
+    buffers: dict[str, int] = {}
+    if plan.backend == "fsdp":
+        shard = plan.dp_shard
+        weights, gradients = (packed + adapters * FP32) / shard + scales, adapters * FP32 / shard
+        optimizer = adapters * OPTIMIZER_BYTES[plan.optimizer][1] / shard
+        groups = fsdp_groups(count_params(spec), params.total, layer_params, plan.tp)
+        gathered = (layer_bytes * GATHERED_LAYERS + groups.kept * w) if plan.reshard_after_forward else packed
+        largest_adapter = max(counts.adapter_layers, default=0)
+        buffers = {"fsdp_gathered_params": int(gathered), "fsdp_reduce_scatter": int(largest_adapter * (w + FP32))}
+        host = 0
+        if plan.offload_params == "cpu":
+            host, weights, gradients, optimizer = int(weights + gradients + optimizer), 0, 0, 0
+        return int(weights), int(gradients), int(optimizer), buffers, host
+    dp = plan.dp if plan.zero >= 1 else 1
+    opt_bytes = OPTIMIZER_BYTES[plan.optimizer][0 if plan.precision != "fp32" else 1]
+    weights = packed + adapters * w + scales
+    gradients = adapters * (FP32 if plan.zero == 0 and plan.precision == "bf16" else w) / dp
+    optimizer = opt_bytes * adapters / dp
+    host = 0
+    if plan.zero in (1, 2):
+        buffers["reduce_buckets"] = DS_REDUCE_BUCKET_ELEMENTS * w * (2 if DS_OVERLAP_COMM else 1)
+        buffers["allgather_bucket"] = min(DS_ALLGATHER_BUCKET_ELEMENTS, adapters) * w
+    if plan.zero == 3:
+        # a 4-bit weight is a bf16 tensor of a quarter of its elements (two nf4 values per byte, two bytes each)
+        stored = 0.25 if plan.finetune.method == "qlora" else 1
+        persistent = sum(n * stored for n in counts.linear_sizes if n * stored <= DS_STAGE3_PERSISTENCE_THRESHOLD)
+        persistent_adapters = sum(n for n in counts.adapter_sizes if n <= DS_STAGE3_PERSISTENCE_THRESHOLD)
+        # ZeRO-3 casts nothing it did not build under zero.Init: PEFT's adapters on a bf16 base stay in the fp32 it
+        # upcasts them to (autocast_adapter_dtype); on a 4-bit base they stay in the compute dtype (measured)
+        a = FP32 if plan.finetune.method == "lora" else w
+        weights = (packed + adapters * a) / plan.dp + persistent * w + persistent_adapters * a + scales
+        buffers["stage3_live_params"] = int(min(DS_STAGE3_MAX_LIVE_PARAMETERS * w, 2 * layer_bytes))
+        buffers["stage3_prefetch_bucket"] = min(DS_STAGE3_PREFETCH_ELEMENTS, params.total) * w
+        buffers["reduce_bucket"] = DS_REDUCE_BUCKET_ELEMENTS * w
+        if plan.offload_params != "none":
+            host += weights if plan.offload_params == "cpu" else 0
+            weights = scales
+    if plan.offload_optimizer != "none":
+        if plan.offload_optimizer == "cpu":
+            host += optimizer + adapters / dp * FP32
+        optimizer = 0
+    return int(weights), int(gradients), int(optimizer), {k: int(v) for k, v in buffers.items()}, int(host)
+
+
+def _step_fp32_grads(spec: ModelSpec, plan: Plan, params: StageParams) -> int:
     """fp32 gradient partition DeepSpeed ZeRO 1/2 builds inside optimizer.step() from the 16-bit one.
 
     DeepSpeed's own estimator counts it permanently (its "4_grads_32bit"); it lives only while activations are
@@ -213,6 +280,8 @@ def _step_fp32_grads(plan: Plan, params: StageParams) -> int:
         return 0
     if plan.offload_optimizer != "none":
         return 0
+    if plan.finetune.peft:  # only the adapters have gradients
+        return int(FP32 * finetune_counts(spec, plan.finetune).adapters / plan.dp)
     return int(FP32 * (params.dense / plan.dp + params.expert / max(plan.expert_dp, 1)))
 
 
@@ -227,10 +296,13 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
     alive, embedding_forwards = alive_forwards(spec, plan, stage)
     activations = stage_activation_bytes(spec, setup, alive, embedding_forwards, last_stage=last,
                                          recomputed=recomputed_layers(spec, plan, stage))
+    if plan.finetune.peft and plan.recompute != "full":  # what the adapters' matmuls keep, per alive layer
+        activations += int(setup.tokens * sum(adapter_activation_bytes(spec, plan.finetune, i, setup.act_bytes)
+                                              for i in alive))
     detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
     if last:  # gradient of the fp32 logits exists next to the saved ones during the head's backward
         detail["logits_grad"] = FP32 * spec.vocab_size * setup.tokens // plan.tp
-    step_grads = _step_fp32_grads(plan, params)
+    step_grads = _step_fp32_grads(spec, plan, params)
     if step_grads > activations:  # inside step() activations are freed: only the larger of the two peaks counts
         detail["step_fp32_grads"] = step_grads - activations
     detail["allocator_margin"] = int(ALLOCATOR_MARGIN * (weights + gradients + optimizer + activations))

@@ -21,6 +21,7 @@ from toolkit.estimate.efficiency import (
 )
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
 from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
+from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.spec.calibration import Calibration
@@ -122,6 +123,10 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
 
     stages = []
     rate = peak * efficiency
+    # backward runs the input-gradient GEMM of every linear layer, and the weight-gradient one only where the weight
+    # trains: a frozen base (LoRA) skips the latter, a third of its matmul work; its adapters train in full
+    ft = plan.finetune
+    matmul_passes = 2 if ft.peft else 3
     for stage in representative_stages(spec, plan):
         layers = stage_layers(spec.num_layers, plan, stage)
         recomputed = recomputed_layers(spec, plan, stage)
@@ -131,13 +136,13 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
             f = layer_forward_flops(spec, i, plan.seq_len)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
-            work += 3 * (f.matmul + f.attention * attention_work)
+            work += matmul_passes * f.matmul + 3 * (f.attention * attention_work + adapter_forward_flops(spec, ft, i))
             work += again.matmul + again.attention * attention_work
             attention += f.attention * attention_work
             memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
         if stage == plan.pp - 1:
-            work += 3 * head_forward_flops(spec)
+            work += matmul_passes * head_forward_flops(spec)
         compute = tokens * (work / plan.tp / rate + memory_bound)
         attention_time = tokens * attention * 3 / plan.tp / rate
         cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time)
@@ -152,7 +157,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     dp_comm, optimizer_s, offload_s = _data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro)
     total = m * micro + bubble + dp_comm + optimizer_s + offload_s
     step_tokens = plan.global_batch * plan.seq_len
-    model_flops = model_flops_per_token(spec, plan.seq_len) * step_tokens
+    model_flops = useful_flops_per_token(spec, plan) * step_tokens
     tflops = model_flops / total / plan.gpus
     return StepTime(
         compute_s=m * compute_micro,
@@ -173,14 +178,34 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     )
 
 
+def useful_flops_per_token(spec: ModelSpec, plan: Plan) -> float:
+    """The model FLOPs per token MFU counts for this plan (no recomputation, PaLM convention): the whole model's
+    forward and backward, or, fine-tuning with adapters, the work that needs (what a run's measured MFU counts too)."""
+    if plan.finetune.peft:  # no weight gradients of the base, the adapters' three passes
+        return _finetune_model_flops(spec, plan)
+    return model_flops_per_token(spec, plan.seq_len)
+
+
+def _finetune_model_flops(spec: ModelSpec, plan: Plan) -> float:
+    """Model FLOPs per token of LoRA training (no recomputation): forward and input gradients of the base's matmuls,
+    attention's three passes, and the adapters' forward, input and weight gradients."""
+    matmul = sum(layer_forward_flops(spec, i, plan.seq_len).matmul for i in range(spec.num_layers))
+    matmul += head_forward_flops(spec)
+    attention = sum(layer_forward_flops(spec, i, plan.seq_len).attention for i in range(spec.num_layers))
+    adapters = sum(adapter_forward_flops(spec, plan.finetune, i) for i in range(spec.num_layers))
+    return 2 * matmul + 3 * (attention + adapters)
+
+
 def _data_parallel_and_optimizer(
     spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float
 ) -> tuple[float, float, float]:
     """(exposed DP/ZeRO communication, optimizer step, offload transfers) per step, in seconds."""
     a = PRECISION_BYTES[plan.precision]
     params = stage_params(spec, count_params(spec), plan, 0)
+    # gradients are reduced and the optimizer steps over the trainable parameters only (LoRA: the adapters)
+    trainable = finetune_counts(spec, plan.finetune).adapters if plan.finetune.peft else params.total
     if plan.backend == "fsdp":
-        return _fsdp_step(spec, plan, gpu, network, compute_micro, params.total)
+        return _fsdp_step(spec, plan, gpu, network, compute_micro, params.total, trainable)
     megatron = plan.backend == "megatron"
     dp_group = plan.dp * plan.cp if megatron else plan.dp
     link = network.link(dp_group, plan.tp)  # tp is innermost; megatron's dp x cp group sits right above it
@@ -196,7 +221,7 @@ def _data_parallel_and_optimizer(
         exposed = max(0.0, comm - DP_OVERLAP * backward_window)
         partition = params.total / (dp_group if plan.distributed_optimizer else 1)
     else:
-        grads = params.total * a
+        grads = trainable * a
         if plan.zero <= 1:
             comm = collective_time("all_reduce", grads, dp_group, link)
             exposed = max(0.0, comm - DP_OVERLAP * backward_window)
@@ -204,15 +229,15 @@ def _data_parallel_and_optimizer(
             per_micro = collective_time("reduce_scatter", grads, dp_group, link)
             exposed = m * max(0.0, per_micro - DP_OVERLAP * backward_window)
             exposed += collective_time("all_gather", grads, dp_group, link)
-        else:  # ZeRO-3: gather for forward and backward, reduce-scatter, every micro-batch
-            per_micro = 2 * collective_time("all_gather", grads, dp_group, link)
+        else:  # ZeRO-3: gather every parameter for forward and backward, reduce-scatter the gradients, every micro-batch
+            per_micro = 2 * collective_time("all_gather", params.total * a, dp_group, link)
             per_micro += collective_time("reduce_scatter", grads, dp_group, link)
             exposed = m * max(0.0, per_micro - ZERO3_OVERLAP * compute_micro)
-        partition = params.total / (dp_group if plan.zero >= 1 else 1)
+        partition = trainable / (dp_group if plan.zero >= 1 else 1)
     hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
     optimizer_s = partition * OPTIMIZER_BYTES_TOUCHED / hbm
-    if plan.backend == "deepspeed" and plan.zero <= 2:
-        optimizer_s += (partition * DEEPSPEED_STEP_BYTES + m * params.total * DEEPSPEED_BUCKET_BYTES) / hbm
+    if plan.backend == "deepspeed" and plan.zero <= 2:  # gradient buckets hold the trainable parameters' gradients
+        optimizer_s += (partition * DEEPSPEED_STEP_BYTES + m * trainable * DEEPSPEED_BUCKET_BYTES) / hbm
     offload_s = 0.0
     if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
         pcie = gpu.pcie_bw_gbps * 1e9
@@ -225,14 +250,14 @@ def _data_parallel_and_optimizer(
 
 
 def _fsdp_step(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float,
-               params_total: int) -> tuple[float, float, float]:
+               params_total: int, trainable: int) -> tuple[float, float, float]:
     """FSDP2: exposed all-gathers and reduce-scatters (estimate/fsdp.py); AdamW over the fp32 shard, on the GPU or,
     with CPUOffloadPolicy, by torch's AdamW on the host after the gradients travel down."""
     counts = count_params(spec)
     largest_layer = max(layer.total for layer in counts.layers) // plan.tp
     groups = fsdp_groups(counts, params_total, largest_layer, plan.tp)
-    exposed = fsdp_communication(plan, groups, network, compute_micro)
-    shard = params_total / plan.dp_shard
+    exposed = fsdp_communication(plan, groups, network, compute_micro, trainable / params_total)
+    shard = trainable / plan.dp_shard
     if plan.offload_params == "cpu":
         optimizer_s = shard * plan.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE
         return exposed, optimizer_s, fsdp_offload_time(plan, groups, gpu.pcie_bw_gbps * 1e9)

@@ -48,6 +48,10 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         "remove_unused_columns": False,
         "save_only_model": False,
     }
+    if plan.finetune.peft and plan.recompute == "full":
+        # a frozen base: non-reentrant checkpointing passes gradients to the adapters inside checkpointed layers
+        # whatever the inputs (the reentrant one needs inputs that require grad, or the adapters get none)
+        args["activation_checkpointing_kwargs"] = {"use_reentrant": False}
     if training.lr_scheduler == "cosine":
         args["lr_scheduler_kwargs"] = {"min_lr_rate": training.min_lr_ratio}
     if training.eval_steps:

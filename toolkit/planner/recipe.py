@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toolkit.errors import UserInputError
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import for_backend
@@ -20,7 +21,9 @@ def recipe_options(recipe: Recipe, **overrides) -> dict:
     if switched is not None and switched != recipe.plan.backend:
         options = {k: v for k, v in options.items() if for_backend(k, switched)}
     options["transformer_impl"] = megatron_layers(recipe)
-    options.update({k: v for k, v in overrides.items() if v is not None})
+    options.update({k: v for k, v in overrides.items() if v is not None and k != "finetune"})
+    # what trains: the recipe's finetune section, with the fields given on the command line
+    options["finetune"] = {**recipe.finetune.model_dump(), **(overrides.get("finetune") or {})}
     return options
 
 
@@ -35,9 +38,19 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
             from toolkit.spec.cluster import get_gpu
 
             calibration = calibration or recipe_calibration(recipe)
-            return best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), calibration=calibration,
+            plan = best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), calibration=calibration,
                              **options)
-        return resolve_plan(model, recipe.cluster.gpus, **options)
+        else:
+            plan = resolve_plan(model, recipe.cluster.gpus, **options)
+    check_data_format(recipe, plan)
+    return plan
+
+
+def check_data_format(recipe: Recipe, plan: Plan) -> None:
+    """Chat and prompt/completion data go through the HF Trainer's collators (loss masks, packed position ids)."""
+    if recipe.data.format != "text" and plan.backend == "megatron":
+        raise UserInputError("data.format", f"{recipe.data.format} data (loss on the answers only) trains through the "
+                                            f"HF Trainer: use plan.backend deepspeed or fsdp, or format: text")
 
 
 def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration: Calibration | None = None) -> dict:

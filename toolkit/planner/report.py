@@ -4,6 +4,7 @@ prediction a run keeps (run_plan.json): the plan, its predicted memory, step tim
 from __future__ import annotations
 
 from toolkit.estimate.comm import Network
+from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
@@ -13,6 +14,9 @@ from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 
 MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x GPUs x dense peak)"
+# LoRA's useful work: the frozen base's forward and input gradients, attention's three passes, the adapters' three
+FINETUNE_MFU_NOTE = ("fine-tuning FLOPs without recomputation (2 x base matmuls, 3 x attention and adapters) / (step "
+                     "time x GPUs x dense peak)")
 
 
 def predicted_record(model: ModelSpec, plan: Plan, gpu: GPU, network: Network,
@@ -28,7 +32,8 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
     return {
         "model": model.name,
         "family": model.family,
-        "params": {"total": counts.total, "embedding": counts.embedding, "active": counts.active},
+        "params": {"total": counts.total, "embedding": counts.embedding, "active": counts.active,
+                   "trainable": trainable_params(model, plan.finetune)},
         "plan": plan.as_dict(),
         "gpu": gpu.name,
         "gpu_memory_bytes": gpu.memory_bytes,
@@ -42,7 +47,7 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
         "tokens_per_s": time.tokens_per_s,
         "tflops_per_gpu": time.tflops_per_gpu,
         "mfu": time.mfu,
-        "mfu_definition": MFU_NOTE,
+        "mfu_definition": FINETUNE_MFU_NOTE if plan.finetune.peft else MFU_NOTE,
         "execution_path": time.execution_path,
         "peak_tflops": time.peak_tflops,
         "calibration": None if calibration is None else calibration.describe(),
@@ -74,6 +79,7 @@ def plan_label(plan: Plan) -> str:
         parts += ["+sp"] if plan.sequence_parallel else []
         parts += ["+dopt"] if plan.distributed_optimizer else []
     parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]
+    parts += [f"{plan.finetune.method}-r{plan.finetune.r}"] if plan.finetune.peft else []
     return " ".join(parts)
 
 

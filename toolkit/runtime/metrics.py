@@ -39,16 +39,16 @@ class Throughput:
 
 
 def run_throughput(model, plan, prediction: dict, accelerator: str) -> Throughput:
-    """A run's Throughput: its tokens and model FLOPs per step (toolkit/estimate/flops.py, as the prediction counts
-    them) and one rank's peak, the prediction's, but only where the run is on the device kind it was predicted for
+    """A run's Throughput: its tokens and model FLOPs per step (toolkit/estimate/timing.py's useful_flops_per_token, as
+    the prediction counts them: a LoRA run's without the frozen base's weight gradients) and one rank's peak, the prediction's, but only where the run is on the device kind it was predicted for
     (a CPU run of a recipe naming an H100 has no catalogue peak: its MFU is null)."""
     import torch
 
-    from toolkit.estimate.flops import model_flops_per_token
+    from toolkit.estimate.timing import useful_flops_per_token
     from toolkit.spec.cluster import get_gpu
 
     tokens = plan.global_batch * plan.seq_len
-    flops = model_flops_per_token(model, plan.seq_len) * tokens
+    flops = useful_flops_per_token(model, plan) * tokens
     on_cuda = accelerator == "gpu" and torch.cuda.is_available()
     peak = prediction.get("peak_tflops")
     same_kind = get_gpu(prediction["gpu"]).host != on_cuda

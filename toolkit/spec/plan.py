@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
 
 from toolkit.errors import UserInputError
+from toolkit.spec.finetune import FinetuneOptions, check_finetune, finetune_flag
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import (
     OPTION_NAMES,
@@ -44,6 +45,7 @@ class Plan(PlanOptions):
     global_batch: PositiveInt
     # selective: Megatron-Core's recompute_modules (its default: core attention); () otherwise
     recompute_modules: tuple[RecomputeModule, ...] = ()
+    finetune: FinetuneOptions = FinetuneOptions()  # what trains (spec/finetune.py): all of it, or LoRA adapters
 
     @property
     def model_parallel(self) -> int:
@@ -93,8 +95,9 @@ def field_message(err: dict, name: str) -> str:
     return err["msg"]
 
 
-def resolve_plan(model: ModelSpec, gpus: int, **options: Any) -> Plan:
-    """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject."""
+def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict | None = None, **options: Any) -> Plan:
+    """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject. `finetune`:
+    what trains (FinetuneOptions or its fields; default every parameter)."""
     given = {k: v for k, v in options.items() if v is not None}
     unknown = set(given) - set(OPTION_NAMES)
     if unknown:
@@ -118,7 +121,24 @@ def resolve_plan(model: ModelSpec, gpus: int, **options: Any) -> Plan:
         replicas = values["dp_replicate"] = values["dp_replicate"] or 1
         values["dp_shard"] = values["dp_shard"] or max(1, dp // replicas)
         values["reshard_after_forward"] = values["reshard_after_forward"] in (None, True)
+    values["finetune"] = finetune_options(finetune)
     return validated(Plan, values, context={"model": model})
+
+
+def finetune_options(given: FinetuneOptions | dict | None) -> FinetuneOptions:
+    """FinetuneOptions from its fields (a recipe section or flags), with the one-line error naming the flag."""
+    if isinstance(given, FinetuneOptions):
+        return given
+    try:
+        return FinetuneOptions.model_validate(given or {})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "method"
+        flag_name = finetune_flag(name) if name in FinetuneOptions.model_fields else "--finetune"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "literal_error":
+            message = f"got {err['input']!r}; valid: {err['ctx']['expected']}"
+        raise UserInputError(flag_name, message) from None
 
 
 def _recompute_modules(recompute: str, modules: tuple | None) -> tuple:
@@ -162,6 +182,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         _check_fsdp(p)
     _check_recompute(p)
     _check_batch(p)
+    check_finetune(p, model)
 
 
 def _check_experts(p: Plan, model: ModelSpec | None) -> None:

@@ -19,6 +19,7 @@ from pydantic import (
 from toolkit.errors import UserInputError, named_as
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.cluster import DEFAULT_GPU
+from toolkit.spec.finetune import FinetuneOptions, finetune_field, finetune_key
 from toolkit.spec.options import PlanOptions, default, default_text, option_name, recipe_key
 
 
@@ -48,7 +49,21 @@ class TokenizerSection(_Strict):
 class DataSection(_Strict):
     train_files: list[str] = Field([], description="Local json/jsonl/text/parquet files (relative to the recipe).")
     hub_dataset: str | None = Field(None, description="A datasets hub id instead of local files (needs network).")
+    format: Literal["text", "chat", "prompt_completion"] = Field(
+        "text", description="text: plain text, every token trained, packed into blocks; chat: `messages` lists "
+                            "(role/content) rendered with the chat template, loss on the assistant tokens only; "
+                            "prompt_completion: two fields, loss on the completion only.")
     text_field: str = Field("text", description="Column holding the text in json/jsonl/parquet files.")
+    messages_field: str = Field("messages", description="chat: column holding the list of {role, content} messages.")
+    prompt_field: str = Field("prompt", description="prompt_completion: column holding the prompt.")
+    completion_field: str = Field("completion", description="prompt_completion: column holding the completion.")
+    chat_template: str | None = Field(None, description="chat: a Jinja chat template file (relative to the recipe) "
+                                                        "with {% generation %} markers around what the assistant "
+                                                        "says; default: the tokenizer's own (TRL's training variant "
+                                                        "where it has one), else ChatML.")
+    packing: bool = Field(True, description="chat / prompt_completion: pack several examples per sequence (position "
+                                            "ids restart per example, so neither attention nor the loss crosses an "
+                                            "example boundary); false: one example per sequence, padded.")
     eval_fraction: float = Field(0.05, ge=0, lt=0.5, description="Share of packed sequences held out for eval.")
     tokenizer: TokenizerSection = Field(TokenizerSection(), description="Which tokenizer, or how to train one.")
 
@@ -56,6 +71,8 @@ class DataSection(_Strict):
     def _one_source(self) -> "DataSection":
         if bool(self.train_files) == bool(self.hub_dataset):
             raise ValueError("set exactly one of data.train_files and data.hub_dataset")
+        if self.chat_template is not None and self.format != "chat":
+            raise ValueError("data.chat_template applies to format: chat")
         return self
 
 
@@ -186,6 +203,8 @@ class Recipe(_Strict):
     training: TrainingSection = Field(description="Hyper-parameters, schedule, logging and checkpointing.")
     plan: PlanSection = Field(PlanSection(), description="Parallel plan options, or `auto` for the planner's choice.")
     deepspeed: DeepSpeedSection = Field(DeepSpeedSection(), description="DeepSpeed-only options.")
+    finetune: FinetuneOptions = Field(FinetuneOptions(), description="What trains: every parameter, or LoRA / QLoRA "
+                                                                     "adapters on a frozen base (PEFT).")
     base_dir: str = Field(".", description="Set by the loader: the recipe's directory, for relative paths.")
 
     @field_validator("plan", mode="before")
@@ -282,6 +301,9 @@ def recipe_key_of(flag: str, overrides=()) -> str | None:
     None for a flag given on the command line (in `overrides`), which keeps its name."""
     if flag in _CLUSTER_FLAGS:
         return _CLUSTER_FLAGS[flag]
+    if (field := finetune_field(flag)) is not None:
+        given = (overrides.get("finetune") or {}) if isinstance(overrides, dict) else {}
+        return None if field in given else finetune_key(field)
     name = option_name(flag)
     return None if name is None or name in overrides else recipe_key(name)
 

@@ -282,3 +282,18 @@ def validate_deepspeed_config(config: dict, world_size: int, pp: int = 1, traine
         if found is not None:
             problems.append(found)
     return problems
+
+
+def finetune_problems(config: dict, method: str) -> list[Problem]:
+    """What a LoRA / QLoRA run (`method`) meets only when it saves: under ZeRO-3 without gathering the 16-bit weights
+    on save, the HF Trainer writes the adapter from an empty state dict (transformers trainer.py save_model), so every
+    checkpoint's adapter_model.safetensors holds nothing. DeepSpeed's default is not to gather."""
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    if method == "full" or zero.get("stage") != 3:
+        return []
+    key = "stage3_gather_16bit_weights_on_model_save"
+    if zero.get(key) is True:
+        return []
+    return [Problem(f"zero_optimization.{key}", f"is {zero.get(key, 'unset (false)')} under ZeRO-3: the HF Trainer "
+                                                f"would save the {method} adapter empty (nothing gathers the "
+                                                f"partitions); set it to true")]

@@ -15,7 +15,7 @@ from toolkit.errors import UserInputError
 from toolkit.generate.files import PLAN_FILE, recipe_settings
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.model import ModelSpec
-from toolkit.spec.plan import Plan, validated
+from toolkit.spec.plan import Plan, finetune_options, validated
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
 
 
@@ -72,6 +72,7 @@ def _check_plan_against_recipe(plan: Plan, recipe: Recipe, model: ModelSpec, rec
     if recipe.plan.auto:
         expected = {k: v for k, v in recipe_options(recipe, **overrides).items() if v is not None}
         expected["gpus"] = recipe.cluster.gpus
+        expected["finetune"] = finetune_options(expected["finetune"]).model_dump(mode="json")
     else:
         expected = recipe_plan(recipe, model, **overrides).as_dict()
     stated = plan.as_dict()
@@ -91,7 +92,7 @@ def _check_view(path: Path, view: dict, plan: Plan) -> None:
 
 def read_generated(plan_path: Path, recipe_path: Path | None = None) -> GeneratedRun:
     """Read and check a generated directory through its plan.json; one UserInputError line on the first problem."""
-    from toolkit.validate.deepspeed import deepspeed_plan_view
+    from toolkit.validate.deepspeed import deepspeed_plan_view, finetune_problems
     from toolkit.validate.megatron import megatron_plan_view
     from toolkit.validate.trainer_args import trainer_plan_view
 
@@ -119,6 +120,8 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
         if name == "deepspeed.json":
             contents["deepspeed"] = read_json(path, what="the DeepSpeed config `dmt generate` writes")
             _check_view(path, deepspeed_plan_view(contents["deepspeed"]), plan)
+            for problem in finetune_problems(contents["deepspeed"], plan.finetune.method):
+                raise UserInputError(str(path), str(problem))
         elif name == "trainer_args.json":
             contents["trainer_args"] = read_json(path, what="the TrainingArguments `dmt generate` writes")
             _check_view(path, trainer_plan_view(contents["trainer_args"]), plan)

@@ -1,0 +1,48 @@
+"""The linear modules of each family that LoRA can adapt, as PEFT finds them by name, with their widths.
+
+A name is the module's path below a decoder layer (`self_attn.q_proj`), or below the model for the few linear
+modules outside the layers (OPT's `project_in` / `project_out`). Widths are sums of the spec's sizes: `hidden`,
+`q` (heads x head_dim), `kv` (kv heads x head_dim), `ffn` (the dense MLP) and `embed` (OPT's word_embed_proj_dim).
+Routed experts are 3-D parameters in transformers 5 (`MixtralExperts.gate_up_proj`), not linear modules; PEFT 0.21
+adapts them through `target_parameters` when a target names an MLP projection or all-linear, which is not modelled:
+the MoE families (`MOE`) offer their attention projections only. The output head is never a target (PEFT's `all-linear` leaves it out).
+Checked against PEFT on random configs of every family (tests/unit/test_lora_params_vs_peft.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str
+    in_features: str
+    out_features: str
+    where: Literal["layer", "dense", "model"] = "layer"  # every layer, dense (non-MoE) layers only, or once
+
+
+def _llama_lineage() -> tuple[Linear, ...]:
+    return (Linear("self_attn.q_proj", "hidden", "q"), Linear("self_attn.k_proj", "hidden", "kv"),
+            Linear("self_attn.v_proj", "hidden", "kv"), Linear("self_attn.o_proj", "q", "hidden"),
+            Linear("mlp.gate_proj", "hidden", "ffn", "dense"), Linear("mlp.up_proj", "hidden", "ffn", "dense"),
+            Linear("mlp.down_proj", "ffn", "hidden", "dense"))
+
+
+LLAMA = _llama_lineage()
+MOE = ("mixtral", "qwen3_moe")
+LINEARS: dict[str, tuple[Linear, ...]] = {
+    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gemma2": LLAMA,
+    "mixtral": LLAMA[:4], "qwen3_moe": LLAMA[:4],  # the attention projections
+    "phi3": (Linear("self_attn.qkv_proj", "hidden", "q+kv+kv"), Linear("self_attn.o_proj", "q", "hidden"),
+             Linear("mlp.gate_up_proj", "hidden", "ffn+ffn"), Linear("mlp.down_proj", "ffn", "hidden")),
+    "gpt2": (Linear("attn.c_attn", "hidden", "q+kv+kv"), Linear("attn.c_proj", "q", "hidden"),  # Conv1D modules
+             Linear("mlp.c_fc", "hidden", "ffn"), Linear("mlp.c_proj", "ffn", "hidden")),
+    "gpt_neox": (Linear("attention.query_key_value", "hidden", "q+kv+kv"), Linear("attention.dense", "q", "hidden"),
+                 Linear("mlp.dense_h_to_4h", "hidden", "ffn"), Linear("mlp.dense_4h_to_h", "ffn", "hidden")),
+    "opt": (Linear("self_attn.q_proj", "hidden", "q"), Linear("self_attn.k_proj", "hidden", "kv"),
+            Linear("self_attn.v_proj", "hidden", "kv"), Linear("self_attn.out_proj", "q", "hidden"),
+            Linear("fc1", "hidden", "ffn"), Linear("fc2", "ffn", "hidden"),
+            Linear("project_in", "embed", "hidden", "model"), Linear("project_out", "hidden", "embed", "model")),
+}
