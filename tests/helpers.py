@@ -138,3 +138,21 @@ def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list
         if rank is None or (environ["RANK"] == str(rank) and environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt):
             found.append(child)
     return found
+
+
+def kill_rank_after_save(checkpoint: str, killed: list, rank: int = 1):
+    """A launch_watched action: once `latest` names `checkpoint`, SIGKILL `rank`'s training process of the first
+    attempt (its pid appended to `killed`); act(process, out) is True once done."""
+    import signal
+
+    from toolkit.checkpoint.manifest import resolve_latest
+
+    def act(process, out) -> bool:
+        latest = resolve_latest(out) if out.exists() else None
+        if latest is not None and latest.name == checkpoint:
+            for victim in rank_processes(process, rank=rank):
+                victim.send_signal(signal.SIGKILL)
+                killed.append(victim.pid)
+        return bool(killed)
+
+    return act

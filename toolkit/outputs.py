@@ -91,6 +91,20 @@ def write_file(path: Path, data: str | bytes, flag: str, mode: int | None = None
         tmp.unlink(missing_ok=True)
 
 
+def save_figure(fig, path: Path, dpi: int) -> None:
+    """A matplotlib figure written to `path` (checked by output_file) through a temporary sibling: the plot appears
+    whole or not at all; the figure is closed either way."""
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -3,12 +3,11 @@ itself and ends as the uninterrupted run does, to the bit), a rank frozen (SIGST
 (named in incident.json within the timeout, every rank ends, `latest` stays on the verified checkpoint before), and
 the NaN and loss-spike guard's three actions on an injected fault (DMT_FAULT, toolkit/runtime/faults.py)."""
 
-import signal
 
 import pytest
 import torch
+from helpers import free_port, kill_rank_after_save, launch_watched
 
-from helpers import free_port, launch_watched, rank_processes
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
@@ -76,15 +75,7 @@ def _same(a: dict, b: dict) -> bool:
 def restarted(launch_sh):
     killed = []
 
-    def kill_rank_1_after_the_first_save(process, out):
-        latest = resolve_latest(out) if out.exists() else None
-        if latest is not None and latest.name == "checkpoint-2":
-            for victim in rank_processes(process, rank=1):
-                victim.send_signal(signal.SIGKILL)
-                killed.append(victim.pid)
-            return bool(killed)
-
-    rc, out, log = launch_sh("restarted", "torchrun", kill_rank_1_after_the_first_save)
+    rc, out, log = launch_sh("restarted", "torchrun", kill_rank_after_save("checkpoint-2", killed))
     return rc, out, log, killed
 
 

@@ -4,12 +4,11 @@ ends as the uninterrupted run does, to the bit), a rank frozen while a checkpoin
 `latest` stays on the verified checkpoint before), and the guard's skip (no parameter shard or Adam moment moves).
 The DeepSpeed and Megatron-Core versions are tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
 
-import signal
 
 import pytest
 import torch
+from helpers import free_port, kill_rank_after_save, launch_watched
 
-from helpers import free_port, launch_watched, rank_processes
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
@@ -79,15 +78,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_run(fsdp_launch, reference):
     killed = []
 
-    def kill_rank_1_after_the_first_save(process, out):
-        latest = resolve_latest(out) if out.exists() else None
-        if latest is not None and latest.name == "checkpoint-2":
-            for victim in rank_processes(process, rank=1):
-                victim.send_signal(signal.SIGKILL)
-                killed.append(victim.pid)
-            return bool(killed)
-
-    rc, out, log = fsdp_launch("restarted", kill_rank_1_after_the_first_save)
+    rc, out, log = fsdp_launch("restarted", kill_rank_after_save("checkpoint-2", killed))
     assert killed and rc == 0, log.read_text()[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once

@@ -84,26 +84,15 @@ def _observations(reports):
     import statistics
 
     from toolkit.estimate.calibrate import Observation
-    from toolkit.runtime.metrics import RUN_FILE, read_run_record
-    from toolkit.spec.cluster import PEAK_KEY, get_gpu
-    from toolkit.spec.model import ModelSpec
-    from toolkit.spec.plan import Plan, validated
+    from toolkit.report.runs import run_subject
+    from toolkit.spec.cluster import PEAK_KEY
 
     observations, hardware, peaks = [], {}, {}
     for report in reports:
         if report.status != "completed" or report.measured["step_time_s"] is None:
             raise UserInputError("RUN_DIR", f"{report.run_dir} is {report.status} ({report.reason}): only finished "
                                             f"runs with more logged steps than the warm-up calibrate")
-        record = read_run_record(report.run_dir) or {}
-        if not isinstance(record.get("model_spec"), dict) or not isinstance(record.get("plan"), dict):
-            raise UserInputError("RUN_DIR", f"{report.run_dir} has no {RUN_FILE} with the model and plan it trained "
-                                            f"(written by toolkit/train.py)")
-        try:
-            model = validated(ModelSpec, record["model_spec"])
-            plan = validated(Plan, record["plan"], context={"model": model})
-            gpu = get_gpu(str(record.get("gpu")))
-        except UserInputError as exc:
-            raise UserInputError("RUN_DIR", f"{report.run_dir}/{RUN_FILE}: {exc.key}: {exc.message}") from None
+        model, plan, gpu, record = run_subject(report.run_dir, "it trained (written by toolkit/train.py)")
         hardware[gpu.name] = report.run_dir
         if gpu.host and record.get("peak_tflops"):  # a rank's share of the host: the host's rate is gpus_per_node x it
             key = PEAK_KEY.get(plan.precision, "bf16")
@@ -119,10 +108,21 @@ def _observations(reports):
 def _fit(observations, reports, hardware: str, host_peak, links, warmup: int):
     import math
 
-    from toolkit.estimate.calibrate import fit_compute_scales, path_of, predicted_step_time, provisional
+    from toolkit.estimate.calibrate import (
+        fit_compute_scales,
+        path_of,
+        predicted_step_time,
+        provisional,
+    )
     from toolkit.estimate.efficiency import EXECUTION_PATHS
     from toolkit.planner.report import plan_label
-    from toolkit.spec.calibration import FORMAT, Calibration, FittedRun, PathEfficiency, Residuals
+    from toolkit.spec.calibration import (
+        FORMAT,
+        Calibration,
+        FittedRun,
+        PathEfficiency,
+        Residuals,
+    )
     from toolkit.spec.cluster import get_gpu
 
     gpu = get_gpu(hardware)

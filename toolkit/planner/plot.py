@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from toolkit.estimate.memory import MemoryBreakdown
+from toolkit.outputs import save_figure
 from toolkit.planner.report import plan_label
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
@@ -54,10 +54,4 @@ def write_memory_plot(
                     bbox=dict(facecolor="black", alpha=0.6, pad=2))
     ax.legend(loc="upper left")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    try:
-        fig.savefig(tmp, dpi=120)
-        tmp.replace(path)  # the plot appears whole or not at all
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    save_figure(fig, path, dpi=120)

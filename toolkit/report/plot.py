@@ -3,9 +3,9 @@ predicted tokens/s and memory drawn in as dashed lines of the run's colour."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from toolkit.outputs import save_figure
 from toolkit.report.runs import RunReport
 
 GiB = 1024**3
@@ -54,10 +54,4 @@ def write_report_plot(path: Path, runs: list[tuple[RunReport, list[dict]]]) -> N
         ax.set_xlabel("step")
     loss_ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    try:
-        fig.savefig(tmp, dpi=110)
-        tmp.replace(path)  # the plot appears whole or not at all
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    save_figure(fig, path, dpi=110)

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE, read_metrics, read_run_record
+from toolkit.runtime.metrics import (
+    METRICS_FILE,
+    RUN_FILE,
+    read_metrics,
+    read_run_record,
+)
 
 DEFAULT_WARMUP = 3
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s", "peak_allocated_bytes", "peak_reserved_bytes")
@@ -148,27 +153,34 @@ def compare_errors(report: RunReport) -> None:
                     "memory": signed_error(report.predicted["allocated_bytes"], measured_memory)}
 
 
+def run_subject(run_dir: Path, missing: str, key: str = "RUN_DIR"):
+    """(model spec, plan, catalogue entry, run_plan.json) of what a run directory trained, for re-predicting it; a
+    run_plan.json without them is one line naming `key`, with `missing` saying what to do."""
+    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.model import ModelSpec
+    from toolkit.spec.plan import Plan, validated
+
+    record = read_run_record(Path(run_dir)) or {}
+    if not isinstance(record.get("model_spec"), dict) or not isinstance(record.get("plan"), dict):
+        raise UserInputError(key, f"{run_dir}: {RUN_FILE} holds no model spec and plan {missing}")
+    try:
+        model = validated(ModelSpec, record["model_spec"])
+        plan = validated(Plan, record["plan"], context={"model": model})
+        gpu = get_gpu(str(record.get("gpu")))
+    except UserInputError as exc:
+        raise UserInputError("RUN_DIR", f"{run_dir}: {RUN_FILE}: {exc.key}: {exc.message}") from None
+    return model, plan, gpu, record
+
+
 def repredict(report: RunReport, calibration) -> None:
     """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration).
     On the host entry the calibration brings its own peak: the measured MFU is restated against it, so measured and
     predicted MFU keep one denominator."""
     from toolkit.estimate.comm import Network
     from toolkit.planner.report import predicted_record
-    from toolkit.spec.cluster import get_gpu
-    from toolkit.spec.model import ModelSpec
-    from toolkit.spec.plan import Plan, validated
 
-    record = read_run_record(Path(report.run_dir)) or {}
-    if not isinstance(record.get("model_spec"), dict) or not isinstance(record.get("plan"), dict):
-        raise UserInputError("--calibration", f"{report.run_dir}: {RUN_FILE} holds no model spec and plan to "
-                                              f"re-predict (written by an older toolkit); report it without "
-                                              f"--calibration")
-    try:
-        model = validated(ModelSpec, record["model_spec"])
-        plan = validated(Plan, record["plan"], context={"model": model})
-        gpu = get_gpu(str(record.get("gpu")))
-    except UserInputError as exc:
-        raise UserInputError("RUN_DIR", f"{report.run_dir}: {RUN_FILE}: {exc.key}: {exc.message}") from None
+    model, plan, gpu, record = run_subject(report.run_dir, "to re-predict (written by an older toolkit); report it "
+                                                           "without --calibration", "--calibration")
     calibration.check_hardware(gpu.name, "--calibration")
     prediction = predicted_record(model, plan, gpu, Network.from_catalogue(gpu, plan.gpus_per_node), calibration)
     report.predicted = predicted_figures(prediction)
