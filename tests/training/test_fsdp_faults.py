@@ -108,6 +108,8 @@ def test_the_guard_skips_an_fsdp_step_without_moving_a_shard(fsdp_launch, refere
     assert records[2]["loss"] is None and records[2]["guard"][0]["action"] == "skip"
     assert all(r["loss"] is not None for r in records[3:])
     assert [{k: r[k] for k in COMPARED} for r in records[:2]] == [{k: r[k] for k in COMPARED} for r in reference[:2]]
+    # the schedule did not advance either: step 4 trains at the rate step 3 would have had (as DeepSpeed's drop)
+    assert records[3]["learning_rate"] == reference[2]["learning_rate"] != reference[3]["learning_rate"]
     before, skipped, after = (_dcp(out / f"checkpoint-{step}", tmp_path) for step in (2, 3, 4))
     assert any(".exp_avg" in k for k in before)  # the optimizer's moments are among the compared tensors
     assert _same(before, skipped)  # not one parameter or Adam moment moved at step 3

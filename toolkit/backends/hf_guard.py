@@ -6,9 +6,10 @@ backward (accelerate's DeepSpeedEngineWrapper), so a step is dropped through Dee
 guard makes that last loss NaN, DeepSpeed's check of the gradients (on for ZeRO 1-3, bf16, fp16) discards the step,
 does not step the learning rate, and counts it in `skipped_steps`; a step DeepSpeed dropped by itself (a non-finite
 gradient with a finite loss) is judged after it. Without DeepSpeed (an HF Trainer whose optimizer step is its own,
-e.g. FSDP through Accelerate) the gradients are checked and, for a dropped step, cleared just before
-`optimizer.step()`, so no parameter or optimizer state moves; HF Trainer still steps the learning-rate schedule
-there (untested here: this branch has no such backend yet).
+e.g. FSDP2 through Accelerate) the gradients are checked and, for a dropped step, cleared just before
+`optimizer.step()`, so no parameter or optimizer state moves, and Accelerate's optimizer says the step was skipped
+(what its fp16 grad scaler says of an overflow), so the Trainer does not step the learning-rate schedule either:
+the same as DeepSpeed's drop.
 A rollback reloads the latest verified checkpoint with HF Trainer's own resume functions, in place: HF's step
 counter and its data loader go on, so the steps since that checkpoint, and their data, are dropped.
 """
@@ -88,10 +89,12 @@ class TrainerGuard:
                 self._act(trainer, step, self.guard.judge(step, self.loss, grads_finite=False))
         if self.verdict is not None:
             model.zero_grad(set_to_none=True)  # torch optimizers leave a parameter without a gradient untouched
+            _mark_skipped(trainer, True)  # and the Trainer leaves the learning-rate schedule where it is
 
     def end_step(self, trainer) -> None:
         """After the step: DeepSpeed's own drop of a step judged; a rollback done; a healthy step's loss kept."""
         step, engine = trainer.state.global_step, _engine(trainer)
+        _mark_skipped(trainer, False)
         dropped = engine is not None and engine.skipped_steps > self.skipped_before
         if self.verdict is None and dropped:
             self._act(trainer, step, self.guard.judge(step, self.loss, grads_finite=False))
@@ -175,3 +178,11 @@ def reload_checkpoint(trainer, checkpoint: Path) -> None:
     else:
         trainer._load_from_checkpoint(str(checkpoint), trainer.model_wrapped if trainer.is_fsdp_enabled else None)
     trainer._load_optimizer_and_scheduler(str(checkpoint))
+
+
+def _mark_skipped(trainer, skipped: bool) -> None:
+    """Accelerate's optimizer reports `step_was_skipped` from the flag its grad scaler sets on an overflow, and the
+    Trainer steps the schedule only when it is false; without a scaler nothing else sets it."""
+    optimizer = trainer.optimizer
+    if hasattr(optimizer, "_is_overflow") and getattr(optimizer, "scaler", None) is None:
+        optimizer._is_overflow = skipped
