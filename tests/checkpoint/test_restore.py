@@ -89,7 +89,7 @@ def test_a_worker_error_is_the_commands_one_line_through_a_pipe(tmp_path):
     data["model"]["config"]["vocab_size"] = 300
     recipe = tmp_path / "small-vocab.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    result = subprocess.run([sys.executable, "-m", "toolkit", "restore-test", "--recipe", str(recipe), "--steps", "2",
+    result = subprocess.run([sys.executable, "-m", "toolkit", "restore-test", "--recipe", str(recipe), "--steps", "4",
                              "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
     lines = result.stderr.strip().splitlines()

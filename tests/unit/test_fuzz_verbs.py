@@ -253,6 +253,7 @@ FLAG_VALUES = [  # argv -> the flag the error must name
     (["slurm", "render", "{recipe}", "--time", "1 day"], "--time"),
     (["restore-test", "--recipe", "{recipe}", "--steps", "0"], "--steps"),
     (["restore-test", "--recipe", "{recipe}", "--steps", "-5"], "--steps"),
+    (["restore-test", "--recipe", "{recipe}", "--backend", "megatron", "--steps", "2"], "--steps"),
     (["restore-test", "--recipe", "{recipe}", "--save-at", "30"], "--save-at"),
     (["restore-test", "--recipe", "{recipe}", "--timeout", "0"], "--timeout"),
     (["validate", "{ds}", "--world-size", "0"], "--world-size"),

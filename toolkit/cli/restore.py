@@ -58,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     # the plan every launch will train, resolved here: a bad one is one line now, not a worker's log later
     with recipe_names(overrides):
         plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
+    warmup = recipe.training.warmup_steps
+    if plan.backend == "megatron" and steps <= warmup:  # Megatron-Core's scheduler asserts warmup < decay steps
+        raise UserInputError("--steps", f"must be above the recipe's training.warmup_steps ({warmup}) for "
+                                        f"Megatron-Core's learning-rate scheduler, got {steps}")
     if plan.backend != "deepspeed":
         args.launcher = "torchrun"  # toolkit/train.py runs Megatron-Core and FSDP2 under torchrun
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
