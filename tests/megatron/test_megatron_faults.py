@@ -58,7 +58,9 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
     assert stopped and rc != 0, (tmp_path / "hang.log").read_text()[-3000:]
     [hang] = read_incidents(out)
     [named] = hang["unresponsive"]
-    assert (named["rank"], named["pid"]) == (1, stopped["pid"]) and named["step"] >= 3, hang
+    # its last published heartbeat: the heartbeat thread publishes a phase change a moment later, so a SIGSTOP right
+    # after step 3's record may find step 2's still there
+    assert (named["rank"], named["pid"]) == (1, stopped["pid"]) and named["step"] >= 2, hang
     assert "no heartbeat" in named["reason"] and named["phase"]
     import datetime
 

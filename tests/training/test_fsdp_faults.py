@@ -2,7 +2,7 @@
 through the generated launch.sh: a rank SIGKILLed after a save (torchrun restarts the job from the checkpoint and it
 ends as the uninterrupted run does, to the bit), a rank frozen while a checkpoint is written (named, the job fails,
 `latest` stays on the verified checkpoint before), and the guard's skip (no parameter shard or Adam moment moves).
-The DeepSpeed and Megatron-Core versions are tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
+The DeepSpeed and Megatron-Core versions: tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
 
 
 import pytest
@@ -102,7 +102,7 @@ def test_a_frozen_fsdp_rank_in_a_save_is_named_and_latest_stays_on_the_checkpoin
 
 
 def test_the_guard_skips_an_fsdp_step_without_moving_a_shard(fsdp_launch, reference, tmp_path):
-    rc, out, log = fsdp_launch("guard-skip", fault="nan@step=3", save_steps=1, guard={"on_nan": "skip"})
+    rc, out, log = fsdp_launch("guard-skip", fault="nan@step=3", save_steps=1, guard={"on_nan": "skip"}, max_restarts=0)
     assert rc == 0, log.read_text()[-3000:]
     records = read_metrics(out)
     assert records[2]["loss"] is None and records[2]["guard"][0]["action"] == "skip"

@@ -65,7 +65,7 @@ def test_one_plan_per_searched_option_value_trains_two_steps(tiny4, launch, caps
     failures = []
     for index, record in enumerate(chosen):
         plan = {k: v for k, v in record["plan"].items()
-                if k not in ("gpus", "gpus_per_node", "seq_len", "global_batch", "dp", "grad_accum")}
+                if k not in ("gpus", "gpus_per_node", "seq_len", "global_batch", "dp", "grad_accum", "finetune")}
         recipe = directory / f"plan-{index}.yaml"
         recipe.write_text(yaml.safe_dump({**base, "name": f"plan-{index}", "plan": plan}, sort_keys=False))
         config = directory / f"gen-{index}"

@@ -184,9 +184,11 @@ def _callbacks(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: int,
             if logs and "loss" in logs:
                 data_sha = fingerprints.digest()  # a collective: every rank logs the same steps
                 if state.is_world_process_zero:  # the step's figures: measured in ToolkitTrainer.log, before wandb
-                    metrics.write(state.global_step, logs["loss"], logs.get("grad_norm"), logs.get("learning_rate"),
-                                  metrics.pending, epoch=logs.get("epoch"), data_sha=data_sha,
-                                  **guard.metrics_of(state.global_step))
+                    # a step the guard judged logs the loss it measured (not HF's NaN filter's stand-in)
+                    extra = {"loss": logs["loss"], **guard.metrics_of(state.global_step)}
+                    metrics.write(state.global_step, extra.pop("loss"), logs.get("grad_norm"),
+                                  logs.get("learning_rate"), metrics.pending, epoch=logs.get("epoch"),
+                                  data_sha=data_sha, **extra)
 
         def on_save(self, args, state, control, model=None, **kwargs):
             import torch.distributed as dist
