@@ -47,19 +47,21 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
     recipe = megatron_recipe("tiny-megatron-hang", training=FAULTY)
     out, stopped = tmp_path / "run", {}
 
-    def stop_rank_1_at_step_3(process):
-        if "pid" not in stopped and [r["step"] for r in read_metrics(out)][-1:] == [3]:
+    def stop_rank_1_in_step_3(process):
+        # rank 1 is slowed at the start of step 3 (30 s: a window however fast the steps run), so once step 2's
+        # checkpoint is complete rank 0 waits for it; the SIGSTOP comes from outside, as a kernel or debugger freezes
+        latest = resolve_latest(out) if out.exists() else None
+        if "pid" not in stopped and latest is not None and latest.name == "checkpoint-2":
             for victim in rank_processes(process, rank=1):
                 victim.send_signal(signal.SIGSTOP)
                 stopped.update(pid=victim.pid, at=time.time())
         return "pid" in stopped
 
-    rc = _torchrun(out, recipe, tmp_path / "hang.log", stop_rank_1_at_step_3)
+    rc = _torchrun(out, recipe, tmp_path / "hang.log", stop_rank_1_in_step_3, "slow=30@rank=1,step=3,phase=train")
     assert stopped and rc != 0, (tmp_path / "hang.log").read_text()[-3000:]
     [hang] = read_incidents(out)
     [named] = hang["unresponsive"]
-    # its last published heartbeat: the heartbeat thread publishes a phase change a moment later, so a SIGSTOP right
-    # after step 3's record may find step 2's still there
+    # its last published heartbeat (the thread publishes a phase change a moment after it, and may not have yet)
     assert (named["rank"], named["pid"]) == (1, stopped["pid"]) and named["step"] >= 2, hang
     assert "no heartbeat" in named["reason"] and named["phase"]
     import datetime

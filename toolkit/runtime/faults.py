@@ -6,6 +6,8 @@ backends act out at a given step and phase, on the first launch of a job only (a
     DMT_FAULT="stop@rank=1,step=4,phase=manifest"   rank 1 SIGSTOPs itself there (a frozen process)
     DMT_FAULT="hang@rank=1,step=3,phase=train"      rank 1's main thread sleeps there (alive, stuck)
     DMT_FAULT="kill@rank=0,step=4,phase=manifest"   rank 0 SIGKILLs itself there
+    DMT_FAULT="slow=30@rank=1,step=3,phase=train"   rank 1 sleeps 30 s there, then goes on (a slow rank: a window
+                                                    for a test to act on it from outside, however fast the steps)
 Several faults are separated by ';'. Phases: train (the step's forward, backward and optimizer), save (a checkpoint
 is about to be written), manifest (its files are written; the manifest and `latest` are next), log.
 """
@@ -27,7 +29,7 @@ FAULT_ENV = "DMT_FAULT"
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | spike | stop | hang | kill
+    kind: str  # nan | spike | stop | hang | kill | slow
     factor: float
     step: int
     rank: int | None
@@ -61,7 +63,7 @@ def loss_factor(step: int) -> float | None:
 def at_phase(step: int, phase: str, rank: int) -> None:
     """Act out a process fault planned for this rank, step and phase."""
     for fault in _active():
-        if fault.step != step or fault.kind not in ("stop", "hang", "kill") or fault.rank not in (None, rank) \
+        if fault.step != step or fault.kind not in ("stop", "hang", "kill", "slow") or fault.rank not in (None, rank) \
                 or fault.phase not in (None, phase):
             continue
         log.warning("fault injection: %s on rank %d at step %d, phase %s", fault.kind, rank, step, phase)
@@ -70,6 +72,8 @@ def at_phase(step: int, phase: str, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "slow":
+            time.sleep(fault.factor)
         else:
             while True:
                 time.sleep(3600)
