@@ -84,12 +84,17 @@ def _run(args: argparse.Namespace) -> int:
             summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
                             trainer_args, throughput, watch)
     except BaseException as exc:
-        # rank 0's run_plan.json says how the launch ended before the watchdog ends this process
-        _record_end(output_dir, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+        def ended() -> None:  # rank 0's run_plan.json says how the launch ended
+            _record_end(output_dir, "failed", detail)
+
+        # the watchdog reports first and ends this process (the launcher's SIGTERM may already be on its way)
         if isinstance(exc, UserInputError):  # on one rank while the others may already wait for it in a collective
-            watch.fail(exc, code=2, line=f"train.py: error: {exc}")
+            watch.fail(exc, code=2, line=f"train.py: error: {exc}", before_exit=ended)
         elif isinstance(exc, Exception) and not isinstance(exc, GuardStop):  # the guard stops every rank at once
-            watch.fail(exc)
+            watch.fail(exc, before_exit=ended)
+        ended()  # no watchdog (one process), a guard stop or an interrupt
         raise
     finally:
         watch.finish()

@@ -17,6 +17,7 @@ from toolkit.runtime.metrics import read_metrics
 pytestmark = pytest.mark.launch
 STEPS, HANG_TIMEOUT_S = 6, 10
 COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
+SLOW_AT_3 = "slow=20@rank=1,step=3,phase=train"  # a restart runs without it (faults act on the first launch only)
 FAULTY = {"max_steps": STEPS, "save_steps": 2, "hang_timeout_s": HANG_TIMEOUT_S, "max_restarts": 1}
 
 
@@ -75,7 +76,8 @@ def _same(a: dict, b: dict) -> bool:
 def restarted(launch_sh):
     killed = []
 
-    rc, out, log = launch_sh("restarted", "torchrun", kill_rank_after_save("checkpoint-2", killed))
+    # rank 1 is held 20 s at the start of step 3, so the kill lands after the save however fast the steps run
+    rc, out, log = launch_sh("restarted", "torchrun", kill_rank_after_save("checkpoint-2", killed), SLOW_AT_3)
     return rc, out, log, killed
 
 

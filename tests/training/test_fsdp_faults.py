@@ -78,7 +78,9 @@ def _same(a: dict, b: dict) -> bool:
 def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_run(fsdp_launch, reference):
     killed = []
 
-    rc, out, log = fsdp_launch("restarted", kill_rank_after_save("checkpoint-2", killed))
+    # rank 1 is held 20 s at the start of step 3 (the first launch only), so the kill lands after the save
+    rc, out, log = fsdp_launch("restarted", kill_rank_after_save("checkpoint-2", killed),
+                               "slow=20@rank=1,step=3,phase=train")
     assert killed and rc == 0, log.read_text()[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.runtime import faults
@@ -95,10 +96,12 @@ class TrainingWatchdog:
         self.watchdog.finish()
         self.watchdog = None
 
-    def fail(self, exc: BaseException, code: int = EXIT_FAILURE, line: str | None = None) -> None:
+    def fail(self, exc: BaseException, code: int = EXIT_FAILURE, line: str | None = None,
+             before_exit: Callable[[], None] | None = None) -> None:
         """This rank raised: report it once for the job (naming the ranks whose heartbeat stopped, e.g. the one a
         SIGKILL ended before the launcher's SIGTERM reached this one), end the other ranks, and exit with `code`
-        now (destroying a process group with a dead peer can block)."""
+        now (destroying a process group with a dead peer can block). `before_exit` runs after the report, still
+        shielded from the launcher's SIGTERM (the caller's own record of the failure)."""
         watchdog = self.watchdog
         if watchdog is None:  # no peers to end: the caller raises as usual
             return
@@ -123,6 +126,11 @@ class TrainingWatchdog:
             watchdog.report_written()
         else:
             watchdog.wait_for_report()
+        if before_exit is not None:
+            try:
+                before_exit()
+            except Exception:
+                log.exception("after the failure report")
         watchdog.mark_exit()
         self._last_words()
         sys.stdout.flush()
