@@ -119,3 +119,12 @@ def test_the_guard_skips_an_fsdp_step_without_moving_a_shard(fsdp_launch, refere
     [event] = read_incidents(out)
     assert (event["step"], event["action"], event["data_sha"]) == (3, "skip", records[2]["data_sha"])
 
+
+
+def test_a_relaunch_of_a_finished_run_trains_nothing_more(fsdp_launch, reference):
+    """launch.sh resumes automatically: started again after the last save (a restart of a rank that failed on its
+    way out, or a resubmitted job), it finds nothing left to train instead of HF's one step past max_steps."""
+    rc, out, log = fsdp_launch("reference")  # the same output directory, now complete
+    assert rc == 0, log.read_text()[-3000:]
+    assert "checkpoint-6 is at step 6 of 6: nothing left to train" in log.read_text()
+    assert read_metrics(out) == reference and resolve_latest(out).name == "checkpoint-6"

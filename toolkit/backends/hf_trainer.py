@@ -236,6 +236,11 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
+    done = (read_manifest(resume_path) or {}).get("step", 0) if resume_path is not None else 0
+    if done >= recipe.training.max_steps:  # a restart after the last save (a rank that failed on its way out):
+        # nothing is left to train, and HF's Trainer would take one more step before checking
+        log.info("%s is at step %d of %d: nothing left to train", resume_path.name, done, recipe.training.max_steps)
+        return {"global_step": done, "train_loss": None}
     # another world size: DeepSpeed loads a universal checkpoint (made below, once ranks exist); FSDP2's DCP
     # checkpoints reshard on load by themselves
     resharded = resume_path is not None and (read_manifest(resume_path) or {}).get("world_size") != world
