@@ -65,12 +65,13 @@ OMP_NUM_THREADS=1 dmt convert check "$OUT/megatron-hf" "$OUT/megatron/checkpoint
 echo; echo "== 10. Fine-tuning: QLoRA (4-bit nf4 base, bitsandbytes on CPU) on prompt/completion data, ZeRO-3, 2 ranks"
 dmt estimate --model llama-3.1-70b --gpus 8 --zero 3 --recompute full --finetune qlora --lora-r 16
 dmt generate recipes/tiny-llama-qlora-cpu.yaml --out "$OUT/qlora-config" > /dev/null
+# the generated deepspeed.json fixes the schedule's length (30 steps): train.py refuses a --max-steps against it
 deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/qlora-config/plan.json" --output-dir "$OUT/qlora" \
-  --max-steps 20 --save-steps 20 > "$OUT/qlora.log" 2>&1 || { tail -30 "$OUT/qlora.log"; exit 1; }
+  > "$OUT/qlora.log" 2>&1 || { tail -30 "$OUT/qlora.log"; exit 1; }
 python - "$OUT/qlora/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 print(f"trained the adapters {rows[-1]['step']} steps: loss on the completions {rows[0]['loss']:.3f} -> "
       f"{rows[-1]['loss']:.3f}")
 PY
-dmt convert merge-lora "$OUT/qlora/base" "$OUT/qlora/checkpoint-20" "$OUT/qlora-merged"
+dmt convert merge-lora "$OUT/qlora/base" "$OUT/qlora/checkpoint-30" "$OUT/qlora-merged"

@@ -81,12 +81,7 @@ def _run(args: argparse.Namespace) -> int:
             from toolkit.backends.hf_trainer import train
 
             trainer_args = run.trainer_args and {**run.trainer_args, **updates}
-            deepspeed = run.deepspeed
-            if deepspeed is not None and "max_steps" in updates:
-                from toolkit.generate.deepspeed import rescheduled
-
-                deepspeed = rescheduled(deepspeed, recipe.training)
-            summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, deepspeed,
+            summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
                             trainer_args, throughput, watch)
     except BaseException as exc:
         detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

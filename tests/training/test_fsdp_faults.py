@@ -98,7 +98,9 @@ def test_a_frozen_fsdp_rank_in_a_save_is_named_and_latest_stays_on_the_checkpoin
     hang = next(e for e in read_incidents(out) if e["event"] == "hang")
     [named] = hang["unresponsive"]
     assert (named["rank"], named["step"], named["phase"]) == (1, 4, "manifest"), hang
-    assert named["pid"] and "no heartbeat" in named["reason"]
+    # frozen: its heartbeat stops, and the collective before the manifest waits for it; whichever the monitor sees
+    # first names it
+    assert named["pid"] and ("no heartbeat" in named["reason"] or "did not arrive" in named["reason"]), named
     assert resolve_latest(out).name == "checkpoint-2" and verify(resolve_latest(out)).ok
     assert not (out / "checkpoint-4" / MANIFEST).exists()
 

@@ -152,20 +152,3 @@ def test_unreadable_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"dmt validate: error: FILE: {path} is not valid JSON")
     code, lines = _validate(capsys, str(BROKEN / "batch_mismatch.json"), "--world-size", "0")
     assert code == 2 and lines == ["dmt validate: error: --world-size: must be positive, got 0"]
-
-
-def test_a_shorter_run_than_generated_reschedules_deepspeed_as_train_py_does(tmp_path):
-    """train.py --plan DIR/plan.json --max-steps N: the trainer arguments and the generated DeepSpeed scheduler both
-    follow N (the QLoRA recipe's cosine schedule has total_num_steps; `make demo` trains it for 20 of 30 steps)."""
-    from toolkit.generate.deepspeed import rescheduled
-    from toolkit.spec.recipe import load_recipe
-
-    recipe_path = TINY.parent / "tiny-llama-qlora-cpu.yaml"
-    assert main(["generate", str(recipe_path), "--out", str(tmp_path / "gen")]) == 0
-    config = json.loads((tmp_path / "gen" / "deepspeed.json").read_text())
-    trainer = {**json.loads((tmp_path / "gen" / "trainer_args.json").read_text()), "max_steps": 20}
-    assert config["scheduler"]["params"]["total_num_steps"] != 20
-    assert [p.key for p in validate_deepspeed_config(config, 2, trainer_args=trainer)] == \
-           ["scheduler.params.total_num_steps"]
-    training = load_recipe(recipe_path).training.model_copy(update={"max_steps": 20})
-    assert validate_deepspeed_config(rescheduled(config, training), 2, trainer_args=trainer) == []

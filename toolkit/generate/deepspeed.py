@@ -94,16 +94,6 @@ def _scheduler(training: TrainingSection) -> dict:
     return {"type": kind, "params": params}
 
 
-def rescheduled(config: dict, training: TrainingSection) -> dict:
-    """A generated DeepSpeed config with the schedule of `training`: train.py's --max-steps changes a run's length
-    after generation, and the scheduler must follow it as the trainer arguments do (values left "auto" stay)."""
-    if "scheduler" not in config:
-        return config
-    old = config["scheduler"].get("params", {})
-    params = {k: old[k] if old.get(k) == "auto" else v for k, v in _scheduler(training)["params"].items()}
-    return {**config, "scheduler": {**config["scheduler"], "params": params}}
-
-
 def _set_auto(config: dict) -> dict:
     """Replace every value HF Trainer fills in with "auto" (only where the config has that key)."""
     for dotted in HF_AUTO_KEYS:
