@@ -139,7 +139,7 @@ def _save_and_exit_requested(output_dir: Path) -> bool:
     import torch
     import torch.distributed as dist
 
-    from toolkit.backends.hf_trainer import SAVE_AND_EXIT
+    from toolkit.backends.hf_callbacks import SAVE_AND_EXIT
 
     flag = torch.tensor([1.0 if (output_dir / SAVE_AND_EXIT).exists() else 0.0])
     flag = flag.cuda() if torch.cuda.is_available() else flag
