@@ -153,7 +153,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe.
     `throughput` (toolkit.runtime.metrics.Throughput, from train.py) turns step times into tokens/s and MFU; `watch`
     is this rank's toolkit.runtime.supervision.TrainingWatchdog."""
-    from toolkit.backends.hf_trainer import resume_checkpoint, run_identity
+    from toolkit.backends.resume import resume_checkpoint, run_identity
     from toolkit.runtime.megatron_build import device_context, init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -220,8 +220,8 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from toolkit.backends.hf_trainer import guard_window
     from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.backends.resume import guard_window
     from toolkit.runtime import faults
     from toolkit.runtime.guard import LossGuard, step_record
     from toolkit.runtime.megatron_build import build, destroy

@@ -1,0 +1,67 @@
+"""What every backend's run resumes from and is checked against: the run's identity (what a checkpoint must match
+to be resumed), the checkpoint to resume from (latest verified, auto, or a path), and the guard's window it saved."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import Recipe
+
+
+def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> Path | None:
+    """The checkpoint to resume from (latest: the latest verified one; auto: that if any, the way restarted and
+    requeued jobs continue; or a path), checked to belong to this run. On rank 0, metrics.jsonl then drops the
+    steps after it (they are trained again) and a restarted launch says in incident.json why it restarted."""
+    from toolkit.checkpoint.manifest import latest_verified, read_manifest
+    from toolkit.runtime.metrics import keep_until
+    from toolkit.runtime.supervision import record_restart
+
+    latest = latest_verified(output_dir) if resume in ("auto", "latest") else None
+    if resume == "auto":
+        resume = "latest" if latest is not None else None
+    path = None
+    if resume:
+        path = latest if resume == "latest" else Path(resume)
+        if path is None or not path.is_dir():
+            raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
+        check_resume_compatible(path, identity)
+    record_restart(output_dir, path.name if path is not None else None)
+    if path is not None and os.environ.get("RANK", "0") == "0":
+        keep_until(output_dir, read_manifest(path)["step"])
+    return path
+
+
+def guard_window(checkpoint: Path | None) -> list:
+    """The spike rule's window as the checkpoint saved it (the guard judges a resumed run like the first one)."""
+    from toolkit.checkpoint.manifest import read_manifest
+
+    return (read_manifest(checkpoint) or {}).get("guard_window", []) if checkpoint is not None else []
+
+
+def run_identity(recipe: Recipe, plan: Plan) -> dict:
+    """What must not change across a resume for it to continue the same run: batch, sequence, seed, data."""
+    import hashlib
+
+    from toolkit.backends.data import data_files
+
+    digest = hashlib.sha256()
+    for file in data_files(recipe) if not recipe.data.hub_dataset else []:
+        digest.update(file.read_bytes())
+    return {"global_batch": plan.global_batch, "seq_len": plan.seq_len, "seed": recipe.training.seed,
+            "data": recipe.data.hub_dataset or digest.hexdigest()[:16]}
+
+
+def check_resume_compatible(checkpoint: Path, identity: dict) -> None:
+    """Refuse a resume that would silently become a different run (other batch, sequence length, seed or data)."""
+    from toolkit.checkpoint.manifest import read_manifest
+
+    manifest = read_manifest(checkpoint)
+    if manifest is None:
+        raise UserInputError("--resume", f"{checkpoint} has no manifest: it was not completely saved by the toolkit")
+    saved = manifest.get("run", {})
+    changed = [f"{k}: {saved.get(k)} -> {v}" for k, v in identity.items() if saved.get(k) != v]
+    if changed:
+        raise UserInputError("--resume", f"{checkpoint.name} belongs to a different run ({'; '.join(changed)})")
