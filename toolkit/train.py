@@ -201,5 +201,26 @@ def _destroy_process_group() -> None:
         pass
 
 
+def _exit_after_run(code: int) -> None:
+    """End a finished launch without the interpreter's teardown. Everything is written and the process group is
+    destroyed by now, yet a rank has aborted in that teardown ('terminate called without an active exception', a C++
+    thread destroyed while joinable; seen on DeepSpeed ZeRO-3 and FSDP CPU-offload runs on gloo), turning a completed
+    job into a failed one that torchrun would restart. The exit handlers (wandb's finish, logging, shared-memory
+    release) still run; other threads still working are waited for."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import faulthandler
+
+    faulthandler.enable()  # a rank that crashes in native code leaves its Python stack in the launcher's log
+    _exit_after_run(main())

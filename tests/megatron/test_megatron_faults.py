@@ -63,7 +63,7 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
     [named] = hang["unresponsive"]
     # its last published heartbeat (the thread publishes a phase change a moment after it, and may not have yet)
     assert (named["rank"], named["pid"]) == (1, stopped["pid"]) and named["step"] >= 2, hang
-    assert "no heartbeat" in named["reason"] and named["phase"]
+    assert "no heartbeat" in named["reason"] and named["phase"] and named["ended_by_watchdog"] == "SIGKILL"
     import datetime
 
     reported = datetime.datetime.fromisoformat(hang["time"]).timestamp()

@@ -111,6 +111,7 @@ def test_a_frozen_rank_is_named_and_the_job_ends_with_code_3(frozen):
     [named] = hang["unresponsive"]
     assert (named["rank"], named["step"], named["phase"]) == (1, 4, "manifest"), hang
     assert named["pid"] and named["host"] and "no heartbeat" in named["reason"]
+    assert named["ended_by_watchdog"] == "SIGKILL"  # the launcher need not wait its 30 s SIGTERM grace for it
     log = frozen.log.read_text()
     stopped_at = _log_time(log, "fault injection: stop on rank 1")
     reported_at = _log_time(log, "hang: rank 1")

@@ -101,6 +101,7 @@ def test_a_frozen_fsdp_rank_in_a_save_is_named_and_latest_stays_on_the_checkpoin
     # frozen: its heartbeat stops, and the collective before the manifest waits for it; whichever the monitor sees
     # first names it
     assert named["pid"] and ("no heartbeat" in named["reason"] or "did not arrive" in named["reason"]), named
+    assert named.get("ended_by_watchdog") == ("SIGKILL" if "no heartbeat" in named["reason"] else None), named
     assert resolve_latest(out).name == "checkpoint-2" and verify(resolve_latest(out)).ok
     assert not (out / "checkpoint-4" / MANIFEST).exists()
 

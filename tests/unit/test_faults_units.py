@@ -20,7 +20,7 @@ from toolkit.runtime import faults
 from toolkit.runtime.guard import GuardStop, LossGuard, report
 from toolkit.runtime.incident import append_incident, read_incidents, restart_counts
 from toolkit.runtime.metrics import DISCARDED_FILE, MetricsWriter, keep_until, read_metrics
-from toolkit.runtime.supervision import record_restart, where
+from toolkit.runtime.supervision import kill_later, record_restart, where
 from toolkit.spec.recipe import load_recipe
 
 
@@ -198,3 +198,22 @@ def test_a_workers_one_line_error_becomes_the_commands_own():
 def test_a_heartbeats_step_name_reads_as_step_and_phase():
     assert where("step 12 manifest") == (12, "manifest") and where("step 3 forward-backward") == (3, "forward-backward")
     assert where("start") == (None, "start") and where(None) == (None, None)
+
+
+def test_a_stopped_process_is_killed_after_the_delay_by_a_helper_that_outlives_the_caller():
+    """kill_later: a SIGSTOPped process (it would never act on a launcher's SIGTERM) ends with SIGKILL, not before
+    the delay (the launcher must see the reporter's own exit code first)."""
+    import signal
+    import time
+
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(victim.pid, signal.SIGSTOP)
+        kill_later([victim.pid], 0.5)
+        time.sleep(0.2)
+        assert victim.poll() is None  # not yet
+        assert victim.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()

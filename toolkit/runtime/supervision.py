@@ -32,6 +32,7 @@ from toolkit.runtime.job import rank_env
 
 log = logging.getLogger(__name__)
 _PHASE = re.compile(r"^step (\d+) (.+)$")  # a heartbeat's step name, as phase() writes it
+KILL_DELAY_S = 3.0  # after the hang report, before the silent rank on the reporter's host is SIGKILLed (kill_later)
 LATEST_POINTER = "latest"  # OUTPUT/latest names the newest complete checkpoint (toolkit.checkpoint.manifest)
 
 
@@ -162,12 +163,35 @@ class TrainingWatchdog:
             log.error("hang: rank %s (%s, pid %s) at step %s, phase %s: %s for %.0f s; ending the job",
                       entry["rank"], entry["host"], entry["pid"], entry["step"], entry["phase"],
                       entry.get("reason"), entry.get("silent_s") or 0)
+        ended = [e for e in named if e["pid"] and e["host"] == self.env.host and e["pid"] != os.getpid()
+                 and str(e.get("reason", "")).startswith("no heartbeat")]
+        for entry in ended:
+            entry["ended_by_watchdog"] = "SIGKILL"
         append_incident(self.output_dir, {"event": "hang", "unresponsive": named, "reported_by": self.rank,
                                           "hang_timeout_s": self.timeout, "latest": latest_name(self.output_dir),
                                           "last_words": str(last_words_dir(self.output_dir))})
+        if ended:
+            log.error("hang: SIGKILL to the silent rank(s) %s on this host in %.0f s", [e["rank"] for e in ended],
+                      KILL_DELAY_S)
+            kill_later([e["pid"] for e in ended], KILL_DELAY_S)
 
     def _last_words(self) -> None:
         write_last_words(self.output_dir, self.rank)
+
+
+def kill_later(pids: list[int], delay_s: float) -> None:
+    """SIGKILL `pids` after `delay_s`, from a detached shell that outlives this process.
+
+    A rank whose heartbeat stopped (SIGSTOPped, or blocked in native code with the GIL held) never acts on the
+    launcher's SIGTERM, so torchrun and the deepspeed launcher would each wait their 30 s grace before their own
+    SIGKILL, and only then restart the job. The delay lets the launcher see the reporter's exit code (3, a hang)
+    before the silent rank's -9 (the deepspeed launcher polls once a second and exits with the first failure it sees).
+    """
+    import subprocess
+
+    targets = " ".join(str(int(pid)) for pid in pids)
+    subprocess.Popen(["/bin/sh", "-c", f"sleep {delay_s}; kill -KILL {targets} 2>/dev/null"], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def record_restart(output_dir: Path, resume_from: str | None) -> None:
