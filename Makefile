@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(RUN_ENV) bash scripts/demo.sh
 
 test: $(STAMP)
-	$(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -rfE --durations=15 tests
+	$(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -rfE --durations=40 tests
 
 # The fast lane: every test that starts no launcher, server, browser or Slurm (marker `launch`), in under 3 minutes.
 check: $(STAMP)
