@@ -92,6 +92,14 @@ def test_unresponsive_ranks_are_named_with_the_reason():
     pairs = find_unresponsive([_seen(0, age=6.0, ops=8, uniform=False), _seen(1, age=7.0, ops=2, uniform=False)], 5.0)
     assert [u["rank"] for u in pairs] == [0, 1]  # pairwise steps issue different counts by design: no one to blame
     assert find_unresponsive([_seen(0, beat_age=60, done=True), _seen(1)], 5.0) == []  # finished is not hung
+    # frozen just after its last beat: while the others' wait passes the deadline its heartbeat is only stale, and
+    # with stale_s it is named for that (stopped), not as a live rank that is late
+    frozen = [_seen(0, age=6.0, ops=8), _seen(1, age=7.0, ops=5, beat_age=3.0)]
+    assert "did not arrive" in find_unresponsive(frozen, 5.0)[0]["reason"]
+    [named] = find_unresponsive(frozen, 5.0, stale_s=2.0)
+    assert named["rank"] == 1 and named["reason"].startswith("no heartbeat for 3 s")
+    assert find_unresponsive([_seen(0, age=6.0, ops=8), _seen(1, age=7.0, ops=5)], 5.0, stale_s=2.0) == lagging
+    assert find_unresponsive([_seen(0), _seen(1, beat_age=3.0)], 5.0, stale_s=2.0) == []  # stale alone is no hang
 
 
 def test_liveness_is_judged_on_the_readers_clock():

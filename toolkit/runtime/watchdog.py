@@ -74,14 +74,27 @@ def _entry(o: Observation, age: float, reason: str) -> dict:
     return {"rank": o.rank, "host": o.host, "step": o.beat.name, "silent_s": round(age, 1), "reason": reason}
 
 
-def find_unresponsive(observations: list[Observation], deadline_s: float) -> list[dict]:
+def find_unresponsive(observations: list[Observation], deadline_s: float, stale_s: float | None = None) -> list[dict]:
     """The ranks to name, each with why; [] while the job is alive.
 
     1. a heartbeat stopped for longer than the deadline: the process is stopped, frozen or gone;
     2. ranks at the furthest step waited longer than the deadline: the ranks behind (not moving either) did not arrive;
     3. no rank moved for longer than the deadline, all in one step: in a step where every rank issues the same
        collectives, those that issued fewer did not arrive at the next one; otherwise the collective never completed.
+
+    With `stale_s` (a few heartbeat periods): once 2. or 3. finds the job stuck, the ranks whose heartbeat has not
+    moved for `stale_s` are named instead, as stopped: a rank frozen just after its last beat is otherwise named as
+    merely late, because the others' wait began before its heartbeat went silent.
     """
+    named = _stuck(observations, deadline_s)
+    if not named or stale_s is None:
+        return named
+    stale = [o for o in observations if not o.beat.finished and o.beat_age_s > stale_s]
+    return [_entry(o, o.beat_age_s, f"no heartbeat for {o.beat_age_s:.0f} s while the job waited (process stopped, "
+                                    "frozen or gone)") for o in stale] or named
+
+
+def _stuck(observations: list[Observation], deadline_s: float) -> list[dict]:
     active = [o for o in observations if not o.beat.finished]
     silent = [o for o in active if o.beat_age_s > deadline_s]
     if silent:
@@ -166,6 +179,7 @@ class Watchdog:
                  interval_s: float, on_hang: Callable[[list[dict], object], None], store_host_rank: int | None,
                  on_exit: Callable[[], None] | None = None, exit_code: int = 1):
         self.rank, self.world, self.deadline_s, self.interval_s = rank, world, deadline_s, interval_s
+        self.stale_s = min(max(5 * interval_s, 2.5), deadline_s)  # a heartbeat this old stopped (it beats each period)
         self.on_hang, self.store_host_rank = on_hang, store_host_rank
         self.on_exit, self.exit_code = on_exit, exit_code  # last words of a rank the watchdog ends, and its code
         self.store = store_factory()  # main thread's client; the threads get their own connections
@@ -263,7 +277,7 @@ class Watchdog:
                                  "reason": "its TCPStore does not answer (process stopped, frozen or gone)"}], own=True)
                     return
                 continue
-            unresponsive = find_unresponsive(tracker.observe(beats, hosts, now), self.deadline_s)
+            unresponsive = find_unresponsive(tracker.observe(beats, hosts, now), self.deadline_s, self.stale_s)
             if unresponsive:
                 stopped = {u["rank"] for u in unresponsive if u["reason"].startswith(("no heartbeat", "never"))}
                 reporter = next((r for r in MONITOR_RANKS if r < self.world and r not in stopped), None)
