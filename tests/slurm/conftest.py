@@ -60,6 +60,8 @@ CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+# a requeued job becomes eligible after cred_expire; let the schedulers look again soon (defaults 60 s and 30 s)
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 StateSaveLocation={root / 'state'}
