@@ -1,7 +1,8 @@
 """Faults in an FSDP2 run (HF Trainer + Accelerate's FSDP2 plugin, fully_shard over 2 CPU ranks, DCP checkpoints)
 through the generated launch.sh: a rank SIGKILLed after a save (torchrun restarts the job from the checkpoint and it
 ends as the uninterrupted run does, to the bit), a rank frozen while a checkpoint is written (named, the job fails,
-`latest` stays on the verified checkpoint before), and the guard's skip (no parameter shard or Adam moment moves).
+`latest` stays on the verified checkpoint before), the guard's skip (no parameter shard or Adam moment moves)
+and its rollback (the DCP shards of the last verified checkpoint reloaded in place).
 The DeepSpeed and Megatron-Core versions: tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
 
 
@@ -122,6 +123,22 @@ def test_the_guard_skips_an_fsdp_step_without_moving_a_shard(fsdp_launch, refere
     [event] = read_incidents(out)
     assert (event["step"], event["action"], event["data_sha"]) == (3, "skip", records[2]["data_sha"])
 
+
+def test_rollback_reloads_the_sharded_checkpoint_and_goes_on_past_the_spike(fsdp_launch, reference, tmp_path):
+    """The DeepSpeed rollback test's twin on FSDP2: HF's resume functions reload the DCP shards in place."""
+    guard = {"on_nan": "rollback", "spike_factor": 3, "window": 2}
+    rc, out, log = fsdp_launch("guard-rollback", fault="spike=50@step=4", guard=guard, max_restarts=0)
+    assert rc == 0, log.read_text()[-3000:]
+    [event] = read_incidents(out)
+    assert (event["step"], event["action"], event["checkpoint"], event["dropped_steps"]) == \
+           (4, "rollback", "checkpoint-2", [3, 4]), event
+    # checkpoint-4 was saved after the rollback: checkpoint-2's parameters and Adam moments (steps 3 and 4 dropped)
+    restored, saved_after = (_dcp(out / f"checkpoint-{step}", tmp_path) for step in (2, 4))
+    assert any(".exp_avg" in k for k in restored) and _same(restored, saved_after)
+    records = read_metrics(out)
+    assert [r["data_sha"] for r in records] == [r["data_sha"] for r in reference]  # the data went on, not back
+    assert records[4]["loss"] != reference[4]["loss"]  # step 5 trained from checkpoint-2's model
+    assert verify(resolve_latest(out)).ok
 
 
 def test_a_relaunch_of_a_finished_run_trains_nothing_more(fsdp_launch, reference):
