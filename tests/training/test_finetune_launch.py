@@ -1,7 +1,9 @@
 """Fine-tuning for real on 2 CPU ranks: LoRA on chat data under DeepSpeed ZeRO-2 and QLoRA (a 4-bit bitsandbytes base)
 on prompt/completion data under ZeRO-3, each launched once and judged the way a user would: the loss on the answers
-falls (also for LoRA on FSDP2, whose parameters are checked to be DTensor shards), the checkpoint's adapter holds every module's tensors at the plan's rank with values moved from PEFT's init,
-PeftModel.from_pretrained puts it on the base, and `dmt convert merge-lora` equals PEFT's merge_and_unload()."""
+falls (also for LoRA on FSDP2, whose parameters are checked to be DTensor shards), the checkpoint's adapter holds
+every module's tensors at the plan's rank with values moved from PEFT's init, PeftModel.from_pretrained puts it on
+the base, `dmt convert merge-lora` equals PEFT's merge_and_unload(), and the guard's rollback reloads a LoRA run's
+last adapter."""
 
 import json
 
@@ -172,3 +174,30 @@ def test_fsdp_shards_the_adapters_and_holds_what_the_estimate_says(lora_fsdp):
         assert rank["gradient_bytes"] == predicted.gradients
         assert rank["optimizer_bytes"] >= predicted.optimizer  # + AdamW's 0-dim step tensors
         assert rank["optimizer_bytes"] - predicted.optimizer <= 8 * 28
+
+
+def test_the_guard_rolls_a_lora_run_back_to_its_last_adapter(launch, tmp_path):
+    """A loss spike at step 4 under on_nan/spike rollback: the DeepSpeed checkpoint of a PEFT model holds the adapters
+    only, so it is reloaded non-strictly as HF's own resume does; the adapter saved after the rollback is the one of
+    checkpoint-2, and the run goes on to the end."""
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+
+    from toolkit.runtime.incident import read_incidents
+
+    recipe = yaml.safe_load(LORA.read_text())
+    recipe["data"]["train_files"] = [str(LORA.parent / f) for f in recipe["data"]["train_files"]]
+    recipe["training"].update(max_steps=6, save_steps=2, guard={"on_nan": "rollback", "spike_factor": 3, "window": 2})
+    path = tmp_path / "lora-rollback.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "name": "lora-rollback"}, sort_keys=False))
+    run = launch("lora-rollback", "deepspeed", path, env={"DMT_FAULT": "spike=50@step=4"})
+    assert run.rc == 0, run.tail()
+    [event] = read_incidents(run.out)
+    assert (event["step"], event["action"], event["checkpoint"], event["dropped_steps"]) == \
+           (4, "rollback", "checkpoint-2", [3, 4]), event
+    restored, after, last = (load_file(run.out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (2, 4, 6))
+    assert len(restored) == 2 * len(MODULES) * 2 and all(restored[k].numel() for k in restored)
+    assert restored.keys() == after.keys() and all(torch.equal(restored[k], after[k]) for k in restored)
+    assert not all(torch.equal(restored[k], last[k]) for k in restored)  # and it trained on after the rollback
+    assert [r["step"] for r in read_metrics(run.out)] == list(range(1, 7))

@@ -172,9 +172,11 @@ def reload_checkpoint(trainer, checkpoint: Path) -> None:
     resume loads them (DeepSpeed's engine, FSDP's sharded state, or the plain model); the RNG and the data loader go
     on, so the data stream is the one the run would have seen anyway."""
     from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+    from transformers.trainer_utils import _is_peft_model
 
-    if trainer.is_deepspeed_enabled:
-        deepspeed_load_checkpoint(trainer.model_wrapped, str(checkpoint))
+    if trainer.is_deepspeed_enabled:  # a PEFT model's module states are its adapters only: HF's resume loads them
+        deepspeed_load_checkpoint(trainer.model_wrapped, str(checkpoint),  # non-strictly too
+                                  load_module_strict=not _is_peft_model(trainer.model))
     else:
         trainer._load_from_checkpoint(str(checkpoint), trainer.model_wrapped if trainer.is_fsdp_enabled else None)
     trainer._load_optimizer_and_scheduler(str(checkpoint))
