@@ -176,10 +176,11 @@ def test_fsdp_shards_the_adapters_and_holds_what_the_estimate_says(lora_fsdp):
         assert rank["optimizer_bytes"] - predicted.optimizer <= 8 * 28
 
 
-def test_the_guard_rolls_a_lora_run_back_to_its_last_adapter(launch, tmp_path):
-    """A loss spike at step 4 under on_nan/spike rollback: the DeepSpeed checkpoint of a PEFT model holds the adapters
-    only, so it is reloaded non-strictly as HF's own resume does; the adapter saved after the rollback is the one of
-    checkpoint-2, and the run goes on to the end."""
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_the_guard_rolls_a_lora_run_back_to_its_last_adapter(backend, launch, generated, tmp_path):
+    """A loss spike at step 4 under on_nan/spike rollback: the adapter saved after the rollback is the one of
+    checkpoint-2, and the run goes on to the end. (The DeepSpeed checkpoint of a PEFT model holds the adapters only,
+    so it is reloaded non-strictly, as HF's own resume does; FSDP2 reloads through HF's PEFT-aware resume.)"""
     import torch
     import yaml
     from safetensors.torch import load_file
@@ -191,7 +192,13 @@ def test_the_guard_rolls_a_lora_run_back_to_its_last_adapter(launch, tmp_path):
     recipe["training"].update(max_steps=6, save_steps=2, guard={"on_nan": "rollback", "spike_factor": 3, "window": 2})
     path = tmp_path / "lora-rollback.yaml"
     path.write_text(yaml.safe_dump({**recipe, "name": "lora-rollback"}, sort_keys=False))
-    run = launch("lora-rollback", "deepspeed", path, env={"DMT_FAULT": "spike=50@step=4"})
+    fault = {"DMT_FAULT": "spike=50@step=4"}
+    if backend == "deepspeed":
+        run = launch("lora-rollback", "deepspeed", path, env=fault)
+    else:
+        config = generated(path, "--backend", "fsdp")
+        run = launch("lora-rollback-fsdp", "launch.sh", path, "torchrun", config_dir=config, env=fault)
+        assert (run.out / "sharding.json").is_file(), run.tail()  # trained sharded (what each rank held, checked)
     assert run.rc == 0, run.tail()
     [event] = read_incidents(run.out)
     assert (event["step"], event["action"], event["checkpoint"], event["dropped_steps"]) == \
