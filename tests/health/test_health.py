@@ -97,9 +97,11 @@ def test_unresponsive_ranks_are_named_with_the_reason():
     frozen = [_seen(0, age=6.0, ops=8), _seen(1, age=7.0, ops=5, beat_age=3.0)]
     assert "did not arrive" in find_unresponsive(frozen, 5.0)[0]["reason"]
     [named] = find_unresponsive(frozen, 5.0, stale_s=2.0)
-    assert named["rank"] == 1 and named["reason"].startswith("no heartbeat for 3 s")
+    assert named["rank"] == 1 and named["silent_s"] == 3.0 and named["reason"].startswith("no heartbeat")
     assert find_unresponsive([_seen(0, age=6.0, ops=8), _seen(1, age=7.0, ops=5)], 5.0, stale_s=2.0) == lagging
     assert find_unresponsive([_seen(0), _seen(1, beat_age=3.0)], 5.0, stale_s=2.0) == []  # stale alone is no hang
+    never = find_unresponsive([_seen(0, beat_age=6.0, ever=False), _seen(1)], 5.0, stale_s=2.0)
+    assert [u["reason"] for u in never] == ["never started"]  # still told apart from a stopped one
 
 
 def test_liveness_is_judged_on_the_readers_clock():

@@ -29,6 +29,7 @@ from toolkit.runtime import faults
 from toolkit.runtime.incident import (EXIT_FAILURE, EXIT_HANG, append_incident, attempt_tag, is_restart,
                                       last_words_dir, read_incidents, write_last_words)
 from toolkit.runtime.job import rank_env
+from toolkit.runtime.watchdog import heartbeat_stopped
 
 log = logging.getLogger(__name__)
 _PHASE = re.compile(r"^step (\d+) (.+)$")  # a heartbeat's step name, as phase() writes it
@@ -164,7 +165,7 @@ class TrainingWatchdog:
                       entry["rank"], entry["host"], entry["pid"], entry["step"], entry["phase"],
                       entry.get("reason"), entry.get("silent_s") or 0)
         ended = [e for e in named if e["pid"] and e["host"] == self.env.host and e["pid"] != os.getpid()
-                 and str(e.get("reason", "")).startswith("no heartbeat")]
+                 and heartbeat_stopped(e)]
         for entry in ended:
             entry["ended_by_watchdog"] = "SIGKILL"
         append_incident(self.output_dir, {"event": "hang", "unresponsive": named, "reported_by": self.rank,

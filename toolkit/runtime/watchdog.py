@@ -74,6 +74,15 @@ def _entry(o: Observation, age: float, reason: str) -> dict:
     return {"rank": o.rank, "host": o.host, "step": o.beat.name, "silent_s": round(age, 1), "reason": reason}
 
 
+STOPPED, NEVER_STARTED = "no heartbeat (process stopped, frozen or gone)", "never started"
+
+
+def heartbeat_stopped(entry: dict) -> bool:
+    """Whether find_unresponsive named this rank for its silent heartbeat (it cannot act on anything: a SIGTERM, the
+    abort key, a report to write), rather than as alive but late."""
+    return entry.get("reason") in (STOPPED, NEVER_STARTED)
+
+
 def find_unresponsive(observations: list[Observation], deadline_s: float, stale_s: float | None = None) -> list[dict]:
     """The ranks to name, each with why; [] while the job is alive.
 
@@ -82,26 +91,20 @@ def find_unresponsive(observations: list[Observation], deadline_s: float, stale_
     3. no rank moved for longer than the deadline, all in one step: in a step where every rank issues the same
        collectives, those that issued fewer did not arrive at the next one; otherwise the collective never completed.
 
-    With `stale_s` (a few heartbeat periods): once 2. or 3. finds the job stuck, the ranks whose heartbeat has not
-    moved for `stale_s` are named instead, as stopped: a rank frozen just after its last beat is otherwise named as
-    merely late, because the others' wait began before its heartbeat went silent.
+    With `stale_s` (a few heartbeat periods): once 2. or 3. finds the job stuck, 1. holds with `stale_s` for the
+    deadline: a rank frozen just after its last beat is otherwise named as merely late, because the others' wait
+    began before its heartbeat went silent.
     """
-    named = _stuck(observations, deadline_s)
-    if not named or stale_s is None:
-        return named
-    stale = [o for o in observations if not o.beat.finished and o.beat_age_s > stale_s]
-    return [_entry(o, o.beat_age_s, f"no heartbeat for {o.beat_age_s:.0f} s while the job waited (process stopped, "
-                                    "frozen or gone)") for o in stale] or named
-
-
-def _stuck(observations: list[Observation], deadline_s: float) -> list[dict]:
     active = [o for o in observations if not o.beat.finished]
-    silent = [o for o in active if o.beat_age_s > deadline_s]
-    if silent:
-        return [_entry(o, o.beat_age_s, "no heartbeat (process stopped, frozen or gone)" if o.ever_seen else "never started")
-                for o in silent]
-    if not active:
-        return []
+    stuck = _stuck(active, deadline_s) if active else []
+    silent_for = stale_s if stuck and stale_s is not None else deadline_s
+    silent = [_entry(o, o.beat_age_s, STOPPED if o.ever_seen else NEVER_STARTED)
+              for o in active if o.beat_age_s > silent_for]
+    return silent or stuck
+
+
+def _stuck(active: list[Observation], deadline_s: float) -> list[dict]:
+    """2. and 3. of find_unresponsive."""
     frontier = max(o.beat.step for o in active)
     waiting = [o for o in active if o.beat.step == frontier]
     behind = [o for o in active if o.beat.step < frontier and o.progress_age_s > deadline_s]
@@ -279,7 +282,7 @@ class Watchdog:
                 continue
             unresponsive = find_unresponsive(tracker.observe(beats, hosts, now), self.deadline_s, self.stale_s)
             if unresponsive:
-                stopped = {u["rank"] for u in unresponsive if u["reason"].startswith(("no heartbeat", "never"))}
+                stopped = {u["rank"] for u in unresponsive if heartbeat_stopped(u)}
                 reporter = next((r for r in MONITOR_RANKS if r < self.world and r not in stopped), None)
                 self._trip(unresponsive, own=reporter == self.rank)
                 return
