@@ -16,11 +16,12 @@ BIN = Path(sys.executable).parent
 TRAIN = ROOT / "toolkit" / "train.py"
 
 
-def recipe_variant(directory: Path, name: str, replace: dict | None = None, **changes) -> Path:
-    """A copy of the tiny recipe with keys of some sections changed (`training={"report_to": ["wandb"]}`) or whole
-    sections replaced (`replace={"model": {...}}`), data paths made absolute so the copy works from anywhere."""
-    recipe = yaml.safe_load(TINY.read_text())
-    recipe["data"]["train_files"] = [str(TINY.parent / f) for f in recipe["data"]["train_files"]]
+def recipe_variant(directory: Path, name: str, replace: dict | None = None, base: Path = TINY, **changes) -> Path:
+    """A copy of the tiny recipe (or of `base`) with keys of some sections changed (`training={"report_to":
+    ["wandb"]}`) or whole sections replaced (`replace={"model": {...}}`), data paths made absolute so the copy works
+    from anywhere."""
+    recipe = yaml.safe_load(base.read_text())
+    recipe["data"]["train_files"] = [str(base.parent / f) for f in recipe["data"]["train_files"]]
     for section, values in changes.items():
         recipe.setdefault(section, {}).update(values)
     recipe.update(replace or {})
@@ -32,7 +33,7 @@ def recipe_variant(directory: Path, name: str, replace: dict | None = None, **ch
 @pytest.fixture(scope="session")
 def variant(tmp_path_factory):
     directory = tmp_path_factory.mktemp("recipes")
-    return lambda name, replace=None, **changes: recipe_variant(directory, name, replace, **changes)
+    return lambda name, replace=None, base=TINY, **changes: recipe_variant(directory, name, replace, base, **changes)
 
 
 def run_logged(cmd: list[str], log: Path, changes: dict) -> int:

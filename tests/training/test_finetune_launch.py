@@ -177,21 +177,17 @@ def test_fsdp_shards_the_adapters_and_holds_what_the_estimate_says(lora_fsdp):
 
 
 @pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
-def test_the_guard_rolls_a_lora_run_back_to_its_last_adapter(backend, launch, generated, tmp_path):
+def test_the_guard_rolls_a_lora_run_back_to_its_last_adapter(backend, launch, generated, variant):
     """A loss spike at step 4 under on_nan/spike rollback: the adapter saved after the rollback is the one of
     checkpoint-2, and the run goes on to the end. (The DeepSpeed checkpoint of a PEFT model holds the adapters only,
     so it is reloaded non-strictly, as HF's own resume does; FSDP2 reloads through HF's PEFT-aware resume.)"""
     import torch
-    import yaml
     from safetensors.torch import load_file
 
     from toolkit.runtime.incident import read_incidents
 
-    recipe = yaml.safe_load(LORA.read_text())
-    recipe["data"]["train_files"] = [str(LORA.parent / f) for f in recipe["data"]["train_files"]]
-    recipe["training"].update(max_steps=6, save_steps=2, guard={"on_nan": "rollback", "spike_factor": 3, "window": 2})
-    path = tmp_path / "lora-rollback.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "name": "lora-rollback"}, sort_keys=False))
+    guard = {"on_nan": "rollback", "spike_factor": 3, "window": 2}
+    path = variant("lora-rollback", base=LORA, training={"max_steps": 6, "save_steps": 2, "guard": guard})
     fault = {"DMT_FAULT": "spike=50@step=4"}
     if backend == "deepspeed":
         run = launch("lora-rollback", "deepspeed", path, env=fault)
