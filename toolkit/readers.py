@@ -124,7 +124,14 @@ def read_dcp_metadata(checkpoint: Path, key: str | None = None):
     path = Path(checkpoint) / ".metadata"
     what = "torch.distributed.checkpoint metadata (a pickled Metadata, as dcp.save writes it)"
     try:
+        with open(path, "rb") as handle:  # not a pickle at all: refused without unpickling (random bytes can make
+            head = handle.read(2)  # pickle allocate wildly and CPython print errors of its own on the way out)
+        if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+            raise UserInputError(key or str(path), f"{path} does not start as a pickle (protocol 2-5) does; "
+                                                   f"expected {what}")
         metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    except UserInputError:
+        raise
     except FileNotFoundError:
         raise UserInputError(key or str(path), f"{path} does not exist; expected {what}") from None
     except Exception as exc:  # unpickling damaged bytes can raise almost any exception type

@@ -70,7 +70,7 @@ def test_a_damaged_safetensors_file_is_named(tmp_path, refused, capsys, content)
 
 def test_a_damaged_dcp_metadata_is_named(tmp_path, refused, capsys):
     ckpt = _dcp(tmp_path / "dcp", {"w": torch.ones(4)})
-    (ckpt / ".metadata").write_bytes(os.urandom(300))
+    (ckpt / ".metadata").write_bytes(bytes(range(256)) + b"\x80\x04" + bytes(42))  # fixed bytes: not a pickle
     refused(["ckpt", "inspect", ckpt], str(ckpt / ".metadata"), "expected torch.distributed.checkpoint metadata")
     code, report = _verify(capsys, ckpt)
     assert code == 1 and report["problems"][0]["file"] == str(ckpt / ".metadata")
