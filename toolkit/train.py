@@ -125,8 +125,16 @@ def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
     start_run_record(output_dir, prediction, {
         "argv": argv, "plan_json": str(run.directory / "plan.json") if run.prediction is not None else None,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")), "accelerator": recipe.cluster.accelerator,
-        "max_steps": recipe.training.max_steps})
+        "max_steps": recipe.training.max_steps, "threads_per_rank": _threads()})
     return run_throughput(run.model, run.plan, prediction, recipe.cluster.accelerator)
+
+
+def _threads() -> int:
+    """The threads this rank's torch computes with (a CPU rank's share of the host: `dmt calibrate` measures the host
+    peak at the runs' ranks x this)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _record_end(output_dir: Path, status: str, detail: str | None = None) -> None:

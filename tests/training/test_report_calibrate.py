@@ -1,8 +1,8 @@
 """The loop closed on real runs: the tiny recipe on the host entry (`cluster.gpu: cpu`, peak measured here), trained
 by `deepspeed` on 2 CPU ranks at micro-batches 2, 4 and 8. Each run keeps its prediction (run_plan.json) and writes
 its step times, tokens/s, MFU and data-loader wait to metrics.jsonl; `dmt report` puts them side by side (table,
---json, --plot); `dmt calibrate` fits the hf path's compute scale on the runs at 2 and 4, and the prediction for the
-run at 8 comes closer to what it measured. A train.py that fails, and a run shorter than the warm-up, are reported as
+--json, --plot); `dmt calibrate` fits the hf path's compute scale and fixed per-step cost on the runs at 2 and 4,
+and the prediction for the run at 8 comes closer to what it measured. A train.py that fails, and a run shorter than the warm-up, are reported as
 such, not as numbers."""
 
 import json
@@ -125,6 +125,14 @@ def test_calibration_brings_the_third_plan_closer_to_what_it_measured(runs, host
     fitted = _json(capsys, "calibrate", str(runs[2].out), str(runs[4].out), "--out", str(calibration))
     assert fitted["hardware"] == "cpu" and set(fitted["efficiency"]) == {"hf"}
     assert fitted["efficiency"]["hf"]["runs"] == 2 and fitted["host_peak_tflops"]["bf16"] > 0
+    # two runs tell a rate and a fixed cost per step apart; the host peak was measured at the runs' thread count
+    # (2 ranks x the threads each computed with, at most the cores) and the best of it and the launches' stands
+    assert fitted["efficiency"]["hf"]["fitted"] == "compute_scale+fixed_step"
+    assert fitted["efficiency"]["hf"]["fixed_step_s"] >= 0
+    how = fitted["host_peak"]
+    threads = read_run_record(runs[2].out)["launch"]["threads_per_rank"]
+    assert how["threads"] == min(how["cores"], 2 * threads) and how["load_average"] >= 0
+    assert fitted["host_peak_tflops"]["bf16"] == max(how["measured_tflops"]["bf16"], how["runs_tflops"]["bf16"])
     assert [r["plan"] for r in fitted["runs"]] == ["deepspeed dp2 tp1 pp1 z2 mb2 rc=none",
                                                    "deepspeed dp2 tp1 pp1 z2 mb4 rc=none"]
     for run in fitted["runs"]:  # the fit is closer on the runs it saw, too

@@ -10,7 +10,7 @@ import yaml
 
 from helpers import TINY
 from toolkit.cli.main import main
-from toolkit.estimate.calibrate import Observation, fit_compute_scales, provisional
+from toolkit.estimate.calibrate import Observation, PathFit, best_fixed_cost, fit_compute_scales, fit_paths, provisional
 from toolkit.estimate.comm import ACHIEVABLE_BUS_FRACTION, Network
 from toolkit.estimate.efficiency import EXECUTION_PATHS, HF
 from toolkit.estimate.timing import step_time
@@ -30,13 +30,14 @@ def _plan(**options):
     return resolve_plan(LLAMA_1B, options.pop("gpus", 8), **options)
 
 
-def _calibration_file(path, hardware="cpu", scale=2.0, host_peak=None, links=None):
+def _calibration_file(path, hardware="cpu", scale=2.0, host_peak=None, links=None, fixed_step_s=0.0):
     """A calibration file as `dmt calibrate` writes it (one fitted run)."""
     run = {"run_dir": "runs/a", "execution_path": "hf", "plan": "deepspeed dp2 tp1 pp1 z2 mb4 rc=none", "steps": 7,
            "measured_step_time_s": 0.1, "predicted_step_time_s_before": 1.0, "predicted_step_time_s_after": 0.1,
            "error_before": 9.0, "error_after": 0.0}
     data = {"format": "dmt-calibration/1", "hardware": hardware,
-            "efficiency": {"hf": {"compute_scale": scale, "uncalibrated": HF.compute_scale, "runs": 1}},
+            "efficiency": {"hf": {"compute_scale": scale, "fixed_step_s": fixed_step_s,
+                                  "uncalibrated": HF.compute_scale, "runs": 1}},
             "host_peak_tflops": host_peak, "links": links, "warmup_steps": 3, "runs": [run],
             "residuals": {"hf": {"runs": 1, "rms_error": 0.0, "max_abs_error": 0.0}},
             "created": "2026-11-23T00:00:00+00:00", "machine": {"host": "test"}}
@@ -73,6 +74,59 @@ def test_the_fit_recovers_the_compute_scales_that_made_the_step_times(truth):
     assert fitted.keys() == truth.keys()
     for path, value in truth.items():
         assert fitted[path] == pytest.approx(value, rel=1e-4)
+
+
+def _made_by(truth: dict, plans: list, gpu=H100, gpus_per_node=8) -> list[Observation]:
+    made_by = provisional(gpu.name, truth, None, None)
+    network = Network.from_catalogue(gpu, gpus_per_node)
+    return [Observation(LLAMA_1B, plan, step_time(LLAMA_1B, plan, gpu, network, calibration=made_by).total_s)
+            for plan in plans]
+
+
+def test_two_runs_give_a_compute_scale_and_a_fixed_cost_per_step():
+    """Runs whose steps a fixed cost dominates to different degrees (micro-batches 1, 2 and 4 at one global batch; a
+    short sequence) are fitted back to the scale and the fixed cost that made them, which a scale alone cannot fit."""
+    truth = {"hf": PathFit(0.42, fixed_step_s=0.35)}
+    plans = [_plan(zero=2, micro_batch=m, seq_len=256, global_batch=32) for m in (1, 2, 4)]
+    observations = _made_by(truth, plans)
+    fit = fit_paths(observations, H100)["hf"]
+    assert fit.compute_scale == pytest.approx(0.42, rel=1e-3) and fit.fixed_step_s == pytest.approx(0.35, rel=1e-3)
+    assert fit.fitted == "compute_scale+fixed_step" and fit.runs == 3
+    scale_alone = fit_compute_scales(observations[:1], H100)["hf"]  # one run: the scale absorbs the fixed cost
+    assert fit_paths(observations[:1], H100)["hf"] == PathFit(scale_alone, 0.0, 1)
+    alone = provisional("h100-80gb", {"hf": scale_alone}, None, None)
+    missed = [step_time(LLAMA_1B, o.plan, H100, Network.from_catalogue(H100, 8), calibration=alone).total_s
+              / o.measured_step_time_s - 1 for o in observations]
+    assert missed[0] == pytest.approx(0, abs=1e-4) and abs(missed[2]) > 0.1  # what the second term is for
+
+
+def test_the_best_fixed_cost_is_never_negative():
+    """Runs that a negative constant would fit better (the longer one predicted too long) get 0, not less."""
+    assert best_fixed_cost([1.0, 2.0], [1.0, 2.0]) == (pytest.approx(0, abs=1e-6), pytest.approx(0, abs=1e-9))
+    fixed, _ = best_fixed_cost([1.0, 4.0], [1.0, 2.0])
+    assert fixed == pytest.approx(0, abs=1e-6)
+    fixed, loss = best_fixed_cost([0.5, 1.5], [1.0, 2.0])
+    assert fixed == pytest.approx(0.5, rel=1e-6) and loss == pytest.approx(0, abs=1e-12)
+
+
+def test_a_fixed_cost_is_added_to_every_step_and_explained(tmp_path, capsys):
+    plan = _plan(zero=2, micro_batch=2)
+    network = Network.from_catalogue(H100, 8)
+    base = step_time(LLAMA_1B, plan, H100, network)
+    fixed = step_time(LLAMA_1B, plan, H100, network,
+                      calibration=provisional("h100-80gb", {"hf": PathFit(HF.compute_scale, 0.25)}, None, None))
+    assert base.fixed_s == 0 and fixed.fixed_s == 0.25
+    assert fixed.total_s == pytest.approx(base.total_s + 0.25, rel=1e-12) and fixed.compute_s == base.compute_s
+    path = _calibration_file(tmp_path / "cal.yaml", "h100-80gb", scale=HF.compute_scale, fixed_step_s=0.25)
+    argv = ["estimate", "--model", "llama-3.2-1b", "--gpus", "8", "--seq-len", "2048", "--micro-batch", "2",
+            "--calibration", str(path)]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step_time_breakdown_s"]["fixed_s"] == 0.25 and report["calibration"]["fixed_step_s"] == {"hf": 0.25}
+    assert main([*argv, "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the explanation wraps at the terminal's width
+    assert "fixed 68% (fixed: 0.25 s every step costs whatever its size, fitted by dmt calibrate)" in out
+    assert "plus a fixed 0.25 s per step (calibrated)" in out and "fixed per step hf 0.25 s" in out
 
 
 def test_a_calibration_enters_the_prediction_in_step_time(tmp_path):

@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     out = output_file(args.out, "--out", inputs=inputs)
     links = _links(args.health)
     reports = [read_run(path, warmup) for path in args.run_dirs]
-    observations, hardware, host_peak = _observations(reports)
-    calibration = _fit(observations, reports, hardware, host_peak, links, warmup)
+    observations, hardware, records = _observations(reports)
+    calibration = _fit(observations, records, reports, hardware, links, warmup)
     calibration = calibration.model_copy(update={
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "python": platform.python_version(), **_torch_version()}})
@@ -80,40 +80,55 @@ def _links(health):
 
 
 def _observations(reports):
-    """(observations, hardware, host peak per precision key) of finished runs on one hardware; else one line."""
-    import statistics
-
+    """(observations, hardware, each run's record) of finished runs on one hardware; else one line."""
     from toolkit.estimate.calibrate import Observation
     from toolkit.report.runs import run_subject
-    from toolkit.spec.cluster import PEAK_KEY
 
-    observations, hardware, peaks = [], {}, {}
+    observations, hardware, records = [], {}, []
     for report in reports:
         if report.status != "completed" or report.measured["step_time_s"] is None:
             raise UserInputError("RUN_DIR", f"{report.run_dir} is {report.status} ({report.reason}): only finished "
                                             f"runs with more logged steps than the warm-up calibrate")
         model, plan, gpu, record = run_subject(report.run_dir, "it trained (written by toolkit/train.py)")
         hardware[gpu.name] = report.run_dir
-        if gpu.host and record.get("peak_tflops"):  # a rank's share of the host: the host's rate is gpus_per_node x it
-            key = PEAK_KEY.get(plan.precision, "bf16")
-            peaks.setdefault(key, []).append(record["peak_tflops"] * plan.gpus_per_node)
+        records.append(record)
         observations.append(Observation(model, plan, report.measured["step_time_s"]))
     if len(hardware) > 1:
         named = ", ".join(f"{name} ({run})" for name, run in hardware.items())
         raise UserInputError("RUN_DIR", f"the runs trained on different hardware: {named}; a calibration is for one")
-    host_peak = {key: statistics.median(values) for key, values in peaks.items()} or None
-    return observations, next(iter(hardware)), host_peak
+    return observations, next(iter(hardware)), records
 
 
-def _fit(observations, reports, hardware: str, host_peak, links, warmup: int):
+def _host_peak(observations, records):
+    """The host entry's peak for the fit, per precision key, and how it was measured (HostPeak): this host's matmuls
+    now, at the thread count the runs' ranks computed with together (ranks per node x threads per rank, at most the
+    cores), against the best each run measured at its launch. The higher stands: a peak is what the host reaches,
+    and one measured while other work shared the cores would cap the fitted rate below what the runs did."""
+    import os
+
+    from toolkit.spec.calibration import HostPeak
+    from toolkit.spec.cluster import PEAK_KEY
+    from toolkit.spec.device_peak import host_cores, host_matmul_tflops
+
+    cores = host_cores()
+    threads = min(cores, max(o.plan.gpus_per_node * int((r.get("launch") or {}).get("threads_per_rank") or cores)
+                             for o, r in zip(observations, records)))
+    runs: dict[str, float] = {}
+    for observation, record in zip(observations, records):
+        key = PEAK_KEY.get(observation.plan.precision, "bf16")
+        if record.get("peak_tflops"):  # a rank's share of the host: the host's rate is gpus_per_node x it
+            runs[key] = max(runs.get(key, 0.0), record["peak_tflops"] * observation.plan.gpus_per_node)
+        runs.setdefault(key, 0.0)
+    measured = {key: host_matmul_tflops(key, threads) for key in runs}
+    peak = {key: max(measured[key], runs[key]) for key in runs}
+    return peak, HostPeak(threads=threads, cores=cores, load_average=round(os.getloadavg()[0], 2),
+                          measured_tflops=measured, runs_tflops={k: v for k, v in runs.items() if v})
+
+
+def _fit(observations, records, reports, hardware: str, links, warmup: int):
     import math
 
-    from toolkit.estimate.calibrate import (
-        fit_compute_scales,
-        path_of,
-        predicted_step_time,
-        provisional,
-    )
+    from toolkit.estimate.calibrate import fit_paths, path_of, predicted_step_time, provisional
     from toolkit.estimate.efficiency import EXECUTION_PATHS
     from toolkit.planner.report import plan_label
     from toolkit.spec.calibration import (
@@ -126,7 +141,8 @@ def _fit(observations, reports, hardware: str, host_peak, links, warmup: int):
     from toolkit.spec.cluster import get_gpu
 
     gpu = get_gpu(hardware)
-    fitted = fit_compute_scales(observations, gpu, host_peak, links)
+    host_peak, how = _host_peak(observations, records) if gpu.host else (None, None)
+    fitted = fit_paths(observations, gpu, host_peak, links)
     before = provisional(hardware, {}, host_peak, None)  # the published model at the same host peak
     after = provisional(hardware, fitted, host_peak, links)
     runs = []
@@ -144,10 +160,12 @@ def _fit(observations, reports, hardware: str, host_peak, links, warmup: int):
         errors = [run.error_after for run in runs if run.execution_path == path]
         residuals[path] = Residuals(runs=len(errors), rms_error=math.sqrt(sum(e * e for e in errors) / len(errors)),
                                     max_abs_error=max(abs(e) for e in errors))
-    efficiency = {path: PathEfficiency(compute_scale=value, uncalibrated=EXECUTION_PATHS[path].compute_scale,
-                                       runs=residuals[path].runs) for path, value in fitted.items()}
+    efficiency = {path: PathEfficiency(compute_scale=fit.compute_scale, fixed_step_s=fit.fixed_step_s,
+                                       fitted=fit.fitted, uncalibrated=EXECUTION_PATHS[path].compute_scale,
+                                       runs=fit.runs) for path, fit in fitted.items()}
     return Calibration(format=FORMAT, hardware=hardware, efficiency=efficiency, host_peak_tflops=host_peak,
-                       links=links, warmup_steps=warmup, runs=runs, residuals=residuals, created="", machine={})
+                       host_peak=how, links=links, warmup_steps=warmup, runs=runs, residuals=residuals, created="",
+                       machine={})
 
 
 def _print(calibration, out) -> None:
@@ -167,17 +185,21 @@ def _print(calibration, out) -> None:
     console.print(table)
     for path, value in calibration.efficiency.items():
         residual = calibration.residuals[path]
+        fixed = (f", fixed {value.fixed_step_s:.3g} s per step" if value.fitted == "compute_scale+fixed_step" else
+                 " (one run: the scale alone; a fixed per-step cost needs two runs or more)")
         console.print(f"{path}: compute scale {value.compute_scale:.3g} of the fused-kernel curve (published "
-                      f"{value.uncalibrated:.3g}), {residual.runs} run(s), residual rms {residual.rms_error:.1%}, max "
-                      f"{residual.max_abs_error:.1%}")
+                      f"{value.uncalibrated:.3g}){fixed}, {residual.runs} run(s), residual rms "
+                      f"{residual.rms_error:.1%}, max {residual.max_abs_error:.1%}")
         if value.compute_scale > 1:
             console.print("  above 1: this hardware runs these runs' GEMMs faster against its peak than the "
                           "fused-kernel curve allows (on a CPU host the curve's GPU shape marks narrow layers down far more than "
                           "the host does); the fit holds near these runs' model width, and no prediction exceeds the "
                           "peak")
     if calibration.host_peak_tflops:
-        peaks = ", ".join(f"{key} {value * 1e3:.1f} GFLOP/s" for key, value in calibration.host_peak_tflops.items())
-        console.print(f"host matmul peak the runs were predicted with: {peaks} (kept in the file)")
+        from toolkit.cli.common import host_peak_text
+
+        console.print(f"{host_peak_text(calibration.describe())} (kept in the file; every prediction with it uses this "
+                      f"peak)")
     if calibration.links is not None:
         console.print(f"measured links from {calibration.links.source}: intra-node "
                       f"{calibration.links.intra_node_busbw_gbps} GB/s, inter-node "

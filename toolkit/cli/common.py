@@ -103,7 +103,30 @@ def calibration_line(calibration: dict | None) -> str:
                                                                  ("inter-node", "inter_node_busbw_gbps"))
                 if links.get(key) is not None]
     extra = f"; measured links {', '.join(measured)}" if measured else ""
+    fixed = {path: value for path, value in (calibration.get("fixed_step_s") or {}).items() if value}
+    if fixed:
+        extra += "; fixed per step " + ", ".join(f"{path} {value:.3g} s" for path, value in fixed.items())
+    if calibration.get("host_peak_tflops"):
+        extra += f"; {host_peak_text(calibration)}"
     return f"calibrated by {calibration['file']} ({calibration['hardware']}: {fitted}{extra})"
+
+
+def host_peak_text(calibration: dict) -> str:
+    """The host peak a calibration holds, and the load it was measured under against this host's now: a calibration
+    taken on a busy machine and used on an idle one (or the other way round) says so."""
+    import os
+
+    peaks = ", ".join(f"{key} {value * 1e3:.1f} GFLOP/s" for key, value in calibration["host_peak_tflops"].items())
+    how = calibration.get("host_peak")
+    if not how:
+        return f"host matmul peak {peaks}"
+    now = os.getloadavg()[0]
+    text = (f"host matmul peak {peaks} with {how['threads']} threads, measured at load {how['load_average']:.1f} "
+            f"on {how['cores']} cores")
+    if abs(now - how["load_average"]) >= max(1.0, how["cores"] / 2):
+        text += (f"; this host's load is {now:.1f} now, so its step times differ from the calibration's by what that "
+                 f"load takes")
+    return text
 
 
 def sharding_text(plan: dict) -> str:

@@ -96,6 +96,8 @@ def print_report(report: dict) -> None:
     fitted = ((report.get("calibration") or {}).get("compute_scale") or {}).get(path.name)
     scale = f"{path.compute_scale:.2f}" if fitted is None else \
         f"{fitted:.3g} (calibrated; published {path.compute_scale:.2f})"
-    console.print(f"execution path {path.name}: {path.description}, {scale} of the fused kernels' rate "
+    fixed = report["step_time_breakdown_s"]["fixed_s"]
+    fixed_text = f", plus a fixed {fixed:.3g} s per step (calibrated)" if fixed else ""
+    console.print(f"execution path {path.name}: {path.description}, {scale} of the fused kernels' rate{fixed_text} "
                   f"(toolkit/estimate/efficiency.py)")
     console.print(calibration_line(report.get("calibration")))

@@ -1,10 +1,16 @@
-"""Fitting the step-time model's free parameters to measured runs: each execution path's compute scale.
+"""Fitting the step-time model's free parameters to measured runs: each execution path's compute scale and fixed
+per-step cost.
 
-For every execution path (toolkit/estimate/efficiency.py EXECUTION_PATHS) seen in the runs, one number is fitted:
-its compute_scale, the rate of its GEMMs and the work between them against the fused-kernel curve (the curve's shape
-in width and tokens is kept). It is the value minimising the squared log ratio of predicted to measured step time
-over that path's runs, so a run 2x too slow and one 2x too fast weigh alike. Everything else the prediction uses is
-held at what the calibration states (the host peak, measured links) or the catalogue's. Pure arithmetic: runs come in as (model, plan, measured time).
+For every execution path (toolkit/estimate/efficiency.py EXECUTION_PATHS) seen in the runs, two numbers are fitted
+where the runs can tell them apart: its compute_scale, the rate of its GEMMs and the work between them against the
+fused-kernel curve (the curve's shape in width and tokens is kept), and its fixed_step_s, what every step costs
+whatever its size (the Trainer's and the engine's per-step work, logging, the data loader, synchronisation). One
+scale alone cannot fit two runs whose steps are dominated by different things: on a small model the fixed cost is
+comparable to the compute, so doubling the micro-batch does not double the step time. The pair minimises the squared
+log ratio of predicted to measured step time over that path's runs (least squares in log space, so a run 2x too slow
+and one 2x too fast weigh alike); with one run only the scale is fitted (the fixed cost stays 0) and the calibration
+says so. Everything else the prediction uses is held at what the calibration states (the host peak, measured links)
+or the catalogue's. Pure arithmetic: runs come in as (model, plan, measured time).
 """
 
 from __future__ import annotations
@@ -37,14 +43,31 @@ class Observation:
     measured_step_time_s: float
 
 
-def provisional(hardware: str, efficiency: dict[str, float], host_peak_tflops: dict[str, float] | None,
+@dataclass(frozen=True)
+class PathFit:
+    """What was fitted for one execution path."""
+
+    compute_scale: float
+    fixed_step_s: float = 0.0
+    runs: int = 1
+    with_fixed_cost: bool = False  # whether the fixed per-step cost was fitted (else it is 0 by assumption)
+
+    @property
+    def fitted(self) -> str:
+        return "compute_scale+fixed_step" if self.with_fixed_cost else "compute_scale"
+
+
+def provisional(hardware: str, efficiency: dict[str, float | PathFit], host_peak_tflops: dict[str, float] | None,
                 links) -> Calibration:
-    """A calibration with only the fitted figures (no runs or residuals yet): what step_time needs during the fit."""
+    """A calibration with only the fitted figures (no runs or residuals yet): what step_time needs during the fit.
+    `efficiency`: per path, a PathFit or a bare compute scale (no fixed cost)."""
     from toolkit.spec.calibration import PathEfficiency
 
-    fitted = {path: PathEfficiency.model_construct(compute_scale=value,
-                                                   uncalibrated=EXECUTION_PATHS[path].compute_scale, runs=1)
-              for path, value in efficiency.items()}
+    fits = {path: value if isinstance(value, PathFit) else PathFit(value) for path, value in efficiency.items()}
+    fitted = {path: PathEfficiency.model_construct(compute_scale=fit.compute_scale, fixed_step_s=fit.fixed_step_s,
+                                                   fitted=fit.fitted, uncalibrated=EXECUTION_PATHS[path].compute_scale,
+                                                   runs=fit.runs)
+              for path, fit in fits.items()}
     return Calibration.model_construct(format=FORMAT, hardware=hardware, efficiency=fitted,
                                        host_peak_tflops=host_peak_tflops, links=links)
 
@@ -52,10 +75,6 @@ def provisional(hardware: str, efficiency: dict[str, float], host_peak_tflops: d
 def predicted_step_time(observation: Observation, gpu: GPU, calibration: Calibration | None) -> float:
     network = Network.from_catalogue(gpu, observation.plan.gpus_per_node)
     return step_time(observation.model, observation.plan, gpu, network, calibration=calibration).total_s
-
-
-def _log_error(observations: list[Observation], gpu: GPU, trial: Calibration) -> float:
-    return sum(math.log(predicted_step_time(o, gpu, trial) / o.measured_step_time_s) ** 2 for o in observations)
 
 
 def path_of(plan: Plan) -> str:
@@ -68,30 +87,69 @@ def _ceiling(runs: list[Observation]) -> float:
                for o in runs)
 
 
-def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float] | None = None,
-                       links=None) -> dict[str, float]:
-    """The fitted compute scale of every execution path among the observations (golden-section search on its log,
-    one path at a time: a run belongs to one path, so the paths do not interact)."""
+# each parameter is searched on a coarse grid first (the loss need not be unimodal: once some runs' GEMMs reach the
+# peak, a larger scale changes only the others), then by golden-section search between the best point's neighbours
+GRID_POINTS = 48
+
+
+def minimise(loss, low: float, high: float, tolerance: float) -> tuple[float, float]:
+    """(argument, value) of the smallest loss found on [low, high]: the best of a grid, refined by golden-section
+    search between its neighbours."""
+    grid = [low + (high - low) * i / (GRID_POINTS - 1) for i in range(GRID_POINTS)]
+    losses = [loss(x) for x in grid]
+    best = min(range(GRID_POINTS), key=losses.__getitem__)
+    low, high = grid[max(0, best - 1)], grid[min(GRID_POINTS - 1, best + 1)]
+    a, b = high - GOLDEN * (high - low), low + GOLDEN * (high - low)
+    loss_a, loss_b = loss(a), loss(b)
+    while high - low > tolerance:
+        if loss_a <= loss_b:
+            high, b, loss_b = b, a, loss_a
+            a = high - GOLDEN * (high - low)
+            loss_a = loss(a)
+        else:
+            low, a, loss_a = a, b, loss_b
+            b = low + GOLDEN * (high - low)
+            loss_b = loss(b)
+    middle = (low + high) / 2
+    return min([(grid[best], losses[best]), (middle, loss(middle))], key=lambda point: point[1])
+
+
+def best_fixed_cost(variable_s: list[float], measured_s: list[float]) -> tuple[float, float]:
+    """(fixed cost c >= 0, loss) minimising sum (log((t + c) / m))^2 over runs whose size-dependent predicted times are
+    `variable_s` and measured times `measured_s`; c stays below the longest measured step."""
+    def loss(c: float) -> float:
+        return sum(math.log((t + c) / m) ** 2 for t, m in zip(variable_s, measured_s))
+
+    return minimise(loss, 0.0, max(measured_s), max(measured_s) * 1e-9)
+
+
+def fit_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float] | None = None,
+              links=None, fixed_cost: bool = True) -> dict[str, PathFit]:
+    """The fitted compute scale (and, from two runs on, fixed per-step cost) of every execution path among the
+    observations, one path at a time: a run belongs to one path, so the paths do not interact. `fixed_cost=False`
+    fits the scale alone whatever the runs (what benchmarks/calibration_cpu.py compares the two-term fit with)."""
     by_path: dict[str, list[Observation]] = defaultdict(list)
     for observation in observations:
         by_path[path_of(observation.plan)].append(observation)
-    fitted: dict[str, float] = {}
+    fitted: dict[str, PathFit] = {}
     for path, runs in sorted(by_path.items()):
-        def loss(log_value: float) -> float:
-            trial = provisional(gpu.name, {**fitted, path: math.exp(log_value)}, host_peak_tflops, links)
-            return _log_error(runs, gpu, trial)
+        measured = [o.measured_step_time_s for o in runs]
+        with_fixed = fixed_cost and len(runs) > 1
 
-        low, high = math.log(LOWEST), math.log(_ceiling(runs))
-        a, b = high - GOLDEN * (high - low), low + GOLDEN * (high - low)
-        loss_a, loss_b = loss(a), loss(b)
-        while high - low > 1e-6:
-            if loss_a <= loss_b:
-                high, b, loss_b = b, a, loss_a
-                a = high - GOLDEN * (high - low)
-                loss_a = loss(a)
-            else:
-                low, a, loss_a = a, b, loss_b
-                b = low + GOLDEN * (high - low)
-                loss_b = loss(b)
-        fitted[path] = math.exp((low + high) / 2)
+        def fit_at(log_scale: float) -> tuple[float, float]:
+            """(fixed cost, loss) at this scale: the runs' predictions without a fixed cost, then the best one."""
+            trial = provisional(gpu.name, {**fitted, path: math.exp(log_scale)}, host_peak_tflops, links)
+            variable = [predicted_step_time(o, gpu, trial) for o in runs]
+            if with_fixed:
+                return best_fixed_cost(variable, measured)
+            return 0.0, sum(math.log(t / m) ** 2 for t, m in zip(variable, measured))
+
+        log_scale, _ = minimise(lambda x: fit_at(x)[1], math.log(LOWEST), math.log(_ceiling(runs)), 1e-7)
+        fitted[path] = PathFit(math.exp(log_scale), fit_at(log_scale)[0], len(runs), with_fixed)
     return fitted
+
+
+def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float] | None = None,
+                       links=None) -> dict[str, float]:
+    """The fitted compute scale of every execution path among the observations (see fit_paths)."""
+    return {path: fit.compute_scale for path, fit in fit_paths(observations, gpu, host_peak_tflops, links).items()}

@@ -45,6 +45,10 @@ class ExecutionPath:
     compute_scale: float  # rate of the path's GEMMs and the work between them, relative to gemm_efficiency
     unfused_attention: bool  # the core attention writes the s x s scores to memory (no flash kernel)
     source: str
+    # seconds every optimizer step costs whatever its size (the Trainer's and the engine's per-step work, logging,
+    # the data loader, synchronisation): 0 as published (small against a large model's step on a GPU); `dmt
+    # calibrate` fits it with the compute scale where the runs can tell the two apart
+    fixed_step_s: float = 0.0
 
 
 # The eager path's rate, from two measured runs of un-fused PyTorch modules on H100 (benchmarks/step_time_accuracy.md
@@ -102,8 +106,11 @@ def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
 
 
 def calibrated_path(path: ExecutionPath, calibration: Calibration | None) -> ExecutionPath:
-    """The path with the compute scale `dmt calibrate` fitted for it on this hardware, else as published. A fitted
-    scale may put a path's product with the curve above 1 (a CPU host on a tiny model, whose narrow GEMMs the
-    GPU-shaped curve marks down far more than the host does); step_time caps the product at the peak."""
-    fitted = calibration.compute_scale(path.name) if calibration is not None else None
-    return path if fitted is None else dataclasses.replace(path, compute_scale=fitted)
+    """The path with the compute scale and fixed per-step cost `dmt calibrate` fitted for it on this hardware, else
+    as published. A fitted scale may put a path's product with the curve above 1 (a CPU host on a tiny model, whose
+    narrow GEMMs the GPU-shaped curve marks down far more than the host does); step_time caps the product at the
+    peak."""
+    fitted = calibration.efficiency.get(path.name) if calibration is not None else None  # type: ignore[call-overload]
+    if fitted is None:
+        return path
+    return dataclasses.replace(path, compute_scale=fitted.compute_scale, fixed_step_s=fitted.fixed_step_s)

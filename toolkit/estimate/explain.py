@@ -226,6 +226,9 @@ def _step_time(model: ModelSpec, report: dict) -> dict:
     breakdown = report["step_time_breakdown_s"]
     total = report["step_time_s"]
     shares = ", ".join(f"{k[:-2]} {v / total:.0%}" for k, v in breakdown.items() if v > 0)
+    if breakdown.get("fixed_s"):  # only a calibration sets it
+        shares += (f" (fixed: {breakdown['fixed_s']:.3g} s every step costs whatever its size, fitted by dmt "
+                   f"calibrate)")
     return _entry("step_time", total, f"{total:.3g} s per step: {shares}",
                   f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,
                   f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {plan['seq_len']} tokens adds to 6·N); "

@@ -50,7 +50,7 @@ CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score m
 # this also keeps every prediction at or below the GEMM efficiency's share of the peak, whatever the length.
 ATTENTION_KERNEL_EFFICIENCY = 0.5
 STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
-                   "optimizer_s", "offload_s")
+                   "optimizer_s", "offload_s", "fixed_s")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class StepTime:
     dp_comm_s: float
     optimizer_s: float
     offload_s: float
+    fixed_s: float  # the execution path's fixed per-step cost (0 unless `dmt calibrate` fitted one)
     total_s: float
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (no recomputation) per second per GPU
@@ -91,8 +92,8 @@ def calibrated(gpu: GPU, network: Network, calibration: Calibration | None) -> t
 def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: ExecutionPath | None = None,
               calibration: Calibration | None = None) -> StepTime:
     """`path`: the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's own. `calibration`
-    (`dmt calibrate`): its compute scale for the path and its measured hardware figures (see `calibrated`) replace
-    the published ones; this is the one place a calibration enters a prediction."""
+    (`dmt calibrate`): its compute scale and fixed per-step cost for the path and its measured hardware figures (see
+    `calibrated`) replace the published ones; this is the one place a calibration enters a prediction."""
     gpu, network = calibrated(gpu, network, calibration)
     a = PRECISION_BYTES[plan.precision]
     peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
@@ -155,7 +156,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     bubble = micro * (plan.pp - 1) / plan.vpp if plan.pp > 1 else 0.0  # (p-1)/(v m) of the m micro-batches
 
     dp_comm, optimizer_s, offload_s = _data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro)
-    total = m * micro + bubble + dp_comm + optimizer_s + offload_s
+    total = m * micro + bubble + dp_comm + optimizer_s + offload_s + path.fixed_step_s
     step_tokens = plan.global_batch * plan.seq_len
     model_flops = useful_flops_per_token(spec, plan) * step_tokens
     tflops = model_flops / total / plan.gpus
@@ -169,6 +170,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         dp_comm_s=dp_comm,
         optimizer_s=optimizer_s,
         offload_s=offload_s,
+        fixed_s=path.fixed_step_s,
         total_s=total,
         tokens_per_s=step_tokens / total,
         tflops_per_gpu=tflops / 1e12,

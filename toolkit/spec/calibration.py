@@ -28,11 +28,31 @@ class _Strict(BaseModel):
 
 
 class PathEfficiency(_Strict):
-    compute_scale: float = Field(gt=0, description="Fitted rate of this path's GEMMs and the work between them, "
-                                                   "relative to the fused-kernel curve (ExecutionPath.compute_scale in "
-                                                   "toolkit/estimate/efficiency.py; the curve's shape is kept).")
+    compute_scale: float = Field(gt=0, allow_inf_nan=False,
+                                 description="Fitted rate of this path's GEMMs and the work between them, relative to "
+                                             "the fused-kernel curve (ExecutionPath.compute_scale in "
+                                             "toolkit/estimate/efficiency.py; the curve's shape is kept).")
+    fixed_step_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                description="Fitted seconds every step of this path costs whatever its size "
+                                            "(ExecutionPath.fixed_step_s); 0 where it was not fitted.")
+    fitted: Literal["compute_scale", "compute_scale+fixed_step"] = Field(
+        "compute_scale", description="What the runs could tell apart: the scale alone (one run), or the scale and a "
+                                     "fixed per-step cost (least squares over two or more runs).")
     uncalibrated: float = Field(gt=0, description="The published compute_scale the model uses without a calibration.")
     runs: int = Field(ge=1, description="Runs of this path the value was fitted on.")
+
+
+class HostPeak(_Strict):
+    """How the host's matmul peak in host_peak_tflops was measured: at the thread count the runs' ranks computed
+    with, under the load of the moment, so a calibration taken on a busy machine and used on an idle one says so."""
+
+    threads: int = Field(ge=1, description="Threads of the measuring matmuls: the runs' ranks per node x each rank's "
+                                           "threads, at most the host's cores.")
+    cores: int = Field(ge=1, description="Cores the measuring process could run on.")
+    load_average: float = Field(ge=0, allow_inf_nan=False,
+                                description="The host's 1-minute load average when it was measured.")
+    measured_tflops: dict[str, float] = Field(description="What `dmt calibrate` measured, per precision key.")
+    runs_tflops: dict[str, float] = Field(description="The best each key's runs measured at their launches.")
 
 
 class MeasuredLinks(_Strict):
@@ -66,6 +86,7 @@ class Calibration(_Strict):
     host_peak_tflops: dict[str, float] | None = Field(
         None, description="The host entry only: the matmul TFLOP/s per precision key the runs' predictions used, so "
                           "the fitted efficiencies multiply the same peak wherever the file is used.")
+    host_peak: HostPeak | None = Field(None, description="The host entry only: how host_peak_tflops was measured.")
     links: MeasuredLinks | None = Field(None, description="Bus bandwidths measured by `dmt health` (--health).")
     warmup_steps: int = Field(ge=0, description="Logged steps left out of each run's median.")
     runs: list[FittedRun] = Field(min_length=1)
@@ -102,7 +123,9 @@ class Calibration(_Strict):
         """What outputs record of the calibration in use (plan.json, --json outputs)."""
         return {"file": self.source, "hardware": self.hardware, "created": self.created,
                 "compute_scale": {path: fitted.compute_scale for path, fitted in self.efficiency.items()},
+                "fixed_step_s": {path: fitted.fixed_step_s for path, fitted in self.efficiency.items()},
                 "host_peak_tflops": self.host_peak_tflops,
+                "host_peak": None if self.host_peak is None else self.host_peak.model_dump(),
                 "links": None if self.links is None else self.links.model_dump(exclude={"source"})}
 
 

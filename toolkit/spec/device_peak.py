@@ -58,21 +58,23 @@ def host_cores() -> int:
 
 
 @lru_cache(maxsize=None)
-def host_matmul_tflops(key: str) -> float:
+def host_matmul_tflops(key: str, threads: int | None = None) -> float:
     """TFLOP/s of this host on HOST_MATMUL_SIZE^2 matmuls in the dtype of a peak key (bf16, tf32 = fp32 here), with
-    every core this process may use, the best of HOST_MATMUL_WINDOWS windows; once per process and key, so every
-    prediction of a process sees one figure."""
+    `threads` threads (default: every core this process may use), the best of HOST_MATMUL_WINDOWS windows; once per
+    process, key and thread count, so every prediction of a process sees one figure. `dmt calibrate` measures at the
+    thread count the runs' ranks computed with together (their ranks per node x threads per rank)."""
     import torch
 
     dtype = getattr(torch, HOST_DTYPES.get(key, "bfloat16"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(host_cores())  # a launched rank may have been given one thread; the host has them all
+    previous = torch.get_num_threads()
+    threads = threads or host_cores()
+    torch.set_num_threads(threads)  # a launched rank may have been given one thread; the host has them all
     try:
         windows = [matmul_benchmark(torch.device("cpu"), HOST_MATMUL_SECONDS / HOST_MATMUL_WINDOWS, HOST_MATMUL_SIZE,
                                     dtype) for _ in range(HOST_MATMUL_WINDOWS)]
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
     result = max(windows, key=lambda window: window["matmul_gflops"])
-    log.info("host peak (%s): %.1f GFLOP/s on %d cores, %dx%d matmuls", key, result["matmul_gflops"], host_cores(),
-             HOST_MATMUL_SIZE, HOST_MATMUL_SIZE)
+    log.info("host peak (%s): %.1f GFLOP/s with %d threads on %d cores, %dx%d matmuls", key, result["matmul_gflops"],
+             threads, host_cores(), HOST_MATMUL_SIZE, HOST_MATMUL_SIZE)
     return result["matmul_gflops"] / 1e3
