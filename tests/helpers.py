@@ -93,9 +93,15 @@ def wandb_history(run_dir: Path) -> list[dict]:
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
     return rows
-def launch_watched(cmd: list[str], log: Path, act, changes: dict | None = None, timeout: float = 600) -> int:
+def launch_watched(cmd: list[str], log: Path, act, changes: dict | None = None, timeout: float = 1800) -> int:
     """Run a launcher with its output in `log`; every 50 ms `act(process)` may act on its ranks (stop or kill one)
-    until it returns True. The launcher's exit code (the run is killed whole past `timeout`)."""
+    until it returns True. The launcher's exit code (the run is killed whole past `timeout`).
+
+    `timeout` only bounds a run that ends by itself when things go well, so it is generous: a fault test's run is
+    one or two launches (a restart) of 6 tiny steps, plus a held rank (20-30 s) or a hang timeout (10 s). Under load
+    ~10 on 2 cores one DeepSpeed launch of the tiny recipe took ~70 s here, ~50 s of it before the first step, and
+    has taken minutes under heavier load; the former 600 s left ~3x for a restarted job at load ~10. 1800 s leaves
+    ~10x at that load. A run that really hangs is still ended, and the test then fails on its log."""
     import signal
     import time
 
@@ -142,7 +148,11 @@ def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list
 
 def kill_rank_after_save(checkpoint: str, killed: list, rank: int = 1):
     """A launch_watched action: once `latest` names `checkpoint`, SIGKILL `rank`'s training process of the first
-    attempt (its pid appended to `killed`); act(process, out) is True once done."""
+    attempt (its pid appended to `killed`); act(process, out) is True once done.
+
+    The race: the kill must land before the run goes past the next checkpoint, and, in a job with a hang timeout,
+    before the watchdog ends the job for the rank the test holds back (a `slow` fault). It lands within a poll
+    (50 ms) and a scan of the launcher's processes (psutil, ~0.1 s idle) of `latest` moving."""
     import signal
 
     from toolkit.checkpoint.manifest import resolve_latest

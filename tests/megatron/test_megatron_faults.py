@@ -49,7 +49,12 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
 
     def stop_rank_1_in_step_3(process):
         # rank 1 is slowed at the start of step 3 (30 s: a window however fast the steps run), so once step 2's
-        # checkpoint is complete rank 0 waits for it; the SIGSTOP comes from outside, as a kernel or debugger freezes
+        # checkpoint is complete rank 0 waits for it; the SIGSTOP comes from outside, as a kernel or debugger freezes.
+        # The real window is shorter than the 30 s: HANG_TIMEOUT_S (10 s) after rank 0 blocks in step 3's first
+        # collective the watchdog finds the job stuck, and names rank 1 for a stopped heartbeat only if it has been
+        # silent 2.5 s by then (else as alive but late: 'did not arrive'). So the SIGSTOP must come within ~7.5 s of
+        # rank 0 blocking; it comes within a 50 ms poll and a ~0.1 s process scan of `latest` naming checkpoint-2,
+        # about when rank 0 blocks: ~50x margin idle; the poll and the scan may take 5 s under load and still pass.
         latest = resolve_latest(out) if out.exists() else None
         if "pid" not in stopped and latest is not None and latest.name == "checkpoint-2":
             for victim in rank_processes(process, rank=1):
@@ -67,6 +72,9 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
     import datetime
 
     reported = datetime.datetime.fromisoformat(hang["time"]).timestamp()
+    # named at most ~HANG_TIMEOUT_S + a monitor period (0.5 s) after the stop (sooner once rank 0 has waited 10 s:
+    # then 2.5 s of silence suffice), a wait on the monitor's clock that load does not lengthen; the 40 s bound
+    # leaves ~29 s for the loaded parts (thread wake-ups, the report's store reads; under 1 s idle)
     assert reported - stopped["at"] <= HANG_TIMEOUT_S + 30
     latest = resolve_latest(out)
     assert latest is not None and verify(latest).ok and latest.name == hang["latest"]
@@ -81,7 +89,10 @@ def test_a_rank_killed_inside_a_save_leaves_latest_before_it_and_the_job_restart
     assert main(["generate", str(recipe), "--out", str(generated)]) == 0
     out, seen = tmp_path / "run", {}
 
-    def look_when_the_kill_comes(process):  # the fault's log line comes 0.5 s before its SIGKILL
+    # the fault's log line comes 0.5 s before its SIGKILL; what is looked at (latest, checkpoint-4's manifest) can
+    # only change once torchrun has restarted the job and it has trained steps 3 and 4 again (seconds even idle),
+    # so a 50 ms poll sees it as the kill left it with that much to spare
+    def look_when_the_kill_comes(process):
         if "fault injection: kill" in log.read_text():
             seen.update(latest=resolve_latest(out).name, manifest=(out / "checkpoint-4" / MANIFEST).exists())
             return True

@@ -19,6 +19,8 @@ def _find(name: str) -> str | None:
 
 
 def _wait_for(check, timeout: float, what: str) -> None:
+    """Poll `check` until it holds. The waits below end as soon as a daemon is up (a few seconds idle), so their
+    bounds are generous for a loaded 2-core machine (load ~10): 120 s for munged, 300 s for an idle node."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -45,7 +47,7 @@ def slurm(tmp_path_factory):
     munge = subprocess.Popen([_find("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={socket_path}",
                               f"--pid-file={root / 'munge' / 'munged.pid'}", f"--log-file={root / 'munge' / 'munged.log'}",
                               f"--seed-file={root / 'munge' / 'seed'}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for(socket_path.exists, 20, "munged")
+    _wait_for(socket_path.exists, 120, "munged")
     host = socket.gethostname().split(".")[0]
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
     conf = root / "slurm.conf"
@@ -89,7 +91,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for(lambda: "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
-                                                   text=True).stdout, 60, "an idle Slurm node")
+                                                   text=True).stdout, 300, "an idle Slurm node")
         yield {"env": env, "root": root, "conf": conf}
     finally:
         for process in (slurmd, ctld, munge):  # the daemons this fixture started, by pid

@@ -128,6 +128,10 @@ def _job(slurm, job_id: str) -> dict:
 
 
 def _wait_job(slurm, job_id: str, states: tuple[str, ...], timeout: float) -> dict:
+    """Wait until the job is in one of `states`; the wait ends as soon as it is, so `timeout` is generous: a job of
+    the tiny recipe is a preflight, one or two launches (a requeue) and 6-60 steps of ~0.1-0.3 s, and one DeepSpeed
+    start alone took ~50 s at load ~10 on 2 cores here and has taken minutes under heavier load (the former 600 s
+    left a few x for that): 1800 s, and 900 s after USR1."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         job = _job(slurm, job_id)
@@ -137,9 +141,11 @@ def _wait_job(slurm, job_id: str, states: tuple[str, ...], timeout: float) -> di
     raise AssertionError(f"job {job_id} did not reach {states}: {job}")
 
 
-def _submit(slurm, recipe: Path, out: Path, capsys, *flags: str) -> str:
+def _submit(slurm, recipe: Path, out: Path, capsys, *flags: str, env: dict | None = None) -> str:
+    """sbatch passes the submitting environment to the job: slurm["env"] and `env` reach the job's processes."""
     env_backup = dict(os.environ)
     os.environ.update(slurm["env"])
+    os.environ.update(env or {})
     try:
         assert main(["slurm", "submit", str(recipe), "--output-dir", str(out), "--time", "00:30:00", *flags]) == 0
     finally:
@@ -160,7 +166,7 @@ def test_submitted_job_runs_preflight_trains_and_checkpoints(slurm, tmp_path, ca
     hostile.mkdir()
     out = hostile / "run"
     job_id = _submit(slurm, _recipe(hostile, 2, 2), out, capsys)
-    job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600)
+    job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 1800)
     log = next((hostile / "slurm-logs").glob(f"*-{job_id}.out")).read_bytes().decode(errors="replace")
     assert not list(tmp_path.rglob("PWNED")) and not (Path.cwd() / "PWNED").exists()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-3000:]
@@ -183,7 +189,7 @@ def test_accelerate_and_deepspeed_launchers_train_under_slurm(slurm, tmp_path, c
     flags = ["--launcher", launcher, "--deepspeed", str(generated / "deepspeed.json")]
     flags += ["--accelerate-config", str(generated / "accelerate.yaml")] if launcher == "accelerate" else []
     job_id = _submit(slurm, recipe, out, capsys, *flags)
-    job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600)
+    job = _wait_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 1800)
     log = next((tmp_path / "slurm-logs").glob(f"*-{job_id}.out")).read_bytes().decode(errors="replace")
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-3000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
@@ -196,8 +202,17 @@ def test_accelerate_and_deepspeed_launchers_train_under_slurm(slurm, tmp_path, c
 def test_usr1_saves_requeues_and_the_next_run_resumes(slurm, tmp_path, capsys):
     out = tmp_path / "run"
     recipe = _recipe(tmp_path, 2, 2, max_steps=60, save_steps=1000)
-    job_id = _submit(slurm, recipe, out, capsys)
-    deadline = time.monotonic() + 300
+    # The race: USR1 must reach training (this poll, scancel, slurmctld -> slurmd -> the batch shell's trap, the
+    # request file, read at the end of a step) before step 60 ends, or the job completes without a requeue. Steps
+    # take ~0.1-0.3 s, so the 40 steps after step 20 alone left a window of a few seconds that shrinks or grows
+    # with the machine's speed. Every rank is therefore held 30 s at the start of step 21 (the first run only: a
+    # requeued job runs with SLURM_RESTART_COUNT set, toolkit/runtime/faults.py), so the request arrives during
+    # step 21 however fast the steps run: ~1 s idle for scancel to the trap, 30x margin. 30 s is far below the
+    # recipe's hang timeout (600 s), so the watchdog does not take the hold for a hang.
+    job_id = _submit(slurm, recipe, out, capsys, env={"DMT_FAULT": "slow=30@step=21,phase=train"})
+    # waits for 20 logged steps (a preflight, a launch whose start alone took ~50 s at load ~10 here, 20 steps of
+    # ~0.1-0.3 s); the wait ends when they are there, so its bound is generous: 900 s (was 300 s)
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline and len(read_metrics(out)) < 20:
         time.sleep(0.5)
     assert len(read_metrics(out)) >= 20, "training never got going"
@@ -208,7 +223,8 @@ def test_usr1_saves_requeues_and_the_next_run_resumes(slurm, tmp_path, capsys):
     steps = [r["step"] for r in read_metrics(out)]
     saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     interrupted_at = saved[0]
-    assert 20 <= interrupted_at < 60 and saved[-1] == 60  # saved on request, then finished after the requeue
+    # saved on request (at the end of the held step 21), then finished after the requeue
+    assert interrupted_at == 21 and saved[-1] == 60
     resumed = steps[steps.index(interrupted_at) + 1:]
     assert resumed[0] == interrupted_at + 1 and resumed[-1] == 60  # step numbers continue after the resume
     loss = {r["step"]: r["loss"] for r in read_metrics(out)}

@@ -46,7 +46,10 @@ def run_logged(cmd: list[str], log: Path, changes: dict) -> int:
             env[key] = value
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
-        return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
+        # bounds a launch that ends by itself when things go well (a few tiny steps, or a 10 s hang timeout): one
+        # DeepSpeed launch took ~70 s under load ~10 on 2 cores, and its start alone has taken minutes under
+        # heavier load, so 1800 s (as launch_watched in tests/helpers.py) costs nothing and leaves ~25x at load ~10
+        return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=1800).returncode
 
 
 @pytest.fixture(scope="session")

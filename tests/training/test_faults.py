@@ -15,9 +15,15 @@ from toolkit.runtime.incident import read_incidents
 from toolkit.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
+# HANG_TIMEOUT_S: the watchdog's deadline (heartbeat and monitor every 0.5 s, toolkit/runtime/supervision.py; a
+# heartbeat silent for 2.5 s counts as stopped once the job is stuck, toolkit/runtime/watchdog.py)
 STEPS, HANG_TIMEOUT_S = 6, 10
 COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
-SLOW_AT_3 = "slow=20@rank=1,step=3,phase=train"  # a restart runs without it (faults act on the first launch only)
+# rank 1 held 20 s at the start of step 3: a window for a kill from outside, however fast the steps run. A restart
+# runs without it (faults act on the first launch only). The hold is longer than HANG_TIMEOUT_S, so the watchdog, not
+# the hold, bounds the window: rank 0 waits for rank 1 in step 3's first collective, and ~HANG_TIMEOUT_S later the
+# watchdog would end the job as a hang; the kill must land before that (see the restarted fixture).
+SLOW_AT_3 = "slow=20@rank=1,step=3,phase=train"
 FAULTY = {"max_steps": STEPS, "save_steps": 2, "hang_timeout_s": HANG_TIMEOUT_S, "max_restarts": 1}
 
 
@@ -76,7 +82,11 @@ def _same(a: dict, b: dict) -> bool:
 def restarted(launch_sh):
     killed = []
 
-    # rank 1 is held 20 s at the start of step 3, so the kill lands after the save however fast the steps run
+    # rank 1 is held at the start of step 3, so the kill lands after the save however fast the steps run. The kill
+    # must come within ~HANG_TIMEOUT_S (10 s) of rank 0 blocking in step 3's first collective, or the watchdog ends
+    # the job as a hang (incident 'hang', not 'failure'); it comes within a 50 ms poll and a ~0.1 s process scan of
+    # `latest` naming checkpoint-2, about when rank 0 gets there: ~50x margin idle, and the poll and the scan, the
+    # parts that slow with load, may take 5 s and still pass.
     rc, out, log = launch_sh("restarted", "torchrun", kill_rank_after_save("checkpoint-2", killed), SLOW_AT_3)
     return rc, out, log, killed
 
@@ -115,6 +125,10 @@ def test_a_frozen_rank_is_named_and_the_job_ends_with_code_3(frozen):
     log = frozen.log.read_text()
     stopped_at = _log_time(log, "fault injection: stop on rank 1")
     reported_at = _log_time(log, "hang: rank 1")
+    # rank 1 logs the fault, beats for 0.5 s more and stops; its heartbeat is then silent for HANG_TIMEOUT_S before
+    # a monitor (period 0.5 s) names it: ~11 s idle, nearly all of it a wait on the monitor's clock, which load does
+    # not lengthen. The bound, 40 s, leaves ~29 s for the parts load does slow (a delayed monitor thread, the
+    # report's store reads and log line; under 1 s idle): ~30x.
     assert 0 < reported_at - stopped_at <= HANG_TIMEOUT_S + 30
     stacks = (frozen.out / hang["last_words"].split(str(frozen.out) + "/")[-1] / "rank0.stacks.txt").read_text()
     assert "on_save" in stacks  # rank 0 waited for rank 1 in the barrier before the manifest

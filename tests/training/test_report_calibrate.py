@@ -214,7 +214,11 @@ def test_a_run_killed_mid_training_is_reported_unfinished(host_recipe, tmp_path,
     with open(tmp_path / "killed.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            deadline = time.monotonic() + 300
+            # waits for 5 logged steps, then kills: the wait ends as soon as they are there, so its bound costs
+            # nothing when things go well. Under load ~10 on 2 cores a DeepSpeed launch of this recipe spends ~50 s
+            # before its first step and the steps take ~0.1-0.3 s; the former 300 s bound failed once under such
+            # load (DeepSpeed's start alone took minutes). 1200 s is ~20x the ~60 s it takes at load ~10.
+            deadline = time.monotonic() + 1200
             while len(read_metrics(out)) < WARMUP + 2 and time.monotonic() < deadline and process.poll() is None:
                 time.sleep(0.5)
         finally:

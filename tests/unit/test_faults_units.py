@@ -209,10 +209,13 @@ def test_a_stopped_process_is_killed_after_the_delay_by_a_helper_that_outlives_t
     victim = subprocess.Popen(["sleep", "60"])
     try:
         os.kill(victim.pid, signal.SIGSTOP)
-        kill_later([victim.pid], 0.5)
+        # "not yet" is looked at 0.2 s into a 2 s delay: the test's own wake-up may come 1.8 s late on a loaded
+        # machine before it could see the kill early (with the former 0.5 s delay, a 0.3 s late wake-up, plausible
+        # at load ~10 on 2 cores, failed it). The wait for the kill ends when it comes; 30 s bounds it.
+        kill_later([victim.pid], 2.0)
         time.sleep(0.2)
         assert victim.poll() is None  # not yet
-        assert victim.wait(timeout=10) == -signal.SIGKILL
+        assert victim.wait(timeout=30) == -signal.SIGKILL
     finally:
         if victim.poll() is None:
             victim.kill()

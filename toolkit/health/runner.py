@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 STORE_PREFIX = "dmt-health"
 OPTIONS_ENV = "DMT_HEALTH_OPTIONS"  # spawned ranks get their options as JSON here
 REPORT_KEY = "report"  # ... and hand the report back under this store key
-GRACE_S = 3.0  # after the report: time for the ranks to exit by themselves before they are killed
+GRACE_S = 3.0  # after a hang or failure report: time for the ranks to exit by themselves before they are killed
+# after a healthy report: the ranks still pass a barrier, stop their watchdog threads, destroy the process group and
+# exit the interpreter, which took over 3 s at load ~20 on 2 cores (a healthy run then exited 1, its ranks killed);
+# the wait ends as soon as they have exited
+HEALTHY_EXIT_S = 60.0
 Emit = Callable[[dict, object], None]  # (report, a store client the calling thread may use)
 
 
@@ -195,6 +199,7 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
     backstop_s = options.deadline_s * 1.5 + 5
     exits: dict[int, int] = {}  # rank -> exit code
     reported_at = first_death = None
+    grace_s = GRACE_S
     stuck: set[int] = set()
     own_hang: list[dict] = []
     hosts: list[str | None] = [None] * nproc
@@ -208,8 +213,10 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
                         first_death = now
             if reported_at is None and store.check([REPORT_KEY]):
                 reported_at = now
-                stuck = {u["rank"] for u in json.loads(store.get(REPORT_KEY)).get("unresponsive", [])}
-            if len(exits) == nproc or (reported_at is not None and now - reported_at > GRACE_S):
+                written = json.loads(store.get(REPORT_KEY))
+                stuck = {u["rank"] for u in written.get("unresponsive", [])}
+                grace_s = HEALTHY_EXIT_S if written.get("ok") else GRACE_S
+            if len(exits) == nproc or (reported_at is not None and now - reported_at > grace_s):
                 break
             if reported_at is not None and set(range(nproc)) <= set(exits) | stuck:
                 break  # everyone who can exit has; the unresponsive ones will not
