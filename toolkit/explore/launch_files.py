@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, named_as
 
 REQUEST_KEYS = ("model", "gpu", "plan", "train_tokens", "calibration")
 PLACEHOLDER_STEPS = 1000  # without --train-tokens: a schedule length for the user to edit
@@ -92,7 +92,8 @@ def launch_files(request: dict) -> dict[str, str]:
         path = Path(workdir) / "recipe.yaml"
         text = HEADER + yaml.safe_dump(recipe, sort_keys=False)
         path.write_text(text)
-        files = render(resolve(path, Path(workdir)))
+        with named_as({"cluster.calibration": "--calibration"}):  # the upload is what the request calls it
+            files = render(resolve(path, Path(workdir)))
         files["recipe.yaml"] = text
         if "calibration" in recipe["cluster"]:  # the file the recipe names, to sit beside it
             files["calibration.yaml"] = request["calibration"]

@@ -87,6 +87,11 @@ async def _body(request: Request) -> dict:
                                  f"options, e.g. {{\"model\": \"llama-3.1-8b\"}}")
     if _depth(data) > MAX_BODY_DEPTH:
         raise HTTPException(400, f"the request body nests deeper than {MAX_BODY_DEPTH} levels")
+    try:  # a \ud800 escape is valid JSON but no text: it could be neither written to a file nor answered
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise HTTPException(400, f"the request body holds {exc.object[exc.start:exc.end]!r}, a lone surrogate "
+                                 f"that is not a character; expected UTF-8 text") from None
     return data
 
 
@@ -116,12 +121,11 @@ def _cli_route(verb: str):
 async def generate(request: Request) -> JSONResponse:
     from toolkit.explore.launch_files import launch_files
 
-    from toolkit.explore.bridge import error_payload
-
     try:
         files = await run_in_threadpool(launch_files, await _body(request))
-    except UserInputError as exc:
-        return JSONResponse(error_payload("generate", f"dmt generate: error: {exc}"), status_code=400)
+    except UserInputError as exc:  # its key is the request's (`plan.tp`, `--calibration`), as a request key
+        key = exc.key.removeprefix("--").replace("-", "_")
+        return JSONResponse({"error": f"dmt generate: error: {exc}", "key": key}, status_code=400)
     return JSONResponse({"files": files})
 
 
