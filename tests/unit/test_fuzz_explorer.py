@@ -12,11 +12,12 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
+from helpers import calibration_data
 from toolkit.cli.main import main
-from toolkit.estimate.efficiency import HF, MEGATRON_TE
 from toolkit.explore.form import options
 from toolkit.explore.launch_files import REQUEST_KEYS
 from toolkit.explore.server import MAX_BODY_BYTES, MAX_BODY_DEPTH, create_app
+from toolkit.spec.plan import Plan
 
 ESTIMATE = {"model": "llama-3.2-1b", "gpus": 8}
 PLAN = {"model": "llama-3.2-1b", "gpus": 8, "seq_len": 2048, "global_batch": 16, "top": 1}
@@ -32,18 +33,6 @@ def ranked(client):
     """The best plan of PLAN, as the page sends it to /api/generate."""
     best = client.post("/api/plan", json=PLAN).json()[0]
     return {"model": PLAN["model"], "gpu": best["gpu"], "plan": best["plan"]}
-
-
-def calibration_data(hardware="h100-80gb", scale=0.25):
-    """A calibration as `dmt calibrate` writes it: both execution paths a llama plan may take, fitted at `scale`."""
-    run = {"run_dir": "runs/a", "execution_path": "hf", "plan": "deepspeed dp8 tp1 pp1 z1 mb2 rc=none", "steps": 7,
-           "measured_step_time_s": 1.0, "predicted_step_time_s_before": 0.5, "predicted_step_time_s_after": 1.0,
-           "error_before": -0.5, "error_after": 0.0}
-    fitted = {"hf": {"compute_scale": scale, "uncalibrated": HF.compute_scale, "runs": 1},
-              "megatron-te": {"compute_scale": scale, "uncalibrated": MEGATRON_TE.compute_scale, "runs": 1}}
-    return {"format": "dmt-calibration/1", "hardware": hardware, "efficiency": fitted, "warmup_steps": 3,
-            "runs": [run], "residuals": {"hf": {"runs": 1, "rms_error": 0.0, "max_abs_error": 0.0}},
-            "created": "2026-11-25T00:00:00+00:00", "machine": {"host": "test"}}
 
 
 def calibration_text(**kwargs) -> str:
@@ -191,34 +180,43 @@ def test_a_body_over_the_limit_is_not_read(client, endpoint):
 WRONG_VALUES = [True, 1.5, -1, [], {}, [1, [2]], {"a": {"b": 1}}, "--help", "-1", "\x00", "x" * 10_000, 1e308]
 
 
-@pytest.mark.parametrize("verb, base", [("estimate", ESTIMATE), ("plan", PLAN)])
-def test_a_wrong_value_on_every_option_is_never_a_500(client, verb, base):
-    for key in options(verb):
-        for value in WRONG_VALUES:
-            if verb == "plan" and key in options("estimate"):
-                continue  # the same option and the same code as the estimate's; the plan's search is slower
-            response = client.post(f"/api/{verb}", json={**base, key: value})
-            assert response.status_code in (200, 400), (key, value, response.text)
-            if response.status_code == 400:
-                assert_refused(response)
+# every option of the estimate, and those of the plan that the estimate lacks (the others run the same code)
+OPTIONS = [("estimate", key) for key in options("estimate")] + \
+          [("plan", key) for key in options("plan") if key not in options("estimate")]
 
 
-def test_a_wrong_value_on_every_generate_key_is_never_a_500(client, ranked):
-    keys = [*REQUEST_KEYS, *(f"plan.{key}" for key in ranked["plan"])]
-    for key in keys:
-        for value in WRONG_VALUES:
-            request = json.loads(json.dumps(ranked))
-            if key.startswith("plan."):
-                request["plan"][key[5:]] = value
-            else:
-                request[key] = value
-            response = client.post("/api/generate", json=request)
-            assert response.status_code in (200, 400), (key, value, response.text)
+@pytest.mark.parametrize("verb, key", OPTIONS)
+def test_a_wrong_value_on_any_option_is_never_a_500(client, verb, key):
+    for value in WRONG_VALUES:
+        response = client.post(f"/api/{verb}", json={**{"estimate": ESTIMATE, "plan": PLAN}[verb], key: value})
+        assert response.status_code in (200, 400), (value, response.text)
+        if response.status_code == 400:
+            assert_refused(response)
+
+
+@pytest.mark.parametrize("key", [*REQUEST_KEYS, *(f"plan.{key}" for key in Plan.model_fields)])
+def test_a_wrong_value_on_any_generate_key_is_never_a_500(client, ranked, key):
+    for value in WRONG_VALUES:
+        request = json.loads(json.dumps(ranked))
+        if key.startswith("plan."):
+            request["plan"][key[5:]] = value
+        else:
+            request[key] = value
+        response = client.post("/api/generate", json=request)
+        assert response.status_code in (200, 400), (value, response.text)
+        if response.status_code == 400:
+            assert_refused(response)
 
 
 def test_a_huge_gpus_per_node_does_not_hang_the_planner(client):
     response = client.post("/api/plan", json={**PLAN, "gpus_per_node": 10**100})
     assert response.status_code == 200  # promptly: the planner counted the divisors of 8, not up to 10**100
+
+
+def test_a_huge_global_batch_through_a_pipeline_does_not_hang_the_estimate(client):
+    response = client.post("/api/estimate", json={**ESTIMATE, "backend": "megatron", "pp": 2, "global_batch": 10**12})
+    assert response.status_code == 200  # promptly: the schedule lists the forwards alive, not all 10**12 of them
+    assert response.json()["plan"]["grad_accum"] == 10**12 // 4
 
 
 def test_unknown_routes_and_methods_answer_json(client):
