@@ -97,8 +97,8 @@ async def _body(request: Request) -> dict:
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Bad input (and Starlette's own 404 and 405): 4xx with one line."""
-    return JSONResponse({"error": f"{request.url.path}: {exc.detail}", "key": None}, status_code=exc.status_code,
-                        headers=exc.headers)
+    error = one_line(f"{request.url.path}: {exc.detail}")  # the path is percent-decoded: %0A would be a newline
+    return JSONResponse({"error": error, "key": None}, status_code=exc.status_code, headers=exc.headers)
 
 
 async def _bug(request: Request, exc: Exception) -> JSONResponse:
