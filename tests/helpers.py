@@ -166,3 +166,17 @@ def kill_rank_after_save(checkpoint: str, killed: list, rank: int = 1):
         return bool(killed)
 
     return act
+
+
+def calibration_data(hardware: str = "h100-80gb", scale: float = 0.25) -> dict:
+    """A calibration as `dmt calibrate` writes it, both execution paths a Llama plan may take fitted at `scale`."""
+    from toolkit.estimate.efficiency import HF, MEGATRON_TE
+
+    run = {"run_dir": "runs/a", "execution_path": "hf", "plan": "deepspeed dp8 tp1 pp1 z1 mb2 rc=none", "steps": 7,
+           "measured_step_time_s": 1.0, "predicted_step_time_s_before": 0.5, "predicted_step_time_s_after": 1.0,
+           "error_before": -0.5, "error_after": 0.0}
+    fitted = {"hf": {"compute_scale": scale, "uncalibrated": HF.compute_scale, "runs": 1},
+              "megatron-te": {"compute_scale": scale, "uncalibrated": MEGATRON_TE.compute_scale, "runs": 1}}
+    return {"format": "dmt-calibration/1", "hardware": hardware, "efficiency": fitted, "warmup_steps": 3,
+            "runs": [run], "residuals": {"hf": {"runs": 1, "rms_error": 0.0, "max_abs_error": 0.0}},
+            "created": "2026-11-25T00:00:00+00:00", "machine": {"host": "test"}}

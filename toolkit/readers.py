@@ -16,7 +16,7 @@ def one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
-def problem(path: Path, key: str | None, message: str) -> UserInputError:
+def problem(path: Path | str, key: str | None, message: str) -> UserInputError:
     """One line naming the file: `KEY: PATH <message>`, or `PATH: <message>` when no flag names it."""
     return UserInputError(key, f"{path} {message}") if key else UserInputError(str(path), message)
 
@@ -36,7 +36,7 @@ def read_text(path: Path, key: str | None = None, what: str = "a text file") -> 
         raise problem(path, key, f"cannot be read ({exc.strerror or one_line(exc)})") from None
 
 
-def _shape(data: Any, path: Path, key: str | None, expect: type | None, what: str) -> Any:
+def _shape(data: Any, path: Path | str, key: str | None, expect: type | None, what: str) -> Any:
     if expect is not None and not isinstance(data, expect):
         found = "nothing" if data is None else f"a {type(data).__name__}"
         raise problem(path, key, f"holds {found} at the top level; expected {what}")
@@ -56,15 +56,20 @@ def read_json(path: Path, key: str | None = None, expect: type | None = dict, wh
 
 def read_yaml(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a YAML mapping") -> Any:
     """A YAML document whose top level is `expect` (dict by default; None: anything)."""
+    path = Path(path)
+    return parse_yaml(read_text(path, key, what), path, key, expect, what)
+
+
+def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: type | None = dict,
+               what: str = "a YAML mapping") -> Any:
+    """A YAML document given as text (an upload, or a file read_yaml read); `source` names it in errors."""
     import yaml
 
-    path = Path(path)
-    text = read_text(path, key, what)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise problem(path, key, f"is not valid YAML ({one_line(exc)}); expected {what}") from None
-    return _shape(data, path, key, expect, what)
+        raise problem(source, key, f"is not valid YAML ({one_line(exc)}); expected {what}") from None
+    return _shape(data, source, key, expect, what)
 
 
 # safetensors (its docs, "Format"): an 8-byte little-endian header length, a JSON header mapping each tensor name to

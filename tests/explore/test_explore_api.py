@@ -13,7 +13,7 @@ import yaml
 from starlette.testclient import TestClient
 
 from toolkit.cli.main import main
-from toolkit.explore.form import form_fields, options, verb_parser
+from toolkit.explore.form import UPLOADS, form_fields, options, verb_parser
 from toolkit.explore.server import create_app
 from helpers import tiny_llama_config
 
@@ -102,8 +102,9 @@ def test_request_keys_and_fields_follow_the_cli_parsers():
                  if any(s.startswith("--") for s in a.option_strings)}  # a switch's --no- form is the same key
         file_options = {a.dest for a in parser._actions if a.type is not None and getattr(a.type, "__name__", "")
                         in ("Path", "PosixPath", "path_arg")}
-        assert set(options(verb)) == flags - {"help", "json"} - file_options
+        assert set(options(verb)) == flags - {"help", "json"} - (file_options - set(UPLOADS))
     fields = {f["key"]: f for f in form_fields("estimate")}
+    assert fields["calibration"]["kind"] == "file"  # uploaded as content, never named by path
     assert fields["zero"]["kind"] == "select" and fields["zero"]["choices"] == [0, 1, 2, 3]
     assert fields["sequence_parallel"]["kind"] == "checkbox" and fields["tp"]["kind"] == "number"
     assert fields["model"]["required"] and fields["gpus"]["required"]

@@ -160,3 +160,29 @@ def test_a_bad_value_shows_the_clis_message_next_to_the_field(page):
     set_field(page, "tp", "1")  # and the page recovers: the server stayed up
     assert page.find_element(By.CSS_SELECTOR, '.field[data-key="tp"] .field-error').text == ""
     assert page.find_element(By.ID, "verdict").get_attribute("data-fits") == "true"
+
+
+def test_a_calibration_file_chosen_in_the_page_is_uploaded_and_applied(page, tmp_path):
+    """The file input sends the file's text (the server opens no path): the estimate, the plans and the launch files
+    use it, and the files include it beside the recipe that names it."""
+    import yaml
+
+    from helpers import calibration_data
+
+    path = tmp_path / "h100-calibration.yaml"
+    path.write_text(yaml.safe_dump(calibration_data(scale=0.25), sort_keys=False))
+    before = page.execute_script("return state.report.step_time_s")
+    page.find_element(By.CSS_SELECTOR, '#estimate-form [data-control="calibration"]').send_keys(str(path))
+    settle(page)
+    report = page.execute_script("return state.report")
+    assert report["calibration"]["file"] == "./calibration.yaml"
+    assert report["calibration"]["compute_scale"]["hf"] == 0.25 and report["step_time_s"] != before
+    assert page.execute_script("return state.plans[0].calibration.compute_scale.hf") == 0.25
+    page.find_element(By.CSS_SELECTOR, "#plan-table tbody tr button.files").click()
+    WebDriverWait(page, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, '#files-tabs button[data-file="plan.json"]'))
+    tabs = {tab.text: tab for tab in page.find_elements(By.CSS_SELECTOR, "#files-tabs button")}
+    tabs["calibration.yaml"].click()
+    assert yaml.safe_load(page.find_element(By.ID, "file-text").text) == calibration_data(scale=0.25)
+    tabs["plan.json"].click()
+    assert json.loads(page.find_element(By.ID, "file-text").text)["calibration"]["compute_scale"]["hf"] == 0.25
+    page.find_element(By.ID, "files-close").click()

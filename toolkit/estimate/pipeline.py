@@ -9,7 +9,8 @@ its first backward starts.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Iterator
+from itertools import islice
 
 
 def peak_forwards(pp: int, vpp: int, stage: int, micro_batches: int) -> list[int]:
@@ -22,14 +23,14 @@ def peak_forwards(pp: int, vpp: int, stage: int, micro_batches: int) -> list[int
     else:
         warmup = 2 * (pp - stage - 1) + (vpp - 1) * pp
     alive = min(warmup + 1, total)
-    return [chunk for _, chunk in _schedule_table(micro_batches, vpp, pp)[:alive]]
+    return [chunk for _, chunk in islice(_forward_order(micro_batches, vpp, pp), alive)]
 
 
-@lru_cache(maxsize=4096)
-def _schedule_table(micro_batches: int, vpp: int, group: int) -> tuple[tuple[int, int], ...]:
-    """(micro-batch, virtual stage) in forward order: groups of `group` micro-batches run through every chunk."""
-    table = []
+def _forward_order(micro_batches: int, vpp: int, group: int) -> Iterator[tuple[int, int]]:
+    """(micro-batch, virtual stage) in forward order: groups of `group` micro-batches run through every chunk.
+    Lazily: only the first few are asked for, of what may be a global batch of 10**9 micro-batches."""
     for first in range(0, micro_batches, group):
         last = micro_batches if first + group >= micro_batches else first + group
-        table += [(mb, chunk) for chunk in range(vpp) for mb in range(first, last)]
-    return tuple(table)
+        for chunk in range(vpp):
+            for mb in range(first, last):
+                yield mb, chunk

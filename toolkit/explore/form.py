@@ -2,7 +2,8 @@
 
 A request key is a long flag with dashes as underscores (`--seq-len` -> `seq_len`). Nothing here lists option
 names: a flag added to `dmt estimate` or `dmt plan` becomes a form field and a request key by itself. Options that
-name a file (argparse type Path) are refused, as the page must not read or write outside a temp directory.
+name a file (argparse type Path) are refused, as the page must not read or write outside a temp directory; the
+few files the page may give (UPLOADS) come as their content, checked here and written into the request's temp dir.
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from toolkit.errors import UserInputError
 
 ALWAYS = "json"  # the API answers with what `--json` prints, so it is always on and not a field
 PASTED_MODEL_DIR = "pasted-config"  # the model name a pasted config.json gets (its directory's name)
+
+
+def _check_calibration(text: str, key: str) -> None:
+    from toolkit.spec.calibration import parse_calibration
+
+    parse_calibration(text, "the uploaded calibration", key)
+
+
+# file options the page takes as uploaded content, never as a path: request key -> (the file name it is written
+# under in the request's temp dir, the check of its text that the CLI's own reader makes of that file)
+UPLOADS = {"calibration": ("calibration.yaml", _check_calibration)}
 
 
 @lru_cache(maxsize=None)
@@ -47,7 +59,7 @@ def options(verb: str) -> dict[str, argparse.Action]:
         key = _key(action)
         if key is None or key == ALWAYS or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
             continue
-        if not _reads_files(action):
+        if key in UPLOADS or not _reads_files(action):
             found[key] = action
     return found
 
@@ -56,6 +68,8 @@ SWITCH_CHOICES = ["true", "false"]  # a switch with a --no- form (its default de
 
 
 def _kind(action: argparse.Action) -> str:
+    if _reads_files(action):  # one of UPLOADS
+        return "file"
     if action.nargs == 0 and action.const is True:  # store_true
         return "checkbox"
     if action.choices is not None or isinstance(action, argparse.BooleanOptionalAction):
@@ -92,8 +106,9 @@ def form_fields(verb: str) -> list[dict]:
 
 
 def request_argv(verb: str, request: dict, workdir: Path) -> list[str]:
-    """The command line `dmt <verb> ... --json` that a request stands for. A pasted config.json is written under
-    `workdir` (a temp dir); presets are passed by their packaged path, so no other file is read."""
+    """The command line `dmt <verb> ... --json` that a request stands for. A pasted config.json and uploaded files
+    are written under `workdir` (a temp dir); presets are passed by their packaged path, so no other file is read.
+    Values are passed as `--flag=value`, so that a value is never read as an option (`"--help"`, say)."""
     if not isinstance(request, dict):
         raise UserInputError("request", "expected a JSON object of options, e.g. {\"model\": \"llama-3.1-8b\"}")
     accepted = options(verb)
@@ -115,10 +130,12 @@ def request_argv(verb: str, request: dict, workdir: Path) -> list[str]:
                 raise UserInputError(flag, f"expects true or false, got {value!r}")
             argv += [flag] if value else []
         elif key == "model":
-            argv += [flag, model_argument(value, workdir)]
+            argv += [f"{flag}={model_argument(value, workdir)}"]
+        elif key in UPLOADS:
+            argv += [f"{flag}={uploaded_file(key, value, workdir)}"]
         else:
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            argv += [flag, text]
+            argv += [f"{flag}={text}"]
     return argv + [f"--{ALWAYS}"]
 
 
@@ -141,3 +158,16 @@ def model_argument(value, workdir: Path) -> str:
     raise UserInputError("--model", f"the page takes a preset or a pasted HF config.json (files and hub ids: "
                                     f"`dmt estimate` on the command line), got {value!r}; presets: "
                                     f"{', '.join(preset_names())}")
+
+
+def uploaded_file(key: str, text, workdir: Path) -> Path:
+    """The content of an uploaded file (one of UPLOADS), checked, then written into workdir for the CLI to read."""
+    name, check = UPLOADS[key]
+    flag = "--" + key.replace("_", "-")
+    if not isinstance(text, str):
+        raise UserInputError(flag, f"expects the text of the file (the page uploads it), got a "
+                                   f"{type(text).__name__}")
+    check(text, flag)
+    path = workdir / name
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -38,7 +38,8 @@ class SearchResult:
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
-    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+    # no divisor exceeds n: a limit of --gpus-per-node 10**100 must not count to it
+    return [d for d in range(1, min(limit or n, n) + 1) if n % d == 0]
 
 
 def pipeline_splits(num_layers: int, pp: int, megatron: bool) -> list[tuple[dict, list[int]]]:

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import UserInputError
-from toolkit.readers import read_yaml
+from toolkit.readers import parse_yaml, read_text
 
 FORMAT = "dmt-calibration/1"
 # How a plan's GEMMs are executed, each with its own rate (toolkit/estimate/efficiency.py EXECUTION_PATHS, whose names
@@ -24,7 +24,8 @@ ExecutionPath = Literal["megatron-te", "megatron-local", "hf"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a fitted rate or bandwidth of .inf or .nan would turn every prediction into inf/NaN, never a number
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PathEfficiency(_Strict):
@@ -129,16 +130,24 @@ class Calibration(_Strict):
                 "links": None if self.links is None else self.links.model_dump(exclude={"source"})}
 
 
-def load_calibration(path: Path | str, key: str = "--calibration") -> Calibration:
-    """Read and check a calibration file; any problem is one UserInputError line naming `key`, the file and the
-    field."""
-    path = Path(path)
-    data = read_yaml(path, key, what="a calibration file written by `dmt calibrate`")
+WHAT = "a calibration file written by `dmt calibrate`"
+
+
+def parse_calibration(text: str, source: str, key: str = "--calibration") -> Calibration:
+    """Check the text of a calibration file (its YAML), read from a file or uploaded to `dmt explore`; any problem is
+    one UserInputError line naming `key`, `source` and the field. `source` is what outputs record as its file."""
+    data = parse_yaml(text, source, key, what=WHAT)
     try:
-        calibration = Calibration(**data)
+        calibration = Calibration.model_validate(data)  # not Calibration(**data): YAML keys need not be strings
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"]) or "file"
-        raise UserInputError(key, f"{path}: {field}: {error['msg']} (not a calibration `dmt calibrate` wrote; "
+        raise UserInputError(key, f"{source}: {field}: {error['msg']} (not a calibration `dmt calibrate` wrote; "
                                   f"run it again)") from None
-    return calibration.model_copy(update={"source": str(path)})
+    return calibration.model_copy(update={"source": source})
+
+
+def load_calibration(path: Path | str, key: str = "--calibration") -> Calibration:
+    """Read and check a calibration file (parse_calibration on its text)."""
+    path = Path(path)
+    return parse_calibration(read_text(path, key, what=WHAT), str(path), key)

@@ -15,7 +15,8 @@ const SWEEPS = {
 const FILE_ORDER = ["deepspeed.json", "megatron.yaml", "accelerate.yaml", "slurm.sbatch"];
 
 const state = {setup: null, fields: {estimate: [], plan: []}, planOnly: new Set(), report: null, plans: [],
-               seq: {estimate: 0, plan: 0, sweep: 0}, charts: {}, file: null};
+               seq: {estimate: 0, plan: 0, sweep: 0}, charts: {}, file: null,
+               uploads: {}};  // key of a "file" field -> the text of the file chosen (the server never takes a path)
 // what the tests wait on: a change is scheduled, or requests are in flight
 window.explorer = {pending: 0, scheduled: 0, busy() { return this.pending > 0 || this.scheduled > 0; }};
 
@@ -64,6 +65,11 @@ function fieldElement(field, prefix) {
     control.checked = Boolean(field.default);
     wrap.classList.add("checkbox");
     wrap.append(control, label);
+  } else if (field.kind === "file") {
+    control = el("input", {type: "file", id, accept: ".yaml,.yml"});
+    control.addEventListener("change", () => upload(field.key, control));
+    wrap.classList.add("wide");
+    wrap.append(label, control);
   } else {
     if (choices) {
       control = el("select", {id});
@@ -82,10 +88,24 @@ function fieldElement(field, prefix) {
   return wrap;
 }
 
+// a chosen file is sent as its text: read here, then the estimate and plans are asked again
+async function upload(key, control) {
+  window.explorer.pending++;
+  try {
+    const file = control.files[0];
+    if (file) state.uploads[key] = await file.text();
+    else delete state.uploads[key];
+  } finally {
+    window.explorer.pending--;
+  }
+  schedule();
+}
+
 function fieldValue(form, key) {
   const control = form.querySelector(`[data-control="${key}"]`);
   if (!control) return null;
   if (control.type === "checkbox") return control.checked;
+  if (control.type === "file") return key in state.uploads ? state.uploads[key] : null;
   return control.value.trim() === "" ? null : control.value.trim();
 }
 
@@ -404,8 +424,10 @@ function usePlan(record) {
 
 async function openFiles(record, rank) {
   const request = {model: modelValue(), gpu: record.gpu, plan: record.plan};
-  const tokens = fieldValue($("#estimate-form"), "train_tokens");
-  if (tokens !== null) request.train_tokens = tokens;
+  for (const key of ["train_tokens", "calibration"]) {  // the estimate's own, which the files use as well
+    const value = fieldValue($("#estimate-form"), key);
+    if (value !== null) request[key] = value;
+  }
   $("#files-title").textContent = `Launch files of plan #${rank}`;
   $("#files-tabs").replaceChildren();
   $("#file-text").textContent = "rendering…";
@@ -423,7 +445,7 @@ async function openFiles(record, rank) {
 
 function rankOf(name) {
   const i = FILE_ORDER.indexOf(name);
-  return i < 0 ? FILE_ORDER.length + (name === "recipe.yaml" ? 1 : 0) : i;
+  return i < 0 ? FILE_ORDER.length + (name === "recipe.yaml" ? 1 : name === "calibration.yaml" ? 2 : 0) : i;
 }
 
 function showFile(name, text) {
