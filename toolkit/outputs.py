@@ -71,7 +71,8 @@ def input_at(target: Path, inputs: Iterable[Path | None] = (), inside: bool = Tr
 def _refuse_input(target: Path, flag: str, inputs: Iterable[Path | None] = (), inside: bool = True) -> None:
     source = input_at(target, inputs, inside)
     if source is not None:
-        where = "" if _same_file(target, source) else f" in {source}"
+        given = "" if source.absolute() == target.absolute() else f" ({source})"  # as the command line named it
+        where = given if _same_file(target, source) else f" (in {source})"
         raise UserInputError(flag, f"{target} is an input of this command{where}; write somewhere else")
 
 

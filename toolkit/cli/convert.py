@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     handlers = {"zero-to-hf": _zero_to_hf, "hf-to-megatron": _hf_to_megatron, "megatron-to-hf": _megatron_to_hf,
                 "fsdp-to-hf": _fsdp_to_hf, "merge-lora": _merge_lora, "check": _check}
+    if getattr(args, "out_dir", None) is not None:  # before any input is read: never one of them, never a full one
+        from toolkit.checkpoint.atomic import check_output_dir
+
+        check_output_dir(args.out_dir)
     return handlers[args.direction](args)
 
 
