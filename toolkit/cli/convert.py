@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fsdp.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
     fsdp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     fsdp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
-    fsdp.add_argument("--config", type=path_arg, default=None, help="HF config.json when the checkpoint has none beside it")
+    fsdp.add_argument("--config", type=path_arg, default=None,
+                      help="HF config.json when the checkpoint has none beside it")
     fsdp.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     merge = sub.add_parser("merge-lora", help="LoRA adapter + its base -> merged HF safetensors",

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
-    parser.add_argument("--workdir", type=output_arg, default=None, help="where the three runs go (default: a new temp dir)")
+    parser.add_argument("--workdir", type=output_arg, default=None,
+                        help="where the three runs go (default: a new temp dir)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--json", action="store_true")
     add_plan_flags(parser, overriding="the recipe's plan in every run")

@@ -21,14 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--time", default="24:00:00", help="time limit (default %(default)s)")
         p.add_argument("--account", default=None)
         p.add_argument("--output-dir", default=None, help="training output directory (default runs/<recipe name>)")
-        p.add_argument("--deepspeed", type=source_arg, default=None, help="DeepSpeed JSON to train with (default: from the recipe)")
+        p.add_argument("--deepspeed", type=source_arg, default=None,
+                       help="DeepSpeed JSON to train with (default: from the recipe)")
         p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                        help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
         p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
                        help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun; "
                             "fsdp recipes: torchrun or accelerate)")
-        p.add_argument("--accelerate-config", type=source_arg, default=None, help="accelerate.yaml (from dmt generate) for "
-                                                                 "--launcher accelerate")
+        p.add_argument("--accelerate-config", type=source_arg, default=None,
+                       help="accelerate.yaml (from dmt generate) for --launcher accelerate")
         p.add_argument("--convert", action="store_true", help="a checkpoint-conversion job instead of training")
         if name == "render":
             p.add_argument("--out", type=output_arg, default=None, help="write here instead of printing")
