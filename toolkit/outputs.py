@@ -120,13 +120,13 @@ def output_directory(path: Path | str, flag: str, inputs: Iterable[Path] = (), n
     return target
 
 
-def write_file(path: Path, data: str | bytes, flag: str, mode: int | None = None,
-               inputs: Iterable[Path | None] = ()) -> None:
+def write_file(path: Path, data: str | bytes, flag: str, mode: int | None = None) -> None:
     """Write `data` to a temporary sibling, fsync, then rename over `path`: readers see the old file or the new one;
-    a failure (a read-only file system, a full disk) is one line naming `flag`, with nothing left behind. `path` is
-    compared with the command's inputs again (`inputs`: those found since its output check, a recipe's files)."""
+    a failure (a read-only file system, a full disk) is one line naming `flag`, with nothing left behind. The last
+    guard: never over an input file of the command itself (a run's own files in its directory are written, read and
+    rewritten by training: the directory rule is output_file's)."""
     path = Path(path)
-    _refuse_input(path, flag, inputs)
+    _refuse_input(path, flag, inside=False)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:

@@ -237,6 +237,19 @@ def test_no_output_replaces_an_input(sandbox, capsys, case, via):
     assert not [p for p in sandbox.rglob("*") if ".tmp-" in p.name]
 
 
+def test_slurm_render_never_replaces_a_file_of_the_generated_directory_it_renders(sandbox, capsys):
+    """--plan DIR/plan.json reads DIR's files (deepspeed.json, ...): --out over one of them, or a link to one, is
+    refused once rendering has read them, and the generated directory stays as generate wrote it."""
+    out = _generated(sandbox, capsys)
+    (sandbox / "alias.json").symlink_to(out / "deepspeed.json")
+    before = _snapshot(sandbox)
+    for target in (out / "deepspeed.json", sandbox / "alias.json"):
+        code, err = _run(capsys, ["slurm", "render", str(sandbox / "recipe.yaml"), "--plan", str(out / "plan.json"),
+                                  "--out", str(target)])
+        _assert_refused(code, err, "--out", "deepspeed.json", "input")
+        assert _snapshot(sandbox) == before
+
+
 def test_an_output_beside_the_inputs_is_written(sandbox, capsys):
     """The check refuses what replaces an input, nothing more: a new plot in a run directory it reads is written."""
     _users_files(sandbox)

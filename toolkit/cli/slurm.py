@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         if out is None:
             print(script, end="")
             return 0
-        write_file(out, script, "--out", mode=0o755, inputs=_read_for(args))
+        out = output_file(out, "--out", inputs=_read_for(args))  # again, with the files rendering read
+        write_file(out, script, "--out", mode=0o755)
         print(f"wrote {out}")
         return 0
     if args.dry_run:
