@@ -18,8 +18,8 @@ from pathlib import Path
 from toolkit.errors import UserInputError
 
 # Every input path of the command being run, registered as its command line is parsed (toolkit.cli.paths: the type
-# of every path flag) and by the code that finds more (a recipe's files): every output check and every write compares
-# its target with all of them, so that no verb has to list its inputs and a new input flag cannot be forgotten.
+# of every path flag): every output check compares its target with all of them, and with the inputs a verb finds on
+# the way (a recipe's files, given as `inputs`), so that no verb lists its flags and a new input flag is never missed.
 _INPUTS: list[Path] = []
 
 
