@@ -7,12 +7,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+
+# Every input path of the command being run, registered as its command line is parsed (toolkit.cli.paths: the type
+# of every path flag): every output check compares its target with all of them, and with the inputs a verb finds on
+# the way (a recipe's files, given as `inputs`), so that no verb lists its flags and a new input flag is never missed.
+_INPUTS: list[Path] = []
+
+
+def note_input(path: Path | str) -> None:
+    """`path` is an input of the command being run: no output of it may replace it (or, a directory, a file in it)."""
+    if str(path).strip():
+        _INPUTS.append(Path(path).expanduser())
+
+
+@contextmanager
+def command_inputs() -> Iterator[None]:
+    """The inputs of one command: none on entry (its command line then registers them), none left on exit."""
+    _INPUTS.clear()
+    try:
+        yield
+    finally:
+        _INPUTS.clear()
 
 
 def _resolved(path: Path | str, flag: str) -> Path:
@@ -24,8 +48,32 @@ def _resolved(path: Path | str, flag: str) -> Path:
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
         return False
+
+
+def input_at(target: Path, inputs: Iterable[Path | None] = (), inside: bool = True) -> Path | None:
+    """The input of this command (`inputs` and every registered one) that writing `target` would replace: the same
+    file, any symlink followed; with `inside`, also an input directory holding `target` when `target` already exists
+    (a run or checkpoint directory stands for every file in it). None when writing `target` replaces no input."""
+    target = Path(target)
+    for source in dict.fromkeys([*(Path(p).expanduser() for p in inputs if p is not None), *_INPUTS]):
+        if _same_file(target, source):
+            return source
+        try:
+            if inside and target.exists() and source.is_dir() and target.resolve().is_relative_to(source.resolve()):
+                return source
+        except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+            continue
+    return None
+
+
+def _refuse_input(target: Path, flag: str, inputs: Iterable[Path | None] = (), inside: bool = True) -> None:
+    source = input_at(target, inputs, inside)
+    if source is not None:
+        given = "" if source.absolute() == target.absolute() else f" ({source})"  # as the command line named it
+        where = given if _same_file(target, source) else f" (in {source})"
+        raise UserInputError(flag, f"{target} is an input of this command{where}; write somewhere else")
 
 
 def _writable_directory(directory: Path, flag: str, target: Path) -> None:
@@ -51,31 +99,34 @@ def output_file(path: Path | str, flag: str, inputs: Iterable[Path] = (), suffix
         raise UserInputError(flag, f"expects a {suffix} file name, got {path}")
     if target.is_dir():
         raise UserInputError(flag, f"{target} is a directory; give a file name")
-    for source in inputs:
-        if _same_file(target, Path(source)):
-            raise UserInputError(flag, f"{target} is an input of this command; write somewhere else")
+    _refuse_input(target, flag, inputs)
     if not target.parent.exists():
         raise UserInputError(flag, f"directory {target.parent} does not exist")
     _writable_directory(target.parent, flag, target)
     return target
 
 
-def output_directory(path: Path | str, flag: str, inputs: Iterable[Path] = ()) -> Path:
-    """A directory a command will create or write into: not a file, not holding an input's path, creatable."""
+def output_directory(path: Path | str, flag: str, inputs: Iterable[Path] = (), names: Iterable[str] = ()) -> Path:
+    """A directory a command will create or write into: not a file, not an input, creatable; none of the `names` it
+    will write into it (an input inside it, or inside an input directory, by one of those names) is an input."""
     target = _resolved(path, flag)
     if target.exists() and not target.is_dir():
         raise UserInputError(flag, f"{target} is a file; give a directory")
-    for source in inputs:
-        if _same_file(target, Path(source)):
-            raise UserInputError(flag, f"{target} is an input of this command; write somewhere else")
+    inputs = list(inputs)
+    _refuse_input(target, flag, inputs, inside=False)  # a new directory inside an input one replaces nothing
+    for name in names:
+        _refuse_input(target / name, flag, inputs)
     _writable_directory(target, flag, target)
     return target
 
 
 def write_file(path: Path, data: str | bytes, flag: str, mode: int | None = None) -> None:
     """Write `data` to a temporary sibling, fsync, then rename over `path`: readers see the old file or the new one;
-    a failure (a read-only file system, a full disk) is one line naming `flag`, with nothing left behind."""
+    a failure (a read-only file system, a full disk) is one line naming `flag`, with nothing left behind. The last
+    guard: never over an input file of the command itself (a run's own files in its directory are written, read and
+    rewritten by training: the directory rule is output_file's)."""
     path = Path(path)
+    _refuse_input(path, flag, inside=False)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
@@ -109,50 +160,84 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-RECORD = ".dmt-generated.json"  # the files `dmt generate` wrote into a directory, with what it wrote
+RECORD = ".dmt-generated.json"  # the files `dmt generate` wrote into a directory, with the sha256 of each
+_RECORD_WHAT = "the record `dmt generate` keeps there: a JSON object of file name -> sha256"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _record(directory: Path) -> dict[str, str]:
+def _record(directory: Path, flag: str) -> dict[str, str]:
+    """The record in `directory` ({} without one). One that is not such a record is one line, before anything is
+    written or removed: a file in the directory is never taken for this tool's on the word of a damaged record."""
+    from toolkit.readers import read_json
+
+    path = directory / RECORD
+    fix = f"; move it away (every file in {directory} is then taken for the user's: kept, replaced only with --force)"
     try:
-        data = json.loads((directory / RECORD).read_text())
-    except (OSError, ValueError):
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()) else {}
+    except OSError as exc:
+        raise UserInputError(flag, f"cannot read {path} ({exc.strerror or exc}){fix}") from None
+    if not stat.S_ISREG(mode):  # generate writes a regular file; a link or a FIFO is someone else's
+        raise UserInputError(flag, f"{path} is not a regular file; expected {_RECORD_WHAT}{fix}")
+    try:
+        data = read_json(path, flag, what=_RECORD_WHAT)
+    except UserInputError as exc:
+        raise UserInputError(flag, exc.message + fix) from None
+    bad = next((f"{name!r}: {digest!r}" for name, digest in data.items()
+                if not (isinstance(digest, str) and _SHA256.fullmatch(digest))), None)
+    if bad is not None:
+        raise UserInputError(flag, f"{path} holds {bad[:80]}, not a sha256; expected {_RECORD_WHAT}{fix}")
+    return data
 
 
-def _ours(path: Path, record: dict[str, str]) -> bool:
-    """Whether `path` is a file this tool wrote and nobody changed since."""
-    digest = record.get(path.name)
-    if digest is None or not path.is_file():
+def _ours(directory: Path, name: str, digest: str, names: frozenset[str]) -> bool:
+    """Whether `directory/name` is a file this tool wrote and nobody changed since: a name its generators write (a
+    plain name: directly inside `directory`, never through `..`, a separator or an absolute path), a regular file
+    there (a symlink is not followed), whose content still has the recorded sha256."""
+    if name not in names or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
         return False
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest() == digest
+        handle = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # absent, a symlink (ELOOP), unreadable
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            return False
+        with os.fdopen(os.dup(handle), "rb") as stream:  # hashed in chunks: a huge replacement costs time, not memory
+            return hashlib.file_digest(stream, "sha256").hexdigest() == digest
     except OSError:
         return False
+    finally:
+        os.close(handle)
 
 
-def write_generated(directory: Path, contents: dict[str, str], flag: str, inputs: Iterable[Path] = (),
-                    force: bool = False, executable: Iterable[str] = ()) -> list[Path]:
-    """Write a set of generated files into `directory` together. Every target is checked first: none may be a
-    directory or an input; a file there that this tool did not write (or that was edited since) is replaced only with
-    `force`. Files are staged in a sibling directory and moved in; files this tool wrote before that the new set no
-    longer has (another backend's) are removed. The record of what was written is kept in the directory."""
-    directory = output_directory(directory, flag, inputs)
+def write_generated(directory: Path, contents: dict[str, str], flag: str, names: Iterable[str],
+                    inputs: Iterable[Path] = (), force: bool = False, executable: Iterable[str] = ()) -> list[Path]:
+    """Write a set of generated files into `directory` together. `names`: every file name the caller's generators
+    can write, the only names its record is trusted with. Every target is checked first: none may be a directory, a
+    link or an input; a file there that this tool did not write (or that was edited since) is replaced only with
+    `force`. Files are staged in a sibling directory and moved in. A file the record lists that the new set no longer
+    has (another backend's) is removed only when it is one of `names`, directly in `directory`, a regular file with the
+    content it was written with, and no input; anything else the record lists stays, with or without `force`."""
+    names = frozenset(names)
+    if not set(contents) <= names:
+        raise ValueError(f"generated names not declared: {sorted(set(contents) - names)}")
     inputs = [Path(p) for p in inputs]
-    record = _record(directory) if directory.is_dir() else {}
-    stale = [directory / name for name in record if name not in contents and (directory / name).exists()]
+    directory = output_directory(directory, flag, inputs, names=contents)
+    record = _record(directory, flag) if directory.is_dir() else {}
+    ours = {name for name, digest in record.items() if _ours(directory, name, digest, names)}
+    stale = [directory / name for name in sorted(ours - set(contents)) if input_at(directory / name, inputs) is None]
     for name in contents:
         target = directory / name
-        if any(_same_file(target, source) for source in inputs):
-            raise UserInputError(flag, f"{target} is an input of this command; write somewhere else")
         if target.is_dir() or target.is_symlink():
             raise UserInputError(flag, f"{target} is a {'directory' if target.is_dir() else 'link'}; move it away or "
                                        f"choose another {flag}")
     if not force:
-        foreign = [p for p in [directory / n for n in contents] + stale if p.exists() and not _ours(p, record)]
+        foreign = [directory / n for n in contents if (directory / n).exists() and n not in ours]
         if foreign:
-            names = ", ".join(p.name for p in foreign)
-            raise UserInputError(flag, f"{directory} holds {names}, not written by this tool (or edited since); "
+            listed = ", ".join(p.name for p in foreign)
+            raise UserInputError(flag, f"{directory} holds {listed}, not written by this tool (or edited since); "
                                        f"--force replaces {'them' if len(foreign) > 1 else 'it'}")
     executable = set(executable)
     try:

@@ -14,7 +14,7 @@ if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
-from toolkit.cli.paths import path_arg  # noqa: E402
+from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
 from toolkit.errors import UserInputError  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the recipe (with --plan: default the one plan.json names, and it must be unchanged)")
     parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON for the quick path (default: generated from "
                                                           "the recipe's plan)")
-    parser.add_argument("--output-dir", type=path_arg, default=None, help="default: runs/<recipe name>")
+    parser.add_argument("--output-dir", type=output_arg, default=None, help="default: runs/<recipe name>")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (overrides the recipe)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",

@@ -101,7 +101,7 @@ def test_request_keys_and_fields_follow_the_cli_parsers():
         flags = {next(s for s in a.option_strings if s.startswith("--"))[2:].replace("-", "_") for a in parser._actions
                  if any(s.startswith("--") for s in a.option_strings)}  # a switch's --no- form is the same key
         file_options = {a.dest for a in parser._actions if a.type is not None and getattr(a.type, "__name__", "")
-                        in ("Path", "PosixPath", "path_arg")}
+                        in ("Path", "PosixPath", "path_arg", "output_arg")}
         assert set(options(verb)) == flags - {"help", "json"} - (file_options - set(UPLOADS))
     fields = {f["key"]: f for f in form_fields("estimate")}
     assert fields["calibration"]["kind"] == "file"  # uploaded as content, never named by path

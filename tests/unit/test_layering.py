@@ -19,7 +19,8 @@ PACKAGE = ROOT / "toolkit"
 # layer also from each other)
 LAYERS = (
     ("toolkit", "errors", "presets"),
-    ("readers", "outputs"),
+    ("readers",),
+    ("outputs",),  # reads the record of `dmt generate` through the one reading path
     ("families",),
     ("spec",),
     ("estimate",),

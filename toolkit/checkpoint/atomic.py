@@ -22,10 +22,11 @@ def check_output_dir(out: Path, flag: str = "OUT_DIR", inputs: Iterable[Path | N
     """`out`, absolute, if a new directory can be made there; otherwise a UserInputError at `flag` saying why.
     Nothing is left behind (a probe directory is made and removed): a refused conversion leaves the file system as
     it found it."""
+    from toolkit.outputs import input_at
+
     out = Path(out).expanduser().absolute()
-    for source in (Path(p).expanduser().resolve() for p in inputs if p is not None):
-        if out.resolve() == source:
-            raise UserInputError(flag, f"{out} is one of the inputs; choose a new directory for the output")
+    if input_at(out, inputs, inside=False) is not None:  # `inputs` and every input the command line named
+        raise UserInputError(flag, f"{out} is one of the inputs; choose a new directory for the output")
     if out.is_file() or (out.is_symlink() and not out.is_dir()):  # a dangling link too
         raise UserInputError(flag, f"{out} is an existing file; choose a new directory")
     if out.is_dir() and any(out.iterdir()):

@@ -126,6 +126,12 @@ def _by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
+# what a restore test writes into its work directory: the runs' directories and their logs
+REFERENCE, INTERRUPTED = "reference", "interrupted"
+LOGS = {run: f"{run}.log" for run in (REFERENCE, INTERRUPTED, "resumed")}
+WORKDIR_ENTRIES = (REFERENCE, INTERRUPTED, *LOGS.values())
+
+
 def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: int, resume_nprocs: int | None = None,
                  launcher: str = "deepspeed", tolerance: float = 0.0, timeout: float = 900,
                  train_args: tuple[str, ...] = ()) -> RestoreResult:
@@ -134,27 +140,28 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
         raise UserInputError("--save-at", f"must be between 1 and --steps - 1 = {steps - 1}, got {save_at}")
     resharded = resume_nprocs is not None and resume_nprocs != nprocs  # train.py reshards: dist / universal ckpt
     workdir.mkdir(parents=True, exist_ok=True)
-    reference, run = workdir / "reference", workdir / "interrupted"
+    reference, run = workdir / REFERENCE, workdir / INTERRUPTED
+    log = {name: workdir / file for name, file in LOGS.items()}
     for path in (reference, run):
         if path.exists() and any(path.iterdir()):
             raise UserInputError("--workdir", f"{path} is not empty; use a new --workdir")
 
-    rc = _run(_command(launcher, nprocs, recipe, reference, steps, steps, False, train_args), workdir / "reference.log", timeout)
+    rc = _run(_command(launcher, nprocs, recipe, reference, steps, steps, False, train_args), log["reference"], timeout)
     ref = _by_step(read_metrics(reference))
     if steps not in ref:
-        raise _failed(workdir / "reference.log", "the reference run") or UserInputError(
-            "--recipe", f"the reference run did not reach step {steps} (rc={rc}); see {workdir / 'reference.log'}")
+        raise _failed(log["reference"], "the reference run") or UserInputError(
+            "--recipe", f"the reference run did not reach step {steps} (rc={rc}); see {log['reference']}")
     killed_at = _run_and_kill_after_save(_command(launcher, nprocs, recipe, run, steps, save_at, False, train_args), run, save_at,
-                                         workdir / "interrupted.log", timeout)
+                                         log["interrupted"], timeout)
     os.replace(run / METRICS_FILE, run / f"killed.{METRICS_FILE}")
     checkpoint = resolve_latest(run)
     resume_args = train_args + (("--gpus", str(resume_nprocs)) if resharded else ())
     rc = _run(_command(launcher, resume_nprocs or nprocs, recipe, run, steps, steps, True, resume_args),
-              workdir / "resumed.log", timeout)
+              log["resumed"], timeout)
     resumed = _by_step(read_metrics(run))
     if steps not in resumed:
-        raise _failed(workdir / "resumed.log", "the resumed run") or UserInputError(
-            "--recipe", f"the resumed run did not reach step {steps} (rc={rc}); see {workdir / 'resumed.log'}")
+        raise _failed(log["resumed"], "the resumed run") or UserInputError(
+            "--recipe", f"the resumed run did not reach step {steps} (rc={rc}); see {log['resumed']}")
     compared = list(range(save_at + 1, steps + 1))
     mismatches, max_diff = [], 0.0
     for step in compared:

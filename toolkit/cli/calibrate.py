@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
 
 HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for\n"
@@ -16,7 +16,7 @@ HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters f
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", type=path_arg, nargs="+", metavar="RUN_DIR",
                         help="finished training runs on one hardware (toolkit/train.py --output-dir)")
-    parser.add_argument("--out", type=path_arg, required=True, metavar="CALIBRATION_YAML",
+    parser.add_argument("--out", type=output_arg, required=True, metavar="CALIBRATION_YAML",
                         help="the calibration file to write")
     parser.add_argument("--health", type=path_arg, default=None, metavar="HEALTH_JSON",
                         help="a `dmt health --json` report of the same machines: its measured link bandwidths join "
@@ -29,7 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import platform
     from datetime import datetime, timezone
-    from pathlib import Path
 
     import yaml
 
@@ -39,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
     if warmup < 0:
         raise UserInputError("--warmup", f"must be 0 or more, got {warmup}")
-    inputs = [*args.run_dirs, *(p for d in args.run_dirs for p in Path(d).glob("*")), *filter(None, [args.health])]
-    out = output_file(args.out, "--out", inputs=inputs)
+    out = output_file(args.out, "--out")  # never over --health, a run directory or a file in one
     links = _links(args.health)
     reports = [read_run(path, warmup) for path in args.run_dirs]
     observations, hardware, records = _observations(reports)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg, path_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           description="Stream a DeepSpeed ZeRO checkpoint (HF Trainer or bare DeepSpeed layout, any "
                                       "world size) into HF safetensors; equal bit for bit to DeepSpeed's zero_to_fp32.")
     zero.add_argument("ckpt_dir", type=path_arg, metavar="CKPT_DIR", help="directory with `latest` (or the tag directory)")
-    zero.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the HF model")
+    zero.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
     zero.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: from `latest`)")
     zero.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     zero.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               description="Write a Megatron-Core dist checkpoint (torch_dist) of an HF model that a "
                                           "GPTModel at this TP/PP/VPP/EP loads (and, resharded, other layouts).")
     to_mcore.add_argument("hf_dir", type=path_arg, metavar="HF_DIR")
-    to_mcore.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the dist checkpoint")
+    to_mcore.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the dist checkpoint")
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"), ("ep", "expert")):
         to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{what} parallel size it is meant for")
     to_mcore.add_argument("--check", action="store_true", help="then compare logits with the HF model at --tp/--pp")
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            description="Read a Megatron-Core dist checkpoint (converted or saved by training, any "
                                        "layout) back into HF safetensors.")
     to_hf.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
-    to_hf.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the HF model")
+    to_hf.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
     to_hf.add_argument("--config", type=path_arg, default=None, help="HF config.json when the checkpoint has none")
     to_hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (HF's max_shard_size)")
@@ -47,11 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                       "checkpoint-N or its pytorch_model_fsdp_0/, saved by any number of ranks) into "
                                       "HF safetensors, tensor by tensor; equal bit for bit to `accelerate "
                                       "merge-weights`.")
-    fsdp.add_argument("ckpt_dir", type=Path, metavar="CKPT", help="checkpoint-N, or its pytorch_model_fsdp_0/")
-    fsdp.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new directory for the HF model")
+    fsdp.add_argument("ckpt_dir", type=path_arg, metavar="CKPT", help="checkpoint-N, or its pytorch_model_fsdp_0/")
+    fsdp.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
     fsdp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     fsdp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
-    fsdp.add_argument("--config", type=Path, default=None, help="HF config.json when the checkpoint has none beside it")
+    fsdp.add_argument("--config", type=path_arg, default=None,
+                      help="HF config.json when the checkpoint has none beside it")
     fsdp.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     merge = sub.add_parser("merge-lora", help="LoRA adapter + its base -> merged HF safetensors",
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "bit for bit to PEFT's merge_and_unload() of the base as stored.")
     merge.add_argument("base_dir", type=path_arg, metavar="BASE", help="the HF base model directory (safetensors)")
     merge.add_argument("adapter_dir", type=path_arg, metavar="ADAPTER", help="the adapter directory (or checkpoint-N)")
-    merge.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the merged model")
+    merge.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the merged model")
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
     merge.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -78,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     handlers = {"zero-to-hf": _zero_to_hf, "hf-to-megatron": _hf_to_megatron, "megatron-to-hf": _megatron_to_hf,
                 "fsdp-to-hf": _fsdp_to_hf, "merge-lora": _merge_lora, "check": _check}
+    if getattr(args, "out_dir", None) is not None:  # before any input is read: never one of them, never a full one
+        from toolkit.checkpoint.atomic import check_output_dir
+
+        check_output_dir(args.out_dir)
     return handlers[args.direction](args)
 
 

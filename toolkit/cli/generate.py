@@ -7,12 +7,12 @@ import json
 
 from toolkit.cli.common import add_calibration_argument
 from toolkit.cli.options import add_plan_flags, plan_overrides
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg, path_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=path_arg, metavar="RECIPE")
-    parser.add_argument("--out", type=path_arg, required=True, help="directory for the generated files")
+    parser.add_argument("--out", type=output_arg, required=True, help="directory for the generated files")
     parser.add_argument("--force", action="store_true", help="replace files in --out that dmt generate did not write "
                                                              "(or that were edited since)")
     parser.add_argument("--json", action="store_true", help="print the written files and the plan as JSON")

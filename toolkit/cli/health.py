@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg
 from toolkit.errors import UserInputError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs each rank must see (default: the launcher's ranks per node)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    out.add_argument("--output", type=path_arg, default=None, help="also write the JSON report here (for dmt plan --measured-bw)")
+    out.add_argument("--output", type=output_arg, default=None,
+                     help="also write the JSON report here (for dmt plan --measured-bw)")
 
 
 def run(args: argparse.Namespace) -> int:

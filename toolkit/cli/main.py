@@ -7,6 +7,7 @@ import os
 import sys
 
 from toolkit.errors import UserInputError
+from toolkit.outputs import command_inputs
 
 # verb -> module under toolkit.cli exposing add_arguments(parser) and run(args) -> int; imported on use only
 VERBS = {
@@ -49,11 +50,16 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import importlib
-
     argv = sys.argv[1:] if argv is None else argv
     verb = next((a for a in argv if a in VERBS), None)
     parser = build_parser(verb)
+    with command_inputs():  # the path flags register the command's inputs as they are parsed
+        return _parse_and_run(parser, argv)
+
+
+def _parse_and_run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    import importlib
+
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error already printed in one line

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
 from toolkit.spec.options import BACKENDS
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="search only these backends (default: all; --backend pins one)")
     parser.add_argument("--top", type=int, default=10, help="plans to show (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of the ranked plans")
-    parser.add_argument("--plot", type=path_arg, default=None, metavar="FILE.png",
+    parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
                         help="stacked per-GPU memory of the top plans and of ZeRO 0-3")
     add_network_arguments(parser)
     add_train_tokens_argument(parser)

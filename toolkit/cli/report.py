@@ -6,7 +6,7 @@ import argparse
 import json
 
 from toolkit.cli.common import GiB, add_calibration_argument
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
 
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, metavar="N",
                         help="logged steps left out of the medians (allocation, compilation; default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: {runs: [...]}")
-    parser.add_argument("--plot", type=path_arg, default=None, metavar="FILE.png",
+    parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
                         help="loss, grad norm, tokens/s and memory over the steps, with the predicted lines")
     add_calibration_argument(parser, "re-predict every run")
 
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from toolkit.outputs import output_file
 
-        args.plot = output_file(args.plot, "--plot", suffix=".png", inputs=args.run_dirs)
+        args.plot = output_file(args.plot, "--plot", suffix=".png")  # not over a run's file, nor --calibration
     calibration = None
     if args.calibration is not None:
         from toolkit.spec.calibration import load_calibration

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg, path_arg
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
@@ -25,29 +25,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
-    parser.add_argument("--workdir", type=path_arg, default=None, help="where the three runs go (default: a new temp dir)")
+    parser.add_argument("--workdir", type=output_arg, default=None,
+                        help="where the three runs go (default: a new temp dir)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--json", action="store_true")
     add_plan_flags(parser, overriding="the recipe's plan in every run")
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.restore import restore_test
+    from toolkit.checkpoint.restore import WORKDIR_ENTRIES, restore_test
     from toolkit.errors import UserInputError
     from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
+    from toolkit.spec.recipe import load_recipe, recipe_files, recipe_model, recipe_names
 
     for flag, value in (("--resume-world-size", args.resume_world_size), ("--timeout", args.timeout)):
         if value is not None and value <= 0:
             raise UserInputError(flag, f"must be positive, got {value}")
     if args.tolerance is not None and args.tolerance < 0:
         raise UserInputError("--tolerance", f"must be 0 (bitwise) or more, got {args.tolerance}")
+    recipe = load_recipe(args.recipe)
     workdir = None
     if args.workdir is not None:  # checked before anything runs; an existing directory must hold no earlier runs
         from toolkit.outputs import output_directory
 
-        workdir = output_directory(args.workdir, "--workdir", inputs=[args.recipe])
-    recipe = load_recipe(args.recipe)
+        workdir = output_directory(args.workdir, "--workdir", inputs=recipe_files(recipe), names=WORKDIR_ENTRIES)
     steps = recipe.training.max_steps if args.steps is None else args.steps
     if steps < 2:
         raise UserInputError("--steps", f"must be at least 2 (a save, then a step to compare), got {steps}")

@@ -6,7 +6,7 @@ import argparse
 import subprocess
 import tempfile
 
-from toolkit.cli.paths import path_arg
+from toolkit.cli.paths import output_arg, path_arg, source_arg
 from toolkit.errors import UserInputError
 
 
@@ -21,17 +21,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--time", default="24:00:00", help="time limit (default %(default)s)")
         p.add_argument("--account", default=None)
         p.add_argument("--output-dir", default=None, help="training output directory (default runs/<recipe name>)")
-        p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON to train with (default: from the recipe)")
+        p.add_argument("--deepspeed", type=source_arg, default=None,
+                       help="DeepSpeed JSON to train with (default: from the recipe)")
         p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                        help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
         p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
                        help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun; "
                             "fsdp recipes: torchrun or accelerate)")
-        p.add_argument("--accelerate-config", default=None, help="accelerate.yaml (from dmt generate) for "
-                                                                 "--launcher accelerate")
+        p.add_argument("--accelerate-config", type=source_arg, default=None,
+                       help="accelerate.yaml (from dmt generate) for --launcher accelerate")
         p.add_argument("--convert", action="store_true", help="a checkpoint-conversion job instead of training")
         if name == "render":
-            p.add_argument("--out", type=path_arg, default=None, help="write here instead of printing")
+            p.add_argument("--out", type=output_arg, default=None, help="write here instead of printing")
         else:
             p.add_argument("--dry-run", action="store_true", help="print the script, do not submit")
 
@@ -58,17 +59,27 @@ def render_from_args(args: argparse.Namespace) -> str:
                          train_flags=flags, launcher=args.launcher, accelerate_config=args.accelerate_config)
 
 
+def _read_for(args: argparse.Namespace) -> list:
+    """What the script is rendered from besides its flags: the recipe's files, and the generated directory of --plan
+    (its deepspeed.json, accelerate.yaml, ...), none of which --out may replace."""
+    from toolkit.spec.recipe import load_recipe, recipe_files
+
+    plan = [] if args.plan is None else [args.plan if args.plan.is_dir() else args.plan.parent]
+    return [*recipe_files(load_recipe(args.recipe)), *plan]
+
+
 def run(args: argparse.Namespace) -> int:
     from toolkit.outputs import output_file, write_file
 
     out = getattr(args, "out", None)
-    if out is not None:  # checked before anything is resolved; the recipe is never overwritten
-        out = output_file(out, "--out", inputs=[args.recipe] + ([args.plan] if args.plan else []))
+    if out is not None:  # checked before anything is resolved: never over the recipe or any file the flags name
+        out = output_file(out, "--out")
     script = render_from_args(args)
     if args.action == "render":
         if out is None:
             print(script, end="")
             return 0
+        out = output_file(out, "--out", inputs=_read_for(args))  # again, with the files rendering read
         write_file(out, script, "--out", mode=0o755)
         print(f"wrote {out}")
         return 0

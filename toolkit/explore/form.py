@@ -47,9 +47,9 @@ def _key(action: argparse.Action) -> str | None:
 
 
 def _reads_files(action: argparse.Action) -> bool:
-    from toolkit.cli.paths import path_arg
+    from toolkit.cli.paths import output_arg, path_arg
 
-    return action.type in (Path, path_arg) or isinstance(action.type, argparse.FileType)
+    return action.type in (Path, path_arg, output_arg) or isinstance(action.type, argparse.FileType)
 
 
 def options(verb: str) -> dict[str, argparse.Action]:

@@ -20,7 +20,7 @@ from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe, load_recipe, recipe_calibration, recipe_model, recipe_names
+from toolkit.spec.recipe import Recipe, load_recipe, recipe_calibration, recipe_files, recipe_model, recipe_names
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] =
     "megatron_args.txt": (("megatron",), _megatron_args),
 }
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}
+GENERATED = frozenset(WRITERS)  # every name a generator writes: the only files a record lets `generate` remove
 
 
 def files_of(backend: str) -> list[str]:
@@ -149,15 +150,14 @@ def generate(recipe_path: Path, out_dir: Path, force: bool = False, calibration:
     """Write every registered file of the plan's backend into out_dir, together (toolkit.outputs.write_generated):
     every content is rendered and every target checked before anything is written; the recipe and the model's
     config are never overwritten; files this tool did not write are replaced only with `force`; files it wrote for
-    another backend are removed; a run directory or anything else of the user's stays."""
+    another backend are removed when unchanged since; a run directory or anything else of the user's stays."""
     from toolkit.outputs import output_directory, write_generated
 
     output_directory(out_dir, "--out", inputs=[Path(recipe_path)])  # a bad --out fails before the plan is resolved
     with recipe_names(overrides):  # a problem in the recipe names its key (cluster.gpu, not --gpu)
         ctx = resolve(recipe_path, out_dir, calibration, **overrides)
         contents = render(ctx)
-    inputs = [Path(recipe_path), *([Path(ctx.calibration.source)] if ctx.calibration is not None else [])]
-    if ctx.recipe.model.source is not None and ctx.recipe.path(ctx.recipe.model.source).exists():
-        source = ctx.recipe.path(ctx.recipe.model.source)
-        inputs.append(source / "config.json" if source.is_dir() else source)
-    return write_generated(ctx.out_dir, contents, "--out", inputs=inputs, force=force, executable=EXECUTABLE)
+    inputs = [Path(recipe_path), *([Path(ctx.calibration.source)] if ctx.calibration is not None else []),
+              *recipe_files(ctx.recipe)]
+    return write_generated(ctx.out_dir, contents, "--out", GENERATED, inputs=inputs, force=force,
+                           executable=EXECUTABLE)

@@ -263,6 +263,21 @@ def load_recipe(path: str | Path) -> Recipe:
         raise UserInputError(f"{path.name}: {key}", _fix_hint(errors[0]) + more) from None
 
 
+def recipe_files(recipe: Recipe) -> list[Path]:
+    """The files and directories on this machine that a recipe names (model, weights, data, chat template,
+    tokenizer, calibration): inputs of every command that reads the recipe, which none of its outputs may replace."""
+    named = [recipe.model.source, recipe.model.pretrained, *recipe.data.train_files, recipe.data.chat_template,
+             recipe.data.tokenizer.path, recipe.cluster.calibration]
+    return [recipe.path(name) for name in named if name and _exists(recipe.path(name))]
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long for the file system, or with a NUL: no file here
+        return False
+
+
 def recipe_model(recipe: Recipe):
     """The recipe's ModelSpec (model.source read like --model, or the inline HF config)."""
     from toolkit.spec.model import load_model_spec, spec_from_hf_dict
