@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from toolkit.cli.paths import path_arg
+from toolkit.numeric import finite_float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
     check.add_argument("--tp", type=int, default=1)
     check.add_argument("--pp", type=int, default=1)
-    check.add_argument("--tolerance", type=float, default=1e-4, help="largest max-abs logit difference that passes")
+    check.add_argument("--tolerance", type=finite_float, default=1e-4, help="largest max-abs logit difference that passes")
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import path_arg
+from toolkit.numeric import finite_float
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
@@ -22,11 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and FSDP2: the DCP checkpoint reshards on load)")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
                         help="launcher of the deepspeed backend (megatron and fsdp run under torchrun)")
-    parser.add_argument("--tolerance", type=float, default=None,
+    parser.add_argument("--tolerance", type=finite_float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
     parser.add_argument("--workdir", type=path_arg, default=None, help="where the three runs go (default: a new temp dir)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    parser.add_argument("--timeout", type=finite_float, default=900, help="seconds per launch")
     parser.add_argument("--json", action="store_true")
     add_plan_flags(parser, overriding="the recipe's plan in every run")
 

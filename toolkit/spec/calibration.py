@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import FINITE
 from toolkit.readers import read_yaml
 
 FORMAT = "dmt-calibration/1"
@@ -24,7 +25,7 @@ ExecutionPath = Literal["megatron-te", "megatron-local", "hf"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, **FINITE)
 
 
 class PathEfficiency(_Strict):

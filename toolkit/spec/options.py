@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from pydantic.fields import FieldInfo
 
+from toolkit.numeric import FINITE
+
 Backend = Literal["deepspeed", "megatron", "fsdp"]
 ZeroStage = Literal[0, 1, 2, 3]
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
@@ -45,7 +47,7 @@ def option(default: Any, description: str, *, recipe: str | None = None, default
 class PlanOptions(BaseModel):
     """Every option of a parallel plan a user can set. Sizes are per job; `None` defaults are derived (see the note)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, **FINITE)
 
     backend: Backend = option("deepspeed", "training library")
     gpus_per_node: PositiveInt = option(8, "GPUs (processes) per node", recipe="cluster.gpus_per_node")

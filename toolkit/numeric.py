@@ -1,0 +1,99 @@
+"""What a number from elsewhere may be: finite (never NaN, inf or -inf) and, for a seed, inside what every consumer of
+it accepts. Declared once: the pydantic types and config, the argparse types of float flags, the walk that finds a
+non-finite number in parsed JSON or YAML, and the JSON/YAML writers that refuse to write one."""
+
+from __future__ import annotations
+
+# named numeric, not numbers: toolkit/train.py runs as a script, with toolkit/ first on sys.path, where a numbers.py
+# would stand in for the standard library's (which numpy and torch import)
+
+import argparse
+import json
+import math
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, StrictFloat, StrictInt
+
+# pydantic's own switch: a model whose config includes FINITE refuses nan, inf and -inf in every float field (nested
+# ones too: dict values, optional fields), so a field added later is covered without anyone remembering to
+FINITE = ConfigDict(allow_inf_nan=False)
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# a number a YAML or JSON file may give as 32 or 0.5, but not as true, "32", .nan or .inf
+FiniteNumber = StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+# a training seed goes to HF's set_seed: random.seed (any int), numpy.random.seed (0 .. 2**32 - 1) and
+# torch.manual_seed (-2**63 .. 2**64 - 1); numpy's range is the tightest, and the one every rank then survives
+SEED_MAX = 2**32 - 1
+Seed = Annotated[StrictInt, Field(ge=0, le=SEED_MAX)]
+
+NOT_FINITE = "not a finite number"  # NaN, Infinity, and 1e999 (which parses as inf)
+
+
+def is_finite_number(value: Any) -> bool:
+    """An int or a finite float; never a bool (YAML's `true` is no 1)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
+def non_finite(data: Any) -> tuple[str, float] | None:
+    """The dotted key (`optimizer.params.lr`, `runs[2].mfu`) and value of the first NaN or infinity in parsed JSON or
+    YAML data, or None. Iterative: a deeply nested document does not exhaust Python's recursion limit here."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "(top level)", value
+        if isinstance(value, dict):
+            items = [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        pending.extend(reversed(items))  # depth first, in document order: the first one a reader would see
+    return None
+
+
+def _float_flag(text: str, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expects a finite number, got {text!r}")
+    if positive and value <= 0:
+        raise argparse.ArgumentTypeError(f"expects a positive number, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type of a float flag: `nan`, `inf`, `-inf` and `1e999` (a float's inf) are refused, naming the flag
+    (argparse words it `argument --flag: expects a finite number, got 'nan'`, exit code 2)."""
+    return _float_flag(text, positive=False)
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a float flag that must be above 0 (a bandwidth, a timeout): finite as well."""
+    return _float_flag(text, positive=True)
+
+
+def _check_finite(data: Any, what: str) -> None:
+    found = non_finite(data)
+    if found is not None:  # a bug: every number from a user is checked on the way in, so this one was computed
+        raise RuntimeError(f"internal error: {what} would hold {found[1]} at {found[0]}, {NOT_FINITE}; "
+                         f"please report it")
+
+
+def json_text(data: Any, what: str = "the JSON output", **kwargs) -> str:
+    """JSON as every --json output and generated file is written: never `NaN` or `Infinity` (not JSON; Python's json
+    writes them by default)."""
+    _check_finite(data, what)
+    return json.dumps(data, allow_nan=False, **kwargs)
+
+
+def yaml_text(data: Any, what: str = "the YAML output", **kwargs) -> str:
+    """YAML as generated files and calibrations are written: never `.nan` or `.inf`."""
+    import yaml
+
+    _check_finite(data, what)
+    return yaml.safe_dump(data, **kwargs)
