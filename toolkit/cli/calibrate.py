@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import json_text, yaml_text
 
 HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for\n"
           "# the hardware named. Use it with `dmt estimate / plan / generate / report --calibration FILE` or a\n"
@@ -31,8 +31,6 @@ def run(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
     from pathlib import Path
 
-    import yaml
-
     from toolkit.outputs import output_file, write_file
     from toolkit.report.runs import DEFAULT_WARMUP, read_run
 
@@ -49,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "python": platform.python_version(), **_torch_version()}})
     data = calibration.model_dump(mode="json")
-    write_file(out, HEADER + yaml.safe_dump(data, sort_keys=False), "--out")
+    write_file(out, HEADER + yaml_text(data, sort_keys=False), "--out")
     if args.json:
-        print(json.dumps({**data, "file": str(out)}, indent=2))
+        print(json_text({**data, "file": str(out)}, indent=2))
         return 0
     _print(calibration, out)
     return 0

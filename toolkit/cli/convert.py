@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from toolkit.cli.paths import path_arg
-from toolkit.numeric import finite_float
+from toolkit.numeric import finite_float, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +83,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _zero_to_hf(args: argparse.Namespace) -> int:
-    import json
     import sys
 
     from toolkit.checkpoint.zero_to_hf import convert_zero_to_hf
@@ -93,7 +92,7 @@ def _zero_to_hf(args: argparse.Namespace) -> int:
     summary = {"out_dir": str(result.out_dir), "tensors": result.tensors, "bytes": result.bytes_written,
                "shards": result.shards, "zero_stage": result.stage, "world_size": result.world_size}
     if args.json:
-        print(json.dumps(summary))
+        print(json_text(summary))
     else:
         print(f"ZeRO-{result.stage} checkpoint of {result.world_size} ranks -> {result.out_dir}: "
               f"{result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB in {result.shards} shard(s)")
@@ -109,7 +108,7 @@ def _interactive() -> bool:
 def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
     import json
 
-    print(json.dumps(summary) if args.json else line)
+    print(json_text(summary) if args.json else line)
 
 
 def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 from toolkit.cli.paths import path_arg
-from toolkit.numeric import finite_float
 from toolkit.errors import UserInputError
+from toolkit.numeric import finite_float, json_text
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
 
@@ -114,9 +113,9 @@ def _emit(report: dict, args: argparse.Namespace) -> None:
     if args.output:
         from toolkit.outputs import write_file
 
-        write_file(args.output, json.dumps(report, indent=2) + "\n", "--output")
+        write_file(args.output, json_text(report, indent=2) + "\n", "--output")
     if args.json:
-        print(json.dumps(report, indent=2), flush=True)
+        print(json_text(report, indent=2), flush=True)
     else:
         _print_table(report)
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import path_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
+from toolkit.numeric import json_text
 from toolkit.spec.options import BACKENDS
 
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             zero_plans.append((plan, estimate_memory(model, plan)))
         write_memory_plot(args.plot, model, gpu, [(c.plan, c.memory) for c in top[:6]], zero_plans)
     if args.json:
-        print(json.dumps(records, indent=2))
+        print(json_text(records, indent=2))
         return 0 if records else 1
     _print_table(model, args, gpu, result, records)
     if len(top) >= 2:

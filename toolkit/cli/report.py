@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.common import GiB, add_calibration_argument
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
         write_report_plot(args.plot, [(report, read_metrics(report.run_dir)) for report in reports])
     if args.json:
-        print(json.dumps({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
+        print(json_text({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
         return 0
     _print_table(reports, warmup)
     if args.plot is not None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import path_arg
-from toolkit.numeric import finite_float
+from toolkit.numeric import finite_float, json_text
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
                           args.launcher, tolerance, args.timeout, train_args)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        print(json_text(result.as_dict(), indent=2))
     else:
         verdict = "PASSED" if result.passed else "FAILED"
         kind = "identical to the bit" if result.identical else f"max |loss diff| {result.max_abs_diff:.3g} " \

@@ -5,12 +5,12 @@ before launching."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import json_text
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import choices, default
 
@@ -99,7 +99,7 @@ def report(args: argparse.Namespace, problems: list) -> int:
     """The problems as `dmt validate` prints them (one JSON object with --json, else one line each on stderr, or that
     the file is valid); its exit code."""
     if args.json:
-        print(json.dumps({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems]}))
+        print(json_text({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems]}))
     elif problems:
         for problem in problems:
             print(f"{args.file}: {problem}", file=sys.stderr)

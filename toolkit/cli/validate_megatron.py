@@ -6,10 +6,10 @@ Shaped like every verb module (add_arguments + run), so `dmt validate` can hand 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from toolkit.cli.paths import path_arg
+from toolkit.numeric import json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     problems = validate_megatron_config(config, args.world_size)
     note = None if problems else padding_note(config)
     if args.json:
-        print(json.dumps({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems],
+        print(json_text({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems],
                           "notes": [note] if note else []}))
     elif problems:
         for problem in problems:
