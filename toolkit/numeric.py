@@ -94,6 +94,9 @@ def positive_float(text: str) -> float:
     return _float_flag(text, positive=True)
 
 
+FLOAT_FLAGS = (finite_float, positive_float)  # the argparse types of float flags (the explore form: number fields)
+
+
 def _check_finite(data: Any, what: str) -> None:
     found = non_finite(data)
     if found is not None:  # a bug: every number from a user is checked on the way in, so this one was computed
