@@ -12,7 +12,7 @@ import json
 import math
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import AfterValidator, ConfigDict, Field, StrictFloat, StrictInt
 
 # pydantic's own switch: a model whose config includes FINITE refuses nan, inf and -inf in every float field (nested
 # ones too: dict values, optional fields), so a field added later is covered without anyone remembering to
@@ -24,7 +24,16 @@ FiniteNumber = StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)]
 # a training seed goes to HF's set_seed: random.seed (any int), numpy.random.seed (0 .. 2**32 - 1) and
 # torch.manual_seed (-2**63 .. 2**64 - 1); numpy's range is the tightest, and the one every rank then survives
 SEED_MAX = 2**32 - 1
-Seed = Annotated[StrictInt, Field(ge=0, le=SEED_MAX)]
+
+
+def _seed(value: int) -> int:
+    if not 0 <= value <= SEED_MAX:
+        raise ValueError(f"must be 0 to {SEED_MAX} (numpy's seed range: HF's set_seed calls numpy.random.seed on every "
+                         f"rank), got {value}")
+    return value
+
+
+Seed = Annotated[StrictInt, AfterValidator(_seed)]
 
 NOT_FINITE = "not a finite number"  # NaN, Infinity, and 1e999 (which parses as inf)
 
