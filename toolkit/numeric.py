@@ -35,6 +35,11 @@ def _seed(value: int) -> int:
 
 Seed = Annotated[StrictInt, AfterValidator(_seed)]
 
+# a count or size (GPUs, tokens, layers, batch): the estimates compute with them in floats, which hold integers exactly
+# up to 2**53 and fail to convert (OverflowError) not far beyond 2**1023
+COUNT_MAX = 2**53
+PositiveInt = Annotated[StrictInt, Field(ge=1, le=COUNT_MAX)]
+
 NOT_FINITE = "not a finite number"  # NaN, Infinity, and 1e999 (which parses as inf)
 
 
@@ -92,6 +97,19 @@ def _float_flag(text: str, positive: bool) -> float:
     return value
 
 
+def bounded_int(text: str) -> int:
+    """argparse type of an integer flag: at most COUNT_MAX either way (each flag keeps its own rule for 0 and below),
+    so that a 300-digit --gpus is one line naming the flag, not an OverflowError deep in an estimate."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects an integer, got {text[:40]!r}") from None
+    if abs(value) > COUNT_MAX:
+        raise argparse.ArgumentTypeError(f"expects an integer of at most {COUNT_MAX} (2**53), got {text[:40]!r}"
+                                         f"{'...' if len(text) > 40 else ''}")
+    return value
+
+
 def finite_float(text: str) -> float:
     """argparse type of a float flag: `nan`, `inf`, `-inf` and `1e999` (a float's inf) are refused, naming the flag
     (argparse words it `argument --flag: expects a finite number, got 'nan'`, exit code 2)."""
@@ -104,6 +122,7 @@ def positive_float(text: str) -> float:
 
 
 FLOAT_FLAGS = (finite_float, positive_float)  # the argparse types of float flags (the explore form: number fields)
+INT_FLAGS = (bounded_int,)
 
 
 def _check_finite(data: Any, what: str) -> None:

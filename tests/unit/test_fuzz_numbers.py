@@ -13,14 +13,14 @@ from test_calibration import _calibration_file
 from test_fuzz_verbs import RECIPE_TEXT, _assert_refused, _run, _snapshot, sandbox  # noqa: F401 (a fixture)
 
 from toolkit.cli.main import VERBS, build_parser, main
-from toolkit.numeric import FLOAT_FLAGS, SEED_MAX, json_text, non_finite
+from toolkit.numeric import COUNT_MAX, FLOAT_FLAGS, INT_FLAGS, SEED_MAX, json_text, non_finite
 
 NOT_NUMBERS = ("nan", "inf", "-inf", "1e999", "NaN", "-Infinity")
 
 
-def _float_flags() -> list[tuple[tuple[str, ...], str, object]]:
-    """Every flag of every verb (and sub-verb) whose value is a float: (the verb's argv, the flag, its type), read
-    from the parsers themselves, so a flag added later is covered here without a new line."""
+def _number_flags(types: tuple) -> list[tuple[tuple[str, ...], str, object]]:
+    """Every flag of every verb (and sub-verb) whose value is of one of these types: (the verb's argv, the flag, its
+    type), read from the parsers themselves, so a flag added later is covered here without a new line."""
     found = []
 
     def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
@@ -28,7 +28,7 @@ def _float_flags() -> list[tuple[tuple[str, ...], str, object]]:
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
                     walk(sub, (*path, name))
-            elif action.option_strings and (action.type is float or action.type in FLOAT_FLAGS):
+            elif action.option_strings and action.type in types and action.choices is None:  # choices bound it
                 found.append((path, action.option_strings[0], action.type))
 
     for verb in VERBS:
@@ -38,7 +38,8 @@ def _float_flags() -> list[tuple[tuple[str, ...], str, object]]:
     return found
 
 
-FLOAT_FLAG_LIST = _float_flags()
+FLOAT_FLAG_LIST = _number_flags((float, *FLOAT_FLAGS))
+INT_FLAG_LIST = _number_flags((int, *INT_FLAGS))
 
 
 def test_the_walk_finds_the_float_flags_of_every_kind_of_verb():
@@ -58,6 +59,22 @@ def test_every_float_flag_takes_the_finite_type(path, flag, kind):
 def test_a_float_flag_refuses_what_is_not_a_finite_number(capsys, path, flag, value):
     code, err = _run(capsys, [*path, f"{flag}={value}"])
     _assert_refused(code, err, flag, "finite")
+
+
+def test_the_walk_finds_the_integer_flags(capsys):
+    flags = {(path, flag) for path, flag, _ in INT_FLAG_LIST}
+    assert {(("estimate",), "--gpus"), (("plan",), "--top"), (("validate",), "--world-size"),
+            (("slurm", "render"), "--nodes"), (("estimate",), "--lora-r")} <= flags, sorted(flags)
+
+
+@pytest.mark.parametrize("path, flag, kind", INT_FLAG_LIST, ids=[f"{' '.join(p)} {f}" for p, f, _ in INT_FLAG_LIST])
+def test_every_integer_flag_is_bounded(capsys, path, flag, kind):
+    """A 300-digit integer overflows the float arithmetic of the estimates (an OverflowError traceback): refused at
+    the flag, as is one just past 2**53, where floats stop holding integers exactly."""
+    assert kind in INT_FLAGS, f"dmt {' '.join(path)} {flag} is a plain int: give it type=bounded_int"
+    for value in ("1" + "0" * 300, str(COUNT_MAX + 1), str(-COUNT_MAX - 1)):
+        code, err = _run(capsys, [*path, f"{flag}={value}"])
+        _assert_refused(code, err, flag, "at most")
 
 
 @pytest.mark.parametrize("value", ["0", "-5"])

@@ -6,7 +6,7 @@ import argparse
 
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
-from toolkit.numeric import json_text, yaml_text
+from toolkit.numeric import bounded_int, json_text, yaml_text
 
 HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for\n"
           "# the hardware named. Use it with `dmt estimate / plan / generate / report --calibration FILE` or a\n"
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health", type=path_arg, default=None, metavar="HEALTH_JSON",
                         help="a `dmt health --json` report of the same machines: its measured link bandwidths join "
                              "the calibration")
-    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+    parser.add_argument("--warmup", type=bounded_int, default=None, metavar="N",
                         help="logged steps left out of each run's median step time (default 3)")
     parser.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
 

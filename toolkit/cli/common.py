@@ -7,7 +7,7 @@ import argparse
 from toolkit.cli.options import add_plan_flags
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
-from toolkit.numeric import is_finite_number, positive_float
+from toolkit.numeric import bounded_int, is_finite_number, positive_float
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import default
 
@@ -18,7 +18,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, required: tuple[str, 
     """The model, the cluster and every plan option, for the commands that take a model and a plan."""
     parser.add_argument("--model", required=True, help="preset name, HF config.json or directory, hub id, or toolkit "
                                                        "YAML/JSON spec")
-    parser.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    parser.add_argument("--gpus", type=bounded_int, required=True, help="total GPUs")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help="GPU from the catalogue (default %(default)s)")
     add_plan_flags(parser, required=required)
 

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from toolkit.cli.paths import path_arg
-from toolkit.numeric import finite_float, json_text
+from toolkit.numeric import bounded_int, finite_float, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_mcore.add_argument("hf_dir", type=path_arg, metavar="HF_DIR")
     to_mcore.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="new directory for the dist checkpoint")
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"), ("ep", "expert")):
-        to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{what} parallel size it is meant for")
+        to_mcore.add_argument(f"--{flag}", type=bounded_int, default=1, help=f"{what} parallel size it is meant for")
     to_mcore.add_argument("--check", action="store_true", help="then compare logits with the HF model at --tp/--pp")
     to_mcore.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "under torchrun when more than one process) on the same tokens.")
     check.add_argument("hf_dir", type=path_arg, metavar="HF_DIR")
     check.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
-    check.add_argument("--tp", type=int, default=1)
-    check.add_argument("--pp", type=int, default=1)
+    check.add_argument("--tp", type=bounded_int, default=1)
+    check.add_argument("--pp", type=bounded_int, default=1)
     check.add_argument("--tolerance", type=finite_float, default=1e-4, help="largest max-abs logit difference that passes")
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
 

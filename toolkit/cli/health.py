@@ -8,7 +8,7 @@ from pathlib import Path
 
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
-from toolkit.numeric import finite_float, json_text
+from toolkit.numeric import bounded_int, finite_float, json_text
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
 
@@ -42,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = LAUNCHERS
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     run = parser.add_argument_group("how to run")
-    run.add_argument("--nproc", type=int, default=None,
+    run.add_argument("--nproc", type=bounded_int, default=None,
                      help="spawn N local ranks; without it, run as one rank of torchrun/srun/deepspeed/accelerate")
     run.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M,16M (default: up to 16M on CPU, 1G on GPUs)")
-    run.add_argument("--iters", type=int, default=None, help="timed iterations per op and size (default 5 CPU, 20 GPU)")
+    run.add_argument("--iters", type=bounded_int, default=None, help="timed iterations per op and size (default 5 CPU, 20 GPU)")
     run.add_argument("--matmul-seconds", type=finite_float, default=1.0, help="length of the per-rank matmul benchmark (default 1)")
     run.add_argument("--mem-fraction", type=finite_float, default=0.5, help="share of free GPU memory each rank allocates (default 0.5)")
     run.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (to attach a debugger)")
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--min-matmul-fraction", type=finite_float, default=0.25,
                         help="on GPUs, share of the catalogue's dense bf16 peak the matmul must reach (default 0.25)")
     limits.add_argument("--gpu", default=None, help="catalogue GPU for the defaults (default: recognised from the device)")
-    limits.add_argument("--expect-devices", type=int, default=None,
+    limits.add_argument("--expect-devices", type=bounded_int, default=None,
                         help="GPUs each rank must see (default: the launcher's ranks per node)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the report as one JSON object")

@@ -7,13 +7,13 @@ import argparse
 from toolkit.cli.common import GiB, add_calibration_argument
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
-from toolkit.numeric import json_text
+from toolkit.numeric import bounded_int, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", type=path_arg, nargs="+", metavar="RUN_DIR",
                         help="training output directories (toolkit/train.py --output-dir; `dmt generate` DIR/run)")
-    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+    parser.add_argument("--warmup", type=bounded_int, default=None, metavar="N",
                         help="logged steps left out of the medians (allocation, compilation; default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: {runs: [...]}")
     parser.add_argument("--plot", type=path_arg, default=None, metavar="FILE.png",

@@ -8,16 +8,16 @@ from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import path_arg
-from toolkit.numeric import finite_float, json_text
+from toolkit.numeric import bounded_int, finite_float, json_text
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", type=path_arg, required=True)
-    parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
-    parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
-    parser.add_argument("--resume-world-size", type=int, default=None,
+    parser.add_argument("--steps", type=bounded_int, default=None, help="steps of every run (default: the recipe's max_steps)")
+    parser.add_argument("--save-at", type=bounded_int, default=None, help="step to save at and kill after (default: steps / 2)")
+    parser.add_argument("--resume-world-size", type=bounded_int, default=None,
                         help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core "
                              "and FSDP2: the DCP checkpoint reshards on load)")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",

@@ -9,12 +9,12 @@ import argparse
 import sys
 
 from toolkit.cli.paths import path_arg
-from toolkit.numeric import json_text
+from toolkit.numeric import bounded_int, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=path_arg, metavar="FILE", help="megatron.yaml (generated or hand-edited)")
-    parser.add_argument("--world-size", type=int, default=None, help="processes the job will launch (default: the "
+    parser.add_argument("--world-size", type=bounded_int, default=None, help="processes the job will launch (default: the "
                                                                      "file's schedule.world_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: ok, the problems and notes")
 

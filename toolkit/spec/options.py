@@ -11,12 +11,12 @@ A field's `recipe` extra names its recipe key where that is not `plan.<name>` (s
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic.fields import FieldInfo
 
-from toolkit.numeric import FINITE
+from toolkit.numeric import FINITE, PositiveInt
 
 Backend = Literal["deepspeed", "megatron", "fsdp"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -30,7 +30,6 @@ Attention = Literal["sdpa", "eager"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
 
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
 # the backends an option belongs to (an option without is every backend's)
 DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
 
