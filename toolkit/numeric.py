@@ -1,11 +1,10 @@
-"""What a number from elsewhere may be: finite (never NaN, inf or -inf) and, for a seed, inside what every consumer of
-it accepts. Declared once: the pydantic types and config, the argparse types of float flags, the walk that finds a
+"""What a number from elsewhere may be: finite (never NaN, inf or -inf), and an integer bounded by what its consumers
+accept. Declared once: the pydantic types and config, the argparse types of number flags, the walk that finds a
 non-finite number in parsed JSON or YAML, and the JSON/YAML writers that refuse to write one."""
-
-from __future__ import annotations
 
 # named numeric, not numbers: toolkit/train.py runs as a script, with toolkit/ first on sys.path, where a numbers.py
 # would stand in for the standard library's (which numpy and torch import)
+from __future__ import annotations
 
 import argparse
 import json
@@ -17,7 +16,6 @@ from pydantic import AfterValidator, ConfigDict, Field, StrictFloat, StrictInt
 # pydantic's own switch: a model whose config includes FINITE refuses nan, inf and -inf in every float field (nested
 # ones too: dict values, optional fields), so a field added later is covered without anyone remembering to
 FINITE = ConfigDict(allow_inf_nan=False)
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 # a number a YAML or JSON file may give as 32 or 0.5, but not as true, "32", .nan or .inf
 FiniteNumber = StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
@@ -117,7 +115,7 @@ def finite_float(text: str) -> float:
 
 
 def positive_float(text: str) -> float:
-    """argparse type of a float flag that must be above 0 (a bandwidth, a timeout): finite as well."""
+    """argparse type of a float flag that must be above 0 (a bandwidth): finite as well."""
     return _float_flag(text, positive=True)
 
 
@@ -128,8 +126,8 @@ INT_FLAGS = (bounded_int,)
 def _check_finite(data: Any, what: str) -> None:
     found = non_finite(data)
     if found is not None:  # a bug: every number from a user is checked on the way in, so this one was computed
-        raise RuntimeError(f"internal error: {what} would hold {found[1]} at {found[0]}, {NOT_FINITE}; "
-                         f"please report it")
+        raise RuntimeError(f"internal error: {what} would hold {found[1]} at {found[0]}, {NOT_FINITE}; please "
+                           f"report it")
 
 
 def json_text(data: Any, what: str = "the JSON output", **kwargs) -> str:

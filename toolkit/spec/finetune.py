@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from toolkit.errors import UserInputError
-from toolkit.numeric import FINITE, FiniteNumber
 from toolkit.families.linears import LINEARS, MOE, Linear
+from toolkit.numeric import FINITE, FiniteNumber
 
 Method = Literal["full", "lora", "qlora"]
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module but the output head

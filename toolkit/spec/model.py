@@ -9,8 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolkit.errors import UserInputError
-from toolkit.numeric import FINITE
 from toolkit.families import family_for
+from toolkit.numeric import FINITE
 from toolkit.readers import one_line, read_json, read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
