@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import NOT_FINITE, non_finite
 
 
 def one_line(exc: BaseException) -> str:
@@ -43,6 +44,15 @@ def _shape(data: Any, path: Path | str, key: str | None, expect: type | None, wh
     return data
 
 
+def _finite(data: Any, path: Path | str, key: str | None, what: str) -> Any:
+    """JSON's NaN and Infinity tokens (Python's json reads them), 1e999 (read as inf) and YAML's .nan and .inf are
+    refused here, naming where in the file, so no reader downstream ever sees one."""
+    found = non_finite(data)
+    if found is not None:
+        raise problem(path, key, f"holds {found[1]} at {found[0]}, {NOT_FINITE}; expected {what}")
+    return data
+
+
 def read_json(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a JSON object") -> Any:
     """A JSON document whose top level is `expect` (dict by default; None: anything)."""
     path = Path(path)
@@ -51,7 +61,7 @@ def read_json(path: Path, key: str | None = None, expect: type | None = dict, wh
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise problem(path, key, f"is not valid JSON ({exc.msg} at line {exc.lineno}); expected {what}") from None
-    return _shape(data, path, key, expect, what)
+    return _finite(_shape(data, path, key, expect, what), path, key, what)
 
 
 def read_yaml(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a YAML mapping") -> Any:
@@ -69,7 +79,7 @@ def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: ty
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise problem(source, key, f"is not valid YAML ({one_line(exc)}); expected {what}") from None
-    return _shape(data, source, key, expect, what)
+    return _finite(_shape(data, source, key, expect, what), source, key, what)
 
 
 # safetensors (its docs, "Format"): an 8-byte little-endian header length, a JSON header mapping each tensor name to

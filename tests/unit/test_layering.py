@@ -18,7 +18,7 @@ PACKAGE = ROOT / "toolkit"
 # lowest first; a package imports only from its own package and the layers before it (the entry points of the last
 # layer also from each other)
 LAYERS = (
-    ("toolkit", "errors", "presets"),
+    ("toolkit", "errors", "presets", "numeric"),  # numeric: not `numbers`, which train.py run as a script would shadow
     ("readers",),
     ("outputs",),  # reads the record of `dmt generate` through the one reading path
     ("families",),

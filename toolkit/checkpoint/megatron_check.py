@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import finite_float
 
 BATCH, SEQ = 2, 32
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--tolerance", type=finite_float, default=1e-4)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 

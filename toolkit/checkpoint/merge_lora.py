@@ -18,6 +18,7 @@ from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size, safetensors_weight_map
 from toolkit.checkpoint.zero_to_hf import SIDE_FILES
 from toolkit.errors import UserInputError
+from toolkit.numeric import is_finite_number
 from toolkit.readers import read_json, read_safetensors_header
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ def _adapter_settings(adapter_dir: Path) -> tuple[float, bool]:
             raise UserInputError("ADAPTER", f"{adapter_dir / ADAPTER_CONFIG}: {key} is set ({why}); merge it with "
                                             f"PEFT's merge_and_unload()")
     r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
-        raise UserInputError("ADAPTER", f"{adapter_dir / ADAPTER_CONFIG}: r and lora_alpha must be numbers")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or not is_finite_number(alpha):
+        raise UserInputError("ADAPTER", f"{adapter_dir / ADAPTER_CONFIG}: r must be a positive integer and lora_alpha "
+                                        f"a finite number, got r {r!r}, lora_alpha {alpha!r}")
     scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return scaling, bool(config.get("fan_in_fan_out"))
 
@@ -73,6 +75,7 @@ def merged_weight(weight, lora_a, lora_b, scaling: float, fan_in_fan_out: bool):
 
 
 def merge_lora(base_dir: Path, adapter_dir: Path, out_dir: Path, max_shard_size: str = "5GB") -> dict:
+    import torch
     from safetensors import safe_open
 
     max_bytes = parse_size(max_shard_size)
@@ -112,7 +115,13 @@ def merge_lora(base_dir: Path, adapter_dir: Path, out_dir: Path, max_shard_size:
             if (lora_b.shape[0], lora_a.shape[1]) != expected:
                 raise UserInputError("ADAPTER", f"{pairs[name][0]} {tuple(lora_a.shape)} and {pairs[name][1]} "
                                                 f"{tuple(lora_b.shape)} do not fit {name} {tuple(weight.shape)}")
-            writer.write(name, merged_weight(weight, lora_a, lora_b, scaling, fan_in_fan_out))
+            result = merged_weight(weight, lora_a, lora_b, scaling, fan_in_fan_out)
+            if not bool(torch.isfinite(result).all()):  # nothing is written: the output directory is never made
+                if not bool(torch.isfinite(weight).all()):
+                    raise UserInputError("BASE", f"{name} holds NaN or infinite values; merging into it gives no model")
+                raise UserInputError("ADAPTER", f"merging {name} gives NaN or infinite weights: scaling {scaling:g} "
+                                                f"x lora_B @ lora_A does not fit {dtype}")
+            writer.write(name, result)
             merged += 1
         writer.close()
         shutil.copyfile(base_dir / "config.json", tmp / "config.json")

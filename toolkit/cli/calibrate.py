@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int, json_text, yaml_text
 
 HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for\n"
           "# the hardware named. Use it with `dmt estimate / plan / generate / report --calibration FILE` or a\n"
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health", type=path_arg, default=None, metavar="HEALTH_JSON",
                         help="a `dmt health --json` report of the same machines: its measured link bandwidths join "
                              "the calibration")
-    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+    parser.add_argument("--warmup", type=bounded_int, default=None, metavar="N",
                         help="logged steps left out of each run's median step time (default 3)")
     parser.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
 
@@ -29,8 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import platform
     from datetime import datetime, timezone
-
-    import yaml
 
     from toolkit.outputs import output_file, write_file
     from toolkit.report.runs import DEFAULT_WARMUP, read_run
@@ -47,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"host": platform.node(), "python": platform.python_version(), **_torch_version()}})
     data = calibration.model_dump(mode="json")
-    write_file(out, HEADER + yaml.safe_dump(data, sort_keys=False), "--out")
+    write_file(out, HEADER + yaml_text(data, sort_keys=False), "--out")
     if args.json:
-        print(json.dumps({**data, "file": str(out)}, indent=2))
+        print(json_text({**data, "file": str(out)}, indent=2))
         return 0
     _print(calibration, out)
     return 0

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.paths import path_arg
+from toolkit.numeric import json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,14 +25,14 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "inspect":
         info = inspect(args.path)
         if args.json:
-            print(json.dumps(info, indent=2))
+            print(json_text(info, indent=2))
         else:
             for key, value in info.items():
                 print(f"{key:16s} {value}")
         return 0
     report = verify(args.path, deep=args.deep)
     if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
+        print(json_text(report.as_dict(), indent=2))
     else:
         _print_report(report)
     return 0 if report.ok else 1

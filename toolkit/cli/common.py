@@ -7,6 +7,7 @@ import argparse
 from toolkit.cli.options import add_plan_flags
 from toolkit.cli.paths import path_arg, source_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int, is_finite_number, positive_float
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import default
 
@@ -17,15 +18,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, required: tuple[str, 
     """The model, the cluster and every plan option, for the commands that take a model and a plan."""
     parser.add_argument("--model", type=source_arg, required=True,
                         help="preset name, HF config.json or directory, hub id, or toolkit YAML/JSON spec")
-    parser.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    parser.add_argument("--gpus", type=bounded_int, required=True, help="total GPUs")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help="GPU from the catalogue (default %(default)s)")
     add_plan_flags(parser, required=required)
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--intra-node-bw", type=float, default=None, metavar="GBPS",
+    parser.add_argument("--intra-node-bw", type=positive_float, default=None, metavar="GBPS",
                         help="per-GPU bandwidth inside a node in GB/s (default: the GPU catalogue's)")
-    parser.add_argument("--inter-node-bw", type=float, default=None, metavar="GBPS",
+    parser.add_argument("--inter-node-bw", type=positive_float, default=None, metavar="GBPS",
                         help="per-GPU bandwidth across nodes in GB/s (default: the GPU catalogue's)")
     parser.add_argument("--measured-bw", type=path_arg, default=None, metavar="HEALTH_JSON",
                         help="bus bandwidths measured by `dmt health --json` instead of datasheet numbers")
@@ -52,7 +53,7 @@ def measured_links(path, flag: str) -> dict[str, float]:
         value = bandwidth.get(key)
         if value is None:  # that tier was not measured: the datasheet (or a calibration) stands
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        if not is_finite_number(value) or value <= 0:
             raise UserInputError(flag, f"{path}: bandwidth.{key} must be a positive number of GB/s, or null (not "
                                        f"measured), got {value!r}")
         links[tier] = float(value)
@@ -70,9 +71,6 @@ def build_network(args: argparse.Namespace, gpu):
         links = measured_links(args.measured_bw, "--measured-bw")
         intra, inter = links.get("intra", intra), links.get("inter", inter)
         measured = set(links)
-    for flag, value in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
-        if value is not None and value <= 0:
-            raise UserInputError(flag, f"must be a positive bandwidth in GB/s, got {value}")
     given = set(measured) | {tier for tier, value in (("intra", args.intra_node_bw), ("inter", args.inter_node_bw))
                              if value is not None}
     intra = args.intra_node_bw or intra

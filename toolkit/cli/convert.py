@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.numeric import bounded_int, finite_float, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_mcore.add_argument("hf_dir", type=path_arg, metavar="HF_DIR")
     to_mcore.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the dist checkpoint")
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"), ("ep", "expert")):
-        to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{what} parallel size it is meant for")
+        to_mcore.add_argument(f"--{flag}", type=bounded_int, default=1, help=f"{what} parallel size it is meant for")
     to_mcore.add_argument("--check", action="store_true", help="then compare logits with the HF model at --tp/--pp")
     to_mcore.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -70,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "under torchrun when more than one process) on the same tokens.")
     check.add_argument("hf_dir", type=path_arg, metavar="HF_DIR")
     check.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
-    check.add_argument("--tp", type=int, default=1)
-    check.add_argument("--pp", type=int, default=1)
-    check.add_argument("--tolerance", type=float, default=1e-4, help="largest max-abs logit difference that passes")
+    check.add_argument("--tp", type=bounded_int, default=1)
+    check.add_argument("--pp", type=bounded_int, default=1)
+    check.add_argument("--tolerance", type=finite_float, default=1e-4, help="largest max-abs logit difference that passes")
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -87,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _zero_to_hf(args: argparse.Namespace) -> int:
-    import json
     import sys
 
     from toolkit.checkpoint.zero_to_hf import convert_zero_to_hf
@@ -97,7 +97,7 @@ def _zero_to_hf(args: argparse.Namespace) -> int:
     summary = {"out_dir": str(result.out_dir), "tensors": result.tensors, "bytes": result.bytes_written,
                "shards": result.shards, "zero_stage": result.stage, "world_size": result.world_size}
     if args.json:
-        print(json.dumps(summary))
+        print(json_text(summary))
     else:
         print(f"ZeRO-{result.stage} checkpoint of {result.world_size} ranks -> {result.out_dir}: "
               f"{result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB in {result.shards} shard(s)")
@@ -113,7 +113,7 @@ def _interactive() -> bool:
 def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
     import json
 
-    print(json.dumps(summary) if args.json else line)
+    print(json_text(summary) if args.json else line)
 
 
 def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.common import (
     GiB,
@@ -16,6 +15,7 @@ from toolkit.cli.common import (
 )
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
+from toolkit.numeric import json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     report = estimate_report(args)
     add_extras(report, args)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_text(report, indent=2))
     else:
         print_report(report)
         print_extras(report)

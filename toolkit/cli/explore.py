@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=8765, help="TCP port (default %(default)s; 0: any free port)")
+    parser.add_argument("--port", type=bounded_int, default=8765, help="TCP port (default %(default)s; 0: any free port)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default %(default)s, this machine only; 0.0.0.0 serves everyone who "
                              "can reach it, without authentication)")

@@ -8,6 +8,7 @@ import json
 from toolkit.cli.common import add_calibration_argument
 from toolkit.cli.options import add_plan_flags, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.numeric import json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     written = generate(args.recipe, args.out, args.force, args.calibration, **plan_overrides(args))
     record = json.loads((args.out / "plan.json").read_text())
     if args.json:
-        print(json.dumps({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"],
+        print(json_text({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"],
                           "predicted": {k: record[k] for k in ("step_time_s", "tokens_per_s", "mfu")},
                           "calibration": record["calibration"]}, indent=2))
         return 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 from toolkit.cli.paths import output_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int, finite_float, json_text
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
 
@@ -42,27 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = LAUNCHERS
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     run = parser.add_argument_group("how to run")
-    run.add_argument("--nproc", type=int, default=None,
+    run.add_argument("--nproc", type=bounded_int, default=None,
                      help="spawn N local ranks; without it, run as one rank of torchrun/srun/deepspeed/accelerate")
     run.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M,16M (default: up to 16M on CPU, 1G on GPUs)")
-    run.add_argument("--iters", type=int, default=None, help="timed iterations per op and size (default 5 CPU, 20 GPU)")
-    run.add_argument("--matmul-seconds", type=float, default=1.0, help="length of the per-rank matmul benchmark (default 1)")
-    run.add_argument("--mem-fraction", type=float, default=0.5, help="share of free GPU memory each rank allocates (default 0.5)")
+    run.add_argument("--iters", type=bounded_int, default=None, help="timed iterations per op and size (default 5 CPU, 20 GPU)")
+    run.add_argument("--matmul-seconds", type=finite_float, default=1.0, help="length of the per-rank matmul benchmark (default 1)")
+    run.add_argument("--mem-fraction", type=finite_float, default=0.5, help="share of free GPU memory each rank allocates (default 0.5)")
     run.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (to attach a debugger)")
     limits = parser.add_argument_group("thresholds (GPU defaults from the catalogue; on CPU only liveness, "
                                        "correctness, stragglers and outlier links count unless given)")
-    limits.add_argument("--deadline-s", type=float, default=60.0,
+    limits.add_argument("--deadline-s", type=finite_float, default=60.0,
                         help="a rank silent this long, or a collective waiting this long, is unresponsive (default 60)")
-    limits.add_argument("--straggler-factor", type=float, default=2.0,
+    limits.add_argument("--straggler-factor", type=finite_float, default=2.0,
                         help="a rank (or link) this many times slower than the others' median is named (default 2)")
-    limits.add_argument("--min-busbw-gbps", type=float, default=None,
+    limits.add_argument("--min-busbw-gbps", type=finite_float, default=None,
                         help="intra-node all_reduce busbw floor (default: half the catalogue link speed on GPUs)")
-    limits.add_argument("--min-inter-busbw-gbps", type=float, default=None,
+    limits.add_argument("--min-inter-busbw-gbps", type=finite_float, default=None,
                         help="inter-node all_reduce busbw floor (default: half the catalogue network speed on GPUs)")
-    limits.add_argument("--min-matmul-fraction", type=float, default=0.25,
+    limits.add_argument("--min-matmul-fraction", type=finite_float, default=0.25,
                         help="on GPUs, share of the catalogue's dense bf16 peak the matmul must reach (default 0.25)")
     limits.add_argument("--gpu", default=None, help="catalogue GPU for the defaults (default: recognised from the device)")
-    limits.add_argument("--expect-devices", type=int, default=None,
+    limits.add_argument("--expect-devices", type=bounded_int, default=None,
                         help="GPUs each rank must see (default: the launcher's ranks per node)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -114,9 +114,9 @@ def _emit(report: dict, args: argparse.Namespace) -> None:
     if args.output:
         from toolkit.outputs import write_file
 
-        write_file(args.output, json.dumps(report, indent=2) + "\n", "--output")
+        write_file(args.output, json_text(report, indent=2) + "\n", "--output")
     if args.json:
-        print(json.dumps(report, indent=2), flush=True)
+        print(json_text(report, indent=2), flush=True)
     else:
         _print_table(report)
 

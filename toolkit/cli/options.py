@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Annotated, get_args, get_origin
 
+from toolkit.numeric import bounded_int, finite_float
 from toolkit.spec.finetune import FINETUNE_NAMES, FinetuneOptions, finetune_flag
 from toolkit.spec.options import OPTION_NAMES, PlanOptions, choices, default_text, field_extra, flag
 
@@ -32,6 +33,7 @@ def _argument(name: str) -> dict:
     try:
         values = choices(name)
     except KeyError:
+        kind = {float: finite_float, int: bounded_int}.get(kind, kind)
         return {"type": kind, **({"metavar": metavar} if metavar else {})}
     return {"type": type(values[0]), "choices": list(values)}
 
@@ -65,7 +67,7 @@ def add_finetune_flags(parser: argparse.ArgumentParser, overriding: str | None =
         elif name == "target_modules":
             kind = {"type": str, "metavar": info.json_schema_extra["metavar"]}
         else:  # the rank is an integer; alpha and dropout may be fractions
-            kind = {"type": int if isinstance(info.default, int) and name == "r" else float}
+            kind = {"type": bounded_int if isinstance(info.default, int) and name == "r" else finite_float}
         parser.add_argument(finetune_flag(name), dest=_finetune_dest(name), default=None,
                             help=f"{info.description} ({when_absent})".replace("%", "%%"), **kind)
 

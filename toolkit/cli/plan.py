@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import output_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int, json_text
 from toolkit.spec.options import BACKENDS
 
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser, required=("seq_len", "global_batch"))  # any other plan option given is pinned
     parser.add_argument("--backends", default=None, metavar=",".join(BACKENDS),
                         help="search only these backends (default: all; --backend pins one)")
-    parser.add_argument("--top", type=int, default=10, help="plans to show (default %(default)s)")
+    parser.add_argument("--top", type=bounded_int, default=10, help="plans to show (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of the ranked plans")
     parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
                         help="stacked per-GPU memory of the top plans and of ZeRO 0-3")
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             zero_plans.append((plan, estimate_memory(model, plan)))
         write_memory_plot(args.plot, model, gpu, [(c.plan, c.memory) for c in top[:6]], zero_plans)
     if args.json:
-        print(json.dumps(records, indent=2))
+        print(json_text(records, indent=2))
         return 0 if records else 1
     _print_table(model, args, gpu, result, records)
     if len(top) >= 2:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.common import GiB, add_calibration_argument
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", type=path_arg, nargs="+", metavar="RUN_DIR",
                         help="training output directories (toolkit/train.py --output-dir; `dmt generate` DIR/run)")
-    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+    parser.add_argument("--warmup", type=bounded_int, default=None, metavar="N",
                         help="logged steps left out of the medians (allocation, compilation; default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: {runs: [...]}")
     parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
         write_report_plot(args.plot, [(report, read_metrics(report.run_dir)) for report in reports])
     if args.json:
-        print(json.dumps({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
+        print(json_text({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
         return 0
     _print_table(reports, warmup)
     if args.plot is not None:

@@ -3,31 +3,31 @@
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.numeric import bounded_int, finite_float, json_text
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", type=path_arg, required=True)
-    parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's max_steps)")
-    parser.add_argument("--save-at", type=int, default=None, help="step to save at and kill after (default: steps / 2)")
-    parser.add_argument("--resume-world-size", type=int, default=None,
+    parser.add_argument("--steps", type=bounded_int, default=None, help="steps of every run (default: the recipe's max_steps)")
+    parser.add_argument("--save-at", type=bounded_int, default=None, help="step to save at and kill after (default: steps / 2)")
+    parser.add_argument("--resume-world-size", type=bounded_int, default=None,
                         help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core "
                              "and FSDP2: the DCP checkpoint reshards on load)")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
                         help="launcher of the deepspeed backend (megatron and fsdp run under torchrun)")
-    parser.add_argument("--tolerance", type=float, default=None,
+    parser.add_argument("--tolerance", type=finite_float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
     parser.add_argument("--workdir", type=output_arg, default=None,
                         help="where the three runs go (default: a new temp dir)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    parser.add_argument("--timeout", type=finite_float, default=900, help="seconds per launch")
     parser.add_argument("--json", action="store_true")
     add_plan_flags(parser, overriding="the recipe's plan in every run")
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
                           args.launcher, tolerance, args.timeout, train_args)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        print(json_text(result.as_dict(), indent=2))
     else:
         verdict = "PASSED" if result.passed else "FAILED"
         kind = "identical to the bit" if result.identical else f"max |loss diff| {result.max_abs_diff:.3g} " \

@@ -8,6 +8,7 @@ import tempfile
 
 from toolkit.cli.paths import output_arg, path_arg, source_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,8 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in (("render", "print or write the sbatch script"), ("submit", "render and submit with sbatch")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("recipe", type=path_arg, metavar="RECIPE")
-        p.add_argument("--nodes", type=int, default=None)
-        p.add_argument("--gpus-per-node", type=int, default=None)
+        p.add_argument("--nodes", type=bounded_int, default=None)
+        p.add_argument("--gpus-per-node", type=bounded_int, default=None)
         p.add_argument("--partition", default=None)
         p.add_argument("--time", default="24:00:00", help="time limit (default %(default)s)")
         p.add_argument("--account", default=None)

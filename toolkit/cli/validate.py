@@ -5,12 +5,12 @@ before launching."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
+from toolkit.numeric import bounded_int, json_text
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import choices, default
 
@@ -24,12 +24,12 @@ def choices_of(annotation) -> list:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=path_arg, metavar="FILE",
                         help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP) or megatron.yaml")
-    parser.add_argument("--world-size", type=int, required=True, help="processes the job will launch")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages of the model (DeepSpeed PipelineModule)")
+    parser.add_argument("--world-size", type=bounded_int, required=True, help="processes the job will launch")
+    parser.add_argument("--pp", type=bounded_int, default=1, help="pipeline stages of the model (DeepSpeed PipelineModule)")
     parser.add_argument("--trainer-args", type=path_arg, default=None, help="HF TrainingArguments as JSON (trainer_args.json)")
     parser.add_argument("--model", default=None, help="model for the memory-fit estimate (any form --model takes)")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help="GPU for the memory-fit estimate (default %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=default("seq_len"), help="sequence length for the memory-fit "
+    parser.add_argument("--seq-len", type=bounded_int, default=default("seq_len"), help="sequence length for the memory-fit "
                                                                                "estimate (default %(default)s)")
     parser.add_argument("--recompute", choices=choices("recompute"), default=None,
                         help="activation checkpointing for the estimate (default: the trainer arguments', else none)")
@@ -99,7 +99,7 @@ def report(args: argparse.Namespace, problems: list) -> int:
     """The problems as `dmt validate` prints them (one JSON object with --json, else one line each on stderr, or that
     the file is valid); its exit code."""
     if args.json:
-        print(json.dumps({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems]}))
+        print(json_text({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems]}))
     elif problems:
         for problem in problems:
             print(f"{args.file}: {problem}", file=sys.stderr)

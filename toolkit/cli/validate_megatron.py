@@ -6,15 +6,15 @@ Shaped like every verb module (add_arguments + run), so `dmt validate` can hand 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from toolkit.cli.paths import path_arg
+from toolkit.numeric import bounded_int, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=path_arg, metavar="FILE", help="megatron.yaml (generated or hand-edited)")
-    parser.add_argument("--world-size", type=int, default=None, help="processes the job will launch (default: the "
+    parser.add_argument("--world-size", type=bounded_int, default=None, help="processes the job will launch (default: the "
                                                                      "file's schedule.world_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: ok, the problems and notes")
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     problems = validate_megatron_config(config, args.world_size)
     note = None if problems else padding_note(config)
     if args.json:
-        print(json.dumps({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems],
+        print(json_text({"ok": not problems, "problems": [{"key": p.key, "message": p.message} for p in problems],
                           "notes": [note] if note else []}))
     elif problems:
         for problem in problems:

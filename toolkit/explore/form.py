@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import FLOAT_FLAGS, INT_FLAGS
 
 ALWAYS = "json"  # the API answers with what `--json` prints, so it is always on and not a field
 PASTED_MODEL_DIR = "pasted-config"  # the model name a pasted config.json gets (its directory's name)
@@ -74,7 +75,7 @@ def _kind(action: argparse.Action) -> str:
         return "checkbox"
     if action.choices is not None or isinstance(action, argparse.BooleanOptionalAction):
         return "select"
-    if action.type in (int, float):
+    if action.type in (int, float, *INT_FLAGS, *FLOAT_FLAGS):
         return "number"
     return "text"
 
@@ -95,7 +96,7 @@ def form_fields(verb: str) -> list[dict]:
             "kind": kind,
             "choices": list(action.choices) if action.choices is not None else
             SWITCH_CHOICES if isinstance(action, argparse.BooleanOptionalAction) else None,
-            "step": 1 if action.type is int else "any" if action.type is float else None,
+            "step": 1 if action.type in (int, *INT_FLAGS) else "any" if action.type in (float, *FLOAT_FLAGS) else None,
             "default": action.default if kind == "checkbox" or action.default is None
             or isinstance(action.default, (int, float, str)) else str(action.default),
             "required": bool(action.required),

@@ -5,9 +5,10 @@ Run: python -m toolkit.generate.examples
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from toolkit.numeric import json_text
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 OUT = ROOT / "deepspeed_configs"
@@ -64,7 +65,7 @@ def render_examples() -> dict[str, str]:
     rendered = {}
     for name, example in EXAMPLES.items():
         recipe, plan = example_context(example)
-        rendered[name] = json.dumps(deepspeed_config(plan, recipe.training, recipe.deepspeed), indent=2) + "\n"
+        rendered[name] = json_text(deepspeed_config(plan, recipe.training, recipe.deepspeed), indent=2) + "\n"
     return rendered
 
 

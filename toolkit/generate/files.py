@@ -8,13 +8,11 @@ match (toolkit/validate/generated.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from toolkit.numeric import json_text, yaml_text
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
@@ -37,7 +35,7 @@ class GenerationContext:
 def _deepspeed(ctx: GenerationContext) -> str:
     from toolkit.generate.deepspeed import deepspeed_config
 
-    return json.dumps(deepspeed_config(ctx.plan, ctx.recipe.training, ctx.recipe.deepspeed), indent=2) + "\n"
+    return json_text(deepspeed_config(ctx.plan, ctx.recipe.training, ctx.recipe.deepspeed), indent=2) + "\n"
 
 
 def _accelerate(ctx: GenerationContext) -> str:
@@ -46,10 +44,10 @@ def _accelerate(ctx: GenerationContext) -> str:
         from toolkit.spec.recipe import recipe_hf_config
 
         config = accelerate_fsdp_config(ctx.recipe, ctx.plan, decoder_layer_classes(recipe_hf_config(ctx.recipe)))
-        return yaml.safe_dump(config, sort_keys=False)
+        return yaml_text(config, sort_keys=False)
     from toolkit.generate.accelerate import accelerate_config
 
-    return yaml.safe_dump(accelerate_config(ctx.recipe, ctx.plan, str(ctx.out_dir / "deepspeed.json")), sort_keys=False)
+    return yaml_text(accelerate_config(ctx.recipe, ctx.plan, str(ctx.out_dir / "deepspeed.json")), sort_keys=False)
 
 
 def _trainer_args(ctx: GenerationContext) -> str:
@@ -57,7 +55,7 @@ def _trainer_args(ctx: GenerationContext) -> str:
 
     deepspeed_json = str(ctx.out_dir / "deepspeed.json") if ctx.plan.backend == "deepspeed" else None
     args = trainer_arguments(ctx.recipe, ctx.plan, str(ctx.out_dir / "run"), deepspeed_json)
-    return json.dumps(args, indent=2) + "\n"
+    return json_text(args, indent=2) + "\n"
 
 
 def _launch(ctx: GenerationContext) -> str:
@@ -80,7 +78,7 @@ def _plan(ctx: GenerationContext) -> str:
     record.update(recipe=ctx.recipe.name, auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
                   recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
                   files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
-    return json.dumps(record, indent=2) + "\n"
+    return json_text(record, indent=2) + "\n"
 
 
 def recipe_settings(recipe: Recipe) -> dict:

@@ -5,12 +5,10 @@ Run: python -m toolkit.generate.fsdp_examples
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
-import yaml
-
 from toolkit.generate.examples import ROOT, Example, example_context, examples_readme, write_examples
+from toolkit.numeric import json_text, yaml_text
 
 OUT = ROOT / "fsdp_configs"
 RECIPES = ROOT / "recipes"
@@ -63,8 +61,8 @@ def render_examples() -> dict[str, str]:
     rendered = {}
     for name, example in EXAMPLES.items():
         accelerate, trainer = example_files(example)
-        rendered[f"{name}.accelerate.yaml"] = yaml.safe_dump(accelerate, sort_keys=False)
-        rendered[f"{name}.trainer_args.json"] = json.dumps(trainer, indent=2) + "\n"
+        rendered[f"{name}.accelerate.yaml"] = yaml_text(accelerate, sort_keys=False)
+        rendered[f"{name}.trainer_args.json"] = json_text(trainer, indent=2) + "\n"
     rendered["README.md"] = _readme()
     return rendered
 

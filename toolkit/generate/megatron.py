@@ -13,10 +13,9 @@ as names and turned back into objects by `library_kwargs`.
 
 from __future__ import annotations
 
-import yaml
-
 from toolkit.estimate.params import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
 from toolkit.families import megatron_fields
+from toolkit.numeric import yaml_text
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
@@ -25,6 +24,8 @@ SECTIONS = ("model", "transformer_config", "gpt_model", "ddp_config", "optimizer
             "schedule")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
 DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "main_params_dtype", "main_grads_dtype")
+# the torch dtypes those fields may name: a name is looked up on `torch`, where `manual_seed` is a function, not a dtype
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}  # Megatron's "adam" is AdamW (decoupled weight decay by default)
 
 
@@ -137,7 +138,7 @@ def megatron_yaml(config: dict, recipe_name: str) -> str:
     header = (f"# Megatron-Core settings of recipe {recipe_name}, written by `dmt generate` (regenerate, do not edit).\n"
               f"# Each section holds the keyword arguments of the Megatron-Core class it names; dtypes and the\n"
               f"# activation function are stored by name.\n")
-    return header + yaml.safe_dump({k: config[k] for k in SECTIONS}, sort_keys=False)
+    return header + yaml_text({k: config[k] for k in SECTIONS}, sort_keys=False)
 
 
 def library_kwargs(section: str, values: dict) -> dict:
@@ -149,6 +150,8 @@ def library_kwargs(section: str, values: dict) -> dict:
     kwargs = dict(values)
     for name in DTYPE_FIELDS:
         if isinstance(kwargs.get(name), str):
+            if kwargs[name] not in DTYPE_NAMES:
+                raise ValueError(f"{name} names {kwargs[name]!r}; valid: {', '.join(DTYPE_NAMES)}")
             kwargs[name] = getattr(torch, kwargs[name])
     if section == "transformer_config":
         if isinstance(kwargs.get("activation_func"), str):

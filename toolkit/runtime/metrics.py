@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from toolkit.numeric import loads_finite
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -144,7 +146,7 @@ def read_metrics(output_dir: Path) -> list[dict]:
     lines = text.splitlines()
     if lines and not text.endswith("\n"):
         lines = lines[:-1]
-    return [json.loads(line) for line in lines if line.strip()]
+    return [loads_finite(line) for line in lines if line.strip()]
 
 
 def _utc_now() -> str:
@@ -184,7 +186,7 @@ def read_run_record(output_dir: Path) -> dict | None:
     """run_plan.json of a run directory, or None (none there, or not a JSON object)."""
     path = Path(output_dir) / RUN_FILE
     try:
-        record = json.loads(path.read_text())
+        record = loads_finite(path.read_text())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None

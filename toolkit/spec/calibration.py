@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import FINITE
 from toolkit.readers import parse_yaml, read_text
 
 FORMAT = "dmt-calibration/1"
@@ -25,7 +26,7 @@ ExecutionPath = Literal["megatron-te", "megatron-local", "hf"]
 
 class _Strict(BaseModel):
     # a fitted rate or bandwidth of .inf or .nan would turn every prediction into inf/NaN, never a number
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, **FINITE)
 
 
 class PathEfficiency(_Strict):

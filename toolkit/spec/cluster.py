@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import FINITE
 
 CATALOGUE = Path(__file__).resolve().parent.parent / "presets" / "gpus.yaml"
 DEFAULT_GPU = "h100-80gb"
@@ -18,7 +19,7 @@ PEAK_KEY = {"fp8": "fp8", "fp32": "tf32"}
 
 
 class GPU(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, **FINITE)
 
     name: str
     vendor: str

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from toolkit.errors import UserInputError
 from toolkit.families.linears import LINEARS, MOE, Linear
+from toolkit.numeric import FINITE, FiniteNumber
 
 Method = Literal["full", "lora", "qlora"]
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module but the output head
@@ -32,15 +33,15 @@ def setting(default: Any, description: str, *, flag: str, metavar: str | None = 
 class FinetuneOptions(BaseModel):
     """How the model is trained: all of it, or low-rank adapters on its frozen (optionally 4-bit) linear layers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, **FINITE)
 
     method: Method = setting("full", "what trains: every parameter (full), LoRA adapters on a frozen base (lora, "
                                      "PEFT), or LoRA on a base loaded in 4-bit nf4 (qlora, PEFT + bitsandbytes)",
                              flag="--finetune")
     r: Annotated[StrictInt, Field(ge=1)] = setting(16, "LoRA rank", flag="--lora-r")
-    alpha: Annotated[StrictInt | StrictFloat, Field(gt=0)] = setting(
+    alpha: Annotated[FiniteNumber, Field(gt=0)] = setting(
         32, "LoRA alpha: adapters are scaled by alpha / r", flag="--lora-alpha")
-    dropout: Annotated[StrictInt | StrictFloat, Field(ge=0, lt=1)] = setting(
+    dropout: Annotated[FiniteNumber, Field(ge=0, lt=1)] = setting(
         0.0, "dropout on the adapters' input", flag="--lora-dropout")
     target_modules: tuple[str, ...] = setting(
         (ALL_LINEAR,), "linear modules that get adapters, by name as PEFT matches them (q_proj,v_proj), or "

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from toolkit.errors import UserInputError
 from toolkit.families import family_for
+from toolkit.numeric import FINITE
 from toolkit.readers import one_line, read_json, read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
@@ -21,7 +22,7 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 class ModelSpec(BaseModel):
     """Architecture fields that parameter counts, memory and FLOPs are computed from."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, **FINITE)
 
     name: str = Field("custom", description="Display name (preset name, hub id or file).")
     family: str = Field("custom", description="HF model_type the spec was read from, or 'custom'.")

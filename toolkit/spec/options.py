@@ -11,10 +11,12 @@ A field's `recipe` extra names its recipe key where that is not `plan.<name>` (s
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic.fields import FieldInfo
+
+from toolkit.numeric import FINITE, PositiveInt
 
 Backend = Literal["deepspeed", "megatron", "fsdp"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -28,7 +30,6 @@ Attention = Literal["sdpa", "eager"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
 
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
 # the backends an option belongs to (an option without is every backend's)
 DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
 
@@ -45,7 +46,7 @@ def option(default: Any, description: str, *, recipe: str | None = None, default
 class PlanOptions(BaseModel):
     """Every option of a parallel plan a user can set. Sizes are per job; `None` defaults are derived (see the note)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, **FINITE)
 
     backend: Backend = option("deepspeed", "training library")
     gpus_per_node: PositiveInt = option(8, "GPUs (processes) per node", recipe="cluster.gpus_per_node")

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from toolkit.errors import UserInputError, named_as
+from toolkit.numeric import FINITE, SEED_MAX, Seed
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.finetune import FinetuneOptions, finetune_field, finetune_key
@@ -25,7 +26,7 @@ from toolkit.spec.options import PlanOptions, default, default_text, option_name
 
 class _Strict(BaseModel):
     # strict: `micro_batch: true` or `max_steps: "30"` is a mistake in a YAML file, not a 1 or a 30
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, **FINITE)
 
 
 class ModelSection(_Strict):
@@ -136,7 +137,8 @@ class TrainingSection(_Strict):
     adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no clipping).")
-    seed: int = Field(42, description="Seed of the model init and the data order.")
+    seed: Seed = Field(42, description=f"Seed of the model init and the data order (0 to {SEED_MAX}, what numpy's "
+                                       f"seed, which HF's set_seed calls, accepts).")
     logging_steps: int = Field(1, gt=0, description="Write a metrics.jsonl record every N steps.")
     save_steps: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     eval_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N steps (0: never).")
@@ -159,7 +161,7 @@ class _PlanBase(BaseModel):
     """The plan section takes each option's own strictness from PlanOptions (integers strict; a YAML list is a
     tuple of recompute modules)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **FINITE)
 
 
 def _plan_section() -> type[BaseModel]:
@@ -235,6 +237,8 @@ def _fix_hint(err: dict) -> str:
         return f"unknown key; valid keys here: {', '.join(section.model_fields)}"
     if err["type"] == "literal_error":
         return f"got {err['input']!r}; valid: {err['ctx']['expected']}"
+    if err["type"] == "finite_number":
+        return f"must be a finite number, got {err['input']!r}"
     if err["type"] == "value_error":
         return err["msg"].removeprefix("Value error, ")
     if err["type"] in ("int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type"):
@@ -257,8 +261,9 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         return Recipe(**data)
     except ValidationError as exc:
-        errors = exc.errors()
-        key = ".".join(str(part) for part in errors[0]["loc"]) or "recipe"
+        # a number's union (an int or a finite float) fails in both branches: the finite rule is the one to report
+        errors = sorted(exc.errors(), key=lambda err: err["type"] != "finite_number")
+        key = ".".join(str(part) for part in errors[0]["loc"] if part not in ("int", "float")) or "recipe"
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         raise UserInputError(f"{path.name}: {key}", _fix_hint(errors[0]) + more) from None
 

@@ -137,7 +137,22 @@ def _library_checks(config: dict) -> list[Problem]:
                                                                       "DeepSpeed needs one of them: set it"))
         else:
             problems.append(Problem("deepspeed", f"DeepSpeed rejects the config: {text}"))
-    return problems
+    return problems + _dtype_names(config)
+
+
+def _dtype_names(config: dict) -> list[Problem]:
+    """data_types.grad_accum_dtype: DeepSpeedConfig keeps the string and only the engine looks it up (DtypeEnum)."""
+    from deepspeed.runtime.config import DtypeEnum
+
+    types = config.get("data_types")
+    value = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+    try:
+        DtypeEnum(value) if value is not None else None
+    except (ValueError, TypeError):
+        names = [member.name for member in DtypeEnum]
+        return [Problem("data_types.grad_accum_dtype", f"{value!r} is not a dtype DeepSpeed knows; valid: "
+                                                       f"{', '.join(names)}")]
+    return []
 
 
 def _batch_rule(config: dict, world_size: int, pp: int) -> list[Problem]:

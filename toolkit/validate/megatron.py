@@ -13,6 +13,7 @@ from toolkit.errors import UserInputError
 from toolkit.estimate.params import megatron_padded_vocab
 from toolkit.families.activations import MEGATRON_ACTIVATIONS
 from toolkit.generate.megatron import OPTIMIZERS
+from toolkit.numeric import SEED_MAX
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
 from toolkit.validate.megatron_fields import MODEL_TYPES, SCHEDULE_KEYS, field_problems
@@ -96,6 +97,9 @@ def _integers(config: dict) -> list[Problem]:
         value = config[section].get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(Problem(f"{section}.{key}", f"{value!r} is not a positive integer"))
+    seed = config["schedule"].get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        problems.append(Problem("schedule.seed", f"{seed!r} is not a seed numpy and torch accept (0 to {SEED_MAX})"))
     return problems
 
 

@@ -10,6 +10,7 @@ import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
+from toolkit.generate.megatron import DTYPE_FIELDS, DTYPE_NAMES
 from toolkit.validate import Problem
 
 TC = "transformer_config"
@@ -119,6 +120,10 @@ def field_problems(config: dict) -> list[Problem]:
                 problems.append(Problem(f"{section}.{key}", "is missing; regenerate with `dmt generate` or add it"))
         for key, value in values.items():
             hint = types_of.get(key)
+            if key in DTYPE_FIELDS and value is not None and value not in DTYPE_NAMES:
+                problems.append(Problem(f"{section}.{key}", f"{value!r} is not a dtype name; valid: "
+                                                            f"{', '.join(DTYPE_NAMES)}"))
+                continue
             if key in BY_NAME or hint is None:
                 continue
             if _accepts(value, hint) is False:
