@@ -21,11 +21,11 @@ from pathlib import Path
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.hf_config import check_tensors_match, find_config, read_hf_config
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes
+from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
 from toolkit.checkpoint.zero_to_hf import SIDE_FILES
 from toolkit.errors import UserInputError
-from toolkit.readers import read_dcp_metadata
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate/utils/fsdp_utils.py save_fsdp_model: f"{FSDP_MODEL_NAME}_{index}"
