@@ -21,7 +21,7 @@ from pathlib import Path
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.hf_config import check_tensors_match, find_config, read_hf_config
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes
-from toolkit.checkpoint.safe_load import read_dcp_metadata
+from toolkit.checkpoint.safe_load import TENSORS, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
 from toolkit.checkpoint.zero_to_hf import SIDE_FILES
@@ -129,7 +129,7 @@ def row_ranges(source: Path, meta, storage: dict, key: str) -> list[tuple[Path, 
         info = storage.get(MetadataIndex(key, chunk.offsets))
         if info is None or info.transform_descriptors:
             return None
-        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length))
+        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length), TENSORS, KEY)
         stored = str(meta.properties.dtype).removeprefix("torch.")
         if getattr(lazy, "shape", None) != sizes or lazy.dtype != stored:
             return None

@@ -21,12 +21,13 @@ globals of checkpoints saved by DeepSpeed 0.19, Megatron-Core 0.16 and torch 2.1
 
 from __future__ import annotations
 
+import _compat_pickle  # pickle's own table of Python 2 names
 import pickle
 import re
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import one_line
+from toolkit.readers import one_line, problem
 
 # torch's legacy typed storage classes: what torch.save pickles as a storage's type
 STORAGES = ("FloatStorage", "DoubleStorage", "HalfStorage", "BFloat16Storage", "LongStorage", "IntStorage",
@@ -78,8 +79,7 @@ class Refused(pickle.UnpicklingError):
 
 def refusal(path: Path, key: str | None, name: str, allowed: frozenset) -> UserInputError:
     """The one line: which file asked for which global, and that nothing ran."""
-    return UserInputError(key or str(path), f"{path} asks for {name} (not allowed in {FORMATS[allowed]}); refused "
-                                            f"without running it")
+    return problem(Path(path), key, f"asks for {name} (not allowed in {FORMATS[allowed]}); refused without running it")
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -90,13 +90,18 @@ class RestrictedUnpickler(pickle.Unpickler):
         super().__init__(handle)
         self.allowed = allowed
 
-    def check(self, module: str, name: str) -> None:
+    def check(self, module: str, name: str) -> tuple[str, str]:
+        """(module, name) as Python 3 names it, when allowed; Refused otherwise."""
+        # Python 2 names (__builtin__.exec: protocol 2, torch.save's) are checked as the Python 3 names pickle maps
+        # them to (a protocol 3+ pickle naming one fails to import it)
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if f"{module}.{name}" not in self.allowed:
             raise Refused(f"{module}.{name}", self.allowed)
+        return module, name
 
     def find_class(self, module: str, name: str):
-        self.check(module, name)
-        return super().find_class(module, name)
+        return super().find_class(*self.check(module, name))
 
 
 def read_dcp_metadata(checkpoint: Path, key: str | None = None):
@@ -143,8 +148,9 @@ def torch_load(source, path: Path, key: str | None = None):
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         asked = _TORCH_REFUSAL.search(str(exc))
-        if asked:
-            raise refusal(path, key, asked.group(1), TENSORS) from None
+        if asked:  # torch names builtins without their module
+            name = asked.group(1) if "." in asked.group(1) else f"builtins.{asked.group(1)}"
+            raise refusal(path, key, name, TENSORS) from None
         raise
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import struct
 import warnings
 import zipfile
@@ -113,7 +114,7 @@ class _IndexUnpickler(RestrictedUnpickler):
         self._offsets = offsets
 
     def find_class(self, module: str, name: str):
-        self.check(module, name)
+        module, name = self.check(module, name)
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self._rebuild_tensor
         if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
@@ -128,7 +129,7 @@ class _IndexUnpickler(RestrictedUnpickler):
             return _opaque_class(module, name)
         if module not in ("torch", "collections", "builtins", "_codecs"):
             return _opaque_class(module, name)  # no need to import DeepSpeed (seconds) to read its checkpoints
-        return super().find_class(module, name)
+        return pickle.Unpickler.find_class(self, module, name)  # the allowed builtins and containers themselves
 
     def persistent_load(self, pid):
         _, storage_type, key, _location, _numel = pid
