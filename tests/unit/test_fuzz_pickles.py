@@ -130,8 +130,9 @@ def _zero_checkpoint(root: Path, crafted: str, mark: Path) -> Path:
              "param_shapes": [OrderedDict(w=torch.Size([3, 4]))], "buffer_names": [], "ds_version": "0.19.8"}
     if crafted in ("optim", "model"):
         (optim if crafted == "optim" else model)["payload"] = Payload(mark)
-    torch.save(optim, tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    torch.save(model, tag / "mp_rank_00_model_states.pt")
+    # protocol 4 names builtins as Python 3 does (protocol 2's __builtin__.exec the old indexer stood in for)
+    torch.save(optim, tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", pickle_protocol=4)
+    torch.save(model, tag / "mp_rank_00_model_states.pt", pickle_protocol=4)
     return root
 
 
