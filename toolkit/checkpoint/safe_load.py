@@ -24,6 +24,7 @@ from __future__ import annotations
 import _compat_pickle  # pickle's own table of Python 2 names
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from toolkit.errors import UserInputError
@@ -69,6 +70,9 @@ FORMATS = {DCP_METADATA: "torch.distributed.checkpoint metadata", DEEPSPEED: "a 
            STORED_OBJECT: "a Megatron-Core or DCP stored object", TENSORS: "a tensor file"}
 
 
+REFUSED = "refused without running it"  # how every refusal ends (verify tells refusals from damage by it)
+
+
 class Refused(pickle.UnpicklingError):
     """A pickle asked for a global outside its format's allow-list; nothing it named was called."""
 
@@ -79,7 +83,7 @@ class Refused(pickle.UnpicklingError):
 
 def refusal(path: Path, key: str | None, name: str, allowed: frozenset) -> UserInputError:
     """The one line: which file asked for which global, and that nothing ran."""
-    return problem(Path(path), key, f"asks for {name} (not allowed in {FORMATS[allowed]}); refused without running it")
+    return problem(Path(path), key, f"asks for {name} (not allowed in {FORMATS[allowed]}); {REFUSED}")
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -161,19 +165,34 @@ def rank_file_format(path: Path) -> frozenset:
 
 def check_checkpoint(ckpt: Path, key: str | None) -> None:
     """Every pickle of checkpoint directory `ckpt` that a library's own loader unpickles without restriction, passed
-    through the allow-lists here first (nothing in it is run); the first one refused is a UserInputError. The DCP
-    directories (Megatron-Core's, FSDP2's model and optimizer): their `.metadata` and every object they store;
-    DeepSpeed's rank files; Megatron-Core's common.pt. Only the pickles are read, never the tensor data."""
+    through the allow-lists here first (nothing in it is run): the first refused or unreadable one is raised."""
+    for fault in pickle_faults(ckpt, key):
+        raise fault
+
+
+def pickle_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
+    """The pickles check_checkpoint reads, each refused or unreadable one as the UserInputError naming it: the DCP
+    directories' (Megatron-Core's, FSDP2's model and optimizer) `.metadata` and every object they store, DeepSpeed's
+    rank files, Megatron-Core's common.pt. Only the pickles are read, never the tensor data."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from toolkit.checkpoint.torch_zip import index_torch_file
 
     ckpt = Path(ckpt)
+    archives = []  # (file, its region or None for the whole file, allow-list) of every torch.save archive
     for marker in sorted(ckpt.rglob(".metadata")):
-        metadata = read_dcp_metadata(marker.parent, key)
-        for index, info in metadata.storage_data.items():
-            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-                index_torch_file(marker.parent / info.relative_path, (info.offset, info.length), STORED_OBJECT, key)
+        try:
+            metadata = read_dcp_metadata(marker.parent, key)
+        except UserInputError as exc:
+            yield exc
+            continue
+        archives += [(marker.parent / info.relative_path, (info.offset, info.length), STORED_OBJECT)
+                     for index, info in metadata.storage_data.items()
+                     if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)]
     for pattern in ("*_optim_states.pt", "*_model_states.pt", "common.pt"):
-        for file in sorted(ckpt.rglob(pattern)):
-            index_torch_file(file, None, rank_file_format(file), key)
+        archives += [(file, None, rank_file_format(file)) for file in sorted(ckpt.rglob(pattern))]
+    for file, region, allowed in archives:
+        try:
+            index_torch_file(file, region, allowed, key)
+        except UserInputError as exc:
+            yield exc

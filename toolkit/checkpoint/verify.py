@@ -88,15 +88,15 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
 
 def _check_pickles(path: Path, report: VerifyReport) -> None:
     """Every pickle a library's loader would unpickle (DCP metadata and objects, DeepSpeed rank files, Megatron's
-    common.pt), against its format's allow-list: the first that asks for anything else is a problem."""
-    from toolkit.checkpoint.safe_load import check_checkpoint
+    common.pt), against its format's allow-list: each that asks for anything else is a problem (damaged ones are
+    the format checks' to report)."""
+    from toolkit.checkpoint.safe_load import REFUSED, pickle_faults
 
-    try:
-        check_checkpoint(path, None)
-    except UserInputError as exc:
-        said = {p["file"] for p in report.problems if "refused without running it" in p["problem"]}
-        if exc.key not in said:  # not already refused by a format's own check or the deep scan
-            report.problem(exc.key, exc.message)
+    said = {p["file"] for p in report.problems if REFUSED in p["problem"]}
+    for fault in pickle_faults(path, None):
+        if REFUSED in fault.message and fault.key not in said:  # not already refused by a format's own check
+            report.problem(fault.key, fault.message)
+            said.add(fault.key)
 
 
 def _check_zero(path: Path, report: VerifyReport, deep: bool) -> None:
