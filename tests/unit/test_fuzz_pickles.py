@@ -1,8 +1,9 @@
 """A checkpoint from elsewhere is data, never code: a crafted pickle in each checkpoint format (a DCP `.metadata`, a
 DCP stored object, DeepSpeed's rank files, Megatron-Core's common.pt) whose unpickling would create a file runs
-nothing under any verb that opens the format. Each verb exits 2 with one line naming the file and the global the
-pickle asked for, and the file never appears. Real checkpoints of each format still open (the allow-lists are
-exact, so this also fails if torch's DCP metadata starts to pickle a class they do not list)."""
+nothing under any verb that opens the format, and the file never appears. `dmt ckpt inspect` and the converters exit
+2 with one line naming the file and the global the pickle asked for; `dmt ckpt verify` reports that line as the
+checkpoint's problem (exit 1); a resume refuses it before any library's loader sees it. Real checkpoints of each
+format still open (the allow-lists are exact: this also fails if torch's DCP starts to pickle a class they lack)."""
 
 import json
 import pickle

@@ -13,7 +13,8 @@ os.system as easily as torch.Size. Every pickle the toolkit opens passes through
   i.e. torch.load(weights_only=True), torch's own restricted unpickler;
 - a directory handed to a library's loader that unpickles unrestricted (DCP's FileSystemReader and load_bytes under
   Megatron-Core's dist_checkpointing.load and Accelerate's FSDP resume, DeepSpeed's torch.load(weights_only=False)
-  and ds_to_universal under a resume): check_checkpoint, every one of those pickles first, here.
+  and ds_to_universal under a resume): check_checkpoint, every one of those pickles first, here (and `dmt ckpt
+  verify` reports each one pickle_faults finds refused).
 
 The allow-lists are what the real libraries write (found with torch's get_unsafe_globals_in_checkpoint and the
 globals of checkpoints saved by DeepSpeed 0.19, Megatron-Core 0.16 and torch 2.13's DCP, FSDP2 through Accelerate).
