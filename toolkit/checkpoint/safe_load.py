@@ -17,7 +17,8 @@ os.system as easily as torch.Size. Every pickle the toolkit opens passes through
   verify` reports each one pickle_faults finds refused).
 
 The allow-lists are what the real libraries write (found with torch's get_unsafe_globals_in_checkpoint and the
-globals of checkpoints saved by DeepSpeed 0.19, Megatron-Core 0.16 and torch 2.13's DCP, FSDP2 through Accelerate).
+globals of checkpoints saved by DeepSpeed 0.19, Megatron-Core 0.16 (its converter's and its training's) and torch
+2.13's DCP, FSDP2 through Accelerate).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ DCP_METADATA = _TORCH_VALUES | {
         "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
         "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")),
     "torch.distributed.checkpoint.filesystem._StorageInfo",
+    # Megatron-Core's save planner keeps each rank's plan in the metadata (to reuse it on the next save)
+    *(f"torch.distributed.checkpoint.planner.{name}" for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")),
     "torch.serialization._get_layout",  # TensorProperties' layout, by name
     "pathlib.PosixPath",  # StorageMeta.checkpoint_id
     "collections.OrderedDict",
