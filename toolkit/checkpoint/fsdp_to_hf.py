@@ -1,7 +1,7 @@
 """FSDP2 sharded checkpoint (Accelerate's SHARDED_STATE_DICT: torch DCP in pytorch_model_fsdp_0/) -> HF safetensors
 (sharded, with index) + config, one tensor at a time.
 
-The DCP metadata (`.metadata`, read by torch's own FileSystemReader) lists each tensor's chunks (one per rank that
+The DCP metadata (`.metadata`, unpickled with safe_load.py's allow-list) lists each tensor's chunks (one per rank that
 held a shard) and where each chunk's torch.save archive lies in the __R_0.distcp files. FSDP2 shards dim 0, so a
 tensor's bytes are its chunks' bytes in order: where the dtype stays, the archives are indexed without loading them
 (torch_zip.py) and the kernel copies each chunk's bytes into the safetensors file (copy_file_range), so nothing
