@@ -129,30 +129,3 @@ def _safetensors_entry_fits(entry: Any, data_bytes: int) -> bool:
             and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= data_bytes)
 
-
-def read_dcp_metadata(checkpoint: Path, key: str | None = None):
-    """The `.metadata` of a torch.distributed.checkpoint directory (read by torch's own FileSystemReader): every
-    tensor's global shape and chunks, and where each chunk is stored."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    path = Path(checkpoint) / ".metadata"
-    what = "torch.distributed.checkpoint metadata (a pickled Metadata, as dcp.save writes it)"
-    try:
-        with open(path, "rb") as handle:  # not a pickle at all: refused without unpickling (random bytes can make
-            head = handle.read(2)  # pickle allocate wildly and CPython print errors of its own on the way out)
-        if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
-            raise UserInputError(key or str(path), f"{path} does not start as a pickle (protocol 2-5) does; "
-                                                   f"expected {what}")
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
-    except UserInputError:
-        raise
-    except FileNotFoundError:
-        raise UserInputError(key or str(path), f"{path} does not exist; expected {what}") from None
-    except Exception as exc:  # unpickling damaged bytes can raise almost any exception type
-        raise UserInputError(key or str(path), f"{path} cannot be read ({type(exc).__name__}: {one_line(exc)[:200]}); "
-                                               f"expected {what}") from None
-    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
-            and isinstance(metadata.storage_data, dict)):
-        raise UserInputError(key or str(path), f"{path} holds a {type(metadata).__name__}; expected {what}")
-    return metadata

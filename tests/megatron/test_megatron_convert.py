@@ -60,7 +60,7 @@ def test_each_stored_chunk_holds_only_its_own_bytes(round_trips):
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from toolkit.readers import read_dcp_metadata
+    from toolkit.checkpoint.safe_load import read_dcp_metadata
 
     work, _ = round_trips
     checkpoints = sorted(work.glob("*/mcore-*"))
@@ -100,7 +100,7 @@ def test_verify_deep_finds_nan_in_the_optimizer_state_of_a_training_checkpoint(l
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from toolkit.checkpoint.megatron_stream import DistCheckpointReader
-    from toolkit.readers import read_dcp_metadata
+    from toolkit.checkpoint.safe_load import read_dcp_metadata
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(layout_run("dp2").out / f"checkpoint-{STEPS}", ckpt)

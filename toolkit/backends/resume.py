@@ -16,6 +16,7 @@ def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> P
     requeued jobs continue; or a path), checked to belong to this run. On rank 0, metrics.jsonl then drops the
     steps after it (they are trained again) and a restarted launch says in incident.json why it restarted."""
     from toolkit.checkpoint.manifest import latest_verified, read_manifest
+    from toolkit.checkpoint.safe_load import check_checkpoint
     from toolkit.runtime.metrics import keep_until
     from toolkit.runtime.supervision import record_restart
 
@@ -28,6 +29,7 @@ def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> P
         if path is None or not path.is_dir():
             raise UserInputError("--resume", f"no checkpoint to resume from ({resume}) in {output_dir}")
         check_resume_compatible(path, identity)
+        check_checkpoint(path, "--resume")  # DeepSpeed's, DCP's and ds_to_universal's loaders run any pickle
     record_restart(output_dir, path.name if path is not None else None)
     if path is not None and os.environ.get("RANK", "0") == "0":
         keep_until(output_dir, read_manifest(path)["step"])

@@ -92,9 +92,14 @@ def _object_findings(reader, index) -> Iterator[Finding]:
 
     import torch
 
+    from toolkit.checkpoint.safe_load import torch_load
+
     file, data = reader.object_bytes(index)
     try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        value = torch_load(io.BytesIO(data), file, str(file))
+    except UserInputError as exc:  # a global outside the allow-list: named, nothing run
+        yield file, f"object {index.fqn}: {exc.message}"
+        return
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
         yield file, f"object {index.fqn} cannot be read ({type(exc).__name__}): truncated or corrupt"
         return

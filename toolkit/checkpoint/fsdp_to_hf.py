@@ -1,7 +1,7 @@
 """FSDP2 sharded checkpoint (Accelerate's SHARDED_STATE_DICT: torch DCP in pytorch_model_fsdp_0/) -> HF safetensors
 (sharded, with index) + config, one tensor at a time.
 
-The DCP metadata (`.metadata`, read by torch's own FileSystemReader) lists each tensor's chunks (one per rank that
+The DCP metadata (`.metadata`, unpickled with safe_load.py's allow-list) lists each tensor's chunks (one per rank that
 held a shard) and where each chunk's torch.save archive lies in the __R_0.distcp files. FSDP2 shards dim 0, so a
 tensor's bytes are its chunks' bytes in order: where the dtype stays, the archives are indexed without loading them
 (torch_zip.py) and the kernel copies each chunk's bytes into the safetensors file (copy_file_range), so nothing
@@ -21,11 +21,11 @@ from pathlib import Path
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.hf_config import check_tensors_match, find_config, read_hf_config
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes
+from toolkit.checkpoint.safe_load import TENSORS, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
 from toolkit.checkpoint.zero_to_hf import SIDE_FILES
 from toolkit.errors import UserInputError
-from toolkit.readers import read_dcp_metadata
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate/utils/fsdp_utils.py save_fsdp_model: f"{FSDP_MODEL_NAME}_{index}"
@@ -129,7 +129,7 @@ def row_ranges(source: Path, meta, storage: dict, key: str) -> list[tuple[Path, 
         info = storage.get(MetadataIndex(key, chunk.offsets))
         if info is None or info.transform_descriptors:
             return None
-        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length))
+        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length), TENSORS, KEY)
         stored = str(meta.properties.dtype).removeprefix("torch.")
         if getattr(lazy, "shape", None) != sizes or lazy.dtype != stored:
             return None

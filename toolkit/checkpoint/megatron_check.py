@@ -120,10 +120,12 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
     """Compare in this process (TP x PP = 1) or in a torchrun launch of TP x PP processes."""
     from toolkit.checkpoint.hf_config import read_hf_config
     from toolkit.checkpoint.megatron_hf import check_layout, single_process_group
+    from toolkit.checkpoint.safe_load import check_checkpoint
 
     check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, 1)
     if not ckpt.is_dir():
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a directory")
+    check_checkpoint(ckpt, "MEGATRON_DIR")  # refused here, before any model is built or rank launched
     if tp * pp == 1:
         with single_process_group():
             return compare(hf_dir, ckpt, tp, pp, tolerance)

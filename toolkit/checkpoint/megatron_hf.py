@@ -22,10 +22,11 @@ from unittest import mock
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.hf_config import config_file, read_hf_config
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes, write_dist_checkpoint
+from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
 from toolkit.families.mapping import PADDED_VOCAB
-from toolkit.readers import read_dcp_metadata, read_safetensors_header
+from toolkit.readers import read_safetensors_header
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -239,6 +240,7 @@ def load_weights(model, ckpt: Path) -> None:
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    check_checkpoint(ckpt, "MEGATRON_DIR")  # Megatron-Core's loader unpickles .metadata and stored objects unrestricted
     try:
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt))
     except (CheckpointingException, CheckpointException) as exc:  # torch's wraps each rank's failure

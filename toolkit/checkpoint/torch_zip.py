@@ -21,6 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.checkpoint.safe_load import DEEPSPEED, Refused, RestrictedUnpickler, refusal
 from toolkit.errors import UserInputError
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -102,13 +103,18 @@ def _opaque_class(module: str, name: str) -> type:
     return type(name, (Opaque,), {"__module__": module})
 
 
-class _IndexUnpickler(pickle.Unpickler):
-    def __init__(self, handle, path: Path, offsets: dict[str, int]):
-        super().__init__(handle)
+class _IndexUnpickler(RestrictedUnpickler):
+    """A RestrictedUnpickler (safe_load.py) of one format's allow-list whose tensors become LazyTensors; of the
+    classes allowed, those of other libraries (DeepSpeed's ZeroStageEnum, numpy's arrays, pathlib) are stood in
+    for, never imported."""
+
+    def __init__(self, handle, path: Path, offsets: dict[str, int], allowed: frozenset):
+        super().__init__(handle, allowed)
         self._path = path
         self._offsets = offsets
 
     def find_class(self, module: str, name: str):
+        module, name = self.check(module, name)
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self._rebuild_tensor
         if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
@@ -121,9 +127,9 @@ class _IndexUnpickler(pickle.Unpickler):
             return tuple
         if (module, name) == ("torch", "Tensor"):  # _rebuild_from_type_v2's new_type, unused here
             return _opaque_class(module, name)
-        if not module.split(".")[0] in ("torch", "collections", "builtins", "numpy", "_codecs", "copyreg"):
+        if module not in ("torch", "collections", "builtins", "_codecs"):
             return _opaque_class(module, name)  # no need to import DeepSpeed (seconds) to read its checkpoints
-        return super().find_class(module, name)
+        return pickle.Unpickler.find_class(self, module, name)  # the allowed builtins and containers themselves
 
     def persistent_load(self, pid):
         _, storage_type, key, _location, _numel = pid
@@ -153,23 +159,29 @@ def _contiguous_strides(size: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def index_torch_file(path: Path, region: tuple[int, int] | None = None):
+def index_torch_file(path: Path, region: tuple[int, int] | None = None, allowed: frozenset = DEEPSPEED,
+                     key: str | None = None):
     """The object saved in `path` (or in its bytes [offset, offset + length) when `region` is given: one torch.save
-    archive inside a DCP .distcp file), with every tensor replaced by a LazyTensor. Damaged files raise
-    UserInputError."""
+    archive inside a DCP .distcp file), with every tensor replaced by a LazyTensor, unpickled with the `allowed`
+    globals only (safe_load.py). Damaged files, and globals outside `allowed`, raise UserInputError (naming `key`, or
+    the file)."""
     start, length = region or (0, None)
     try:
         with open(path, "rb") as handle:
             if region is not None and os.fstat(handle.fileno()).st_size < start + length:
                 raise ValueError(f"the file ends before byte {start + length}")
-            return _index(path, handle, start, length)
+            return _index(path, handle, start, length, allowed)
     except UserInputError:
         raise
+    except Refused as exc:
+        raise refusal(path, key, exc.name, exc.allowed) from None
     except Exception as exc:  # zipfile, pickle and struct errors all mean a damaged file
-        raise UserInputError(str(path), f"cannot be read, truncated or corrupt ({type(exc).__name__}: {exc})") from None
+        fault = f"{path} cannot" if key else "cannot"
+        raise UserInputError(key or str(path), f"{fault} be read, truncated or corrupt ({type(exc).__name__}: "
+                                               f"{exc})") from None
 
 
-def _index(path: Path, handle, start: int, length: int | None):
+def _index(path: Path, handle, start: int, length: int | None, allowed: frozenset):
     from toolkit.checkpoint.megatron_stream import FileSlice
 
     raw = handle if length is None else FileSlice(handle, start, length)
@@ -192,4 +204,4 @@ def _index(path: Path, handle, start: int, length: int | None):
                     raise ValueError(f"storage {info.filename} runs past the end of the file")
                 offsets[info.filename[len(prefix) + len("data/"):]] = data_offset
         with archive.open(pickle_name) as pickled:
-            return _IndexUnpickler(pickled, path, offsets).load()
+            return _IndexUnpickler(pickled, path, offsets, allowed).load()

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
+from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
-from toolkit.readers import read_dcp_metadata, read_json, read_safetensors_header
+from toolkit.readers import read_json, read_safetensors_header
 
 
 @dataclass
@@ -80,7 +81,22 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
         _check_dcp(path, report, deep)
     else:
         _check_safetensors(path, report, deep)
+    if path.is_dir():
+        _check_pickles(path, report)
     return report
+
+
+def _check_pickles(path: Path, report: VerifyReport) -> None:
+    """Every pickle a library's loader would unpickle (DCP metadata and objects, DeepSpeed rank files, Megatron's
+    common.pt), against its format's allow-list: each that asks for anything else is a problem (damaged ones are
+    the format checks' to report)."""
+    from toolkit.checkpoint.safe_load import REFUSED, pickle_faults
+
+    said = {p["file"] for p in report.problems if REFUSED in p["problem"]}
+    for fault in pickle_faults(path, None):
+        if REFUSED in fault.message and fault.key not in said:  # not already refused by a format's own check
+            report.problem(fault.key, fault.message)
+            said.add(fault.key)
 
 
 def _check_zero(path: Path, report: VerifyReport, deep: bool) -> None:
