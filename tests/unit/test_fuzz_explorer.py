@@ -209,8 +209,11 @@ def test_a_wrong_value_on_any_generate_key_is_never_a_500(client, ranked, key):
 
 
 def test_a_huge_gpus_per_node_does_not_hang_the_planner(client):
-    response = client.post("/api/plan", json={**PLAN, "gpus_per_node": 10**100})
-    assert response.status_code == 200  # promptly: the planner counted the divisors of 8, not up to 10**100
+    from toolkit.numeric import COUNT_MAX
+
+    response = client.post("/api/plan", json={**PLAN, "gpus_per_node": COUNT_MAX})  # the largest count a flag takes
+    assert response.status_code == 200  # promptly: the planner counted the divisors of 8, not up to 2**53
+    assert_refused(client.post("/api/plan", json={**PLAN, "gpus_per_node": 10**100}))  # beyond it: refused
 
 
 def test_a_huge_global_batch_through_a_pipeline_does_not_hang_the_estimate(client):
