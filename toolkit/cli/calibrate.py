@@ -84,7 +84,7 @@ def _observations(reports):
     import statistics
 
     from toolkit.estimate.calibrate import Observation
-    from toolkit.report.runs import run_subject
+    from toolkit.report.runs import check_trained_on, run_subject
     from toolkit.spec.cluster import PEAK_KEY
 
     observations, hardware, peaks = [], {}, {}
@@ -93,6 +93,7 @@ def _observations(reports):
             raise UserInputError("RUN_DIR", f"{report.run_dir} is {report.status} ({report.reason}): only finished "
                                             f"runs with more logged steps than the warm-up calibrate")
         model, plan, gpu, record = run_subject(report.run_dir, "it trained (written by toolkit/train.py)")
+        check_trained_on(report.run_dir, gpu, record)
         hardware[gpu.name] = report.run_dir
         if gpu.host and record.get("peak_tflops"):  # a rank's share of the host: the host's rate is gpus_per_node x it
             key = PEAK_KEY.get(plan.precision, "bf16")
