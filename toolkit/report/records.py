@@ -127,26 +127,32 @@ def _fault(exc: ValidationError) -> str:
     return f"{where}: {message}, got {got}" if err["type"] != "missing" else f"{where}: missing"
 
 
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is not a finite number")
-    return value
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows (the toolkit writes null for a non-finite figure)")
+def _non_finite(data, where: str = "") -> str | None:
+    """The first NaN or infinity in parsed JSON (Python's json takes NaN, Infinity and 1e999 without a word), as
+    `key: VALUE ...`; None when every number is finite."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return f"{where or 'the top level'}: {data} is not a finite number (the toolkit writes null for one)"
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
 
 
 def _json(text: str):
-    """JSON with every number finite: NaN, Infinity and a literal past the float range (1e999) are refused."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    """A JSON document with every number finite (ValueError otherwise)."""
+    data = json.loads(text)
+    problem = _non_finite(data)
+    if problem:
+        raise ValueError(problem)
+    return data
 
 
 def _decode_problem(exc: ValueError) -> str:
     if isinstance(exc, json.JSONDecodeError):
-        return f"is not JSON ({exc.msg})"
-    return str(exc)
+        return f" is not JSON ({exc.msg})"
+    return f": {exc}"
 
 
 def read_run_plan(run_dir: Path) -> tuple[dict | None, str | None]:
@@ -159,7 +165,7 @@ def read_run_plan(run_dir: Path) -> tuple[dict | None, str | None]:
     except UserInputError as exc:
         return None, f"{RUN_FILE} {exc.message}"
     except ValueError as exc:
-        return None, f"{RUN_FILE} {_decode_problem(exc)}"
+        return None, f"{RUN_FILE}{_decode_problem(exc)}"
     if not isinstance(data, dict):
         return None, f"{RUN_FILE} holds a {type(data).__name__}; expected a JSON object (written by toolkit/train.py)"
     try:
@@ -224,7 +230,7 @@ def read_metrics_records(run_dir: Path) -> tuple[list[dict], str | None]:
         try:
             data = _json(line)
         except ValueError as exc:
-            return records, f"{where} {_decode_problem(exc)}"
+            return records, f"{where}{_decode_problem(exc)}"
         if not isinstance(data, dict):
             return records, f"{where} holds a {type(data).__name__}; expected a JSON object (one record a step)"
         try:
