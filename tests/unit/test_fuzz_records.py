@@ -12,9 +12,9 @@ import math
 
 import pytest
 import yaml
-from test_fuzz_verbs import _assert_refused, _run
 
 from helpers import TINY
+from test_fuzz_verbs import _assert_refused, _run
 from toolkit.cli.main import main
 from toolkit.runtime.metrics import (
     METRICS_FILE,

@@ -87,9 +87,9 @@ def predicted_figures(prediction: dict) -> dict:
 def _status(record: dict | None, metrics: list[dict], timed: int, warmup: int) -> tuple[str, str | None]:
     if record is None:
         return "no-record", f"no {RUN_FILE}: whether the run finished, and what was predicted for it, are not known"
-    if record is not None and record.get("status") == "failed":
+    if record.get("status") == "failed":
         return "crashed", record.get("error") or "training raised an error"
-    if record is not None and record.get("status") == "running":
+    if record.get("status") == "running":
         return "unfinished", "no end recorded: killed, crashed without a trace, or still running"
     if metrics and not timed:
         return "too-few-steps", "metrics.jsonl has no step times (written by a toolkit before they were recorded)"
