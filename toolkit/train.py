@@ -125,8 +125,24 @@ def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
     start_run_record(output_dir, prediction, {
         "argv": argv, "plan_json": str(run.directory / "plan.json") if run.prediction is not None else None,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")), "accelerator": recipe.cluster.accelerator,
-        "max_steps": recipe.training.max_steps, "threads_per_rank": _threads()})
+        **_device(recipe.cluster.accelerator), "max_steps": recipe.training.max_steps,
+        "threads_per_rank": _threads()})
     return run_throughput(run.model, run.plan, prediction, recipe.cluster.accelerator)
+
+
+def _device(accelerator: str) -> dict:
+    """The device rank 0 trains on, for run_plan.json: torch's name for it ("cpu" for CPU ranks) and the catalogue
+    entry it is (None: a GPU the catalogue does not know), so a calibration is filed under the hardware used."""
+    import torch
+
+    from toolkit.health.checks import match_gpu
+    from toolkit.runtime.metrics import trains_on_cuda
+    from toolkit.spec.cluster import load_catalogue
+
+    if not trains_on_cuda(accelerator):
+        return {"device": "cpu", "device_gpu": "cpu"}
+    name = torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", "0")))
+    return {"device": name, "device_gpu": match_gpu(name, {k: gpu.name for k, gpu in load_catalogue().items()})}
 
 
 def _threads() -> int:

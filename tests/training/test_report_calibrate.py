@@ -68,6 +68,7 @@ def test_the_run_directory_keeps_the_prediction_it_was_launched_with(runs):
     assert record["step_time_s"] > 0 and record["tokens_per_s"] == pytest.approx(16 * 64 / record["step_time_s"])
     assert 0 < record["mfu"] < 1 and record["memory_bytes"]["total"] > 0 and record["peak_tflops"] > 0
     assert record["launch"]["world_size"] == 2 and record["launch"]["accelerator"] == "cpu"
+    assert record["launch"]["device"] == "cpu" and record["launch"]["device_gpu"] == "cpu"  # where it trained
     assert record["calibration"] is None and record["model_spec"]["hidden_size"] == 64
 
 

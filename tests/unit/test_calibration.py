@@ -231,7 +231,7 @@ def test_generate_records_the_recipe_calibration_in_plan_json(tmp_path, capsys):
     ({"status": "running"}, 20, "unfinished"),  # what a SIGKILLed or OOM-killed launch leaves behind
     ({"status": "completed"}, 3, "too-few-steps"),
     ({"status": "completed"}, 4, "completed"),
-    (None, 4, "completed"),  # metrics of a run without run_plan.json: measured, nothing to compare with
+    (None, 4, "no-record"),  # metrics of a run without run_plan.json: whether it finished is not known
 ])
 def test_a_run_that_did_not_finish_or_is_too_short_is_named_so(record, timed, status):
     assert _status(record, [], timed, 3)[0] == status

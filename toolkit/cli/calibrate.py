@@ -78,7 +78,7 @@ def _links(health):
 def _observations(reports):
     """(observations, hardware, each run's record) of finished runs on one hardware; else one line."""
     from toolkit.estimate.calibrate import Observation
-    from toolkit.report.runs import run_subject
+    from toolkit.report.runs import check_trained_on, run_subject
 
     observations, hardware, records = [], {}, []
     for report in reports:
@@ -86,6 +86,7 @@ def _observations(reports):
             raise UserInputError("RUN_DIR", f"{report.run_dir} is {report.status} ({report.reason}): only finished "
                                             f"runs with more logged steps than the warm-up calibrate")
         model, plan, gpu, record = run_subject(report.run_dir, "it trained (written by toolkit/train.py)")
+        check_trained_on(report.run_dir, gpu, record)
         hardware[gpu.name] = report.run_dir
         records.append(record)
         observations.append(Observation(model, plan, report.measured["step_time_s"]))

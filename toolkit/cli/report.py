@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from toolkit.report.records import read_metrics_records
     from toolkit.report.runs import DEFAULT_WARMUP, read_run, repredict
-    from toolkit.runtime.metrics import read_metrics
 
     warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
     if warmup < 0:
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from toolkit.report.plot import write_report_plot
 
-        write_report_plot(args.plot, [(report, read_metrics(report.run_dir)) for report in reports])
+        write_report_plot(args.plot, [(report, read_metrics_records(report.run_dir)[0]) for report in reports])
     if args.json:
         print(json_text({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
         return 0

@@ -4,7 +4,9 @@ it finished, and the two side by side with signed errors (`dmt report`, `dmt cal
 Measured figures are medians over the logged steps after the warm-up (the first `warmup` records, which pay for
 allocation, compilation and caches); peak memory is the largest allocator figure any record holds (GPUs only). A run
 that crashed, was killed or is still running, or that logged no more steps than the warm-up, has no measured
-figures: its status says why instead of a number.
+figures: its status says why instead of a number. So has a run whose files break the rules of what a run record may
+hold (toolkit/report/records.py: its status is `damaged`, with the file, line and key), and one without run_plan.json
+(`no-record`: whether it finished is not known).
 """
 
 from __future__ import annotations
@@ -14,12 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.runtime.metrics import (
-    METRICS_FILE,
-    RUN_FILE,
-    read_metrics,
-    read_run_record,
-)
+from toolkit.report.records import read_run_files, read_run_plan
+from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
 
 DEFAULT_WARMUP = 3
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s", "peak_allocated_bytes", "peak_reserved_bytes")
@@ -31,9 +29,9 @@ class RunReport:
     """One run directory: its status, the figures measured and predicted, and their signed errors."""
 
     run_dir: str
-    status: str  # completed | crashed | unfinished | too-few-steps
+    status: str  # completed | crashed | unfinished | too-few-steps | no-record | damaged
     reason: str | None
-    steps: int  # logged records
+    steps: int  # logged records (of a damaged metrics.jsonl, those before the damaged line)
     last_step: int | None
     plan: dict | None  # the plan the run trained (plan.json's plan), None without run_plan.json
     gpu: str | None
@@ -87,15 +85,17 @@ def predicted_figures(prediction: dict) -> dict:
 
 
 def _status(record: dict | None, metrics: list[dict], timed: int, warmup: int) -> tuple[str, str | None]:
-    if record is not None and record.get("status") == "failed":
+    if record is None:
+        return "no-record", f"no {RUN_FILE}: whether the run finished, and what was predicted for it, are not known"
+    if record.get("status") == "failed":
         return "crashed", record.get("error") or "training raised an error"
-    if record is not None and record.get("status") == "running":
+    if record.get("status") == "running":
         return "unfinished", "no end recorded: killed, crashed without a trace, or still running"
     if metrics and not timed:
         return "too-few-steps", "metrics.jsonl has no step times (written by a toolkit before they were recorded)"
     if timed <= warmup:
         return "too-few-steps", f"{timed} timed step record(s), not more than the warm-up of {warmup}"
-    return "completed", None if record is not None else "no run_plan.json: nothing predicted to compare with"
+    return "completed", None
 
 
 def read_run(run_dir: Path, warmup: int = DEFAULT_WARMUP, key: str = "RUN_DIR") -> RunReport:
@@ -103,19 +103,13 @@ def read_run(run_dir: Path, warmup: int = DEFAULT_WARMUP, key: str = "RUN_DIR") 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserInputError(key, f"{run_dir} is not a directory; give a training run's output directory")
-    record = read_run_record(run_dir)
-    if record is None and (run_dir / RUN_FILE).exists():
-        raise UserInputError(key, f"{run_dir / RUN_FILE} is not a JSON object; it is written by toolkit/train.py")
-    try:
-        metrics = read_metrics(run_dir)
-    except ValueError:
-        raise UserInputError(key, f"{run_dir / METRICS_FILE} holds a line that is not JSON; it is written by "
-                                  f"toolkit/train.py") from None
-    if record is None and not metrics:
+    files = read_run_files(run_dir)
+    record, metrics = files.record, files.metrics
+    if record is None and not metrics and files.damage is None:
         raise UserInputError(key, f"{run_dir} holds neither {RUN_FILE} nor {METRICS_FILE}: not a training run's "
                                   f"output directory")
-    timed = [r for r in metrics if isinstance(r, dict) and r.get("step_time_s") is not None]
-    status, reason = _status(record, metrics, len(timed), warmup)
+    timed = [r for r in metrics if r.get("step_time_s") is not None]
+    status, reason = ("damaged", files.damage) if files.damage else _status(record, metrics, len(timed), warmup)
     report = RunReport(run_dir=str(run_dir), status=status, reason=reason, steps=len(metrics),
                        last_step=metrics[-1].get("step") if metrics else None,
                        plan=(record or {}).get("plan"), gpu=(record or {}).get("gpu"),
@@ -160,7 +154,10 @@ def run_subject(run_dir: Path, missing: str, key: str = "RUN_DIR"):
     from toolkit.spec.model import ModelSpec
     from toolkit.spec.plan import Plan, validated
 
-    record = read_run_record(Path(run_dir)) or {}
+    record, damage = read_run_plan(Path(run_dir))
+    if damage is not None:
+        raise UserInputError(key, f"{run_dir}: {damage}")
+    record = record or {}
     if not isinstance(record.get("model_spec"), dict) or not isinstance(record.get("plan"), dict):
         raise UserInputError(key, f"{run_dir}: {RUN_FILE} holds no model spec and plan {missing}")
     try:
@@ -172,6 +169,40 @@ def run_subject(run_dir: Path, missing: str, key: str = "RUN_DIR"):
     return model, plan, gpu, record
 
 
+def trained_on(record: dict) -> tuple[bool | None, str | None, str]:
+    """Where a run's launch trained, from its run_plan.json `launch`: (on CPU ranks? None: not recorded, the
+    catalogue entry of its device or None, words for it). The recipe's accelerator says cpu or gpu; the device rank
+    0 trained on (recorded since toolkit/train.py names it) says which, and catches a GPU recipe run where CUDA was
+    missing."""
+    launch = record.get("launch") or {}
+    device, device_gpu, accelerator = launch.get("device"), launch.get("device_gpu"), launch.get("accelerator")
+    if device is not None:
+        on_cpu = device == "cpu"
+    else:
+        on_cpu = None if accelerator is None else accelerator == "cpu"
+    words = "CPU ranks" if on_cpu else (device or "GPUs")
+    return on_cpu, "cpu" if on_cpu else device_gpu, words
+
+
+def check_trained_on(run_dir, gpu, record: dict, key: str = "RUN_DIR") -> None:
+    """A run's step times are those of the hardware it trained on: refuse to file them under its plan's `gpu` (a
+    catalogue GPU) when run_plan.json says the run trained elsewhere, or does not say where."""
+    on_cpu, device_gpu, words = trained_on(record)
+    rule = "a calibration is for the hardware the runs used"
+    if on_cpu is None:
+        raise UserInputError(key, f"{run_dir}: {RUN_FILE} does not say where the run trained (launch.accelerator; "
+                                  f"written by an older toolkit); {rule}: calibrate runs launched by this toolkit")
+    if on_cpu and not gpu.host:
+        raise UserInputError(key, f"{run_dir} trained on CPU ranks but its plan is for {gpu.name}; {rule}: train "
+                                  f"CPU runs with the recipe's cluster.gpu: cpu, or calibrate runs on {gpu.name}")
+    if not on_cpu and gpu.host:
+        raise UserInputError(key, f"{run_dir} trained on {words} but its plan is for the host's CPU ranks (cpu); "
+                                  f"{rule}: name the GPU in the recipe's cluster.gpu")
+    if device_gpu is not None and device_gpu != gpu.name:
+        raise UserInputError(key, f"{run_dir} trained on {words} ({device_gpu}) but its plan is for {gpu.name}; "
+                                  f"{rule}: name {device_gpu} in the recipe's cluster.gpu")
+
+
 def repredict(report: RunReport, calibration) -> None:
     """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration).
     On the host entry the calibration brings its own peak: the measured MFU is restated against it, so measured and
@@ -179,6 +210,8 @@ def repredict(report: RunReport, calibration) -> None:
     from toolkit.estimate.comm import Network
     from toolkit.planner.report import predicted_record
 
+    if report.status == "damaged":  # nothing sound to re-predict; its status says why
+        return
     model, plan, gpu, record = run_subject(report.run_dir, "to re-predict (written by an older toolkit); report it "
                                                            "without --calibration", "--calibration")
     calibration.check_hardware(gpu.name, "--calibration")

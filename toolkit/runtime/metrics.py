@@ -40,18 +40,24 @@ class Throughput:
     peak_flops: float | None = None  # one rank's dense peak at the plan's precision; None: no catalogue peak here
 
 
+def trains_on_cuda(accelerator: str) -> bool:
+    """Whether this process trains on a CUDA device: a recipe for GPUs where CUDA is present (elsewhere its ranks
+    fall back to the CPU)."""
+    import torch
+
+    return accelerator == "gpu" and torch.cuda.is_available()
+
+
 def run_throughput(model, plan, prediction: dict, accelerator: str) -> Throughput:
     """A run's Throughput: its tokens and model FLOPs per step (toolkit/estimate/timing.py's useful_flops_per_token, as
     the prediction counts them: a LoRA run's without the frozen base's weight gradients) and one rank's peak, the prediction's, but only where the run is on the device kind it was predicted for
     (a CPU run of a recipe naming an H100 has no catalogue peak: its MFU is null)."""
-    import torch
-
     from toolkit.estimate.timing import useful_flops_per_token
     from toolkit.spec.cluster import get_gpu
 
     tokens = plan.global_batch * plan.seq_len
     flops = useful_flops_per_token(model, plan) * tokens
-    on_cuda = accelerator == "gpu" and torch.cuda.is_available()
+    on_cuda = trains_on_cuda(accelerator)
     peak = prediction.get("peak_tflops")
     same_kind = get_gpu(prediction["gpu"]).host != on_cuda
     return Throughput(tokens, flops, plan.gpus, peak * 1e12 if peak and same_kind else None)

@@ -1,0 +1,294 @@
+"""Run directories that come from elsewhere: `dmt report` and `dmt calibrate` on records that are damaged (NaN, zero,
+negative or infinite figures, repeated or decreasing steps, lines that are not records, a run_plan.json that is not
+one), on a run without run_plan.json, and on runs whose plan names other hardware than they trained on.
+
+Each run directory is written as toolkit/train.py writes it (start_run_record and end_run_record with the tiny
+recipe's real prediction, MetricsWriter's records), then damaged the way a copy, an edit or a second launch would.
+A damaged run is reported with its status and the file, line and key at fault, and no figure; calibrate refuses it
+in one line and writes nothing."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from helpers import TINY
+from test_fuzz_verbs import _assert_refused, _run
+from toolkit.cli.main import main
+from toolkit.runtime.metrics import (
+    METRICS_FILE,
+    RUN_FILE,
+    MetricsWriter,
+    Throughput,
+    end_run_record,
+    start_run_record,
+)
+
+STEPS = 10
+H100 = {"accelerator": "gpu", "device": "NVIDIA H100 80GB HBM3", "device_gpu": "h100-80gb"}
+CPU_RANKS = {"accelerator": "cpu", "device": "cpu", "device_gpu": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def prediction():
+    """The tiny recipe's prediction on its catalogue GPU (h100-80gb), as train.py records it in run_plan.json."""
+    from toolkit.planner.recipe import recipe_plan, recipe_prediction
+    from toolkit.spec.recipe import load_recipe, recipe_model
+
+    recipe = load_recipe(TINY)
+    model = recipe_model(recipe)
+    plan = recipe_plan(recipe, model)
+    return {"model_spec": model.model_dump(mode="json"), **recipe_prediction(recipe, model, plan)}
+
+
+def _write_run(path, prediction, device=H100, status="completed", steps=STEPS):
+    """A run directory as a launch leaves it: run_plan.json and one metrics record a step, each step a fifth
+    slower than predicted (so a calibration of it is an ordinary one)."""
+    launch = {"argv": ["toolkit/train.py"], "plan_json": None, "world_size": 2, **device, "max_steps": steps}
+    start_run_record(path, prediction, launch)
+    end_run_record(path, status)
+    step_time = prediction["step_time_s"] * 1.2
+    tokens = prediction["plan"]["global_batch"] * prediction["plan"]["seq_len"]
+    writer = MetricsWriter(path, Throughput(tokens))
+    gpu = {"gpu_max_allocated_bytes": 2 * 2**30} if device.get("device") not in (None, "cpu") else {}
+    for step in range(1, steps + 1):
+        writer.write(step, 6.0 - 0.1 * step, 1.0, 1e-3, {"step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                                                         "mfu": prediction["mfu"] / 1.2, "data_wait_s": 1e-4, **gpu},
+                     epoch=step / steps)
+    return path
+
+
+def _edit_line(number: int, text: str | None = None, **changes):
+    """Damage metrics.jsonl line `number`: replaced by `text`, or its keys changed (json.dumps writes NaN and
+    Infinity literals, as Python's json does by default)."""
+    def edit(run):
+        lines = (run / METRICS_FILE).read_text().splitlines()
+        lines[number - 1] = text if text is not None else json.dumps({**json.loads(lines[number - 1]), **changes})
+        (run / METRICS_FILE).write_text("\n".join(lines) + "\n")
+    return edit
+
+
+def _edit_record(text_edit=None, **changes):
+    """Damage run_plan.json: its keys changed, or its text edited."""
+    def edit(run):
+        path = run / RUN_FILE
+        if text_edit is not None:
+            path.write_text(text_edit(path.read_text()))
+        else:
+            path.write_text(json.dumps({**json.loads(path.read_text()), **changes}, indent=2))
+    return edit
+
+
+def _relaunched(run):
+    """A second launch into the same directory from step 1 (no resume): every step appears twice."""
+    lines = (run / METRICS_FILE).read_text()
+    (run / METRICS_FILE).write_text(lines + lines)
+
+
+# damage -> what the report's reason must name (file, line, key)
+DAMAGE = {
+    "NaN step time": (_edit_line(5, step_time_s=math.nan), "metrics.jsonl line 5: step_time_s: nan"),
+    "zero step time": (_edit_line(6, step_time_s=0), "metrics.jsonl line 6: step_time_s"),
+    "negative step time": (_edit_line(7, step_time_s=-0.25), "metrics.jsonl line 7: step_time_s"),
+    "infinite step time": (_edit_line(5, step_time_s=math.inf), "metrics.jsonl line 5: step_time_s: inf"),
+    "step time past the float range": (_edit_line(5, '{"step": 5, "step_time_s": 1e999}'),
+                                       "metrics.jsonl line 5: step_time_s: inf"),
+    "step time as text": (_edit_line(5, step_time_s="0.5"), "metrics.jsonl line 5: step_time_s"),
+    "NaN MFU": (_edit_line(8, mfu=math.nan), "metrics.jsonl line 8: mfu: nan"),
+    "negative data wait": (_edit_line(8, data_wait_s=-1.0), "metrics.jsonl line 8: data_wait_s"),
+    "negative per-rank bytes": (_edit_line(8, gpu_max_allocated_bytes_per_rank=[2**30, -5]),
+                                "metrics.jsonl line 8: gpu_max_allocated_bytes_per_rank.1"),
+    "repeated step": (_edit_line(6, step=5), "metrics.jsonl line 6: step 5 after step 5"),
+    "decreasing step": (_edit_line(6, step=2), "metrics.jsonl line 6: step 2 after step 5"),
+    "step as a float": (_edit_line(6, step=6.0), "metrics.jsonl line 6: step"),
+    "no step": (_edit_line(6, '{"loss": 1.0, "step_time_s": 0.5}'), "metrics.jsonl line 6: step: missing"),
+    "a line that is a list": (_edit_line(4, "[1, 2, 3]"), "metrics.jsonl line 4 holds a list"),
+    "a line that is a number": (_edit_line(4, "42"), "metrics.jsonl line 4 holds a int"),
+    "a line that is not JSON": (_edit_line(4, '{"step": 4, "loss":'), "metrics.jsonl line 4 is not JSON"),
+    "relaunched into the same directory": (_relaunched, f"metrics.jsonl line {STEPS + 1}: step 1 after step {STEPS}"),
+    "infinite predicted MFU": (_edit_record(lambda t: t.replace('"mfu": ', '"mfu": Infinity, "was": ', 1)),
+                               "run_plan.json: mfu: inf"),
+    "NaN predicted step time": (_edit_record(step_time_s=math.nan), "run_plan.json: step_time_s: nan"),
+    "zero predicted step time": (_edit_record(step_time_s=0.0), "run_plan.json: step_time_s"),
+    "predicted memory as text": (_edit_record(memory_bytes={"total": "1 GiB"}), "run_plan.json: memory_bytes.total"),
+    "an unknown status": (_edit_record(status="done"), "run_plan.json: status"),
+    "a plan the model cannot take": (_edit_record(plan=None), None),  # replaced below: tp 3 of 4 heads
+    "an unknown GPU": (_edit_record(gpu="h100-81gb"), "run_plan.json: gpu: unknown GPU 'h100-81gb'"),
+    "a calibration scale as text": (_edit_record(calibration={"file": "c.yaml", "hardware": "h100-80gb",
+                                                              "compute_scale": {"hf": "fast"}}),
+                                    "run_plan.json: calibration.compute_scale.hf"),
+    "run_plan.json a list": (_edit_record(lambda t: "[1, 2]"), "run_plan.json holds a list"),
+    "run_plan.json not JSON": (_edit_record(lambda t: t[: len(t) // 2]), "run_plan.json is not JSON"),
+}
+
+
+def _tp3(run):
+    record = json.loads((run / RUN_FILE).read_text())
+    record["plan"] = {**record["plan"], "tp": 3}
+    (run / RUN_FILE).write_text(json.dumps(record))
+
+
+DAMAGE["a plan the model cannot take"] = (_tp3, "run_plan.json: plan.tp")
+
+
+def _strict_json(text: str):
+    """The output as JSON that has no NaN or Infinity in it (json.loads would take them silently)."""
+    def refuse(name):
+        raise AssertionError(f"{name} in the output")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _report(capsys, *argv) -> dict:
+    """`dmt report ... --json`: exit 0, and its output JSON without NaN or Infinity."""
+    code = main(["report", *map(str, argv), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return _strict_json(captured.out)
+
+
+def _table(capsys, run, reason: str) -> str:
+    """`dmt report RUN` as a table: exit 0, the run's status and reason in it, and no NaN or infinity printed as a
+    figure (the reason may name one: it is what is wrong)."""
+    code = main(["report", str(run)])
+    table = capsys.readouterr().out
+    assert code == 0 and reason in table, table
+    figures = table.replace(reason, "").lower().replace("/", " ").split()
+    assert not {"nan", "inf", "infinity", "-inf"} & set(figures), table
+    return table
+
+
+def _figures_are_sound(entry: dict) -> None:
+    """Every figure of a report entry finite, and every step time (measured or predicted) above 0."""
+    for group in ("measured", "predicted", "error"):
+        for key, value in entry[group].items():
+            if value is not None:
+                assert math.isfinite(value), (group, key, value)
+                assert group == "error" or "step_time" not in key or value > 0, (group, key, value)
+
+
+def test_a_sound_run_is_reported_with_its_figures_and_calibrates_for_its_gpu(tmp_path, capsys, prediction):
+    """The control every damaged case below differs from by its damage alone."""
+    run = _write_run(tmp_path / "run", prediction)
+    entry = _report(capsys, run)["runs"][0]
+    assert entry["status"] == "completed" and entry["steps"] == STEPS
+    assert entry["measured"]["step_time_s"] == pytest.approx(prediction["step_time_s"] * 1.2)
+    assert entry["error"]["step_time"] == pytest.approx(1 / 1.2 - 1)
+    _figures_are_sound(entry)
+    out = tmp_path / "calibration.yaml"
+    assert main(["calibrate", str(run), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert yaml.safe_load(out.read_text())["hardware"] == "h100-80gb"
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_run_is_reported_as_damaged_without_figures_and_calibrate_refuses_it(tmp_path, capsys, prediction,
+                                                                                       damage):
+    damage_it, names = DAMAGE[damage]
+    run = _write_run(tmp_path / "run", prediction)
+    damage_it(run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    entry = _report(capsys, run)["runs"][0]
+    assert entry["status"] == "damaged" and names in entry["reason"], entry["reason"]
+    assert set(entry["measured"].values()) == {None} and entry["error"] == {"step_time": None, "memory": None}
+    assert entry["steps"] <= STEPS  # a repeated step is never counted
+    _figures_are_sound(entry)
+    assert f"damaged: {entry['reason']}" in _table(capsys, run, entry["reason"])
+    out = tmp_path / "calibration.yaml"
+    code, err = _run(capsys, ["calibrate", str(run), "--out", str(out)])
+    _assert_refused(code, err, "RUN_DIR", str(run), "is damaged", names)
+    assert not out.exists()
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # reading a run changes nothing in it
+
+
+def test_a_run_without_run_plan_json_is_not_called_completed_and_does_not_calibrate(tmp_path, capsys, prediction):
+    """Only metrics.jsonl (run_plan.json lost in a copy): whether the run finished, and what it was predicted to do,
+    are not known; its step times are not vouched for as a finished run's."""
+    run = _write_run(tmp_path / "run", prediction)
+    (run / RUN_FILE).unlink()
+    entry = _report(capsys, run)["runs"][0]
+    assert entry["status"] == "no-record" and "no run_plan.json" in entry["reason"]
+    assert entry["steps"] == STEPS and set(entry["measured"].values()) == {None}
+    assert f"no-record: {entry['reason']}" in _table(capsys, run, entry["reason"])
+    out = tmp_path / "calibration.yaml"
+    code, err = _run(capsys, ["calibrate", str(run), "--out", str(out)])
+    _assert_refused(code, err, "RUN_DIR", str(run), "is no-record", "no run_plan.json")
+    assert not out.exists()
+
+
+# where a run trained (run_plan.json `launch`), its plan's GPU -> what calibrate's one line says (None: calibrates)
+HARDWARE = {
+    "CPU ranks, an h100 plan": (CPU_RANKS, "h100-80gb", "trained on CPU ranks but its plan is for h100-80gb"),
+    "CPU ranks by the recipe alone (no device recorded), an h100 plan": (
+        {"accelerator": "cpu"}, "h100-80gb", "trained on CPU ranks but its plan is for h100-80gb"),
+    "a GPU recipe where CUDA was missing, an h100 plan": (
+        {"accelerator": "gpu", "device": "cpu", "device_gpu": "cpu"}, "h100-80gb",
+        "trained on CPU ranks but its plan is for h100-80gb"),
+    "an H100, a plan for the host's CPU ranks": (H100, "cpu", "trained on NVIDIA H100 80GB HBM3 but its plan is for "
+                                                              "the host's CPU ranks (cpu)"),
+    "an A100, an h100 plan": ({"accelerator": "gpu", "device": "NVIDIA A100-SXM4-80GB", "device_gpu": "a100-80gb"},
+                              "h100-80gb", "trained on NVIDIA A100-SXM4-80GB (a100-80gb) but its plan is for h100-80gb"),
+    "nowhere recorded": ({}, "h100-80gb", "does not say where the run trained"),
+    "a GPU the catalogue does not know, an h100 plan": (
+        {"accelerator": "gpu", "device": "NVIDIA Unknown Accelerator", "device_gpu": None}, "h100-80gb", None),
+    "an H100, an h100 plan": (H100, "h100-80gb", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HARDWARE))
+def test_a_calibration_is_for_the_hardware_the_runs_used(tmp_path, capsys, prediction, case):
+    """dmt calibrate on runs of a recipe naming one GPU that trained elsewhere (the tiny recipe names h100-80gb and
+    trains on 2 CPU ranks) refuses in one line and writes nothing: a compute scale fitted to CPU step times, filed
+    under h100-80gb, would predict an 8B model on 8 H100s at an hour a step."""
+    device, gpu, says = HARDWARE[case]
+    run = _write_run(tmp_path / "run", {**prediction, "gpu": gpu}, device=device)
+    out = tmp_path / "calibration.yaml"
+    if says is None:
+        assert main(["calibrate", str(run), "--out", str(out)]) == 0, capsys.readouterr().err
+        assert yaml.safe_load(out.read_text())["hardware"] == gpu
+        return
+    code, err = _run(capsys, ["calibrate", str(run), "--out", str(out)])
+    _assert_refused(code, err, "RUN_DIR", str(run), says, "a calibration is for the hardware the runs used")
+    assert not out.exists()
+    assert _report(capsys, run)["runs"][0]["status"] == "completed"  # the report still compares it: it is sound
+
+
+def test_one_cpu_trained_run_among_gpu_runs_stops_the_calibration(tmp_path, capsys, prediction):
+    sound = _write_run(tmp_path / "h100", prediction)
+    cpu = _write_run(tmp_path / "cpu", prediction, device=CPU_RANKS)
+    out = tmp_path / "calibration.yaml"
+    code, err = _run(capsys, ["calibrate", str(sound), str(cpu), "--out", str(out)])
+    _assert_refused(code, err, str(cpu), "trained on CPU ranks but its plan is for h100-80gb")
+    assert not out.exists()
+
+
+def test_a_damaged_run_beside_a_sound_one_keeps_its_status_under_a_calibration(tmp_path, capsys, prediction):
+    """dmt report of two runs, one with a line that is no record, re-predicted with a calibration fitted on the
+    other: the sound run is compared, the damaged one keeps its status and no figure."""
+    sound = _write_run(tmp_path / "sound", prediction)
+    damaged = _write_run(tmp_path / "damaged", prediction)
+    _edit_line(6, '["not", "a", "record"]')(damaged)
+    calibration = tmp_path / "calibration.yaml"
+    assert main(["calibrate", str(sound), "--out", str(calibration)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    report = _report(capsys, sound, damaged, "--calibration", calibration)
+    first, second = report["runs"]
+    assert first["status"] == "completed" and first["calibration"]["file"] == str(calibration)
+    assert first["measured"]["step_time_s"] > 0 and first["error"]["step_time"] is not None
+    assert second["status"] == "damaged" and second["steps"] == 5 and set(second["measured"].values()) == {None}
+
+
+def test_a_damaged_run_is_plotted_beside_a_sound_one_not_a_traceback(tmp_path, capsys, prediction):
+    sound = _write_run(tmp_path / "sound", prediction)
+    damaged = _write_run(tmp_path / "damaged", prediction)
+    _edit_line(6, '["not", "a", "record"]')(damaged)
+    plot = tmp_path / "report.png"
+    assert main(["report", str(sound), str(damaged), "--plot", str(plot)]) == 0, capsys.readouterr().err
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_launch_on_cpu_ranks_records_that_it_trained_there():
+    """What train.py writes into run_plan.json's `launch` for the check above (on a GPU: torch's device name and
+    the catalogue entry it is)."""
+    from toolkit.train import _device
+
+    assert _device("cpu") == {"device": "cpu", "device_gpu": "cpu"}

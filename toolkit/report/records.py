@@ -1,0 +1,251 @@
+"""A run directory's files read back as data from elsewhere: metrics.jsonl and run_plan.json, checked against typed
+models before `dmt report` or `dmt calibrate` takes a figure from them.
+
+A run directory outlives the launch that wrote it: it is copied between machines, edited, written to by two launches,
+cut short by a full disk. What these files may hold is therefore a rule, here and nowhere else:
+
+- no NaN or Infinity anywhere (the toolkit writes null for a non-finite figure: metrics.MetricsWriter.write), and
+  every figure of the right type and sign: a step time above 0, an MFU and a data wait of 0 or more, byte counts
+  that are whole numbers;
+- metrics.jsonl: one JSON object a line, step numbers strictly increasing (each step logged once, in order: a resume
+  moves the records of the steps it drops aside, metrics.keep_until); a last line cut short is a write the launch
+  did not finish, not a record;
+- run_plan.json: a status the toolkit writes, a plan (and model) the toolkit's own models accept, where the run
+  trained (`launch`), the calibration the prediction used.
+
+What breaks a rule is the run's damage: one line naming the file, the line or key, and what was expected. The records
+before the first damaged line are kept (the plot draws them); no figure is measured from a damaged run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from toolkit.errors import UserInputError
+from toolkit.readers import read_text
+from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0)]  # steps, bytes (strict: a float or a bool is no count)
+
+
+class MetricsRecord(BaseModel):
+    """One line of metrics.jsonl (metrics.MetricsWriter.write); other keys (epoch, data_sha, the guard's) pass."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    step: Count
+    loss: Finite | None = None
+    grad_norm: NonNegative | None = None
+    learning_rate: NonNegative | None = None
+    step_time_s: Positive | None = None
+    tokens_per_s: Positive | None = None
+    mfu: NonNegative | None = None
+    data_wait_s: NonNegative | None = None
+    gpu_max_allocated_bytes: Count | None = None
+    gpu_max_reserved_bytes: Count | None = None
+    gpu_max_allocated_bytes_per_rank: list[Count] | None = None
+    gpu_max_reserved_bytes_per_rank: list[Count] | None = None
+
+
+class RecordedCalibration(BaseModel):
+    """What a record keeps of the calibration its prediction used (spec.calibration.Calibration.describe())."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    file: str | None = None
+    hardware: str
+    created: str | None = None
+    compute_scale: dict[str, Positive]
+    host_peak_tflops: dict[str, Positive] | None = None
+    links: dict[str, Positive | None] | None = None
+
+
+class Launch(BaseModel):
+    """Where and how the launch ran (toolkit/train.py's _record_launch)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    accelerator: Literal["gpu", "cpu"] | None = None
+    device: str | None = None  # what torch named rank 0's device; "cpu" for CPU ranks
+    device_gpu: str | None = None  # the catalogue entry that device is; None: one the catalogue does not know
+    world_size: Annotated[int, Field(gt=0)] | None = None
+
+
+class MemoryRecord(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    total: Count
+
+
+class RunRecord(BaseModel):
+    """run_plan.json: plan.json's prediction record, where the launch ran, and how it ended."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    status: Literal["running", "completed", "failed"]
+    error: str | None = None
+    plan: dict | None = None
+    model_spec: dict | None = None
+    gpu: str | None = None
+    execution_path: str | None = None
+    step_time_s: Positive | None = None
+    tokens_per_s: Positive | None = None
+    mfu: NonNegative | None = None
+    peak_tflops: Positive | None = None
+    memory_bytes: MemoryRecord | None = None
+    overhead_bytes: dict[str, Count] | None = None
+    calibration: RecordedCalibration | None = None
+    launch: Launch | None = None
+
+
+@dataclass
+class RunFiles:
+    """A run directory's records as checked: run_plan.json (None: none there, or damaged), the metrics.jsonl records
+    before any damaged line, and the damage (None: every file sound)."""
+
+    record: dict | None
+    metrics: list[dict] = field(default_factory=list)
+    damage: str | None = None
+
+
+def _fault(exc: ValidationError) -> str:
+    """pydantic's first complaint as `key: what was expected, got VALUE`."""
+    err = exc.errors()[0]
+    where = ".".join(str(part) for part in err["loc"]) or "the top level"
+    got = repr(err.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    message = err["msg"][0].lower() + err["msg"][1:]
+    return f"{where}: {message}, got {got}" if err["type"] != "missing" else f"{where}: missing"
+
+
+def _non_finite(data, where: str = "") -> str | None:
+    """The first NaN or infinity in parsed JSON (Python's json takes NaN, Infinity and 1e999 without a word), as
+    `key: VALUE ...`; None when every number is finite."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return f"{where or 'the top level'}: {data} is not a finite number (the toolkit writes null for one)"
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def _json(text: str):
+    """A JSON document with every number finite (ValueError otherwise)."""
+    data = json.loads(text)
+    problem = _non_finite(data)
+    if problem:
+        raise ValueError(problem)
+    return data
+
+
+def _decode_problem(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f" is not JSON ({exc.msg})"
+    return f": {exc}"
+
+
+def read_run_plan(run_dir: Path) -> tuple[dict | None, str | None]:
+    """(run_plan.json checked, None), (None, its damage), or (None, None) where the directory holds none."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.exists() and not path.is_symlink():
+        return None, None
+    try:
+        data = _json(read_text(path, what="a run record (written by toolkit/train.py)"))
+    except UserInputError as exc:
+        return None, f"{RUN_FILE} {exc.message}"
+    except ValueError as exc:
+        return None, f"{RUN_FILE}{_decode_problem(exc)}"
+    if not isinstance(data, dict):
+        return None, f"{RUN_FILE} holds a {type(data).__name__}; expected a JSON object (written by toolkit/train.py)"
+    try:
+        checked = RunRecord.model_validate(data)
+    except ValidationError as exc:
+        return None, f"{RUN_FILE}: {_fault(exc)}"
+    problem = _plan_problem(data)
+    if problem:
+        return None, f"{RUN_FILE}: {problem}"
+    if checked.calibration is not None:  # only the fields the outputs print, each checked
+        data = {**data, "calibration": checked.calibration.model_dump()}
+    return data, None
+
+
+def _plan_problem(data: dict) -> str | None:
+    """The recorded model and plan as the toolkit's own models take them (the plan's rules need the model)."""
+    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.model import ModelSpec
+    from toolkit.spec.plan import Plan, validated
+
+    model = None
+    try:
+        if data.get("model_spec") is not None:
+            model = validated(ModelSpec, data["model_spec"])
+    except UserInputError as exc:
+        return f"model_spec.{_field(exc.key)}: {exc.message}"
+    try:
+        if data.get("plan") is not None:
+            validated(Plan, data["plan"], context={"model": model} if model is not None else None)
+    except UserInputError as exc:
+        return f"plan.{_field(exc.key)}: {exc.message}"
+    try:
+        if data.get("gpu") is not None:
+            get_gpu(data["gpu"])
+    except UserInputError as exc:
+        return f"gpu: {exc.message}"
+    return None
+
+
+def _field(key: str) -> str:
+    """A flag the plan's checks name (`--micro-batch`) as the record's field (`micro_batch`)."""
+    return key.removeprefix("--").replace("-", "_")
+
+
+def read_metrics_records(run_dir: Path) -> tuple[list[dict], str | None]:
+    """(metrics.jsonl's records up to the first damaged line, that line's damage or None); [] where none."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists() and not path.is_symlink():
+        return [], None
+    try:
+        text = read_text(path, what="one JSON object a line (written by toolkit/train.py)")
+    except UserInputError as exc:
+        return [], f"{METRICS_FILE} {exc.message}"
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):  # the writer was stopped mid-line: that line was never a record
+        lines = lines[:-1]
+    records: list[dict] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{METRICS_FILE} line {number}"
+        try:
+            data = _json(line)
+        except ValueError as exc:
+            return records, f"{where}{_decode_problem(exc)}"
+        if not isinstance(data, dict):
+            return records, f"{where} holds a {type(data).__name__}; expected a JSON object (one record a step)"
+        try:
+            record = MetricsRecord.model_validate(data)
+        except ValidationError as exc:
+            return records, f"{where}: {_fault(exc)}"
+        if records and record.step <= records[-1]["step"]:
+            return records, (f"{where}: step {record.step} after step {records[-1]['step']}; each step is logged "
+                             f"once, in order (two launches writing one directory?)")
+        records.append(data)
+    return records, None
+
+
+def read_run_files(run_dir: Path) -> RunFiles:
+    """Both files of a run directory, checked; the first damage found is the run's (run_plan.json's first)."""
+    record, damage = read_run_plan(run_dir)
+    metrics, metrics_damage = read_metrics_records(run_dir)
+    return RunFiles(record, metrics, damage or metrics_damage)
