@@ -52,11 +52,15 @@ def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def _remove_segments_since(start: float) -> None:
-    from toolkit.runtime.ds_shm import segments
+    """Segments created since `start` that no live process maps: a launch still running keeps its own, whichever
+    session started it (deleting a segment a peer has yet to open hangs that peer in DeepSpeed's shm setup: two test
+    sessions on one machine did that to each other)."""
+    from toolkit.runtime.ds_shm import mapped, segments
 
+    live = mapped()
     for path in segments():
         try:
-            if path.stat().st_mtime >= start:
+            if path.stat().st_mtime >= start and path not in live:
                 path.unlink()
         except FileNotFoundError:
             pass

@@ -23,6 +23,21 @@ def segments(port: str | int | None = None, rank: int | None = None) -> list[Pat
     return sorted(SHM_DIR.glob(pattern)) if SHM_DIR.is_dir() else []
 
 
+def mapped() -> set[Path]:
+    """This user's segments some live process still maps (a launch running now, maybe another test session's): only
+    the others may be removed by a sweep that did not start the launch."""
+    found = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        if PREFIX in text:
+            found.update(Path(line.split(maxsplit=5)[5]) for line in text.splitlines()
+                         if PREFIX in line and len(line.split(maxsplit=5)) == 6 and not line.endswith(" (deleted)"))
+    return found
+
+
 def release(port: str | int | None, rank: int | None = None) -> int:
     """Unlink the segments of a finished (or killed) launch; ranks still running keep their mappings. Returns count."""
     removed = 0
