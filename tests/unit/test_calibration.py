@@ -254,3 +254,29 @@ def test_a_relaunch_keeps_the_earlier_launches_of_the_directory(tmp_path):
     record = read_run_record(tmp_path)
     assert record["status"] == "failed" and record["launch"]["argv"] == ["second"]
     assert [(p["argv"], p["status"]) for p in record["previous_launches"]] == [(["first"], "completed")]
+
+
+def test_a_host_peak_measured_under_load_does_not_cap_the_fit():
+    """Runs made at a host peak 8x the one measured (the measurement shared the cores with other work): the plain
+    fit cannot reach them (every GEMM capped at the measured peak), the host fit raises the peak to what the runs'
+    GEMMs reached and recovers every step time, capped at no run."""
+    from toolkit.estimate.calibrate import fit_host_paths
+    from toolkit.estimate.efficiency import gemm_efficiency
+
+    cpu = get_gpu("cpu")
+    true_peak, measured = {"bf16": 0.8}, {"bf16": 0.1}
+    truth = provisional("cpu", {"hf": PathFit(1.5, 0.01)}, true_peak, None)  # no GEMM at the peak
+    network = Network.from_catalogue(cpu, 2)
+    plans = [_plan(gpus=2, gpus_per_node=2, micro_batch=m, seq_len=128, global_batch=16) for m in (2, 4, 8)]
+    observations = [Observation(LLAMA_1B, plan, step_time(LLAMA_1B, plan, cpu, network, calibration=truth).total_s)
+                    for plan in plans]
+    capped = provisional("cpu", fit_paths(observations, cpu, measured), measured, None)
+    assert step_time(LLAMA_1B, plans[2], cpu, network, calibration=capped).total_s > \
+        1.5 * observations[2].measured_step_time_s
+    fits, peak, raised = fit_host_paths(observations, cpu, measured)
+    assert raised > 1 and peak == {"bf16": pytest.approx(0.1 * raised)}
+    fitted = provisional("cpu", fits, peak, None)
+    for o in observations:
+        assert step_time(LLAMA_1B, o.plan, cpu, network, calibration=fitted).total_s == pytest.approx(
+            o.measured_step_time_s, rel=1e-3)
+        assert gemm_efficiency(LLAMA_1B.hidden_size, 1, o.plan.micro_batch * 128) * fits["hf"].compute_scale <= 1

@@ -125,7 +125,7 @@ def _host_peak(observations, records):
 def _fit(observations, records, reports, hardware: str, links, warmup: int):
     import math
 
-    from toolkit.estimate.calibrate import fit_paths, path_of, predicted_step_time, provisional
+    from toolkit.estimate.calibrate import fit_host_paths, fit_paths, path_of, predicted_step_time, provisional
     from toolkit.estimate.efficiency import EXECUTION_PATHS
     from toolkit.planner.report import plan_label
     from toolkit.spec.calibration import (
@@ -138,8 +138,13 @@ def _fit(observations, records, reports, hardware: str, links, warmup: int):
     from toolkit.spec.cluster import get_gpu
 
     gpu = get_gpu(hardware)
-    host_peak, how = _host_peak(observations, records) if gpu.host else (None, None)
-    fitted = fit_paths(observations, gpu, host_peak, links)
+    if gpu.host:
+        measured, how = _host_peak(observations, records)
+        fitted, host_peak, raised = fit_host_paths(observations, gpu, measured, links)
+        how = how.model_copy(update={"raised_by": raised})
+    else:
+        host_peak = how = None
+        fitted = fit_paths(observations, gpu, None, links)
     before = provisional(hardware, {}, host_peak, None)  # the published model at the same host peak
     after = provisional(hardware, fitted, host_peak, links)
     runs = []

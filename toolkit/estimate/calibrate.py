@@ -124,7 +124,7 @@ def best_fixed_cost(variable_s: list[float], measured_s: list[float]) -> tuple[f
 
 
 def fit_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float] | None = None,
-              links=None, fixed_cost: bool = True) -> dict[str, PathFit]:
+              links=None, fixed_cost: bool = True, lowest: float = LOWEST) -> dict[str, PathFit]:
     """The fitted compute scale (and, from two runs on, fixed per-step cost) of every execution path among the
     observations, one path at a time: a run belongs to one path, so the paths do not interact. `fixed_cost=False`
     fits the scale alone whatever the runs (what benchmarks/calibration_cpu.py compares the two-term fit with)."""
@@ -144,7 +144,7 @@ def fit_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[
                 return best_fixed_cost(variable, measured)
             return 0.0, sum(math.log(t / m) ** 2 for t, m in zip(variable, measured))
 
-        log_scale, _ = minimise(lambda x: fit_at(x)[1], math.log(LOWEST), math.log(_ceiling(runs)), 1e-7)
+        log_scale, _ = minimise(lambda x: fit_at(x)[1], math.log(lowest), math.log(_ceiling(runs)), 1e-7)
         fitted[path] = PathFit(math.exp(log_scale), fit_at(log_scale)[0], len(runs), with_fixed)
     return fitted
 
@@ -153,3 +153,26 @@ def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflo
                        links=None) -> dict[str, float]:
     """The fitted compute scale of every execution path among the observations (see fit_paths)."""
     return {path: fit.compute_scale for path, fit in fit_paths(observations, gpu, host_peak_tflops, links).items()}
+
+
+# A host's measured matmul peak is only as good as the moment it was taken: measured while other work shared the
+# cores it is low, and step_time's cap (no GEMM above the peak) would then hold the fitted rate below what the runs
+# did, whatever the scale (the fit then leans on the cap: two micro-batch sizes at the peak predict one step time).
+# The host fit therefore runs at this many times the measured peak, where no run is capped, and the peak is raised
+# afterwards to what the fastest run's GEMMs reached if that is above the measurement (the scales move down by the
+# same factor, so every fitted prediction is unchanged and none is capped).
+HOST_PEAK_HEADROOM = 1e3
+
+
+def fit_host_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float], links=None,
+                   fixed_cost: bool = True) -> tuple[dict[str, PathFit], dict[str, float], float]:
+    """(fits, host peak, the factor the measured peak was raised by, >= 1) for runs on the host entry (see
+    HOST_PEAK_HEADROOM)."""
+    boosted = {key: value * HOST_PEAK_HEADROOM for key, value in host_peak_tflops.items()}
+    fits = fit_paths(observations, gpu, boosted, links, fixed_cost, lowest=LOWEST / HOST_PEAK_HEADROOM)
+    fastest = max(gemm_efficiency(o.model.hidden_size, o.plan.tp, o.plan.micro_batch * o.plan.seq_len // o.plan.cp)
+                  * fits[path_of(o.plan)].compute_scale for o in observations)
+    raised = max(1.0, HOST_PEAK_HEADROOM * fastest)
+    fits = {path: PathFit(fit.compute_scale * HOST_PEAK_HEADROOM / raised, fit.fixed_step_s, fit.runs,
+                          fit.with_fixed_cost) for path, fit in fits.items()}
+    return fits, {key: value * raised for key, value in host_peak_tflops.items()}, raised

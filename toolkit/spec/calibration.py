@@ -55,6 +55,11 @@ class HostPeak(_Strict):
                                 description="The host's 1-minute load average when it was measured.")
     measured_tflops: dict[str, float] = Field(description="What `dmt calibrate` measured, per precision key.")
     runs_tflops: dict[str, float] = Field(description="The best each key's runs measured at their launches.")
+    raised_by: float = Field(1.0, ge=1, description="host_peak_tflops is the better of the two measurements times this: "
+                                                    "the runs' GEMMs went faster than the measured peak allows (it "
+                                                    "was measured while other work shared the cores), so the peak is "
+                                                    "what the fastest run reached (toolkit/estimate/calibrate.py "
+                                                    "HOST_PEAK_HEADROOM).")
 
 
 class MeasuredLinks(_Strict):
