@@ -113,9 +113,11 @@ RECORD = ".dmt-generated.json"  # the files `dmt generate` wrote into a director
 
 
 def _record(directory: Path) -> dict[str, str]:
+    if not (directory / RECORD).is_file():  # a FIFO would block the read (readers.py is this module's sibling)
+        return {}
     try:
         data = json.loads((directory / RECORD).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()) else {}
 

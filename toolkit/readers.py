@@ -148,18 +148,16 @@ def read_json(path: Path, key: str | None = None, expect: type | None = dict, wh
     return parse_json(read_text(path, key, what, "json"), Path(path), key, expect, what)
 
 
-def read_json_lines(path: Path, key: str | None = None, what: str = "JSON lines") -> list:
-    """One JSON value per line (blank lines skipped); a last line without its newline was cut short by a writer
-    that was killed mid-write and is no record."""
+def read_json_lines(path: Path, key: str | None = None, expect: type | None = dict,
+                    what: str = "JSON lines") -> list:
+    """One JSON document per line (blank lines skipped), each `expect` at its top level; a last line without its
+    newline was cut short by a writer killed mid-write and is no record."""
     text = read_text(path, key, what, "jsonl")
     lines = text.splitlines()
     if lines and not text.endswith("\n"):
         lines = lines[:-1]
-    records = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            records.append(parse_json(line, f"{path} line {number}", key, None, what))
-    return records
+    return [parse_json(line, f"{path} line {number}", key, expect, what)
+            for number, line in enumerate(lines, 1) if line.strip()]
 
 
 class BoundExceeded(Exception):

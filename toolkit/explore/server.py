@@ -36,17 +36,28 @@ def page_setup(initial_model) -> dict:
 
 
 async def _body(request: Request):
-    try:
-        return await request.json()
-    except ValueError:
-        return None  # answered by the handler as bad input, like any other non-object
+    """The request's JSON, through the toolkit's one JSON reader: at most SIZE_LIMITS["json"] bytes are received and
+    nesting is bounded, so that a body that never ends or nests a million deep is one line, not memory or a 500.
+    Whether it is an object is the handler's to say."""
+    from toolkit.readers import SIZE_LIMITS, parse_json
+
+    limit, body = SIZE_LIMITS["json"], bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise UserInputError("request", f"the body holds more than {limit} bytes; expected a JSON object")
+    return parse_json(bytes(body), "the request body", "request", None, "a JSON object")
 
 
 def _cli_route(verb: str):
     async def endpoint(request: Request) -> JSONResponse:
-        from toolkit.explore.bridge import run_verb
+        from toolkit.explore.bridge import error_payload, run_verb
 
-        status, payload = await run_in_threadpool(run_verb, verb, await _body(request))
+        try:
+            body = await _body(request)
+        except UserInputError as exc:
+            return JSONResponse(error_payload(verb, f"dmt {verb}: error: {exc}"), status_code=400)
+        status, payload = await run_in_threadpool(run_verb, verb, body)
         return JSONResponse(payload, status_code=status)
 
     return endpoint

@@ -103,14 +103,8 @@ def read_run(run_dir: Path, warmup: int = DEFAULT_WARMUP, key: str = "RUN_DIR") 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserInputError(key, f"{run_dir} is not a directory; give a training run's output directory")
-    record = read_run_record(run_dir)
-    if record is None and (run_dir / RUN_FILE).exists():
-        raise UserInputError(key, f"{run_dir / RUN_FILE} is not a JSON object; it is written by toolkit/train.py")
-    try:
-        metrics = read_metrics(run_dir)
-    except ValueError:
-        raise UserInputError(key, f"{run_dir / METRICS_FILE} holds a line that is not JSON; it is written by "
-                                  f"toolkit/train.py") from None
+    record = read_run_record(run_dir, key)
+    metrics = read_metrics(run_dir, key)
     if record is None and not metrics:
         raise UserInputError(key, f"{run_dir} holds neither {RUN_FILE} nor {METRICS_FILE}: not a training run's "
                                   f"output directory")
@@ -160,7 +154,7 @@ def run_subject(run_dir: Path, missing: str, key: str = "RUN_DIR"):
     from toolkit.spec.model import ModelSpec
     from toolkit.spec.plan import Plan, validated
 
-    record = read_run_record(Path(run_dir)) or {}
+    record = read_run_record(Path(run_dir), key) or {}
     if not isinstance(record.get("model_spec"), dict) or not isinstance(record.get("plan"), dict):
         raise UserInputError(key, f"{run_dir}: {RUN_FILE} holds no model spec and plan {missing}")
     try:
