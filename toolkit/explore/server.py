@@ -45,8 +45,8 @@ async def _body(request: Request):
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise UserInputError("request", f"the body holds more than {limit} bytes; expected a JSON object")
-    return parse_json(bytes(body), "the request body", "request", None, "a JSON object")
+            raise UserInputError("the request body", f"holds more than {limit} bytes; expected a JSON object")
+    return parse_json(bytes(body), "the request body", None, None, "a JSON object")
 
 
 def _cli_route(verb: str):
