@@ -3,8 +3,10 @@ file and what was expected, never a traceback."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +24,87 @@ def problem(path: Path | str, key: str | None, message: str) -> UserInputError:
     return UserInputError(key, f"{path} {message}") if key else UserInputError(str(path), message)
 
 
-def read_text(path: Path, key: str | None = None, what: str = "a text file") -> str:
-    """UTF-8 text; `key` names the flag or setting that gave the path (the path itself names it otherwise)."""
-    path = Path(path)
+# The most bytes one file of each format may hold; read_text refuses a larger one before reading it, and reads at most
+# this much plus one byte (a file that grows meanwhile is refused too), once. Configs (recipes, HF config.json,
+# DeepSpeed JSON, accelerate/megatron YAML, calibration, health reports, manifests, run_plan.json, plan.json) are
+# kilobytes: the largest real one, a 1T-parameter model's safetensors index, is about 2 MiB. metrics.jsonl holds
+# about 0.5 KiB per logged step (a few KiB with per-rank memory lists): 1 GiB is a million logged steps of any run.
+SIZE_LIMITS = {"text": 16 * 2**20, "json": 16 * 2**20, "yaml": 16 * 2**20, "jsonl": 2**30}
+# The deepest nesting of a JSON or YAML document (configs nest under ten levels; Python's parsers recurse per level
+# and the toolkit walks what they return, so this stays well under the interpreter's recursion limit of 1000)
+MAX_DEPTH = 100
+# The most values (scalars, lists, mappings) a YAML document may expand to, each alias counted as the values it
+# stands for: a kilobyte of nested aliases ("billion laughs") otherwise becomes gigabytes once written out as JSON
+MAX_YAML_VALUES = 1_000_000
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
+
+def _size(limit: int) -> str:
+    return f"{limit // 2**30} GiB" if limit >= 2**30 else f"{limit // 2**20} MiB"
+
+
+def not_a_file(path: Path) -> str | None:
+    """What `path` is when it is there but no regular file (a symlink judged by its target), e.g. 'a FIFO (named
+    pipe)'; None for a regular file or nothing there. Reads nothing and never blocks."""
     try:
-        return path.read_text(encoding="utf-8")
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symlink" if os.path.islink(path) else None
+    except OSError:
+        return None  # not reachable: reading it says why
+    return None if stat.S_ISREG(mode) else _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def read_bytes(path: Path, key: str | None = None, what: str = "a file", kind: str = "text") -> bytes:
+    """The bytes of a regular file of at most SIZE_LIMITS[kind] bytes, read once. A FIFO, a device, a socket (a
+    symlink judged by its target) is refused before it is opened for reading, so that nothing blocks or reads for
+    ever; `key` names the flag or setting that gave the path (the path itself names it otherwise)."""
+    path, limit = Path(path), SIZE_LIMITS[kind]
+    try:
+        # O_NONBLOCK: should a FIFO replace the file between the stat and the open, the open does not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC) \
+            if not_a_file(path) is None else None
     except FileNotFoundError:
         raise problem(path, key, f"does not exist; expected {what}") from None
-    except IsADirectoryError:
-        raise problem(path, key, f"is a directory; expected {what}") from None
-    except UnicodeDecodeError:
-        raise problem(path, key, f"is not UTF-8 text; expected {what}") from None
     except OSError as exc:
-        raise problem(path, key, f"cannot be read ({exc.strerror or one_line(exc)})") from None
+        raise problem(path, key, f"cannot be read ({exc.strerror or one_line(exc)}); expected {what}") from None
+    if fd is None:
+        raise problem(path, key, f"is {not_a_file(path)}, not a regular file; expected {what}")
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise problem(path, key, f"is {_FILE_KINDS.get(stat.S_IFMT(info.st_mode), 'not a regular file')}, "
+                                     f"not a regular file; expected {what}")
+        if info.st_size > limit:
+            raise problem(path, key, f"holds {info.st_size} bytes, more than the {_size(limit)} {kind} files may "
+                                     f"hold; expected {what}")
+        try:
+            data = handle.read(limit + 1)
+        except OSError as exc:
+            raise problem(path, key, f"cannot be read ({exc.strerror or one_line(exc)}); expected {what}") from None
+    if len(data) > limit:
+        raise problem(path, key, f"grew past the {_size(limit)} {kind} files may hold while read; expected {what}")
+    return data
+
+
+def read_text(path: Path, key: str | None = None, what: str = "a text file", kind: str = "text") -> str:
+    """UTF-8 text of a regular file of at most SIZE_LIMITS[kind] bytes (see read_bytes); newlines as text mode
+    reads them."""
+    data = read_bytes(path, key, what, kind)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise problem(Path(path), key, f"is not UTF-8 text; expected {what}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # as open() in text mode reads it
 
 
 def _shape(data: Any, path: Path | str, key: str | None, expect: type | None, what: str) -> Any:
     if expect is not None and not isinstance(data, expect):
         found = "nothing" if data is None else f"a {type(data).__name__}"
         raise problem(path, key, f"holds {found} at the top level; expected {what}")
-    return data
+    return _finite(data, path, key, what)
 
 
 def _finite(data: Any, path: Path | str, key: str | None, what: str) -> Any:
@@ -53,33 +116,135 @@ def _finite(data: Any, path: Path | str, key: str | None, what: str) -> Any:
     return data
 
 
-def read_json(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a JSON object") -> Any:
-    """A JSON document whose top level is `expect` (dict by default; None: anything)."""
-    path = Path(path)
-    text = read_text(path, key, what)
+_TOO_DEEP = object()  # parse_json's mark for a document its parser could not descend
+
+
+def _too_deep(data: Any) -> bool:
+    """Whether parsed JSON nests deeper than MAX_DEPTH (walked without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > MAX_DEPTH:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def parse_json(text: str | bytes, source: Path | str, key: str | None = None, expect: type | None = dict,
+               what: str = "a JSON object") -> Any:
+    """A JSON document (text already read, e.g. a request body) nested at most MAX_DEPTH deep, whose top level is
+    `expect`; `source` names where it came from."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise problem(path, key, f"is not valid JSON ({exc.msg} at line {exc.lineno}); expected {what}") from None
-    return _finite(_shape(data, path, key, expect, what), path, key, what)
+        raise problem(source, key, f"is not valid JSON ({exc.msg} at line {exc.lineno}); expected {what}") from None
+    except UnicodeDecodeError:
+        raise problem(source, key, f"is not UTF-8 text; expected {what}") from None
+    except ValueError as exc:  # json.loads' own limit: an integer of more than 4300 digits
+        raise problem(source, key, f"holds a value that cannot be read ({one_line(exc)[:200]}); expected {what}") \
+            from None
+    except RecursionError:  # its parser recurses once per level: nesting in the thousands
+        data = _TOO_DEEP
+    if data is _TOO_DEEP or _too_deep(data):
+        raise problem(source, key, f"nests deeper than {MAX_DEPTH} levels; expected {what}")
+    return _shape(data, source, key, expect, what)
+
+
+def read_json(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a JSON object") -> Any:
+    """A JSON document whose top level is `expect` (dict by default; None: anything)."""
+    return parse_json(read_text(path, key, what, "json"), Path(path), key, expect, what)
+
+
+def read_json_lines(path: Path, key: str | None = None, expect: type | None = dict,
+                    what: str = "JSON lines") -> list:
+    """One JSON document per line (blank lines skipped), each `expect` at its top level; a last line without its
+    newline was cut short by a writer killed mid-write and is no record."""
+    text = read_text(path, key, what, "jsonl")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines = lines[:-1]
+    return [parse_json(line, f"{path} line {number}", key, expect, what)
+            for number, line in enumerate(lines, 1) if line.strip()]
+
+
+class BoundExceeded(Exception):
+    """A document past MAX_DEPTH or MAX_YAML_VALUES; its message says which."""
+
+
+@functools.cache
+def bounded_yaml_loader() -> type:
+    """yaml.SafeLoader that measures each node as it is composed (before anything is built from it): nesting past
+    MAX_DEPTH, more than MAX_YAML_VALUES values with every alias counted as what it stands for, or an alias inside
+    its own anchor (a structure that contains itself) raise BoundExceeded. Made on first use: only the verbs that
+    read YAML import yaml."""
+    import yaml
+
+    class BoundedLoader(yaml.SafeLoader):
+        def __init__(self, stream):
+            super().__init__(stream)
+            self.values = 0
+            self.heights = [0]  # per node being composed (the document first): the height of its tallest child yet
+            self.measured: dict[str, tuple[int, int]] = {}  # anchor -> (values, height) of its node, once composed
+
+        def grow(self, values: int, height: int) -> None:
+            self.values += values
+            self.heights[-1] = max(self.heights[-1], height)
+            if self.values > MAX_YAML_VALUES:
+                raise BoundExceeded(f"expands to more than {MAX_YAML_VALUES} values with its aliases (an alias bomb)")
+            if len(self.heights) - 1 + height > MAX_DEPTH:
+                raise BoundExceeded(f"nests deeper than {MAX_DEPTH} levels")
+
+        def compose_node(self, parent, index):
+            anchor = self.peek_event().anchor
+            if self.check_event(yaml.AliasEvent):
+                if anchor in self.anchors and anchor not in self.measured:
+                    raise BoundExceeded(f"uses the alias *{anchor} inside its own anchor (a structure that contains "
+                                        f"itself)")
+                node = super().compose_node(parent, index)  # an unknown alias: yaml's own error
+                self.grow(*self.measured[anchor])
+                return node
+            if len(self.heights) > MAX_DEPTH:  # before composing it: yaml's composer recurses once per level
+                raise BoundExceeded(f"nests deeper than {MAX_DEPTH} levels")
+            before = self.values
+            self.heights.append(0)
+            node = super().compose_node(parent, index)
+            height = self.heights.pop() + 1
+            self.grow(1, height)
+            if anchor is not None:
+                self.measured[anchor] = (self.values - before, height)
+            return node
+
+    return BoundedLoader
 
 
 def read_yaml(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a YAML mapping") -> Any:
-    """A YAML document whose top level is `expect` (dict by default; None: anything)."""
+    """A YAML document whose top level is `expect` (dict by default; None: anything), read by bounded_yaml_loader."""
     path = Path(path)
-    return parse_yaml(read_text(path, key, what), path, key, expect, what)
+    return parse_yaml(read_text(path, key, what, "yaml"), path, key, expect, what)
 
 
 def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: type | None = dict,
                what: str = "a YAML mapping") -> Any:
-    """A YAML document given as text (an upload, or a file read_yaml read); `source` names it in errors."""
+    """A YAML document given as text (an upload, or a file read_yaml read), read by bounded_yaml_loader; `source`
+    names it in errors."""
     import yaml
 
+    loader = bounded_yaml_loader()(text)
     try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
+    except BoundExceeded as exc:
+        raise problem(source, key, f"{exc}; expected {what}") from None
     except yaml.YAMLError as exc:
         raise problem(source, key, f"is not valid YAML ({one_line(exc)}); expected {what}") from None
-    return _finite(_shape(data, source, key, expect, what), source, key, what)
+    except ValueError as exc:  # a value yaml resolves but Python refuses: an integer of more than 4300 digits
+        raise problem(source, key, f"holds a value that cannot be read ({one_line(exc)[:200]}); expected {what}") \
+            from None
+    finally:
+        loader.dispose()
+    return _shape(data, source, key, expect, what)
 
 
 # safetensors (its docs, "Format"): an 8-byte little-endian header length, a JSON header mapping each tensor name to
@@ -95,6 +260,8 @@ def read_safetensors_header(path: Path, key: str | None = None) -> dict[str, dic
     path = Path(path)
     what = "a safetensors file (8-byte header length, JSON header, tensor data)"
     fault = key or str(path)
+    if not_a_file(path):  # opening a FIFO would wait for a writer
+        raise UserInputError(fault, f"{path} is {not_a_file(path)}, not a regular file; expected {what}")
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -128,4 +295,3 @@ def _safetensors_entry_fits(entry: Any, data_bytes: int) -> bool:
     return (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
             and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= data_bytes)
-

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from toolkit.errors import UserInputError
+from toolkit.readers import read_text
 from toolkit.spec.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def chat_template(recipe: Recipe, tokenizer) -> str:
         path = recipe.path(recipe.data.chat_template)
         if not path.is_file():
             raise UserInputError("data.chat_template", f"{path} does not exist (a Jinja chat template file)")
-        return path.read_text()
+        return read_text(path, "data.chat_template", what="a Jinja chat template file")
     if not tokenizer.chat_template:
         return CHATML_TEMPLATE
     from trl.chat_template_utils import get_training_chat_template

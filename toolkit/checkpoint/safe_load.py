@@ -119,8 +119,12 @@ def read_dcp_metadata(checkpoint: Path, key: str | None = None):
     pickle); a damaged or foreign file is a UserInputError naming it."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from toolkit.readers import not_a_file
+
     path = Path(checkpoint) / ".metadata"
     what = "torch.distributed.checkpoint metadata (a pickled Metadata, as dcp.save writes it)"
+    if not_a_file(path):  # opening a FIFO would wait for a writer; /dev/zero would be read for ever
+        raise UserInputError(key or str(path), f"{path} is {not_a_file(path)}, not a regular file; expected {what}")
     try:
         with open(path, "rb") as handle:  # not a pickle at all: refused without unpickling (random bytes can make
             head = handle.read(2)  # pickle allocate wildly and CPython print errors of its own on the way out)

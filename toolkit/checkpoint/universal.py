@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.readers import read_text
 
 log = logging.getLogger(__name__)
 MARKER = "latest_universal"  # what DeepSpeed's engine reads when load_universal is set
@@ -36,7 +37,7 @@ def _convert(ckpt: Path, target: Path) -> None:
     tag_file = ckpt / "latest"
     if not tag_file.is_file():
         raise UserInputError("--resume", f"{ckpt} has no DeepSpeed `latest` tag file: not a DeepSpeed checkpoint")
-    tag = tag_file.read_text().strip()
+    tag = read_text(tag_file, "--resume", what="the name of the checkpoint's tag directory").strip()
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.generate.files import generate
 
     written = generate(args.recipe, args.out, args.force, args.calibration, **plan_overrides(args))
-    record = json.loads((args.out / "plan.json").read_text())
+    from toolkit.readers import read_json
+
+    record = read_json(args.out / "plan.json", "--out", what="the plan.json just written")
     if args.json:
         print(json_text({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"],
                           "predicted": {k: record[k] for k in ("step_time_s", "tokens_per_s", "mfu")},

@@ -145,10 +145,9 @@ def model_argument(value, workdir: Path) -> str:
     from toolkit.spec.model import PRESET_DIR, preset_names
 
     if isinstance(value, str) and value.strip().startswith("{"):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise UserInputError("--model", f"the pasted config.json is not valid JSON ({exc})") from None
+        from toolkit.readers import parse_json
+
+        value = parse_json(value, "the pasted config.json", "--model", dict, "an HF config.json object")
     if isinstance(value, dict):
         directory = workdir / PASTED_MODEL_DIR
         directory.mkdir(exist_ok=True)

@@ -110,9 +110,13 @@ async def _bug(request: Request, exc: Exception) -> JSONResponse:
 
 def _cli_route(verb: str):
     async def endpoint(request: Request) -> JSONResponse:
-        from toolkit.explore.bridge import run_verb
+        from toolkit.explore.bridge import error_payload, run_verb
 
-        status, payload = await run_in_threadpool(run_verb, verb, await _body(request))
+        try:
+            body = await _body(request)
+        except UserInputError as exc:
+            return JSONResponse(error_payload(verb, f"dmt {verb}: error: {exc}"), status_code=400)
+        status, payload = await run_in_threadpool(run_verb, verb, body)
         return JSONResponse(payload, status_code=status)
 
     return endpoint

@@ -131,9 +131,9 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | No
     """The recipe, its model and plan (with overrides), and the calibration its predictions use (`calibration`: a
     --calibration file in place of the recipe's cluster.calibration)."""
     recipe = load_recipe(recipe_path)
+    fitted = recipe_calibration(recipe, calibration)  # read before the model, which may import transformers (seconds)
     model = recipe_model(recipe)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    fitted = recipe_calibration(recipe, calibration)
     return GenerationContext(recipe, Path(recipe_path), model, recipe_plan(recipe, model, fitted, **overrides),
                              Path(out_dir).resolve(), overrides, fitted)
 

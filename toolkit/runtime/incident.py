@@ -21,7 +21,9 @@ import logging
 import os
 from pathlib import Path
 
+from toolkit.errors import UserInputError
 from toolkit.outputs import write_file
+from toolkit.readers import read_json
 
 log = logging.getLogger(__name__)
 INCIDENT_FILE = "incident.json"
@@ -54,9 +56,10 @@ def is_restart(environ=None) -> bool:
 
 def read_incidents(output_dir: Path) -> list[dict]:
     """The events so far; [] when there are none or the file cannot be read (it is a log, not an input)."""
+    path = Path(output_dir) / INCIDENT_FILE
     try:
-        events = json.loads((Path(output_dir) / INCIDENT_FILE).read_text()).get("events")
-    except (OSError, ValueError, AttributeError):
+        events = read_json(path, what="the incident log").get("events") if os.path.lexists(path) else None
+    except UserInputError:
         return []
     return events if isinstance(events, list) else []
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from toolkit.numeric import loads_finite
+from toolkit.errors import UserInputError
+from toolkit.readers import read_json, read_json_lines, read_text
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +144,13 @@ def logged_figures(figures: dict) -> dict:
     return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
-    """The records of a run; a last line cut short (the writer was killed mid-write) is not a record."""
+def read_metrics(output_dir: Path, key: str | None = None) -> list[dict]:
+    """The records of a run (one JSON line each, through the one reading path); a last line cut short (the writer
+    was killed mid-write) is not a record. `key` names the flag that gave the directory."""
     path = Path(output_dir) / METRICS_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return []
-    text = path.read_text()
-    lines = text.splitlines()
-    if lines and not text.endswith("\n"):
-        lines = lines[:-1]
-    return [loads_finite(line) for line in lines if line.strip()]
+    return read_json_lines(path, key, what=f"{METRICS_FILE}, one JSON object per line, as toolkit/train.py writes it")
 
 
 def _utc_now() -> str:
@@ -188,14 +186,19 @@ def end_run_record(output_dir: Path, status: str, detail: str | None = None) -> 
     write_file(output_dir / RUN_FILE, json.dumps(record, indent=2) + "\n", "--output-dir")
 
 
-def read_run_record(output_dir: Path) -> dict | None:
-    """run_plan.json of a run directory, or None (none there, or not a JSON object)."""
+def read_run_record(output_dir: Path, key: str | None = None) -> dict | None:
+    """run_plan.json of a run directory, or None when there is none. One that cannot be read (not a JSON object, not
+    a regular file, too large or too deep) is a UserInputError naming `key`, the flag that gave the directory; with no
+    key (the training side, which rewrites it) it is None too."""
     path = Path(output_dir) / RUN_FILE
-    try:
-        record = loads_finite(path.read_text())
-    except (OSError, ValueError):
+    if not os.path.lexists(path):
         return None
-    return record if isinstance(record, dict) else None
+    try:
+        return read_json(path, key, what=f"a {RUN_FILE} (a JSON object, as toolkit/train.py writes it)")
+    except UserInputError:
+        if key is not None:
+            raise
+        return None
 
 
 def keep_until(output_dir: Path, step: int) -> None:
@@ -204,7 +207,7 @@ def keep_until(output_dir: Path, step: int) -> None:
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file():
         return
-    text, records = path.read_text(), read_metrics(output_dir)
+    text, records = read_text(path, kind="jsonl"), read_metrics(output_dir)
     later = [r for r in records if r["step"] > step]
     if not later and (not text or text.endswith("\n")):  # nothing later, no line cut short
         return

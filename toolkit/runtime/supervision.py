@@ -25,6 +25,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.errors import UserInputError
+from toolkit.readers import read_text
 from toolkit.runtime import faults
 from toolkit.runtime.incident import (EXIT_FAILURE, EXIT_HANG, append_incident, attempt_tag, is_restart,
                                       last_words_dir, read_incidents, write_last_words)
@@ -44,9 +46,12 @@ def where(name: str | None) -> tuple[int | None, str | None]:
 
 
 def latest_name(output_dir: Path) -> str | None:
+    path = Path(output_dir) / LATEST_POINTER
+    if not os.path.lexists(path):
+        return None
     try:
-        return (Path(output_dir) / LATEST_POINTER).read_text().strip() or None
-    except OSError:
+        return read_text(path).strip() or None
+    except UserInputError:  # not a regular file, too large, not text: no pointer to report
         return None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from toolkit.errors import UserInputError
 from toolkit.families import family_for
 from toolkit.numeric import FINITE
-from toolkit.readers import one_line, read_json, read_yaml
+from toolkit.readers import not_a_file, one_line, read_json, read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
 
@@ -99,13 +100,29 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 
+# A hub id as the hub spells it: `owner/name`, letters, digits, `-`, `_`, `.`
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+SPEC_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def looks_local(source: str) -> bool:
+    """Whether a --model value names a path and never a hub id: it starts with `.`, `/` or `~`, ends like a spec file,
+    or is not `owner/name` as the hub spells ids."""
+    return source.startswith((".", "/", "~")) or source.endswith(SPEC_SUFFIXES) or not _HUB_ID.fullmatch(source)
+
+
 def load_model_spec(source: str) -> ModelSpec:
-    """Read a model from a preset name, an HF config.json (file or directory), a toolkit YAML/JSON spec, or a hub id."""
+    """Read a model from a preset name, an HF config.json (file or directory), a toolkit YAML/JSON spec, or a hub id.
+    Something there that is neither file nor directory (a FIFO, a device), or a path that looks local and is not
+    there, is one line: only an `owner/name` that is no path goes to the hub."""
     path = Path(source).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # one that is there but no file: read_json says what it is
             raise UserInputError("--model", f"directory {source} holds no config.json")
         return spec_from_hf_dict(_read_json(path / "config.json"), name=path.name)
+    if os.path.lexists(path) and not path.is_file():
+        raise UserInputError("--model", f"{source} is {not_a_file(path) or 'unreadable'}, not a file or a directory; expected an HF "
+                                        f"config.json, a directory holding one, a toolkit model spec or a preset")
     if path.is_file():
         if path.suffix in (".yaml", ".yml"):
             return _from_toolkit_dict(_read_yaml(path), source)
@@ -115,11 +132,11 @@ def load_model_spec(source: str) -> ModelSpec:
         return _from_toolkit_dict(data, source)
     if (PRESET_DIR / f"{source}.json").is_file():
         return spec_from_hf_dict(_read_json(PRESET_DIR / f"{source}.json"), name=source)
-    if "/" in source and not source.startswith((".", "/")) and source.count("/") == 1:
+    if not looks_local(source):
         return _from_hub(source)
     raise UserInputError(
         "--model",
-        f"'{source}' is not a file, a directory with config.json, a hub id or a preset; "
+        f"'{source}' is not a file, a directory with config.json, a hub id (owner/name) or a preset; "
         f"presets: {', '.join(preset_names())}",
     )
 

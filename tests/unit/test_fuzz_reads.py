@@ -1,0 +1,240 @@
+"""Inputs that never end, block, or explode once parsed: a link to /dev/zero, a FIFO, a file over its format's size,
+a YAML alias bomb, JSON nested 100000 deep, a --model that looks local but is not there. Each is refused in one line
+naming the flag or file (exit 2, no traceback), within seconds and without growing memory: every verb runs in a forked
+child under a time limit and an address-space limit, so a read that blocks or never ends fails the test instead of
+hanging it or the machine."""
+
+import json
+import os
+import re
+import resource
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from test_fuzz_verbs import RECIPE_TEXT
+from toolkit.cli.main import main
+from toolkit.readers import MAX_DEPTH, SIZE_LIMITS, read_yaml
+
+SECONDS = 20  # a refusal takes well under one; the child is killed past this
+HEADROOM = 2 * 2**30  # address space the child may add to what it forked with (importing torch maps 0.6 GiB)
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+def _vm_bytes() -> int:
+    return int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _dmt(argv: list[str]) -> tuple[int, list[str], float]:
+    """(exit code, stderr lines, seconds) of `dmt ARGV` run in a forked child that SIGALRM kills after SECONDS and
+    that may not map more than HEADROOM bytes beyond what it started with; a child killed so fails the test."""
+    argv = [str(part) for part in argv]
+    with tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the child: its exit code is dmt's; anything that escapes main() is a traceback and code 99
+            code = 99
+            try:
+                os.dup2(err.fileno(), 2)
+                sys.stderr = os.fdopen(2, "w", closefd=False)
+                resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + HEADROOM, resource.RLIM_INFINITY))
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(SECONDS)
+                code = main(argv)
+            except BaseException:  # noqa: BLE001 (a MemoryError too: it is what the test is for)
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        seconds = time.monotonic() - start
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    if os.WIFSIGNALED(status):
+        pytest.fail(f"dmt {' '.join(argv)} was killed by signal {os.WTERMSIG(status)} after {seconds:.1f} s (blocked "
+                    f"or read without end); stderr: {text[-2000:]}")
+    return os.WEXITSTATUS(status), [line for line in text.splitlines() if line.strip()], seconds
+
+
+def _refused(argv: list[str], *names: str) -> str:
+    """Run dmt and check it refused in one line naming `names`, quickly; that line."""
+    code, err, seconds = _dmt(argv)
+    text = "\n".join(err)
+    assert code == 2 and len(err) == 1 and "Traceback" not in text, (code, text)
+    assert all(str(name) in text for name in names), (names, text)
+    assert seconds < 10, (seconds, text)
+    return text
+
+
+@pytest.fixture
+def user_dir(tmp_path):
+    """A user's directory: a valid recipe and DeepSpeed JSON, and the hostile things beside them."""
+    (tmp_path / "recipe.yaml").write_text(RECIPE_TEXT)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    return tmp_path
+
+
+# where a file can be given: argv with {file} for it (and {dir} for the user's directory), what the line must name
+READERS = {
+    "generate RECIPE": (["generate", "{file}.yaml", "--out", "{dir}/gen"], "--recipe"),
+    "slurm render RECIPE": (["slurm", "render", "{file}.yaml"], "--recipe"),
+    "validate FILE (yaml)": (["validate", "{file}.yaml", "--world-size", "2"], "FILE"),
+    "validate FILE (DeepSpeed JSON)": (["validate", "{file}.json", "--world-size", "2"], "FILE"),
+    "validate --trainer-args": (["validate", "{dir}/ds.json", "--world-size", "2", "--trainer-args", "{file}.json"],
+                                "--trainer-args"),
+    "estimate --calibration": (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--calibration",
+                                "{file}.yaml"], "--calibration"),
+    "generate --calibration": (["generate", "{dir}/recipe.yaml", "--out", "{dir}/gen", "--calibration",
+                                "{file}.yaml"], "--calibration"),
+    "estimate --model": (["estimate", "--model", "{file}.json", "--gpus", "8"], "--model"),
+    "validate --model": (["validate", "{dir}/ds.json", "--world-size", "2", "--model", "{file}.json"], "--model"),
+}
+ENDLESS = {
+    "a link to /dev/zero": lambda path: path.symlink_to("/dev/zero"),
+    "a FIFO": lambda path: os.mkfifo(path),
+    "a link to a FIFO": lambda path: (os.mkfifo(f"{path}.pipe"), path.symlink_to(f"{path}.pipe")),
+}
+
+
+def _argv(template: list[str], file: Path, directory: Path) -> tuple[list[str], Path]:
+    """The argv, and the path the test makes ({file} with the suffix the argument gives it)."""
+    argv = [part.format(file=file, dir=directory) for part in template]
+    return argv, Path(next(part for part in argv if part.startswith(str(file))))
+
+
+@pytest.mark.parametrize("kind", sorted(ENDLESS))
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_a_file_that_never_ends_or_blocks_is_refused_before_it_is_read(user_dir, reader, kind):
+    argv, path = _argv(READERS[reader][0], user_dir / "input", user_dir)
+    ENDLESS[kind](path)
+    line = _refused(argv, READERS[reader][1], path.name)
+    assert "character device" in line or "FIFO" in line
+    assert not (user_dir / "gen").exists()
+
+
+@pytest.mark.parametrize("reader", ["generate RECIPE", "validate FILE (DeepSpeed JSON)", "estimate --calibration"])
+def test_a_file_over_its_formats_limit_is_refused_without_reading_it(user_dir, reader):
+    argv, path = _argv(READERS[reader][0], user_dir / "input", user_dir)
+    with open(path, "wb") as handle:  # sparse: 16 MiB and a byte, none of it on disk
+        handle.truncate(SIZE_LIMITS["json"] + 1)
+    _refused(argv, READERS[reader][1], path.name, "16 MiB")
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """The billion laughs under the recipe's model.config: ten `lol`s, each level ten aliases of the one before."""
+    lines = ["    lol0: &lol0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"    lol{i}: &lol{i} [{', '.join([f'*lol{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return RECIPE_TEXT.replace("  config:\n", "  config:\n" + "\n".join(lines) + "\n", 1)
+
+
+@pytest.mark.parametrize("verb", ["generate", "validate", "slurm render"])
+def test_a_yaml_alias_bomb_in_a_recipe_is_refused_and_nothing_is_written(user_dir, verb):
+    recipe = user_dir / "bomb.yaml"
+    recipe.write_text(_alias_bomb())
+    assert len(recipe.read_bytes()) < len(RECIPE_TEXT) + 1500  # a kilobyte and a half of aliases, 10^9 values
+    argv = {"generate": ["generate", recipe, "--out", user_dir / "gen"], "validate": ["validate", recipe,
+            "--world-size", "2"], "slurm render": ["slurm", "render", recipe, "--out", user_dir / "job.sbatch"]}[verb]
+    _refused(argv, recipe.name, "alias bomb")
+    assert not (user_dir / "gen").exists() and not (user_dir / "job.sbatch").exists()
+
+
+def test_a_recipe_whose_alias_contains_itself_is_refused(user_dir):
+    recipe = user_dir / "loop.yaml"
+    recipe.write_text(RECIPE_TEXT.replace("  config:\n", "  config:\n    loop: &me [1, *me]\n", 1))
+    _refused(["generate", recipe, "--out", user_dir / "gen"], recipe.name, "*me")
+
+
+def test_aliases_that_stay_small_still_read(tmp_path):
+    """Sharing a mapping by an alias, and merging it, as YAML users do, reads as before; so do 10^5 laughs."""
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("defaults: &d {lr: 0.1, steps: [1, 2]}\nfirst: *d\nsecond: {<<: *d, lr: 0.2}\n")
+    assert read_yaml(shared) == {"defaults": {"lr": 0.1, "steps": [1, 2]}, "first": {"lr": 0.1, "steps": [1, 2]},
+                                 "second": {"lr": 0.2, "steps": [1, 2]}}
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text(_alias_bomb(levels=5))
+    assert len(json.dumps(read_yaml(laughs)["model"]["config"]["lol4"])) > 500_000
+
+
+def _deep_run_dir(directory: Path, file: str) -> Path:
+    run = directory / "run"
+    run.mkdir()
+    (run / file).write_text(DEEP_JSON + "\n")
+    return run / file
+
+
+DEEP = {
+    "--model": lambda d: (["estimate", "--model", d / "deep.json", "--gpus", "8"], d / "deep.json"),
+    "DeepSpeed JSON": lambda d: (["validate", d / "deep.json", "--world-size", "2"], d / "deep.json"),
+    "--trainer-args": lambda d: (["validate", d / "ds.json", "--world-size", "2", "--trainer-args", d / "deep.json"],
+                                 d / "deep.json"),
+    "run_plan.json": lambda d: (["report", d / "run"], _deep_run_dir(d, "run_plan.json")),
+    "metrics.jsonl": lambda d: (["report", d / "run"], _deep_run_dir(d, "metrics.jsonl")),
+    "a YAML recipe": lambda d: (["generate", d / "deep.yaml", "--out", d / "gen"], d / "deep.yaml"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(DEEP))
+def test_nesting_100000_deep_is_one_line_not_a_recursion_error(user_dir, where):
+    argv, path = DEEP[where](user_dir)
+    if not path.exists():
+        path.write_text(DEEP_JSON)  # YAML's flow style reads JSON's brackets alike
+    _refused(argv, path.name, f"deeper than {MAX_DEPTH}")
+
+
+def test_a_deep_manifest_is_one_line(tmp_path):
+    """The manifest of a checkpoint directory (as `dmt ckpt verify` reads it)."""
+    from toolkit.checkpoint.manifest import MANIFEST, read_manifest
+    from toolkit.errors import UserInputError
+
+    (tmp_path / MANIFEST).write_text(DEEP_JSON)
+    with pytest.raises(UserInputError, match=f"deeper than {MAX_DEPTH}"):
+        read_manifest(tmp_path)
+
+
+def test_a_metrics_file_over_a_gigabyte_is_refused_without_reading_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "wb") as handle:  # sparse
+        handle.truncate(SIZE_LIMITS["jsonl"] + 1)
+    _refused(["report", run], "RUN_DIR", "metrics.jsonl", "1 GiB")
+
+
+@pytest.mark.parametrize("model", ["./nope/config.json", "nope/config.json", "nope/spec.yaml", "~/nope-dmt/x",
+                                   "a/b/c", "pipe", "dir/pipe"])
+def test_a_model_that_looks_local_never_goes_to_the_hub(tmp_path, monkeypatch, model):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # were the hub tried, it would answer or retry: neither may happen
+    (tmp_path / "dir").mkdir()
+    for fifo in ("pipe", "dir/pipe"):
+        os.mkfifo(tmp_path / fifo)
+    line = _refused(["estimate", "--model", model, "--gpus", "8"], "--model", model)
+    assert "hub config" not in line
+
+
+def test_the_explorer_answers_a_deep_or_endless_body_with_400_and_one_line():
+    """The explorer's own handlers, in an app without the page (whose setup sizes every preset: seconds)."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from toolkit.explore.server import _cli_route, generate
+
+    client = TestClient(Starlette(routes=[Route(f"/api/{verb}", _cli_route(verb), methods=["POST"])
+                                          for verb in ("estimate", "plan")]
+                                  + [Route("/api/generate", generate, methods=["POST"])]))
+    answers = [client.post("/api/estimate", content=DEEP_JSON),
+               client.post("/api/plan", content='{"model": ' + DEEP_JSON + ', "gpus": 8}'),
+               client.post("/api/generate", content=DEEP_JSON),
+               client.post("/api/estimate", json={"model": "{\"a\": " + DEEP_JSON + "}", "gpus": 8}),
+               client.post("/api/estimate", content=b" " * (SIZE_LIMITS["json"] + 1))]
+    for response in answers:
+        assert response.status_code == 400, response.text
+        assert "\n" not in response.json()["error"] and "Traceback" not in response.json()["error"]
+    assert f"deeper than {MAX_DEPTH}" in answers[0].json()["error"]
+    assert answers[3].json()["key"] == "model"
+    assert "more than" in answers[4].json()["error"]
