@@ -66,23 +66,6 @@ def non_finite(data: Any) -> tuple[str, float] | None:
     return None
 
 
-def _refuse_constant(token: str) -> float:
-    raise ValueError(f"{token} is {NOT_FINITE} (JSON has no NaN or Infinity)")
-
-
-def _finite_float_token(token: str) -> float:
-    value = float(token)
-    if not math.isfinite(value):
-        raise ValueError(f"{token} is {NOT_FINITE} (beyond a float's range)")
-    return value
-
-
-def loads_finite(text: str | bytes) -> Any:
-    """json.loads for a record a reader does not name key by key (a metrics.jsonl line): NaN, Infinity and 1e999
-    raise ValueError, as any other text that is not JSON does."""
-    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float_token)
-
-
 def _float_flag(text: str, positive: bool) -> float:
     try:
         value = float(text)

@@ -232,8 +232,9 @@ def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: ty
     names it in errors."""
     import yaml
 
-    loader = bounded_yaml_loader()(text)
+    loader = None
     try:
+        loader = bounded_yaml_loader()(text)  # its reader refuses control characters already here
         data = loader.get_single_data()
     except BoundExceeded as exc:
         raise problem(source, key, f"{exc}; expected {what}") from None
@@ -243,7 +244,8 @@ def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: ty
         raise problem(source, key, f"holds a value that cannot be read ({one_line(exc)[:200]}); expected {what}") \
             from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return _shape(data, source, key, expect, what)
 
 

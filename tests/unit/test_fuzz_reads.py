@@ -173,8 +173,6 @@ DEEP = {
     "DeepSpeed JSON": lambda d: (["validate", d / "deep.json", "--world-size", "2"], d / "deep.json"),
     "--trainer-args": lambda d: (["validate", d / "ds.json", "--world-size", "2", "--trainer-args", d / "deep.json"],
                                  d / "deep.json"),
-    "run_plan.json": lambda d: (["report", d / "run"], _deep_run_dir(d, "run_plan.json")),
-    "metrics.jsonl": lambda d: (["report", d / "run"], _deep_run_dir(d, "metrics.jsonl")),
     "a YAML recipe": lambda d: (["generate", d / "deep.yaml", "--out", d / "gen"], d / "deep.yaml"),
 }
 
@@ -185,6 +183,23 @@ def test_nesting_100000_deep_is_one_line_not_a_recursion_error(user_dir, where):
     if not path.exists():
         path.write_text(DEEP_JSON)  # YAML's flow style reads JSON's brackets alike
     _refused(argv, path.name, f"deeper than {MAX_DEPTH}")
+
+
+@pytest.mark.parametrize("name", ["run_plan.json", "metrics.jsonl"])
+def test_a_run_file_nested_100000_deep_is_a_damaged_run(user_dir, name):
+    """A run directory's files are data from elsewhere (toolkit/report/records.py): nesting past MAX_DEPTH is the
+    run's damage, reported as such with no figures, as any other content no train.py writes."""
+    path = _deep_run_dir(user_dir, name)
+    if not path.exists():
+        path.write_text(DEEP_JSON)
+    from toolkit.report.runs import read_run
+
+    code, err, _ = _dmt(["report", user_dir / "run", "--json"])  # in a child, bounded: no recursion, no traceback
+    assert code == 0 and not err, err
+
+    report = read_run(user_dir / "run")
+    assert report.status == "damaged" and f"deeper than {MAX_DEPTH}" in report.reason and name in report.reason
+    assert set(report.measured.values()) == {None}
 
 
 def test_a_deep_manifest_is_one_line(tmp_path):
@@ -217,24 +232,19 @@ def test_a_model_that_looks_local_never_goes_to_the_hub(tmp_path, monkeypatch, m
     assert "hub config" not in line
 
 
-def test_the_explorer_answers_a_deep_or_endless_body_with_400_and_one_line():
-    """The explorer's own handlers, in an app without the page (whose setup sizes every preset: seconds)."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
+def test_the_explorer_answers_a_deep_or_endless_body_with_4xx_and_one_line():
+    """Bodies too deep for the one JSON path (a pasted config.json inside one too) are 400; a body past the
+    explorer's own limit is 413 (tests/unit/test_fuzz_explorer.py has the rest of its hostile bodies)."""
+    from toolkit.explore.server import MAX_BODY_BYTES, create_app
 
-    from toolkit.explore.server import _cli_route, generate
-
-    client = TestClient(Starlette(routes=[Route(f"/api/{verb}", _cli_route(verb), methods=["POST"])
-                                          for verb in ("estimate", "plan")]
-                                  + [Route("/api/generate", generate, methods=["POST"])]))
+    client = TestClient(create_app())
     answers = [client.post("/api/estimate", content=DEEP_JSON),
                client.post("/api/plan", content='{"model": ' + DEEP_JSON + ', "gpus": 8}'),
                client.post("/api/generate", content=DEEP_JSON),
                client.post("/api/estimate", json={"model": "{\"a\": " + DEEP_JSON + "}", "gpus": 8}),
-               client.post("/api/estimate", content=b" " * (SIZE_LIMITS["json"] + 1))]
+               client.post("/api/estimate", content=b" " * (MAX_BODY_BYTES + 1))]
+    assert [response.status_code for response in answers] == [400, 400, 400, 400, 413], [a.text for a in answers]
     for response in answers:
-        assert response.status_code == 400, response.text
         assert "\n" not in response.json()["error"] and "Traceback" not in response.json()["error"]
-    assert f"deeper than {MAX_DEPTH}" in answers[0].json()["error"]
-    assert answers[3].json()["key"] == "model"
-    assert "more than" in answers[4].json()["error"]
+    assert "deeper than" in answers[0].json()["error"]
+    assert answers[3].json()["key"] == "model" and f"deeper than {MAX_DEPTH}" in answers[3].json()["error"]

@@ -88,14 +88,14 @@ def _relaunched(run):
 
 # damage -> what the report's reason must name (file, line, key)
 DAMAGE = {
-    "NaN step time": (_edit_line(5, step_time_s=math.nan), "metrics.jsonl line 5: step_time_s: nan"),
+    "NaN step time": (_edit_line(5, step_time_s=math.nan), "metrics.jsonl line 5 holds nan at step_time_s"),
     "zero step time": (_edit_line(6, step_time_s=0), "metrics.jsonl line 6: step_time_s"),
     "negative step time": (_edit_line(7, step_time_s=-0.25), "metrics.jsonl line 7: step_time_s"),
-    "infinite step time": (_edit_line(5, step_time_s=math.inf), "metrics.jsonl line 5: step_time_s: inf"),
+    "infinite step time": (_edit_line(5, step_time_s=math.inf), "metrics.jsonl line 5 holds inf at step_time_s"),
     "step time past the float range": (_edit_line(5, '{"step": 5, "step_time_s": 1e999}'),
-                                       "metrics.jsonl line 5: step_time_s: inf"),
+                                       "metrics.jsonl line 5 holds inf at step_time_s"),
     "step time as text": (_edit_line(5, step_time_s="0.5"), "metrics.jsonl line 5: step_time_s"),
-    "NaN MFU": (_edit_line(8, mfu=math.nan), "metrics.jsonl line 8: mfu: nan"),
+    "NaN MFU": (_edit_line(8, mfu=math.nan), "metrics.jsonl line 8 holds nan at mfu"),
     "negative data wait": (_edit_line(8, data_wait_s=-1.0), "metrics.jsonl line 8: data_wait_s"),
     "negative per-rank bytes": (_edit_line(8, gpu_max_allocated_bytes_per_rank=[2**30, -5]),
                                 "metrics.jsonl line 8: gpu_max_allocated_bytes_per_rank.1"),
@@ -105,11 +105,11 @@ DAMAGE = {
     "no step": (_edit_line(6, '{"loss": 1.0, "step_time_s": 0.5}'), "metrics.jsonl line 6: step: missing"),
     "a line that is a list": (_edit_line(4, "[1, 2, 3]"), "metrics.jsonl line 4 holds a list"),
     "a line that is a number": (_edit_line(4, "42"), "metrics.jsonl line 4 holds a int"),
-    "a line that is not JSON": (_edit_line(4, '{"step": 4, "loss":'), "metrics.jsonl line 4 is not JSON"),
+    "a line that is not JSON": (_edit_line(4, '{"step": 4, "loss":'), "metrics.jsonl line 4 is not valid JSON"),
     "relaunched into the same directory": (_relaunched, f"metrics.jsonl line {STEPS + 1}: step 1 after step {STEPS}"),
     "infinite predicted MFU": (_edit_record(lambda t: t.replace('"mfu": ', '"mfu": Infinity, "was": ', 1)),
-                               "run_plan.json: mfu: inf"),
-    "NaN predicted step time": (_edit_record(step_time_s=math.nan), "run_plan.json: step_time_s: nan"),
+                               "run_plan.json holds inf at mfu"),
+    "NaN predicted step time": (_edit_record(step_time_s=math.nan), "run_plan.json holds nan at step_time_s"),
     "zero predicted step time": (_edit_record(step_time_s=0.0), "run_plan.json: step_time_s"),
     "predicted memory as text": (_edit_record(memory_bytes={"total": "1 GiB"}), "run_plan.json: memory_bytes.total"),
     "an unknown status": (_edit_record(status="done"), "run_plan.json: status"),
@@ -119,7 +119,7 @@ DAMAGE = {
                                                               "compute_scale": {"hf": "fast"}}),
                                     "run_plan.json: calibration.compute_scale.hf"),
     "run_plan.json a list": (_edit_record(lambda t: "[1, 2]"), "run_plan.json holds a list"),
-    "run_plan.json not JSON": (_edit_record(lambda t: t[: len(t) // 2]), "run_plan.json is not JSON"),
+    "run_plan.json not JSON": (_edit_record(lambda t: t[: len(t) // 2]), "run_plan.json is not valid JSON"),
 }
 
 

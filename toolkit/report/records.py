@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolkit.errors import UserInputError
-from toolkit.readers import read_text
+from toolkit.readers import parse_json, read_text
 from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -127,32 +127,10 @@ def _fault(exc: ValidationError) -> str:
     return f"{where}: {message}, got {got}" if err["type"] != "missing" else f"{where}: missing"
 
 
-def _non_finite(data, where: str = "") -> str | None:
-    """The first NaN or infinity in parsed JSON (Python's json takes NaN, Infinity and 1e999 without a word), as
-    `key: VALUE ...`; None when every number is finite."""
-    if isinstance(data, float) and not math.isfinite(data):
-        return f"{where or 'the top level'}: {data} is not a finite number (the toolkit writes null for one)"
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        found = _non_finite(value, f"{where}.{key}" if where else str(key))
-        if found:
-            return found
-    return None
-
-
-def _json(text: str):
-    """A JSON document with every number finite (ValueError otherwise)."""
-    data = json.loads(text)
-    problem = _non_finite(data)
-    if problem:
-        raise ValueError(problem)
-    return data
-
-
-def _decode_problem(exc: ValueError) -> str:
-    if isinstance(exc, json.JSONDecodeError):
-        return f" is not JSON ({exc.msg})"
-    return f": {exc}"
+def _json(text: str, where: str):
+    """A JSON document through the one JSON path (nesting bounded, every number finite); its problem as a
+    UserInputError whose message says what is wrong."""
+    return parse_json(text, where, None, None, "a JSON object (written by toolkit/train.py)")
 
 
 def read_run_plan(run_dir: Path) -> tuple[dict | None, str | None]:
@@ -160,12 +138,11 @@ def read_run_plan(run_dir: Path) -> tuple[dict | None, str | None]:
     path = Path(run_dir) / RUN_FILE
     if not path.exists() and not path.is_symlink():
         return None, None
+    text = read_text(path, "RUN_DIR", "a run record (written by toolkit/train.py)", "json")  # unreadable: refused
     try:
-        data = _json(read_text(path, what="a run record (written by toolkit/train.py)"))
+        data = _json(text, RUN_FILE)
     except UserInputError as exc:
         return None, f"{RUN_FILE} {exc.message}"
-    except ValueError as exc:
-        return None, f"{RUN_FILE}{_decode_problem(exc)}"
     if not isinstance(data, dict):
         return None, f"{RUN_FILE} holds a {type(data).__name__}; expected a JSON object (written by toolkit/train.py)"
     try:
@@ -215,10 +192,7 @@ def read_metrics_records(run_dir: Path) -> tuple[list[dict], str | None]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists() and not path.is_symlink():
         return [], None
-    try:
-        text = read_text(path, what="one JSON object a line (written by toolkit/train.py)")
-    except UserInputError as exc:
-        return [], f"{METRICS_FILE} {exc.message}"
+    text = read_text(path, "RUN_DIR", "one JSON object a line (written by toolkit/train.py)", "jsonl")
     lines = text.splitlines()
     if lines and not text.endswith("\n"):  # the writer was stopped mid-line: that line was never a record
         lines = lines[:-1]
@@ -228,9 +202,9 @@ def read_metrics_records(run_dir: Path) -> tuple[list[dict], str | None]:
             continue
         where = f"{METRICS_FILE} line {number}"
         try:
-            data = _json(line)
-        except ValueError as exc:
-            return records, f"{where}{_decode_problem(exc)}"
+            data = _json(line, where)
+        except UserInputError as exc:
+            return records, f"{where} {exc.message}"
         if not isinstance(data, dict):
             return records, f"{where} holds a {type(data).__name__}; expected a JSON object (one record a step)"
         try:
