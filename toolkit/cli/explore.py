@@ -52,6 +52,9 @@ def _listen(host: str, port: int):
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+    except (ValueError, TypeError) as exc:  # a NUL in the name: not a host name socket can even pass on
+        sock.close()
+        raise UserInputError("--host", f"{host!r} is not an address or host name ({exc}); e.g. 127.0.0.1") from None
     except OSError as exc:
         sock.close()
         if exc.errno in (errno.EADDRINUSE, errno.EACCES):  # the port is taken, or privileged

@@ -61,6 +61,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ende
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None  # `dmt` or `python -m toolkit` itself, not a caller inside Python
     argv = sys.argv[1:] if argv is None else argv
     verb = next((a for a in argv if a in VERBS), None)
     try:
@@ -69,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         undone = getattr(exc, "undone", [])
         print(f"dmt{f' {verb}' if verb else ''}: interrupted" + (f"; {', '.join(undone)}" if undone else ""),
               file=sys.stderr)
+        if program:
+            # CPython ends a program with SIGINT instead of its exit code when the interrupt once passed through C
+            # code that ran Python source (pybind11's exec while torch imports): the status is 130 either way
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
 
 
