@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, interrupted
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -77,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
               f"one, with no authentication", file=sys.stderr)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"dmt explore: serving http://{shown}:{port}/ (Ctrl-C to stop)", flush=True)
+    url = f"http://{shown}:{port}/"
+    print(f"dmt explore: serving {url} (Ctrl-C to stop)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])  # uvicorn shuts down on SIGINT, then raises it again
+    except KeyboardInterrupt as exc:
+        raise interrupted(exc, f"stopped serving {url}") from None
     return 0
