@@ -261,7 +261,8 @@ def test_slurm_submit_leaves_no_temporary_script(sandbox, capsys, monkeypatch, r
 
 
 @pytest.mark.parametrize("recipe_text, launcher, backend", [(FSDP_TEXT, "deepspeed", "fsdp"),
-                                                            (RECIPE_TEXT, "deepspeed", "megatron")])
+                                                            (RECIPE_TEXT, "deepspeed", "megatron")],
+                         ids=["fsdp", "megatron"])
 def test_restore_test_refuses_a_launcher_the_backend_does_not_run_under(sandbox, capsys, recipe_text, launcher,
                                                                         backend):  # noqa: F811
     recipe = sandbox / "recipe.yaml"
@@ -316,7 +317,8 @@ def _ranks_training(tree: list) -> bool:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("recipe_text, launcher", [(RECIPE_TEXT, "deepspeed"), (FSDP_TEXT, "torchrun")])
+@pytest.mark.parametrize("recipe_text, launcher", [(RECIPE_TEXT, "deepspeed"), (FSDP_TEXT, "torchrun")],
+                         ids=["deepspeed", "fsdp-torchrun"])
 def test_ctrl_c_on_restore_test_ends_its_training_and_removes_its_workdir(tmp_path, recipe_text, launcher):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(recipe_text)
@@ -339,7 +341,7 @@ def test_ctrl_c_on_restore_test_ends_its_training_and_removes_its_workdir(tmp_pa
 
 @pytest.mark.launch
 def test_ctrl_c_on_health_ends_its_ranks(tmp_path):
-    result, pids = _interrupt_when(["health", "--nproc", "2", "--matmul-seconds", "60"],
+    result, pids = _interrupt_when(["health", "--nproc", "2", "--matmul-seconds", "60", "--deadline-s", "120"],
                                    lambda tree: len(tree) >= 2, timeout=120)
     assert result.returncode == 130, result.stderr
     assert result.stderr.splitlines() == ["dmt health: interrupted; ended the 2 health-check ranks (2 processes)"]
