@@ -106,8 +106,9 @@ class Children:
         return self
 
     def __exit__(self, kind, exc, traceback) -> bool:
-        running = [p for p in self.processes if p.poll() is None]
-        ended = sum(end_tree(p, self.grace_s) for p in self.processes)
+        with _no_second_interrupt():
+            running = [p for p in self.processes if p.poll() is None]
+            ended = sum(end_tree(p, self.grace_s) for p in self.processes)
         if isinstance(exc, KeyboardInterrupt):
             count = f"{ended} process{'es' if ended != 1 else ''}" if running else "already finished"
             raise interrupted(exc, f"ended {self.what} ({count})") from None
