@@ -1,4 +1,5 @@
-"""The one exception type for bad user input; the CLI turns it into exit code 2 and one line."""
+"""The one exception type for bad user input (the CLI's exit code 2 and one line), and what an interrupt carries back
+to the CLI (exit code 130 and one line)."""
 
 import re
 
@@ -35,6 +36,20 @@ class named_as:  # noqa: N801 (used as `with named_as({...}):`)
             if renamed is not exc:
                 raise renamed from None
         return False
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) on its way out of a command, with what was undone on the way (children ended, half-made
+    outputs removed), for the CLI's one line. A KeyboardInterrupt is one with nothing undone yet."""
+
+    def __init__(self, undone: list[str]):
+        self.undone = undone
+        super().__init__("; ".join(undone))
+
+
+def interrupted(exc: BaseException, done: str) -> Interrupted:
+    """The interrupt `exc`, with one more thing undone (raise it `from None`: the traceback is nobody's business)."""
+    return Interrupted([*getattr(exc, "undone", []), done])
 
 
 # The one line a toolkit worker prints before it exits on bad input (toolkit/train.py, `dmt health` ranks), or

@@ -1,9 +1,10 @@
 """Writing what a command was asked to write without losing what the user had: every target checked before anything
 is written, never an input overwritten, files written under a temporary name and renamed into place, nothing left
-behind on failure. Problems are one UserInputError line naming the flag."""
+behind on failure, nor when interrupted. Problems are one UserInputError line naming the flag."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, interrupted
 
 # Every input path of the command being run, registered as its command line is parsed (toolkit.cli.paths: the type
 # of every path flag): every output check compares its target with all of them, and with the inputs a verb finds on
@@ -140,6 +141,27 @@ def write_file(path: Path, data: str | bytes, flag: str, mode: int | None = None
         raise UserInputError(flag, f"cannot write {path} ({exc.strerror or exc})") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def removed_if_interrupted(directory: Path, whole: bool | None = None):
+    """A directory a command fills (a run's working directory): interrupted (Ctrl-C), what the block made there is
+    removed, the directory too when the command made it (`whole`; default: it did not exist before); the interrupt
+    says what went. A block that fails otherwise keeps it: its logs say why."""
+    directory = Path(directory)
+    whole = not directory.exists() if whole is None else whole
+    before = set() if whole else set(directory.iterdir())
+    try:
+        yield directory
+    except KeyboardInterrupt as exc:
+        made = [directory] if whole else sorted(set(directory.iterdir()) - before)
+        for path in made:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        what = str(directory) if whole else f"{', '.join(p.name for p in made)} from {directory}"
+        raise (interrupted(exc, f"removed {what}") if made else exc) from None
 
 
 def save_figure(fig, path: Path, dpi: int) -> None:

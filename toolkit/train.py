@@ -18,8 +18,16 @@ from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
 from toolkit.errors import UserInputError  # noqa: E402
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, as every other refusal of train.py (the launched runs' logs end with it, and the
+    commands that launch it report that line: toolkit.errors.worker_error), not the whole usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"train.py: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="toolkit/train.py", description=__doc__)
+    parser = _Parser(prog="toolkit/train.py", description=__doc__)
     parser.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                         help="train the plan `dmt generate` wrote, with the generated files beside plan.json")
     parser.add_argument("--recipe", type=path_arg, default=None,
@@ -41,9 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained, 1 a failure (incident.json says which rank), 2 bad input, 3 a hang the watchdog ended,
     4 stopped by the NaN/spike guard."""
+    from toolkit.cli.main import quiet_library_warnings
     from toolkit.runtime.guard import GuardStop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_library_warnings()
     args = build_parser().parse_args(argv)
     try:
         return _run(args)

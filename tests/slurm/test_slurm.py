@@ -55,8 +55,11 @@ LAUNCH_CHECKS = {
 def test_multi_node_rendezvous_as_slurm_would_set_it(tmp_path, capsys, launcher, nodes):
     recipe = _recipe(tmp_path, nodes * 8, global_batch=1024)
     recipe.write_text(recipe.read_text().replace("micro_batch: 4", "micro_batch: 1"))
-    flags = ["--launcher", launcher] + (["--accelerate-config", str(tmp_path / "acc.yaml")] if launcher == "accelerate"
-                                        else [])
+    flags = ["--launcher", launcher]
+    if launcher == "accelerate":  # the accelerate.yaml `dmt generate` writes for this recipe (render reads it)
+        assert main(["generate", str(recipe), "--out", str(tmp_path / "gen")]) == 0
+        capsys.readouterr()
+        flags += ["--accelerate-config", str(tmp_path / "gen" / "accelerate.yaml")]
     assert main(["slurm", "render", str(recipe), "--partition", "gpu", "--time", "2-00:00:00", *flags]) == 0
     script = capsys.readouterr().out
     assert f"#SBATCH --nodes={nodes}" in script and "#SBATCH --ntasks-per-node=1" in script

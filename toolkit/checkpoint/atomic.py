@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, interrupted
 
 log = logging.getLogger(__name__)
 TEMP_MARK = ".tmp-"
@@ -97,9 +97,11 @@ def atomic_directory(out: Path, flag: str = "OUT_DIR", inputs: Iterable[Path | N
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_made(made)
+        if isinstance(exc, KeyboardInterrupt):
+            raise interrupted(exc, f"removed what it had written of {out}") from None
         raise
 
 

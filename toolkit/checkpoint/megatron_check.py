@@ -121,6 +121,7 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
     from toolkit.checkpoint.hf_config import read_hf_config
     from toolkit.checkpoint.megatron_hf import check_layout, single_process_group
     from toolkit.checkpoint.safe_load import check_checkpoint
+    from toolkit.runtime.children import Children
 
     check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, 1)
     if not ckpt.is_dir():
@@ -136,10 +137,12 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
                "--hf-dir", str(hf_dir), "--ckpt", str(ckpt), "--tp", str(tp), "--pp", str(pp),
                "--tolerance", str(tolerance), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        with Children(f"the {tp * pp}-process logit check") as children:  # torchrun's workers: sessions of their own
+            process = children.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            stdout, stderr = process.communicate()
         if not out.is_file():
-            raise RuntimeError(f"the {tp * pp}-process logit check failed (rc={result.returncode}):\n"
-                               f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+            raise RuntimeError(f"the {tp * pp}-process logit check failed (rc={process.returncode}):\n"
+                               f"{stdout[-2000:]}\n{stderr[-3000:]}")
         data = json.loads(out.read_text())
         if "error" in data:
             raise UserInputError(*data["error"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -63,55 +62,46 @@ def _command(launcher: str, nprocs: int, recipe: Path, out: Path, steps: int, sa
     return head + tail + list(extra) + (["--resume", "latest"] if resume else [])
 
 
-def _kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every process below it. torchrun starts each worker in a session of its own
-    (torch.distributed.elastic), so killing the launcher's process group alone would leave the ranks training on."""
-    import psutil
+@contextlib.contextmanager
+def _launched(cmd: list[str], log: Path, run: str):
+    """A training launch, its output into `log`; the launch ends with the block, however the block ends (torchrun
+    starts each worker in a session of its own: toolkit.runtime.children ends them too)."""
+    from toolkit.runtime.children import Children
 
-    try:
-        ranks = psutil.Process(process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        ranks = []
-    for victim in ranks:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            victim.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    psutil.wait_procs(ranks, timeout=30)
-    args = list(process.args)
-    if "--master_port" in args:  # DeepSpeed's CPU all-reduce segments outlive SIGKILLed ranks
-        from toolkit.runtime.ds_shm import release
-
-        release(args[args.index("--master_port") + 1])
-
-
-def _run(cmd: list[str], log: Path, timeout: float) -> int:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    with open(log, "w") as handle:
-        process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        with open(log, "w") as handle, Children(f"{run}'s training") as children:
+            yield children.start(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    finally:
+        if "--master_port" in cmd:  # DeepSpeed's CPU all-reduce segments outlive SIGKILLed ranks
+            from toolkit.runtime.ds_shm import release
+
+            release(cmd[cmd.index("--master_port") + 1])
+
+
+def _run(cmd: list[str], log: Path, timeout: float, run: str) -> int:
+    with _launched(cmd, log, run) as process:
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_tree(process)
             raise UserInputError("--timeout", f"a training launch ran past {timeout:.0f} s; see {log}") from None
 
 
 def _run_and_kill_after_save(cmd: list[str], out: Path, save_at: int, log: Path, timeout: float) -> int | None:
-    """Start training, SIGKILL its whole process group once `latest` names checkpoint-<save_at>; the step reached."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    """Start training, SIGKILL it and every process below it once `latest` names checkpoint-<save_at>; the step
+    reached."""
+    from toolkit.runtime.children import end_tree
+
     deadline = time.monotonic() + timeout
-    with open(log, "w") as handle:
-        process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with _launched(cmd, log, "the interrupted run") as process:
         while time.monotonic() < deadline and process.poll() is None:
             latest = resolve_latest(out)
             if latest is not None and latest.name == f"checkpoint-{save_at}":
-                _kill_tree(process)
+                end_tree(process, grace_s=0)  # a crash: no time to clean up
                 steps = [r["step"] for r in read_metrics(out)]
                 return max(steps, default=None)
             time.sleep(0.05)
         if process.poll() is None:
-            _kill_tree(process)
             raise UserInputError("--timeout", f"no checkpoint at step {save_at} within {timeout:.0f} s; see {log}")
     raise _failed(log, "the interrupted run") or UserInputError(
         "--save-at", f"training ended (rc={process.returncode}) before it saved step {save_at}; see {log}")
@@ -146,7 +136,8 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
         if path.exists() and any(path.iterdir()):
             raise UserInputError("--workdir", f"{path} is not empty; use a new --workdir")
 
-    rc = _run(_command(launcher, nprocs, recipe, reference, steps, steps, False, train_args), log["reference"], timeout)
+    rc = _run(_command(launcher, nprocs, recipe, reference, steps, steps, False, train_args), log["reference"], timeout,
+              "the reference run")
     ref = _by_step(read_metrics(reference))
     if steps not in ref:
         raise _failed(log["reference"], "the reference run") or UserInputError(
@@ -157,7 +148,7 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
     checkpoint = resolve_latest(run)
     resume_args = train_args + (("--gpus", str(resume_nprocs)) if resharded else ())
     rc = _run(_command(launcher, resume_nprocs or nprocs, recipe, run, steps, steps, True, resume_args),
-              log["resumed"], timeout)
+              log["resumed"], timeout, "the resumed run")
     resumed = _by_step(read_metrics(run))
     if steps not in resumed:
         raise _failed(log["resumed"], "the resumed run") or UserInputError(

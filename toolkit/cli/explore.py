@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, interrupted
 from toolkit.numeric import bounded_int
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -39,19 +39,30 @@ def initial_model(source: str | None):
 
 
 def _listen(host: str, port: int):
+    import errno
     import socket
 
     if not 0 <= port <= 65535:
         raise UserInputError("--port", f"must be 0-65535, got {port}")
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, ValueError, TypeError) as exc:  # a name that does not resolve, or is no host name at all
+        raise UserInputError("--host", f"{host!r} is not an address or host name of this machine "
+                                       f"({getattr(exc, 'strerror', None) or exc}); e.g. 127.0.0.1 or 0.0.0.0") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+    except (ValueError, TypeError) as exc:  # a NUL in the name: not a host name socket can even pass on
+        sock.close()
+        raise UserInputError("--host", f"{host!r} is not an address or host name ({exc}); e.g. 127.0.0.1") from None
     except OSError as exc:
-        raise UserInputError("--port" if "in use" in str(exc) else "--host",
-                             f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
-                             f"pick another --port (0: any free one)") from None
+        sock.close()
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES):  # the port is taken, or privileged
+            raise UserInputError("--port", f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port "
+                                           f"(0: any free one)") from None
+        raise UserInputError("--host", f"cannot listen on {host}:{port} ({exc.strerror or exc}); give an address "
+                                       f"of this machine (127.0.0.1, or 0.0.0.0 for every interface)") from None
     return sock
 
 
@@ -67,7 +78,11 @@ def run(args: argparse.Namespace) -> int:
               f"one, with no authentication", file=sys.stderr)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"dmt explore: serving http://{shown}:{port}/ (Ctrl-C to stop)", flush=True)
+    url = f"http://{shown}:{port}/"
+    print(f"dmt explore: serving {url} (Ctrl-C to stop)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])  # uvicorn shuts down on SIGINT, then raises it again
+    except KeyboardInterrupt as exc:
+        raise interrupted(exc, f"stopped serving {url}") from None
     return 0

@@ -1,4 +1,5 @@
-"""`dmt` entry point: registers one sub-command per module and turns bad input into exit code 2 and one line."""
+"""`dmt` entry point: registers one sub-command per module and turns bad input into exit code 2 and one line, an
+interrupt (Ctrl-C) into exit code 130 and one line."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ VERBS = {
 }
 
 
+def quiet_library_warnings() -> None:
+    """Megatron-Core warns on import about its own install (no Apex, no Transformer Engine: 14 lines on CPU) and its
+    deprecations: nothing the user gave, printed before a command's result or its one-line refusal."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line, with exit code 2."""
 
@@ -49,9 +58,32 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None  # `dmt` or `python -m toolkit` itself, not a caller inside Python
     argv = sys.argv[1:] if argv is None else argv
     verb = next((a for a in argv if a in VERBS), None)
+    try:
+        return _main(argv, verb)
+    except KeyboardInterrupt as exc:  # what the verb undid on the way out travels with it (toolkit.errors.Interrupted)
+        undone = getattr(exc, "undone", [])
+        print(f"dmt{f' {verb}' if verb else ''}: interrupted" + (f"; {', '.join(undone)}" if undone else ""),
+              file=sys.stderr)
+        if program:
+            # CPython ends a program with SIGINT instead of its exit code when the interrupt once passed through C
+            # code that ran Python source (pybind11's exec while torch imports): the status is 130 either way
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str], verb: str | None) -> int:
+    import importlib
+
+    quiet_library_warnings()
     parser = build_parser(verb)
     with command_inputs():  # the path flags register the command's inputs as they are parsed
         return _parse_and_run(parser, argv)

@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_spec(args.model)
     backends = _backends(args.backends, pinned.pop("backend", None))
     result = search(model, args.gpus, gpu, network, backends, calibration=calibration, **pinned)
+    refusal = result.refusal() and _pinned_refusal(model, args.gpus, backends, pinned, result.refusal())
+    if refusal is not None:  # a mistyped option (--ep 3 for 8 experts), not an empty table
+        raise refusal
     top = result.ranked[: args.top]
     records = [plan_record(model, c.plan, c.memory, c.time, gpu, calibration) for c in top]
     add_training_time(records, args.train_tokens)
@@ -77,6 +80,19 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"memory plot written to {args.plot}")
     return 0 if records else 1
+
+
+def _pinned_refusal(model, gpus: int, backends: tuple[str, ...], pinned: dict, found: UserInputError):
+    """Why no layout was left: resolving the pinned options alone, backend by backend, names the flag (the search
+    skips layouts the GPU count cannot hold without asking); else the search's own most frequent reason."""
+    from toolkit.spec.plan import resolve_plan
+
+    for backend in backends:
+        try:
+            resolve_plan(model, gpus, **{**pinned, "backend": backend})
+        except UserInputError as exc:
+            return exc
+    return found
 
 
 def _backends(listed: str | None, pinned: str | None) -> tuple[str, ...]:

@@ -20,8 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-world-size", type=bounded_int, default=None,
                         help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core "
                              "and FSDP2: the DCP checkpoint reshards on load)")
-    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
-                        help="launcher of the deepspeed backend (megatron and fsdp run under torchrun)")
+    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default=None,
+                        help="launcher of the deepspeed backend (default deepspeed; megatron and fsdp run under "
+                             "torchrun)")
     parser.add_argument("--tolerance", type=finite_float, default=None,
                         help=f"allowed |difference| per value (default: bitwise; {RESHARDED_TOLERANCE:g} with "
                              f"--resume-world-size, where the reduction order changes)")
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from toolkit.checkpoint.restore import WORKDIR_ENTRIES, restore_test
     from toolkit.errors import UserInputError
+    from toolkit.outputs import removed_if_interrupted
     from toolkit.planner.recipe import recipe_plan
     from toolkit.spec.recipe import load_recipe, recipe_files, recipe_model, recipe_names
 
@@ -63,14 +65,32 @@ def run(args: argparse.Namespace) -> int:
     if plan.backend == "megatron" and steps <= warmup:  # Megatron-Core's scheduler asserts warmup < decay steps
         raise UserInputError("--steps", f"must be above the recipe's training.warmup_steps ({warmup}) for "
                                         f"Megatron-Core's learning-rate scheduler, got {steps}")
-    if plan.backend != "deepspeed":
-        args.launcher = "torchrun"  # toolkit/train.py runs Megatron-Core and FSDP2 under torchrun
+    launcher = _launcher(args.launcher, plan.backend)
+    fresh = workdir is None or not workdir.exists()  # interrupted, a directory this command made goes whole
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
     train_args = tuple(option_argv({"backend": plan.backend, **overrides}))
     resharded = args.resume_world_size not in (None, recipe.cluster.gpus)
     tolerance = args.tolerance if args.tolerance is not None else RESHARDED_TOLERANCE if resharded else 0.0
-    result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
-                          args.launcher, tolerance, args.timeout, train_args)
+    with removed_if_interrupted(workdir, whole=fresh):
+        result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
+                              launcher, tolerance, args.timeout, train_args)
+    _report(args, result, recipe, tolerance, resharded, workdir)
+    return 0 if result.passed else 1
+
+
+def _launcher(given: str | None, backend: str) -> str:
+    """The launcher of every run: the one given, if the backend runs under it (generate's one list of launchers per
+    backend), else the backend's own (torchrun for Megatron-Core and FSDP2, deepspeed for DeepSpeed)."""
+    from toolkit.errors import UserInputError
+    from toolkit.generate.launch import LAUNCHERS
+
+    valid = [name for name in LAUNCHERS[backend] if name in ("deepspeed", "torchrun")]  # the ones restore-test runs
+    if given is not None and given not in valid:
+        raise UserInputError("--launcher", f"the {backend} backend runs under {' or '.join(valid)}, not {given}")
+    return given or valid[0]
+
+
+def _report(args, result, recipe, tolerance: float, resharded: bool, workdir: Path) -> None:
     if args.json:
         print(json_text(result.as_dict(), indent=2))
     else:
@@ -84,4 +104,3 @@ def run(args: argparse.Namespace) -> int:
         for line in result.mismatches[:10]:
             print(f"  {line}")
         print(f"runs and logs in {workdir}")
-    return 0 if result.passed else 1

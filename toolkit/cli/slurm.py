@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import tempfile
+from pathlib import Path
 
 from toolkit.cli.paths import output_arg, path_arg, source_arg
 from toolkit.errors import UserInputError
@@ -55,9 +57,38 @@ def render_from_args(args: argparse.Namespace) -> str:
         recipe = load_recipe(args.recipe)
         with recipe_names():
             plan, flags = recipe_plan(recipe, recipe_model(recipe)), []
-    return render_sbatch(recipe, plan, args.recipe, args.nodes, args.gpus_per_node, args.partition, args.time,
-                         args.account, args.output_dir, args.deepspeed, "convert" if args.convert else "train",
-                         train_flags=flags, launcher=args.launcher, accelerate_config=args.accelerate_config)
+    script = render_sbatch(recipe, plan, args.recipe, args.nodes, args.gpus_per_node, args.partition, args.time,
+                           args.account, args.output_dir, _str(args.deepspeed), "convert" if args.convert else "train",
+                           train_flags=flags, launcher=args.launcher, accelerate_config=_str(args.accelerate_config))
+    _check_launch_files(args, plan)
+    return script
+
+
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _check_launch_files(args: argparse.Namespace, plan) -> None:
+    """The DeepSpeed JSON and the accelerate.yaml the job will train with, read and checked for the job's world size
+    now: a missing, truncated or wrong one is one line here, not a failed job after its wait in the queue."""
+    from toolkit.readers import read_json, read_yaml
+
+    if args.deepspeed is not None:
+        from toolkit.validate.deepspeed import validate_deepspeed_config
+
+        config = read_json(args.deepspeed, "--deepspeed", what="a DeepSpeed config (a JSON object)")
+        problems = validate_deepspeed_config(config, plan.gpus, config_path=args.deepspeed)
+        if problems:
+            raise UserInputError("--deepspeed", f"{args.deepspeed}: {problems[0]}")
+    if args.accelerate_config is not None:
+        from toolkit.validate.accelerate_fsdp import validate_accelerate_launch
+
+        if args.launcher != "accelerate":
+            raise UserInputError("--accelerate-config", f"only --launcher accelerate reads it, not {args.launcher}")
+        config = read_yaml(args.accelerate_config, "--accelerate-config", what="an Accelerate config (accelerate.yaml)")
+        problems = validate_accelerate_launch(config, plan.gpus, plan.backend)
+        if problems:
+            raise UserInputError("--accelerate-config", f"{args.accelerate_config}: {problems[0]}")
 
 
 def _read_for(args: argparse.Namespace) -> list:
@@ -91,12 +122,16 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.spec.recipe import load_recipe
 
     slurm_log_dir(load_recipe(args.recipe), args.output_dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as handle:
-        handle.write(script)
+    # sbatch copies the script when it submits it: the temporary file goes however this ends (Ctrl-C included)
+    handle, name = tempfile.mkstemp(prefix="dmt-", suffix=".sbatch")
     try:
-        result = subprocess.run(["sbatch", "--parsable", handle.name], capture_output=True, text=True)
+        with os.fdopen(handle, "w") as file:
+            file.write(script)
+        result = subprocess.run(["sbatch", "--parsable", name], capture_output=True, text=True)
     except FileNotFoundError:
         raise UserInputError("submit", "sbatch is not on PATH (is this a Slurm login node?)") from None
+    finally:
+        os.unlink(name)
     if result.returncode != 0:
         raise UserInputError("sbatch", result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
     job_id = result.stdout.strip().split(";")[0]

@@ -178,65 +178,29 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
     from torch.distributed import PrefixStore, TCPStore
 
     from toolkit.health.report import add_deaths, incomplete
-    from toolkit.runtime.watchdog import (
-        LivenessTracker,
-        find_unresponsive,
-        read_beats,
-        read_hosts,
-    )
+    from toolkit.runtime.children import Children
 
     server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     store = PrefixStore(STORE_PREFIX, server)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), **{STORE_HOSTED_ENV: "1", OPTIONS_ENV: json.dumps(asdict(options))})
     stderr = [tempfile.TemporaryFile() for _ in range(nproc)]  # each rank's; its one-line error becomes ours
-    procs = [subprocess.Popen([sys.executable, "-m", "toolkit.health.worker"], stdout=subprocess.DEVNULL,
-                              stderr=stderr[r], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
-             for r in range(nproc)]
-    started = time.monotonic()
-    tracker = LivenessTracker(nproc, started)
-    # the ranks' own monitors report first; this one only when none of them could (every monitor rank stopped)
-    backstop_s = options.deadline_s * 1.5 + 5
     exits: dict[int, int] = {}  # rank -> exit code
-    reported_at = first_death = None
-    grace_s = GRACE_S
-    stuck: set[int] = set()
-    own_hang: list[dict] = []
-    hosts: list[str | None] = [None] * nproc
     try:
-        while True:
-            now = time.monotonic()
-            for rank, proc in enumerate(procs):
-                if rank not in exits and proc.poll() is not None:
-                    exits[rank] = proc.returncode
-                    if proc.returncode != 0 and first_death is None:
-                        first_death = now
-            if reported_at is None and store.check([REPORT_KEY]):
-                reported_at = now
-                written = json.loads(store.get(REPORT_KEY))
-                stuck = {u["rank"] for u in written.get("unresponsive", [])}
-                grace_s = HEALTHY_EXIT_S if written.get("ok") else GRACE_S
-            if len(exits) == nproc or (reported_at is not None and now - reported_at > grace_s):
-                break
-            if reported_at is not None and set(range(nproc)) <= set(exits) | stuck:
-                break  # everyone who can exit has; the unresponsive ones will not
-            if reported_at is None and first_death is not None and now - first_death > min(options.deadline_s, 10) + 5:
-                break  # a rank died and nobody reported it: the ranks left are stuck somewhere
-            if reported_at is None:
-                hosts = read_hosts(store, nproc) if None in hosts else hosts
-                own_hang = find_unresponsive(tracker.observe(read_beats(store, nproc), hosts, now), backstop_s)
-                if own_hang:
-                    break
-            time.sleep(0.1)
-        beats = read_beats(store, nproc)
-        report = json.loads(store.get(REPORT_KEY)) if store.check([REPORT_KEY]) else None
-        hosts = read_hosts(store, nproc)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL also ends a stopped process
-            proc.wait()
+        # SIGKILL at the end (no grace): it also ends a stopped rank, and a rank still running then is stuck
+        with Children(f"the {nproc} health-check rank{'s' if nproc > 1 else ''}", grace_s=0) as children:
+            procs = [children.start([sys.executable, "-m", "toolkit.health.worker"], stdout=subprocess.DEVNULL,
+                                    stderr=stderr[r], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+                     for r in range(nproc)]
+            beats, report, hosts, own_hang = _watch(procs, store, options, exits)
+    except KeyboardInterrupt:
+        for handle in stderr:
+            handle.close()
+        raise
+    except BaseException:
         _replay_worker_errors(stderr, exits)
+        raise
+    _replay_worker_errors(stderr, exits)
     done = {rank for rank, beat in beats.items() if beat.finished}
     died = [{"rank": rank, "host": hosts[rank], "how": _how(code)} for rank, code in sorted(exits.items())
             if code != 0 and rank not in done]
@@ -247,6 +211,52 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
         report = add_deaths(report, died)
     healthy = report.get("ok") and all(code == 0 or rank in done for rank, code in exits.items())
     return report, 0 if healthy and len(exits) == nproc else 1
+
+
+def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
+    """Until every rank has exited, or a report is in and the ranks that can exit have, or nobody reports a rank's
+    death or a hang the ranks' monitors cannot see: (beats, the ranks' report or None, hosts, this process's own
+    reading of a hang). `exits` fills with each rank's exit code as it is seen."""
+    from toolkit.runtime.watchdog import LivenessTracker, find_unresponsive, read_beats, read_hosts
+
+    nproc = len(procs)
+    started = time.monotonic()
+    tracker = LivenessTracker(nproc, started)
+    # the ranks' own monitors report first; this one only when none of them could (every monitor rank stopped)
+    backstop_s = options.deadline_s * 1.5 + 5
+    reported_at = first_death = None
+    grace_s = GRACE_S
+    stuck: set[int] = set()
+    own_hang: list[dict] = []
+    hosts: list[str | None] = [None] * nproc
+    while True:
+        now = time.monotonic()
+        for rank, proc in enumerate(procs):
+            if rank not in exits and proc.poll() is not None:
+                exits[rank] = proc.returncode
+                if proc.returncode != 0 and first_death is None:
+                    first_death = now
+        if reported_at is None and store.check([REPORT_KEY]):
+            reported_at = now
+            written = json.loads(store.get(REPORT_KEY))
+            stuck = {u["rank"] for u in written.get("unresponsive", [])}
+            grace_s = HEALTHY_EXIT_S if written.get("ok") else GRACE_S
+        if len(exits) == nproc or (reported_at is not None and now - reported_at > grace_s):
+            break
+        if reported_at is not None and set(range(nproc)) <= set(exits) | stuck:
+            break  # everyone who can exit has; the unresponsive ones will not
+        if reported_at is None and first_death is not None and now - first_death > min(options.deadline_s, 10) + 5:
+            break  # a rank died and nobody reported it: the ranks left are stuck somewhere
+        if reported_at is None:
+            hosts = read_hosts(store, nproc) if None in hosts else hosts
+            own_hang = find_unresponsive(tracker.observe(read_beats(store, nproc), hosts, now), backstop_s)
+            if own_hang:
+                break
+        time.sleep(0.1)
+    beats = read_beats(store, nproc)
+    report = json.loads(store.get(REPORT_KEY)) if store.check([REPORT_KEY]) else None
+    hosts = read_hosts(store, nproc)
+    return beats, report, hosts, own_hang
 
 
 def _replay_worker_errors(stderr: list, exits: dict[int, int]) -> None:

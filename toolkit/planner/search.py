@@ -35,6 +35,17 @@ class SearchResult:
     ranked: list[Candidate]
     rejected: Counter = field(default_factory=Counter)
     considered: int = 0
+    invalid: dict[str, UserInputError] = field(default_factory=dict)  # the first error of each "invalid KEY"
+
+    def refusal(self) -> UserInputError | None:
+        """When no candidate was even a valid plan (the options pinned rule every layout out, or none was left to
+        try), the error of the most frequent reason: the pinned flag at fault and why, as resolving that plan says.
+        None when some were valid (and did not fit, or were slower): an empty table is then the answer."""
+        if self.ranked or any(not why.startswith("invalid ") for why in self.rejected):
+            return None
+        for why, _ in self.rejected.most_common(1):
+            return self.invalid[why]
+        return UserInputError("plan", "the options given leave no parallel layout to try")
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -161,6 +172,7 @@ def search(
                         found = _fitting(model, gpus, gpu, micro, option, layout)
                     except UserInputError as exc:
                         result.rejected[f"invalid {exc.key}"] += 1
+                        result.invalid.setdefault(f"invalid {exc.key}", exc)
                         continue
                     except _NoChoice:  # one layer per chunk: the block method is plain full recomputation
                         result.considered -= 1

@@ -75,6 +75,24 @@ def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None
     return problems
 
 
+def validate_accelerate_launch(config: dict, world_size: int, backend: str) -> list[Problem]:
+    """An accelerate.yaml for `accelerate launch` of a job of this backend: FSDP2's every rule above, or, for
+    DeepSpeed's HF path, Accelerate's keys with distributed_type DEEPSPEED and the job's process count."""
+    if backend == "fsdp":
+        return validate_accelerate_fsdp(config, world_size)
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    if not isinstance(config, dict):
+        return [Problem("accelerate.yaml", "must be a mapping of Accelerate config keys")]
+    problems = [_unknown(key, "", ClusterConfig.__dataclass_fields__, "remove it") for key in config
+                if key not in ClusterConfig.__dataclass_fields__]
+    kind = str(config.get("distributed_type", "(absent)"))
+    if kind != "DEEPSPEED":
+        problems.append(Problem("distributed_type", f"is {kind}; the {backend} backend launches with DEEPSPEED "
+                                                    f"(regenerate it with `dmt generate`)"))
+    return problems + _sizes(config, world_size)
+
+
 def _fsdp_keys(fsdp: dict) -> list[Problem]:
     from accelerate.utils.constants import FSDP2_STATE_DICT_TYPE, FSDP_AUTO_WRAP_POLICY
 
@@ -112,7 +130,11 @@ def parallel_sizes(config: dict) -> dict[str, int]:
 def _sizes(config: dict, world_size: int) -> list[Problem]:
     problems = []
     processes = config.get("num_processes")
-    if processes is not None and processes != world_size:
+    if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int)):
+        # "2" would print as 2 in the line below, beside the 2 it is not equal to
+        problems.append(Problem("num_processes", f"is {processes!r}, a {type(processes).__name__}; write the "
+                                                 f"integer {world_size} (the processes the job launches)"))
+    elif processes is not None and processes != world_size:
         problems.append(Problem("num_processes", f"is {processes} but the job launches {world_size} processes"))
     section = config.get("parallelism_config")
     if not section:
