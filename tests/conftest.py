@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, tiny_llama_config
+from helpers import free_port, remove_segments_since, tiny_llama_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -51,21 +51,6 @@ def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _remove_segments_since(start: float) -> None:
-    """Segments created since `start` that no live process maps: a launch still running keeps its own, whichever
-    session started it (deleting a segment a peer has yet to open hangs that peer in DeepSpeed's shm setup: two test
-    sessions on one machine did that to each other)."""
-    from toolkit.runtime.ds_shm import mapped, segments
-
-    live = mapped()
-    for path in segments():
-        try:
-            if path.stat().st_mtime >= start and path not in live:
-                path.unlink()
-        except FileNotFoundError:
-            pass
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_deepspeed_shm_left_by_the_session():
     """Launches shared by several tests start in module- or session-scoped fixtures, before the per-test fixture
@@ -74,7 +59,7 @@ def no_deepspeed_shm_left_by_the_session():
 
     start = time.time() - 1
     yield
-    _remove_segments_since(start)
+    remove_segments_since(start)
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +70,7 @@ def no_deepspeed_shm_left():
 
     start = time.time() - 1
     yield
-    _remove_segments_since(start)
+    remove_segments_since(start)
 
 
 @pytest.fixture(scope="session", autouse=True)

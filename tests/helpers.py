@@ -180,3 +180,18 @@ def calibration_data(hardware: str = "h100-80gb", scale: float = 0.25) -> dict:
     return {"format": "dmt-calibration/1", "hardware": hardware, "efficiency": fitted, "warmup_steps": 3,
             "runs": [run], "residuals": {"hf": {"runs": 1, "rms_error": 0.0, "max_abs_error": 0.0}},
             "created": "2026-11-25T00:00:00+00:00", "machine": {"host": "test"}}
+
+
+def remove_segments_since(start: float) -> None:
+    """Segments created since `start` that no live process maps: a launch still running keeps its own, whichever
+    session started it (deleting a segment a peer has yet to open hangs that peer in DeepSpeed's shm setup: two test
+    sessions on one machine did that to each other)."""
+    from toolkit.runtime.ds_shm import mapped, segments
+
+    live = mapped()
+    for path in segments():
+        try:
+            if path.stat().st_mtime >= start and path not in live:
+                path.unlink()
+        except FileNotFoundError:
+            pass

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import _remove_segments_since
+from helpers import remove_segments_since
 from toolkit.runtime.ds_shm import PREFIX, SHM_DIR, mapped
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
@@ -20,9 +20,9 @@ def test_a_mapped_segment_survives_the_sweep_and_an_unmapped_one_goes(tmp_path):
     try:
         with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), mmap.PAGESIZE) as view:
             assert live in mapped() and left not in mapped()
-            _remove_segments_since(0)
+            remove_segments_since(0)
             assert live.exists() and not left.exists()  # a peer that has yet to open it would hang without it
-        _remove_segments_since(0)
+        remove_segments_since(0)
         assert not live.exists()  # unmapped: removed like any segment a launch left behind
     finally:
         for path in (live, left):
