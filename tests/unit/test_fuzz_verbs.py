@@ -1,6 +1,10 @@
 """Every verb against bad input, as a table: malformed files, wrong types, hostile values, colliding and unwritable
 outputs. For each case: exit code 2, no traceback, at most two lines on stderr naming the flag, key or file at fault,
-every user file unchanged (checksums before and after) and nothing left behind."""
+every user file unchanged (checksums before and after) and nothing left behind. Hostile input of each trust-boundary
+class has its own file beside this one: test_fuzz_pickles (checkpoints that would run code), test_fuzz_files (what
+generate may delete, outputs over inputs), test_fuzz_reads (endless and unbounded reads, alias bombs, nesting),
+test_fuzz_numbers (NaN and infinity everywhere), test_fuzz_records (damaged run records, a calibration's hardware),
+test_fuzz_explorer (requests to `dmt explore`), test_fuzz_interrupts (Ctrl-C, one-line errors, unchecked inputs)."""
 
 import hashlib
 import json
