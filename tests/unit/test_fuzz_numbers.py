@@ -10,7 +10,14 @@ import math
 import pytest
 import yaml
 from test_calibration import _calibration_file
-from test_fuzz_verbs import RECIPE_TEXT, _assert_refused, _run, _snapshot, sandbox  # noqa: F401 (a fixture)
+from test_fuzz_verbs import (  # noqa: F401 (sandbox: a fixture)
+    RECIPE_TEXT,
+    _assert_refused,
+    _run,
+    _snapshot,
+    refuses_recipe_edit,
+    sandbox,
+)
 
 from toolkit.cli.main import VERBS, build_parser, main
 from toolkit.numeric import COUNT_MAX, FLOAT_FLAGS, INT_FLAGS, SEED_MAX, json_text, non_finite
@@ -103,17 +110,7 @@ RECIPE_NUMBERS = {  # a recipe line replaced -> the key the error must name
 @pytest.mark.parametrize("case", sorted(RECIPE_NUMBERS))
 @pytest.mark.parametrize("verb", ["generate", "slurm render", "restore-test"])
 def test_a_recipe_number_that_is_not_one_names_its_key(sandbox, capsys, case, verb):  # noqa: F811
-    old, new, key = RECIPE_NUMBERS[case]
-    assert old in RECIPE_TEXT
-    recipe = sandbox / "recipe.yaml"
-    recipe.write_text(RECIPE_TEXT.replace(old, new, 1))
-    before = _snapshot(sandbox)
-    argv = {"generate": ["generate", str(recipe), "--out", str(sandbox / "gen")],
-            "slurm render": ["slurm", "render", str(recipe)],
-            "restore-test": ["restore-test", "--recipe", str(recipe), "--workdir", str(sandbox / "restore")]}[verb]
-    code, err = _run(capsys, argv)
-    _assert_refused(code, err, key)
-    assert _snapshot(sandbox) == before
+    refuses_recipe_edit(sandbox, capsys, verb, *RECIPE_NUMBERS[case])
 
 
 def test_the_largest_seed_numpy_takes_is_a_seed(sandbox):  # noqa: F811

@@ -228,10 +228,8 @@ RECIPE_VALUES = {  # a recipe line replaced -> the key the error must name
 }
 
 
-@pytest.mark.parametrize("case", sorted(RECIPE_VALUES))
-@pytest.mark.parametrize("verb", ["generate", "slurm render", "restore-test"])
-def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, case, verb):
-    old, new, key = RECIPE_VALUES[case]
+def refuses_recipe_edit(sandbox, capsys, verb: str, old: str, new: str, key: str) -> None:
+    """The recipe with `old` replaced by `new`, given to `verb`: refused in one line naming `key`, nothing written."""
     assert old in RECIPE_TEXT
     recipe = sandbox / "recipe.yaml"
     recipe.write_text(RECIPE_TEXT.replace(old, new, 1))
@@ -242,6 +240,12 @@ def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, case, verb):
     code, err = _run(capsys, argv)
     _assert_refused(code, err, key)
     assert _snapshot(sandbox) == before
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_VALUES))
+@pytest.mark.parametrize("verb", ["generate", "slurm render", "restore-test"])
+def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, case, verb):
+    refuses_recipe_edit(sandbox, capsys, verb, *RECIPE_VALUES[case])
     assert not list(sandbox.rglob("PWNED")) and not list(Path("/tmp").glob("dmt-restore-*/reference"))
 
 

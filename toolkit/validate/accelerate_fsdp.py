@@ -49,15 +49,20 @@ def _flag(value) -> bool | None:
         else None
 
 
-def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None = None) -> list[Problem]:
-    """Every problem of an accelerate.yaml for FSDP2 (and of the trainer arguments beside it), all at once."""
+def _accelerate_keys(config: dict) -> tuple[list[Problem], str]:
+    """(the keys Accelerate's ClusterConfig does not have, the distributed_type) of an accelerate.yaml mapping."""
     from accelerate.commands.config.config_args import ClusterConfig
 
+    fields = ClusterConfig.__dataclass_fields__
+    return ([_unknown(key, "", fields, "remove it") for key in config if key not in fields],
+            str(config.get("distributed_type", "(absent)")))
+
+
+def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None = None) -> list[Problem]:
+    """Every problem of an accelerate.yaml for FSDP2 (and of the trainer arguments beside it), all at once."""
     if not isinstance(config, dict):
         return [Problem("accelerate.yaml", "must be a mapping of Accelerate config keys")]
-    problems = [_unknown(key, "", ClusterConfig.__dataclass_fields__, "remove it") for key in config
-                if key not in ClusterConfig.__dataclass_fields__]
-    kind = str(config.get("distributed_type", "(absent)"))
+    problems, kind = _accelerate_keys(config)
     if kind != "FSDP":
         return problems + [Problem("distributed_type", f"is {kind}, not FSDP: this checks FSDP configs "
                                                        f"(a DeepSpeed one: validate the JSON its deepspeed_config "
@@ -80,13 +85,9 @@ def validate_accelerate_launch(config: dict, world_size: int, backend: str) -> l
     DeepSpeed's HF path, Accelerate's keys with distributed_type DEEPSPEED and the job's process count."""
     if backend == "fsdp":
         return validate_accelerate_fsdp(config, world_size)
-    from accelerate.commands.config.config_args import ClusterConfig
-
     if not isinstance(config, dict):
         return [Problem("accelerate.yaml", "must be a mapping of Accelerate config keys")]
-    problems = [_unknown(key, "", ClusterConfig.__dataclass_fields__, "remove it") for key in config
-                if key not in ClusterConfig.__dataclass_fields__]
-    kind = str(config.get("distributed_type", "(absent)"))
+    problems, kind = _accelerate_keys(config)
     if kind != "DEEPSPEED":
         problems.append(Problem("distributed_type", f"is {kind}; the {backend} backend launches with DEEPSPEED "
                                                     f"(regenerate it with `dmt generate`)"))
