@@ -183,12 +183,12 @@ def calibration_data(hardware: str = "h100-80gb", scale: float = 0.25) -> dict:
 
 
 def remove_segments_since(start: float) -> None:
-    """Segments created since `start` that no live process maps: a launch still running keeps its own, whichever
+    """Segments created since `start` that no live process holds: a launch still running keeps its own, whichever
     session started it (deleting a segment a peer has yet to open hangs that peer in DeepSpeed's shm setup: two test
     sessions on one machine did that to each other)."""
-    from toolkit.runtime.ds_shm import mapped, segments
+    from toolkit.runtime.ds_shm import in_use, segments
 
-    live = mapped()
+    live = in_use()
     for path in segments():
         try:
             if path.stat().st_mtime >= start and path not in live:

@@ -1,4 +1,4 @@
-"""DeepSpeed's CPU all-reduce segments in /dev/shm: a sweep removes the ones nobody maps and keeps a live launch's,
+"""DeepSpeed's CPU all-reduce segments in /dev/shm: a sweep removes the ones nobody holds and keeps a live launch's,
 whichever test session started it."""
 
 import mmap
@@ -7,23 +7,29 @@ import os
 import pytest
 
 from helpers import remove_segments_since
-from toolkit.runtime.ds_shm import PREFIX, SHM_DIR, mapped
+from toolkit.runtime.ds_shm import PREFIX, SHM_DIR, in_use
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
 
 
-def test_a_mapped_segment_survives_the_sweep_and_an_unmapped_one_goes(tmp_path):
-    live = SHM_DIR / f"{PREFIX}_{os.getuid()}_127.0.0.1_1_0"
-    left = SHM_DIR / f"{PREFIX}_{os.getuid()}_127.0.0.1_1_1"
-    for path in (live, left):
+def test_a_held_segment_survives_the_sweep_and_a_released_one_goes():
+    """Mapped (a running rank's), or only open (DeepSpeed's shared_create writes 66 MiB through the descriptor before
+    it maps it): kept; once let go, removed like any segment a launch left behind."""
+    mapped, written, left = (SHM_DIR / f"{PREFIX}_{os.getuid()}_127.0.0.1_1_{rank}" for rank in range(3))
+    for path in (mapped, written, left):
         path.write_bytes(b"\0" * mmap.PAGESIZE)
     try:
-        with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), mmap.PAGESIZE) as view:
-            assert live in mapped() and left not in mapped()
-            remove_segments_since(0)
-            assert live.exists() and not left.exists()  # a peer that has yet to open it would hang without it
+        with open(mapped, "r+b") as handle, mmap.mmap(handle.fileno(), mmap.PAGESIZE):
+            handle.close()  # the mapping alone holds it
+            descriptor = os.open(written, os.O_RDWR)
+            try:
+                assert {mapped, written} <= in_use() and left not in in_use()
+                remove_segments_since(0)
+                assert mapped.exists() and written.exists() and not left.exists()
+            finally:
+                os.close(descriptor)
         remove_segments_since(0)
-        assert not live.exists()  # unmapped: removed like any segment a launch left behind
+        assert not mapped.exists() and not written.exists()
     finally:
-        for path in (live, left):
+        for path in (mapped, written, left):
             path.unlink(missing_ok=True)

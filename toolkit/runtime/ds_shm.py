@@ -23,18 +23,30 @@ def segments(port: str | int | None = None, rank: int | None = None) -> list[Pat
     return sorted(SHM_DIR.glob(pattern)) if SHM_DIR.is_dir() else []
 
 
-def mapped() -> set[Path]:
-    """This user's segments some live process still maps (a launch running now, maybe another test session's): only
-    the others may be removed by a sweep that did not start the launch."""
+def in_use() -> set[Path]:
+    """This user's segments some live process holds open or maps (a launch running now, maybe another test
+    session's): only the others may be removed by a sweep that did not start the launch. The open descriptor counts
+    too: DeepSpeed's shared_create opens the segment, writes its 66 MiB (a while on a loaded machine) and only then
+    maps it, and a segment removed in between leaves its peers waiting for it for ever."""
     found = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    for process in Path("/proc").glob("[0-9]*"):
         try:
-            text = maps.read_text()
+            text = (process / "maps").read_text()
         except OSError:  # the process ended, or is not ours to read
             continue
-        if PREFIX in text:
-            found.update(Path(line.split(maxsplit=5)[5]) for line in text.splitlines()
-                         if PREFIX in line and len(line.split(maxsplit=5)) == 6 and not line.endswith(" (deleted)"))
+        found.update(Path(line.split(maxsplit=5)[5]) for line in text.splitlines()
+                     if PREFIX in line and len(line.split(maxsplit=5)) == 6 and not line.endswith(" (deleted)"))
+        try:
+            descriptors = list((process / "fd").iterdir())
+        except OSError:
+            continue
+        for descriptor in descriptors:
+            try:
+                target = os.readlink(descriptor)
+            except OSError:
+                continue
+            if PREFIX in target and not target.endswith(" (deleted)"):
+                found.add(Path(target))
     return found
 
 
