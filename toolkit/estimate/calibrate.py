@@ -159,8 +159,8 @@ def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflo
 # cores it is low, and step_time's cap (no GEMM above the peak) would then hold the fitted rate below what the runs
 # did, whatever the scale (the fit then leans on the cap: two micro-batch sizes at the peak predict one step time).
 # The host fit therefore runs at this many times the measured peak, where no run is capped, and the peak is raised
-# afterwards to what the fastest run's GEMMs reached if that is above the measurement (the scales move down by the
-# same factor, so every fitted prediction is unchanged and none is capped).
+# afterwards to what the runs' GEMMs would reach at any micro-batch size if that is above the measurement (the scales
+# move down by the same factor, so every fitted prediction is unchanged and none is capped).
 HOST_PEAK_HEADROOM = 1e3
 
 
@@ -170,8 +170,10 @@ def fit_host_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: 
     HOST_PEAK_HEADROOM)."""
     boosted = {key: value * HOST_PEAK_HEADROOM for key, value in host_peak_tflops.items()}
     fits = fit_paths(observations, gpu, boosted, links, fixed_cost, lowest=LOWEST / HOST_PEAK_HEADROOM)
-    fastest = max(gemm_efficiency(o.model.hidden_size, o.plan.tp, o.plan.micro_batch * o.plan.seq_len // o.plan.cp)
-                  * fits[path_of(o.plan)].compute_scale for o in observations)
+    # at the runs' widths with the curve's token term saturated: a plan with longer micro-batches than the runs' (the
+    # held-out micro-batch 8 of the benchmark) must not meet the cap the raised peak sets either
+    fastest = max(gemm_efficiency(o.model.hidden_size, o.plan.tp, math.inf) * fits[path_of(o.plan)].compute_scale
+                  for o in observations)
     raised = max(1.0, HOST_PEAK_HEADROOM * fastest)
     fits = {path: PathFit(fit.compute_scale * HOST_PEAK_HEADROOM / raised, fit.fixed_step_s, fit.runs,
                           fit.with_fixed_cost) for path, fit in fits.items()}
