@@ -156,7 +156,7 @@ def markdown(machine: dict, predictions: dict[str, dict], loo: dict[str, dict], 
         "",
         "Every prediction here uses the host peak the calibration holds (measured by `dmt calibrate` at the runs' "
         f"thread count, {how.get('threads', '?')} threads, load {how.get('load_average', '?')}; the best of that and "
-        "the runs' launches stands), so the columns differ only in the fitted figures. *published*: the published "
+        "the runs' launches, raised where the runs' GEMMs went faster), so the columns differ only in the fitted figures. *published*: the published "
         "compute scale of the run's execution path, no fixed cost. *scale only*: the compute scale alone fitted (how "
         "`dmt calibrate` fitted before). *scale + fixed*: the compute scale and a fixed per-step cost fitted by least "
         "squares on the log ratio (`dmt calibrate` now). Errors are predicted / measured - 1; runs marked *fit* are "
@@ -196,7 +196,8 @@ def markdown(machine: dict, predictions: dict[str, dict], loo: dict[str, dict], 
     measured = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (how.get("measured_tflops") or {}).items())
     launches = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (how.get("runs_tflops") or {}).items())
     lines.append(f"- host matmul peak kept with it: {peaks} (measured by dmt calibrate: {measured}; best of the "
-                 f"runs' launches: {launches} GFLOP/s)")
+                 f"runs' launches: {launches} GFLOP/s; the better raised {how.get('raised_by', 1):.3g}x to what the "
+                 f"runs' GEMMs reached, toolkit/estimate/calibrate.py HOST_PEAK_HEADROOM)")
     lines += ["", "## Leave one out", "",
               "Each run predicted by calibrations fitted on every other run of its execution path.", "",
               "| run | measured s | scale only s | error | scale + fixed s | error |", "|---|---:|---:|---:|---:|---:|"]
