@@ -104,7 +104,7 @@ def _shape(data: Any, path: Path | str, key: str | None, expect: type | None, wh
     if expect is not None and not isinstance(data, expect):
         found = "nothing" if data is None else f"a {type(data).__name__}"
         raise problem(path, key, f"holds {found} at the top level; expected {what}")
-    return _finite(data, path, key, what)
+    return data
 
 
 def _finite(data: Any, path: Path | str, key: str | None, what: str) -> Any:
@@ -134,9 +134,10 @@ def _too_deep(data: Any) -> bool:
 
 
 def parse_json(text: str | bytes, source: Path | str, key: str | None = None, expect: type | None = dict,
-               what: str = "a JSON object") -> Any:
+               what: str = "a JSON object", finite: bool = True) -> Any:
     """A JSON document (text already read, e.g. a request body) nested at most MAX_DEPTH deep, whose top level is
-    `expect`; `source` names where it came from."""
+    `expect`, every number finite unless `finite=False` (a file another library writes with NaN in it on purpose);
+    `source` names where it came from."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -150,12 +151,14 @@ def parse_json(text: str | bytes, source: Path | str, key: str | None = None, ex
         data = _TOO_DEEP
     if data is _TOO_DEEP or _too_deep(data):
         raise problem(source, key, f"nests deeper than {MAX_DEPTH} levels; expected {what}")
-    return _shape(data, source, key, expect, what)
+    data = _shape(data, source, key, expect, what)
+    return _finite(data, source, key, what) if finite else data
 
 
-def read_json(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a JSON object") -> Any:
-    """A JSON document whose top level is `expect` (dict by default; None: anything)."""
-    return parse_json(read_text(path, key, what, "json"), Path(path), key, expect, what)
+def read_json(path: Path, key: str | None = None, expect: type | None = dict, what: str = "a JSON object",
+              finite: bool = True) -> Any:
+    """A JSON document whose top level is `expect` (dict by default; None: anything); see parse_json."""
+    return parse_json(read_text(path, key, what, "json"), Path(path), key, expect, what, finite)
 
 
 def read_json_lines(path: Path, key: str | None = None, expect: type | None = dict,
@@ -246,7 +249,7 @@ def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: ty
     finally:
         if loader is not None:
             loader.dispose()
-    return _shape(data, source, key, expect, what)
+    return _finite(_shape(data, source, key, expect, what), source, key, what)
 
 
 # safetensors (its docs, "Format"): an 8-byte little-endian header length, a JSON header mapping each tensor name to

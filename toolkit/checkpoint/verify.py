@@ -116,7 +116,9 @@ def _check_zero(path: Path, report: VerifyReport, deep: bool) -> None:
 
 def _check_hf_trainer(path: Path, report: VerifyReport, deep: bool) -> None:
     try:
-        read_json(path / "trainer_state.json", what="HF Trainer's state (a JSON object)")
+        # HF's Trainer writes a NaN or infinite loss into log_history as it happened (json.dump allows it): in its
+        # own state file that is a record, not a damaged number
+        read_json(path / "trainer_state.json", what="HF Trainer's state (a JSON object)", finite=False)
     except UserInputError as exc:
         report.problem(path / "trainer_state.json", exc.message)
     tags = [p for p in path.iterdir() if p.is_dir() and any(p.glob("*_optim_states.pt"))]
@@ -236,7 +238,7 @@ def inspect(path: Path) -> dict:
     elif fmt in ("megatron-dist", "dcp"):
         info.update(_dcp_contents(path))
     if path.is_dir() and (path / "trainer_state.json").is_file():
-        info["step"] = read_json(path / "trainer_state.json").get("global_step", info.get("step"))
+        info["step"] = read_json(path / "trainer_state.json", finite=False).get("global_step", info.get("step"))
     info["manifest"] = path.is_dir() and (path / MANIFEST).is_file()
     return info
 
