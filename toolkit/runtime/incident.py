@@ -58,7 +58,10 @@ def read_incidents(output_dir: Path) -> list[dict]:
     """The events so far; [] when there are none or the file cannot be read (it is a log, not an input)."""
     path = Path(output_dir) / INCIDENT_FILE
     try:
-        events = read_json(path, what="the incident log").get("events") if os.path.lexists(path) else None
+        # the toolkit's own log, written with json.dumps (which writes a non-finite float as NaN/Infinity): should an
+        # event hold one, the finite-number rule would read the log as empty and the next event overwrite the others
+        events = read_json(path, what="the incident log", finite=False).get("events") \
+            if os.path.lexists(path) else None
     except UserInputError:
         return []
     return events if isinstance(events, list) else []
