@@ -84,3 +84,25 @@ def datasets_cache_in_tmp(tmp_path_factory):
         os.environ.pop("HF_DATASETS_CACHE", None)
     else:
         os.environ["HF_DATASETS_CACHE"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_as_a_terminal_delivers_it():
+    """A suite started in the background (`cmd &`, nohup, some CI runners) inherits SIGINT ignored, and so does every
+    process it starts: the Ctrl-C tests then send a signal nobody receives. Python's own handler, as in a terminal."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test leaves os.environ as it found it: a verb run in-process that set a rank's variables (RANK,
+    WORLD_SIZE, ...) made a later train.py launch of the same session think it was one rank of a multi-node job."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
