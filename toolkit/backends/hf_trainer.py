@@ -68,6 +68,8 @@ def _check_precision_runs_here(config: dict, trainer_args: dict) -> None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
+    if (config.get("fp16") or {}).get("enabled") in (True, "auto") and trainer_args.get("fp16"):
+        _refuse_fp16_without_gpu()
     for section, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
         enabled = (config.get(section) or {}).get("enabled")
         if (enabled is True or (enabled == "auto" and trainer_args.get(section))) and not supported():
@@ -92,9 +94,16 @@ def _check_world(plan: Plan) -> int:
 def _check_fsdp_runs_here(plan: Plan) -> None:
     """What Accelerate would refuse only after the model is built, said first in one line: fp16 on CPU ranks (its grad
     scaler)."""
+    if plan.precision == "fp16":
+        _refuse_fp16_without_gpu()
+
+
+def _refuse_fp16_without_gpu() -> None:
+    """fp16 needs Accelerate's grad scaler on a GPU, whatever DeepSpeed's CPU accelerator says of the host (one with
+    AVX-512 FP16 reports fp16 supported, and the HF path then fails inside Accelerate)."""
     import torch
 
-    if plan.precision == "fp16" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise UserInputError("plan.precision", "fp16 mixed precision needs a GPU (Accelerate's grad scaler); use bf16 "
                                                "or fp32 on CPU ranks")
 
