@@ -1,6 +1,6 @@
 """The trap the CPU compatibility step exists for, shown with the libraries alone: under `accelerate launch` with an
 FSDP accelerate.yaml on CPU ranks, the HF Trainer built from the generated trainer_args.json (the toolkit's
-compatibility step NOT applied) gets plain DDP, and toolkit/backends/fsdp.py's post-preparation check says so.
+compatibility step NOT applied) gets plain DDP, and toolkit/backends/fsdp/train.py's post-preparation check says so.
 
 Run as: accelerate launch --config_file GEN/accelerate.yaml tests/fsdp/fsdp_fallback_probe.py GEN/plan.json OUT.json
 Rank 0 writes OUT.json: Accelerate's distributed type, whether the Trainer enabled FSDP, the prepared model's class,
@@ -18,7 +18,7 @@ def main(plan_json: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from toolkit.backends.fsdp import check_sharded
+    from toolkit.backends.fsdp.train import check_sharded
     from toolkit.errors import UserInputError
     from toolkit.spec.recipe import recipe_hf_config
     from toolkit.validate.generated import read_generated

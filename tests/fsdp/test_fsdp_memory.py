@@ -11,7 +11,7 @@ import json
 import pytest
 
 from fsdp_helpers import TINY_FSDP
-from toolkit.backends.fsdp import SHARDING_FILE
+from toolkit.backends.fsdp.train import SHARDING_FILE
 
 pytestmark = pytest.mark.launch
 HELD = {"weights": "local_bytes", "gradients": "gradient_bytes", "optimizer": "optimizer_bytes"}

@@ -11,7 +11,7 @@ import pytest
 
 from fsdp_helpers import BIN, PROBE, STEPS, TINY_FSDP, environment, restore_test
 from helpers import free_port
-from toolkit.backends.fsdp import SHARDING_FILE
+from toolkit.backends.fsdp.train import SHARDING_FILE
 from toolkit.checkpoint.manifest import FSDP_FORMAT, read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_metrics

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from helpers import TINY
-from toolkit.backends.fsdp import SHARDING_FILE
+from toolkit.backends.fsdp.train import SHARDING_FILE
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main

@@ -35,10 +35,28 @@ LAYERS = (
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 
+# A backend's package (toolkit/backends/<name>/) is one backend's slice through the layers: each of its modules sits
+# in the layer its name says, and the registry with the declarations (toolkit/backends/__init__.py, backend.py and each
+# <name>/__init__.py) in the spec layer, which resolves plans against it. Its other modules run at training time.
+BACKEND_PARTS = {"__init__": "spec", "backend": "spec", "rules": "spec", "memory": "estimate", "timing": "estimate",
+                 "explain": "estimate", "generate": "generate", "validate": "validate"}
+
+
 def _package(module: str) -> str:
-    """The top-level package (or module) of toolkit a dotted name belongs to; toolkit/__init__.py is `toolkit`."""
+    """The layer name of a dotted module of toolkit: its top-level package (or module; toolkit/__init__.py is
+    `toolkit`), or for a backend's module the layer of its part (BACKEND_PARTS)."""
     parts = module.split(".")
+    if parts[:2] == ["toolkit", "backends"] and len(parts) <= 3 and parts[2:] in ([], ["__init__"], ["backend"]):
+        return "spec"
+    if parts[:2] == ["toolkit", "backends"] and len(parts) >= 4 and (parts[2], parts[3]) and _is_backend(parts[2]):
+        return BACKEND_PARTS.get(parts[3], "backends")
+    if parts[:2] == ["toolkit", "backends"] and len(parts) == 3 and _is_backend(parts[2]):
+        return "spec"  # a backend's declaration (its __init__.py)
     return parts[1] if len(parts) > 1 and parts[1] != "__init__" else parts[0]
+
+
+def _is_backend(name: str) -> bool:
+    return (PACKAGE / "backends" / name / "__init__.py").is_file()
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

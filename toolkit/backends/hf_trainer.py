@@ -239,7 +239,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
             if fsdp:  # before preparation calls fully_shard with it
-                from toolkit.backends.fsdp import mixed_precision_policy
+                from toolkit.backends.fsdp.train import mixed_precision_policy
 
                 self.accelerator.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(plan.precision)
 
@@ -260,7 +260,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
         callbacks.insert(0, adapter_callback(plan))  # FSDP2's adapter is written before the manifest lists the files
     if fsdp:
-        from toolkit.backends.fsdp import sharding_callback
+        from toolkit.backends.fsdp.train import sharding_callback
 
         callbacks.append(sharding_callback(output_dir, plan))
     with _accelerator_building(plan):

@@ -10,7 +10,7 @@ pinned memory, which needs an accelerator). Everything after it (fully_shard,
 MixedPrecisionPolicy, DCP checkpoints) is the libraries' own code path.
 
 Used only while the Trainer builds its Accelerator, and only when there is no GPU; the GPU path never imports it.
-toolkit/backends/fsdp.py checks after preparation, on every device, that the model really is sharded.
+toolkit/backends/fsdp/train.py checks after preparation, on every device, that the model really is sharded.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic.fields import FieldInfo
 
+from toolkit.backends import NAMES
 from toolkit.numeric import FINITE, PositiveInt
 
-Backend = Literal["deepspeed", "megatron", "fsdp"]
+Backend = Literal[NAMES]  # the registry's backends (toolkit/backends/__init__.py)
 ZeroStage = Literal[0, 1, 2, 3]
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Recompute = Literal["none", "selective", "full"]
@@ -30,16 +31,16 @@ Attention = Literal["sdpa", "eager"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
 
-# the backends an option belongs to (an option without is every backend's)
+# the backends an option belongs to (an option without is every backend's), by their registry names
 DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
 
 
 def option(default: Any, description: str, *, recipe: str | None = None, default_note: str | None = None,
-           metavar: str | None = None, backends: tuple[str, ...] | None = None) -> Any:
-    """A PlanOptions field: its default and help text, where a recipe keeps it when not under `plan:`, and the
-    backends it belongs to (None: all)."""
+           metavar: str | None = None, backends: tuple[str, ...] | None = None, off: Any = None) -> Any:
+    """A PlanOptions field: its default and help text, where a recipe keeps it when not under `plan:`, the
+    backends it belongs to (None: all), and (`off`) a value besides the default that leaves it unused."""
     extra = {key: value for key, value in (("recipe", recipe), ("default_note", default_note), ("metavar", metavar),
-                                           ("backends", backends)) if value is not None}
+                                           ("backends", backends), ("off", off)) if value is not None}
     return Field(default, description=description, json_schema_extra=extra or None)
 
 
@@ -56,7 +57,7 @@ class PlanOptions(BaseModel):
     cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)", backends=MEGATRON)
     ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
     zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise",
-                                    backends=DEEPSPEED)
+                                    backends=DEEPSPEED, off=0)
     dp_shard: PositiveInt | None = option(
         None, "FSDP2: ranks each parameter is sharded over (Accelerate's ParallelismConfig dp_shard_size)",
         default_note="every data-parallel rank of a replica (dp / dp_replicate) with fsdp", backends=FSDP)
@@ -113,7 +114,7 @@ class PlanOptions(BaseModel):
 
 
 OPTION_NAMES = tuple(PlanOptions.model_fields)
-BACKENDS: tuple[str, ...] = get_args(Backend)
+BACKENDS: tuple[str, ...] = NAMES
 RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 TRANSFORMER_IMPLS: tuple[str, ...] = get_args(TransformerImpl)
 
@@ -152,14 +153,24 @@ def choices(name: str) -> tuple:
     raise KeyError(f"plan option {name} has no fixed choices")
 
 
+def option_backends(name: str) -> tuple[str, ...]:
+    """The backends a plan option means something to (`zero`: deepspeed; `dp_shard`: fsdp; `tp`: all of them)."""
+    return field_extra(PlanOptions.model_fields[name], "backends") or NAMES
+
+
 def for_backend(name: str, backend: str) -> bool:
     """Whether a plan option means something to a backend (`zero` only to deepspeed, `dp_shard` only to fsdp)."""
-    backends = field_extra(PlanOptions.model_fields[name], "backends")
-    return backends is None or backend in backends
+    return backend in option_backends(name)
 
 
 def default(name: str) -> Any:
     return PlanOptions.model_fields[name].default
+
+
+def is_unused(name: str, value: Any) -> bool:
+    """Whether a plan option's value leaves it unused: its default, its declared `off` value, or nothing."""
+    return value is None or value == () or value == default(name) or value == field_extra(
+        PlanOptions.model_fields[name], "off")
 
 
 def default_text(name: str) -> str:

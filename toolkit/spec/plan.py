@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
 
+from toolkit.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.spec.finetune import FinetuneOptions, check_finetune, finetune_flag
 from toolkit.spec.model import ModelSpec
@@ -24,15 +25,15 @@ from toolkit.spec.options import (
     ZeroStage,
     choices,
     flag,
+    for_backend,
+    is_unused,
+    option_backends,
 )
 from toolkit.spec.pipeline import PipelineSplit
 
 # Bytes of one parameter / activation element stored in each training precision (fp8 keeps bf16 weights and
 # activations; Transformer Engine adds fp8 weight copies, counted in memory.py).
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
-
-TE_MODULES = ("Transformer Engine layer modules (--transformer-impl, or a recipe's plan.transformer_impl: "
-              "transformer_engine)")
 
 
 class Plan(PlanOptions):
@@ -105,11 +106,9 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise UserInputError("--gpus", f"must be a positive integer, got {gpus!r}")
     values = validated(PlanOptions, given).model_dump()
-    megatron = values["backend"] == "megatron"
+    backend = backend_of(values["backend"])
     if values["zero"] is None:  # DeepSpeed's usual start; Megatron and FSDP2 shard their own way
-        values["zero"] = 1 if values["backend"] == "deepspeed" else 0
-    # Megatron-Core layer modules; the HF modules of the other backends have no such choice
-    values["transformer_impl"] = (values["transformer_impl"] or "transformer_engine") if megatron else None
+        values["zero"] = backend.default_zero
     # dp and grad_accum as close as the sizes allow: the rules below say what does not divide
     model_parallel = values["tp"] * values["pp"] * values["cp"]
     dp = max(1, gpus // model_parallel)
@@ -117,10 +116,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     global_batch = values["global_batch"] or micro * dp
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
-    if values["backend"] == "fsdp":  # one replica (HSDP: each of dp_replicate) shards over all its data ranks
-        replicas = values["dp_replicate"] = values["dp_replicate"] or 1
-        values["dp_shard"] = values["dp_shard"] or max(1, dp // replicas)
-        values["reshard_after_forward"] = values["reshard_after_forward"] in (None, True)
+    backend.part("rules").fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
     values["finetune"] = finetune_options(finetune)
     return validated(Plan, values, context={"model": model})
 
@@ -159,10 +155,6 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         )
     if p.vpp > 1 and p.pp == 1:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
-    custom_split = (p.first_stage_layers is not None or p.last_stage_layers is not None
-                    or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split)
-    if custom_split and p.backend != "megatron":
-        raise UserInputError("--first-stage-layers", "an uneven pipeline split is a Megatron-Core option")
     if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem()):
         raise UserInputError(*problem)
     if p.gpus % p.model_parallel:
@@ -172,17 +164,25 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     _check_experts(p, model)
     if p.cp > 1 and p.seq_len % (2 * p.cp):
         raise UserInputError("--seq-len", f"{p.seq_len} must be divisible by 2 x cp = {2 * p.cp}")
-    if p.backend != "fsdp":
-        _check_not_fsdp(p)
-    if p.backend == "deepspeed":
-        _check_deepspeed(p)
-    elif p.backend == "megatron":
-        _check_megatron(p)
-    else:
-        _check_fsdp(p)
+    rules = backend_of(p).part("rules")
+    rules.check(p)
+    _check_own_options(p, rules.FOREIGN)
     _check_recompute(p)
     _check_batch(p)
     check_finetune(p, model)
+
+
+def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:
+    """An option that belongs to other backends (its `backends` in spec/options.py) is refused when set, in the
+    words of this backend's rules where it has some (`FOREIGN`)."""
+    for name in OPTION_NAMES:
+        value = getattr(p, name)
+        if for_backend(name, p.backend) or is_unused(name, value):
+            continue
+        if name not in foreign:
+            owner = backend_of(option_backends(name)[0])
+            raise UserInputError(flag(name), f"is {owner.a_label} option; use --backend {owner.name}")
+        raise UserInputError(flag(name), foreign[name])
 
 
 def _check_experts(p: Plan, model: ModelSpec | None) -> None:
@@ -196,104 +196,9 @@ def _check_experts(p: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--ep", f"{p.ep} must divide dp x cp = {p.dp * p.cp}")
 
 
-def _check_deepspeed(p: Plan) -> None:
-    if p.pp > 1:  # DeepSpeed's pipeline engine trains a PipelineModule in its own loop, which the HF Trainer is not
-        raise UserInputError("--pp", "the HF Trainer cannot run DeepSpeed's pipeline engine (it needs a PipelineModule "
-                                     "and DeepSpeed's own training loop); use --backend megatron for pipeline "
-                                     "parallelism")
-    if p.tp > 1:  # launched for real: HF's DeepSpeed config check counts the TP ranks as data-parallel ones
-        raise UserInputError("--tp", "DeepSpeed AutoTP does not train through the HF Trainer here (transformers "
-                                     "5.23 checks train_batch_size against every rank as data-parallel); use "
-                                     "--backend megatron for tensor parallelism")
-    if p.vpp > 1:
-        raise UserInputError("--vpp", "DeepSpeed's pipeline has no interleaved schedule; use --backend megatron")
-    if p.cp > 1:
-        raise UserInputError("--cp", "context parallelism is modelled for --backend megatron only")
-    if p.distributed_optimizer:
-        raise UserInputError("--distributed-optimizer", "is a Megatron option; with DeepSpeed use --zero 1")
-    if p.sequence_parallel:
-        raise UserInputError("--sequence-parallel", "is a Megatron-Core option; use --backend megatron")
-    if p.transformer_impl is not None:
-        raise UserInputError("--transformer-impl", "is a Megatron-Core option; DeepSpeed trains the HF modules")
-    if p.recompute == "selective":
-        raise UserInputError("--recompute", "HF models checkpoint whole layers: use none or full with deepspeed")
-    if p.precision == "fp8":
-        raise UserInputError("--precision", "fp8 training is modelled for --backend megatron (Transformer Engine)")
-    if p.offload_params != "none" and p.zero != 3:
-        raise UserInputError("--offload-params", "parameter offload needs --zero 3")
-    if p.offload_optimizer != "none" and p.zero == 0:
-        raise UserInputError("--offload-optimizer", "optimizer offload needs --zero 1, 2 or 3")
-    if "nvme" in (p.offload_optimizer, p.offload_params) and not p.nvme_path:
-        raise UserInputError("--nvme-path", "offload to nvme needs --nvme-path DIR (a local NVMe mount)")
-    if p.optimizer == "adamw8bit" and p.zero > 0:
-        raise UserInputError("--optimizer", "8-bit AdamW (bitsandbytes) is not a ZeRO-partitionable optimizer; use --zero 0")
 
 
-def _check_megatron(p: Plan) -> None:
-    if p.transformer_impl == "local" and p.precision == "fp8":
-        raise UserInputError("--precision", f"fp8 needs {TE_MODULES}")
-    if p.transformer_impl == "local" and p.cp > 1:
-        raise UserInputError("--cp", f"context parallelism needs {TE_MODULES}")
-    if p.zero:
-        raise UserInputError("--zero", "is a DeepSpeed option; with Megatron use --distributed-optimizer")
-    if p.offload_optimizer != "none" or p.offload_params != "none":
-        raise UserInputError("--offload-optimizer", "offload is modelled for --backend deepspeed only")
-    if p.sequence_parallel and p.tp == 1:
-        raise UserInputError("--sequence-parallel", "needs --tp > 1")
-    if p.sequence_parallel and p.transformer_impl == "local":  # Megatron-Core's WrappedTorchNorm asserts it
-        raise UserInputError("--sequence-parallel", f"needs {TE_MODULES}: the local spec's torch norms do not "
-                                                    f"support sequence parallelism")
-    if p.optimizer == "adamw8bit":
-        raise UserInputError("--optimizer", "Megatron-Core supports adamw and sgd")
 
-
-FSDP_OPTIONS = ("dp_shard", "dp_replicate", "reshard_after_forward")
-
-
-def _check_not_fsdp(p: Plan) -> None:
-    for name in FSDP_OPTIONS:
-        if getattr(p, name) is not None:
-            raise UserInputError(flag(name), "is an FSDP2 option; use --backend fsdp")
-
-
-def _check_fsdp(p: Plan) -> None:
-    """FSDP2 through Accelerate and the HF Trainer: fully_shard over dp_shard ranks (HSDP: replicated dp_replicate
-    times); nothing of Megatron's or DeepSpeed's."""
-    missing = [name for name in FSDP_OPTIONS if getattr(p, name) is None]
-    if missing:
-        raise UserInputError(flag(missing[0]), "must be set for an fsdp plan")
-    if p.zero:
-        raise UserInputError("--zero", "is a DeepSpeed option; FSDP2 shards parameters, gradients and optimizer "
-                                       "states over --dp-shard")
-    for name, why in (("pp", "pipeline parallelism"), ("cp", "context parallelism"), ("ep", "expert parallelism")):
-        if getattr(p, name) > 1:
-            raise UserInputError(flag(name), f"{why} is not part of the fsdp backend (Accelerate's FSDP2 + HF "
-                                             f"Trainer); use --backend megatron")
-    for name in ("distributed_optimizer", "sequence_parallel", "transformer_impl"):
-        if getattr(p, name) not in (None, False):
-            raise UserInputError(flag(name), "is a Megatron-Core option; FSDP2 trains the HF modules")
-    if p.recompute == "selective":
-        raise UserInputError("--recompute", "FSDP2 checkpoints whole decoder layers: use none or full with fsdp")
-    if p.tp > 1:  # Accelerate applies TP only to a model transformers loaded sharded by a TP plan (DistributedConfig)
-        raise UserInputError("--tp", "FSDP2 with tensor parallelism needs the model loaded sharded by a TP plan "
-                                     "(transformers' DistributedConfig), which the fsdp backend does not do; use "
-                                     "--backend megatron for tensor parallelism")
-    if p.precision == "fp8":
-        raise UserInputError("--precision", "fp8 training is modelled for --backend megatron (Transformer Engine)")
-    if p.offload_optimizer != "none":
-        raise UserInputError("--offload-optimizer", "FSDP2's CPUOffloadPolicy moves parameters, gradients and "
-                                                    "optimizer states together: use --offload-params cpu")
-    if p.offload_params == "nvme":
-        raise UserInputError("--offload-params", "FSDP2 offloads to cpu memory only; use --offload-params cpu")
-    if p.optimizer == "adamw8bit":
-        raise UserInputError("--optimizer", "8-bit AdamW over FSDP2's DTensor shards is not modelled; use adamw or sgd")
-    if p.dp_replicate * p.dp_shard != p.dp:
-        raise UserInputError("--dp-shard", f"dp_replicate x dp_shard = {p.dp_replicate} x {p.dp_shard} must equal the "
-                                           f"data-parallel ranks gpus / tp = {p.dp}")
-    if p.dp_shard == 1 and p.dp_replicate > 1:  # accelerate/parallelism_config.py: FSDP needs a dp_shard dimension
-        raise UserInputError("--dp-replicate", f"{p.dp_replicate} leaves one rank per shard group: FSDP2 has nothing to "
-                                               f"shard over (Accelerate refuses dp_shard_size 1 here); lower it so that "
-                                               f"--dp-shard is at least 2")
 
 
 def _check_recompute(p: Plan) -> None:
@@ -302,7 +207,7 @@ def _check_recompute(p: Plan) -> None:
         raise UserInputError("--recompute-modules", "applies to --recompute selective only")
     if p.recompute == "selective" and not p.recompute_modules:
         raise UserInputError("--recompute-modules", f"got nothing; valid: a comma list of {', '.join(RECOMPUTE_MODULES)}")
-    if p.recompute_num_layers is not None and (p.recompute != "full" or p.backend != "megatron"):
+    if p.recompute_num_layers is not None and p.recompute != "full":  # a Megatron-Core option (spec/options.py)
         raise UserInputError("--recompute-num-layers", "applies to --recompute full with --backend megatron "
                                                        "(Megatron-Core's block method)")
 

@@ -1,0 +1,41 @@
+"""A training backend as data, the way families/ declares a model family: its name, what it trains, how it is
+launched and converted, and where its own code lives.
+
+Each backend is a package `toolkit/backends/<name>/` whose `__init__.py` declares `BACKEND` and whose modules hold
+that backend's part of each layer, under the same names in every backend:
+
+- `rules.py` (spec): the rules a plan of this backend obeys, the wording when another backend's option is set, and
+  the defaults it derives when a plan is resolved;
+- `memory.py` / `timing.py` (estimate): its memory and step-time terms;
+- `train.py` and the modules beside it (run time): its training loop and checkpoints.
+
+The rest of the toolkit reaches a backend's code through `Backend.part(<module>)` and never compares a backend's
+name; the registry (`toolkit.backends.BACKENDS`) is the list the planner, generators, validators and train.py walk.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # the plan's `backend` value and the `--backend` choice
+    label: str  # the library as its users name it, for messages
+    hf_modules: bool  # trains the HF model's own modules through the HF Trainer (else Megatron-Core's modules)
+    default_zero: int  # the plan's `zero` when not given (DeepSpeed's ZeRO stage; 0 for the others)
+    launchers: tuple[str, ...]  # the launchers `dmt generate` writes commands for, the first one the default
+    conversion: str  # the `dmt convert` subcommand that turns its checkpoint into an HF model
+    files: tuple[str, ...] = field(default=())  # the files `dmt generate` writes for it beyond the common ones
+
+    @property
+    def a_label(self) -> str:
+        """`a DeepSpeed`, `an FSDP2`: the label after its article, as in "is an FSDP2 option"."""
+        return f"{'an' if self.label[0] in 'AEFHILMNORSX' and self.label[1].isupper() else 'a'} {self.label}"
+
+    def part(self, module: str) -> ModuleType:
+        """This backend's module of that name (`rules`, `memory`, `timing`, `train`, ...), imported on first use so
+        that the spec layer can hold the registry without importing any library."""
+        return importlib.import_module(f"toolkit.backends.{self.name}.{module}")

@@ -1,0 +1,48 @@
+"""The rules of a DeepSpeed plan (HF Trainer + DeepSpeed ZeRO), beyond the ones every plan obeys (spec/plan.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from toolkit.errors import UserInputError
+
+if TYPE_CHECKING:
+    from toolkit.spec.plan import Plan
+
+# What a user who set another backend's option reads (the option's own backends are declared in spec/options.py)
+FOREIGN = {
+    "cp": "context parallelism is modelled for --backend megatron only",
+    "distributed_optimizer": "is a Megatron-Core option; with DeepSpeed use --zero 1",
+    "transformer_impl": "is a Megatron-Core option; DeepSpeed trains the HF modules",
+}
+
+
+def fill(values: dict) -> None:
+    """Defaults a DeepSpeed plan derives when resolved: none beyond ZeRO's (Backend.default_zero); Megatron-Core's
+    layer modules mean nothing to the HF modules it trains."""
+    values["transformer_impl"] = None
+
+
+def check(p: Plan) -> None:
+    if p.pp > 1:  # DeepSpeed's pipeline engine trains a PipelineModule in its own loop, which the HF Trainer is not
+        raise UserInputError("--pp", "the HF Trainer cannot run DeepSpeed's pipeline engine (it needs a PipelineModule "
+                                     "and DeepSpeed's own training loop); use --backend megatron for pipeline "
+                                     "parallelism")
+    if p.tp > 1:  # launched for real: HF's DeepSpeed config check counts the TP ranks as data-parallel ones
+        raise UserInputError("--tp", "DeepSpeed AutoTP does not train through the HF Trainer here (transformers "
+                                     "5.23 checks train_batch_size against every rank as data-parallel); use "
+                                     "--backend megatron for tensor parallelism")
+    if p.vpp > 1:
+        raise UserInputError("--vpp", "DeepSpeed's pipeline has no interleaved schedule; use --backend megatron")
+    if p.recompute == "selective":
+        raise UserInputError("--recompute", "HF models checkpoint whole layers: use none or full with deepspeed")
+    if p.precision == "fp8":
+        raise UserInputError("--precision", "fp8 training is modelled for --backend megatron (Transformer Engine)")
+    if p.offload_params != "none" and p.zero != 3:
+        raise UserInputError("--offload-params", "parameter offload needs --zero 3")
+    if p.offload_optimizer != "none" and p.zero == 0:
+        raise UserInputError("--offload-optimizer", "optimizer offload needs --zero 1, 2 or 3")
+    if "nvme" in (p.offload_optimizer, p.offload_params) and not p.nvme_path:
+        raise UserInputError("--nvme-path", "offload to nvme needs --nvme-path DIR (a local NVMe mount)")
+    if p.optimizer == "adamw8bit" and p.zero > 0:
+        raise UserInputError("--optimizer", "8-bit AdamW (bitsandbytes) is not a ZeRO-partitionable optimizer; use --zero 0")

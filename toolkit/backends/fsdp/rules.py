@@ -1,0 +1,63 @@
+"""The rules of an FSDP2 plan (Accelerate's FSDP2 + HF Trainer: fully_shard over dp_shard ranks, HSDP replicated
+dp_replicate times), beyond the ones every plan obeys (spec/plan.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from toolkit.errors import UserInputError
+from toolkit.spec.options import flag
+
+if TYPE_CHECKING:
+    from toolkit.spec.plan import Plan
+
+OWN_OPTIONS = ("dp_shard", "dp_replicate", "reshard_after_forward")
+_HF_MODULES = "is a Megatron-Core option; FSDP2 trains the HF modules"
+_NOT_PART = "is not part of the fsdp backend (Accelerate's FSDP2 + HF Trainer); use --backend megatron"
+# What a user who set another backend's option reads (the option's own backends are declared in spec/options.py)
+FOREIGN = {
+    "zero": "is a DeepSpeed option; FSDP2 shards parameters, gradients and optimizer states over --dp-shard",
+    "cp": f"context parallelism {_NOT_PART}",
+    "distributed_optimizer": _HF_MODULES,
+    "sequence_parallel": _HF_MODULES,
+    "transformer_impl": _HF_MODULES,
+    "offload_optimizer": "FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states together: use "
+                         "--offload-params cpu",
+}
+
+
+def fill(values: dict) -> None:
+    """One replica (HSDP: each of dp_replicate) shards over all its data ranks, freeing gathered layers after forward;
+    Megatron-Core's layer modules mean nothing to the HF modules it trains."""
+    replicas = values["dp_replicate"] = values["dp_replicate"] or 1
+    values["dp_shard"] = values["dp_shard"] or max(1, values["dp"] // replicas)
+    values["reshard_after_forward"] = values["reshard_after_forward"] in (None, True)
+    values["transformer_impl"] = None
+
+
+def check(p: Plan) -> None:
+    missing = [name for name in OWN_OPTIONS if getattr(p, name) is None]
+    if missing:
+        raise UserInputError(flag(missing[0]), "must be set for an fsdp plan")
+    for name, why in (("pp", "pipeline parallelism"), ("ep", "expert parallelism")):
+        if getattr(p, name) > 1:
+            raise UserInputError(flag(name), f"{why} {_NOT_PART}")
+    if p.recompute == "selective":
+        raise UserInputError("--recompute", "FSDP2 checkpoints whole decoder layers: use none or full with fsdp")
+    if p.tp > 1:  # Accelerate applies TP only to a model transformers loaded sharded by a TP plan (DistributedConfig)
+        raise UserInputError("--tp", "FSDP2 with tensor parallelism needs the model loaded sharded by a TP plan "
+                                     "(transformers' DistributedConfig), which the fsdp backend does not do; use "
+                                     "--backend megatron for tensor parallelism")
+    if p.precision == "fp8":
+        raise UserInputError("--precision", "fp8 training is modelled for --backend megatron (Transformer Engine)")
+    if p.offload_params == "nvme":
+        raise UserInputError("--offload-params", "FSDP2 offloads to cpu memory only; use --offload-params cpu")
+    if p.optimizer == "adamw8bit":
+        raise UserInputError("--optimizer", "8-bit AdamW over FSDP2's DTensor shards is not modelled; use adamw or sgd")
+    if p.dp_replicate * p.dp_shard != p.dp:
+        raise UserInputError("--dp-shard", f"dp_replicate x dp_shard = {p.dp_replicate} x {p.dp_shard} must equal the "
+                                           f"data-parallel ranks gpus / tp = {p.dp}")
+    if p.dp_shard == 1 and p.dp_replicate > 1:  # accelerate/parallelism_config.py: FSDP needs a dp_shard dimension
+        raise UserInputError("--dp-replicate", f"{p.dp_replicate} leaves one rank per shard group: FSDP2 has nothing to "
+                                               f"shard over (Accelerate refuses dp_shard_size 1 here); lower it so that "
+                                               f"--dp-shard is at least 2")

@@ -1,0 +1,38 @@
+"""The rules of a Megatron-Core plan, beyond the ones every plan obeys (spec/plan.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from toolkit.errors import UserInputError
+
+if TYPE_CHECKING:
+    from toolkit.spec.plan import Plan
+
+TE_MODULES = ("Transformer Engine layer modules (--transformer-impl, or a recipe's plan.transformer_impl: "
+              "transformer_engine)")
+# What a user who set another backend's option reads (the option's own backends are declared in spec/options.py)
+FOREIGN = {
+    "zero": "is a DeepSpeed option; with Megatron use --distributed-optimizer",
+    "offload_optimizer": "offload is modelled for --backend deepspeed only",
+    "offload_params": "offload is modelled for --backend deepspeed only",
+}
+
+
+def fill(values: dict) -> None:
+    """Megatron-Core's layer modules: Transformer Engine's unless the plan says `local`."""
+    values["transformer_impl"] = values["transformer_impl"] or "transformer_engine"
+
+
+def check(p: Plan) -> None:
+    if p.transformer_impl == "local" and p.precision == "fp8":
+        raise UserInputError("--precision", f"fp8 needs {TE_MODULES}")
+    if p.transformer_impl == "local" and p.cp > 1:
+        raise UserInputError("--cp", f"context parallelism needs {TE_MODULES}")
+    if p.sequence_parallel and p.tp == 1:
+        raise UserInputError("--sequence-parallel", "needs --tp > 1")
+    if p.sequence_parallel and p.transformer_impl == "local":  # Megatron-Core's WrappedTorchNorm asserts it
+        raise UserInputError("--sequence-parallel", f"needs {TE_MODULES}: the local spec's torch norms do not "
+                                                    f"support sequence parallelism")
+    if p.optimizer == "adamw8bit":
+        raise UserInputError("--optimizer", "Megatron-Core supports adamw and sgd")
