@@ -13,6 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` importable from the repo checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from toolkit.backends import backend_of  # noqa: E402
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
 from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
 from toolkit.errors import UserInputError  # noqa: E402
@@ -82,17 +83,8 @@ def _run(args: argparse.Namespace) -> int:
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
     watch = _watched(output_dir, recipe.training.hang_timeout_s)
     try:
-        if run.plan.backend == "megatron":
-            from toolkit.backends.megatron_core import train as train_megatron
-
-            summary = train_megatron(recipe, run.model, run.plan, output_dir, args.resume, run.megatron, throughput,
-                                     watch)
-        else:
-            from toolkit.backends.hf_trainer import train
-
-            trainer_args = run.trainer_args and {**run.trainer_args, **updates}
-            summary = train(recipe, run.model, run.plan, output_dir, args.deepspeed, args.resume, run.deepspeed,
-                            trainer_args, throughput, watch)
+        train = backend_of(run.plan).part("train").train  # toolkit/backends/<name>/train.py
+        summary = train(run, recipe, output_dir, args.resume, args.deepspeed, updates, throughput, watch)
     except BaseException as exc:
         detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -219,8 +211,10 @@ def _quick(args: argparse.Namespace):
     with recipe_names(plan_overrides(args)):
         model = recipe_model(recipe)
         plan = recipe_plan(recipe, model, **plan_overrides(args))
-    if plan.backend == "megatron" and args.deepspeed:
-        raise UserInputError("--deepspeed", "is a DeepSpeed option; the megatron backend builds megatron.yaml")
+    backend = backend_of(plan)
+    if args.deepspeed and not backend.hf_modules:
+        raise UserInputError("--deepspeed", f"is a DeepSpeed option; the {backend.name} backend builds "
+                                            f"{' and '.join(backend.files)}")
     return GeneratedRun(Path("."), recipe, model, plan)
 
 

@@ -108,10 +108,12 @@ def test_a_generated_file_the_user_edited_is_kept_when_the_backend_changes(sandb
 
 
 def test_the_names_a_record_may_remove_are_the_generators_own():
-    from toolkit.generate.files import WRITERS, files_of
+    from toolkit.backends import BACKENDS
+    from toolkit.generate.files import COMMON, files_of
 
-    assert GENERATED == set(WRITERS) == {name for backend in ("deepspeed", "fsdp", "megatron")
-                                         for name in files_of(backend)}
+    assert GENERATED == {name for backend in BACKENDS for name in files_of(backend)}
+    # each backend's declared files are the ones its generator writes
+    assert all(set(files_of(name)) == set(COMMON) | set(b.files) for name, b in BACKENDS.items())
     assert all(Path(name).name == name and name not in (".", "..") for name in GENERATED)
 
 

@@ -39,7 +39,7 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 # in the layer its name says, and the registry with the declarations (toolkit/backends/__init__.py, backend.py and each
 # <name>/__init__.py) in the spec layer, which resolves plans against it. Its other modules run at training time.
 BACKEND_PARTS = {"__init__": "spec", "backend": "spec", "rules": "spec", "memory": "estimate", "timing": "estimate",
-                 "explain": "estimate", "generate": "generate", "validate": "validate"}
+                 "explain": "estimate", "search": "planner", "generate": "generate", "validate": "validate"}
 
 
 def _package(module: str) -> str:

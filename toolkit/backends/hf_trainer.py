@@ -299,3 +299,13 @@ def _accelerator_building(plan: Plan):
     from toolkit.runtime.fsdp_cpu_compat import fsdp_on_cpu_ranks
 
     return fsdp_on_cpu_ranks()
+
+
+def train_generated(run, recipe: Recipe, output_dir: Path, resume: str | None, deepspeed_json: str | None,
+                    updates: dict, throughput: Throughput | None, watch) -> dict:
+    """train.py's entry for the backends that train through the HF Trainer (toolkit/backends/<name>/train.py): the
+    generated files' contents of `run` (toolkit.validate.generated.GeneratedRun), the trainer arguments with the
+    command line's step overrides."""
+    trainer_args = run.trainer_args and {**run.trainer_args, **updates}
+    return train(recipe, run.model, run.plan, output_dir, deepspeed_json, resume, run.deepspeed, trainer_args,
+                 throughput, watch)

@@ -131,7 +131,6 @@ def host_peak_text(calibration: dict) -> str:
 
 def sharding_text(plan: dict) -> str:
     """How a plan (as plan.json records it) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
-    if plan["backend"] == "fsdp":
-        return (f"dp_shard={plan['dp_shard']} dp_replicate={plan['dp_replicate']} "
-                f"reshard_after_forward={str(plan['reshard_after_forward']).lower()}")
-    return f"zero={plan['zero']}"
+    from toolkit.backends import backend_of
+
+    return backend_of(plan["backend"]).part("search").sharding_text(plan)

@@ -6,6 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from toolkit.backends import backend_of
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.numeric import bounded_int, finite_float, json_text
@@ -62,9 +63,7 @@ def run(args: argparse.Namespace) -> int:
     with recipe_names(overrides):
         plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
     warmup = recipe.training.warmup_steps
-    if plan.backend == "megatron" and steps <= warmup:  # Megatron-Core's scheduler asserts warmup < decay steps
-        raise UserInputError("--steps", f"must be above the recipe's training.warmup_steps ({warmup}) for "
-                                        f"Megatron-Core's learning-rate scheduler, got {steps}")
+    backend_of(plan).part("rules").check_steps(steps, warmup, "--steps")
     launcher = _launcher(args.launcher, plan.backend)
     fresh = workdir is None or not workdir.exists()  # interrupted, a directory this command made goes whole
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
@@ -82,9 +81,8 @@ def _launcher(given: str | None, backend: str) -> str:
     """The launcher of every run: the one given, if the backend runs under it (generate's one list of launchers per
     backend), else the backend's own (torchrun for Megatron-Core and FSDP2, deepspeed for DeepSpeed)."""
     from toolkit.errors import UserInputError
-    from toolkit.generate.launch import LAUNCHERS
 
-    valid = [name for name in LAUNCHERS[backend] if name in ("deepspeed", "torchrun")]  # the ones restore-test runs
+    valid = [name for name in backend_of(backend).launchers if name in ("deepspeed", "torchrun")]  # restore-test's
     if given is not None and given not in valid:
         raise UserInputError("--launcher", f"the {backend} backend runs under {' or '.join(valid)}, not {given}")
     return given or valid[0]

@@ -81,12 +81,15 @@ def _check_launch_files(args: argparse.Namespace, plan) -> None:
         if problems:
             raise UserInputError("--deepspeed", f"{args.deepspeed}: {problems[0]}")
     if args.accelerate_config is not None:
-        from toolkit.validate.accelerate_fsdp import validate_accelerate_launch
+        from toolkit.backends import backend_of
 
         if args.launcher != "accelerate":
             raise UserInputError("--accelerate-config", f"only --launcher accelerate reads it, not {args.launcher}")
+        check = backend_of(plan).part("validate").accelerate_launch
+        if check is None:
+            raise UserInputError("--launcher", f"the {plan.backend} backend does not run under accelerate")
         config = read_yaml(args.accelerate_config, "--accelerate-config", what="an Accelerate config (accelerate.yaml)")
-        problems = validate_accelerate_launch(config, plan.gpus, plan.backend)
+        problems = check(config, plan.gpus)
         if problems:
             raise UserInputError("--accelerate-config", f"{args.accelerate_config}: {problems[0]}")
 

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.numeric import json_text, yaml_text
+from toolkit.backends import BACKENDS, backend_of
+from toolkit.numeric import json_text
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
-from toolkit.spec.options import BACKENDS
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_calibration, recipe_files, recipe_model, recipe_names
 
@@ -32,30 +32,7 @@ class GenerationContext:
     calibration: Calibration | None = None  # --calibration, else the recipe's cluster.calibration
 
 
-def _deepspeed(ctx: GenerationContext) -> str:
-    from toolkit.generate.deepspeed import deepspeed_config
 
-    return json_text(deepspeed_config(ctx.plan, ctx.recipe.training, ctx.recipe.deepspeed), indent=2) + "\n"
-
-
-def _accelerate(ctx: GenerationContext) -> str:
-    if ctx.plan.backend == "fsdp":
-        from toolkit.generate.fsdp import accelerate_fsdp_config, decoder_layer_classes
-        from toolkit.spec.recipe import recipe_hf_config
-
-        config = accelerate_fsdp_config(ctx.recipe, ctx.plan, decoder_layer_classes(recipe_hf_config(ctx.recipe)))
-        return yaml_text(config, sort_keys=False)
-    from toolkit.generate.accelerate import accelerate_config
-
-    return yaml_text(accelerate_config(ctx.recipe, ctx.plan, str(ctx.out_dir / "deepspeed.json")), sort_keys=False)
-
-
-def _trainer_args(ctx: GenerationContext) -> str:
-    from toolkit.generate.trainer_args import trainer_arguments
-
-    deepspeed_json = str(ctx.out_dir / "deepspeed.json") if ctx.plan.backend == "deepspeed" else None
-    args = trainer_arguments(ctx.recipe, ctx.plan, str(ctx.out_dir / "run"), deepspeed_json)
-    return json_text(args, indent=2) + "\n"
 
 
 def _launch(ctx: GenerationContext) -> str:
@@ -86,44 +63,26 @@ def recipe_settings(recipe: Recipe) -> dict:
     return recipe.model_dump(mode="json", exclude={"base_dir"})
 
 
-def _megatron_config(ctx: GenerationContext) -> dict:
-    from toolkit.generate.megatron import megatron_config
-    from toolkit.spec.recipe import recipe_hf_config
 
-    return megatron_config(ctx.recipe, ctx.model, ctx.plan, recipe_hf_config(ctx.recipe))
-
-
-def _megatron_yaml(ctx: GenerationContext) -> str:
-    from toolkit.generate.megatron import megatron_yaml
-
-    return megatron_yaml(_megatron_config(ctx), ctx.recipe.name)
-
-
-def _megatron_args(ctx: GenerationContext) -> str:
-    from toolkit.generate.megatron_args import megatron_args_text
-
-    return megatron_args_text(_megatron_config(ctx), ctx.recipe.name)
 
 
 PLAN_FILE = "plan.json"
-# file name -> (backends it belongs to, writer)
-WRITERS: dict[str, tuple[tuple[str, ...], Callable[[GenerationContext], str]]] = {
-    PLAN_FILE: (BACKENDS, _plan),
-    "deepspeed.json": (("deepspeed",), _deepspeed),
-    "accelerate.yaml": (("deepspeed", "fsdp"), _accelerate),
-    "trainer_args.json": (("deepspeed", "fsdp"), _trainer_args),
-    "launch.sh": (BACKENDS, _launch),
-    "slurm.sbatch": (BACKENDS, _slurm),
-    "megatron.yaml": (("megatron",), _megatron_yaml),
-    "megatron_args.txt": (("megatron",), _megatron_args),
-}
+# the files every plan gets (file name -> writer); each backend adds its own (toolkit/backends/<name>/generate.py)
+COMMON: dict[str, Callable[[GenerationContext], str]] = {PLAN_FILE: _plan, "launch.sh": _launch, "slurm.sbatch": _slurm}
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}
-GENERATED = frozenset(WRITERS)  # every name a generator writes: the only files a record lets `generate` remove
+# every name a generator writes: the only files a record lets `generate` remove
+GENERATED = frozenset(COMMON) | {name for backend in BACKENDS.values() for name in backend.files}
+
+
+def writers_of(backend: str) -> dict[str, Callable[[GenerationContext], str]]:
+    """The files `dmt generate` writes for a plan of this backend, each with its writer, plan.json first."""
+    first, *rest = COMMON.items()  # plan.json, the backend's files, then the launchers'
+    return dict([first, *backend_of(backend).part("generate").WRITERS.items(), *rest])
 
 
 def files_of(backend: str) -> list[str]:
     """The files `dmt generate` writes for a plan of this backend."""
-    return [name for name, (backends, _) in WRITERS.items() if backend in backends]
+    return list(writers_of(backend))
 
 
 def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | None = None,
@@ -140,7 +99,7 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | No
 
 def render(ctx: GenerationContext) -> dict[str, str]:
     """Every registered file of the plan's backend, as text (nothing written)."""
-    return {name: WRITERS[name][1](ctx) for name in files_of(ctx.plan.backend)}
+    return {name: write(ctx) for name, write in writers_of(ctx.plan.backend).items()}
 
 
 def generate(recipe_path: Path, out_dir: Path, force: bool = False, calibration: Path | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 
+from toolkit.backends import backend_of
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
@@ -79,24 +80,15 @@ FOOTER = """  *) echo "launch.sh: unknown launcher '$LAUNCHER' ({launchers})" >&
 esac
 """
 
-# Megatron-Core runs under torchrun only; DeepSpeed's HF path under any of the three; FSDP2 under accelerate launch
-# (accelerate.yaml) or torchrun (the Trainer builds the same plugin from trainer_args.json)
-LAUNCHERS = {"deepspeed": ("deepspeed", "accelerate", "torchrun"), "megatron": ("torchrun",),
-             "fsdp": ("accelerate", "torchrun")}
-
-
 def launch_environment(plan: Plan) -> str:
-    """Exports the plan needs at launch: Megatron-LM and Megatron-Core's TP/CP communication overlap expect one CUDA
-    connection per device, so kernels queue in issue order (Megatron-LM's validate_args asserts it with TP or CP)."""
-    if plan.backend == "megatron" and (plan.tp > 1 or plan.cp > 1):
-        return "export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-Core TP/CP: kernels queue in issue order\n"
-    return ""
+    """Exports the plan needs at launch (Megatron-Core's with TP or CP: toolkit/backends/megatron/generate.py)."""
+    return backend_of(plan).part("generate").launch_environment(plan)
 
 
 def launch_script(recipe: Recipe, plan: Plan, recipe_path: str) -> str:
     nodes = recipe.cluster.num_nodes
     per_node = plan.gpus // nodes
-    launchers = LAUNCHERS[plan.backend]
+    launchers = backend_of(plan).launchers  # Megatron-Core: torchrun; FSDP2: accelerate or torchrun
     fields = dict(name=recipe.name, gpus=plan.gpus, nodes=nodes, per_node=per_node, last_node=nodes - 1,
                   recipe=shlex.quote(recipe_path),
                   backend=plan.backend, launchers="|".join(launchers), default_launcher=launchers[0],

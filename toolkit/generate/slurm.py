@@ -10,6 +10,7 @@ from pathlib import Path
 from string import Template
 
 from toolkit.errors import UserInputError
+from toolkit.backends import backend_of
 from toolkit.generate.launch import launch_environment
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
@@ -38,10 +39,6 @@ def sbatch_word(text: str, flag: str) -> str:
         raise UserInputError(flag, f"{text!r} holds a line break, which an #SBATCH line cannot carry")
     escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("#", "\\#")  # an unescaped # starts a comment
     return f'"{escaped}"'
-
-
-# the `dmt convert` direction that turns each backend's checkpoint into HF safetensors
-CONVERSIONS = {"deepspeed": "zero-to-hf", "megatron": "megatron-to-hf", "fsdp": "fsdp-to-hf"}
 
 
 def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
@@ -84,15 +81,15 @@ def render_sbatch(
     for flag, value in (("--partition", partition), ("--account", account)):
         if value is not None and not _NAME.match(value):
             raise UserInputError(flag, f"{value!r} is not a Slurm name (letters, digits, _ . - and commas between names)")
-    if deepspeed_json and plan.backend != "deepspeed":
+    backend = backend_of(plan)
+    if deepspeed_json and "deepspeed.json" not in backend.files:
         raise UserInputError("--deepspeed", f"is a DeepSpeed option; this recipe trains with the {plan.backend} "
                                             f"backend")
     if launcher not in LAUNCHERS:
         raise UserInputError("--launcher", f"'{launcher}': use one of {', '.join(LAUNCHERS)}")
-    if launcher != "torchrun" and plan.backend == "megatron":
-        raise UserInputError("--launcher", f"the megatron backend runs under torchrun, not {launcher}")
-    if launcher == "deepspeed" and plan.backend == "fsdp":
-        raise UserInputError("--launcher", "the fsdp backend runs under torchrun or accelerate, not deepspeed")
+    if launcher not in backend.launchers:
+        runs_under = " or ".join(sorted(backend.launchers, reverse=True))  # torchrun first
+        raise UserInputError("--launcher", f"the {plan.backend} backend runs under {runs_under}, not {launcher}")
     if launcher == "accelerate" and not accelerate_config:
         raise UserInputError("--accelerate-config", "the accelerate launcher needs the accelerate.yaml that "
                                                     "`dmt generate` writes")
@@ -129,7 +126,7 @@ def render_sbatch(
         launcher=launcher,
         launch_comment=LAUNCHERS[launcher],
         max_restarts=recipe.training.max_restarts,
-        convert_direction=CONVERSIONS[plan.backend],
+        convert_direction=backend.conversion,
     )
     values["launch"] = Template((TEMPLATES / "launch" / f"{launcher}.tmpl").read_text()).substitute(values).rstrip()
     text = Template((TEMPLATES / f"{kind}.sbatch.tmpl").read_text()).substitute(values)

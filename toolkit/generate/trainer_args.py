@@ -3,6 +3,7 @@ both name."""
 
 from __future__ import annotations
 
+from toolkit.backends import backend_of
 from toolkit.generate.deepspeed import warmup_num_steps
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
@@ -58,9 +59,5 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         args["eval_steps"] = training.eval_steps
     if deepspeed_json is not None:
         args["deepspeed"] = deepspeed_json
-    if plan.backend == "fsdp":
-        from toolkit.generate.fsdp import decoder_layer_classes, trainer_fsdp_arguments
-        from toolkit.spec.recipe import recipe_hf_config
-
-        args.update(trainer_fsdp_arguments(plan, decoder_layer_classes(recipe_hf_config(recipe))))
+    args.update(backend_of(plan).part("generate").trainer_extras(recipe, plan))  # FSDP2's plugin arguments
     return args

@@ -5,6 +5,7 @@ from __future__ import annotations
 from toolkit.errors import UserInputError
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
+from toolkit.backends import backend_of
 from toolkit.spec.options import for_backend
 from toolkit.spec.plan import Plan, resolve_plan
 from toolkit.spec.recipe import Recipe, megatron_layers, recipe_calibration, recipe_names
@@ -48,7 +49,7 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
 
 def check_data_format(recipe: Recipe, plan: Plan) -> None:
     """Chat and prompt/completion data go through the HF Trainer's collators (loss masks, packed position ids)."""
-    if recipe.data.format != "text" and plan.backend == "megatron":
+    if recipe.data.format != "text" and not backend_of(plan).hf_modules:
         raise UserInputError("data.format", f"{recipe.data.format} data (loss on the answers only) trains through the "
                                             f"HF Trainer: use plan.backend deepspeed or fsdp, or format: text")
 

@@ -3,6 +3,7 @@ prediction a run keeps (run_plan.json): the plan, its predicted memory, step tim
 
 from __future__ import annotations
 
+from toolkit.backends import backend_of
 from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
@@ -65,19 +66,7 @@ def plan_label(plan: Plan) -> str:
         parts.append("+emb/loss-split")
     parts += [f"cp{plan.cp}"] if plan.cp > 1 else []
     parts += [f"ep{plan.ep}"] if plan.ep > 1 else []
-    if plan.backend == "deepspeed":
-        parts.append(f"z{plan.zero}")
-        parts += ["+off-opt"] if plan.offload_optimizer != "none" else []
-        parts += ["+off-par"] if plan.offload_params != "none" else []
-    elif plan.backend == "fsdp":  # fsdp dp16 tp1 pp1 shard8 rep2 keep-gathered +off-par: HSDP, SHARD_GRAD_OP-like
-        parts.append(f"shard{plan.dp_shard}")
-        parts += [f"rep{plan.dp_replicate}"] if plan.dp_replicate and plan.dp_replicate > 1 else []
-        parts += ["keep-gathered"] if plan.reshard_after_forward is False else []
-        parts += ["+off-par"] if plan.offload_params != "none" else []
-    else:
-        parts += ["local-spec"] if plan.transformer_impl == "local" else []
-        parts += ["+sp"] if plan.sequence_parallel else []
-        parts += ["+dopt"] if plan.distributed_optimizer else []
+    parts += backend_of(plan).part("search").label(plan)  # z2 +off-opt; shard8 rep2; +sp +dopt
     parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]
     parts += [f"{plan.finetune.method}-r{plan.finetune.r}"] if plan.finetune.peft else []
     return " ".join(parts)

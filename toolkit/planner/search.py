@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from toolkit.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
@@ -75,24 +76,20 @@ def pipeline_splits(num_layers: int, pp: int, megatron: bool) -> list[tuple[dict
 
 
 def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: str, fixed: dict) -> Iterator[dict]:
-    """Every parallel layout and model-state option worth trying for one backend (micro-batch and recompute apart).
-
-    Pruned as dominated: Megatron without sequence parallelism when tp > 1 (same communication volume, more
-    activation memory) and without the distributed optimizer (reduce-scatter + all-gather move what the all-reduce
-    moves, with less memory), unless the user fixed them.
-    """
+    """Every parallel layout and model-state option worth trying for one backend (micro-batch and recompute apart):
+    the backend's own enumeration (toolkit/backends/<name>/search.py), with the options the user pinned."""
 
     def axis(name: str, values) -> list:
         return [fixed[name]] if fixed.get(name) is not None else list(values)
 
-    megatron = backend == "megatron"
-    # tensor parallelism is Megatron-Core's here (see the deepspeed and fsdp rules of spec/plan.py)
-    tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0]
-               if megatron else [1])
-    if backend == "fsdp":
-        yield from _fsdp_layouts(gpus, gpus_per_node, tps, fixed, axis)
-        return
-    pps = axis("pp", range(1, model.num_layers + 1) if megatron else [1])  # see the deepspeed rule of spec/plan.py
+    for layout in backend_of(backend).part("search").layouts(model, gpus, gpus_per_node, fixed, axis):
+        yield dict(fixed, backend=backend, **layout)
+
+
+def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int], pps: list[int], megatron: bool,
+                 states) -> Iterator[dict]:
+    """The tp x pp x (pipeline split, vpp) x cp x ep grid, each with the model-state options `states(tp)` gives.
+    `megatron`: Megatron-Core's pipeline (uneven splits, interleaving) and context parallelism are tried."""
     for tp, pp in itertools.product(tps, pps):
         if gpus % (tp * pp):
             continue
@@ -101,37 +98,8 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
             for vpp, cp in itertools.product(axis("vpp", vpps), axis("cp", cps)):
                 dp = gpus // (tp * pp * cp)
                 eps = [e for e in _divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1]
-                if megatron:
-                    local = fixed.get("transformer_impl") == "local"  # torch norms: no sequence parallelism
-                    states = [dict(distributed_optimizer=fixed.get("distributed_optimizer", True),
-                                   sequence_parallel=fixed.get("sequence_parallel", tp > 1 and not local))]
-                else:
-                    zeros = axis("zero", [0, 1, 2, 3])
-                    states = [dict(zero=z) for z in zeros]
-                    states += [dict(zero=z, offload_optimizer="cpu") for z in zeros if z >= 1 and "offload_optimizer" not in fixed]
-                    if 3 in zeros and "offload_params" not in fixed and "offload_optimizer" not in fixed:  # ZeRO-Infinity
-                        states.append(dict(zero=3, offload_optimizer="cpu", offload_params="cpu"))
-                for ep, state in itertools.product(axis("ep", eps), states):
-                    yield dict(fixed, backend=backend, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
-
-
-def _fsdp_layouts(gpus: int, gpus_per_node: int, tps: list[int], fixed: dict, axis) -> Iterator[dict]:
-    """FSDP2 over every data-parallel rank, and HSDP sharding inside a node and replicating across nodes (shorter
-    all-gathers on NVLink for one all-reduce of the shards over the network); reshard after forward or keep the
-    gathered layers (one all-gather less, more memory); parameters on the GPU or CPUOffloadPolicy."""
-    for tp in tps:
-        if gpus % tp:
-            continue
-        dp = gpus // tp
-        in_node = max(1, gpus_per_node // tp)
-        hsdp = in_node > 1 and dp > in_node and dp % in_node == 0  # a shard group must have ranks to shard over
-        replicas = axis("dp_replicate", [1, dp // in_node] if hsdp else [1])
-        for replicate, reshard, offload in itertools.product(replicas, axis("reshard_after_forward", [True, False]),
-                                                             axis("offload_params", ["none", "cpu"])):
-            yield dict(fixed, backend="fsdp", tp=tp, pp=axis("pp", [1])[0], vpp=axis("vpp", [1])[0],
-                       cp=axis("cp", [1])[0], ep=axis("ep", [1])[0],
-                       dp_replicate=replicate, dp_shard=fixed.get("dp_shard") or max(1, dp // replicate),
-                       reshard_after_forward=reshard, offload_params=offload)
+                for ep, state in itertools.product(axis("ep", eps), states(tp)):
+                    yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
 
 def search(
@@ -151,7 +119,7 @@ def search(
     micro_batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else list(MICRO_BATCHES)
     recompute_fixed = {k: fixed.pop(k) for k in RECOMPUTE_KEYS if k in fixed}
     for backend in backends:
-        options = [recompute_fixed] if recompute_fixed else _recompute_options(backend)
+        options = [recompute_fixed] if recompute_fixed else backend_of(backend).part("search").recompute_options()
         for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
             pointless: set[int] = set()  # options with nothing to choose for this layout
@@ -194,15 +162,6 @@ def search(
 
 
 RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers")
-
-
-def _recompute_options(backend: str) -> list[dict]:
-    """Recomputation tried for every layout, none first. HF models checkpoint whole layers; Megatron-Core also
-    recomputes core attention or the dense MLP (recompute_modules) or the first N layers of each chunk (block)."""
-    if backend != "megatron":
-        return [dict(recompute="none"), dict(recompute="full")]
-    return [dict(recompute="none"), dict(recompute="selective"), dict(recompute="selective", recompute_modules=("mlp",)),
-            dict(recompute="full", block=True), dict(recompute="full")]
 
 
 class _NoChoice(Exception):

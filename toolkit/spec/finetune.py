@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from toolkit.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.families.linears import LINEARS, MOE, Linear
 from toolkit.numeric import FINITE, FiniteNumber
@@ -121,10 +122,9 @@ def check_finetune(plan, model) -> None:
     ft = plan.finetune
     if not ft.peft:
         return
-    if plan.backend == "megatron":
-        raise UserInputError("--finetune", f"{ft.method} trains PEFT adapters on the HF modules; Megatron-Core 0.16 "
-                                           f"has no LoRA of its own (Megatron-Bridge's PEFT is not part of it): use "
-                                           f"--backend deepspeed or fsdp")
+    refused = backend_of(plan).part("rules").FINETUNE_REFUSED.get(ft.method)  # what the backend cannot train
+    if refused:
+        raise UserInputError("--finetune", refused)
     if plan.precision == "fp8":
         raise UserInputError("--precision", "fp8 is modelled for Megatron-Core only; LoRA trains in bf16, fp16 or fp32")
     if ft.method == "qlora":
@@ -132,9 +132,5 @@ def check_finetune(plan, model) -> None:
             raise UserInputError("--offload-params", "a 4-bit base is frozen and already small: parameter offload of "
                                                      "bitsandbytes' packed weights is not supported; use --finetune "
                                                      "lora to offload a bf16 base")
-        if plan.backend == "fsdp":
-            raise UserInputError("--finetune", "qlora with FSDP2 is not supported: fully_shard turns bitsandbytes' "
-                                               "Params4bit into plain DTensors and drops their quantisation state; "
-                                               "use --backend deepspeed (ZeRO-3 shards the 4-bit base)")
     if model is not None:
         lora_linears(model.family, ft.target_modules)

@@ -80,16 +80,14 @@ def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None
     return problems
 
 
-def validate_accelerate_launch(config: dict, world_size: int, backend: str) -> list[Problem]:
-    """An accelerate.yaml for `accelerate launch` of a job of this backend: FSDP2's every rule above, or, for
-    DeepSpeed's HF path, Accelerate's keys with distributed_type DEEPSPEED and the job's process count."""
-    if backend == "fsdp":
-        return validate_accelerate_fsdp(config, world_size)
+def validate_accelerate_deepspeed(config: dict, world_size: int) -> list[Problem]:
+    """An accelerate.yaml for `accelerate launch` of DeepSpeed's HF path: Accelerate's keys with distributed_type
+    DEEPSPEED and the job's process count."""
     if not isinstance(config, dict):
         return [Problem("accelerate.yaml", "must be a mapping of Accelerate config keys")]
     problems, kind = _accelerate_keys(config)
     if kind != "DEEPSPEED":
-        problems.append(Problem("distributed_type", f"is {kind}; the {backend} backend launches with DEEPSPEED "
+        problems.append(Problem("distributed_type", f"is {kind}; the deepspeed backend launches with DEEPSPEED "
                                                     f"(regenerate it with `dmt generate`)"))
     return problems + _sizes(config, world_size)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.generate.files import PLAN_FILE, recipe_settings
 from toolkit.readers import read_json, read_yaml
@@ -92,10 +93,6 @@ def _check_view(path: Path, view: dict, plan: Plan) -> None:
 
 def read_generated(plan_path: Path, recipe_path: Path | None = None) -> GeneratedRun:
     """Read and check a generated directory through its plan.json; one UserInputError line on the first problem."""
-    from toolkit.validate.deepspeed import deepspeed_plan_view, finetune_problems
-    from toolkit.validate.megatron import megatron_plan_view
-    from toolkit.validate.trainer_args import trainer_plan_view
-
     plan_path = Path(plan_path)
     if plan_path.is_dir():
         plan_path = plan_path / PLAN_FILE
@@ -115,25 +112,46 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
     _check_plan_against_recipe(plan, recipe, model, record, plan_path)
     directory = plan_path.parent
     contents: dict = {}
+    readers = backend_of(plan).part("validate").READERS  # the generated files its training reads
     for name in record["files"]:
-        path = directory / name
-        if name == "deepspeed.json":
-            contents["deepspeed"] = read_json(path, what="the DeepSpeed config `dmt generate` writes")
-            _check_view(path, deepspeed_plan_view(contents["deepspeed"]), plan)
-            for problem in finetune_problems(contents["deepspeed"], plan.finetune.method):
-                raise UserInputError(str(path), str(problem))
-        elif name == "trainer_args.json":
-            contents["trainer_args"] = read_json(path, what="the TrainingArguments `dmt generate` writes")
-            _check_view(path, trainer_plan_view(contents["trainer_args"]), plan)
-        elif name == "megatron.yaml":
-            contents["megatron"] = read_yaml(path, what="the megatron.yaml `dmt generate` writes")
-            _check_megatron_sections(path, contents["megatron"])
-            _check_view(path, megatron_plan_view(contents["megatron"]), plan)
-        elif name == "accelerate.yaml" and plan.backend == "fsdp":
-            contents["accelerate"] = read_yaml(path, what="the accelerate.yaml `dmt generate` writes")
+        if name in readers:
+            field, read = readers[name]
+            contents[field] = read(directory / name, plan)
     if "accelerate" in contents:  # with the trainer arguments it must agree with
         _check_accelerate(directory / "accelerate.yaml", contents["accelerate"], contents.get("trainer_args"), plan)
     return GeneratedRun(directory, recipe, model, plan, **contents, prediction=record)
+
+
+def read_deepspeed_json(path: Path, plan: Plan) -> dict:
+    from toolkit.validate.deepspeed import deepspeed_plan_view, finetune_problems
+
+    config = read_json(path, what="the DeepSpeed config `dmt generate` writes")
+    _check_view(path, deepspeed_plan_view(config), plan)
+    for problem in finetune_problems(config, plan.finetune.method):
+        raise UserInputError(str(path), str(problem))
+    return config
+
+
+def read_trainer_args(path: Path, plan: Plan) -> dict:
+    from toolkit.validate.trainer_args import trainer_plan_view
+
+    args = read_json(path, what="the TrainingArguments `dmt generate` writes")
+    _check_view(path, trainer_plan_view(args), plan)
+    return args
+
+
+def read_megatron_yaml(path: Path, plan: Plan) -> dict:
+    from toolkit.validate.megatron import megatron_plan_view
+
+    config = read_yaml(path, what="the megatron.yaml `dmt generate` writes")
+    _check_megatron_sections(path, config)
+    _check_view(path, megatron_plan_view(config), plan)
+    return config
+
+
+def read_accelerate_yaml(path: Path, plan: Plan) -> dict:
+    """Read only: checked against the trainer arguments once both are read (_check_accelerate)."""
+    return read_yaml(path, what="the accelerate.yaml `dmt generate` writes")
 
 
 def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan) -> None:

@@ -17,10 +17,17 @@ FOREIGN = {
 }
 
 
+# fine-tuning methods this backend cannot train -> why (spec/finetune.py): LoRA and QLoRA both train here
+FINETUNE_REFUSED: dict[str, str] = {}
+
 def fill(values: dict) -> None:
     """Defaults a DeepSpeed plan derives when resolved: none beyond ZeRO's (Backend.default_zero); Megatron-Core's
     layer modules mean nothing to the HF modules it trains."""
     values["transformer_impl"] = None
+
+
+def check_steps(steps: int, warmup: int, key: str) -> None:
+    """A run of `steps` optimizer steps after `warmup` warm-up steps: any length (HF's schedulers take both)."""
 
 
 def check(p: Plan) -> None:

@@ -26,6 +26,11 @@ FOREIGN = {
 }
 
 
+# fine-tuning methods this backend cannot train -> why (spec/finetune.py)
+FINETUNE_REFUSED = {"qlora": "qlora with FSDP2 is not supported: fully_shard turns bitsandbytes' Params4bit into plain "
+                             "DTensors and drops their quantisation state; use --backend deepspeed (ZeRO-3 shards the "
+                             "4-bit base)"}
+
 def fill(values: dict) -> None:
     """One replica (HSDP: each of dp_replicate) shards over all its data ranks, freeing gathered layers after forward;
     Megatron-Core's layer modules mean nothing to the HF modules it trains."""
@@ -33,6 +38,10 @@ def fill(values: dict) -> None:
     values["dp_shard"] = values["dp_shard"] or max(1, values["dp"] // replicas)
     values["reshard_after_forward"] = values["reshard_after_forward"] in (None, True)
     values["transformer_impl"] = None
+
+
+def check_steps(steps: int, warmup: int, key: str) -> None:
+    """A run of `steps` optimizer steps after `warmup` warm-up steps: any length (HF's schedulers take both)."""
 
 
 def check(p: Plan) -> None:

@@ -137,3 +137,10 @@ def sharding_callback(output_dir: Path, plan: Plan):
                 (output_dir / SHARDING_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     return ShardingCallback()
+
+
+def train(run, recipe, output_dir: Path, resume, deepspeed_json, updates: dict, throughput, watch) -> dict:
+    """train.py's entry: the HF Trainer with Accelerate's FSDP2 plugin from the generated trainer arguments."""
+    from toolkit.backends.hf_trainer import train_generated
+
+    return train_generated(run, recipe, output_dir, resume, deepspeed_json, updates, throughput, watch)

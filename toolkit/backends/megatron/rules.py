@@ -19,9 +19,22 @@ FOREIGN = {
 }
 
 
+# fine-tuning methods this backend cannot train -> why (spec/finetune.py)
+FINETUNE_REFUSED = {method: f"{method} trains PEFT adapters on the HF modules; Megatron-Core 0.16 has no LoRA of its own "
+                            f"(Megatron-Bridge's PEFT is not part of it): use --backend deepspeed or fsdp"
+                    for method in ("lora", "qlora")}
+
 def fill(values: dict) -> None:
     """Megatron-Core's layer modules: Transformer Engine's unless the plan says `local`."""
     values["transformer_impl"] = values["transformer_impl"] or "transformer_engine"
+
+
+def check_steps(steps: int, warmup: int, key: str) -> None:
+    """A run of `steps` optimizer steps after `warmup` warm-up steps: Megatron-Core's scheduler asserts warmup <
+    decay steps."""
+    if steps <= warmup:
+        raise UserInputError(key, f"must be above the recipe's training.warmup_steps ({warmup}) for Megatron-Core's "
+                                  f"learning-rate scheduler, got {steps}")
 
 
 def check(p: Plan) -> None:

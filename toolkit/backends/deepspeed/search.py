@@ -1,0 +1,38 @@
+"""What the planner tries for DeepSpeed (HF Trainer): data parallelism only (see rules.py), every ZeRO stage, with
+optimizer offload and ZeRO-Infinity's parameter offload where they apply; whole-layer recomputation or none."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from toolkit.planner.search import grid_layouts
+
+
+def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
+    def states(tp: int) -> list[dict]:
+        zeros = axis("zero", [0, 1, 2, 3])
+        found = [dict(zero=z) for z in zeros]
+        found += [dict(zero=z, offload_optimizer="cpu") for z in zeros if z >= 1 and "offload_optimizer" not in fixed]
+        if 3 in zeros and "offload_params" not in fixed and "offload_optimizer" not in fixed:  # ZeRO-Infinity
+            found.append(dict(zero=3, offload_optimizer="cpu", offload_params="cpu"))
+        return found
+
+    yield from grid_layouts(model, gpus, fixed, axis, axis("tp", [1]), axis("pp", [1]), False, states)
+
+
+def recompute_options() -> list[dict]:
+    """HF models checkpoint whole layers."""
+    return [dict(recompute="none"), dict(recompute="full")]
+
+
+def label(plan) -> list[str]:
+    """The plan's model-state options in the planner's table: `z2 +off-opt +off-par`."""
+    parts = [f"z{plan.zero}"]
+    parts += ["+off-opt"] if plan.offload_optimizer != "none" else []
+    parts += ["+off-par"] if plan.offload_params != "none" else []
+    return parts
+
+
+def sharding_text(plan: dict) -> str:
+    """How a plan (as plan.json records it) shards model states."""
+    return f"zero={plan['zero']}"
