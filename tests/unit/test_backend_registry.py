@@ -1,0 +1,99 @@
+"""Backends as one concept (issue 24): outside its own package (toolkit/backends/<name>/) no code compares a backend's
+name or keys a table by it, and every backend answers the same hooks in the same part modules, so that the estimate
+reaches them through `backend_of(plan).part(...)` without ever branching on a name or on a module's presence."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+from toolkit.backends import BACKENDS, NAMES
+
+PACKAGE = ROOT / "toolkit"
+# Top-level packages (and modules) of toolkit/ already free of backend names; the rest are being cleared by the other
+# parts of issue 24 and join this list as they are merged.
+CLEARED = ("estimate", "errors", "explore", "families", "health", "numeric", "outputs", "readers", "report",
+           "runtime", "__init__", "__main__")
+# What estimate code calls on each backend's part (toolkit/backends/<name>/<part>.py)
+HOOKS = {
+    "memory": ("padded_vocab", "model_states", "step_fp32_grads"),
+    "timing": ("execution_path", "data_parallel_and_optimizer"),
+    "explain": ("one_replica", "sharding", "weights", "gradients", "optimizer_offloaded", "master_copy",
+                "fp32_gradients"),
+}
+
+
+def _is_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value in NAMES
+
+
+def name_comparisons(source: str) -> list[int]:
+    """Lines that compare with a backend's name (==, !=, in, is, against a name or a collection of names) or key a
+    table by one (a dict literal's key, dict(name=...), a match case)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_is_name(o) or (isinstance(o, (ast.Tuple, ast.List, ast.Set)) and any(map(_is_name, o.elts)))
+                   for o in operands):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Dict) and any(key is not None and _is_name(key) for key in node.keys):
+            found.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict"
+              and any(keyword.arg in NAMES for keyword in node.keywords)):
+            found.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and _is_name(node.value):
+            found.append(node.lineno)
+    return found
+
+
+def _outside_backend_packages(top: str) -> list[Path]:
+    """The modules of one top-level package of toolkit/, less the backends' own packages."""
+    paths = [PACKAGE / f"{top}.py"] if (PACKAGE / f"{top}.py").is_file() else sorted((PACKAGE / top).rglob("*.py"))
+    return [p for p in paths if not (p.relative_to(PACKAGE).parts[:1] == ("backends",)
+                                     and len(p.relative_to(PACKAGE).parts) > 2
+                                     and p.relative_to(PACKAGE).parts[1] in NAMES)]
+
+
+def _top_level() -> list[str]:
+    return sorted({p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")})
+
+
+@pytest.mark.parametrize("top", [
+    pytest.param(top, marks=() if top in CLEARED else pytest.mark.xfail(reason="not cleared yet (issue 24)"))
+    for top in _top_level()])
+def test_no_backend_name_is_compared_outside_its_package(top):
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in _outside_backend_packages(top)
+             for line in name_comparisons(path.read_text())]
+    assert not found, "compare or key a backend's name only inside toolkit/backends/<name>/:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_each_kind_of_name_comparison():
+    planted = '''
+if plan.backend == "megatron": pass
+if backend != "fsdp": pass
+if plan.backend in ("deepspeed", "fsdp"): pass
+TABLE = {"megatron": 1, "hf": 2}
+OTHER = dict(deepspeed=3)
+match plan.backend:
+    case "fsdp": pass
+'''
+    assert name_comparisons(planted) == [2, 3, 4, 5, 6, 8]
+    # a path or kernel name that merely starts like a backend, or a declaration fact, is not a comparison
+    assert name_comparisons('if path.name == "megatron-te" or backend_of(plan).hf_modules: pass\n') == []
+
+
+def test_every_cleared_package_exists():
+    assert set(CLEARED) <= set(_top_level()), sorted(set(CLEARED) - set(_top_level()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("part", sorted(HOOKS))
+def test_every_backend_answers_every_hook_of_a_part(name, part):
+    """A backend with nothing to say in a part still has the module, its hooks returning the neutral value."""
+    module = BACKENDS[name].part(part)
+    missing = [hook for hook in HOOKS[part] if not callable(getattr(module, hook, None))]
+    assert not missing, f"toolkit/backends/{name}/{part}.py lacks {missing}"
+    assert module is importlib.import_module(f"toolkit.backends.{name}.{part}")
