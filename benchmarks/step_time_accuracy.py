@@ -168,7 +168,7 @@ def path_rows(refs: dict) -> list[dict]:
                                 key=lambda v: v[0])
         published = ref.get("published") or (plan.global_batch * plan.seq_len
                                               / (ref["tokens_per_s_per_gpu"] * plan.gpus))
-        kernels = (path or execution_path(plan.backend, plan.transformer_impl)).name
+        kernels = (path or execution_path(plan)).name
         patched = ", ".join(f"{k} {v}" for k, v in ref.get("outside_rules", {}).items())
         rows.append(dict(name=ref["name"], published_s=published, predicted_s=predicted_s,
                          fits=estimate_memory(model, plan).total <= gpu.memory_bytes, rank=None, fitting=None,

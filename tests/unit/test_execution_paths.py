@@ -19,12 +19,17 @@ def _step(backend: str, **options) -> float:
     return step_time(LLAMA_1B, plan, H100, NETWORK)
 
 
+def _plan(backend: str, **options):
+    return resolve_plan(LLAMA_1B, 1, backend=backend, **options)
+
+
 def test_each_backend_trains_on_its_own_path():
-    assert execution_path("deepspeed", None) is HF
-    assert execution_path("fsdp", None) is HF
-    assert execution_path("megatron", None) is MEGATRON_TE
-    assert execution_path("megatron", "transformer_engine") is MEGATRON_TE
-    assert execution_path("megatron", "local") is MEGATRON_LOCAL
+    """The plan's backend names its path (toolkit/backends/<name>/timing.py execution_path)."""
+    assert execution_path(_plan("deepspeed")) is HF
+    assert execution_path(_plan("fsdp")) is HF
+    assert execution_path(_plan("megatron")) is MEGATRON_TE  # Transformer Engine unless the plan says local
+    assert execution_path(_plan("megatron", transformer_impl="transformer_engine")) is MEGATRON_TE
+    assert execution_path(_plan("megatron", transformer_impl="local")) is MEGATRON_LOCAL
     assert set(EXECUTION_PATHS) == {"hf", "megatron-te", "megatron-local"}
     assert _step("deepspeed", zero=2, micro_batch=4, global_batch=4).execution_path == "hf"
     assert _step("megatron", micro_batch=1, global_batch=4, transformer_impl="local").execution_path == "megatron-local"

@@ -7,10 +7,11 @@ import json
 
 import pytest
 
+from toolkit.backends.fsdp.memory import fsdp_groups
+from toolkit.backends.fsdp.timing import fsdp_communication
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
-from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups
 from toolkit.estimate.params import count_params
 from toolkit.planner.report import plan_label
 from toolkit.spec.cluster import get_gpu

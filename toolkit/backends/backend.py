@@ -6,7 +6,8 @@ that backend's part of each layer, under the same names in every backend:
 
 - `rules.py` (spec): the rules a plan of this backend obeys, the wording when another backend's option is set, and
   the defaults it derives when a plan is resolved;
-- `memory.py` / `timing.py` (estimate): its memory and step-time terms;
+- `memory.py` / `timing.py` / `explain.py` (estimate): its memory and step-time terms and what `dmt estimate
+  --explain` says of them, the same hooks in every backend (tests/unit/test_backend_registry.py HOOKS);
 - `train.py` and the modules beside it (run time): its training loop and checkpoints.
 
 The rest of the toolkit reaches a backend's code through `Backend.part(<module>)` and never compares a backend's

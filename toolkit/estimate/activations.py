@@ -1,4 +1,5 @@
-"""Activation bytes saved for backward, tensor by tensor, for HF (deepspeed backend) and Megatron-Core modules.
+"""Activation bytes saved for backward, tensor by tensor, for HF modules and Megatron-Core modules (which a backend
+trains is its declaration's `hf_modules`).
 
 Every term below names the tensor autograd keeps. The HF terms were read off transformers' modules and checked
 with `torch.autograd.graph.saved_tensors_hooks` (tests/unit/test_activation_measurement.py); the Megatron-Core
@@ -34,7 +35,7 @@ HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE = ("gpt2",)
 class ActivationSetup:
     """What decides activation memory besides the architecture."""
 
-    backend: str  # "deepspeed" or "fsdp" (HF modules), or "megatron" (Megatron-Core modules)
+    hf_modules: bool  # the HF model's own modules (else Megatron-Core's): the backend's declaration, Backend.hf_modules
     micro_batch: int
     seq_len: int
     act_bytes: int  # bytes of one activation element: 2 for bf16/fp16, 4 for fp32
@@ -43,7 +44,7 @@ class ActivationSetup:
     recompute_modules: tuple[str, ...] = ()  # selective: Megatron-Core's recompute_modules (core_attn, mlp)
     local_layers: bool = False  # Megatron-Core's `local` spec (no Transformer Engine): unfused attention, SwiGLU, norm
     tp: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # Megatron-Core's: norms, dropout and the checkpointed input split by tp
     cp: int = 1
     hf_activation: str | None = None  # transformers' hidden_act name, when known
     hidden_dropout: float = 0.0
@@ -56,7 +57,8 @@ class ActivationSetup:
 
 
 def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool = False) -> int:
-    """Per token: what a norm keeps plus its output, which the next linear keeps."""
+    """Per token: what a norm keeps plus its output, which the next linear keeps; `megatron`: Megatron-Core's norm
+    modules (`local`: its local spec's), else HF's."""
     if megatron and local and spec.norm == "rmsnorm":
         # torch's RMSNorm (no Apex): fp32 copy of the input, fp32 rstd, fp32 normalized copy; output for the linear
         return 2 * FP32 * width + FP32 + a * width
@@ -69,11 +71,11 @@ def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool
 
 def _mlp_bytes(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetup) -> int:
     """Per token, inside the tensor-parallel region (not yet divided by tp)."""
-    if setup.backend == "megatron" and setup.local_layers and spec.gated_mlp:
+    if not setup.hf_modules and setup.local_layers and spec.gated_mlp:
         # unfused SwiGLU: fc1's output, silu's output, the second half multiplied, and fc2's input (measured on the
         # local spec with saved_tensors_hooks, tests/megatron/test_megatron_recompute.py)
         return 5 * a * ffn
-    if setup.backend == "megatron":
+    if not setup.hf_modules:
         # fc1 output (2*ffn when gated) kept by the fused activation, and fc2's input
         return a * ((2 if spec.gated_mlp else 1) * ffn + ffn)
     if spec.gated_mlp:  # gate output, act(gate), up output, act*up (down_proj's input)
@@ -90,7 +92,7 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_kv_heads * spec.head_dim
     heads, s = spec.num_attention_heads, setup.seq_len // setup.cp
-    hf = setup.backend != "megatron"  # deepspeed and fsdp train the HF modules
+    hf = setup.hf_modules
     out = a * q  # attention output, kept by o_proj
     qk_norm = 0
     if spec.qk_norm and hf:  # HF per-head RMSNorm on q and k, as _norm_bytes for rmsnorm
@@ -127,7 +129,7 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
 def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -> float:
     """Bytes one transformer block (MoE or dense) keeps for backward, per token of the micro-batch, on one rank."""
     a, h = setup.act_bytes, spec.hidden_size
-    megatron = setup.backend == "megatron"
+    megatron = not setup.hf_modules
     tp = setup.tp
     norm_split = tp if (megatron and setup.sequence_parallel) else 1
     local = megatron and setup.local_layers
@@ -154,7 +156,7 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
 def head_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
     """Final norm, the fp32 logits cross-entropy keeps, and token ids / labels."""
     a = setup.act_bytes
-    megatron = setup.backend == "megatron"
+    megatron = not setup.hf_modules
     norm = (_norm_bytes(spec, a, spec.hidden_size, megatron, megatron and setup.local_layers) if spec.final_norm
             else a * spec.hidden_size)
     if megatron and setup.sequence_parallel:
@@ -170,7 +172,7 @@ def embedding_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
 
 def checkpointed_layer_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
     """Full recompute keeps only each block's input (sequence-parallel in Megatron with SP)."""
-    split = setup.tp if (setup.backend == "megatron" and setup.sequence_parallel) else 1
+    split = setup.tp if (not setup.hf_modules and setup.sequence_parallel) else 1
     return setup.act_bytes * spec.hidden_size / split
 
 

@@ -78,7 +78,7 @@ def predicted_step_time(observation: Observation, gpu: GPU, calibration: Calibra
 
 
 def path_of(plan: Plan) -> str:
-    return execution_path(plan.backend, plan.transformer_impl).name
+    return execution_path(plan).name
 
 
 def _ceiling(runs: list[Observation]) -> float:

@@ -26,7 +26,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from toolkit.backends import backend_of
 from toolkit.spec.calibration import Calibration
+from toolkit.spec.plan import Plan
 
 # Best sustained fraction of dense peak for large bf16 GEMM-dominated training steps (fused kernels).
 PEAK_EFFICIENCY = 0.60
@@ -86,12 +88,10 @@ UNFUSED_ATTENTION_FORWARD_BYTES = 33
 UNFUSED_ATTENTION_BACKWARD_BYTES = 41
 
 
-def execution_path(backend: str, transformer_impl: str | None) -> ExecutionPath:
-    """The path a plan trains on: deepspeed and fsdp run the HF modules; megatron runs Transformer Engine unless the
-    plan asks for the local spec."""
-    if backend == "megatron":
-        return MEGATRON_LOCAL if transformer_impl == "local" else MEGATRON_TE
-    return HF
+def execution_path(plan: Plan) -> ExecutionPath:
+    """The path a plan trains on, as its backend says (its timing part's `execution_path`): the HF modules, or
+    Megatron-Core's Transformer Engine or local layers."""
+    return backend_of(plan).part("timing").execution_path(plan)
 
 
 def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:

@@ -4,11 +4,15 @@ Every figure here is read off the breakdown the estimate prints (the `--json` re
 estimator on one data-parallel replica of the plan (its bytes per parameter before ZeRO / distributed-optimizer
 sharding); nothing is a second copy of a byte rule. The rules of thumb are those of the course material:
 12 bytes per parameter for mixed-precision Adam (16 in the ZeRO paper), "ZeRO-1 saves ~60% of optimizer memory",
-activations ~2·b·s·h·L bytes, and training time 6·N·D FLOPs at the GPU's peak.
+activations ~2·b·s·h·L bytes, and training time 6·N·D FLOPs at the GPU's peak. What a backend's own sharding,
+gradients and master copy read as are its explain part, toolkit/backends/<name>/explain.py.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
+from toolkit.backends import backend_of
 from toolkit.estimate.activations import head_bytes_per_token
 from toolkit.estimate.flops import model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
@@ -22,7 +26,7 @@ THUMB_ZERO1_SAVING = 0.60
 THUMB_ACTIVATION_BYTES = 2  # per token, hidden unit and layer: one 16-bit copy of each layer's input
 SOURCES = {
     "weights": "ZeRO (Rajbhandari et al., arXiv:1910.02054) Sec. 3-5; Transformer Engine's fp8 weight cache; "
-               "toolkit/estimate/memory.py; FSDP2 as Accelerate applies it: toolkit/estimate/fsdp.py",
+               "toolkit/backends/<name>/memory.py; FSDP2 as Accelerate applies it: toolkit/backends/fsdp/memory.py",
     "gradients": "DeepSpeed deepspeed/runtime/bf16_optimizer.py (fp32 gradients at ZeRO-0) and "
                  "deepspeed/runtime/zero/stage_1_and_2.py (grads_in_partition); Megatron-Core "
                  "distributed/param_and_grad_buffer.py (fp32 main grads); measured on real 2-rank runs",
@@ -33,8 +37,8 @@ SOURCES = {
     "activations": "toolkit/estimate/activations.py, tensor by tensor, checked with torch saved_tensors_hooks "
                    "(tests/unit/test_activation_measurement.py, tests/megatron/test_megatron_recompute.py); "
                    "Korthikanti et al. arXiv:2205.05198 Sec. 4",
-    "overhead": "toolkit/estimate/memory.py: CUDA context, DeepSpeed bucket defaults "
-                "(deepspeed/runtime/zero/config.py), allocator margin",
+    "overhead": "toolkit/estimate/memory.py: CUDA context, allocator margin; toolkit/backends/deepspeed/memory.py: "
+                "DeepSpeed bucket defaults (deepspeed/runtime/zero/config.py)",
     "step_time": "toolkit/estimate/timing.py (per-layer FLOPs, GEMM efficiency, exposed communication, bubble); "
                  "accuracy against published runs: benchmarks/step_time_accuracy.md; Megatron-LM arXiv:2104.04473 Eq. 3",
 }
@@ -55,13 +59,17 @@ def _entry(component: str, value: float, rule: str, thumb: str, thumb_value: flo
             "rule_of_thumb_value": thumb_value, "difference": difference, **numbers}
 
 
+def _explain(plan: Plan) -> ModuleType:
+    """The plan's backend's own sentences (toolkit/backends/<name>/explain.py)."""
+    return backend_of(plan).part("explain")
+
+
 def replica_plan(plan: Plan) -> Plan:
     """The same plan on one data-parallel replica, nothing offloaded: what every parameter costs before ZeRO /
     distributed-optimizer sharding and offload (experts unsplit, so expert data parallelism is 1 as well)."""
-    fsdp = dict(dp_shard=1, dp_replicate=1) if plan.backend == "fsdp" else {}
     return plan.model_copy(update=dict(gpus=plan.model_parallel, dp=1, ep=1, grad_accum=1,
                                        global_batch=plan.micro_batch, offload_optimizer="none", offload_params="none",
-                                       **fsdp))
+                                       **_explain(plan).one_replica(plan)))
 
 
 def explain_estimate(model: ModelSpec, report: dict) -> list[dict]:
@@ -79,54 +87,23 @@ def explain_estimate(model: ModelSpec, report: dict) -> list[dict]:
     return entries
 
 
-def _sharding(plan: Plan) -> str:
-    experts = f", experts over expert data parallelism = {plan.expert_dp}" if plan.ep > 1 else ""
-    if plan.backend == "megatron":
-        return (f"distributed optimizer over dp x cp = {plan.dp * plan.cp}{experts}" if plan.distributed_optimizer
-                else "none")
-    if plan.backend == "fsdp":
-        replicas = f", replicated {plan.dp_replicate} times (HSDP)" if plan.dp_replicate > 1 else ""
-        return f"FSDP2 over dp_shard = {plan.dp_shard}{replicas}"
-    return f"ZeRO-{plan.zero} over dp = {plan.dp}{experts}" if plan.zero else "none (ZeRO-0)"
+def experts_sharding(plan: Plan) -> str:
+    """The clause a sharding adds for experts split over expert data parallelism ("" without experts)."""
+    return f", experts over expert data parallelism = {plan.expert_dp}" if plan.ep > 1 else ""
 
 
 def _weights(plan, mem, params, per, unsharded) -> dict:
-    rule = f"{_bpp(unsharded['weights'])} ({plan.precision} parameters"
-    rule += ", plus Transformer Engine's 1-byte fp8 copy of each weight)" if plan.precision == "fp8" else ")"
-    why = "same as the rule of thumb"
-    if plan.backend == "fsdp":
-        rule = f"{_bpp(unsharded['weights'])} (fp32 parameters: Accelerate upcasts them for FSDP2 mixed precision)"
-        why = (f"FSDP2 keeps a 1/{plan.dp_shard} fp32 shard of every parameter and gathers {plan.precision} copies "
-               f"group by group (fsdp_gathered_params, under overhead)")
-        if plan.offload_params != "none":
-            why = "FSDP2's CPUOffloadPolicy keeps the shards in host memory; only gathered copies reach the GPU"
-    elif plan.backend == "deepspeed" and plan.zero == 3:
-        why = f"ZeRO-3 keeps 1/{plan.dp} of the parameters on each GPU and gathers the rest layer by layer"
-        if plan.offload_params != "none":
-            why = f"ZeRO-3 parameter offload keeps them in {plan.offload_params} memory, not on the GPU"
-    elif unsharded["weights"] != 2:
-        why = f"{plan.precision} keeps {unsharded['weights']:.3g} bytes per parameter, not 2"
+    kept, why = _explain(plan).weights(plan)
+    rule = f"{_bpp(unsharded['weights'])} ({kept or f'{plan.precision} parameters'})"
+    if why is None:
+        why = (f"{plan.precision} keeps {unsharded['weights']:.3g} bytes per parameter, not 2"
+               if unsharded["weights"] != 2 else "same as the rule of thumb")
     return _entry("weights", mem["weights"], rule, f"2 B/param (one 16-bit copy): {_gib(2 * params)}", 2 * params,
                   why, bytes_per_param=per["weights"], params_on_gpu=params, bytes_per_param_unsharded=unsharded["weights"])
 
 
 def _gradients(plan, mem, params, per, unsharded) -> dict:
-    if plan.backend == "megatron":
-        rule = "fp32 main-grad buffers (grad_reduce_in_fp32), one per parameter"
-        why = "Megatron-Core accumulates and reduces gradients in fp32: 4 B/param, twice the 16-bit rule"
-    elif plan.backend == "fsdp":
-        rule = f"fp32 gradient shards (the fp32 reduce-scatter's output): 1/{plan.dp_shard} per GPU"
-        why = f"FSDP2 reduce-scatters every micro-batch's gradients in fp32 over dp_shard = {plan.dp_shard}"
-    elif plan.zero == 0:
-        fp32 = plan.precision == "bf16"
-        rule = ("fp32 gradients: DeepSpeed's BF16_Optimizer accumulates into fp32 at ZeRO-0" if fp32
-                else f"gradients in the weights' dtype ({plan.precision})")
-        why = "bf16 at ZeRO-0 pays 4 B/param, not 2" if fp32 else "same per parameter; nothing partitioned"
-    else:
-        rule = f"16-bit gradient partition: 1/{plan.dp} per GPU from ZeRO-1 on"
-        why = (f"the textbook ZeRO-1 partitions only optimizer states; DeepSpeed's ZeRO-1 copies just this rank's "
-               f"gradient partition (contiguous_gradients), as measured, so gradients cost 1/{plan.dp} here"
-               if plan.zero == 1 else f"ZeRO-{plan.zero} partitions gradients over dp = {plan.dp}")
+    rule, why = _explain(plan).gradients(plan)
     return _entry("gradients", mem["gradients"], f"{_bpp(unsharded['gradients'])} unsharded; {rule}",
                   f"2 B/param (16-bit gradients): {_gib(2 * params)}", 2 * params, why,
                   bytes_per_param=per["gradients"], bytes_per_param_unsharded=unsharded["gradients"])
@@ -135,14 +112,13 @@ def _gradients(plan, mem, params, per, unsharded) -> dict:
 def _optimizer(plan, mem, params, per, unsharded) -> dict:
     full = unsharded["optimizer"] * params
     saving = 1 - mem["optimizer"] / full if full else 0.0
+    explain = _explain(plan)
     kept = ("its states only: fp32 weights are their own master copy"
-            if plan.precision == "fp32" or plan.backend == "fsdp"
+            if plan.precision == "fp32" or explain.master_copy(plan) is not None
             else f"an fp32 master copy and its states, training in {plan.precision}")
-    rule = f"{plan.optimizer}: {_bpp(unsharded['optimizer'])} ({kept}); sharding: {_sharding(plan)}"
-    if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
-        why = f"ZeRO-Offload keeps the optimizer states in {plan.offload_optimizer} memory: none on the GPU"
-    elif plan.backend == "fsdp" and plan.offload_params != "none":
-        why = "FSDP2's CPUOffloadPolicy steps the optimizer in host memory: none on the GPU"
+    rule = f"{plan.optimizer}: {_bpp(unsharded['optimizer'])} ({kept}); sharding: {explain.sharding(plan)}"
+    if (offloaded := explain.optimizer_offloaded(plan)) is not None:
+        why = offloaded
     elif saving > 0:
         why = (f"sharding keeps {1 - saving:.3g} of the states on this GPU: it saves {saving:.0%}, which is "
                f"1 - 1/(sharding degree), not a fixed ~{THUMB_ZERO1_SAVING:.0%}")
@@ -158,18 +134,15 @@ def _model_states(plan, mem, params, per, unsharded) -> dict:
     states = mem["weights"] + mem["gradients"] + mem["optimizer"]
     replica_bpp = sum(unsharded.values())
     parts = " + ".join(f"{unsharded[k]:.3g}" for k in ("weights", "gradients", "optimizer"))
+    explain = _explain(plan)
     why = f"one replica pays {parts} = {replica_bpp:.3g} B/param: " + (
         "fp32 training needs no master copy, but keeps 4-byte weights and gradients" if plan.precision == "fp32"
-        else "FSDP2's fp32 weights are the master copy, its gradients fp32 too" if plan.backend == "fsdp"
-        else "the 12 B rule leaves out the fp32 master copy (4 B)")
+        else explain.master_copy(plan) or "the 12 B rule leaves out the fp32 master copy (4 B)")
     if replica_bpp > 16:
-        why += "; the ZeRO paper's 16 assumes 16-bit gradients, while " + (
-            "Megatron-Core keeps fp32 main grads" if plan.backend == "megatron"
-            else "FSDP2 keeps fp32 gradient shards" if plan.backend == "fsdp"
-            else "DeepSpeed's bf16 ZeRO-0 keeps fp32 gradients")
+        why += "; the ZeRO paper's 16 assumes 16-bit gradients, while " + explain.fp32_gradients(plan)
     offloaded = [name for name, where in (("optimizer states", plan.offload_optimizer),
                                           ("parameters", plan.offload_params)) if where != "none"]
-    why += f"; after sharding ({_sharding(plan)})" + (f" and offload of {' and '.join(offloaded)}" if offloaded else "")
+    why += f"; after sharding ({explain.sharding(plan)})" + (f" and offload of {' and '.join(offloaded)}" if offloaded else "")
     why += f" this GPU pays {states / params:.3g} B/param"
     return _entry("model_states", states, f"weights + gradients + optimizer = {_bpp(replica_bpp)} per replica",
                   f"{THUMB_STATE_BYTES[0]} B/param (course) or {THUMB_STATE_BYTES[1]} (ZeRO paper): "

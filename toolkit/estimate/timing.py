@@ -2,14 +2,17 @@
 
 Overlap is explicit, not assumed perfect: tensor-parallel and expert all-to-all traffic sits on the critical path
 (Megatron-Core overlaps neither without Transformer Engine userbuffers); data-parallel gradient reduction overlaps
-with the last micro-batch's backward up to DP_OVERLAP of it; ZeRO-3 gathers overlap with compute through prefetch up
-to ZERO3_OVERLAP; context-parallel KV exchange hides behind attention compute.
+with the last micro-batch's backward up to DP_OVERLAP of it; context-parallel KV exchange hides behind attention
+compute. What each backend sends for its data-parallel ranks, how its optimizer steps and what it offloads (ZeRO's
+gathers and buckets, FSDP2's, Megatron-Core's distributed optimizer) are its timing part,
+toolkit/backends/<name>/timing.py, reached through `backend_of(plan).part("timing")`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from toolkit.backends import backend_of
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import (
     UNFUSED_ATTENTION_BACKWARD_BYTES,
@@ -20,7 +23,6 @@ from toolkit.estimate.efficiency import (
     gemm_efficiency,
 )
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
-from toolkit.estimate.fsdp import fsdp_communication, fsdp_groups, fsdp_offload_time
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
@@ -30,16 +32,9 @@ from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
 DP_OVERLAP = 0.8
-ZERO3_OVERLAP = 0.7
 # Adam over a parameter partition touches ~28 B/param of HBM (read master, m, v, grad; write master, m, v, bf16 copy)
 OPTIMIZER_BYTES_TOUCHED = 28
 HBM_EFFICIENCY = 0.7
-# DeepSpeed ZeRO-1/2's own work around the optimizer (deepspeed/runtime/zero/stage_1_and_2.py, 0.19): every
-# micro-batch each rank copies its bf16 gradients into the reduction buckets (read 2 + write 2 B/param); every step,
-# over its partition, it flattens them (2 + 2), casts them to fp32 (2 + 4), takes their norm (2) and unscales and
-# clips them in place (4 + 4) before Adam runs.
-DEEPSPEED_BUCKET_BYTES = 4
-DEEPSPEED_STEP_BYTES = 20
 # DeepSpeed's CPU Adam on a typical 2-socket host (ZeRO-Offload, arXiv:2101.06840, Sec. 5): ~1e9 params/s per node
 CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
 CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score matrix
@@ -98,9 +93,9 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     a = PRECISION_BYTES[plan.precision]
     peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
     tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
-    path = calibrated_path(path or execution_path(plan.backend, plan.transformer_impl), calibration)
+    path = calibrated_path(path or execution_path(plan), calibration)
     efficiency = min(1.0, gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale)
-    hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    hbm = hbm_bytes_per_s(gpu)
     # GEMM-rate equivalent of one attention FLOP: flash kernels skip the causal half at their own efficiency; the
     # unfused path computes the whole score matrix with cuBLAS batched GEMMs and moves it through memory
     attention_work = 1.0 if path.unfused_attention else CAUSAL_ATTENTION_WORK / ATTENTION_KERNEL_EFFICIENCY
@@ -201,66 +196,26 @@ def _finetune_model_flops(spec: ModelSpec, plan: Plan) -> float:
 def _data_parallel_and_optimizer(
     spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float
 ) -> tuple[float, float, float]:
-    """(exposed DP/ZeRO communication, optimizer step, offload transfers) per step, in seconds."""
-    a = PRECISION_BYTES[plan.precision]
+    """(exposed data-parallel communication, optimizer step, offload transfers) per step, in seconds: the backend's
+    own (its timing part), over the first stage's parameters and those of them that train."""
     params = stage_params(spec, count_params(spec), plan, 0)
     # gradients are reduced and the optimizer steps over the trainable parameters only (LoRA: the adapters)
     trainable = finetune_counts(spec, plan.finetune).adapters if plan.finetune.peft else params.total
-    if plan.backend == "fsdp":
-        return _fsdp_step(spec, plan, gpu, network, compute_micro, params.total, trainable)
-    megatron = plan.backend == "megatron"
-    dp_group = plan.dp * plan.cp if megatron else plan.dp
-    link = network.link(dp_group, plan.tp)  # tp is innermost; megatron's dp x cp group sits right above it
-    backward_window = compute_micro * 2 / 3  # backward of the last micro-batch
-    m = plan.grad_accum
-    if plan.backend == "megatron":
-        grad_bytes = params.total * 4  # fp32 main grads
-        if plan.distributed_optimizer:
-            comm = collective_time("reduce_scatter", grad_bytes, dp_group, link)
-            comm += collective_time("all_gather", params.total * a, dp_group, link)
-        else:
-            comm = collective_time("all_reduce", grad_bytes, dp_group, link)
-        exposed = max(0.0, comm - DP_OVERLAP * backward_window)
-        partition = params.total / (dp_group if plan.distributed_optimizer else 1)
-    else:
-        grads = trainable * a
-        if plan.zero <= 1:
-            comm = collective_time("all_reduce", grads, dp_group, link)
-            exposed = max(0.0, comm - DP_OVERLAP * backward_window)
-        elif plan.zero == 2:  # reduce-scatter every micro-batch, all-gather of updated params after the step
-            per_micro = collective_time("reduce_scatter", grads, dp_group, link)
-            exposed = m * max(0.0, per_micro - DP_OVERLAP * backward_window)
-            exposed += collective_time("all_gather", grads, dp_group, link)
-        else:  # ZeRO-3: gather every parameter for forward and backward, reduce-scatter the gradients, every micro-batch
-            per_micro = 2 * collective_time("all_gather", params.total * a, dp_group, link)
-            per_micro += collective_time("reduce_scatter", grads, dp_group, link)
-            exposed = m * max(0.0, per_micro - ZERO3_OVERLAP * compute_micro)
-        partition = trainable / (dp_group if plan.zero >= 1 else 1)
-    hbm = gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
-    optimizer_s = partition * OPTIMIZER_BYTES_TOUCHED / hbm
-    if plan.backend == "deepspeed" and plan.zero <= 2:  # gradient buckets hold the trainable parameters' gradients
-        optimizer_s += (partition * DEEPSPEED_STEP_BYTES + m * trainable * DEEPSPEED_BUCKET_BYTES) / hbm
-    offload_s = 0.0
-    if plan.backend == "deepspeed" and plan.offload_optimizer != "none":
-        pcie = gpu.pcie_bw_gbps * 1e9
-        offload_s = partition * (4 + a) / pcie  # fp32 grads down, 16-bit params up
-        offload_s += partition * plan.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE
-        optimizer_s = 0.0
-    if plan.backend == "deepspeed" and plan.offload_params != "none":
-        offload_s += 2 * m * params.total * a / plan.dp / (gpu.pcie_bw_gbps * 1e9)
-    return exposed, optimizer_s, offload_s
+    return backend_of(plan).part("timing").data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro,
+                                                                      params.total, trainable)
 
 
-def _fsdp_step(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float,
-               params_total: int, trainable: int) -> tuple[float, float, float]:
-    """FSDP2: exposed all-gathers and reduce-scatters (estimate/fsdp.py); AdamW over the fp32 shard, on the GPU or,
-    with CPUOffloadPolicy, by torch's AdamW on the host after the gradients travel down."""
-    counts = count_params(spec)
-    largest_layer = max(layer.total for layer in counts.layers) // plan.tp
-    groups = fsdp_groups(counts, params_total, largest_layer, plan.tp)
-    exposed = fsdp_communication(plan, groups, network, compute_micro, trainable / params_total)
-    shard = trainable / plan.dp_shard
-    if plan.offload_params == "cpu":
-        optimizer_s = shard * plan.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE
-        return exposed, optimizer_s, fsdp_offload_time(plan, groups, gpu.pcie_bw_gbps * 1e9)
-    return exposed, shard * OPTIMIZER_BYTES_TOUCHED / (gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY), 0.0
+def hbm_bytes_per_s(gpu: GPU) -> float:
+    """The HBM bandwidth memory-bound kernels reach."""
+    return gpu.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+
+
+def optimizer_step_s(partition: float, gpu: GPU) -> float:
+    """Seconds the optimizer takes over `partition` parameters on the GPU: memory-bound, OPTIMIZER_BYTES_TOUCHED each."""
+    return partition * OPTIMIZER_BYTES_TOUCHED / hbm_bytes_per_s(gpu)
+
+
+def exposed_after_backward(comm_s: float, compute_micro: float) -> float:
+    """What of a gradient reduction the last micro-batch's backward (2/3 of its compute) does not hide."""
+    backward_window = compute_micro * 2 / 3
+    return max(0.0, comm_s - DP_OVERLAP * backward_window)

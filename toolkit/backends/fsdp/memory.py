@@ -1,5 +1,5 @@
-"""FSDP2 (torch.distributed.fsdp.fully_shard, as Accelerate applies it for the HF Trainer): bytes each GPU holds and
-communication each step sends.
+"""FSDP2's memory terms (torch.distributed.fsdp.fully_shard, as Accelerate applies it for the HF Trainer): the bytes
+each GPU holds. The communication each step sends is its timing part (timing.py).
 
 What the libraries do, and so what is counted:
 - Accelerate (utils/fsdp_utils.py fsdp2_prepare_model) upcasts trainable parameters to fp32 when training in mixed
@@ -23,22 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.estimate.comm import Network, collective_time
-from toolkit.estimate.params import ParamCounts
+from toolkit.estimate.memory import FP32, ModelStates, StageParams, frozen_base, optimizer_bytes
+from toolkit.estimate.params import ParamCounts, count_params
+from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
-FP32 = 4
 # gathered layer groups alive at once while resharding: the one computing and the one prefetched (FSDP2's implicit
 # forward and backward prefetch of the next group's all-gather)
 GATHERED_LAYERS = 2
-# Share of a micro-batch's compute that FSDP2's prefetching hides communication behind. First fitted on torchtitan's
-# Llama 3.1 8B FSDP2 runs on H100s (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3,
-# local batch 2 x 8192: 5,762 tokens/s/GPU on one node, 5,605 on 16) when the model sent a ring across nodes through
-# one NIC. With rings through every NIC of a node (toolkit/estimate/comm.py) that row's communication is hidden at any
-# value above ~0.1 (tests/unit/test_fsdp_estimate.py); the one published FSDP2 row whose communication is a large
-# share of its compute, NeMo AutoModel's Llama 3 70B on 64 H100s (~60% of it, benchmarks/step_time_accuracy.md), is
-# predicted within 7% at this value. Nothing published yet pins it more tightly.
-FSDP2_OVERLAP = 0.55
 
 
 @dataclass(frozen=True)
@@ -56,7 +48,7 @@ def fsdp_groups(counts: ParamCounts, params_total: int, largest_layer: int, tp: 
     return FsdpGroups(layer=largest_layer, kept=tail + root, total=params_total)
 
 
-def fsdp_model_states(plan: Plan, groups: FsdpGroups, optimizer_state_bytes: int) -> tuple[int, int, int, dict, int]:
+def fsdp_model_states(plan: Plan, groups: FsdpGroups, optimizer_state_bytes: int) -> ModelStates:
     """(weights, gradients, optimizer, buffers, host bytes) on one GPU; `optimizer_state_bytes` per fp32 parameter."""
     shard = groups.total / plan.dp_shard
     weights, gradients, optimizer = shard * FP32, shard * FP32, shard * optimizer_state_bytes
@@ -75,35 +67,40 @@ def fsdp_model_states(plan: Plan, groups: FsdpGroups, optimizer_state_bytes: int
     return int(weights), int(gradients), int(optimizer), buffers, host
 
 
-def fsdp_communication(plan: Plan, groups: FsdpGroups, network: Network, compute_micro: float,
-                       trained_share: float = 1.0) -> float:
-    """Exposed FSDP2 communication of one step, in seconds: every micro-batch all-gathers each group in forward (again
-    in backward when resharded), reduce-scatters fp32 gradients in the shard group and, with HSDP, all-reduces the
-    shards across replicas. Prefetch hides it behind FSDP2_OVERLAP of the compute, except the first group's gather
-    and the last group's reduction, which have nothing to overlap with. `trained_share`: the share of parameters that
-    have gradients to reduce (LoRA: the adapters)."""
-    a = PRECISION_BYTES[plan.precision]
-    shard_link = network.link(plan.dp_shard, plan.tp)  # TP innermost, then the shard group, then replicas
-    gathers = 1 if not plan.reshard_after_forward else 2
-    layer_gather = collective_time("all_gather", groups.layer * a, plan.dp_shard, shard_link)
-    layer_reduce = collective_time("reduce_scatter", groups.layer * trained_share * FP32, plan.dp_shard, shard_link)
-    comm = gathers * collective_time("all_gather", groups.total * a, plan.dp_shard, shard_link)
-    comm += collective_time("reduce_scatter", groups.total * trained_share * FP32, plan.dp_shard, shard_link)
-    if plan.dp_replicate > 1:
-        replica_link = network.link(plan.dp_replicate, plan.tp * plan.dp_shard)
-        replica_reduce = collective_time("all_reduce", groups.total * trained_share * FP32 / plan.dp_shard, plan.dp_replicate,
-                                         replica_link)
-        comm += replica_reduce
-        layer_reduce += replica_reduce * groups.layer / groups.total
-    per_micro = layer_gather + layer_reduce + max(0.0, comm - FSDP2_OVERLAP * compute_micro)
-    return plan.grad_accum * per_micro
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The HF model's embedding as it is: FSDP2 pads nothing."""
+    return vocab_size
 
 
-def fsdp_offload_time(plan: Plan, groups: FsdpGroups, pcie_bytes_per_s: float) -> float:
-    """CPUOffloadPolicy's copies per step: the fp32 shard to the GPU before every all-gather, the fp32 gradient shard
-    back after every reduce-scatter."""
-    if plan.offload_params != "cpu":
-        return 0.0
-    gathers = 1 if not plan.reshard_after_forward else 2
-    shard_bytes = groups.total / plan.dp_shard * FP32
-    return plan.grad_accum * (gathers + 1) * shard_bytes / pcie_bytes_per_s
+def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> ModelStates:
+    """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU: fp32 shards are their own master copy,
+    so the optimizer keeps its states only."""
+    if plan.finetune.peft:
+        return _frozen_base_states(spec, plan, params, layer_params)
+    groups = fsdp_groups(count_params(spec), params.total, layer_params, plan.tp)
+    return fsdp_model_states(plan, groups, optimizer_bytes(plan.optimizer, master_copy=False))
+
+
+def _frozen_base_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> ModelStates:
+    """LoRA adapters on a frozen base (toolkit/estimate/memory.py FrozenBase): Accelerate's FSDP2 preparation upcasts
+    the trainable adapters to fp32 (their own master copy) and leaves the frozen base as loaded (bf16; a 4-bit base
+    as bitsandbytes packed it, in bnb_4bit_quant_storage = the training dtype); the block scales stay whole."""
+    w = PRECISION_BYTES[plan.precision]
+    base = frozen_base(spec, plan, params, layer_params)
+    adapters, packed, scales = base.counts.adapters, base.packed, base.scales
+    shard = plan.dp_shard
+    weights, gradients = (packed + adapters * FP32) / shard + scales, adapters * FP32 / shard
+    optimizer = adapters * optimizer_bytes(plan.optimizer, master_copy=False) / shard
+    groups = fsdp_groups(count_params(spec), params.total, layer_params, plan.tp)
+    gathered = (base.layer_bytes * GATHERED_LAYERS + groups.kept * w) if plan.reshard_after_forward else packed
+    largest_adapter = max(base.counts.adapter_layers, default=0)
+    buffers = {"fsdp_gathered_params": int(gathered), "fsdp_reduce_scatter": int(largest_adapter * (w + FP32))}
+    host = 0
+    if plan.offload_params == "cpu":
+        host, weights, gradients, optimizer = int(weights + gradients + optimizer), 0, 0, 0
+    return int(weights), int(gradients), int(optimizer), buffers, host
+
+
+def step_fp32_grads(spec: ModelSpec, plan: Plan, params: StageParams) -> int:
+    """Nothing: FSDP2's gradient shards are fp32 already, counted by model_states for the whole run."""
+    return 0

@@ -1,0 +1,48 @@
+"""What `dmt estimate --explain` says of Megatron-Core's own terms: the distributed optimizer, fp32 main grads and
+Transformer Engine's fp8 weight copies.
+
+Each function answers one question toolkit/estimate/explain.py asks every backend; None: the common sentence."""
+
+from __future__ import annotations
+
+from toolkit.estimate.explain import experts_sharding
+from toolkit.spec.plan import Plan
+
+
+def one_replica(plan: Plan) -> dict:
+    """Options beyond dp = 1 that put the plan on one data-parallel replica: none."""
+    return {}
+
+
+def sharding(plan: Plan) -> str:
+    if not plan.distributed_optimizer:
+        return "none"
+    return f"distributed optimizer over dp x cp = {plan.dp * plan.cp}{experts_sharding(plan)}"
+
+
+def weights(plan: Plan) -> tuple[str | None, str | None]:
+    """(what the weights are, why they differ from the rule of thumb)."""
+    if plan.precision == "fp8":
+        return f"{plan.precision} parameters, plus Transformer Engine's 1-byte fp8 copy of each weight", None
+    return None, None
+
+
+def gradients(plan: Plan) -> tuple[str, str]:
+    """(the rule, why it differs from 16-bit gradients on every GPU)."""
+    return ("fp32 main-grad buffers (grad_reduce_in_fp32), one per parameter",
+            "Megatron-Core accumulates and reduces gradients in fp32: 4 B/param, twice the 16-bit rule")
+
+
+def optimizer_offloaded(plan: Plan) -> str | None:
+    """Why no optimizer state is on the GPU, when none is: Megatron-Core offloads nothing here."""
+    return None
+
+
+def master_copy(plan: Plan) -> str | None:
+    """Whether the weights are their own master copy in every precision (the sentence saying so): they are not."""
+    return None
+
+
+def fp32_gradients(plan: Plan) -> str:
+    """Who keeps fp32 gradients, when a replica pays more than the ZeRO paper's 16 B/param."""
+    return "Megatron-Core keeps fp32 main grads"

@@ -1,0 +1,40 @@
+"""Megatron-Core's memory terms: its padded vocabulary, fp32 main grads and the distributed optimizer's shards.
+
+Megatron keeps fp32 gradient buffers for bf16 training and its distributed optimizer shards the fp32 master weights
+and Adam moments over the data-parallel (x context-parallel) group: 6 + 12/d bytes/param (Megatron-LM
+docs/source/api-guide/dist_optimizer.md, "bf16 param, fp32 grads").
+"""
+
+from __future__ import annotations
+
+from toolkit.estimate.memory import FP32, ModelStates, StageParams, optimizer_bytes
+from toolkit.estimate.params import megatron_padded_vocab
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import PRECISION_BYTES, Plan
+
+# Transformer Engine keeps an fp8 copy of each linear weight next to the bf16 one.
+FP8_WEIGHT_CACHE_BYTES = 1
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Megatron pads the embedding and output layer's vocabulary to a multiple of 128 x tp."""
+    return megatron_padded_vocab(vocab_size, tp)
+
+
+def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> ModelStates:
+    """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU. Megatron-Core trains every parameter
+    (adapters are refused for it, spec/finetune.py) and offloads nothing."""
+    w = PRECISION_BYTES[plan.precision]
+    opt_bytes = optimizer_bytes(plan.optimizer, plan.precision != "fp32")
+    weights = params.total * (w + (FP8_WEIGHT_CACHE_BYTES if plan.precision == "fp8" else 0))
+    gradients = params.total * FP32  # fp32 main-grad buffers (grad_reduce_in_fp32)
+    if plan.distributed_optimizer:
+        optimizer = opt_bytes * (params.dense / (plan.dp * plan.cp) + params.expert / plan.expert_dp)
+    else:
+        optimizer = opt_bytes * params.total
+    return weights, gradients, int(optimizer), {}, 0
+
+
+def step_fp32_grads(spec: ModelSpec, plan: Plan, params: StageParams) -> int:
+    """Nothing beyond the main-grad buffers, which model_states counts for the whole run."""
+    return 0
