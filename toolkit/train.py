@@ -130,7 +130,7 @@ def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
         from toolkit.planner.recipe import recipe_prediction
         from toolkit.spec.recipe import recipe_calibration
 
-        prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe))
+        prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe)).as_json()
     prediction = {"model_spec": run.model.model_dump(mode="json"), **prediction}  # a plan.json of an older toolkit
     start_run_record(output_dir, prediction, {
         "argv": argv, "plan_json": str(run.directory / "plan.json") if run.prediction is not None else None,

@@ -129,9 +129,9 @@ def host_peak_text(calibration: dict) -> str:
     return text
 
 
-def sharding_text(plan: dict) -> str:
-    """How a plan (as plan.json records it) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
-    if plan["backend"] == "fsdp":
-        return (f"dp_shard={plan['dp_shard']} dp_replicate={plan['dp_replicate']} "
-                f"reshard_after_forward={str(plan['reshard_after_forward']).lower()}")
-    return f"zero={plan['zero']}"
+def sharding_text(plan) -> str:
+    """How a plan (a Plan) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
+    if plan.backend == "fsdp":
+        return (f"dp_shard={plan.dp_shard} dp_replicate={plan.dp_replicate} "
+                f"reshard_after_forward={str(plan.reshard_after_forward).lower()}")
+    return f"zero={plan.zero}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from toolkit.numeric import json_text, yaml_text
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
+from toolkit.planner.record import PlanFile
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
@@ -74,11 +75,11 @@ def _slurm(ctx: GenerationContext) -> str:
 
 
 def _plan(ctx: GenerationContext) -> str:
-    record = recipe_prediction(ctx.recipe, ctx.model, ctx.plan, ctx.calibration)
-    record.update(recipe=ctx.recipe.name, auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
-                  recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
-                  files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
-    return json_text(record, indent=2) + "\n"
+    record = recipe_prediction(ctx.recipe, ctx.model, ctx.plan, ctx.calibration, PlanFile, recipe=ctx.recipe.name,
+                               auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
+                               recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
+                               files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
+    return json_text(record.as_json(), indent=2) + "\n"
 
 
 def recipe_settings(recipe: Recipe) -> dict:
