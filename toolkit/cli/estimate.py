@@ -19,7 +19,7 @@ from toolkit.cli.options import plan_overrides
 from toolkit.numeric import json_text
 
 if TYPE_CHECKING:
-    from toolkit.planner.record import Prediction
+    from toolkit.spec.prediction import Prediction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

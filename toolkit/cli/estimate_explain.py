@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, training_time_line
 
 if TYPE_CHECKING:
-    from toolkit.planner.record import Prediction
+    from toolkit.spec.prediction import Prediction
     from toolkit.spec.model import ModelSpec
 
 

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.generate.files import generate
 
     written = generate(args.recipe, args.out, args.force, args.calibration, **plan_overrides(args))
-    from toolkit.planner.record import PlanFile
+    from toolkit.spec.prediction import PlanFile
     from toolkit.readers import read_json
 
     record = PlanFile.model_validate(read_json(args.out / "plan.json", "--out", what="the plan.json just written"))

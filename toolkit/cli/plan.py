@@ -14,7 +14,7 @@ from toolkit.numeric import bounded_int, json_text
 from toolkit.spec.options import BACKENDS
 
 if TYPE_CHECKING:
-    from toolkit.planner.record import RankedPlans
+    from toolkit.spec.prediction import RankedPlans
     from toolkit.planner.search import Candidate
     from toolkit.spec.cluster import GPU
     from toolkit.spec.model import ModelSpec
@@ -48,7 +48,7 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     """The search `dmt plan`'s arguments ask for, its --top plans and why the other layouts were left out."""
     from toolkit.cli.common import build_network, calibration_for
     from toolkit.cli.options import FINETUNE, plan_overrides
-    from toolkit.planner.record import RankedPlans
+    from toolkit.spec.prediction import RankedPlans
     from toolkit.planner.report import plan_record
     from toolkit.planner.search import search
     from toolkit.spec.cluster import get_gpu

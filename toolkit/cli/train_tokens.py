@@ -9,7 +9,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from toolkit.planner.record import Prediction
+    from toolkit.spec.prediction import Prediction
 
 # decimal multipliers, as token budgets are quoted ("15T tokens" = 15e12)
 MULTIPLIERS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12, "P": 10**15}

@@ -19,7 +19,7 @@ from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 
 if TYPE_CHECKING:
-    from toolkit.planner.record import Prediction
+    from toolkit.spec.prediction import Prediction
 
 GiB = 1024**3
 THUMB_STATE_BYTES = (12, 16)  # the course's mixed-precision Adam rule, and the ZeRO paper's 2 + 2 + 12

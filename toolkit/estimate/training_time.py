@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from toolkit.planner.record import Prediction
+    from toolkit.spec.prediction import Prediction
 
 SECONDS_PER_HOUR = 3600
 SECONDS_PER_DAY = 86400

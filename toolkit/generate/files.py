@@ -14,11 +14,11 @@ from pathlib import Path
 
 from toolkit.numeric import json_text, yaml_text
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
-from toolkit.planner.record import PlanFile
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
 from toolkit.spec.plan import Plan
+from toolkit.spec.prediction import PlanFile
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_calibration, recipe_files, recipe_model, recipe_names
 
 

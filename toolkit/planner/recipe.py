@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from toolkit.errors import UserInputError
-from toolkit.planner.record import RecipePrediction
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import for_backend
 from toolkit.spec.plan import Plan, resolve_plan
+from toolkit.spec.prediction import RecipePrediction
 from toolkit.spec.recipe import Recipe, megatron_layers, recipe_calibration, recipe_names
 
 

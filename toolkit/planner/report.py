@@ -1,4 +1,4 @@
-"""The one record of a model under a plan (toolkit/planner/record.py's Prediction), shared by `dmt estimate --json`,
+"""The one record of a model under a plan (toolkit/spec/prediction.py's Prediction), shared by `dmt estimate --json`,
 `dmt plan --json`, plan.json and the prediction a run keeps (run_plan.json): the plan, its predicted memory, step
 time, tokens/s and MFU; and the short names the tables give a plan."""
 
@@ -9,11 +9,11 @@ from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
-from toolkit.planner.record import Prediction
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
+from toolkit.spec.prediction import Prediction
 
 MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x GPUs x dense peak)"
 # LoRA's useful work: the frozen base's forward and input gradients, attention's three passes, the adapters' three
