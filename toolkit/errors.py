@@ -67,8 +67,9 @@ def interrupted(exc: BaseException, done: str) -> Interrupted:
     return Interrupted([*getattr(exc, "undone", []), done])
 
 
-# The one line a toolkit worker prints before it exits on bad input (toolkit/train.py, `dmt health` ranks), or
-# when the NaN/spike guard stops training
+# The one line a toolkit worker prints before it exits on bad input (error_line: toolkit/train.py, `dmt health`
+# ranks), or when the NaN/spike guard stops training. Another process's output is text: read back here, beside the
+# one function that writes it, and nowhere else
 _WORKER_LINE = re.compile(r"^(?:train\.py|dmt [a-z-]+): (?:error|stopped by the guard): (.+?)\s*$")
 
 

@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` i
 
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
 from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
-from toolkit.errors import UserInputError  # noqa: E402
+from toolkit.errors import UserInputError, error_line  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except UserInputError as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(error_line("train.py", exc), file=sys.stderr)
         return 2
     except GuardStop as exc:
         print(f"train.py: stopped by the guard: {exc}", file=sys.stderr)
@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
 
         # the watchdog reports first and ends this process (the launcher's SIGTERM may already be on its way)
         if isinstance(exc, UserInputError):  # on one rank while the others may already wait for it in a collective
-            watch.fail(exc, code=2, line=f"train.py: error: {exc}", before_exit=ended)
+            watch.fail(exc, code=2, line=error_line("train.py", exc), before_exit=ended)
         elif isinstance(exc, Exception) and not isinstance(exc, GuardStop):  # the guard stops every rank at once
             watch.fail(exc, before_exit=ended)
         ended()  # no watchdog (one process), a guard stop or an interrupt

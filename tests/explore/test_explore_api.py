@@ -184,3 +184,12 @@ def test_binding_every_interface_prints_a_warning():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_the_key_is_the_errors_own_field_not_a_flag_read_out_of_its_line():
+    from toolkit.errors import UserInputError
+    from toolkit.explore.bridge import error_payload
+
+    answer = error_payload("plan", UserInputError("--seq-len", "must divide by --tp 2 x --cp 4"))
+    assert answer == {"error": "dmt plan: error: --seq-len: must divide by --tp 2 x --cp 4", "key": "seq_len"}
+    assert error_payload("plan", UserInputError("plan", "no layout is left; drop --ep"))["key"] == "plan"
