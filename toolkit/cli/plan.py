@@ -14,10 +14,10 @@ from toolkit.numeric import bounded_int, json_text
 from toolkit.spec.options import BACKENDS
 
 if TYPE_CHECKING:
-    from toolkit.spec.prediction import RankedPlans
     from toolkit.planner.search import Candidate
     from toolkit.spec.cluster import GPU
     from toolkit.spec.model import ModelSpec
+    from toolkit.spec.prediction import RankedPlans
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,13 +48,13 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     """The search `dmt plan`'s arguments ask for, its --top plans and why the other layouts were left out."""
     from toolkit.cli.common import build_network, calibration_for
     from toolkit.cli.options import FINETUNE, plan_overrides
-    from toolkit.spec.prediction import RankedPlans
     from toolkit.planner.report import plan_record
     from toolkit.planner.search import search
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.options import PlanOptions
     from toolkit.spec.plan import finetune_options, validated
+    from toolkit.spec.prediction import RankedPlans
 
     if args.top < 1:
         raise UserInputError("--top", f"must be at least 1, got {args.top}")
