@@ -83,8 +83,8 @@ def predicted(recipe_path: Path) -> dict:
     recipe = load_recipe(recipe_path)
     model = recipe_model(recipe)
     record = recipe_prediction(recipe, model, recipe_plan(recipe, model))
-    return {"memory": record["memory_bytes"], "overhead": record["overhead_bytes"],
-            "step_time_s": record["step_time_s"], "mfu": record["mfu"]}
+    return {"memory": record.memory_bytes.model_dump(), "overhead": record.overhead_bytes,
+            "step_time_s": record.step_time_s, "mfu": record.mfu}
 
 
 def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:

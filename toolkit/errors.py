@@ -13,6 +13,21 @@ class UserInputError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
+class UsageError(UserInputError):
+    """A command line argparse refused: `key` the option at fault (None: none in particular), `message` argparse's
+    words, and its text argparse's own (`argument --zero: invalid choice: 5 (choose from 0, 1, 2, 3)`), as the CLI
+    prints it."""
+
+    def __init__(self, key: str | None, message: str, text: str | None = None):
+        super().__init__(key, message)
+        self.args = (text or message,)
+
+
+def error_line(program: str, exc: UserInputError) -> str:
+    """The one line a command prints for bad input (`dmt plan: error: --tp: ...`), and `dmt explore` answers."""
+    return f"{program}: error: {exc}"
+
+
 def rename_key(exc: UserInputError, names) -> UserInputError:
     """The same problem under the name the current command gives the key: `names` maps a shared code's key (the
     flag `--gpus` of resolve_plan, say) to this command's (`cluster.gpus` in a recipe, `--tp` in a converter), or is
@@ -52,8 +67,9 @@ def interrupted(exc: BaseException, done: str) -> Interrupted:
     return Interrupted([*getattr(exc, "undone", []), done])
 
 
-# The one line a toolkit worker prints before it exits on bad input (toolkit/train.py, `dmt health` ranks), or
-# when the NaN/spike guard stops training
+# The one line a toolkit worker prints before it exits on bad input (error_line: toolkit/train.py, `dmt health`
+# ranks), or when the NaN/spike guard stops training. Another process's output is text: read back here, beside the
+# one function that writes it, and nowhere else
 _WORKER_LINE = re.compile(r"^(?:train\.py|dmt [a-z-]+): (?:error|stopped by the guard): (.+?)\s*$")
 
 

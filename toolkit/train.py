@@ -16,7 +16,7 @@ if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` i
 from toolkit.backends import backend_of  # noqa: E402
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
 from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
-from toolkit.errors import UserInputError  # noqa: E402
+from toolkit.errors import UserInputError, error_line  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except UserInputError as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(error_line("train.py", exc), file=sys.stderr)
         return 2
     except GuardStop as exc:
         print(f"train.py: stopped by the guard: {exc}", file=sys.stderr)
@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
 
         # the watchdog reports first and ends this process (the launcher's SIGTERM may already be on its way)
         if isinstance(exc, UserInputError):  # on one rank while the others may already wait for it in a collective
-            watch.fail(exc, code=2, line=f"train.py: error: {exc}", before_exit=ended)
+            watch.fail(exc, code=2, line=error_line("train.py", exc), before_exit=ended)
         elif isinstance(exc, Exception) and not isinstance(exc, GuardStop):  # the guard stops every rank at once
             watch.fail(exc, before_exit=ended)
         ended()  # no watchdog (one process), a guard stop or an interrupt
@@ -122,7 +122,7 @@ def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
         from toolkit.planner.recipe import recipe_prediction
         from toolkit.spec.recipe import recipe_calibration
 
-        prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe))
+        prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe)).as_json()
     prediction = {"model_spec": run.model.model_dump(mode="json"), **prediction}  # a plan.json of an older toolkit
     start_run_record(output_dir, prediction, {
         "argv": argv, "plan_json": str(run.directory / "plan.json") if run.prediction is not None else None,

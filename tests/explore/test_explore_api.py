@@ -47,7 +47,7 @@ def test_plan_answers_exactly_what_the_cli_prints(client):
     assert response.status_code == 200 and code == 0 and response.json() == json.loads(out)
     # 128K tokens: even FSDP2 with CPU offload keeps too many activations of 405B on one GPU
     none_fit = client.post("/api/plan", json={**request, "model": "llama-3.1-405b", "gpus": 1, "seq_len": 131072})
-    assert none_fit.status_code == 200 and none_fit.json() == []
+    assert none_fit.status_code == 200 and none_fit.json()["plans"] == [] and none_fit.json()["rejected"]
 
 
 @pytest.mark.parametrize("request_body, argv, key", [
@@ -133,7 +133,7 @@ def test_a_new_flag_becomes_a_field_and_a_request_key(monkeypatch):
                                             ("fsdp", {"accelerate.yaml", "trainer_args.json", "slurm.sbatch"})])
 def test_generate_renders_the_ranked_plan_with_the_toolkits_generator(client, backend, files):
     ranked = client.post("/api/plan", json={"model": "llama-3.1-8b", "gpus": 16, "seq_len": 4096, "global_batch": 64,
-                                            "backend": backend, "top": 1}).json()[0]
+                                            "backend": backend, "top": 1}).json()["plans"][0]
     response = client.post("/api/generate", json={"model": "llama-3.1-8b", "gpu": ranked["gpu"], "plan": ranked["plan"],
                                                   "train_tokens": "1T"})
     assert response.status_code == 200
@@ -184,3 +184,12 @@ def test_binding_every_interface_prints_a_warning():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_the_key_is_the_errors_own_field_not_a_flag_read_out_of_its_line():
+    from toolkit.errors import UserInputError
+    from toolkit.explore.bridge import error_payload
+
+    answer = error_payload("plan", UserInputError("--seq-len", "must divide by --tp 2 x --cp 4"))
+    assert answer == {"error": "dmt plan: error: --seq-len: must divide by --tp 2 x --cp 4", "key": "seq_len"}
+    assert error_payload("plan", UserInputError("plan", "no layout is left; drop --ep"))["key"] == "plan"

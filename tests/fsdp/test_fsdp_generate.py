@@ -107,7 +107,7 @@ def test_every_ranked_fsdp_plan_generates_files_that_validate(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "64",
                  "--backends", "fsdp", "--top", "4", "--json"]) == 0
-    ranked = json.loads(capsys.readouterr().out)
+    ranked = json.loads(capsys.readouterr().out)["plans"]
     assert len(ranked) == 4 and {r["plan"]["backend"] for r in ranked} == {"fsdp"}
     recipe = yaml.safe_load(SFT_8B.read_text())
     recipe["cluster"].update(gpus=16)

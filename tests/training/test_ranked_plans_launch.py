@@ -54,7 +54,7 @@ def tiny4(tmp_path_factory):
 
 def _ranked(capsys, config, pins) -> list[dict]:
     assert main(["plan", "--model", str(config), *SEARCH, *pins, "--json"]) in (0, 1), capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)
+    return json.loads(capsys.readouterr().out)["plans"]
 
 
 def test_one_plan_per_searched_option_value_trains_two_steps(tiny4, launch, capsys):

@@ -55,6 +55,21 @@ def test_a_minimal_hand_written_config_passes(tmp_path, capsys):
     assert code == 0 and lines == []
 
 
+def test_pipeline_stages_are_refused_as_every_deepspeed_plan_refuses_them(tmp_path, capsys):
+    from toolkit.errors import UserInputError
+    from toolkit.backends.deepspeed.rules import check_pipeline as check_deepspeed_pipeline
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}))
+    with pytest.raises(UserInputError) as rule:
+        check_deepspeed_pipeline(2)
+    code, lines = _validate(capsys, str(path), "--world-size", "4", "--pp", "2")
+    assert code == 2 and lines == [f"dmt validate: error: {rule.value}"]
+    assert "--backend megatron for pipeline parallelism" in lines[0]
+    assert _validate(capsys, str(path), "--world-size", "4", "--pp", "1") == (0, [])
+    assert main(["validate", "--help"]) == 0 and "--pp" not in capsys.readouterr().out  # no longer offered
+
+
 def test_a_config_with_only_train_batch_size_is_checked_like_deepspeed_derives_it(tmp_path, capsys):
     """DeepSpeed accepts train_batch_size alone (micro = train / (accumulation x dp)): valid where that divides."""
     path = tmp_path / "ds.json"

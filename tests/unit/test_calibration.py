@@ -183,8 +183,10 @@ def test_estimate_and_plan_say_whether_a_calibration_is_in_use(tmp_path, capsys)
     assert "uncalibrated" in capsys.readouterr().out
     assert main(["plan", *argv[:6], "--global-batch", "16", "--backend", "deepspeed", "--calibration", str(path),
                  "--json"]) == 0
-    ranked = json.loads(capsys.readouterr().out)
+    answer = json.loads(capsys.readouterr().out)
+    ranked = answer["plans"]
     assert ranked and all(r["calibration"]["compute_scale"] == {"hf": pytest.approx(1.14)} for r in ranked)
+    assert answer["calibration"] == ranked[0]["calibration"]  # the ranking's calibration, once for all the plans
 
 
 def test_a_calibration_of_other_hardware_is_refused_in_one_line(tmp_path, capsys):

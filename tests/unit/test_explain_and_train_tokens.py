@@ -36,13 +36,13 @@ def test_training_time_is_whole_steps_at_the_predicted_step_time(capsys):
 def test_json_is_unchanged_without_the_new_flags(capsys):
     report = _json(capsys, "estimate", *LLAMA_8B)
     assert "training_time" not in report and "explain" not in report
-    plans = _json(capsys, "plan", *LLAMA_8B, "--seq-len", "4096", "--global-batch", "64", "--top", "2")
+    plans = _json(capsys, "plan", *LLAMA_8B, "--seq-len", "4096", "--global-batch", "64", "--top", "2")["plans"]
     assert all("training_time" not in record for record in plans)
 
 
 def test_plan_gives_every_ranked_plan_its_days_and_gpu_hours(capsys):
     plans = _json(capsys, "plan", *LLAMA_8B, "--seq-len", "4096", "--global-batch", "64", "--top", "3",
-                  "--train-tokens", "300B")
+                  "--train-tokens", "300B")["plans"]
     assert len(plans) == 3
     days = [record["training_time"]["days"] for record in plans]
     assert days == sorted(days)  # ranked by step time, so by days too

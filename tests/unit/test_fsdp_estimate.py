@@ -137,7 +137,7 @@ def test_plan_searches_fsdp_next_to_the_other_backends(capsys):
     capsys.readouterr()
     assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "64",
                  "--top", "1000", "--json"]) == 0
-    backends = {r["plan"]["backend"] for r in json.loads(capsys.readouterr().out)}
+    backends = {r["plan"]["backend"] for r in json.loads(capsys.readouterr().out)["plans"]}
     assert {"fsdp", "deepspeed"} <= backends
     assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "64",
                  "--backends", "deepspeed,fdsp"]) == 2

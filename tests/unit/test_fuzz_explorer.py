@@ -31,7 +31,7 @@ def client():
 @pytest.fixture(scope="module")
 def ranked(client):
     """The best plan of PLAN, as the page sends it to /api/generate."""
-    best = client.post("/api/plan", json=PLAN).json()[0]
+    best = client.post("/api/plan", json=PLAN).json()["plans"][0]
     return {"model": PLAN["model"], "gpu": best["gpu"], "plan": best["plan"]}
 
 
@@ -68,7 +68,8 @@ def test_an_uploaded_calibration_is_applied_like_the_file_on_the_command_line(cl
     assert answer == {**with_file, "calibration": {**with_file["calibration"], "file": "./calibration.yaml"}}
     assert answer["step_time_s"] != client.post("/api/estimate", json=ESTIMATE).json()["step_time_s"]
     planned = client.post("/api/plan", json={**PLAN, "calibration": path.read_text()}).json()
-    assert planned[0]["calibration"]["compute_scale"]["hf"] == 0.25
+    assert planned["plans"][0]["calibration"]["compute_scale"]["hf"] == 0.25
+    assert planned["calibration"]["file"] == "./calibration.yaml"
 
 
 def test_generate_writes_the_uploaded_calibration_beside_the_recipe_that_names_it(client, ranked):

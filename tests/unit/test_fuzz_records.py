@@ -39,7 +39,7 @@ def prediction():
     recipe = load_recipe(TINY)
     model = recipe_model(recipe)
     plan = recipe_plan(recipe, model)
-    return {"model_spec": model.model_dump(mode="json"), **recipe_prediction(recipe, model, plan)}
+    return recipe_prediction(recipe, model, plan).as_json()  # with its model_spec
 
 
 def _write_run(path, prediction, device=H100, status="completed", steps=STEPS):

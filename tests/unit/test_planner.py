@@ -173,14 +173,17 @@ def test_dmt_plan_json_and_measured_bandwidth(capsys, tmp_path):
     spec.write_text("\n".join(f"{k}: {v}" for k, v in LLAMA.model_dump(exclude={"moe_layers"}).items() if v is not None))
     common = ["plan", "--model", str(spec), "--gpus", "16", "--seq-len", "4096", "--global-batch", "64", "--top", "3", "--json"]
     assert main(common) == 0
-    records = json.loads(capsys.readouterr().out)
+    answer = json.loads(capsys.readouterr().out)
+    assert set(answer) == {"plans", "rejected", "considered", "calibration"} and answer["calibration"] is None
+    assert answer["considered"] > sum(answer["rejected"].values()) and all(answer["rejected"].values())
+    records = answer["plans"]
     assert len(records) == 3
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "params", "memory_bytes", "plan", "fits"):
         assert key in records[0]
     health = tmp_path / "health.json"
     health.write_text(json.dumps({"ok": True, "bandwidth": {"intra_node_busbw_gbps": 400, "inter_node_busbw_gbps": 0.5}}))
     assert main(common + ["--measured-bw", str(health)]) == 0
-    measured = json.loads(capsys.readouterr().out)
+    measured = json.loads(capsys.readouterr().out)["plans"]
     assert measured[0]["step_time_s"] > records[0]["step_time_s"]
     health.write_text("{}")
     assert main(common + ["--measured-bw", str(health)]) == 2

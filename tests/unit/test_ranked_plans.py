@@ -45,7 +45,7 @@ def recipe_from_record(record: dict, model: str) -> dict:
 def test_every_ranked_plan_generates_validates_and_estimates_the_same(tmp_path, capsys, model, gpus, seq, batch,
                                                                       backend):
     ranked = _json(capsys, "plan", "--model", model, "--gpus", str(gpus), "--seq-len", str(seq), "--global-batch",
-                   str(batch), "--backend", backend, "--top", "3")
+                   str(batch), "--backend", backend, "--top", "3")["plans"]
     assert ranked or backend == "megatron" and gpus == 1, "the search found nothing"
     for index, record in enumerate(ranked):
         recipe = tmp_path / f"recipe-{index}.yaml"

@@ -129,8 +129,8 @@ def host_peak_text(calibration: dict) -> str:
     return text
 
 
-def sharding_text(plan: dict) -> str:
-    """How a plan (as plan.json records it) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
+def sharding_text(plan) -> str:
+    """How a plan (a Plan) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
     from toolkit.backends import backend_of
 
-    return backend_of(plan["backend"]).part("search").sharding_text(plan)
+    return backend_of(plan).part("search").sharding_text(plan)

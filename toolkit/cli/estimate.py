@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from toolkit.cli.common import (
     GiB,
@@ -17,6 +18,9 @@ from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, prin
 from toolkit.cli.options import plan_overrides
 from toolkit.numeric import json_text
 
+if TYPE_CHECKING:
+    from toolkit.spec.prediction import Prediction
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
@@ -25,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_explain_arguments(parser)
 
 
-def estimate_report(args: argparse.Namespace) -> dict:
-    """Everything `dmt estimate --json` prints, as a dict."""
+def result(args: argparse.Namespace) -> Prediction:
+    """What `dmt estimate` says of the model and plan its arguments name (what `--json` prints, and what `dmt explore`
+    answers): the prediction, with training_time and explain when asked for."""
     from toolkit.planner.report import predicted_record
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
@@ -37,67 +42,67 @@ def estimate_report(args: argparse.Namespace) -> dict:
     calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
     plan = resolve_plan(model, args.gpus, **plan_overrides(args))
-    return predicted_record(model, plan, gpu, network, calibration)
+    report = predicted_record(model, plan, gpu, network, calibration)
+    add_extras(report, model, args)
+    return report
 
 
 def run(args: argparse.Namespace) -> int:
-    report = estimate_report(args)
-    add_extras(report, args)
+    report = result(args)
     if args.json:
-        print(json_text(report, indent=2))
+        print(json_text(report.as_json(), indent=2))
     else:
         print_report(report)
         print_extras(report)
     return 0
 
 
-def print_report(report: dict) -> None:
+def print_report(report: Prediction) -> None:
     from rich.table import Table
 
     from toolkit.cli.console import console as make_console
     from toolkit.estimate.efficiency import EXECUTION_PATHS
     from toolkit.planner.report import recompute_label
-    from toolkit.spec.plan import Plan
 
-    plan, mem, params = report["plan"], report["memory_bytes"], report["params"]
+    plan, mem, params = report.plan, report.memory_bytes, report.params
     console = make_console()
-    layout = " ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "vpp", "cp", "ep"))
+    layout = " ".join(f"{k}={getattr(plan, k)}" for k in ("dp", "tp", "pp", "vpp", "cp", "ep"))
     console.print(
-        f"[bold]{report['model']}[/] ({report['family']}): {params['total'] / 1e9:.3f}B params, "
-        f"{params['active'] / 1e9:.3f}B active, {params['embedding'] / 1e9:.3f}B in embeddings"
-        + (f"; {plan['finetune']['method']}: {params['trainable']:,} trainable adapter parameters"
-           if plan["finetune"]["method"] != "full" else "")
+        f"[bold]{report.model}[/] ({report.family}): {params.total / 1e9:.3f}B params, "
+        f"{params.active / 1e9:.3f}B active, {params.embedding / 1e9:.3f}B in embeddings"
+        + (f"; {plan.finetune.method}: {params.trainable:,} trainable adapter parameters"
+           if plan.finetune.method != "full" else "")
     )
     console.print(
-        f"{plan['backend']} on {plan['gpus']} x {report['gpu']}: {layout} {sharding_text(plan)} "
-        f"micro_batch={plan['micro_batch']} grad_accum={plan['grad_accum']} global_batch={plan['global_batch']} "
-        f"seq_len={plan['seq_len']} recompute={recompute_label(Plan.model_validate(plan))} {plan['precision']}"
-        + (f" layers={plan['transformer_impl']}" if plan["transformer_impl"] else "")
+        f"{plan.backend} on {plan.gpus} x {report.gpu}: {layout} {sharding_text(plan)} "
+        f"micro_batch={plan.micro_batch} grad_accum={plan.grad_accum} global_batch={plan.global_batch} "
+        f"seq_len={plan.seq_len} recompute={recompute_label(plan)} {plan.precision}"
+        + (f" layers={plan.transformer_impl}" if plan.transformer_impl else "")
     )
-    table = Table(title=f"Per GPU, stage {report['most_loaded_stage']}", title_justify="left")
+    table = Table(title=f"Per GPU, stage {report.most_loaded_stage}", title_justify="left")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     for key in ("weights", "gradients", "optimizer", "activations", "overhead"):
-        table.add_row(key, f"{mem[key] / GiB:.2f}")
-    table.add_row("[bold]total[/]", f"[bold]{mem['total'] / GiB:.2f}[/]")
+        table.add_row(key, f"{getattr(mem, key) / GiB:.2f}")
+    table.add_row("[bold]total[/]", f"[bold]{mem.total / GiB:.2f}[/]")
     console.print(table)
-    detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in report["overhead_bytes"].items())
+    detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in report.overhead_bytes.items())
     console.print(f"overhead: {detail} GiB")
-    if report["host_memory_bytes_per_gpu"]:
-        console.print(f"host RAM for offload: {report['host_memory_bytes_per_gpu'] / GiB:.2f} GiB per GPU")
-    capacity = report["gpu_memory_bytes"] / GiB
-    verdict = "[green]fits[/]" if report["fits"] else "[red]does not fit[/]"
-    console.print(f"{verdict} in {capacity:.1f} GiB ({report['gpu']})")
+    if report.host_memory_bytes_per_gpu:
+        console.print(f"host RAM for offload: {report.host_memory_bytes_per_gpu / GiB:.2f} GiB per GPU")
+    capacity = report.gpu_memory_bytes / GiB
+    verdict = "[green]fits[/]" if report.fits else "[red]does not fit[/]"
+    console.print(f"{verdict} in {capacity:.1f} GiB ({report.gpu})")
     console.print(
-        f"predicted step {report['step_time_s']:.3g} s, {report['tokens_per_s']:,.0f} tokens/s, "
-        f"{report['tflops_per_gpu']:.3g} TFLOP/s per GPU, MFU {report['mfu']:.1%} ({report['mfu_definition']})"
+        f"predicted step {report.step_time_s:.3g} s, {report.tokens_per_s:,.0f} tokens/s, "
+        f"{report.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {report.mfu:.1%} ({report.mfu_definition})"
     )
-    path = EXECUTION_PATHS[report["execution_path"]]
-    fitted = ((report.get("calibration") or {}).get("compute_scale") or {}).get(path.name)
+    path = EXECUTION_PATHS[report.execution_path]
+    fitted = ((report.calibration or {}).get("compute_scale") or {}).get(path.name)
     scale = f"{path.compute_scale:.2f}" if fitted is None else \
         f"{fitted:.3g} (calibrated; published {path.compute_scale:.2f})"
-    fixed = report["step_time_breakdown_s"]["fixed_s"]
+    fixed = report.step_time_breakdown_s["fixed_s"]
     fixed_text = f", plus a fixed {fixed:.3g} s per step (calibrated)" if fixed else ""
     console.print(f"execution path {path.name}: {path.description}, {scale} of the fused kernels' rate{fixed_text} "
                   f"(toolkit/estimate/efficiency.py)")
-    console.print(calibration_line(report.get("calibration")))
+    console.print(calibration_line(report.calibration))

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from typing import TYPE_CHECKING
 
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, training_time_line
+
+if TYPE_CHECKING:
+    from toolkit.spec.prediction import Prediction
+    from toolkit.spec.model import ModelSpec
 
 
 def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,21 +20,20 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
                              "thumb (with --json: an `explain` list)")
 
 
-def add_extras(report: dict, args: argparse.Namespace) -> None:
+def add_extras(report: Prediction, model: ModelSpec, args: argparse.Namespace) -> None:
     """training_time and explain, each only when its flag is given (the JSON is unchanged otherwise)."""
     add_training_time([report], args.train_tokens)
     if args.explain:
         from toolkit.estimate.explain import explain_estimate
-        from toolkit.spec.model import load_model_spec
 
-        report["explain"] = explain_estimate(load_model_spec(args.model), report)
+        report.explain = explain_estimate(model, report)
 
 
-def print_extras(report: dict) -> None:
-    if "training_time" in report:
+def print_extras(report: Prediction) -> None:
+    if report.training_time is not None:
         print(training_time_line(report))
-    if "explain" in report:
-        print(explain_text(report["explain"]))
+    if report.explain is not None:
+        print(explain_text(report.explain))
 
 
 def explain_text(entries: list[dict], width: int = 110) -> str:

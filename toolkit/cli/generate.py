@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from toolkit.cli.common import add_calibration_argument
 from toolkit.cli.options import add_plan_flags, plan_overrides
@@ -27,21 +26,22 @@ def run(args: argparse.Namespace) -> int:
     from toolkit.generate.files import generate
 
     written = generate(args.recipe, args.out, args.force, args.calibration, **plan_overrides(args))
+    from toolkit.spec.prediction import PlanFile
     from toolkit.readers import read_json
 
-    record = read_json(args.out / "plan.json", "--out", what="the plan.json just written")
+    record = PlanFile.model_validate(read_json(args.out / "plan.json", "--out", what="the plan.json just written"))
     if args.json:
-        print(json_text({"files": [str(p) for p in written], "plan": record["plan"], "fits": record["fits"],
-                          "predicted": {k: record[k] for k in ("step_time_s", "tokens_per_s", "mfu")},
-                          "calibration": record["calibration"]}, indent=2))
+        print(json_text({"files": [str(p) for p in written], "plan": record.plan.as_dict(), "fits": record.fits,
+                          "predicted": {k: getattr(record, k) for k in ("step_time_s", "tokens_per_s", "mfu")},
+                          "calibration": record.calibration}, indent=2))
         return 0
-    p = record["plan"]
-    print(f"{record['recipe']}: {p['backend']} dp={p['dp']} tp={p['tp']} pp={p['pp']} {sharding_text(p)} "
-          f"micro_batch={p['micro_batch']} grad_accum={p['grad_accum']} global_batch={p['global_batch']} "
-          f"({'fits' if record['fits'] else 'does NOT fit'} {record['gpu']}, "
-          f"{record['memory_bytes']['total'] / 2**30:.1f} GiB/GPU)")
-    print(f"predicted step {record['step_time_s']:.3g} s, {record['tokens_per_s']:,.0f} tokens/s, MFU "
-          f"{record['mfu']:.1%}; {calibration_line(record['calibration'])}")
+    p = record.plan
+    print(f"{record.recipe}: {p.backend} dp={p.dp} tp={p.tp} pp={p.pp} {sharding_text(p)} "
+          f"micro_batch={p.micro_batch} grad_accum={p.grad_accum} global_batch={p.global_batch} "
+          f"({'fits' if record.fits else 'does NOT fit'} {record.gpu}, "
+          f"{record.memory_bytes.total / 2**30:.1f} GiB/GPU)")
+    print(f"predicted step {record.step_time_s:.3g} s, {record.tokens_per_s:,.0f} tokens/s, MFU "
+          f"{record.mfu:.1%}; {calibration_line(record.calibration)}")
     for path in written:
         print(f"  wrote {path}")
     return 0

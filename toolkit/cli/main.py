@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UsageError, UserInputError, error_line
 from toolkit.outputs import command_inputs
 
 # verb -> module under toolkit.cli exposing add_arguments(parser) and run(args) -> int; imported on use only
@@ -36,11 +36,23 @@ def quiet_library_warnings() -> None:
     warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line, with exit code 2."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line, with exit code 2; built with `exit_on_error=False` (a verb's
+    parser in `dmt explore`), it raises the error instead (see parse_arguments)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if not self.exit_on_error:
+            raise UsageError(None, message)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_arguments(parser: OneLineParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)` of a parser built with exit_on_error=False: a refused command line is a UsageError
+    naming the option at fault."""
+    try:
+        return parser.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise UsageError(exc.argument_name, exc.message, str(exc)) from None
 
 
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
@@ -48,9 +60,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 
     from toolkit import __version__
 
-    parser = _Parser(prog="dmt", description="dm-toolkit: plan, configure, launch and verify distributed training.")
+    parser = OneLineParser(prog="dmt", description="dm-toolkit: plan, configure, launch and verify distributed training.")
     parser.add_argument("--version", action="version", version=f"dmt {__version__}")
-    sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=OneLineParser)
     for name, (module, help_text) in VERBS.items():
         verb_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == verb:  # only the verb being run pays for its module's import
@@ -104,7 +116,7 @@ def _parse_and_run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at interpreter exit
         return code
     except UserInputError as exc:
-        print(f"dmt {args.verb}: error: {exc}", file=sys.stderr)
+        print(error_line(f"dmt {args.verb}", exc), file=sys.stderr)
         return 2
     except BrokenPipeError:
         # the reader of stdout closed it (`dmt plan --json | head -1`): what it read was whole; nothing more to say

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import output_arg
@@ -11,30 +13,48 @@ from toolkit.errors import UserInputError
 from toolkit.numeric import bounded_int, json_text
 from toolkit.spec.options import BACKENDS
 
+if TYPE_CHECKING:
+    from toolkit.planner.search import Candidate
+    from toolkit.spec.cluster import GPU
+    from toolkit.spec.model import ModelSpec
+    from toolkit.spec.prediction import RankedPlans
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser, required=("seq_len", "global_batch"))  # any other plan option given is pinned
     parser.add_argument("--backends", default=None, metavar=",".join(BACKENDS),
                         help="search only these backends (default: all; --backend pins one)")
     parser.add_argument("--top", type=bounded_int, default=10, help="plans to show (default %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print a JSON list of the ranked plans")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: the ranked plans, the rejected "
+                                                              "candidates by reason, the calibration used")
     parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
                         help="stacked per-GPU memory of the top plans and of ZeRO 0-3")
     add_network_arguments(parser)
     add_train_tokens_argument(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass
+class PlanOutcome:
+    """What `dmt plan` found: the record it prints with --json (and `dmt explore` answers), and what its table, its
+    plot and its `winner:` line are drawn from."""
+
+    record: RankedPlans
+    model: ModelSpec
+    gpu: GPU
+    top: list[Candidate]  # the ranked plans the record holds, as the search returned them
+
+
+def plan_results(args: argparse.Namespace) -> PlanOutcome:
+    """The search `dmt plan`'s arguments ask for, its --top plans and why the other layouts were left out."""
     from toolkit.cli.common import build_network, calibration_for
-    from toolkit.cli.options import plan_overrides
-    from toolkit.estimate.memory import estimate_memory
+    from toolkit.cli.options import FINETUNE, plan_overrides
     from toolkit.planner.report import plan_record
-    from toolkit.planner.search import search, why_first_beats_second
+    from toolkit.planner.search import search
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.options import PlanOptions
-    from toolkit.cli.options import FINETUNE
-    from toolkit.spec.plan import finetune_options, resolve_plan, validated
+    from toolkit.spec.plan import finetune_options, validated
+    from toolkit.spec.prediction import RankedPlans
 
     if args.top < 1:
         raise UserInputError("--top", f"must be at least 1, got {args.top}")
@@ -43,10 +63,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError("--gpus", f"must be a positive integer, got {args.gpus}")
     validated(PlanOptions, {k: v for k, v in pinned.items() if k != FINETUNE})  # one line for a bad pinned value
     finetune_options(pinned.get(FINETUNE))
-    if args.plot is not None:
-        from toolkit.outputs import output_file
-
-        args.plot = output_file(args.plot, "--plot", suffix=".png")
     gpu = get_gpu(args.gpu)
     network = build_network(args, gpu)
     calibration = calibration_for(args.calibration, gpu.name)
@@ -57,29 +73,58 @@ def run(args: argparse.Namespace) -> int:
     if refusal is not None:  # a mistyped option (--ep 3 for 8 experts), not an empty table
         raise refusal
     top = result.ranked[: args.top]
-    records = [plan_record(model, c.plan, c.memory, c.time, gpu, calibration) for c in top]
-    add_training_time(records, args.train_tokens)
-    if args.plot is not None:
-        from toolkit.planner.plot import write_memory_plot
+    plans = [plan_record(model, c.plan, c.memory, c.time, gpu, calibration) for c in top]
+    add_training_time(plans, args.train_tokens)
+    record = RankedPlans(plans=plans, rejected=dict(result.rejected.most_common()), considered=result.considered,
+                         calibration=None if calibration is None else calibration.describe())
+    return PlanOutcome(record, model, gpu, top)
 
-        zero_plans = []
-        for stage in range(4):
-            try:
-                plan = resolve_plan(model, args.gpus, zero=stage, seq_len=args.seq_len, global_batch=args.global_batch, finetune=pinned.get(FINETUNE),
-                                    gpus_per_node=args.gpus_per_node, precision=args.precision, recompute="full")
-            except UserInputError:
-                continue
-            zero_plans.append((plan, estimate_memory(model, plan)))
-        write_memory_plot(args.plot, model, gpu, [(c.plan, c.memory) for c in top[:6]], zero_plans)
+
+def result(args: argparse.Namespace) -> RankedPlans:
+    """What `dmt plan --json` prints (and `dmt explore` answers)."""
+    return plan_results(args).record
+
+
+def run(args: argparse.Namespace) -> int:
+    from toolkit.planner.search import why_first_beats_second
+
+    if args.plot is not None:  # before the search: a plot that cannot be written is refused at once
+        from toolkit.outputs import output_file
+
+        args.plot = output_file(args.plot, "--plot", suffix=".png")
+    outcome = plan_results(args)
+    if args.plot is not None:
+        _plot(args, outcome)
+    plans = outcome.record.plans
     if args.json:
-        print(json_text(records, indent=2))
-        return 0 if records else 1
-    _print_table(model, args, gpu, result, records)
-    if len(top) >= 2:
-        print(f"winner: {why_first_beats_second(top[0], top[1])}")
+        print(json_text(outcome.record.as_json(), indent=2))
+        return 0 if plans else 1
+    _print_table(outcome.model, args, outcome.gpu, outcome.record)
+    if len(outcome.top) >= 2:
+        print(f"winner: {why_first_beats_second(outcome.top[0], outcome.top[1])}")
     if args.plot is not None:
         print(f"memory plot written to {args.plot}")
-    return 0 if records else 1
+    return 0 if plans else 1
+
+
+def _plot(args: argparse.Namespace, outcome: PlanOutcome) -> None:
+    """The memory of the top plans beside ZeRO 0-3 of the same model (--plot)."""
+    from toolkit.cli.options import FINETUNE, plan_overrides
+    from toolkit.estimate.memory import estimate_memory
+    from toolkit.planner.plot import write_memory_plot
+    from toolkit.spec.plan import resolve_plan
+
+    model = outcome.model
+    zero_plans = []
+    for stage in range(4):
+        try:
+            plan = resolve_plan(model, args.gpus, zero=stage, seq_len=args.seq_len, global_batch=args.global_batch,
+                                finetune=plan_overrides(args).get(FINETUNE), gpus_per_node=args.gpus_per_node,
+                                precision=args.precision, recompute="full")
+        except UserInputError:
+            continue
+        zero_plans.append((plan, estimate_memory(model, plan)))
+    write_memory_plot(args.plot, model, outcome.gpu, [(c.plan, c.memory) for c in outcome.top[:6]], zero_plans)
 
 
 def _pinned_refusal(model, gpus: int, backends: tuple[str, ...], pinned: dict, found: UserInputError):
@@ -108,27 +153,26 @@ def _backends(listed: str | None, pinned: str | None) -> tuple[str, ...]:
     return (pinned,) if pinned else names
 
 
-def _print_table(model, args, gpu, result, records) -> None:
+def _print_table(model, args, gpu, record: RankedPlans) -> None:
     from rich.table import Table
 
     from toolkit.cli.common import calibration_line
     from toolkit.cli.console import console as make_console
     from toolkit.planner.report import MFU_NOTE, plan_label
-    from toolkit.spec.plan import Plan
 
     console = make_console()
     console.print(f"[bold]{model.name}[/] on {args.gpus} x {gpu.name}, seq {args.seq_len}, global batch {args.global_batch}: "
-                  f"{result.considered} plans considered, {len(result.ranked)} fit")
+                  f"{record.considered} plans considered, {record.considered - sum(record.rejected.values())} fit")
     table = Table()
     timed = args.train_tokens is not None
     for col in ("#", "plan", "GiB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU") + (("days", "GPU-h") if timed else ()):
         table.add_column(col, justify="left" if col == "plan" else "right")
-    for rank, r in enumerate(records, 1):
-        table.add_row(str(rank), plan_label(Plan(**r["plan"])), f"{r['memory_bytes']['total'] / GiB:.1f}",
-                      f"{r['step_time_s']:.3g}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.0f}", f"{r['mfu']:.1%}",
-                      *((f"{r['training_time']['days']:,.1f}", f"{r['training_time']['gpu_hours']:,.0f}") if timed else ()))
+    for rank, r in enumerate(record.plans, 1):
+        table.add_row(str(rank), plan_label(r.plan), f"{r.memory_bytes.total / GiB:.1f}",
+                      f"{r.step_time_s:.3g}", f"{r.tokens_per_s:,.0f}", f"{r.tflops_per_gpu:.0f}", f"{r.mfu:.1%}",
+                      *((f"{r.training_time.days:,.1f}", f"{r.training_time.gpu_hours:,.0f}") if timed else ()))
     console.print(table)
-    rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
+    rejected = ", ".join(f"{n} {why}" for why, n in record.rejected.items()) or "none"
     console.print(f"rejected: {rejected}")
     console.print(f"MFU = {MFU_NOTE}")
-    console.print(calibration_line(records[0]["calibration"] if records else None))
+    console.print(calibration_line(record.calibration))

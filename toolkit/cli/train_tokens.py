@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.spec.prediction import Prediction
 
 # decimal multipliers, as token budgets are quoted ("15T tokens" = 15e12)
 MULTIPLIERS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12, "P": 10**15}
@@ -26,17 +30,17 @@ def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
                         help="training budget in tokens (15T, 300B, 1.5e12): adds wall-clock days and GPU-hours")
 
 
-def add_training_time(records: list[dict], tokens: int | None) -> None:
+def add_training_time(records: list[Prediction], tokens: int | None) -> None:
     """Attach `training_time: {tokens, steps, days, gpu_hours}` to every record when a budget was given."""
     from toolkit.estimate.training_time import record_training_time
 
     if tokens is None:
         return
     for record in records:
-        record["training_time"] = record_training_time(record, tokens)
+        record.training_time = record_training_time(record, tokens)
 
 
-def training_time_line(record: dict) -> str:
-    t = record["training_time"]
-    return (f"training on {t['tokens']:.4g} tokens: {t['steps']:,} steps, {t['days']:,.1f} days, "
-            f"{t['gpu_hours']:,.0f} GPU-hours on {record['plan']['gpus']} x {record['gpu']}")
+def training_time_line(record: Prediction) -> str:
+    t = record.training_time
+    return (f"training on {t.tokens:.4g} tokens: {t.steps:,} steps, {t.days:,.1f} days, "
+            f"{t.gpu_hours:,.0f} GPU-hours on {record.plan.gpus} x {record.gpu}")

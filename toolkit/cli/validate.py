@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=path_arg, metavar="FILE",
                         help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP) or megatron.yaml")
     parser.add_argument("--world-size", type=bounded_int, required=True, help="processes the job will launch")
-    parser.add_argument("--pp", type=bounded_int, default=1, help="pipeline stages of the model (DeepSpeed PipelineModule)")
+    # not offered: DeepSpeed plans have one pipeline stage; taken only to refuse it in the plans' own words
+    parser.add_argument("--pp", type=bounded_int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--trainer-args", type=path_arg, default=None, help="HF TrainingArguments as JSON (trainer_args.json)")
     parser.add_argument("--model", default=None, help="model for the memory-fit estimate (any form --model takes)")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help="GPU for the memory-fit estimate (default %(default)s)")
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
         return validate_megatron.run(args)
 
+    from toolkit.backends.deepspeed.rules import check_pipeline as check_deepspeed_pipeline
     from toolkit.validate.deepspeed import memory_problem, validate_deepspeed_config
 
     # DeepSpeed's own import-time warnings (which accelerator it picked) are noise here: the problems are the output
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--world-size", args.world_size), ("--pp", args.pp), ("--seq-len", args.seq_len)):
         if value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
+    check_deepspeed_pipeline(args.pp)
     config = _read_json(args.file, "FILE", "a DeepSpeed config (a JSON object)")
     trainer = _read_json(args.trainer_args, "--trainer-args", "HF TrainingArguments as a JSON object") \
         if args.trainer_args else None
@@ -87,11 +90,11 @@ def run(args: argparse.Namespace) -> int:
         recompute = args.recompute or ("full" if checkpointing else "none")
 
         def check(filled: dict):
-            return memory_problem(filled, model, gpu, args.world_size, args.seq_len, recompute, args.pp)
+            return memory_problem(filled, model, gpu, args.world_size, args.seq_len, recompute)
 
     from toolkit.validate.deepspeed import finetune_problems
 
-    return report(args, validate_deepspeed_config(config, args.world_size, args.pp, trainer, check,
+    return report(args, validate_deepspeed_config(config, args.world_size, trainer_args=trainer, memory_check=check,
                                                   config_path=args.file) + finetune_problems(config, args.finetune))
 
 

@@ -11,6 +11,7 @@ gradients and master copy read as are its explain part, toolkit/backends/<name>/
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from toolkit.backends import backend_of
 from toolkit.estimate.activations import head_bytes_per_token
@@ -19,6 +20,9 @@ from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_m
 from toolkit.estimate.training_time import SECONDS_PER_DAY
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
+
+if TYPE_CHECKING:
+    from toolkit.spec.prediction import Prediction
 
 GiB = 1024**3
 THUMB_STATE_BYTES = (12, 16)  # the course's mixed-precision Adam rule, and the ZeRO paper's 2 + 2 + 12
@@ -72,17 +76,17 @@ def replica_plan(plan: Plan) -> Plan:
                                        **_explain(plan).one_replica(plan)))
 
 
-def explain_estimate(model: ModelSpec, report: dict) -> list[dict]:
-    """One entry per component of a `dmt estimate --json` record: rule, source, rule of thumb and the difference."""
-    plan = Plan.model_validate(report["plan"])
-    mem, params = report["memory_bytes"], report["params_per_gpu"]
+def explain_estimate(model: ModelSpec, report: Prediction) -> list[dict]:
+    """One entry per component of a `dmt estimate` prediction: rule, source, rule of thumb and the difference."""
+    plan = report.plan
+    mem, params = report.memory_bytes.model_dump(), report.params_per_gpu
     replica = estimate_memory(model, replica_plan(plan))
     per = {k: mem[k] / params for k in ("weights", "gradients", "optimizer")}
     unsharded = {k: getattr(replica, k) / replica.params_on_gpu for k in ("weights", "gradients", "optimizer")}
     entries = [_weights(plan, mem, params, per, unsharded), _gradients(plan, mem, params, per, unsharded),
                _optimizer(plan, mem, params, per, unsharded), _model_states(plan, mem, params, per, unsharded),
                _activations(model, plan, report), _overhead(report), _step_time(model, report)]
-    if "training_time" in report:
+    if report.training_time is not None:
         entries.append(_training_time(model, report))
     return entries
 
@@ -151,13 +155,13 @@ def _model_states(plan, mem, params, per, unsharded) -> dict:
                   bytes_per_param_unsharded=replica_bpp)
 
 
-def _activations(model: ModelSpec, plan: Plan, report: dict) -> dict:
+def _activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
     setup = activation_setup(model, plan)
-    alive, _ = alive_forwards(model, plan, report["most_loaded_stage"])
+    alive, _ = alive_forwards(model, plan, report.most_loaded_stage)
     tokens, h = setup.tokens, model.hidden_size
-    last = report["most_loaded_stage"] == plan.pp - 1
+    last = report.most_loaded_stage == plan.pp - 1
     head = int(head_bytes_per_token(model, setup) * tokens) if last else 0
-    layer_bytes = report["memory_bytes"]["activations"] - head
+    layer_bytes = report.memory_bytes.activations - head
     per_unit = layer_bytes / (tokens * h * len(alive)) if alive else 0.0
     thumb = THUMB_ACTIVATION_BYTES * tokens * h * len(alive)
     rule = (f"what autograd saves, tensor by tensor, for {len(alive)} layer forward(s) in flight on this GPU "
@@ -174,50 +178,50 @@ def _activations(model: ModelSpec, plan: Plan, report: dict) -> dict:
     why += f": ~{per_unit:.3g} bytes per token per hidden unit per layer, not {THUMB_ACTIVATION_BYTES}"
     if head:
         why += f"; the last stage also holds the fp32 logits ({_gib(head)}), which the rule leaves out"
-    return _entry("activations", report["memory_bytes"]["activations"], rule,
+    return _entry("activations", report.memory_bytes.activations, rule,
                   f"2·b·s·h·L = 2 x {tokens} x {h} x {len(alive)} = {_gib(thumb)}", thumb, why,
                   bytes_per_token_hidden_layer=per_unit, layer_forwards_alive=len(alive), logits_bytes=head)
 
 
-def _overhead(report: dict) -> dict:
-    detail = report["overhead_bytes"]
-    total = report["memory_bytes"]["total"]
+def _overhead(report: Prediction) -> dict:
+    detail = report.overhead_bytes
+    total = report.memory_bytes.total
     items = ", ".join(f"{k} {_gib(v)}" for k, v in detail.items())
-    return _entry("overhead", report["memory_bytes"]["overhead"], items,
+    return _entry("overhead", report.memory_bytes.overhead, items,
                   "usually left out", 0,
-                  f"{report['memory_bytes']['overhead'] / total:.0%} of this GPU's total: memory outside the "
+                  f"{report.memory_bytes.overhead / total:.0%} of this GPU's total: memory outside the "
                   f"tensors (CUDA context, communication buckets, the allocator's fragmentation) still has to fit")
 
 
-def _step_time(model: ModelSpec, report: dict) -> dict:
-    plan = report["plan"]
-    tokens_per_step = plan["global_batch"] * plan["seq_len"]
-    peak = report["tflops_per_gpu"] * 1e12 / report["mfu"] if report["mfu"] else 0.0
+def _step_time(model: ModelSpec, report: Prediction) -> dict:
+    plan = report.plan
+    tokens_per_step = plan.global_batch * plan.seq_len
+    peak = report.tflops_per_gpu * 1e12 / report.mfu if report.mfu else 0.0
     six_n = six_n_flops_per_token(model)
-    ideal = six_n * tokens_per_step / (plan["gpus"] * peak) if peak else 0.0
-    flops_ratio = model_flops_per_token(model, plan["seq_len"]) / six_n
-    breakdown = report["step_time_breakdown_s"]
-    total = report["step_time_s"]
+    ideal = six_n * tokens_per_step / (plan.gpus * peak) if peak else 0.0
+    flops_ratio = model_flops_per_token(model, plan.seq_len) / six_n
+    breakdown = report.step_time_breakdown_s
+    total = report.step_time_s
     shares = ", ".join(f"{k[:-2]} {v / total:.0%}" for k, v in breakdown.items() if v > 0)
     if breakdown.get("fixed_s"):  # only a calibration sets it
         shares += (f" (fixed: {breakdown['fixed_s']:.3g} s every step costs whatever its size, fitted by dmt "
                    f"calibrate)")
     return _entry("step_time", total, f"{total:.3g} s per step: {shares}",
                   f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,
-                  f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {plan['seq_len']} tokens adds to 6·N); "
+                  f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {plan.seq_len} tokens adds to 6·N); "
                   f"GEMMs reach a size-dependent share of peak; communication, pipeline bubble, recomputation and "
-                  f"the optimizer step add time: MFU {report['mfu']:.1%}", seconds_at_peak=ideal, flops_vs_6n=flops_ratio)
+                  f"the optimizer step add time: MFU {report.mfu:.1%}", seconds_at_peak=ideal, flops_vs_6n=flops_ratio)
 
 
-def _training_time(model: ModelSpec, report: dict) -> dict:
-    t, plan = report["training_time"], report["plan"]
-    peak = report["tflops_per_gpu"] * 1e12 / report["mfu"] if report["mfu"] else 0.0
-    ideal_days = six_n_flops_per_token(model) * t["tokens"] / (plan["gpus"] * peak) / SECONDS_PER_DAY if peak else 0.0
-    return _entry("training_time", t["days"] * SECONDS_PER_DAY,
-                  f"{t['steps']:,} steps x {report['step_time_s']:.3g} s = {t['days']:,.1f} days, "
-                  f"{t['gpu_hours']:,.0f} GPU-hours",
-                  f"6·N·D at 100% of peak: {ideal_days:,.1f} days on these {plan['gpus']} GPUs "
-                  f"({ideal_days * plan['gpus']:,.0f} days on one)", ideal_days * SECONDS_PER_DAY,
-                  f"no run reaches peak: at the predicted MFU of {report['mfu']:.1%} it takes "
-                  f"{t['days'] / ideal_days if ideal_days else 0:.2g} x the ideal; check a quoted '<N> days' "
-                  f"against the one-GPU figure above", days=t["days"], days_at_peak=ideal_days)
+def _training_time(model: ModelSpec, report: Prediction) -> dict:
+    t, plan = report.training_time, report.plan
+    peak = report.tflops_per_gpu * 1e12 / report.mfu if report.mfu else 0.0
+    ideal_days = six_n_flops_per_token(model) * t.tokens / (plan.gpus * peak) / SECONDS_PER_DAY if peak else 0.0
+    return _entry("training_time", t.days * SECONDS_PER_DAY,
+                  f"{t.steps:,} steps x {report.step_time_s:.3g} s = {t.days:,.1f} days, "
+                  f"{t.gpu_hours:,.0f} GPU-hours",
+                  f"6·N·D at 100% of peak: {ideal_days:,.1f} days on these {plan.gpus} GPUs "
+                  f"({ideal_days * plan.gpus:,.0f} days on one)", ideal_days * SECONDS_PER_DAY,
+                  f"no run reaches peak: at the predicted MFU of {report.mfu:.1%} it takes "
+                  f"{t.days / ideal_days if ideal_days else 0:.2g} x the ideal; check a quoted '<N> days' "
+                  f"against the one-GPU figure above", days=t.days, days_at_peak=ideal_days)

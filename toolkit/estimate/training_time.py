@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.spec.prediction import Prediction
+
 SECONDS_PER_HOUR = 3600
 SECONDS_PER_DAY = 86400
 
@@ -14,7 +19,7 @@ def training_time(tokens: int, step_time_s: float, tokens_per_step: int, gpus: i
             "gpu_hours": seconds * gpus / SECONDS_PER_HOUR}
 
 
-def record_training_time(record: dict, tokens: int) -> dict:
-    """training_time() of one `dmt estimate --json` / `dmt plan --json` record."""
-    plan = record["plan"]
-    return training_time(tokens, record["step_time_s"], plan["global_batch"] * plan["seq_len"], plan["gpus"])
+def record_training_time(record: Prediction, tokens: int) -> dict:
+    """training_time() of one prediction (`dmt estimate`, a plan of `dmt plan`)."""
+    plan = record.plan
+    return training_time(tokens, record.step_time_s, plan.global_batch * plan.seq_len, plan.gpus)

@@ -1,34 +1,36 @@
-"""Runs `dmt estimate` / `dmt plan` in-process for an API request: their `--json` output, or their one error line.
+"""Answers an API request with what `dmt estimate` / `dmt plan` compute: the typed record their `--json` prints, or
+their one error line with the option at fault.
 
-The answer is what the command prints, not a re-implementation of it: the request becomes the command line
-(form.request_argv), `toolkit.cli.main.main` runs it, and its stdout is the JSON. Commands run one at a time
-(standard streams are process-wide), each in its own temp dir, written as `.` in what comes back (an uploaded
-calibration is `./calibration.yaml`).
+The answer is the command's, not a re-implementation of it: the request becomes the verb's arguments (form.py, read
+by the verb's own parser), and the function the verb itself calls (`result(args)` of toolkit.cli.<verb>) makes the
+record. Each request has its own temp dir, written as `.` in what comes back (an uploaded calibration is
+`./calibration.yaml`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
+import importlib
 import json
 import logging
-import re
 import tempfile
 import threading
 from pathlib import Path
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UserInputError, error_line
+from toolkit.numeric import json_text
 
 logger = logging.getLogger(__name__)
+# The path flags register a command's inputs in one process-wide list as they are parsed (toolkit.outputs): a
+# request is parsed and answered alone, inside its own toolkit.outputs.command_inputs()
 _ONE_AT_A_TIME = threading.Lock()
-_FLAG = re.compile(r"(--[a-z0-9][a-z0-9-]*)")
 
 
-def error_payload(verb: str, line: str) -> dict:
-    """{"error": the CLI's line, "key": the request key of the first flag it names (null when none)}."""
-    message = line.split(": error: ", 1)[-1]
-    match = _FLAG.search(message)
-    return {"error": line, "key": match.group(1)[2:].replace("-", "_") if match else None}
+def error_payload(verb: str, exc: UserInputError, workdir: Path | None = None) -> dict:
+    """{"error": the CLI's line, "key": the request key of the option at fault (null when none)}."""
+    from toolkit.explore.form import request_key
+
+    line = error_line(f"dmt {verb}", exc)
+    return {"error": as_dot(line, workdir) if workdir is not None else line, "key": request_key(exc.key)}
 
 
 def as_dot(text: str, workdir: Path) -> str:
@@ -40,27 +42,20 @@ def as_dot(text: str, workdir: Path) -> str:
 
 def run_verb(verb: str, request: dict) -> tuple[int, object]:
     """(HTTP status, JSON body): 200 and what `dmt <verb> --json` prints, 400 and its error line."""
-    from toolkit.cli.main import main
-    from toolkit.explore.form import request_argv
+    from toolkit.cli.main import VERBS
+    from toolkit.explore.form import parse_request
+    from toolkit.outputs import command_inputs
 
     with tempfile.TemporaryDirectory(prefix="dmt-explore-") as workdir:
         try:
-            argv = request_argv(verb, request, Path(workdir))
+            with _ONE_AT_A_TIME, command_inputs():
+                args = parse_request(verb, request, Path(workdir))
+                record = importlib.import_module(VERBS[verb][0]).result(args)
         except UserInputError as exc:
-            return 400, error_payload(verb, f"dmt {verb}: error: {exc}")
-        out, err = io.StringIO(), io.StringIO()
-        with _ONE_AT_A_TIME, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(argv)
-            except Exception as exc:  # a bug, not bad input: logged whole, answered in one line
-                logger.exception("dmt %s failed on %s", verb, argv)
-                return 500, {"error": f"dmt {verb}: internal error: {type(exc).__name__}: {exc}".splitlines()[0],
-                             "key": None}
-        printed, complaints = (as_dot(text, Path(workdir)) for text in (out.getvalue(), err.getvalue()))
-    if code in (0, 1):  # dmt plan exits 1 with an empty list when no plan fits
-        try:
-            return 200, json.loads(printed)
-        except json.JSONDecodeError:
-            pass
-    lines = [line for line in complaints.splitlines() if line.startswith(f"dmt {verb}")]
-    return 400, error_payload(verb, lines[-1] if lines else f"dmt {verb}: error: exit code {code}")
+            return 400, error_payload(verb, exc, Path(workdir))
+        except Exception as exc:  # a bug, not bad input: logged whole, answered in one line
+            logger.exception("dmt %s failed on %s", verb, request)
+            return 500, {"error": f"dmt {verb}: internal error: {type(exc).__name__}: {exc}".splitlines()[0],
+                         "key": None}
+        # the JSON the command prints (json_text: its rules for numbers), with the temp dir written as `.`
+        return 200, json.loads(as_dot(json_text(record.as_json()), Path(workdir)))

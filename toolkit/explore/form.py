@@ -14,7 +14,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from toolkit.errors import UserInputError
+from toolkit.errors import UsageError, UserInputError
 from toolkit.numeric import FLOAT_FLAGS, INT_FLAGS
 
 ALWAYS = "json"  # the API answers with what `--json` prints, so it is always on and not a field
@@ -34,10 +34,11 @@ UPLOADS = {"calibration": ("calibration.yaml", _check_calibration)}
 
 @lru_cache(maxsize=None)
 def verb_parser(verb: str) -> argparse.ArgumentParser:
-    """The parser `dmt <verb>` builds (toolkit.cli.<verb>.add_arguments), on its own."""
-    from toolkit.cli.main import VERBS, _Parser
+    """The parser `dmt <verb>` builds (toolkit.cli.<verb>.add_arguments), on its own, raising its errors (a request's
+    bad value is a UsageError naming the option, not an exit)."""
+    from toolkit.cli.main import VERBS, OneLineParser
 
-    parser = _Parser(prog=f"dmt {verb}")
+    parser = OneLineParser(prog=f"dmt {verb}", exit_on_error=False)
     importlib.import_module(VERBS[verb][0]).add_arguments(parser)
     return parser
 
@@ -106,14 +107,22 @@ def form_fields(verb: str) -> list[dict]:
     return fields
 
 
+def request_key(key: str | None) -> str | None:
+    """The request key an error's key names: a flag's (`--seq-len`, argparse's `--x/--no-x`) with dashes as
+    underscores; another key (`plan.tp`, `model`) as it is."""
+    if key is None:
+        return None
+    return key.split("/")[0].removeprefix("--").replace("-", "_")
+
+
 def request_argv(verb: str, request: dict, workdir: Path) -> list[str]:
-    """The command line `dmt <verb> ... --json` that a request stands for. A pasted config.json and uploaded files
-    are written under `workdir` (a temp dir); presets are passed by their packaged path, so no other file is read.
-    Values are passed as `--flag=value`, so that a value is never read as an option (`"--help"`, say)."""
+    """The options of `dmt <verb>` that a request stands for, as a command line. A pasted config.json and uploaded
+    files are written under `workdir` (a temp dir); presets are passed by their packaged path, so no other file is
+    read. Values are passed as `--flag=value`, so that a value is never read as an option (`"--help"`, say)."""
     if not isinstance(request, dict):
         raise UserInputError("request", "expected a JSON object of options, e.g. {\"model\": \"llama-3.1-8b\"}")
     accepted = options(verb)
-    argv = [verb]
+    argv = []
     for key, value in request.items():
         action = accepted.get(key)
         if action is None:
@@ -137,7 +146,20 @@ def request_argv(verb: str, request: dict, workdir: Path) -> list[str]:
         else:
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
             argv += [f"{flag}={text}"]
-    return argv + [f"--{ALWAYS}"]
+    return argv
+
+
+def parse_request(verb: str, request: dict, workdir: Path) -> argparse.Namespace:
+    """The arguments `dmt <verb>` would parse from the command line a request stands for."""
+    from toolkit.cli.main import parse_arguments
+
+    argv = request_argv(verb, request, workdir)
+    # argparse names the options a command line lacks only in its message: the request's own, as its key
+    missing = [action.option_strings[0] for key, action in options(verb).items()
+               if action.required and request.get(key) in (None, "")]
+    if missing:
+        raise UsageError(missing[0], f"the following arguments are required: {', '.join(missing)}")
+    return parse_arguments(verb_parser(verb), argv)
 
 
 def model_argument(value, workdir: Path) -> str:

@@ -115,7 +115,7 @@ def _cli_route(verb: str):
         try:
             body = await _body(request)
         except UserInputError as exc:
-            return JSONResponse(error_payload(verb, f"dmt {verb}: error: {exc}"), status_code=400)
+            return JSONResponse(error_payload(verb, exc), status_code=400)
         status, payload = await run_in_threadpool(run_verb, verb, body)
         return JSONResponse(payload, status_code=status)
 
@@ -123,13 +123,13 @@ def _cli_route(verb: str):
 
 
 async def generate(request: Request) -> JSONResponse:
+    from toolkit.explore.bridge import error_payload
     from toolkit.explore.launch_files import launch_files
 
     try:
         files = await run_in_threadpool(launch_files, await _body(request))
     except UserInputError as exc:  # its key is the request's (`plan.tp`, `--calibration`), as a request key
-        key = exc.key.removeprefix("--").replace("-", "_")
-        return JSONResponse({"error": f"dmt generate: error: {exc}", "key": key}, status_code=400)
+        return JSONResponse(error_payload("generate", exc), status_code=400)
     return JSONResponse({"files": files})
 
 

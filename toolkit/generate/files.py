@@ -18,6 +18,7 @@ from toolkit.planner.recipe import recipe_plan, recipe_prediction
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
+from toolkit.spec.prediction import PlanFile
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_calibration, recipe_files, recipe_model, recipe_names
 
 
@@ -51,11 +52,11 @@ def _slurm(ctx: GenerationContext) -> str:
 
 
 def _plan(ctx: GenerationContext) -> str:
-    record = recipe_prediction(ctx.recipe, ctx.model, ctx.plan, ctx.calibration)
-    record.update(recipe=ctx.recipe.name, auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
-                  recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
-                  files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
-    return json_text(record, indent=2) + "\n"
+    record = recipe_prediction(ctx.recipe, ctx.model, ctx.plan, ctx.calibration, PlanFile, recipe=ctx.recipe.name,
+                               auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
+                               recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
+                               files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
+    return json_text(record.as_json(), indent=2) + "\n"
 
 
 def recipe_settings(recipe: Recipe) -> dict:

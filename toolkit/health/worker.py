@@ -10,7 +10,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation
 
 
 def main() -> int:
-    from toolkit.errors import UserInputError
+    from toolkit.errors import UserInputError, error_line
     from toolkit.health.options import HealthOptions, rank_env
     from toolkit.health.runner import OPTIONS_ENV, REPORT_KEY, run_rank
 
@@ -21,7 +21,7 @@ def main() -> int:
         return run_rank(HealthOptions(**fields), rank_env(),
                         lambda report, store: store.set(REPORT_KEY, json.dumps(report)))
     except UserInputError as exc:  # the spawning `dmt health` prints this line as its own
-        print(f"dmt health: error: {exc}", file=sys.stderr)
+        print(error_line("dmt health", exc), file=sys.stderr)
         return 2
 
 

@@ -8,6 +8,7 @@ from toolkit.spec.model import ModelSpec
 from toolkit.backends import backend_of
 from toolkit.spec.options import for_backend
 from toolkit.spec.plan import Plan, resolve_plan
+from toolkit.spec.prediction import RecipePrediction
 from toolkit.spec.recipe import Recipe, megatron_layers, recipe_calibration, recipe_names
 
 
@@ -54,15 +55,16 @@ def check_data_format(recipe: Recipe, plan: Plan) -> None:
                                             f"HF Trainer: use plan.backend deepspeed or fsdp, or format: text")
 
 
-def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration: Calibration | None = None) -> dict:
+def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration: Calibration | None = None, /,
+                      record: type[RecipePrediction] = RecipePrediction, **extra) -> RecipePrediction:
     """What plan.json and a run's run_plan.json record of a recipe's plan: the prediction on the recipe's cluster
-    (catalogue links, or a calibration's), and the model spec it was made for (so a run can be re-predicted)."""
+    (catalogue links, or a calibration's), and the model spec it was made for (so a run can be re-predicted);
+    `record` one with more fields (`extra`: plan.json's PlanFile)."""
     from toolkit.estimate.comm import Network
     from toolkit.planner.report import predicted_record
     from toolkit.spec.cluster import get_gpu
 
     gpu = get_gpu(recipe.cluster.gpu)
     network = Network.from_catalogue(gpu, recipe.cluster.gpus_per_node)
-    record = predicted_record(model, plan, gpu, network, calibration)
-    record["model_spec"] = model.model_dump(mode="json")
-    return record
+    return predicted_record(model, plan, gpu, network, calibration, record,
+                            model_spec=model.model_dump(mode="json"), **extra)

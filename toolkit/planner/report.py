@@ -1,5 +1,6 @@
-"""The one JSON record of a model under a plan, shared by `dmt estimate --json`, `dmt plan --json`, plan.json and the
-prediction a run keeps (run_plan.json): the plan, its predicted memory, step time, tokens/s and MFU."""
+"""The one record of a model under a plan (toolkit/spec/prediction.py's Prediction), shared by `dmt estimate --json`,
+`dmt plan --json`, plan.json and the prediction a run keeps (run_plan.json): the plan, its predicted memory, step
+time, tokens/s and MFU; and the short names the tables give a plan."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
+from toolkit.spec.prediction import Prediction
 
 MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x GPUs x dense peak)"
 # LoRA's useful work: the frozen base's forward and input gradients, attention's three passes, the adapters' three
@@ -21,39 +23,44 @@ FINETUNE_MFU_NOTE = ("fine-tuning FLOPs without recomputation (2 x base matmuls,
 
 
 def predicted_record(model: ModelSpec, plan: Plan, gpu: GPU, network: Network,
-                     calibration: Calibration | None = None) -> dict:
-    """The prediction of one plan, as every output that states one records it."""
+                     calibration: Calibration | None = None, record: type[Prediction] = Prediction,
+                     **extra) -> Prediction:
+    """The prediction of one plan, as every output that states one records it (see plan_record)."""
     time = step_time(model, plan, gpu, network, calibration=calibration)
-    return plan_record(model, plan, estimate_memory(model, plan), time, gpu, calibration)
+    return plan_record(model, plan, estimate_memory(model, plan), time, gpu, calibration, record, **extra)
 
 
 def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: StepTime, gpu: GPU,
-                calibration: Calibration | None = None) -> dict:
+                calibration: Calibration | None = None, record: type[Prediction] = Prediction,
+                **extra) -> Prediction:
+    """The prediction of a plan whose memory and step time are known (the search's); `record` a Prediction with
+    more fields (`extra`), as plan.json keeps."""
     counts = count_params(model)
-    return {
-        "model": model.name,
-        "family": model.family,
-        "params": {"total": counts.total, "embedding": counts.embedding, "active": counts.active,
-                   "trainable": trainable_params(model, plan.finetune)},
-        "plan": plan.as_dict(),
-        "gpu": gpu.name,
-        "gpu_memory_bytes": gpu.memory_bytes,
-        "memory_bytes": memory.as_dict(),
-        "overhead_bytes": memory.overhead_detail,
-        "host_memory_bytes_per_gpu": memory.host_bytes,
-        "most_loaded_stage": memory.stage,
-        "params_per_gpu": memory.params_on_gpu,
-        "fits": memory.total <= gpu.memory_bytes,
-        "step_time_s": time.total_s,
-        "tokens_per_s": time.tokens_per_s,
-        "tflops_per_gpu": time.tflops_per_gpu,
-        "mfu": time.mfu,
-        "mfu_definition": FINETUNE_MFU_NOTE if plan.finetune.peft else MFU_NOTE,
-        "execution_path": time.execution_path,
-        "peak_tflops": time.peak_tflops,
-        "calibration": None if calibration is None else calibration.describe(),
-        "step_time_breakdown_s": {k: getattr(time, k) for k in STEP_COMPONENTS},
-    }
+    return record(
+        model=model.name,
+        family=model.family,
+        params=dict(total=counts.total, embedding=counts.embedding, active=counts.active,
+                    trainable=trainable_params(model, plan.finetune)),
+        plan=plan,
+        gpu=gpu.name,
+        gpu_memory_bytes=gpu.memory_bytes,
+        memory_bytes=memory.as_dict(),
+        overhead_bytes=memory.overhead_detail,
+        host_memory_bytes_per_gpu=memory.host_bytes,
+        most_loaded_stage=memory.stage,
+        params_per_gpu=memory.params_on_gpu,
+        fits=memory.total <= gpu.memory_bytes,
+        step_time_s=time.total_s,
+        tokens_per_s=time.tokens_per_s,
+        tflops_per_gpu=time.tflops_per_gpu,
+        mfu=time.mfu,
+        mfu_definition=FINETUNE_MFU_NOTE if plan.finetune.peft else MFU_NOTE,
+        execution_path=time.execution_path,
+        peak_tflops=time.peak_tflops,
+        calibration=None if calibration is None else calibration.describe(),
+        step_time_breakdown_s={k: getattr(time, k) for k in STEP_COMPONENTS},
+        **extra,
+    )
 
 
 def plan_label(plan: Plan) -> str:

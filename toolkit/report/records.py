@@ -87,7 +87,8 @@ class MemoryRecord(BaseModel):
 
 
 class RunRecord(BaseModel):
-    """run_plan.json: plan.json's prediction record, where the launch ran, and how it ended."""
+    """run_plan.json: plan.json's prediction record (toolkit/spec/prediction.py's RecipePrediction, each figure
+    optional: a toolkit before it recorded fewer), where the launch ran, and how it ended."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -115,6 +116,7 @@ class RunFiles:
     record: dict | None
     metrics: list[dict] = field(default_factory=list)
     damage: str | None = None
+    prediction: RunRecord | None = None  # run_plan.json as the typed record its figures are read from
 
 
 def _fault(exc: ValidationError) -> str:
@@ -135,26 +137,32 @@ def _json(text: str, where: str):
 
 def read_run_plan(run_dir: Path) -> tuple[dict | None, str | None]:
     """(run_plan.json checked, None), (None, its damage), or (None, None) where the directory holds none."""
+    data, _, damage = _read_run_plan(run_dir)
+    return data, damage
+
+
+def _read_run_plan(run_dir: Path) -> tuple[dict | None, RunRecord | None, str | None]:
+    """read_run_plan, with the typed record as well."""
     path = Path(run_dir) / RUN_FILE
     if not path.exists() and not path.is_symlink():
-        return None, None
+        return None, None, None
     text = read_text(path, "RUN_DIR", "a run record (written by toolkit/train.py)", "json")  # unreadable: refused
     try:
         data = _json(text, RUN_FILE)
     except UserInputError as exc:
-        return None, f"{RUN_FILE} {exc.message}"
+        return None, None, f"{RUN_FILE} {exc.message}"
     if not isinstance(data, dict):
-        return None, f"{RUN_FILE} holds a {type(data).__name__}; expected a JSON object (written by toolkit/train.py)"
+        return None, None, f"{RUN_FILE} holds a {type(data).__name__}; expected a JSON object (written by toolkit/train.py)"
     try:
         checked = RunRecord.model_validate(data)
     except ValidationError as exc:
-        return None, f"{RUN_FILE}: {_fault(exc)}"
+        return None, None, f"{RUN_FILE}: {_fault(exc)}"
     problem = _plan_problem(data)
     if problem:
-        return None, f"{RUN_FILE}: {problem}"
+        return None, None, f"{RUN_FILE}: {problem}"
     if checked.calibration is not None:  # only the fields the outputs print, each checked
         data = {**data, "calibration": checked.calibration.model_dump()}
-    return data, None
+    return data, checked, None
 
 
 def _plan_problem(data: dict) -> str | None:
@@ -220,6 +228,6 @@ def read_metrics_records(run_dir: Path) -> tuple[list[dict], str | None]:
 
 def read_run_files(run_dir: Path) -> RunFiles:
     """Both files of a run directory, checked; the first damage found is the run's (run_plan.json's first)."""
-    record, damage = read_run_plan(run_dir)
+    record, checked, damage = _read_run_plan(run_dir)
     metrics, metrics_damage = read_metrics_records(run_dir)
-    return RunFiles(record, metrics, damage or metrics_damage)
+    return RunFiles(record, metrics, damage or metrics_damage, checked)

@@ -14,10 +14,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolkit.errors import UserInputError
-from toolkit.report.records import read_run_files, read_run_plan
+from toolkit.report.records import RunRecord, read_run_files, read_run_plan
 from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
+
+if TYPE_CHECKING:
+    from toolkit.spec.prediction import Prediction
 
 DEFAULT_WARMUP = 3
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s", "peak_allocated_bytes", "peak_reserved_bytes")
@@ -68,19 +72,20 @@ def _peak_per_rank(records: list[dict], key: str) -> list[int] | None:
     return [max(column) for column in zip(*lists)] if lists else None
 
 
-def allocator_comparable(prediction: dict) -> int | None:
+def allocator_comparable(prediction: Prediction | RunRecord) -> int | None:
     """The predicted bytes the allocator's max_memory_allocated can be compared with: the estimate less what lives
     outside PyTorch's allocator (the CUDA context) and its fragmentation margin (as benchmarks/gpu_check.py does)."""
-    memory, overhead = prediction.get("memory_bytes"), prediction.get("overhead_bytes") or {}
-    if not isinstance(memory, dict) or "total" not in memory:
+    if prediction.memory_bytes is None:  # a run record of a toolkit before it was recorded
         return None
-    return memory["total"] - overhead.get("cuda_context", 0) - overhead.get("allocator_margin", 0)
+    overhead = prediction.overhead_bytes or {}
+    return prediction.memory_bytes.total - overhead.get("cuda_context", 0) - overhead.get("allocator_margin", 0)
 
 
-def predicted_figures(prediction: dict) -> dict:
-    memory = prediction.get("memory_bytes")
-    return {"step_time_s": prediction.get("step_time_s"), "tokens_per_s": prediction.get("tokens_per_s"),
-            "mfu": prediction.get("mfu"), "memory_bytes": memory.get("total") if isinstance(memory, dict) else None,
+def predicted_figures(prediction: Prediction | RunRecord) -> dict:
+    """The predicted figures a report sets beside the measured: of a run's record, or of its plan predicted again."""
+    memory = prediction.memory_bytes
+    return {"step_time_s": prediction.step_time_s, "tokens_per_s": prediction.tokens_per_s, "mfu": prediction.mfu,
+            "memory_bytes": memory.total if memory is not None else None,
             "allocated_bytes": allocator_comparable(prediction)}
 
 
@@ -115,8 +120,8 @@ def read_run(run_dir: Path, warmup: int = DEFAULT_WARMUP, key: str = "RUN_DIR") 
                        plan=(record or {}).get("plan"), gpu=(record or {}).get("gpu"),
                        execution_path=(record or {}).get("execution_path"),
                        calibration=(record or {}).get("calibration"))
-    if record is not None:
-        report.predicted = predicted_figures(record)
+    if files.prediction is not None:
+        report.predicted = predicted_figures(files.prediction)
     if status != "completed":
         return report
     steady = timed[warmup:]
@@ -217,8 +222,8 @@ def repredict(report: RunReport, calibration) -> None:
     calibration.check_hardware(gpu.name, "--calibration")
     prediction = predicted_record(model, plan, gpu, Network.from_catalogue(gpu, plan.gpus_per_node), calibration)
     report.predicted = predicted_figures(prediction)
-    report.calibration = prediction["calibration"]
-    before, after = record.get("peak_tflops"), prediction["peak_tflops"]
+    report.calibration = prediction.calibration
+    before, after = record.get("peak_tflops"), prediction.peak_tflops
     if report.measured["mfu"] is not None and before and after:  # the host peak of the calibration, not the launch's
         report.measured["mfu"] *= before / after
     if report.status == "completed":

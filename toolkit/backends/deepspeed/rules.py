@@ -30,11 +30,16 @@ def check_steps(steps: int, warmup: int, key: str) -> None:
     """A run of `steps` optimizer steps after `warmup` warm-up steps: any length (HF's schedulers take both)."""
 
 
-def check(p: Plan) -> None:
-    if p.pp > 1:  # DeepSpeed's pipeline engine trains a PipelineModule in its own loop, which the HF Trainer is not
+def check_pipeline(pp: int) -> None:
+    """A DeepSpeed plan has one pipeline stage (plans, recipes, the search, `dmt validate --pp`)."""
+    if pp > 1:  # DeepSpeed's pipeline engine trains a PipelineModule in its own loop, which the HF Trainer is not
         raise UserInputError("--pp", "the HF Trainer cannot run DeepSpeed's pipeline engine (it needs a PipelineModule "
                                      "and DeepSpeed's own training loop); use --backend megatron for pipeline "
                                      "parallelism")
+
+
+def check(p: Plan) -> None:
+    check_pipeline(p.pp)
     if p.tp > 1:  # launched for real: HF's DeepSpeed config check counts the TP ranks as data-parallel ones
         raise UserInputError("--tp", "DeepSpeed AutoTP does not train through the HF Trainer here (transformers "
                                      "5.23 checks train_batch_size against every rank as data-parallel); use "

@@ -39,7 +39,7 @@ def label(plan) -> list[str]:
     return parts
 
 
-def sharding_text(plan: dict) -> str:
-    """How a plan (as plan.json records it) shards model states: FSDP2's shard and replica groups."""
-    return (f"dp_shard={plan['dp_shard']} dp_replicate={plan['dp_replicate']} "
-            f"reshard_after_forward={str(plan['reshard_after_forward']).lower()}")
+def sharding_text(plan) -> str:
+    """How a plan shards model states: FSDP2's shard and replica groups."""
+    return (f"dp_shard={plan.dp_shard} dp_replicate={plan.dp_replicate} "
+            f"reshard_after_forward={str(plan.reshard_after_forward).lower()}")

@@ -38,6 +38,6 @@ def label(plan) -> list[str]:
     return parts
 
 
-def sharding_text(plan: dict) -> str:
-    """How a plan (as plan.json records it) shards model states."""
-    return f"zero={plan['zero']}"
+def sharding_text(plan) -> str:
+    """How a plan shards model states."""
+    return f"zero={plan.zero}"

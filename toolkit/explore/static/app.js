@@ -389,13 +389,14 @@ async function refreshPlans() {
   const payload = await latestAnswer("plan", "/api/plan", planRequest(), $("#plans"), $("#plan-table"),
                                      $("#plan-error"));
   if (payload === null) return;
-  state.plans = payload;
-  const timed = payload.some((r) => r.training_time);
+  const plans = payload.plans;  // `dmt plan --json`: {plans, rejected, considered, calibration}
+  state.plans = plans;
+  const timed = plans.some((r) => r.training_time);
   const head = [...PLAN_COLUMNS, "GiB/GPU", "step s", "tokens/s", "MFU", ...(timed ? ["days", "GPU-h"] : []), ""];
   $("#plan-table thead").replaceChildren(el("tr", {}, el("th", {}, "#"), ...head.map((h) => el("th", {class: "num"}, h))));
   const body = $("#plan-table tbody");
   body.replaceChildren();
-  payload.forEach((record, i) => {
+  plans.forEach((record, i) => {
     const cells = [...PLAN_COLUMNS.map((k) => planCell(record, k)), `${gib(record.memory_bytes.total)}`,
       fmt(record.step_time_s), Math.round(record.tokens_per_s).toLocaleString("en-US"), `${(record.mfu * 100).toFixed(1)}%`];
     if (timed) cells.push(record.training_time.days.toFixed(1), Math.round(record.training_time.gpu_hours).toLocaleString("en-US"));
@@ -406,9 +407,10 @@ async function refreshPlans() {
     body.append(el("tr", {class: i === 0 ? "best" : null, "data-rank": String(i + 1)}, el("td", {}, String(i + 1)),
                    ...cells.map((c) => el("td", {class: "num"}, c)), el("td", {}, files, " ", use)));
   });
-  $("#plan-summary").textContent = payload.length
-    ? `${payload.length} fastest plans that fit, fastest first (predicted step time).`
-    : "no plan fits: more GPUs, a shorter sequence or a smaller global batch.";
+  const rejected = Object.entries(payload.rejected).map(([why, n]) => `${n.toLocaleString("en-US")} ${why}`).join(", ");
+  $("#plan-summary").textContent = plans.length
+    ? `${plans.length} fastest plans that fit, fastest first (predicted step time).`
+    : `no plan fits: more GPUs, a shorter sequence or a smaller global batch (rejected: ${rejected || "none"}).`;
 }
 
 function usePlan(record) {
