@@ -27,7 +27,7 @@ def main() -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.runtime.fsdp_cpu_compat import fsdp_on_cpu_ranks
+    from toolkit.compat.accelerate_seams import fsdp_on_cpu_ranks
 
     config = AutoConfig.for_model("llama", hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                                   num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,

@@ -229,26 +229,34 @@ def _destroy_process_group() -> None:
         pass
 
 
-def _exit_after_run(code: int) -> None:
-    """End a finished launch without the interpreter's teardown. Everything is written and the process group is
-    destroyed by now, yet a rank has aborted in that teardown ('terminate called without an active exception', a C++
+class _EndAfterExitHandlers:
+    """Ends a finished launch without the interpreter's teardown. Everything is written and the process group is
+    destroyed by then, yet a rank has aborted in that teardown ('terminate called without an active exception', a C++
     thread destroyed while joinable; seen on DeepSpeed ZeRO-3 and FSDP CPU-offload runs on gloo), turning a completed
-    job into a failed one that torchrun would restart. The exit handlers (wandb's finish, logging, shared-memory
-    release) still run; other threads still working are waited for."""
-    import atexit
-    import threading
+    job into a failed one that torchrun would restart. Registered before main() runs, `end` is the last exit handler
+    the interpreter calls (atexit calls them in reverse order, after it has waited for every non-daemon thread): the
+    handlers registered later (wandb's finish, DeepSpeed's shared-memory release) have run, logging's (registered at
+    its import, before this one) is called here, and the process ends with main()'s code before the teardown. When
+    main() raised instead, nothing is set and the interpreter ends as it always does."""
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    def __init__(self):
+        self.code: int | None = None
+
+    def end(self) -> None:
+        if self.code is None:
+            return
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.code)
 
 
 if __name__ == "__main__":
+    import atexit
     import faulthandler
 
     faulthandler.enable()  # a rank that crashes in native code leaves its Python stack in the launcher's log
-    _exit_after_run(main())
+    ending = _EndAfterExitHandlers()
+    atexit.register(ending.end)
+    ending.code = main()
+    sys.exit(ending.code)

@@ -74,7 +74,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from toolkit.runtime.cpu_compat import cuda_on_cpu
+    from toolkit.compat.megatron_cpu import cuda_on_cpu
     from toolkit.runtime.megatron_build import init_distributed
     from toolkit.spec.recipe import load_recipe, recipe_model
 

@@ -62,7 +62,7 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.runtime.cpu_compat import cuda_on_cpu
+    from toolkit.compat.megatron_cpu import cuda_on_cpu
     from toolkit.runtime.megatron_build import destroy, init_distributed
 
     init_distributed()

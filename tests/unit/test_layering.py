@@ -19,6 +19,7 @@ PACKAGE = ROOT / "toolkit"
 # layer also from each other)
 LAYERS = (
     ("toolkit", "errors", "presets", "numeric"),  # numeric: not `numbers`, which train.py run as a script would shadow
+    ("compat",),  # every private-API seam of a library, used from any layer above
     ("readers",),
     ("outputs",),  # reads the record of `dmt generate` through the one reading path
     ("families",),

@@ -60,6 +60,7 @@ def load_texts(recipe: Recipe):
 
 def build_tokenizer(recipe: Recipe, texts):
     """The recipe's tokenizer, or a byte-level BPE trained on the training texts."""
+    from tokenizers import Tokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if recipe.data.tokenizer.path:
@@ -70,7 +71,8 @@ def build_tokenizer(recipe: Recipe, texts):
     special = [EOS] + (list(CHATML_TOKENS) if recipe.data.format == "chat" and not recipe.data.chat_template else [])
     bpe.train_from_iterator((t for t in texts["text"] if t), vocab_size=recipe.data.tokenizer.vocab_size,
                             min_frequency=2, special_tokens=special, show_progress=False)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+    trained = Tokenizer.from_str(bpe.to_str())  # the trained tokenizer itself, through its public serialisation
+    return PreTrainedTokenizerFast(tokenizer_object=trained, eos_token=EOS, pad_token=EOS, bos_token=EOS)
 
 
 def training_datasets(recipe: Recipe, tokenizer, seq_len: int):

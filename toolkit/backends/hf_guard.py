@@ -171,15 +171,17 @@ def reload_checkpoint(trainer, checkpoint: Path) -> None:
     """Model, optimizer and scheduler states of `checkpoint`, loaded into the running trainer as HF Trainer's own
     resume loads them (DeepSpeed's engine, FSDP's sharded state, or the plain model); the RNG and the data loader go
     on, so the data stream is the one the run would have seen anyway."""
+    from peft import PeftMixedModel, PeftModel
     from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-    from transformers.trainer_utils import _is_peft_model
+
+    from toolkit.compat.transformers_seams import load_model_state, load_optimizer_and_scheduler
 
     if trainer.is_deepspeed_enabled:  # a PEFT model's module states are its adapters only: HF's resume loads them
         deepspeed_load_checkpoint(trainer.model_wrapped, str(checkpoint),  # non-strictly too
-                                  load_module_strict=not _is_peft_model(trainer.model))
+                                  load_module_strict=not isinstance(trainer.model, (PeftModel, PeftMixedModel)))
     else:
-        trainer._load_from_checkpoint(str(checkpoint), trainer.model_wrapped if trainer.is_fsdp_enabled else None)
-    trainer._load_optimizer_and_scheduler(str(checkpoint))
+        load_model_state(trainer, str(checkpoint))
+    load_optimizer_and_scheduler(trainer, str(checkpoint))
 
 
 def _mark_skipped(trainer, skipped: bool) -> None:

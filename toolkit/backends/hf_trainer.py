@@ -296,7 +296,7 @@ def _accelerator_building(plan: Plan):
 
     if plan.backend != "fsdp" or torch.cuda.is_available():
         return contextlib.nullcontext()
-    from toolkit.runtime.fsdp_cpu_compat import fsdp_on_cpu_ranks
+    from toolkit.compat.accelerate_seams import fsdp_on_cpu_ranks
 
     return fsdp_on_cpu_ranks()
 

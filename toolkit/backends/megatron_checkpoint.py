@@ -7,11 +7,11 @@ common state; each rank's RNG states are a ShardedObject, restored only when the
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 
 from toolkit.checkpoint.manifest import MEGATRON_FORMAT
+from toolkit.compat.megatron_seams import torch_adam_distributed_load
 from toolkit.errors import UserInputError
 from toolkit.runtime.megatron_build import MegatronSetup, unwrapped
 
@@ -94,45 +94,6 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     return ckpt
 
 
-@contextlib.contextmanager
-def _torch_adam_distributed_load(optimizer):
-    """Megatron-Core 0.16's distributed optimizer with torch's AdamW (no Apex/TE, e.g. on CPU) does not load a
-    fully_reshardable state correctly as shipped: (1) building the loading state dict reads Adam's per-parameter
-    `step`, which a fresh optimizer does not have yet, so it is initialised here the way torch's first step would
-    (zero moments, step 0) before the checkpoint overwrites it; (2) the copy into each parameter's state expects a
-    `step` the checkpoint leaves out (it is restored from the param groups), so the restored step is handed through;
-    (3) that restored step is one tensor shared by every parameter, which torch's foreach AdamW would then advance
-    once per parameter per step: each parameter gets its own copy after loading."""
-    import torch
-    from megatron.core.optimizer import distrib_optimizer
-
-    inners = [] if distrib_optimizer.HAVE_APEX_OR_TE else [
-        inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-        if isinstance(inner, distrib_optimizer.DistributedOptimizer) and inner.optimizer is not None]
-    for inner in inners:
-        if not inner.optimizer.state:
-            inner.init_state_fn(inner.optimizer, inner.config)
-            for state in inner.optimizer.state.values():
-                state.setdefault("step", torch.tensor(0.0))
-        original = inner._set_main_param_and_optimizer_states
-
-        def with_step(model_param, tensors, inner=inner, original=original):
-            if "step" not in tensors:
-                group, order = inner.model_param_group_index_map[model_param]
-                state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
-                if "step" in state:
-                    tensors = {**tensors, "step": state["step"]}
-            return original(model_param, tensors)
-
-        inner._set_main_param_and_optimizer_states = with_step
-    yield
-    for inner in inners:
-        for state in inner.optimizer.state.values():
-            if "step" in state:
-                state["step"] = state["step"].clone()
-        del inner._set_main_param_and_optimizer_states  # back to the class's method
-
-
 def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
     """Load model, optimizer, scheduler (and RNG when the layout is unchanged) from `ckpt`; returns its step."""
     import torch
@@ -151,7 +112,7 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
         raise UserInputError("--resume", f"{ckpt.name} was saved with distributed_optimizer="
                                          f"{saved_layout.get('distributed_optimizer')}; resume with the same setting")
     same_layout = saved_layout == layout(plan)
-    with _torch_adam_distributed_load(setup.optimizer):
+    with torch_adam_distributed_load(setup.optimizer):
         state = dist_checkpointing.load(_sharded_state(setup, 0, is_loading=True, with_rng=same_layout), str(ckpt))
         chunks = unwrapped(setup)
         for i, chunk in enumerate(chunks):

@@ -2,7 +2,7 @@
 Megatron-Core's pipeline schedule, metrics.jsonl, and dist checkpoints with manifests.
 
 Launched as `torchrun --nproc_per_node N toolkit/train.py --recipe R --backend megatron` (train.py dispatches here).
-Without a GPU every Megatron-Core call runs inside `cpu_compat.cuda_on_cpu()`; with one, that module is never imported.
+Without a GPU every Megatron-Core call runs inside `toolkit.compat.megatron_cpu.cuda_on_cpu()`; with one, that module is never imported.
 """
 
 from __future__ import annotations

@@ -72,14 +72,10 @@ def _without_zero3_init():
     """One process builds the random base whole: under ZeRO-3 transformers would build it inside deepspeed.zero.Init,
     whose collectives wait for ranks that are not building anything (a hang). transformers decides by its module's
     reference to the DeepSpeed config the TrainingArguments registered, which is set aside meanwhile."""
-    from transformers.integrations import deepspeed as hf_deepspeed
+    from toolkit.compat.transformers_seams import without_deepspeed_config
 
-    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
+    with without_deepspeed_config():
         yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
 
 
 def check_quant_storage(model, plan: Plan) -> None:

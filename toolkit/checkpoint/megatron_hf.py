@@ -17,7 +17,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.hf_config import config_file, read_hf_config
@@ -104,12 +103,8 @@ def megatron_model(config: dict, device: str | None = None):
     with device_context():
         initialize_parallel(config)
         try:
-            with contextlib.ExitStack() as building:
-                if device:
-                    building.enter_context(torch.device(device))
-                if device == "meta":  # build_model_chunks moves models to the GPU where there is one: not a meta one
-                    building.enter_context(mock.patch.object(torch.nn.Module, "cuda", lambda module, *_: module))
-                chunks = build_model_chunks(config, transformer_config(config))
+            with torch.device(device) if device else contextlib.nullcontext():
+                chunks = build_model_chunks(config, transformer_config(config), to_gpu=device != "meta")
             yield chunks[0] if len(chunks) == 1 else chunks
         finally:
             destroy()

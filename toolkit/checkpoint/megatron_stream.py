@@ -141,7 +141,9 @@ def one_item_at_a_time_writer(out_dir: Path):
     archive, each object its bytes, at the offsets the storage entries record."""
     import torch
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+
+    from toolkit.compat.torch_seams import storage_entry
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
@@ -161,7 +163,7 @@ def one_item_at_a_time_writer(out_dir: Path):
                     del data
                     length = stream.tell() - offset
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(file_name, offset, length)))
+                                               storage_data=storage_entry(file_name, offset, length)))
                 stream.flush()
                 os.fsync(stream.fileno())
             done: Future = Future()

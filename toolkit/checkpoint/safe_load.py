@@ -23,12 +23,12 @@ globals of checkpoints saved by DeepSpeed 0.19, Megatron-Core 0.16 (its converte
 
 from __future__ import annotations
 
-import _compat_pickle  # pickle's own table of Python 2 names
 import pickle
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from toolkit.compat.stdlib_seams import python3_name
 from toolkit.errors import UserInputError
 from toolkit.readers import one_line, problem
 
@@ -103,8 +103,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         """(module, name) as Python 3 names it, when allowed; Refused otherwise."""
         # Python 2 names (__builtin__.exec: protocol 2, torch.save's) are checked as the Python 3 names pickle maps
         # them to (a protocol 3+ pickle naming one fails to import it)
-        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        module, name = python3_name(module, name)
         if f"{module}.{name}" not in self.allowed:
             raise Refused(f"{module}.{name}", self.allowed)
         return module, name

@@ -14,6 +14,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from toolkit.compat.stdlib_seams import is_help_or_version, parser_actions
 from toolkit.errors import UsageError, UserInputError
 from toolkit.numeric import FLOAT_FLAGS, INT_FLAGS
 
@@ -57,9 +58,9 @@ def _reads_files(action: argparse.Action) -> bool:
 def options(verb: str) -> dict[str, argparse.Action]:
     """Request key -> argparse action, for every option of the verb the page may set."""
     found = {}
-    for action in verb_parser(verb)._actions:
+    for action in parser_actions(verb_parser(verb)):
         key = _key(action)
-        if key is None or key == ALWAYS or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+        if key is None or key == ALWAYS or is_help_or_version(action):
             continue
         if key in UPLOADS or not _reads_files(action):
             found[key] = action

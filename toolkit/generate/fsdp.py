@@ -107,12 +107,14 @@ def _no_split_modules(model_type: str) -> tuple[str, ...]:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from toolkit.compat.transformers_seams import no_split_modules
+
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     model_class = getattr(transformers, name, None) if name else None
     if model_class is None:
         raise UserInputError("model", f"transformers has no causal LM for model_type {model_type!r}: FSDP2 needs its "
                                       f"decoder layer class to wrap")
-    return tuple(getattr(model_class, "_no_split_modules", None) or ())
+    return no_split_modules(model_class)
 
 
 def decoder_layer_classes(hf_config: dict) -> list[str]:

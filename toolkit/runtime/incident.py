@@ -108,9 +108,11 @@ def nccl_flight_record() -> bytes | None:
         import torch
         import torch.distributed as dist
 
+        from toolkit.compat.torch_seams import nccl_trace_dump
+
         if not (torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"):
             return None
-        return torch._C._distributed_c10d._dump_nccl_trace(True, True, False)
+        return nccl_trace_dump()
     except Exception as exc:  # an older torch or a build without NCCL: the stacks still say where each rank was
         log.debug("no NCCL flight record: %s", exc)
         return None

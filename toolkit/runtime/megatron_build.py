@@ -35,7 +35,7 @@ def device_context():
 
     if torch.cuda.is_available():
         return contextlib.nullcontext()
-    from toolkit.runtime.cpu_compat import cuda_on_cpu
+    from toolkit.compat.megatron_cpu import cuda_on_cpu
 
     return cuda_on_cpu()
 
@@ -97,19 +97,9 @@ def layer_spec(config: dict, tc):
     return gpt_layer_specs.get_gpt_layer_local_spec(**moe, normalization=tc.normalization)
 
 
-def _moe_without_transformer_engine() -> None:
-    """Megatron-Core 0.16.1's MoE router tests `te_general_gemm is not None`, a name its moe_utils only defines when
-    Transformer Engine imports: without TE (the local spec, CPU) that test raises NameError. Define the name as
-    absent, which is what the test means."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def build_model_chunks(config: dict, tc) -> list:
+def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
     """GPTModel chunks of this rank: one per virtual pipeline stage (the first and last stages hold the embedding
-    and the output layer)."""
+    and the output layer), moved to the GPU where there is one unless `to_gpu` is false (a meta-device model)."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -117,7 +107,9 @@ def build_model_chunks(config: dict, tc) -> list:
 
     spec = layer_spec(config, tc)
     if tc.num_moe_experts:
-        _moe_without_transformer_engine()
+        from toolkit.compat.megatron_seams import moe_without_transformer_engine
+
+        moe_without_transformer_engine()
     vpp = tc.virtual_pipeline_model_parallel_size
     chunks = []
     for stage in range(vpp or 1):
@@ -131,7 +123,7 @@ def build_model_chunks(config: dict, tc) -> list:
         model.vp_stage = vp_stage
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        if torch.cuda.is_available():
+        if to_gpu and torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if tc.bf16 or tc.fp16:
             model = Float16Module(tc, model)

@@ -167,9 +167,11 @@ def _collectives_issued() -> int:
     try:
         import torch.distributed as dist
 
+        from toolkit.compat.torch_seams import collectives_issued
+
         if not dist.is_initialized():
             return 0
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+        return collectives_issued(dist.group.WORLD)
     except Exception:  # a backend without sequence numbers: steps alone still localise a hang
         return 0
 

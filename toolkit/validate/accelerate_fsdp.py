@@ -31,7 +31,9 @@ def _launch_keys() -> tuple[frozenset, frozenset]:
     """The fsdp_* and parallelism_config_* keys `accelerate launch` takes from a config file (its own flags)."""
     from accelerate.commands.launch import launch_command_parser
 
-    dests = {action.dest for action in launch_command_parser()._actions}
+    from toolkit.compat.stdlib_seams import parser_actions
+
+    dests = {action.dest for action in parser_actions(launch_command_parser())}
     return (frozenset(d for d in dests if d.startswith("fsdp_")),
             frozenset(d for d in dests if d.startswith("parallelism_config_")))
 

@@ -62,12 +62,12 @@ def offload_policies(model) -> set[str]:
     OffloadPolicy): what fully_shard was really given, not what the plugin was asked for."""
     from torch.distributed.fsdp import FSDPModule
 
+    from toolkit.compat.torch_seams import fsdp_param_groups
+
     names = set()
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
-            names |= {type(group.offload_policy).__name__ for group in groups if group is not None}
+            names |= {type(group.offload_policy).__name__ for group in fsdp_param_groups(module)}
     return names
 
 

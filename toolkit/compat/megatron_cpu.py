@@ -1,7 +1,8 @@
 """The one CPU compatibility layer for Megatron-Core: lets its CUDA-assuming code run on CPU ranks over gloo.
 
 Megatron-Core is written for GPUs. On a machine without one (CI, the demo) it trips over four things, and this
-module answers each, in one place, only while `cuda_on_cpu()` is active and only when no GPU is present:
+module answers each, in one place, only while `cuda_on_cpu()` is active and only when no GPU is present (every
+name it patches or reaches into is in `SEAMS`; torch's private ones through toolkit.compat.torch_seams):
 
 1. `torch.cuda.current_device()` / `synchronize()` / `set_device()` -- answered as device 0 / no-ops;
 2. tensors created with a literal `device="cuda"` (grad-norm and loss-scale scalars, DDP buffers) and `.cuda()`
@@ -22,7 +23,34 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
+from toolkit.compat import Seam
+from toolkit.compat.torch_seams import backward_entry_points, function_mode_active
+
 log = logging.getLogger(__name__)
+_RANDOM = "megatron.core.tensor_parallel.random"
+_TRACKER = f"{_RANDOM}.CudaRNGStatesTracker"
+SEAMS = [
+    *(Seam("torch", f"torch.cuda.{name}", f"patched while the layer is on: {why}") for name, why in (
+        ("current_device", "Megatron-Core asks for the current CUDA device everywhere; device 0 on CPU"),
+        ("synchronize", "a no-op without a GPU"),
+        ("set_device", "a no-op without a GPU"),
+        ("manual_seed", "Megatron's seeding seeds the CUDA generator; on CPU the CPU generator is the device's"),
+        ("get_rng_state", "Megatron saves the CUDA generator's state; on CPU the CPU generator's"),
+    )),
+    Seam("megatron-core", f"{_RANDOM}._CUDA_RNG_STATE_TRACKER",
+         "the module-global RNG tracker get_cuda_rng_tracker() returns, replaced by the CPU tracker while the layer is "
+         "on: Megatron-Core has no public way to install another tracker class without Transformer Engine"),
+    Seam("megatron-core", f"{_RANDOM}._CUDA_RNG_STATE_TRACKER_INITIALIZED",
+         "set with the tracker above, so get_cuda_rng_tracker() does not build a CUDA one over it"),
+    Seam("megatron-core", f"{_RANDOM}._get_cuda_rng_state",
+         "the state save of activation recomputation (CheckpointFunction), pointed at the CPU generator"),
+    Seam("megatron-core", f"{_RANDOM}._set_cuda_rng_state",
+         "the state restore of activation recomputation, pointed at the CPU generator"),
+    Seam("megatron-core", f"{_TRACKER}._is_initialized", kind="in_source",
+         why="the CPU tracker subclass keeps the base class's bookkeeping (is_initialized() reads it)"),
+    Seam("megatron-core", f"{_TRACKER}._current_state_name", kind="in_source",
+         why="the CPU tracker's fork() keeps the base class's record of the state in use (nested forks)"),
+]
 
 # what `Tensor.type()` answers on a GPU, for the dtypes Megatron-Core's optimizers check
 CUDA_TYPE_NAMES = {
@@ -130,18 +158,17 @@ def _install_backward(patches: list, mode: TorchFunctionMode) -> None:
     """A torch-function mode is off while it handles a call, so the backward it hands on would run recomputation
     (activation checkpointing re-runs forwards, e.g. Megatron's causal mask built with device="cuda") without it:
     the autograd engine's entry point puts the mode back on."""
-    import torch.autograd.graph
-
-    original = torch.autograd.graph._engine_run_backward
+    entry_points = backward_entry_points()
+    owner, name = entry_points[0]
+    original = getattr(owner, name)
 
     def run_backward(*args, **kwargs):
-        if mode in torch.overrides._get_current_function_mode_stack():
+        if function_mode_active(mode):
             return original(*args, **kwargs)
         with mode:
             return original(*args, **kwargs)
 
-    patches += [(torch.autograd.graph, "_engine_run_backward", run_backward),
-                (torch.autograd, "_engine_run_backward", run_backward)]
+    patches += [(owner, name, run_backward) for owner, name in entry_points]
 
 
 @contextlib.contextmanager
@@ -158,7 +185,7 @@ def cuda_on_cpu():
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
-    log.info("no GPU: Megatron-Core runs on CPU through toolkit.runtime.cpu_compat")
+    log.info("no GPU: Megatron-Core runs on CPU through toolkit.compat.megatron_cpu")
     try:
         with mode:
             yield

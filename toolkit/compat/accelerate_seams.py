@@ -1,4 +1,5 @@
-"""The one CPU compatibility step for Accelerate's FSDP2: without it an FSDP run on CPU ranks silently trains unsharded.
+"""Accelerate's seam: the one CPU compatibility step for its FSDP2 (without it an FSDP run on CPU ranks silently
+trains unsharded).
 
 On CPU (gloo) processes Accelerate's PartialState says `DistributedType.MULTI_CPU`, and AcceleratorState turns an
 FSDP plugin into `DistributedType.FSDP` only for GPU-like types (accelerate/state.py, AcceleratorState.__init__: the
@@ -19,7 +20,18 @@ import contextlib
 import inspect
 import logging
 
+from toolkit.compat import Seam
+
 log = logging.getLogger(__name__)
+SEAMS = [
+    Seam("accelerate", "accelerate.state.AcceleratorState.__init__",
+         "patched while the Trainer builds its Accelerator on CPU ranks: the branch that turns an FSDP plugin into "
+         "DistributedType.FSDP runs inside it, for GPU-like types only, and Accelerate has no public hook after it "
+         "and before the Accelerator reads the type"),
+    Seam("accelerate", "accelerate.optimizer.AcceleratedOptimizer._is_overflow", kind="in_source",
+         why="the flag step_was_skipped reports, set by the NaN guard for a dropped step without a grad scaler",
+         used_in="toolkit/backends/hf_guard.py: the guard's step dropping, which the guard rewrite of issue 24 owns"),
+]
 
 
 @contextlib.contextmanager
@@ -37,15 +49,15 @@ def fsdp_on_cpu_ranks():
         plugin = signature.bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
         if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
-            if self._mixed_precision != "no":
-                plugin.set_mixed_precision(self._mixed_precision)
+            if self.mixed_precision != "no":  # the property reads the state's own field on a MULTI_CPU state
+                plugin.set_mixed_precision(self.mixed_precision)
             if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
                 # Accelerate builds CPUOffloadPolicy() with pin_memory=True; pinning needs an accelerator
                 # ("Cannot access accelerator device when none is available"): on CPU ranks the host memory is
                 # where the parameters already are, so the policy is the same without pinning.
                 plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
             self.fsdp_plugin = plugin
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            PartialState().distributed_type = DistributedType.FSDP  # the state every PartialState() shares
             log.info("CPU ranks: Accelerate takes its FSDP path (fsdp_version %s) instead of plain DDP",
                      plugin.fsdp_version)
 

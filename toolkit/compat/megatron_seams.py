@@ -1,0 +1,83 @@
+"""Megatron-Core's seams outside the CPU layer: two fixes of 0.16 as shipped, each applied only where it is needed
+(the MoE router without Transformer Engine; the distributed optimizer's load with torch's AdamW), each undone or
+harmless on the path that does not need it."""
+
+from __future__ import annotations
+
+import contextlib
+
+from toolkit.compat import Seam
+
+_DISTRIB = "megatron.core.optimizer.distrib_optimizer"
+SEAMS = [
+    Seam("megatron-core", "megatron.core.transformer.moe.moe_utils.HAVE_TE",
+         "whether moe_utils imported Transformer Engine's te_general_gemm (moe_without_transformer_engine)"),
+    Seam("megatron-core", "megatron.core.transformer.moe.moe_utils.te_general_gemm", kind="in_source",
+         why="the router tests `te_general_gemm is not None`, a global moe_utils defines only when Transformer "
+             "Engine imports: defined as None without it (NameError otherwise)"),
+    Seam("megatron-core", f"{_DISTRIB}.HAVE_APEX_OR_TE",
+         "the distributed optimizer runs torch's AdamW (the load fix below) only without Apex and Transformer Engine"),
+    Seam("megatron-core", f"{_DISTRIB}.DistributedOptimizer._set_main_param_and_optimizer_states",
+         "wrapped on the optimizer instance during a load, to hand through the Adam `step` a fully_reshardable "
+         "checkpoint leaves out (torch_adam_distributed_load); no public hook runs per parameter there"),
+]
+
+
+def moe_without_transformer_engine() -> None:
+    """Megatron-Core 0.16.1's MoE router tests `te_general_gemm is not None`, a name its moe_utils only defines when
+    Transformer Engine imports: without TE (the local spec, CPU) that test raises NameError. Define the name as
+    absent, which is what the test means (and what moe_utils would say, so it is left in place)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _torch_adam_inners(optimizer) -> list:
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    return [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(inner, distrib_optimizer.DistributedOptimizer) and inner.optimizer is not None]
+
+
+@contextlib.contextmanager
+def torch_adam_distributed_load(optimizer):
+    """Megatron-Core 0.16's distributed optimizer with torch's AdamW (no Apex/TE, e.g. on CPU) does not load a
+    fully_reshardable state correctly as shipped: (1) building the loading state dict reads Adam's per-parameter
+    `step`, which a fresh optimizer does not have yet, so it is initialised here the way torch's first step would
+    (zero moments, step 0) before the checkpoint overwrites it; (2) the copy into each parameter's state expects a
+    `step` the checkpoint leaves out (it is restored from the param groups), so the restored step is handed through;
+    (3) that restored step is one tensor shared by every parameter, which torch's foreach AdamW would then advance
+    once per parameter per step: each parameter gets its own copy after loading. The wrapper is removed whether the
+    load succeeds or not; the per-parameter copies only follow a load that finished."""
+    import torch
+
+    inners = _torch_adam_inners(optimizer)
+    for inner in inners:
+        if not inner.optimizer.state:
+            inner.init_state_fn(inner.optimizer, inner.config)
+            for state in inner.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+    try:
+        for inner in inners:
+            original = inner._set_main_param_and_optimizer_states
+
+            def with_step(model_param, tensors, inner=inner, original=original):
+                if "step" not in tensors:
+                    group, order = inner.model_param_group_index_map[model_param]
+                    state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
+                    if "step" in state:
+                        tensors = {**tensors, "step": state["step"]}
+                return original(model_param, tensors)
+
+            inner._set_main_param_and_optimizer_states = with_step
+        yield
+        for inner in inners:
+            for state in inner.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+    finally:
+        for inner in inners:  # back to the class's method
+            inner.__dict__.pop("_set_main_param_and_optimizer_states", None)

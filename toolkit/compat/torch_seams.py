@@ -1,0 +1,78 @@
+"""torch's private API the toolkit reaches into: DCP's storage entry, FSDP2's parameter groups, c10d's collective
+counter and NCCL flight recorder, and the autograd engine's Python entry point (for Megatron-Core's CPU layer)."""
+
+from __future__ import annotations
+
+from toolkit.compat import Seam
+
+SEAMS = [
+    Seam("torch", "torch.distributed.checkpoint.filesystem._StorageInfo",
+         "the storage entry (file, offset, length) of each chunk in DCP's .metadata: megatron_stream's writer writes "
+         "one chunk at a time itself (torch's keeps a file's chunks in memory), and DCP's FileSystemReader and "
+         "checkpoint/safe_load.py's allow-list read back exactly this class; DCP has no public constructor for it"),
+    Seam("torch", "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
+         "the offload policy fully_shard really applied (backends/fsdp.py checks it against the plan): FSDP2 has no "
+         "public getter for a module's parameter groups"),
+    Seam("torch", "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups", kind="in_source",
+         why="the FSDP2 parameter groups of a module (each with its offload_policy); older torch had only the "
+             "single-group property _fsdp_param_group"),
+    Seam("torch", "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group",
+         "the single-group form of _fsdp_param_groups, read where the list is missing (older torch)"),
+    Seam("torch", "torch.distributed.ProcessGroup._get_sequence_number_for_group",
+         "the watchdog's count of collectives issued (one integer, no communication) that tells a hang inside a "
+         "collective from one outside; c10d exposes no public counter"),
+    Seam("torch", "torch._C._distributed_c10d._dump_nccl_trace", only_with="nccl",
+         why="the NCCL flight recorder's dump that incident.json's last words keep, as NCCL's own timeout writes it; "
+             "torch.distributed has no public dump (CPU builds have only the backend-neutral _dump_fr_trace)"),
+    Seam("torch", "torch.autograd.graph._engine_run_backward",
+         "the one Python entry of every backward: Megatron-Core's CPU layer (megatron_cpu.py) wraps it so its torch "
+         "function mode is on while recomputation runs forwards inside backward; no public hook runs there"),
+    Seam("torch", "torch.autograd._engine_run_backward",
+         "the same function as torch.autograd.graph._engine_run_backward, imported by torch.autograd under its own "
+         "name (backward() calls it from there): both names are wrapped"),
+    Seam("torch", "torch.overrides._get_current_function_mode_stack",
+         "whether a torch function mode is already on (the backward wrapper must not push it twice); torch.overrides "
+         "has no public query of the active modes"),
+]
+
+
+def storage_entry(file_name: str, offset: int, length: int):
+    """DCP's record of where one written item lies (what FileSystemWriter's own write_data returns)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(file_name, offset, length)
+
+
+def fsdp_param_groups(module) -> list:
+    """The FSDP2 parameter groups of a module that fully_shard wrapped (FSDPModule)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    return [group for group in groups if group is not None]
+
+
+def collectives_issued(group) -> int:
+    """The process group's sequence number: collectives (and point-to-point ops) issued through it so far."""
+    return int(group._get_sequence_number_for_group())
+
+
+def nccl_trace_dump() -> bytes:
+    """torch's NCCL flight recorder dump (a pickle of the last collectives, their state and stacks); raises where the
+    build has no NCCL."""
+    import torch
+
+    return torch._C._distributed_c10d._dump_nccl_trace(True, True, False)
+
+
+def backward_entry_points() -> list[tuple[object, str]]:
+    """(owner, name) of the autograd engine's Python entry, under each name backward() may reach it by."""
+    import torch.autograd
+    import torch.autograd.graph
+
+    return [(torch.autograd.graph, "_engine_run_backward"), (torch.autograd, "_engine_run_backward")]
+
+
+def function_mode_active(mode) -> bool:
+    """Whether this torch function mode is on the current stack."""
+    import torch.overrides
+
+    return mode in torch.overrides._get_current_function_mode_stack()

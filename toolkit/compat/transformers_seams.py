@@ -1,0 +1,50 @@
+"""transformers' private API the toolkit reaches into: the Trainer's own resume functions (the guard's rollback),
+the model classes' FSDP wrap list, and the module-global DeepSpeed config that decides ZeRO-3 construction."""
+
+from __future__ import annotations
+
+import contextlib
+
+from toolkit.compat import Seam
+
+SEAMS = [
+    Seam("transformers", "transformers.Trainer._load_from_checkpoint",
+         "the guard's rollback reloads the model in the running Trainer exactly as its own resume does (FSDP's "
+         "sharded state, the plain model); the Trainer's public resume is only train(resume_from_checkpoint=)"),
+    Seam("transformers", "transformers.Trainer._load_optimizer_and_scheduler",
+         "the rollback's optimizer and scheduler states, loaded as the Trainer's own resume loads them"),
+    Seam("transformers", "transformers.PreTrainedModel._no_split_modules",
+         "the decoder layer classes FSDP2 wraps one by one: what Accelerate itself falls back to when the config "
+         "names none; transformers has no public accessor"),
+    Seam("transformers", "transformers.integrations.deepspeed._hf_deepspeed_config_weak_ref",
+         "set aside while one process builds a random base whole (no zero.Init, whose collectives would wait for "
+         "ranks that build nothing) and put back after: unset_hf_deepspeed_config() is public, but nothing public "
+         "returns the config object to set back"),
+]
+
+
+def no_split_modules(model_class) -> tuple[str, ...]:
+    """The class names a model class says must not be split across devices (its decoder layers)."""
+    return tuple(getattr(model_class, "_no_split_modules", None) or ())
+
+
+def load_model_state(trainer, checkpoint: str) -> None:
+    """The model's weights from a Trainer checkpoint, loaded by the Trainer's own resume code (not DeepSpeed's)."""
+    trainer._load_from_checkpoint(checkpoint, trainer.model_wrapped if trainer.is_fsdp_enabled else None)
+
+
+def load_optimizer_and_scheduler(trainer, checkpoint: str) -> None:
+    trainer._load_optimizer_and_scheduler(checkpoint)
+
+
+@contextlib.contextmanager
+def without_deepspeed_config():
+    """While active, transformers sees no DeepSpeed config (models are built whole, not inside zero.Init)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
