@@ -15,7 +15,8 @@ PACKAGE = ROOT / "toolkit"
 # Top-level packages (and modules) of toolkit/ already free of backend names; the rest are being cleared by the other
 # parts of issue 24 and join this list as they are merged.
 CLEARED = ("estimate", "errors", "explore", "families", "health", "numeric", "outputs", "readers", "report",
-           "runtime", "__init__", "__main__", "spec", "planner", "generate", "validate", "cli", "train", "checkpoint")
+           "runtime", "__init__", "__main__", "spec", "planner", "generate", "validate", "cli", "train", "checkpoint",
+           "compat")
 # What the toolkit asks each backend's part (toolkit/backends/<name>/<part>.py)
 HOOKS = {
     "rules": ("check", "fill", "check_steps", "FOREIGN", "FINETUNE_REFUSED"),
@@ -70,7 +71,7 @@ def _top_level() -> list[str]:
 
 
 @pytest.mark.parametrize("top", [
-    pytest.param(top, marks=() if top in CLEARED else pytest.mark.xfail(reason="not cleared yet (issue 24)"))
+    pytest.param(top, marks=() if top in CLEARED else pytest.mark.xfail(reason="not cleared yet (issue 24)", strict=True))
     for top in _top_level()])
 def test_no_backend_name_is_compared_outside_its_package(top):
     found = [f"{path.relative_to(ROOT)}:{line}" for path in _outside_backend_packages(top)
