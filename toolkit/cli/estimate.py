@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from toolkit.cli.common import (
-    GiB,
     add_network_arguments,
     add_plan_arguments,
     build_network,
@@ -15,7 +14,7 @@ from toolkit.cli.common import (
 )
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
-from toolkit.numeric import json_text
+from toolkit.numeric import GiB, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
