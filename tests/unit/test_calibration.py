@@ -12,12 +12,12 @@ from helpers import TINY
 from toolkit.cli.main import main
 from toolkit.estimate.calibrate import Observation, PathFit, best_fixed_cost, fit_compute_scales, fit_paths, provisional
 from toolkit.estimate.comm import ACHIEVABLE_BUS_FRACTION, Network
+from toolkit.estimate.device_peak import host_matmul_tflops, peak_flops
 from toolkit.estimate.efficiency import EXECUTION_PATHS, HF
 from toolkit.estimate.timing import step_time
 from toolkit.report.runs import RunReport, _status
 from toolkit.spec.calibration import ExecutionPath, MeasuredLinks, load_calibration
-from toolkit.spec.cluster import get_gpu, host_memory_bytes, peak_flops
-from toolkit.spec.device_peak import host_matmul_tflops
+from toolkit.spec.cluster import get_gpu, host_memory_bytes
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan
 

@@ -104,15 +104,15 @@ def _host_peak(observations, records):
     import os
 
     from toolkit.spec.calibration import HostPeak
-    from toolkit.spec.cluster import PEAK_KEY
-    from toolkit.spec.device_peak import host_cores, host_matmul_tflops
+    from toolkit.estimate.device_peak import host_cores, host_matmul_tflops
+    from toolkit.spec.cluster import peak_key
 
     cores = host_cores()
     threads = min(cores, max(o.plan.gpus_per_node * int((r.get("launch") or {}).get("threads_per_rank") or cores)
                              for o, r in zip(observations, records)))
     runs: dict[str, float] = {}
     for observation, record in zip(observations, records):
-        key = PEAK_KEY.get(observation.plan.precision, "bf16")
+        key = peak_key(observation.plan.precision)
         if record.get("peak_tflops"):  # a rank's share of the host: the host's rate is gpus_per_node x it
             runs[key] = max(runs.get(key, 0.0), record["peak_tflops"] * observation.plan.gpus_per_node)
         runs.setdefault(key, 0.0)
