@@ -100,6 +100,36 @@ def test_two_runs_give_a_compute_scale_and_a_fixed_cost_per_step():
     assert missed[0] == pytest.approx(0, abs=1e-4) and abs(missed[2]) > 0.1  # what the second term is for
 
 
+def test_a_calibration_books_every_run_and_each_paths_residuals():
+    """fit_calibration (what `dmt calibrate` runs on run directories): runs of two paths made by known figures come
+    back as one file's worth: each run's label, steps and errors before and after (none after), each path's fit and
+    residuals, the published scale it replaced, no host peak on a GPU, and when and where it was fitted."""
+    from toolkit.estimate.calibrate import MeasuredRun, fit_calibration
+
+    truth = {"hf": PathFit(0.42, fixed_step_s=0.35), "megatron-te": PathFit(0.5)}
+    plans = [_plan(zero=2, micro_batch=m, seq_len=256, global_batch=32) for m in (1, 2, 4)]
+    plans.append(_plan(backend="megatron", micro_batch=1))
+    runs = [MeasuredRun(o, f"runs/{i}", f"label {i}", steps=7) for i, o in enumerate(_made_by(truth, plans))]
+    calibration = fit_calibration(runs, H100, None, warmup=3)
+    assert calibration.hardware == "h100-80gb" and calibration.warmup_steps == 3 and calibration.links is None
+    assert calibration.host_peak_tflops is None and calibration.host_peak is None
+    assert [(r.run_dir, r.plan, r.steps) for r in calibration.runs] == [(f"runs/{i}", f"label {i}", 7)
+                                                                        for i in range(4)]
+    assert [r.execution_path for r in calibration.runs] == ["hf", "hf", "hf", "megatron-te"]
+    for run, observation in zip(calibration.runs, runs):
+        assert run.measured_step_time_s == observation.observation.measured_step_time_s
+        assert run.error_after == pytest.approx(0, abs=1e-3) and abs(run.error_before) > 0.05
+        assert run.error_before == pytest.approx(run.predicted_step_time_s_before / run.measured_step_time_s - 1)
+    hf, megatron = calibration.efficiency["hf"], calibration.efficiency["megatron-te"]
+    assert hf.compute_scale == pytest.approx(0.42, rel=1e-3) and hf.fixed_step_s == pytest.approx(0.35, rel=1e-3)
+    assert (hf.fitted, hf.runs, hf.uncalibrated) == ("compute_scale+fixed_step", 3, HF.compute_scale)
+    assert megatron.compute_scale == pytest.approx(0.5, rel=1e-3) and (megatron.fitted, megatron.runs) == (
+        "compute_scale", 1)
+    assert calibration.residuals["hf"].runs == 3 and calibration.residuals["megatron-te"].runs == 1
+    assert calibration.residuals["hf"].max_abs_error < 1e-3
+    assert calibration.created and calibration.machine["host"] and calibration.machine["python"]
+
+
 def test_the_best_fixed_cost_is_never_negative():
     """Runs that a negative constant would fit better (the longer one predicted too long) get 0, not less."""
     assert best_fixed_cost([1.0, 2.0], [1.0, 2.0]) == (pytest.approx(0, abs=1e-6), pytest.approx(0, abs=1e-9))
