@@ -220,7 +220,7 @@ def calibration_runs(reports: list[RunReport], warmup: int, key: str = "RUN_DIR"
         threads = (record.get("launch") or {}).get("threads_per_rank")
         runs.append(MeasuredRun(Observation(model, plan, report.measured["step_time_s"]), report.run_dir,
                                 plan_label(plan), max(0, report.steps - warmup),
-                                threads_per_rank=int(threads) if threads else None,
+                                threads_per_rank=threads if isinstance(threads, int) and threads > 0 else None,
                                 rank_peak_tflops=record.get("peak_tflops")))
     if len(hardware) > 1:
         named = ", ".join(f"{name} ({run})" for name, run in hardware.items())
