@@ -100,6 +100,17 @@ def test_two_runs_give_a_compute_scale_and_a_fixed_cost_per_step():
     assert missed[0] == pytest.approx(0, abs=1e-4) and abs(missed[2]) > 0.1  # what the second term is for
 
 
+def test_a_run_has_an_mfu_only_on_the_device_kind_it_was_predicted_for():
+    """toolkit/train.py's throughput on CPU ranks: a recipe planned for the host entry (the demo's tiny recipe) has
+    its prediction's peak, so an MFU; one naming an H100 trained on CPU ranks has none (null MFU, not a GPU's)."""
+    from toolkit.runtime.metrics import run_throughput
+
+    plan = _plan(gpus=2, gpus_per_node=2, micro_batch=2, seq_len=128, global_batch=16)
+    on_host = run_throughput(LLAMA_1B, plan, {"gpu": "cpu", "peak_tflops": 0.05}, "cpu")
+    assert on_host.peak_flops == pytest.approx(0.05e12) and on_host.flops_per_step > 0
+    assert run_throughput(LLAMA_1B, plan, {"gpu": "h100-80gb", "peak_tflops": 494.7}, "cpu").peak_flops is None
+
+
 def test_a_calibration_books_every_run_and_each_paths_residuals():
     """fit_calibration (what `dmt calibrate` runs on run directories): runs of two paths made by known figures come
     back as one file's worth: each run's label, steps and errors before and after (none after), each path's fit and
