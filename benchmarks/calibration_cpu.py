@@ -84,17 +84,16 @@ def variant(calibration_file: Path, runs: list[Path], name: str) -> Path:
     """The two-term calibration's runs fitted another way, written beside it with the same host peak and links:
     `scale-only`, the compute scale alone (how `dmt calibrate` fitted before the fixed per-step cost), or
     `published`, the published compute scales unfitted (the uncalibrated model at the same host peak)."""
-    from toolkit.cli.calibrate import _observations
     from toolkit.estimate.calibrate import fit_paths
-    from toolkit.report.runs import read_run
+    from toolkit.report.runs import calibration_runs, read_run
     from toolkit.spec.calibration import load_calibration
     from toolkit.spec.cluster import get_gpu
 
     calibration = load_calibration(calibration_file)
     data = yaml.safe_load(calibration_file.read_text())
     if name == "scale-only":
-        observations, hardware, _ = _observations([read_run(run, WARMUP) for run in runs])
-        fitted = fit_paths(observations, get_gpu(hardware), calibration.host_peak_tflops, calibration.links,
+        measured, hardware = calibration_runs([read_run(run, WARMUP) for run in runs], WARMUP)
+        fitted = fit_paths([run.observation for run in measured], get_gpu(hardware), calibration.host_peak_tflops, calibration.links,
                            fixed_cost=False)
         scales = {path: fit.compute_scale for path, fit in fitted.items()}
     else:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job end to end on CPU: estimate, plan, generate, train on 2 ranks, verify, convert, restore-test; then
+# The main job end to end on CPU: estimate, plan, generate, train on 2 ranks and report the run against its
+# prediction, verify, convert, restore-test; then
 # the same recipe shape on Megatron-Core at TP=2 and its checkpoint back to HF; then QLoRA fine-tuning and merge-lora.
 # Run through `make demo` (which creates .venv first). Everything goes under runs/demo.
 set -euo pipefail
@@ -14,11 +15,12 @@ dmt estimate --model llama-3.1-70b --gpus 64 --gpu h100-80gb --zero 3 --recomput
 echo; echo "== 2. dmt plan: the fastest layouts for the same job (memory plot in $OUT/plan.png)"
 dmt plan --model llama-3.1-70b --gpus 64 --gpu h100-80gb --seq-len 8192 --global-batch 512 --top 5 --plot "$OUT/plan.png"
 
-echo; echo "== 3. dmt generate: launch files for the tiny CPU recipe"
+echo; echo "== 3. dmt generate: launch files for the tiny CPU recipe, predicted for this host (cluster.gpu: cpu)"
 dmt generate recipes/tiny-llama-cpu.yaml --out "$OUT/config"
 dmt validate "$OUT/config/deepspeed.json" --world-size 2 --trainer-args "$OUT/config/trainer_args.json"
 
-echo; echo "== 4. deepspeed --num_gpus 2 toolkit/train.py --plan $OUT/config/plan.json (2 CPU ranks, gloo, ZeRO-2)"
+echo; echo "== 4. deepspeed --num_gpus 2 toolkit/train.py --plan $OUT/config/plan.json (2 CPU ranks, gloo, ZeRO-2),"
+echo "      then dmt report: what the run measured against what step 3 predicted for it"
 # train.py trains the generated files (plan.json, deepspeed.json, trainer_args.json), and refuses if they no longer
 # match the recipe; $OUT/config/launch.sh runs the same command under deepspeed, accelerate or torchrun
 deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/config/plan.json" --output-dir "$OUT/run" > "$OUT/train.log" 2>&1 \
@@ -26,9 +28,9 @@ deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/config/plan.json" --output-
 python - "$OUT/run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print(f"trained {rows[-1]['step']} steps: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
-      f"{rows[-1]['tokens_per_s']:.0f} tokens/s")
+print(f"trained {rows[-1]['step']} steps: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
 PY
+dmt report "$OUT/run"
 
 echo; echo "== 5. dmt ckpt verify / inspect the latest checkpoint"
 LATEST="$OUT/run/$(cat "$OUT/run/latest")"

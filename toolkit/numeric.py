@@ -1,6 +1,7 @@
 """What a number from elsewhere may be: finite (never NaN, inf or -inf), and an integer bounded by what its consumers
 accept. Declared once: the pydantic types and config, the argparse types of number flags, the walk that finds a
-non-finite number in parsed JSON or YAML, and the JSON/YAML writers that refuse to write one."""
+non-finite number in parsed JSON or YAML, and the JSON/YAML writers that refuse to write one; and the one binary
+unit memory is shown in (GiB)."""
 
 # named numeric, not numbers: toolkit/train.py runs as a script, with toolkit/ first on sys.path, where a numbers.py
 # would stand in for the standard library's (which numpy and torch import)
@@ -18,6 +19,9 @@ from pydantic import AfterValidator, ConfigDict, Field, StrictFloat, StrictInt
 FINITE = ConfigDict(allow_inf_nan=False)
 # a number a YAML or JSON file may give as 32 or 0.5, but not as true, "32", .nan or .inf
 FiniteNumber = StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+# bytes in a GiB: memory figures are shown in binary units, as torch's allocator and its OOM messages give them
+GiB = 1024**3
 
 # a training seed goes to HF's set_seed: random.seed (any int), numpy.random.seed (0 .. 2**32 - 1) and
 # torch.manual_seed (-2**63 .. 2**64 - 1); numpy's range is the tightest, and the one every rank then survives

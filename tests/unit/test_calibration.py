@@ -12,12 +12,12 @@ from helpers import TINY
 from toolkit.cli.main import main
 from toolkit.estimate.calibrate import Observation, PathFit, best_fixed_cost, fit_compute_scales, fit_paths, provisional
 from toolkit.estimate.comm import ACHIEVABLE_BUS_FRACTION, Network
+from toolkit.estimate.device_peak import host_matmul_tflops, peak_flops
 from toolkit.estimate.efficiency import EXECUTION_PATHS, HF
 from toolkit.estimate.timing import step_time
 from toolkit.report.runs import RunReport, _status
 from toolkit.spec.calibration import ExecutionPath, MeasuredLinks, load_calibration
-from toolkit.spec.cluster import get_gpu, host_memory_bytes, peak_flops
-from toolkit.spec.device_peak import host_matmul_tflops
+from toolkit.spec.cluster import get_gpu, host_memory_bytes
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan
 
@@ -98,6 +98,47 @@ def test_two_runs_give_a_compute_scale_and_a_fixed_cost_per_step():
     missed = [step_time(LLAMA_1B, o.plan, H100, Network.from_catalogue(H100, 8), calibration=alone).total_s
               / o.measured_step_time_s - 1 for o in observations]
     assert missed[0] == pytest.approx(0, abs=1e-4) and abs(missed[2]) > 0.1  # what the second term is for
+
+
+def test_a_run_has_an_mfu_only_on_the_device_kind_it_was_predicted_for():
+    """toolkit/train.py's throughput on CPU ranks: a recipe planned for the host entry (the demo's tiny recipe) has
+    its prediction's peak, so an MFU; one naming an H100 trained on CPU ranks has none (null MFU, not a GPU's)."""
+    from toolkit.runtime.metrics import run_throughput
+
+    plan = _plan(gpus=2, gpus_per_node=2, micro_batch=2, seq_len=128, global_batch=16)
+    on_host = run_throughput(LLAMA_1B, plan, {"gpu": "cpu", "peak_tflops": 0.05}, "cpu")
+    assert on_host.peak_flops == pytest.approx(0.05e12) and on_host.flops_per_step > 0
+    assert run_throughput(LLAMA_1B, plan, {"gpu": "h100-80gb", "peak_tflops": 494.7}, "cpu").peak_flops is None
+
+
+def test_a_calibration_books_every_run_and_each_paths_residuals():
+    """fit_calibration (what `dmt calibrate` runs on run directories): runs of two paths made by known figures come
+    back as one file's worth: each run's label, steps and errors before and after (none after), each path's fit and
+    residuals, the published scale it replaced, no host peak on a GPU, and when and where it was fitted."""
+    from toolkit.estimate.calibrate import MeasuredRun, fit_calibration
+
+    truth = {"hf": PathFit(0.42, fixed_step_s=0.35), "megatron-te": PathFit(0.5)}
+    plans = [_plan(zero=2, micro_batch=m, seq_len=256, global_batch=32) for m in (1, 2, 4)]
+    plans.append(_plan(backend="megatron", micro_batch=1))
+    runs = [MeasuredRun(o, f"runs/{i}", f"label {i}", steps=7) for i, o in enumerate(_made_by(truth, plans))]
+    calibration = fit_calibration(runs, H100, None, warmup=3)
+    assert calibration.hardware == "h100-80gb" and calibration.warmup_steps == 3 and calibration.links is None
+    assert calibration.host_peak_tflops is None and calibration.host_peak is None
+    assert [(r.run_dir, r.plan, r.steps) for r in calibration.runs] == [(f"runs/{i}", f"label {i}", 7)
+                                                                        for i in range(4)]
+    assert [r.execution_path for r in calibration.runs] == ["hf", "hf", "hf", "megatron-te"]
+    for run, observation in zip(calibration.runs, runs):
+        assert run.measured_step_time_s == observation.observation.measured_step_time_s
+        assert run.error_after == pytest.approx(0, abs=1e-3) and abs(run.error_before) > 0.05
+        assert run.error_before == pytest.approx(run.predicted_step_time_s_before / run.measured_step_time_s - 1)
+    hf, megatron = calibration.efficiency["hf"], calibration.efficiency["megatron-te"]
+    assert hf.compute_scale == pytest.approx(0.42, rel=1e-3) and hf.fixed_step_s == pytest.approx(0.35, rel=1e-3)
+    assert (hf.fitted, hf.runs, hf.uncalibrated) == ("compute_scale+fixed_step", 3, HF.compute_scale)
+    assert megatron.compute_scale == pytest.approx(0.5, rel=1e-3) and (megatron.fitted, megatron.runs) == (
+        "compute_scale", 1)
+    assert calibration.residuals["hf"].runs == 3 and calibration.residuals["megatron-te"].runs == 1
+    assert calibration.residuals["hf"].max_abs_error < 1e-3
+    assert calibration.created and calibration.machine["host"] and calibration.machine["python"]
 
 
 def test_the_best_fixed_cost_is_never_negative():

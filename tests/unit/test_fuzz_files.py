@@ -210,7 +210,7 @@ def _users_files(sandbox: Path) -> None:
     (sandbox / "recipe.yaml").write_text(RECIPE_TEXT.replace(str(TINY.parent / "data/tiny_corpus.txt"), "corpus.txt"))
     (sandbox / "job").mkdir()
     (sandbox / "job" / "launch.sh").write_text((sandbox / "recipe.yaml").read_text())
-    (sandbox / "job" / "plan.json").write_text((sandbox / "c.png").read_text())
+    _calibration_file(sandbox / "job" / "plan.json", hardware="cpu")  # for the recipe's hardware: the host
     (sandbox / "work").mkdir()
     (sandbox / "work" / "reference.log").write_text((sandbox / "recipe.yaml").read_text())
 

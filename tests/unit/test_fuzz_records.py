@@ -32,11 +32,13 @@ CPU_RANKS = {"accelerator": "cpu", "device": "cpu", "device_gpu": "cpu"}
 
 @pytest.fixture(scope="module")
 def prediction():
-    """The tiny recipe's prediction on its catalogue GPU (h100-80gb), as train.py records it in run_plan.json."""
+    """The tiny recipe's prediction on a catalogue GPU (h100-80gb; the recipe itself is planned for the host), as
+    train.py records it in run_plan.json."""
     from toolkit.planner.recipe import recipe_plan, recipe_prediction
     from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(TINY)
+    recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"gpu": "h100-80gb"})})
     model = recipe_model(recipe)
     plan = recipe_plan(recipe, model)
     return recipe_prediction(recipe, model, plan).as_json()  # with its model_spec

@@ -219,7 +219,7 @@ RECIPE_VALUES = {  # a recipe line replaced -> the key the error must name
     "micro_batch: true": ("micro_batch: 4", "micro_batch: true", "plan.micro_batch"),
     "max_steps as text": ("max_steps: 30", "max_steps: '30'", "training.max_steps"),
     "zero 5": ("zero: 2", "zero: 5", "plan.zero"),
-    "unknown gpu": ("gpu: h100-80gb", "gpu: h100-81gb", "cluster.gpu"),
+    "unknown gpu": ("gpu: cpu", "gpu: h100-81gb", "cluster.gpu"),
     "hostile name": ("name: tiny-llama-cpu", "name: 'x; touch PWNED'", "name"),
     "name escaping": ("name: tiny-llama-cpu", "name: ../../escape", "name"),
     "negative seq": ("seq_len: 64", "seq_len: -64", "training.seq_len"),

@@ -111,6 +111,26 @@ def test_importing_the_spec_loads_no_higher_layer(module):
     assert module in loaded and not higher, higher
 
 
+def _imported_roots(path: Path) -> set[str]:
+    """The top-level names of everything a module imports, at module level or inside a function."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+    return roots
+
+
+def test_the_spec_declares_and_measures_nothing():
+    """spec/ holds data and its rules: a measurement (the host's matmul peak) runs in toolkit/estimate/device_peak.py,
+    so no spec module imports torch, even inside a function."""
+    measuring = [str(p.relative_to(ROOT)) for p in sorted((PACKAGE / "spec").rglob("*.py"))
+                 if "torch" in _imported_roots(p)]
+    assert not measuring, measuring
+    assert "torch" in _imported_roots(PACKAGE / "estimate" / "device_peak.py")  # the checker sees a lazy import
+
+
 def test_no_package_module_is_named_like_a_test():
     """pytest's default patterns (test_*.py, *_test.py) are for tests; a package module named so reads as one."""
     named = [str(p.relative_to(ROOT)) for p in _modules() if p.name.startswith("test_") or p.stem.endswith("_test")]

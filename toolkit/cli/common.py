@@ -11,7 +11,6 @@ from toolkit.numeric import bounded_int, is_finite_number, positive_float
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.options import default
 
-GiB = 1024**3
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser, *, required: tuple[str, ...] = ()) -> None:

@@ -6,7 +6,6 @@ import argparse
 from typing import TYPE_CHECKING
 
 from toolkit.cli.common import (
-    GiB,
     add_network_arguments,
     add_plan_arguments,
     build_network,
@@ -16,7 +15,7 @@ from toolkit.cli.common import (
 )
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
-from toolkit.numeric import json_text
+from toolkit.numeric import GiB, json_text
 
 if TYPE_CHECKING:
     from toolkit.spec.prediction import Prediction

@@ -6,11 +6,11 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolkit.cli.common import GiB, add_network_arguments, add_plan_arguments
+from toolkit.cli.common import add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import output_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
-from toolkit.numeric import bounded_int, json_text
+from toolkit.numeric import GiB, bounded_int, json_text
 from toolkit.spec.options import BACKENDS
 
 if TYPE_CHECKING:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from toolkit.cli.common import GiB, add_calibration_argument
+from toolkit.cli.common import add_calibration_argument
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
-from toolkit.numeric import bounded_int, json_text
+from toolkit.numeric import GiB, bounded_int, json_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,11 @@ comparable to the compute, so doubling the micro-batch does not double the step 
 log ratio of predicted to measured step time over that path's runs (least squares in log space, so a run 2x too slow
 and one 2x too fast weigh alike); with one run only the scale is fitted (the fixed cost stays 0) and the calibration
 says so. Everything else the prediction uses is held at what the calibration states (the host peak, measured links)
-or the catalogue's. Pure arithmetic: runs come in as (model, plan, measured time).
+or the catalogue's. The fit is pure arithmetic: runs come in as (model, plan, measured time).
+
+`fit_calibration` is what `dmt calibrate` runs: the fit of finished runs (MeasuredRun, read back from their run
+directories by toolkit/report/runs.py) and, on the host entry, its matmul peak measured again, assembled into the
+Calibration the file holds, with every run's error before and after and each path's residuals.
 """
 
 from __future__ import annotations
@@ -20,10 +24,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from toolkit.estimate.comm import Network
+from toolkit.estimate.device_peak import host_cores, host_matmul_tflops
 from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path, gemm_efficiency
 from toolkit.estimate.timing import step_time
-from toolkit.spec.calibration import FORMAT, Calibration
-from toolkit.spec.cluster import GPU
+from toolkit.spec.calibration import (
+    FORMAT,
+    Calibration,
+    FittedRun,
+    HostPeak,
+    MeasuredLinks,
+    PathEfficiency,
+    Residuals,
+)
+from toolkit.spec.cluster import GPU, peak_key
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 
@@ -57,12 +70,23 @@ class PathFit:
         return "compute_scale+fixed_step" if self.with_fixed_cost else "compute_scale"
 
 
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A finished run as its calibration records it: the observation, where it came from, and what its launch
+    recorded of the host (run_plan.json)."""
+
+    observation: Observation
+    run_dir: str
+    plan_label: str  # the run's plan as dmt plan labels it
+    steps: int  # logged steps after the warm-up, whose median step time the observation holds
+    threads_per_rank: int | None = None  # launch.threads_per_rank: the threads each rank computed with
+    rank_peak_tflops: float | None = None  # the peak its prediction used: on the host, a rank's share at launch
+
+
 def provisional(hardware: str, efficiency: dict[str, float | PathFit], host_peak_tflops: dict[str, float] | None,
                 links) -> Calibration:
     """A calibration with only the fitted figures (no runs or residuals yet): what step_time needs during the fit.
     `efficiency`: per path, a PathFit or a bare compute scale (no fixed cost)."""
-    from toolkit.spec.calibration import PathEfficiency
-
     fits = {path: value if isinstance(value, PathFit) else PathFit(value) for path, value in efficiency.items()}
     fitted = {path: PathEfficiency.model_construct(compute_scale=fit.compute_scale, fixed_step_s=fit.fixed_step_s,
                                                    fitted=fit.fitted, uncalibrated=EXECUTION_PATHS[path].compute_scale,
@@ -178,3 +202,77 @@ def fit_host_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: 
     fits = {path: PathFit(fit.compute_scale * HOST_PEAK_HEADROOM / raised, fit.fixed_step_s, fit.runs,
                           fit.with_fixed_cost) for path, fit in fits.items()}
     return fits, {key: value * raised for key, value in host_peak_tflops.items()}, raised
+
+
+def measured_host_peak(runs: list[MeasuredRun]) -> tuple[dict[str, float], HostPeak]:
+    """The host entry's peak for the fit, per precision key, and how it was measured (HostPeak): this host's matmuls
+    now, at the thread count the runs' ranks computed with together (ranks per node x threads per rank, at most the
+    cores), against the best each run measured at its launch. The higher stands: a peak is what the host reaches,
+    and one measured while other work shared the cores would cap the fitted rate below what the runs did."""
+    import os
+
+    cores = host_cores()
+    threads = min(cores, max(run.observation.plan.gpus_per_node * (run.threads_per_rank or cores) for run in runs))
+    launched: dict[str, float] = {}
+    for run in runs:
+        plan = run.observation.plan
+        key = peak_key(plan.precision)
+        if run.rank_peak_tflops:  # a rank's share of the host: the host's rate is gpus_per_node x it
+            launched[key] = max(launched.get(key, 0.0), run.rank_peak_tflops * plan.gpus_per_node)
+        launched.setdefault(key, 0.0)
+    measured = {key: host_matmul_tflops(key, threads) for key in launched}
+    peak = {key: max(measured[key], launched[key]) for key in launched}
+    return peak, HostPeak(threads=threads, cores=cores, load_average=round(os.getloadavg()[0], 2),
+                          measured_tflops=measured, runs_tflops={k: v for k, v in launched.items() if v})
+
+
+def _machine() -> dict[str, str]:
+    """Where a calibration was fitted: the host's name, Python's and torch's versions."""
+    import platform
+
+    machine = {"host": platform.node(), "python": platform.python_version()}
+    try:
+        import torch
+    except ImportError:
+        return machine
+    return {**machine, "torch": torch.__version__}
+
+
+def fit_calibration(runs: list[MeasuredRun], gpu: GPU, links: MeasuredLinks | None, warmup: int) -> Calibration:
+    """The calibration of finished runs on one hardware (`gpu`, the entry they trained on): each path's fit (on the
+    host entry with its peak measured again, measured_host_peak), every run's prediction before and after it, and
+    each path's residuals; stamped with when and where it was fitted."""
+    from datetime import datetime, timezone
+
+    observations = [run.observation for run in runs]
+    if gpu.host:
+        measured, how = measured_host_peak(runs)
+        fitted, host_peak, raised = fit_host_paths(observations, gpu, measured, links)
+        how = how.model_copy(update={"raised_by": raised})
+    else:
+        host_peak = how = None
+        fitted = fit_paths(observations, gpu, None, links)
+    before = provisional(gpu.name, {}, host_peak, None)  # the published model at the same host peak
+    after = provisional(gpu.name, fitted, host_peak, links)
+    fitted_runs = []
+    for run in runs:
+        predicted_before = predicted_step_time(run.observation, gpu, before)
+        predicted_after = predicted_step_time(run.observation, gpu, after)
+        measured = run.observation.measured_step_time_s
+        fitted_runs.append(FittedRun(run_dir=run.run_dir, execution_path=path_of(run.observation.plan),
+                                     plan=run.plan_label, steps=run.steps, measured_step_time_s=measured,
+                                     predicted_step_time_s_before=predicted_before,
+                                     predicted_step_time_s_after=predicted_after,
+                                     error_before=predicted_before / measured - 1,
+                                     error_after=predicted_after / measured - 1))
+    residuals = {}
+    for path in fitted:
+        errors = [run.error_after for run in fitted_runs if run.execution_path == path]
+        residuals[path] = Residuals(runs=len(errors), rms_error=math.sqrt(sum(e * e for e in errors) / len(errors)),
+                                    max_abs_error=max(abs(e) for e in errors))
+    efficiency = {path: PathEfficiency(compute_scale=fit.compute_scale, fixed_step_s=fit.fixed_step_s,
+                                       fitted=fit.fitted, uncalibrated=EXECUTION_PATHS[path].compute_scale,
+                                       runs=fit.runs) for path, fit in fitted.items()}
+    return Calibration(format=FORMAT, hardware=gpu.name, efficiency=efficiency, host_peak_tflops=host_peak,
+                       host_peak=how, links=links, warmup_steps=warmup, runs=fitted_runs, residuals=residuals,
+                       created=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=_machine())

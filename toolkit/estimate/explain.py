@@ -18,13 +18,13 @@ from toolkit.estimate.activations import head_bytes_per_token
 from toolkit.estimate.flops import model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
 from toolkit.estimate.training_time import SECONDS_PER_DAY
+from toolkit.numeric import GiB
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 
 if TYPE_CHECKING:
     from toolkit.spec.prediction import Prediction
 
-GiB = 1024**3
 THUMB_STATE_BYTES = (12, 16)  # the course's mixed-precision Adam rule, and the ZeRO paper's 2 + 2 + 12
 THUMB_ZERO1_SAVING = 0.60
 THUMB_ACTIVATION_BYTES = 2  # per token, hidden unit and layer: one 16-bit copy of each layer's input

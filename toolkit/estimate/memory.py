@@ -17,11 +17,11 @@ from toolkit.estimate.activations import ActivationSetup, stage_activation_bytes
 from toolkit.estimate.lora import NF4_BYTES, FinetuneCounts, adapter_activation_bytes, finetune_counts
 from toolkit.estimate.params import ParamCounts, count_params
 from toolkit.estimate.pipeline import peak_forwards
+from toolkit.numeric import GiB
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
-GiB = 1024**3
 FP32 = 4
 
 # Outside what PyTorch's allocator reports: CUDA context, cuBLAS/cuDNN workspaces, NCCL channel buffers.

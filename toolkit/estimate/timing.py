@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from toolkit.backends import backend_of
 from toolkit.estimate.comm import Network, collective_time
+from toolkit.estimate.device_peak import peak_flops
 from toolkit.estimate.efficiency import (
     UNFUSED_ATTENTION_BACKWARD_BYTES,
     UNFUSED_ATTENTION_FORWARD_BYTES,
@@ -27,7 +28,7 @@ from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.spec.calibration import Calibration
-from toolkit.spec.cluster import GPU, peak_flops
+from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from toolkit.health.options import HealthOptions
 from toolkit.runtime.job import STORE_HOSTED_ENV, RankEnv, connect_store
 from toolkit.runtime.watchdog import raise_terminated
-from toolkit.spec.device_peak import matmul_benchmark
+from toolkit.estimate.device_peak import matmul_benchmark
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "dmt-health"

@@ -17,7 +17,7 @@ from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import BACKENDS
 from toolkit.spec.pipeline import PipelineSplit
-from toolkit.spec.plan import Plan, resolve_plan
+from toolkit.spec.plan import Plan, divisors, resolve_plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 MAX_CP = 16
@@ -49,11 +49,6 @@ class SearchResult:
         return UserInputError("plan", "the options given leave no parallel layout to try")
 
 
-def _divisors(n: int, limit: int | None = None) -> list[int]:
-    # no divisor exceeds n: a limit of --gpus-per-node 10**100 must not count to it
-    return [d for d in range(1, min(limit or n, n) + 1) if n % d == 0]
-
-
 def pipeline_splits(num_layers: int, pp: int, megatron: bool) -> list[tuple[dict, list[int]]]:
     """(split options, virtual stages to try) for `pp` stages: even, or one layer fewer on the first and last stage.
 
@@ -63,12 +58,12 @@ def pipeline_splits(num_layers: int, pp: int, megatron: bool) -> list[tuple[dict
     """
     if num_layers % pp == 0:
         per_rank = num_layers // pp
-        return [({}, _divisors(per_rank, MAX_VPP) if megatron and pp > 1 else [1])]
+        return [({}, divisors(per_rank, MAX_VPP) if megatron and pp > 1 else [1])]
     if not megatron or pp <= 2 or (num_layers + 2) % pp:
         return []
     per_rank = (num_layers + 2) // pp
     splits = [(dict(first_stage_layers=per_rank - 1, last_stage_layers=per_rank - 1), [1])]
-    interleaved = [v for v in _divisors(per_rank, MAX_VPP) if v > 1]
+    interleaved = [v for v in divisors(per_rank, MAX_VPP) if v > 1]
     if interleaved:
         splits.append((dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
                        interleaved))
@@ -94,10 +89,10 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
         if gpus % (tp * pp):
             continue
         for split, vpps in pipeline_splits(model.num_layers, pp, megatron):
-            cps = [c for c in _divisors(gpus // (tp * pp), MAX_CP) if megatron and c & (c - 1) == 0] or [1]
+            cps = [c for c in divisors(gpus // (tp * pp), MAX_CP) if megatron and c & (c - 1) == 0] or [1]
             for vpp, cp in itertools.product(axis("vpp", vpps), axis("cp", cps)):
                 dp = gpus // (tp * pp * cp)
-                eps = [e for e in _divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1]
+                eps = [e for e in divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1]
                 for ep, state in itertools.product(axis("ep", eps), states(tp)):
                     yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 

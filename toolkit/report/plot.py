@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from toolkit.numeric import GiB
 from toolkit.outputs import save_figure
 from toolkit.report.runs import RunReport
 
-GiB = 1024**3
 COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 
 

@@ -208,6 +208,31 @@ def check_trained_on(run_dir, gpu, record: dict, key: str = "RUN_DIR") -> None:
                                   f"{rule}: name {device_gpu} in the recipe's cluster.gpu")
 
 
+def calibration_runs(reports: list[RunReport], warmup: int, key: str = "RUN_DIR") -> tuple[list, str]:
+    """(the runs as `dmt calibrate` fits them, estimate.calibrate.MeasuredRun; the catalogue entry they trained on) of
+    finished runs on one hardware; any other run, or runs on different hardware, is one line naming `key`."""
+    from toolkit.estimate.calibrate import MeasuredRun, Observation
+    from toolkit.planner.report import plan_label
+
+    runs, hardware = [], {}
+    for report in reports:
+        if report.status != "completed" or report.measured["step_time_s"] is None:
+            raise UserInputError(key, f"{report.run_dir} is {report.status} ({report.reason}): only finished runs "
+                                      f"with more logged steps than the warm-up calibrate")
+        model, plan, gpu, record = run_subject(report.run_dir, "it trained (written by toolkit/train.py)", key)
+        check_trained_on(report.run_dir, gpu, record, key)
+        hardware[gpu.name] = report.run_dir
+        threads = (record.get("launch") or {}).get("threads_per_rank")
+        runs.append(MeasuredRun(Observation(model, plan, report.measured["step_time_s"]), report.run_dir,
+                                plan_label(plan), max(0, report.steps - warmup),
+                                threads_per_rank=threads if isinstance(threads, int) and threads > 0 else None,
+                                rank_peak_tflops=record.get("peak_tflops")))
+    if len(hardware) > 1:
+        named = ", ".join(f"{name} ({run})" for name, run in hardware.items())
+        raise UserInputError(key, f"the runs trained on different hardware: {named}; a calibration is for one")
+    return runs, next(iter(hardware))
+
+
 def repredict(report: RunReport, calibration) -> None:
     """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration).
     On the host entry the calibration brings its own peak: the measured MFU is restated against it, so measured and

@@ -1,5 +1,6 @@
 """The GPU catalogue (presets/gpus.yaml): memory, peak throughput and link bandwidths, with their sources; and the
-`cpu` entry, the host itself, whose peak and memory are this machine's (measured, not a datasheet's)."""
+`cpu` entry, the host itself, whose memory is this machine's RAM and whose peak is measured, not a datasheet's
+(toolkit/estimate/device_peak.py measures it: the spec only declares)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class GPU(BaseModel):
     memory_bytes: int = Field(gt=0, description="Device memory as torch.cuda reports total_memory; the host's RAM "
                                                 "for the host entry.")
     peak_tflops: dict[str, float] = Field(description="Dense peak TFLOP/s per precision; for the host entry, the "
-                                                      "whole host's (measured when absent).")
+                                                      "whole host's (measured when absent: "
+                                                      "toolkit/estimate/device_peak.py).")
     hbm_bandwidth_gbps: float
     intra_node_bw_gbps: float = Field(description="Unidirectional GB/s per GPU inside a node.")
     inter_node_bw_gbps: float = Field(description="Unidirectional GB/s per GPU across nodes.")
@@ -65,13 +67,6 @@ def get_gpu(name: str) -> GPU:
     return gpu
 
 
-def peak_flops(gpu: GPU, precision: str, ranks_per_node: int = 1) -> float:
-    """Dense peak FLOP/s of one rank at a training precision. The host entry's peak is the host's matmul rate (from a
-    calibration file, else measured now by toolkit.spec.device_peak), split evenly between the ranks it runs."""
-    key = PEAK_KEY.get(precision, "bf16")
-    if gpu.host:
-        from toolkit.spec.device_peak import host_matmul_tflops
-
-        tflops = gpu.peak_tflops.get(key) or host_matmul_tflops(key)
-        return tflops * 1e12 / max(1, ranks_per_node)
-    return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12
+def peak_key(precision: str) -> str:
+    """The peak_tflops key a training precision runs at (bf16 for the 16-bit ones)."""
+    return PEAK_KEY.get(precision, "bf16")

@@ -151,7 +151,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         raise UserInputError(
             "--tp",
             f"{p.tp} must divide attention heads ({model.num_attention_heads}) and kv heads ({model.num_kv_heads}); "
-            f"valid: {', '.join(str(d) for d in _divisors(model.num_kv_heads) if model.num_attention_heads % d == 0)}",
+            f"valid: {', '.join(str(d) for d in divisors(model.num_kv_heads) if model.num_attention_heads % d == 0)}",
         )
     if p.vpp > 1 and p.pp == 1:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
@@ -228,5 +228,7 @@ def _check_batch(p: Plan) -> None:
                                                f"({p.grad_accum}) to be a multiple of --pp {p.pp}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    """The divisors of n in ascending order, at most `limit` (the sizes a parallel axis of n can take)."""
+    # no divisor exceeds n: a limit of --gpus-per-node 10**100 must not count to it
+    return [d for d in range(1, min(limit or n, n) + 1) if n % d == 0]

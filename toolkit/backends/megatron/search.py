@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from toolkit.planner.search import _divisors, grid_layouts
+from toolkit.planner.search import grid_layouts
+from toolkit.spec.plan import divisors
 
 
 def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
-    tps = axis("tp", [t for t in _divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0])
+    tps = axis("tp", [t for t in divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0])
     local = fixed.get("transformer_impl") == "local"  # torch norms: no sequence parallelism
 
     def states(tp: int) -> list[dict]:

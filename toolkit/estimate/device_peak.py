@@ -1,8 +1,10 @@
-"""The matmul benchmark (`dmt health` runs it on every rank) and, from it, the peak of the catalogue's `cpu` entry,
-which has no datasheet: the rate this host reaches on square matmuls, measured the first time a prediction needs it.
+"""A rank's dense peak FLOP/s, the figure every step time and MFU is a share of: the catalogue's datasheet value, or
+for its `cpu` entry, which has no datasheet, the rate this host reaches on square matmuls, measured the first time a
+prediction needs it, with the matmul benchmark `dmt health` runs on every rank (one matmul measurement in the
+toolkit).
 
-It sits this low because the catalogue itself (toolkit.spec.cluster.peak_flops) needs it for the host entry; `dmt
-health` imports it from here, so the toolkit has one matmul measurement.
+The catalogue (toolkit/spec/cluster.py) only declares the entries; the measurement sits here, in the lowest layer
+that predicts with it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import time
 from functools import lru_cache
 
+from toolkit.spec.cluster import GPU, peak_key
+
 log = logging.getLogger(__name__)
 
 HOST_MATMUL_SIZE = 512  # as dmt health on CPU ranks: large enough to keep the vector units busy, quick to run
@@ -19,7 +23,7 @@ HOST_MATMUL_SECONDS = 0.3
 # the best of several short windows: a peak is what the host reaches when nothing else runs, and a window that
 # another process shared (a launcher, a sibling rank starting up) shows as a slower one
 HOST_MATMUL_WINDOWS = 6
-# the peak key of a precision (spec.cluster.PEAK_KEY) -> the dtype its matmuls run in on a host CPU
+# the peak key of a precision (spec.cluster.peak_key) -> the dtype its matmuls run in on a host CPU
 HOST_DTYPES = {"bf16": "bfloat16", "tf32": "float32", "fp8": "bfloat16"}
 
 
@@ -78,3 +82,13 @@ def host_matmul_tflops(key: str, threads: int | None = None) -> float:
     log.info("host peak (%s): %.1f GFLOP/s with %d threads on %d cores, %dx%d matmuls", key, result["matmul_gflops"],
              threads, host_cores(), HOST_MATMUL_SIZE, HOST_MATMUL_SIZE)
     return result["matmul_gflops"] / 1e3
+
+
+def peak_flops(gpu: GPU, precision: str, ranks_per_node: int = 1) -> float:
+    """Dense peak FLOP/s of one rank at a training precision. The host entry's peak is the host's matmul rate (from a
+    calibration file, else measured now by host_matmul_tflops), split evenly between the ranks it runs."""
+    key = peak_key(precision)
+    if gpu.host:
+        tflops = gpu.peak_tflops.get(key) or host_matmul_tflops(key)
+        return tflops * 1e12 / max(1, ranks_per_node)
+    return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12
