@@ -1,19 +1,14 @@
 """Helpers shared by the training and restore tests: paths, ports, logged launches."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from toolkit.runtime.ports import free_port  # noqa: F401  (the tests' launches take their ports from it)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-cpu.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:
