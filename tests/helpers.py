@@ -1,19 +1,14 @@
 """Helpers shared by the training and restore tests: paths, ports, logged launches."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from toolkit.runtime.ports import free_port  # noqa: F401  (the tests' launches take their ports from it)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-cpu.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:
@@ -180,6 +175,43 @@ def calibration_data(hardware: str = "h100-80gb", scale: float = 0.25) -> dict:
     return {"format": "dmt-calibration/1", "hardware": hardware, "efficiency": fitted, "warmup_steps": 3,
             "runs": [run], "residuals": {"hf": {"runs": 1, "rms_error": 0.0, "max_abs_error": 0.0}},
             "created": "2026-11-25T00:00:00+00:00", "machine": {"host": "test"}}
+
+
+H100_RANKS = {"accelerator": "gpu", "device": "NVIDIA H100 80GB HBM3", "device_gpu": "h100-80gb"}  # run_plan.json
+RUN_STEPS = 10
+
+
+def tiny_prediction() -> dict:
+    """The tiny recipe's prediction on a catalogue GPU (h100-80gb; the recipe itself is planned for the host), as
+    train.py records it in run_plan.json (with its model_spec)."""
+    from toolkit.planner.recipe import recipe_plan, recipe_prediction
+    from toolkit.spec.recipe import load_recipe, recipe_model
+
+    recipe = load_recipe(TINY)
+    recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"gpu": "h100-80gb"})})
+    model = recipe_model(recipe)
+    plan = recipe_plan(recipe, model)
+    return recipe_prediction(recipe, model, plan).as_json()
+
+
+def write_run(path: Path, prediction: dict, device: dict = H100_RANKS, status: str = "completed",
+              steps: int = RUN_STEPS) -> Path:
+    """A run directory as a launch leaves it: run_plan.json and one metrics record a step, each step a fifth
+    slower than predicted (so a calibration of it is an ordinary one)."""
+    from toolkit.runtime.metrics import MetricsWriter, Throughput, end_run_record, start_run_record
+
+    launch = {"argv": ["toolkit/train.py"], "plan_json": None, "world_size": 2, **device, "max_steps": steps}
+    start_run_record(path, prediction, launch)
+    end_run_record(path, status)
+    step_time = prediction["step_time_s"] * 1.2
+    tokens = prediction["plan"]["global_batch"] * prediction["plan"]["seq_len"]
+    writer = MetricsWriter(path, Throughput(tokens))
+    gpu = {"gpu_max_allocated_bytes": 2 * 2**30} if device.get("device") not in (None, "cpu") else {}
+    for step in range(1, steps + 1):
+        writer.write(step, 6.0 - 0.1 * step, 1.0, 1e-3, {"step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                                                         "mfu": prediction["mfu"] / 1.2, "data_wait_s": 1e-4, **gpu},
+                     epoch=step / steps)
+    return path
 
 
 def remove_segments_since(start: float) -> None:

@@ -82,7 +82,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
 
 def test_a_worker_error_is_the_commands_one_line_through_a_pipe(tmp_path):
     """A recipe value only training finds wrong (the tokenizer holds more tokens than the model's vocabulary): the
-    reference run's workers refuse it, and `dmt restore-test`, read through a pipe, ends with their line (exit 2)."""
+    reference run's workers refuse it, and `dmt restore-test`, read through a pipe, ends with their line (exit 2).
+    Without --workdir the runs went to a temp dir of the command's own: a failed test keeps it, and the line names
+    the log in it."""
     import re
 
     import yaml
@@ -93,10 +95,12 @@ def test_a_worker_error_is_the_commands_one_line_through_a_pipe(tmp_path):
     data["model"]["config"]["vocab_size"] = 300
     recipe = tmp_path / "small-vocab.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    result = subprocess.run([sys.executable, "-m", "toolkit", "restore-test", "--recipe", str(recipe), "--steps", "4",
-                             "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
+    result = subprocess.run([sys.executable, "-m", "toolkit", "restore-test", "--recipe", str(recipe), "--steps", "4"],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ, TMPDIR=str(tmp_path),
+                            PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert re.match(r"dmt restore-test: error: model.config.vocab_size: \d+ < tokenizer size \d+ ", lines[0]), lines
-    assert f"(the reference run; log: {tmp_path / 'work' / 'reference.log'})" in lines[0]
+    (workdir,) = tmp_path.glob("dmt-restore-*")
+    assert f"(the reference run; log: {workdir / 'reference.log'})" in lines[0]
+    assert "vocab_size" in (workdir / "reference.log").read_text()

@@ -6,6 +6,8 @@ the base, `dmt convert merge-lora` equals PEFT's merge_and_unload(), and the gua
 last adapter."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -148,13 +150,17 @@ def test_merge_lora_of_a_qlora_adapter_is_within_two_nf4_roundings_of_peft_on_th
     assert all(torch.equal(ours[name], reference[name]) for name in ours)  # the base as stored (fp32): bit for bit
 
 
-def test_restore_test_of_a_qlora_run_resumes_bit_for_bit(tmp_path, capsys):
+def test_restore_test_of_a_qlora_run_resumes_bit_for_bit(tmp_path, capsys, monkeypatch):
     """Reference run, SIGKILL right after the save at step 3, resume: adapters, their optimizer states, the data order
-    and the 4-bit base come back, steps 4-6 identical to the bit."""
-    code = main(["restore-test", "--recipe", str(QLORA), "--steps", "6", "--save-at", "3", "--workdir",
-                 str(tmp_path / "restore"), "--json"])
-    result = json.loads(capsys.readouterr().out)
+    and the 4-bit base come back, steps 4-6 identical to the bit. Without --workdir the runs go to a temp dir of the
+    command's own, removed once the test passed."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the command's temp dir: this test's own
+    code = main(["restore-test", "--recipe", str(QLORA), "--steps", "6", "--save-at", "3", "--json"])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
     assert code == 0 and result["identical"], result["mismatches"]
+    assert Path(result["checkpoint"]).is_relative_to(tmp_path) and not list(tmp_path.glob("dmt-restore-*"))
+    assert "dmt-restore" not in captured.err
 
 
 def test_fsdp_shards_the_adapters_and_holds_what_the_estimate_says(lora_fsdp):

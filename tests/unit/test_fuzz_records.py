@@ -13,52 +13,21 @@ import math
 import pytest
 import yaml
 
-from helpers import TINY
+from helpers import H100_RANKS as H100
+from helpers import RUN_STEPS as STEPS
+from helpers import tiny_prediction
+from helpers import write_run as _write_run
 from test_fuzz_verbs import _assert_refused, _run
 from toolkit.cli.main import main
-from toolkit.runtime.metrics import (
-    METRICS_FILE,
-    RUN_FILE,
-    MetricsWriter,
-    Throughput,
-    end_run_record,
-    start_run_record,
-)
+from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
 
-STEPS = 10
-H100 = {"accelerator": "gpu", "device": "NVIDIA H100 80GB HBM3", "device_gpu": "h100-80gb"}
 CPU_RANKS = {"accelerator": "cpu", "device": "cpu", "device_gpu": "cpu"}
 
 
 @pytest.fixture(scope="module")
 def prediction():
-    """The tiny recipe's prediction on a catalogue GPU (h100-80gb; the recipe itself is planned for the host), as
-    train.py records it in run_plan.json."""
-    from toolkit.planner.recipe import recipe_plan, recipe_prediction
-    from toolkit.spec.recipe import load_recipe, recipe_model
-
-    recipe = load_recipe(TINY)
-    recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"gpu": "h100-80gb"})})
-    model = recipe_model(recipe)
-    plan = recipe_plan(recipe, model)
-    return recipe_prediction(recipe, model, plan).as_json()  # with its model_spec
-
-
-def _write_run(path, prediction, device=H100, status="completed", steps=STEPS):
-    """A run directory as a launch leaves it: run_plan.json and one metrics record a step, each step a fifth
-    slower than predicted (so a calibration of it is an ordinary one)."""
-    launch = {"argv": ["toolkit/train.py"], "plan_json": None, "world_size": 2, **device, "max_steps": steps}
-    start_run_record(path, prediction, launch)
-    end_run_record(path, status)
-    step_time = prediction["step_time_s"] * 1.2
-    tokens = prediction["plan"]["global_batch"] * prediction["plan"]["seq_len"]
-    writer = MetricsWriter(path, Throughput(tokens))
-    gpu = {"gpu_max_allocated_bytes": 2 * 2**30} if device.get("device") not in (None, "cpu") else {}
-    for step in range(1, steps + 1):
-        writer.write(step, 6.0 - 0.1 * step, 1.0, 1e-3, {"step_time_s": step_time, "tokens_per_s": tokens / step_time,
-                                                         "mfu": prediction["mfu"] / 1.2, "data_wait_s": 1e-4, **gpu},
-                     epoch=step / steps)
-    return path
+    """The tiny recipe's prediction, as train.py records it in run_plan.json; computed once for the module."""
+    return tiny_prediction()
 
 
 def _edit_line(number: int, text: str | None = None, **changes):

@@ -9,6 +9,7 @@ test_fuzz_explorer (requests to `dmt explore`), test_fuzz_interrupts (Ctrl-C, on
 import hashlib
 import json
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -244,9 +245,11 @@ def refuses_recipe_edit(sandbox, capsys, verb: str, old: str, new: str, key: str
 
 @pytest.mark.parametrize("case", sorted(RECIPE_VALUES))
 @pytest.mark.parametrize("verb", ["generate", "slurm render", "restore-test"])
-def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, case, verb):
+def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, monkeypatch, tmp_path_factory, case, verb):
+    scratch = tmp_path_factory.mktemp("tmp")  # the command's temp dir: no training run may have started there
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     refuses_recipe_edit(sandbox, capsys, verb, *RECIPE_VALUES[case])
-    assert not list(sandbox.rglob("PWNED")) and not list(Path("/tmp").glob("dmt-restore-*/reference"))
+    assert not list(sandbox.rglob("PWNED")) and not list(scratch.glob("dmt-restore-*"))
 
 
 FLAG_VALUES = [  # argv -> the flag the error must name

@@ -122,6 +122,7 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
     from toolkit.checkpoint.megatron_hf import check_layout, single_process_group
     from toolkit.checkpoint.safe_load import check_checkpoint
     from toolkit.runtime.children import Children
+    from toolkit.runtime.ports import free_port
 
     check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, 1)
     if not ckpt.is_dir():
@@ -133,7 +134,7 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
     with tempfile.TemporaryDirectory(prefix="dmt-check-") as tmp:
         out = Path(tmp) / "check.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp),
-               "--master_port", str(_free_port()), "-m", "toolkit.checkpoint.megatron_check",
+               "--master_port", str(free_port()), "-m", "toolkit.checkpoint.megatron_check",
                "--hf-dir", str(hf_dir), "--ckpt", str(ckpt), "--tp", str(tp), "--pp", str(pp),
                "--tolerance", str(tolerance), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -147,14 +148,6 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
         if "error" in data:
             raise UserInputError(*data["error"])
         return LogitCheck(**data)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

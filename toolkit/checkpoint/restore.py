@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.errors import UserInputError, worker_error
 from toolkit.runtime.metrics import METRICS_FILE, read_metrics
+from toolkit.runtime.ports import free_port
 
 TRAIN = Path(__file__).resolve().parent.parent / "train.py"
 COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
@@ -42,16 +42,10 @@ class RestoreResult:
         return dict(self.__dict__)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _command(launcher: str, nprocs: int, recipe: Path, out: Path, steps: int, save_steps: int, resume: bool,
              extra: tuple[str, ...] = ()) -> list[str]:
     bin_dir = Path(sys.executable).parent
-    port = str(_free_port())
+    port = str(free_port())
     if launcher == "deepspeed":
         head = [str(bin_dir / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port, str(TRAIN)]
     elif launcher == "torchrun":

@@ -63,6 +63,7 @@ def _listen(host: str, port: int):
                                            f"(0: any free one)") from None
         raise UserInputError("--host", f"cannot listen on {host}:{port} ({exc.strerror or exc}); give an address "
                                        f"of this machine (127.0.0.1, or 0.0.0.0 for every interface)") from None
+    sock.listen()  # before the URL is printed: a client that opens it at once waits in the backlog, never refused
     return sock
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     backend_of(plan).part("rules").check_steps(steps, warmup, "--steps")
     launcher = _launcher(args.launcher, plan.backend)
     fresh = workdir is None or not workdir.exists()  # interrupted, a directory this command made goes whole
+    scratch = workdir is None  # no --workdir: a temp dir of the command's own, removed if the test passes
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
     train_args = tuple(option_argv({"backend": plan.backend, **overrides}))
     resharded = args.resume_world_size not in (None, recipe.cluster.gpus)
@@ -74,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
     with removed_if_interrupted(workdir, whole=fresh):
         result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
                               launcher, tolerance, args.timeout, train_args)
-    _report(args, result, recipe, tolerance, resharded, workdir)
+    kept = not (scratch and result.passed)  # a failure keeps its runs and logs (an error's line names its log)
+    if not kept:
+        shutil.rmtree(workdir)
+    _report(args, result, recipe, tolerance, resharded, workdir, kept)
     return 0 if result.passed else 1
 
 
@@ -89,9 +95,12 @@ def _launcher(given: str | None, backend: str) -> str:
     return given or valid[0]
 
 
-def _report(args, result, recipe, tolerance: float, resharded: bool, workdir: Path) -> None:
+def _report(args, result, recipe, tolerance: float, resharded: bool, workdir: Path, kept: bool) -> None:
+    where = f"runs and logs in {workdir}" if kept else "runs and logs removed (passed; --workdir DIR keeps them)"
     if args.json:
         print(json_text(result.as_dict(), indent=2))
+        if not result.passed:  # stdout stays one JSON object
+            print(f"dmt restore-test: {where}", file=sys.stderr)
     else:
         verdict = "PASSED" if result.passed else "FAILED"
         kind = "identical to the bit" if result.identical else f"max |loss diff| {result.max_abs_diff:.3g} " \
@@ -102,4 +111,4 @@ def _report(args, result, recipe, tolerance: float, resharded: bool, workdir: Pa
               f"resumed from {result.checkpoint}; steps {result.save_at + 1}-{result.steps} {kind}")
         for line in result.mismatches[:10]:
             print(f"  {line}")
-        print(f"runs and logs in {workdir}")
+        print(where)

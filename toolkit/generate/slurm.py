@@ -1,4 +1,5 @@
-"""Render the sbatch templates of slurm/ for a recipe: rendezvous, NCCL defaults, preflight, resume, requeue."""
+"""Render the sbatch templates (slurm_templates/) for a recipe: rendezvous, NCCL defaults, preflight, resume,
+requeue."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from toolkit.generate.launch import launch_environment
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
-TEMPLATES = Path(__file__).resolve().parent.parent.parent / "slurm"
+TEMPLATES = Path(__file__).resolve().parent / "slurm_templates"  # package data (pyproject.toml)
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # partition/account (lists); nothing that breaks a line
 
@@ -63,8 +64,8 @@ def render_sbatch(
     accelerate_config: str | None = None,
 ) -> str:
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
-    picks slurm/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed for
-    DeepSpeed)."""
+    picks slurm_templates/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed
+    for DeepSpeed)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
     if nodes < 1:
         raise UserInputError("--nodes", f"must be at least 1, got {nodes}")
