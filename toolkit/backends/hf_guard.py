@@ -18,7 +18,8 @@ A skipped step is dropped the way each engine supports:
   spike has finite gradients, and DeepSpeed has no API to drop such a step: the one seam, _deepspeed_overflow.
 A rollback's step is applied (or dropped) as the engine decides; the reload that follows replaces it: HF Trainer's own
 resume functions load the latest verified checkpoint in place, HF's step counter and its data loader go on, so the
-steps since that checkpoint, and their data, are dropped.
+steps since that checkpoint, and their data, are dropped. DeepSpeed's engine gets its counters back from the checkpoint
+like everything else (they count the steps applied), so its tag inside a later checkpoint-N is the one `latest` names.
 """
 
 from __future__ import annotations
