@@ -227,3 +227,25 @@ def remove_segments_since(start: float) -> None:
                 path.unlink()
         except FileNotFoundError:
             pass
+
+
+GUARD_PROBE = Path(__file__).resolve().parent / "guard_probe"  # its sitecustomize.py counts the guard's looks
+
+
+def guard_probe_env(probe: Path) -> dict:
+    """The environment changes that make a launched run count the guard's looks at the gradients into `probe`."""
+    return {"DMT_GUARD_PROBE": str(probe),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(GUARD_PROBE), os.environ.get("PYTHONPATH")]))}
+
+
+def guard_looks(probe: Path) -> tuple[dict[str, int], list[str]]:
+    """What a probed run's ranks did: {rank: gradient-norm reads of one number}, and every other look (a norm of more
+    than one element, a torch.isfinite from the toolkit's code)."""
+    reads, others = {}, []
+    for line in probe.read_text().splitlines():
+        rank = line.rsplit("rank=", 1)[1]
+        if line.startswith("read_grad_norm ") and " numel=1 " in line:
+            reads[rank] = reads.get(rank, 0) + 1
+        else:
+            others.append(line)
+    return reads, others

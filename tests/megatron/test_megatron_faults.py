@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import free_port, launch_watched, rank_processes
+from helpers import free_port, guard_looks, guard_probe_env, launch_watched, rank_processes
 from megatron_helpers import BIN, TRAIN
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.megatron_stream import DistCheckpointReader
@@ -22,10 +22,10 @@ STEPS, HANG_TIMEOUT_S = 6, 10
 FAULTY = {"max_steps": STEPS, "save_steps": 2, "hang_timeout_s": HANG_TIMEOUT_S, "max_restarts": 1}
 
 
-def _torchrun(out, recipe, log, act=lambda process: True, fault: str = "", *flags: str) -> int:
+def _torchrun(out, recipe, log, act=lambda process: True, fault: str = "", *flags: str, env=None) -> int:
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),
            "--recipe", str(recipe), "--output-dir", str(out), *flags]
-    return launch_watched(cmd, log, act, {"OMP_NUM_THREADS": "1", "DMT_FAULT": fault})
+    return launch_watched(cmd, log, act, {"OMP_NUM_THREADS": "1", "DMT_FAULT": fault, **(env or {})})
 
 
 def _tensors(ckpt) -> dict:
@@ -115,14 +115,18 @@ def test_a_rank_killed_inside_a_save_leaves_latest_before_it_and_the_job_restart
 def guarded(megatron_recipe, tmp_path_factory):
     """guarded(action) -> the output directory of a run whose guard meets an injected fault at step 3 (skip: a NaN
     loss, checkpoints every step) or 4 (rollback: a loss 50 times the median of the last 2 steps)."""
+    import functools
+
     root = tmp_path_factory.mktemp("megatron-guard")
 
+    @functools.cache
     def run(action: str):
         guard = {"on_nan": action, **({"spike_factor": 3, "window": 2} if action == "rollback" else {})}
         training = {**FAULTY, "guard": guard, **({"save_steps": 1} if action == "skip" else {})}
         recipe = megatron_recipe(f"tiny-megatron-{action}", training=training)
         fault = "nan@step=3" if action == "skip" else "spike=50@step=4"
-        rc = _torchrun(root / action, recipe, root / f"{action}.log", fault=fault)
+        rc = _torchrun(root / action, recipe, root / f"{action}.log", fault=fault,
+                       env=guard_probe_env(root / f"{action}.probe"))
         assert rc == 0, (root / f"{action}.log").read_text()[-3000:]
         return root / action
 
@@ -139,6 +143,14 @@ def test_skip_leaves_megatron_cores_model_and_optimizer_as_they_were(guarded):
     assert records[3]["learning_rate"] == records[2]["learning_rate"]  # the schedule did not advance either
     [event] = read_incidents(out)
     assert (event["step"], event["action"], event["data_sha"]) == (3, "skip", records[2]["data_sha"])
+
+
+def test_the_guard_reads_one_gradient_norm_per_megatron_step(guarded):
+    """The guard's cost: per optimizer step and rank one number, the global gradient norm Megatron-Core's clipping
+    computes, never a gradient buffer (no finite check from the toolkit's code), the skipped NaN step included."""
+    out = guarded("skip")
+    reads, others = guard_looks(out.with_name("skip.probe"))
+    assert reads == {"0": STEPS, "1": STEPS} and not others, (reads, others[:5])
 
 
 def test_rollback_reloads_the_dist_checkpoint_in_place(guarded):

@@ -58,9 +58,9 @@ def reference(launch_sh):
 
 
 def _weights(ckpt, optimizer: bool = True) -> dict:
-    """The module's parameters and, per rank, ZeRO's fp32 partition and Adam moments of a DeepSpeed checkpoint."""
-    step = ckpt.name.split("-")[1]
-    tag = ckpt / f"global_step{step}"
+    """The module's parameters and, per rank, ZeRO's fp32 partition and Adam moments of a DeepSpeed checkpoint (its
+    tag as `latest` names it: DeepSpeed's own step count, which after a rollback counts the steps applied)."""
+    tag = ckpt / (ckpt / "latest").read_text().strip()
     tensors = dict(torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")["module"])
     for rank in (0, 1) if optimizer else ():
         state = torch.load(tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False,

@@ -8,7 +8,7 @@ The DeepSpeed and Megatron-Core versions: tests/training/test_faults.py and test
 
 import pytest
 import torch
-from helpers import free_port, kill_rank_after_save, launch_watched
+from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_save, launch_watched
 
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
@@ -34,11 +34,13 @@ def fsdp_launch(variant, tmp_path_factory):
         generated = root / f"{name}-generated"
         assert main(["generate", str(recipe), "--out", str(generated)]) == 0
         out = root / name
-        changes = {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "DMT_FAULT": fault}
+        changes = {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "DMT_FAULT": fault,
+                   **guard_probe_env(run.probe(name))}
         rc = launch_watched(["bash", str(generated / "launch.sh"), "torchrun"], root / f"{name}.log",
                             (lambda process: act(process, out)) if act else (lambda process: True), changes)
         return rc, out, root / f"{name}.log"
 
+    run.probe = lambda name: root / f"{name}.probe"  # the guard's looks at the gradients (helpers.guard_looks)
     return run
 
 
@@ -74,6 +76,13 @@ def _dcp(ckpt, tmp_path) -> dict:
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_guard_reads_one_gradient_norm_per_fsdp_step(fsdp_launch, reference):
+    """The guard's cost: per optimizer step and rank one number, the global gradient norm the Trainer's clipping
+    computed (one device-to-host read on a GPU), never a gradient tensor (no finite check from the toolkit's code)."""
+    reads, others = guard_looks(fsdp_launch.probe("reference"))
+    assert reads == {"0": STEPS, "1": STEPS} and not others, (reads, others[:5])
 
 
 def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_run(fsdp_launch, reference):

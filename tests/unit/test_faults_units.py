@@ -29,7 +29,7 @@ def test_the_guard_stops_skips_or_rolls_back_on_a_non_finite_loss_or_gradient():
     assert guard.judge(1, 5.0).action is None
     verdict = guard.judge(2, math.nan)
     assert verdict.action == "skip" and "step 2" in verdict.reason and verdict.loss is None
-    assert guard.judge(3, 5.0, grads_finite=False).action == "skip"
+    assert guard.judge(3, 5.0, grad_norm=math.inf).action == "skip"
     assert LossGuard().judge(4, math.inf).action == "stop"  # the default
 
 

@@ -1,48 +1,54 @@
-"""The NaN and loss-spike guard inside HF Trainer's loop (toolkit.runtime.guard decides; this acts).
+"""The NaN and loss-spike guard inside HF Trainer's loop (toolkit.runtime.guard decides, toolkit.backends.loop reports
+and picks the rollback target; this acts through the Trainer and the engines).
 
 The verdict on the loss is reached at the last micro-batch of a step, after its forward and before its backward (the
-loss of the whole global batch: one all-reduce per step). Under DeepSpeed the optimizer step runs inside that
-backward (accelerate's DeepSpeedEngineWrapper), so a step is dropped through DeepSpeed's own overflow path: the
-guard makes that last loss NaN, DeepSpeed's check of the gradients (on for ZeRO 1-3, bf16, fp16) discards the step,
-does not step the learning rate, and counts it in `skipped_steps`; a step DeepSpeed dropped by itself (a non-finite
-gradient with a finite loss) is judged after it. Without DeepSpeed (an HF Trainer whose optimizer step is its own,
-e.g. FSDP2 through Accelerate) the gradients are checked and, for a dropped step, cleared just before
-`optimizer.step()`, so no parameter or optimizer state moves, and Accelerate's optimizer says the step was skipped
-(what its fp16 grad scaler says of an overflow), so the Trainer does not step the learning-rate schedule either:
-the same as DeepSpeed's drop.
-A rollback reloads the latest verified checkpoint with HF Trainer's own resume functions, in place: HF's step
-counter and its data loader go on, so the steps since that checkpoint, and their data, are dropped.
+loss of the whole global batch: one all-reduce per step), so `stop` raises before anything is applied. The verdict on
+the gradients reads the one number gradient clipping computes, the global gradient norm the Trainer gets from
+Accelerate (torch's clip_grad_norm_ under FSDP2, DeepSpeed's own norm under DeepSpeed), right before the optimizer
+step: no gradient is looked at one by one.
+
+A skipped step is dropped the way each engine supports:
+- without DeepSpeed (FSDP2 through Accelerate), the Trainer's own optimizer step runs on no gradient: the gradients
+  are set to None just before it, and torch's optimizers leave a parameter without one untouched (no update, no
+  weight decay, no moment or step count); the learning-rate schedule is held for that step (HeldSchedule, handed to
+  the Trainer through its create_scheduler);
+- under DeepSpeed the optimizer step runs inside that backward (Accelerate's DeepSpeedEngineWrapper), and DeepSpeed
+  drops a step whose gradients are not finite by itself (its overflow check, on for ZeRO 1-3 with bf16 and fp16): no
+  parameter, optimizer state or learning-rate step, `was_step_applied()` false. A NaN loss gets there on its own; a
+  spike has finite gradients, and DeepSpeed has no API to drop such a step: the one seam, _deepspeed_overflow.
+A rollback's step is applied (or dropped) as the engine decides; the reload that follows replaces it: HF Trainer's own
+resume functions load the latest verified checkpoint in place, HF's step counter and its data loader go on, so the
+steps since that checkpoint, and their data, are dropped. DeepSpeed's engine gets its counters back from the checkpoint
+like everything else (they count the steps applied), so its tag inside a later checkpoint-N is the one `latest` names.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
+from toolkit.backends.loop import BatchFingerprints, StepGuard
 from toolkit.runtime import faults
-from toolkit.runtime.guard import LossGuard, Verdict, report, step_record
+from toolkit.runtime.guard import Verdict, read_grad_norm
 
 log = logging.getLogger(__name__)
 
 
 class TrainerGuard:
-    """One per rank: the guard's window and the verdict of the step in flight."""
+    """One per rank: the shared StepGuard, and the step in flight as the Trainer runs it."""
 
-    def __init__(self, guard: LossGuard, output_dir: Path, fingerprints):
-        self.guard, self.output_dir, self.fingerprints = guard, output_dir, fingerprints
+    def __init__(self, guard: StepGuard, fingerprints: BatchFingerprints):
+        self.guard, self.fingerprints = guard, fingerprints
         self.micro: list = []
-        self.verdict: Verdict | None = None
         self.loss: float | None = None
-        self.skipped_before = 0
-        self.target: Path | None = None  # the checkpoint a rollback reloads
-        self.records: dict[int, dict] = {}  # step -> what metrics.jsonl says of a guarded step
+        self.norm_read = False
 
     # ---- inside the step ---------------------------------------------------------------------------------------
 
-    def begin_step(self, trainer) -> None:
-        self.micro, self.verdict, self.loss = [], None, None
-        engine = _engine(trainer)
-        self.skipped_before = engine.skipped_steps if engine is not None else 0
+    def begin_step(self) -> None:
+        self.micro, self.loss, self.norm_read = [], None, False
+        self.guard.begin_step()
 
     def on_loss(self, trainer, loss, num_items_in_batch=None):
         """Every micro-batch's loss, before its backward; returns the loss to back-propagate."""
@@ -56,9 +62,9 @@ class TrainerGuard:
         self.micro.append(_as_logged(trainer, loss.detach().float().reshape(()), num_items_in_batch))
         if len(self.micro) < trainer.current_gradient_accumulation_steps:
             return loss
-        values = torch.stack(self.micro).cpu().double()
-        finite = torch.isfinite(values)
-        stats = torch.stack([values[finite].sum(), (~finite).sum().double(), torch.tensor(1.0, dtype=torch.double)])
+        values = torch.stack(self.micro).cpu().double().tolist()
+        finite = [value for value in values if math.isfinite(value)]
+        stats = torch.tensor([sum(finite), len(values) - len(finite), 1.0], dtype=torch.double)
         if dist.is_initialized():
             device = stats.to(trainer.args.device)
             dist.all_reduce(device)
@@ -67,89 +73,75 @@ class TrainerGuard:
         verdict = self.guard.judge(step, self.loss)
         if verdict.action is None:
             return loss
-        self._act(trainer, step, verdict)
-        return loss * float("nan") if _engine(trainer) is not None else loss
+        verdict = self._act(step, verdict)  # `stop` raises here, before the backward
+        if verdict.action == "skip" and _engine(trainer) is not None and math.isfinite(self.loss):
+            return _deepspeed_overflow(loss)
+        return loss
+
+    def on_grad_norm(self, trainer, norm):
+        """The step's global gradient norm, as the Trainer got it from clipping (once per optimizer step, before it
+        under FSDP2, after DeepSpeed's inside the backward): read once, judged unless the loss was; returned as the
+        float the Trainer logs."""
+        engine = _engine(trainer)
+        value = read_grad_norm(norm) if norm is not None else None
+        self.norm_read = True
+        if self.guard.verdict is None:
+            dropped = engine is not None and not engine.was_step_applied()  # DeepSpeed's own overflow drop
+            verdict = self.guard.judge(trainer.state.global_step + 1, self.loss, math.inf if dropped else value)
+            if verdict.action is not None:
+                self._act(trainer.state.global_step + 1, verdict)
+        return value
 
     def before_optimizer_step(self, trainer, model) -> None:
-        """Without DeepSpeed: the gradients are here; a non-finite one is judged, a dropped step's are cleared."""
-        import torch
-        import torch.distributed as dist
+        """Without DeepSpeed: a dropped step's gradients go, so the optimizer step that follows moves nothing."""
+        if not self.norm_read:  # the Trainer changed how it hands out the norm: the guard would judge nothing
+            raise RuntimeError("the guard did not see this step's gradient norm (ToolkitTrainer._get_grad_norm was "
+                               "not called before the optimizer step)")
+        if _engine(trainer) is None and self.guard.drops_step():
+            model.zero_grad(set_to_none=True)
 
-        if _engine(trainer) is not None:
-            return
-        step = trainer.state.global_step + 1
-        if self.verdict is None:
-            bad = torch.zeros(1, device=trainer.args.device)
-            for param in model.parameters():
-                if param.grad is not None and not torch.isfinite(param.grad).all():
-                    bad += 1
-            if dist.is_initialized():
-                dist.all_reduce(bad)
-            if bad.item():
-                self._act(trainer, step, self.guard.judge(step, self.loss, grads_finite=False))
-        if self.verdict is not None:
-            model.zero_grad(set_to_none=True)  # torch optimizers leave a parameter without a gradient untouched
-            _mark_skipped(trainer, True)  # and the Trainer leaves the learning-rate schedule where it is
+    def holds_schedule(self) -> bool:
+        return self.guard.drops_step()
 
     def end_step(self, trainer) -> None:
-        """After the step: DeepSpeed's own drop of a step judged; a rollback done; a healthy step's loss kept."""
+        """After the step: a skip DeepSpeed applied refused; a healthy step's loss kept; a rollback done."""
         step, engine = trainer.state.global_step, _engine(trainer)
-        _mark_skipped(trainer, False)
-        dropped = engine is not None and engine.skipped_steps > self.skipped_before
-        if self.verdict is None and dropped:
-            self._act(trainer, step, self.guard.judge(step, self.loss, grads_finite=False))
-        elif self.verdict is not None and engine is not None and not dropped:
+        if self.guard.drops_step() and engine is not None and engine.was_step_applied():
             raise RuntimeError(f"step {step}: the guard dropped this step but DeepSpeed applied it (is "
                                f"bf16.check_grad_overflow off in deepspeed.json?)")
-        if self.verdict is None:
-            self.guard.accept(step, self.loss)
-        elif self.verdict.action == "rollback":
-            self._rollback(trainer, step)
+        self.guard.end_step(step, self.loss)
+        target = self.guard.rolling_back()
+        if target is not None:
+            self.guard.rolled_back(step)
+            reload_checkpoint(trainer, target)
 
-    # ---- acting on a verdict ------------------------------------------------------------------------------------
+    def _act(self, step: int, verdict: Verdict) -> Verdict:
+        return self.guard.act(step, verdict, self.fingerprints.digest(clear=False))
 
-    def _act(self, trainer, step: int, verdict: Verdict) -> None:
-        target, extra = None, {}
-        if verdict.action == "rollback":
-            target, extra = self._rollback_target(step)
-            if target is None:
-                verdict = Verdict("stop", verdict.reason + "; no verified checkpoint to roll back to", verdict.loss)
-        self.verdict, self.target = verdict, target
-        self.records[step] = {"loss": verdict.loss, "guard": step_record(step, verdict)}
-        report(self.output_dir, trainer.args.process_index, step, verdict, self.fingerprints.digest(clear=False),
-               **extra)
 
-    def _rollback_target(self, step: int) -> tuple[Path | None, dict]:
-        from toolkit.checkpoint.manifest import latest_verified, read_manifest
+class HeldSchedule:
+    """The Trainer's learning-rate schedule, not stepped for a step the guard drops. The Trainer steps it unless
+    Accelerate's optimizer says the step was skipped, which only Accelerate's fp16 grad scaler can say; the schedule
+    is the Trainer's to replace (create_scheduler), so the guard holds it here. Everything else is the schedule's."""
 
-        target = latest_verified(self.output_dir)
-        if target is None:
-            return None, {}
-        return target, {"checkpoint": target.name, "dropped_steps": [read_manifest(target)["step"] + 1, step]}
+    def __init__(self, schedule, held):
+        self.schedule, self._held = schedule, held
 
-    def _rollback(self, trainer, step: int) -> None:
-        from toolkit.checkpoint.manifest import read_manifest
+    def step(self, *args, **kwargs):
+        if not self._held():
+            self.schedule.step(*args, **kwargs)
 
-        manifest = read_manifest(self.target)
-        self.guard.rolled_back_to(self.target, manifest.get("guard_window", []))
-        reload_checkpoint(trainer, self.target)
-        engine = _engine(trainer)
-        if engine is not None:  # DeepSpeed counts steps as HF does (its tag global_step<N> follows checkpoint-<N>);
-            dropped = step - manifest["step"]  # the dropped ones as DeepSpeed counts the steps it drops itself
-            engine.global_steps, engine.skipped_steps = step, engine.skipped_steps + dropped
-            engine.global_samples = step * engine.train_batch_size()
-        log.warning("guard: rolled back to %s at step %d; steps %d-%d dropped", self.target.name, step,
-                    manifest["step"] + 1, step)
+    def __getattr__(self, name):
+        return getattr(self.schedule, name)
 
-    def metrics_of(self, step: int) -> dict:
-        """The guard's word on the steps logged now (the loss it measured, not HF's NaN filter's stand-in)."""
-        guarded = {s: self.records.pop(s) for s in sorted(self.records) if s <= step}
-        if not guarded:
-            return {}
-        extra = {"guard": [record["guard"] for record in guarded.values()]}
-        if step in guarded:
-            extra["loss"] = guarded[step]["loss"]
-        return extra
+
+def _deepspeed_overflow(loss):
+    """The one seam: DeepSpeed (0.19) has no API to drop an optimizer step whose gradients are finite; its only drop
+    is the overflow check inside engine.step() (the ZeRO optimizer's `overflow`, then `skipped_steps` and
+    `was_step_applied()`), which Accelerate's DeepSpeedEngineWrapper.backward runs right after this backward. A
+    skipped loss spike therefore back-propagates a non-finite loss, so that DeepSpeed's check sees non-finite
+    gradients and drops the step its own way (only for on_nan: skip; a NaN loss needs nothing, a rollback reloads)."""
+    return loss * float("nan")
 
 
 def _as_logged(trainer, loss, num_items_in_batch):
@@ -182,11 +174,3 @@ def reload_checkpoint(trainer, checkpoint: Path) -> None:
     else:
         load_model_state(trainer, str(checkpoint))
     load_optimizer_and_scheduler(trainer, str(checkpoint))
-
-
-def _mark_skipped(trainer, skipped: bool) -> None:
-    """Accelerate's optimizer reports `step_was_skipped` from the flag its grad scaler sets on an overflow, and the
-    Trainer steps the schedule only when it is false; without a scaler nothing else sets it."""
-    optimizer = trainer.optimizer
-    if hasattr(optimizer, "_is_overflow") and getattr(optimizer, "scaler", None) is None:
-        optimizer._is_overflow = skipped

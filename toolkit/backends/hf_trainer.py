@@ -8,8 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from toolkit.backends.hf_callbacks import BatchFingerprints, callbacks_for
-from toolkit.backends.hf_guard import TrainerGuard
+from toolkit.backends.hf_callbacks import callbacks_for
+from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
+from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
 from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json
@@ -78,9 +79,7 @@ def _check_precision_runs_here(config: dict, trainer_args: dict) -> None:
 
 
 def _check_world(plan: Plan) -> int:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan.gpus:
-        raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
+    world = check_world(plan)
     # `accelerate launch` with an accelerate.yaml of the other backend would mix the two (the Trainer takes its
     # plugin from the launcher's environment)
     for variable, backend in (("ACCELERATE_USE_FSDP", "fsdp"), ("ACCELERATE_USE_DEEPSPEED", "deepspeed")):
@@ -200,10 +199,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         from toolkit.backends.sft_data import keep_examples_apart
 
         keep_examples_apart(model)
-    fingerprints = BatchFingerprints(plan.grad_accum)
+    fingerprints = BatchFingerprints()
     metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len))
-    guard = TrainerGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)), output_dir,
-                         fingerprints)
+    guard = TrainerGuard(StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)),
+                                   output_dir, args.process_index), fingerprints)
 
     class ToolkitTrainer(Trainer):
         """HF's Trainer, plus: which samples each step trains on, how long it waits for them, and what each logged
@@ -235,6 +234,18 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
                 metrics.pending = {**metrics.measure(self.state.global_step), **gpu_memory_of_ranks()}
                 logs.update(logged_figures(metrics.pending))  # loggers take numbers; metrics.jsonl takes them all
             super().log(logs, start_time)
+
+        def _get_grad_norm(self, model, grad_norm=None):
+            # the one norm per step the Trainer gets from clipping (or computes without clipping): what the guard
+            # reads. A private method of the Trainer (transformers 5.23): the guard refuses a step whose norm it did
+            # not see (TrainerGuard.before_optimizer_step), so a rename cannot turn the check off unnoticed
+            return guard.on_grad_norm(self, super()._get_grad_norm(model, grad_norm))
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            schedule = super().create_scheduler(num_training_steps, optimizer)
+            if not self.is_deepspeed_enabled and not isinstance(schedule, HeldSchedule):  # DeepSpeed holds its own
+                self.lr_scheduler = HeldSchedule(schedule, guard.holds_schedule)
+            return self.lr_scheduler
 
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()

@@ -7,9 +7,7 @@ Without a GPU every Megatron-Core call runs inside `toolkit.compat.megatron_cpu.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
 
 from toolkit.errors import UserInputError
@@ -135,31 +133,18 @@ def _global_loss(losses: list[dict]) -> float:
     return float(total[0] / total[1])
 
 
-def _save_and_exit_requested(output_dir: Path) -> bool:
-    import torch
-    import torch.distributed as dist
-
-    from toolkit.backends.hf_callbacks import SAVE_AND_EXIT
-
-    flag = torch.tensor([1.0 if (output_dir / SAVE_AND_EXIT).exists() else 0.0])
-    flag = flag.cuda() if torch.cuda.is_available() else flag
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
-
-
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, resume: str | None,
           config: dict | None = None, throughput=None, watch=None) -> dict:
     """Run training on this rank; returns a summary (steps, last loss). `config` is the generated megatron.yaml
     (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe.
     `throughput` (toolkit.runtime.metrics.Throughput, from train.py) turns step times into tokens/s and MFU; `watch`
     is this rank's toolkit.runtime.supervision.TrainingWatchdog."""
+    from toolkit.backends.loop import check_world
     from toolkit.backends.resume import resume_checkpoint, run_identity
     from toolkit.runtime.megatron_build import device_context, init_distributed
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(plan)
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
-    if world != plan.gpus:
-        raise UserInputError("cluster.gpus", f"the plan is for {plan.gpus} processes but {world} were launched")
     config = config if config is not None else megatron_yaml_for(recipe, model_spec, plan)
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
@@ -175,40 +160,33 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
                            watch)
 
 
-def _grads_finite(setup) -> bool:
-    """Every gradient element of every rank is finite (what a finite grad norm means), checked before the
-    optimizer step so that the guard can still drop it."""
-    import torch
-    import torch.distributed as dist
+def _optimizer_step(setup, guard, step: int, loss: float, data_sha: str) -> float:
+    """Megatron-Core's optimizer step with the guard's verdict between the gradient norm and the update; returns the
+    norm. The step is ChainedOptimizer.step of megatron-core 0.16.1 through its public parts (prepare_grads,
+    get_grad_norm, clip_grad_by_total_norm_fp32, step_with_ready_grads): its one global norm, which clipping needs
+    anyway (a non-finite gradient anywhere makes it inf or nan), is the guard's one look at the gradients. A verdict
+    leaves the update and the scheduler step out (`stop` raises first; a rollback then reloads)."""
+    import math
 
-    finite = all(bool(torch.isfinite(buffer.grad_data).all()) for chunk in setup.model
-                 for buffer in chunk.buffers + chunk.expert_parallel_buffers)
-    flag = torch.tensor([1.0 if finite else 0.0])
-    flag = flag.cuda() if torch.cuda.is_available() else flag
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return flag.item() > 0
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+    from toolkit.runtime.guard import read_grad_norm
 
-def _guarded(verdict, setup, plan, output_dir, step, digest, guard) -> None:
-    """Act on a guard verdict before the optimizer step: stop raises; skip leaves the step out (no optimizer or
-    scheduler step); rollback also reloads the latest verified checkpoint, the data going on from `step`."""
-    import torch.distributed as dist
-
-    from toolkit.backends.megatron_checkpoint import load_checkpoint
-    from toolkit.checkpoint.manifest import latest_verified, read_manifest
-    from toolkit.runtime.guard import Verdict, report
-
-    target = latest_verified(output_dir) if verdict.action == "rollback" else None
-    extra = {}
-    if verdict.action == "rollback" and target is None:
-        verdict = Verdict("stop", verdict.reason + "; no verified checkpoint to roll back to", verdict.loss)
-    elif target is not None:
-        extra = {"checkpoint": target.name, "dropped_steps": [read_manifest(target)["step"] + 1, step]}
-    report(output_dir, dist.get_rank(), step, verdict, digest, **extra)
-    if target is not None:
-        guard.rolled_back_to(target, read_manifest(target).get("guard_window", []))
-        load_checkpoint(setup, target, plan)
-        log.warning("guard: rolled back to %s at step %d; steps %d-%d dropped", target.name, step, *extra["dropped_steps"])
+    optimizer = setup.optimizer
+    found_inf = optimizer.prepare_grads()  # main gradients ready; with fp16's grad scaler, its overflow check
+    grad_norm = math.inf if found_inf else read_grad_norm(optimizer.get_grad_norm())
+    verdict = guard.judge(step, loss, grad_norm)
+    if verdict.action is not None:
+        guard.act(step, verdict, data_sha)
+        return grad_norm
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        parameters = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+        if parameters and inner.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    optimizer.step_with_ready_grads()
+    setup.scheduler.step(increment=1)
+    return grad_norm
 
 
 def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput,
@@ -220,10 +198,11 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from toolkit.backends.loop import StepGuard, global_batch_fingerprint, save_and_exit_requested, write_step_record
     from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
     from toolkit.backends.resume import guard_window
     from toolkit.runtime import faults
-    from toolkit.runtime.guard import LossGuard, step_record
+    from toolkit.runtime.guard import LossGuard
     from toolkit.runtime.megatron_build import build, destroy
     from toolkit.runtime.metrics import (
         MetricsWriter,
@@ -235,10 +214,11 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
 
     setup = build(config)
     step = load_checkpoint(setup, resume_path, plan) if resume_path else 0
-    guard = LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path))
+    rank0 = dist.get_rank() == 0
+    guard = StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)), output_dir,
+                      dist.get_rank())
     watch.start()
     batches = GlobalBatches(train_set, plan.global_batch, recipe.training.seed)
-    rank0 = dist.get_rank() == 0
     metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len)) if rank0 else None
     wandb = None
     if rank0 and "wandb" in recipe.training.report_to:
@@ -269,27 +249,24 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
                                   seq_length=plan.seq_len, micro_batch_size=plan.micro_batch, forward_only=False)
         watch.phase(step, "optimizer")
         loss = _global_loss(losses)
-        digest = hashlib.sha256(batches.tokens(indices).numpy().tobytes()).hexdigest()[:16]
-        verdict, grad_norm, guarded = guard.judge(step, loss, _grads_finite(setup)), None, {}
-        if verdict.action is None:
-            _, grad_norm, _ = setup.optimizer.step()
-            setup.scheduler.step(increment=1)
-            guard.accept(step, loss)
-        else:
-            guarded = {"loss": verdict.loss, "guard": [step_record(step, verdict)]}
-            _guarded(verdict, setup, plan, output_dir, step, digest, guard)
+        digest = global_batch_fingerprint(batches.tokens(indices))
+        guard.begin_step()
+        grad_norm = _optimizer_step(setup, guard, step, loss, digest)
+        guard.end_step(step, loss)
+        target = guard.rolling_back()
+        if target is not None:
+            guard.rolled_back(step)
+            load_checkpoint(setup, target, plan)
         logged = step % recipe.training.logging_steps == 0
         memory = gpu_memory_of_ranks() if logged else {}  # a collective (GPUs only): every rank takes part
         if metrics and logged:
-            figures = {**metrics.measure(step), **memory}
-            extra = {"loss": loss, **guarded}
-            record = metrics.write(step, extra.pop("loss"), float(grad_norm) if grad_norm is not None else None,
-                                   learning_rate, figures, data_sha=digest, **extra)
+            record = write_step_record(metrics, guard, step, loss, grad_norm, learning_rate,
+                                       {**metrics.measure(step), **memory}, digest)
             if wandb is not None:
                 wandb.log(record)
-        stop = _save_and_exit_requested(output_dir)
+        stop = save_and_exit_requested(output_dir)
         if stop or step == last or (save_every and step % save_every == 0):
-            save_checkpoint(setup, output_dir, step, plan, identity, hf_config, watch, guard.state())
+            save_checkpoint(setup, output_dir, step, plan, identity, hf_config, watch, guard.window())
         else:
             watch.phase(step, "log")
         if stop:

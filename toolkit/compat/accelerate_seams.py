@@ -28,9 +28,6 @@ SEAMS = [
          "patched while the Trainer builds its Accelerator on CPU ranks: the branch that turns an FSDP plugin into "
          "DistributedType.FSDP runs inside it, for GPU-like types only, and Accelerate has no public hook after it "
          "and before the Accelerator reads the type"),
-    Seam("accelerate", "accelerate.optimizer.AcceleratedOptimizer._is_overflow", kind="in_source",
-         why="the flag step_was_skipped reports, set by the NaN guard for a dropped step without a grad scaler",
-         used_in="toolkit/backends/hf_guard.py: the guard's step dropping, which the guard rewrite of issue 24 owns"),
 ]
 
 

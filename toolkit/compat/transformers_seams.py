@@ -13,6 +13,11 @@ SEAMS = [
          "sharded state, the plain model); the Trainer's public resume is only train(resume_from_checkpoint=)"),
     Seam("transformers", "transformers.Trainer._load_optimizer_and_scheduler",
          "the rollback's optimizer and scheduler states, loaded as the Trainer's own resume loads them"),
+    Seam("transformers", "transformers.Trainer._get_grad_norm",
+         "overridden (toolkit/backends/hf_trainer.py) so the NaN/spike guard reads the global gradient norm clipping "
+         "computes, once per step, before the optimizer steps; the Trainer has no public hook between the two. "
+         "Overridden in place by ToolkitTrainer (an override, which the in-place check does not see); hf_guard.py "
+         "refuses a step whose norm it did not see, so a rename stops training instead of switching the guard off"),
     Seam("transformers", "transformers.PreTrainedModel._no_split_modules",
          "the decoder layer classes FSDP2 wraps one by one: what Accelerate itself falls back to when the config "
          "names none; transformers has no public accessor"),

@@ -1,6 +1,7 @@
 """The NaN and loss-spike guard (recipe `training.guard`), judged once per optimizer step on the loss of the whole
-global batch and on whether every gradient is finite, with the same numbers on every rank (so every rank takes the
-same action without another collective). The backends act on the verdict: stop (raise GuardStop before the step is
+global batch and on the global gradient norm that gradient clipping computes anyway (one number per step: a non-finite
+gradient anywhere makes it inf or nan), with the same numbers on every rank (so every rank takes the same action
+without another collective). The backends act on the verdict: stop (raise GuardStop before the step is
 applied; nothing is saved), skip (the optimizer step is dropped: no parameter or optimizer-state update, no
 learning-rate step), rollback (the latest verified checkpoint is reloaded in place; the data stream goes on, so
 the steps since that checkpoint and the data they saw are dropped)."""
@@ -48,11 +49,12 @@ class LossGuard:
     def from_recipe(cls, guard, history=()) -> "LossGuard":
         return cls(guard.on_nan, guard.spike_factor, guard.window, [(int(s), float(v)) for s, v in history])
 
-    def judge(self, step: int, loss: float, grads_finite: bool = True) -> Verdict:
+    def judge(self, step: int, loss: float, grad_norm: float | None = None) -> Verdict:
+        """The verdict on a step's loss and, once known, its global gradient norm (read_grad_norm)."""
         if not math.isfinite(loss):
             return Verdict(self.on_nan, f"the loss of step {step} is {loss}", None)
-        if not grads_finite:
-            return Verdict(self.on_nan, f"a gradient of step {step} is not finite (grad norm inf/nan)", loss)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return Verdict(self.on_nan, f"a gradient of step {step} is not finite (grad norm {grad_norm})", loss)
         if self.spike_factor and len(self.history) >= self.window:
             median = statistics.median(value for _, value in self.history[-self.window:])
             if loss > self.spike_factor * median:
@@ -73,6 +75,17 @@ class LossGuard:
         if self.rollbacks[checkpoint.name] > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
             raise GuardStop(f"rolled back to {checkpoint.name} {MAX_ROLLBACKS_TO_ONE_CHECKPOINT} times already")
         self.history = [(int(s), float(v)) for s, v in history]
+
+
+def read_grad_norm(norm) -> float:
+    """A step's global gradient norm as clipping returned it (a tensor, a DTensor or a float) on the host: the guard's
+    one look at the gradients of a step, one device-to-host read. torch's clip_grad_norm_ (error_if_nonfinite off),
+    Accelerate's, DeepSpeed's and Megatron-Core's all report inf or nan when any gradient element is not finite."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def report(output_dir: Path, rank: int, step: int, verdict: Verdict, data_sha: str | None, **extra) -> None:
