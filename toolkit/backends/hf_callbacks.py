@@ -16,16 +16,10 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
     """The toolkit's hooks in HF Trainer's loop (any HF Trainer backend: DeepSpeed, FSDP2 through Accelerate)."""
     from transformers import TrainerCallback
 
-    from toolkit.checkpoint.manifest import (
-        DEEPSPEED_FORMAT,
-        FSDP_FORMAT,
-        point_latest,
-        write_manifest,
-    )
+    from toolkit.backends import backend_of
+    from toolkit.checkpoint.manifest import point_latest, write_manifest
 
-    fsdp = plan.backend == "fsdp"
-    layout_keys = (("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward") if fsdp
-                   else ("dp", "tp", "pp", "zero"))
+    path = backend_of(plan).part("train").HF_PATH  # its checkpoint format and what its manifest records
 
     class ToolkitCallback(TrainerCallback):
         """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save; the watchdog's
@@ -66,12 +60,11 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
             ckpt = output_dir / f"checkpoint-{state.global_step}"
             if dist.is_initialized():
                 dist.barrier()  # every rank's files are on disk before they are hashed
+            path.on_save(model, ckpt, state.is_world_process_zero)
             if state.is_world_process_zero:
-                if fsdp:  # sharded DCP weights carry no config: `dmt convert fsdp-to-hf` finds it beside them
-                    model.config.save_pretrained(ckpt)
-                layout = {k: getattr(plan, k) for k in (*layout_keys, "micro_batch", "grad_accum", "global_batch")}
+                layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum", "global_batch")}
                 write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout,
-                               fmt=FSDP_FORMAT if fsdp else DEEPSPEED_FORMAT,
+                               fmt=path.checkpoint_format,
                                extra={"run": identity, "guard_window": guard.guard.window()})
                 point_latest(output_dir, ckpt)
             if dist.is_initialized():

@@ -3,17 +3,16 @@ FSDP2 through Accelerate's plugin (under accelerate launch or torchrun)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
+from toolkit.backends import BACKENDS, backend_of
 from toolkit.backends.hf_callbacks import callbacks_for
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
 from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
 from toolkit.errors import UserInputError
-from toolkit.readers import read_json
 from toolkit.runtime.guard import LossGuard
 from toolkit.runtime.metrics import MetricsWriter, Throughput, configure_wandb
 from toolkit.runtime.supervision import TrainingWatchdog
@@ -24,31 +23,6 @@ from toolkit.spec.recipe import Recipe, recipe_hf_config
 log = logging.getLogger(__name__)
 
 
-def adapt_for_cpu(ds_config: dict) -> dict:
-    """On CPU ranks DeepSpeed's fused CPU Adam would be compiled first; torch's AdamW does the same arithmetic."""
-    config = json.loads(json.dumps(ds_config))
-    params = config.get("optimizer", {}).get("params")
-    if params is not None and config["optimizer"]["type"].lower() in ("adam", "adamw"):
-        params["torch_adam"] = True
-    return config
-
-
-def _deepspeed_config(recipe: Recipe, plan: Plan, path: str | None, generated: dict | None) -> dict:
-    """The DeepSpeed config this run trains with: the generated file's (as plan.json's directory holds it), a file
-    given with --deepspeed, or the generator's output for the recipe's plan."""
-    from toolkit.generate.deepspeed import deepspeed_config
-
-    if generated is not None:
-        config = json.loads(json.dumps(generated))
-    elif path:
-        config = read_json(Path(path), "--deepspeed", what="a DeepSpeed JSON config")
-        stage = (config.get("zero_optimization") or {}).get("stage", 0)
-        if stage != plan.zero:  # the manifest, the memory model and resume all go by the plan's stage
-            raise UserInputError("--deepspeed", f"zero_optimization.stage is {stage} in {path} but the plan says "
-                                                f"{plan.zero}; pass --zero {stage} or regenerate the file")
-    else:
-        config = deepspeed_config(plan, recipe.training, recipe.deepspeed)
-    return adapt_for_cpu(config) if recipe.cluster.accelerator == "cpu" else config
 
 
 def installed_field_names(args_dict: dict) -> dict:
@@ -64,47 +38,20 @@ def installed_field_names(args_dict: dict) -> dict:
     return args_dict
 
 
-def _check_precision_runs_here(config: dict, trainer_args: dict) -> None:
-    """DeepSpeed refuses an unsupported precision only after building the model; say so before, in one line."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if (config.get("fp16") or {}).get("enabled") in (True, "auto") and trainer_args.get("fp16"):
-        _refuse_fp16_without_gpu()
-    for section, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
-        enabled = (config.get(section) or {}).get("enabled")
-        if (enabled is True or (enabled == "auto" and trainer_args.get(section))) and not supported():
-            raise UserInputError("plan.precision", f"{section} does not run on DeepSpeed's "
-                                                   f"{accelerator.device_name()} accelerator; use bf16 or fp32 here")
-
 
 def _check_world(plan: Plan) -> int:
     world = check_world(plan)
     # `accelerate launch` with an accelerate.yaml of the other backend would mix the two (the Trainer takes its
     # plugin from the launcher's environment)
-    for variable, backend in (("ACCELERATE_USE_FSDP", "fsdp"), ("ACCELERATE_USE_DEEPSPEED", "deepspeed")):
-        if os.environ.get(variable, "false").lower() == "true" and plan.backend != backend:
-            raise UserInputError("plan.backend", f"accelerate launch was given a {backend} accelerate.yaml but the "
-                                                 f"plan trains with {plan.backend}; launch with the plan's own "
-                                                 f"accelerate.yaml (dmt generate) or pass --backend {backend}")
+    for backend in (b for b in BACKENDS.values() if b.hf_modules):
+        variable = backend.part("train").HF_PATH.accelerate_variable
+        if os.environ.get(variable, "false").lower() == "true" and backend is not backend_of(plan):
+            raise UserInputError("plan.backend", f"accelerate launch was given a {backend.name} accelerate.yaml but "
+                                                 f"the plan trains with {plan.backend}; launch with the plan's own "
+                                                 f"accelerate.yaml (dmt generate) or pass --backend {backend.name}")
     return world
 
 
-def _check_fsdp_runs_here(plan: Plan) -> None:
-    """What Accelerate would refuse only after the model is built, said first in one line: fp16 on CPU ranks (its grad
-    scaler)."""
-    if plan.precision == "fp16":
-        _refuse_fp16_without_gpu()
-
-
-def _refuse_fp16_without_gpu() -> None:
-    """fp16 needs Accelerate's grad scaler on a GPU, whatever DeepSpeed's CPU accelerator says of the host (one with
-    AVX-512 FP16 reports fp16 supported, and the HF path then fails inside Accelerate)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UserInputError("plan.precision", "fp16 mixed precision needs a GPU (Accelerate's grad scaler); use bf16 "
-                                               "or fp32 on CPU ranks")
 
 
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
@@ -128,7 +75,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     from toolkit.generate.trainer_args import trainer_arguments
 
     world = _check_world(plan)
-    fsdp = plan.backend == "fsdp"
+    path = backend_of(plan).part("train").HF_PATH  # what DeepSpeed or FSDP2 adds to the HF Trainer's path
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
@@ -145,30 +92,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         args_dict = {**generated_trainer_args, "output_dir": str(output_dir)}
     else:
         args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
-    if fsdp:
-        if deepspeed_json:
-            raise UserInputError("--deepspeed", "is a DeepSpeed option; the fsdp backend shards with FSDP2")
-        _check_fsdp_runs_here(plan)
-        if isinstance(args_dict.get("parallelism_config"), dict):  # HSDP / TP: Accelerate's ParallelismConfig
-            from accelerate import ParallelismConfig
-
-            args_dict["parallelism_config"] = ParallelismConfig(**args_dict["parallelism_config"])
-    else:
-        _deepspeed_arguments(args_dict, recipe, plan, world, deepspeed_json, generated_deepspeed, resharded)
+    path.arguments(args_dict, recipe, plan, world, deepspeed_json, generated_deepspeed, resharded)
     configure_wandb(recipe.training.report_to, output_dir)
     args = TrainingArguments(**installed_field_names(args_dict))
-    if not fsdp:
-        import deepspeed
-
-        deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction
-        if recipe.cluster.accelerator == "cpu":
-            from toolkit.runtime.ds_shm import release_at_exit
-
-            release_at_exit()
-        if resharded:
-            from toolkit.checkpoint.universal import universal_checkpoint
-
-            resume_path = universal_checkpoint(resume_path, output_dir)
+    resume_path = path.before_model(recipe, resume_path, output_dir, resharded)
     set_seed(recipe.training.seed)
 
     tokenizer_dir = output_dir / "tokenizer"
@@ -249,10 +176,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
-            if fsdp:  # before preparation calls fully_shard with it
-                from toolkit.backends.fsdp.train import mixed_precision_policy
-
-                self.accelerator.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(plan.precision)
+            path.on_accelerator(self.accelerator, plan)  # before preparation (FSDP2: fully_shard's precision)
 
         def compute_loss(self, model, inputs, *args, **kwargs):
             result = super().compute_loss(model, inputs, *args, **kwargs)
@@ -270,11 +194,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         from toolkit.backends.peft_model import adapter_callback
 
         callbacks.insert(0, adapter_callback(plan))  # FSDP2's adapter is written before the manifest lists the files
-    if fsdp:
-        from toolkit.backends.fsdp.train import sharding_callback
-
-        callbacks.append(sharding_callback(output_dir, plan))
-    with _accelerator_building(plan):
+    callbacks += path.callbacks(output_dir, plan)
+    with path.accelerator_building(plan):
         trainer = ToolkitTrainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                                  data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     toolkit_callback.trainer = trainer
@@ -282,34 +203,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}
 
 
-def _deepspeed_arguments(args_dict: dict, recipe: Recipe, plan: Plan, world: int, deepspeed_json: str | None,
-                         generated_deepspeed: dict | None, resharded: bool) -> None:
-    """The DeepSpeed config into the trainer arguments, checked against them before DeepSpeed or HF find out
-    mid-launch."""
-    args_dict["deepspeed"] = _deepspeed_config(recipe, plan, deepspeed_json, generated_deepspeed)
-    if resharded:
-        args_dict["deepspeed"].setdefault("checkpoint", {})["load_universal"] = True
-    if deepspeed_json or generated_deepspeed is not None:
-        from toolkit.validate.deepspeed import validate_deepspeed_config
-
-        problems = validate_deepspeed_config(args_dict["deepspeed"], world, trainer_args=args_dict)
-        if problems:
-            raise UserInputError("deepspeed.json" if generated_deepspeed is not None else "--deepspeed",
-                                 "; ".join(str(p) for p in problems))
-    _check_precision_runs_here(args_dict["deepspeed"], args_dict)
-
-
-def _accelerator_building(plan: Plan):
-    """Where the Trainer builds its Accelerator: on CPU ranks an fsdp plan needs Accelerate's FSDP path opened."""
-    import contextlib
-
-    import torch
-
-    if plan.backend != "fsdp" or torch.cuda.is_available():
-        return contextlib.nullcontext()
-    from toolkit.compat.accelerate_seams import fsdp_on_cpu_ranks
-
-    return fsdp_on_cpu_ranks()
 
 
 def train_generated(run, recipe: Recipe, output_dir: Path, resume: str | None, deepspeed_json: str | None,

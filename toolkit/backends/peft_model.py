@@ -149,13 +149,15 @@ def adapter_callback(plan: Plan):
     checkpoint holds is whole (or training stops here, rather than after hours of saving nothing)."""
     from transformers import TrainerCallback
 
+    from toolkit.backends import backend_of
+
     finetune = plan.finetune
+    path = backend_of(plan).part("train").HF_PATH
 
     class AdapterCheck(TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if plan.backend == "fsdp":
-                save_sharded_adapter(model, checkpoint, state.is_world_process_zero)
+            path.save_adapter(model, checkpoint, state.is_world_process_zero)  # FSDP2's, beside its shards
             if not state.is_world_process_zero:
                 return
             problems = adapter_problems(checkpoint, finetune)

@@ -7,6 +7,8 @@ import json
 import logging
 from pathlib import Path
 
+from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
+from toolkit.checkpoint.manifest import FSDP_FORMAT
 from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
 
@@ -137,6 +139,51 @@ def sharding_callback(output_dir: Path, plan: Plan):
                 (output_dir / SHARDING_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     return ShardingCallback()
+
+
+
+class FsdpPath(HFPath):
+    accelerate_variable = "ACCELERATE_USE_FSDP"
+    checkpoint_format = FSDP_FORMAT
+    layout_keys = ("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward")
+
+    def arguments(self, args_dict, recipe, plan, world, deepspeed_json, generated_deepspeed, resharded):
+        if deepspeed_json:
+            raise UserInputError("--deepspeed", "is a DeepSpeed option; the fsdp backend shards with FSDP2")
+        if plan.precision == "fp16":  # what Accelerate would refuse only after the model is built (its grad scaler)
+            refuse_fp16_without_gpu()
+        if isinstance(args_dict.get("parallelism_config"), dict):  # HSDP / TP: Accelerate's ParallelismConfig
+            from accelerate import ParallelismConfig
+
+            args_dict["parallelism_config"] = ParallelismConfig(**args_dict["parallelism_config"])
+
+    def accelerator_building(self, plan):
+        """On CPU ranks an fsdp plan needs Accelerate's FSDP path opened (toolkit/compat/accelerate_seams.py)."""
+        import torch
+
+        if torch.cuda.is_available():
+            return super().accelerator_building(plan)
+        from toolkit.compat.accelerate_seams import fsdp_on_cpu_ranks
+
+        return fsdp_on_cpu_ranks()
+
+    def on_accelerator(self, accelerator, plan):
+        accelerator.state.fsdp_plugin.mixed_precision_policy = mixed_precision_policy(plan.precision)
+
+    def callbacks(self, output_dir, plan):
+        return [sharding_callback(output_dir, plan)]
+
+    def on_save(self, model, checkpoint, is_main):
+        if is_main:  # sharded DCP weights carry no config: `dmt convert fsdp-to-hf` finds it beside them
+            model.config.save_pretrained(checkpoint)
+
+    def save_adapter(self, model, checkpoint, is_main):
+        from toolkit.backends.peft_model import save_sharded_adapter
+
+        save_sharded_adapter(model, checkpoint, is_main)
+
+
+HF_PATH = FsdpPath()
 
 
 def train(run, recipe, output_dir: Path, resume, deepspeed_json, updates: dict, throughput, watch) -> dict:
