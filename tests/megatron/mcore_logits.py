@@ -13,9 +13,9 @@ def logits_at(recipe, model, tp: int, checkpoint: Path | None, tokens):
     import torch
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from toolkit.runtime.megatron_build import build, unwrapped
-    from toolkit.backends.megatron_checkpoint import load_checkpoint
-    from toolkit.backends.megatron_core import megatron_yaml_for
+    from toolkit.backends.megatron.build import build, unwrapped
+    from toolkit.backends.megatron.checkpoint import load_checkpoint
+    from toolkit.backends.megatron.training import megatron_yaml_for
     from toolkit.planner.recipe import recipe_plan
 
     plan = recipe_plan(recipe, model, tp=tp)
@@ -41,7 +41,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from toolkit.compat.megatron_cpu import cuda_on_cpu
-    from toolkit.runtime.megatron_build import destroy, init_distributed
+    from toolkit.backends.megatron.build import destroy, init_distributed
     from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(args.recipe)

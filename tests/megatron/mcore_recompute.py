@@ -25,8 +25,8 @@ def run_plan(recipe, model, overrides: dict, tokens, weights):
     """(saved bytes, {name: grad}, the megatron.yaml transformer_config, weights) of one forward + backward."""
     import torch
 
-    from toolkit.runtime.megatron_build import build, destroy, unwrapped
-    from toolkit.backends.megatron_core import megatron_yaml_for
+    from toolkit.backends.megatron.build import build, destroy, unwrapped
+    from toolkit.backends.megatron.training import megatron_yaml_for
     from toolkit.estimate.measure import saved_activation_bytes
     from toolkit.planner.recipe import recipe_plan
 
@@ -75,7 +75,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from toolkit.compat.megatron_cpu import cuda_on_cpu
-    from toolkit.runtime.megatron_build import init_distributed
+    from toolkit.backends.megatron.build import init_distributed
     from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(args.recipe)

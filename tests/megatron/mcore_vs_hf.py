@@ -31,7 +31,7 @@ def megatron_logits(hf_config: dict, hf_state: dict, tokens):
     import torch
 
     from toolkit.families import megatron_fields, megatron_mapping
-    from toolkit.runtime.megatron_build import build_model_chunks, initialize_parallel, transformer_config
+    from toolkit.backends.megatron.build import build_model_chunks, initialize_parallel, transformer_config
 
     sections = megatron_fields(hf_config)
     config = {
@@ -63,7 +63,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.compat.megatron_cpu import cuda_on_cpu
-    from toolkit.runtime.megatron_build import destroy, init_distributed
+    from toolkit.backends.megatron.build import destroy, init_distributed
 
     init_distributed()
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ def test_activation_checkpointing_takes_the_installed_transformers_name(monkeypa
 @pytest.mark.parametrize("impl, expected", [(None, "transformer_engine"), ("local", "local"),
                                             ("transformer_engine", "transformer_engine")])
 def test_megatron_layer_modules_on_gpus_follow_the_recipe(impl, expected):
-    from toolkit.backends.megatron_core import megatron_yaml_for
+    from toolkit.backends.megatron.training import megatron_yaml_for
 
     recipe = _with(load_recipe(TINY_MEGATRON), cluster={"accelerator": "gpu"}, plan={"transformer_impl": impl})
     model = recipe_model(recipe)

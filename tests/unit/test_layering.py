@@ -40,7 +40,8 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 # in the layer its name says, and the registry with the declarations (toolkit/backends/__init__.py, backend.py and each
 # <name>/__init__.py) in the spec layer, which resolves plans against it. Its other modules run at training time.
 BACKEND_PARTS = {"__init__": "spec", "backend": "spec", "rules": "spec", "memory": "estimate", "timing": "estimate",
-                 "explain": "estimate", "search": "planner", "generate": "generate", "validate": "validate"}
+                 "explain": "estimate", "search": "planner", "generate": "generate", "validate": "validate",
+                 "build": "runtime"}  # build: Megatron-Core's model and parallel state from megatron.yaml (conversion too)
 
 
 def _package(module: str) -> str:

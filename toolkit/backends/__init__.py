@@ -1,7 +1,7 @@
 """The training backends, one package each (deepspeed/, fsdp/, megatron/: see backend.py for what each declares),
 and the registry the rest of the toolkit walks. Beside them, what the HF-Trainer backends share (hf_trainer.py,
-hf_guard.py, hf_callbacks.py, peft_model.py, data.py, sft_data.py, resume.py), and what every training loop calls
-(loop.py).
+hf_path.py: what each of them adds, hf_guard.py, hf_callbacks.py, peft_model.py, data.py, sft_data.py, resume.py),
+and what every training loop calls (loop.py).
 
 Adding a backend is one package declaring `BACKEND` plus its line below."""
 

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from toolkit.runtime.megatron_build import init_distributed
+    from toolkit.backends.megatron.build import init_distributed
 
     init_distributed()
     import torch.distributed as dist

@@ -92,7 +92,7 @@ def megatron_model(config: dict, device: str | None = None):
     under `torch.device(device)` when given ("meta": shapes only)."""
     import torch
 
-    from toolkit.runtime.megatron_build import (
+    from toolkit.backends.megatron.build import (
         build_model_chunks,
         destroy,
         device_context,

@@ -13,7 +13,7 @@ from pathlib import Path
 from toolkit.checkpoint.manifest import MEGATRON_FORMAT
 from toolkit.compat.megatron_seams import torch_adam_distributed_load
 from toolkit.errors import UserInputError
-from toolkit.runtime.megatron_build import MegatronSetup, unwrapped
+from toolkit.backends.megatron.build import MegatronSetup, unwrapped
 
 log = logging.getLogger(__name__)
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -141,7 +141,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     is this rank's toolkit.runtime.supervision.TrainingWatchdog."""
     from toolkit.backends.loop import check_world
     from toolkit.backends.resume import resume_checkpoint, run_identity
-    from toolkit.runtime.megatron_build import device_context, init_distributed
+    from toolkit.backends.megatron.build import device_context, init_distributed
 
     check_world(plan)
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
@@ -199,11 +199,11 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from toolkit.backends.loop import StepGuard, global_batch_fingerprint, save_and_exit_requested, write_step_record
-    from toolkit.backends.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
     from toolkit.backends.resume import guard_window
     from toolkit.runtime import faults
     from toolkit.runtime.guard import LossGuard
-    from toolkit.runtime.megatron_build import build, destroy
+    from toolkit.backends.megatron.build import build, destroy
     from toolkit.runtime.metrics import (
         MetricsWriter,
         Throughput,
