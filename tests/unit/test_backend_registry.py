@@ -117,3 +117,61 @@ def test_every_backend_answers_every_hook_of_a_part(name, part):
                or (hook.islower() and hook != "accelerate_launch" and not callable(getattr(module, hook)))]
     assert not missing, f"toolkit/backends/{name}/{part}.py lacks {missing}"
     assert module is importlib.import_module(f"toolkit.backends.{name}.{part}")
+
+
+@pytest.fixture(scope="module")
+def fourth_backend(tmp_path_factory):
+    """A copy of the toolkit with a fourth backend added the way the registry says: one package (tests/unit/
+    toy_backend/: plain DDP, its parts borrowing ZeRO-0's terms) and one line in toolkit/backends/__init__.py."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("fourth")
+    shutil.copytree(PACKAGE, root / "toolkit", ignore=shutil.ignore_patterns("__pycache__"))
+    package = root / "toolkit" / "backends" / "ddp"
+    package.mkdir()
+    for source in (Path(__file__).parent / "toy_backend").iterdir():
+        shutil.copy(source, package / source.name.removesuffix(".txt"))
+    registry = root / "toolkit" / "backends" / "__init__.py"
+    text = registry.read_text()
+    line = "BACKENDS: dict[str, Backend] = {package.BACKEND.name: package.BACKEND for package in (deepspeed, megatron, fsdp)}"
+    assert line in text
+    registry.write_text(text.replace(line, line.replace("fsdp)}", "fsdp, ddp)}"))
+                        .replace("from toolkit.backends import deepspeed,", "from toolkit.backends import ddp, deepspeed,"))
+    return root
+
+
+def _dmt(root: Path, *argv: str, codes=(0, 1)):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "toolkit", *argv], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode in codes, done.stderr
+    return json.loads(done.stdout) if "--json" in argv else done
+
+
+def test_a_fourth_backend_is_one_package_and_one_registry_line(fourth_backend, tmp_path):
+    """Estimate, plan and generate walk the registry: the copy's new backend is planned, predicted and
+    generated for without a line elsewhere, and its rules are its own."""
+    root = fourth_backend
+    estimate = _dmt(root, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--backend", "ddp", "--json")
+    zero0 = _dmt(ROOT, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--zero", "0", "--json")
+    assert estimate["plan"]["backend"] == "ddp" and estimate["memory_bytes"] == zero0["memory_bytes"]
+    refused = _dmt(root, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--backend", "ddp", "--tp", "2", codes=(2,))
+    assert refused.returncode == 2 and "--tp: DDP replicates the whole model" in refused.stderr
+    plans = _dmt(root, "plan", "--model", "llama-3.2-1b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "256",
+                 "--backends", "ddp,deepspeed", "--json")
+    assert {"ddp", "deepspeed"} <= {p["plan"]["backend"] for p in plans["plans"]}
+    recipe = ROOT / "recipes" / "tiny-llama-cpu.yaml"
+    out = tmp_path / "gen"
+    _dmt(root, "generate", str(recipe), "--backend", "ddp", "--out", str(out))
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "launch.sh", "plan.json", "slurm.sbatch", "trainer_args.json"]
+    import json
+
+    record = json.loads((out / "plan.json").read_text())
+    assert record["plan"]["backend"] == "ddp" and "trainer_args.json" in record["files"]
+    assert "deepspeed" not in json.loads((out / "trainer_args.json").read_text())
