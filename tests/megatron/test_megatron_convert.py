@@ -148,11 +148,15 @@ def test_megatron_to_hf_shards_like_save_pretrained(round_trips, tmp_path):
     (("hf-to-megatron", "{hf}", "{existing}"), "OUT_DIR: "),
     (("megatron-to-hf", "{hf}", "{new}"), "MEGATRON_DIR: "),
     (("check", "{hf}", "{other}"), "MEGATRON_DIR: "),
+    (("check", "{bare}", "{existing}"), "HF_DIR: "),  # a config without weights: refused before any model is built
 ])
 def test_bad_input_is_one_line_and_exit_2(round_trips, tmp_path, args, says):
     work, _ = round_trips
     names = {"hf": work / "llama" / "hf", "new": tmp_path / "new", "missing": tmp_path / "missing",
-             "existing": work / "llama" / "mcore-tp2-pp1", "other": work / "gpt2" / "mcore-tp2-pp2"}
+             "existing": work / "llama" / "mcore-tp2-pp1", "other": work / "gpt2" / "mcore-tp2-pp2",
+             "bare": tmp_path / "bare"}
+    names["bare"].mkdir()
+    (names["bare"] / "config.json").write_text((names["hf"] / "config.json").read_text())
     result = dmt("convert", *(a.format(**names) for a in args))
     lines = [line for line in result.stderr.splitlines() if line.startswith("dmt convert: error:")]
     assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr[-2000:]

@@ -119,12 +119,13 @@ def _writer(tp: int, pp: int) -> bool:
 def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: float = 1e-4) -> LogitCheck:
     """Compare in this process (TP x PP = 1) or in a torchrun launch of TP x PP processes."""
     from toolkit.checkpoint.hf_config import read_hf_config
-    from toolkit.checkpoint.megatron_hf import check_layout, single_process_group
+    from toolkit.checkpoint.megatron_hf import check_layout, hf_weight_map, single_process_group
     from toolkit.checkpoint.safe_load import check_checkpoint
     from toolkit.runtime.children import Children
     from toolkit.runtime.ports import free_port
 
     check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, 1)
+    hf_weight_map(hf_dir)  # the HF side's weights exist, before any model is built or rank launched
     if not ckpt.is_dir():
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a directory")
     check_checkpoint(ckpt, "MEGATRON_DIR")  # refused here, before any model is built or rank launched

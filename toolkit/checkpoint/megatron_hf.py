@@ -110,14 +110,20 @@ def megatron_model(config: dict, device: str | None = None):
             destroy()
 
 
+def hf_weight_map(hf_dir: Path) -> dict:
+    """Tensor name -> safetensors file of an HF model directory; HF_DIR at fault when it holds no weights."""
+    weight_map = safetensors_weight_map(hf_dir, "HF_DIR")
+    if weight_map is None:
+        raise UserInputError("HF_DIR", f"{hf_dir} has no model.safetensors or model.safetensors.index.json")
+    return weight_map
+
+
 class HFTensors:
     """Read-on-demand access to the tensors of an HF safetensors model (one file or sharded with an index): each
     read maps its file and copies out one tensor; `meta(name)` gives its shape and dtype without reading data."""
 
     def __init__(self, hf_dir: Path, live: LiveBytes | None = None):
-        weight_map = safetensors_weight_map(hf_dir, "HF_DIR")
-        if weight_map is None:
-            raise UserInputError("HF_DIR", f"{hf_dir} has no model.safetensors or model.safetensors.index.json")
+        weight_map = hf_weight_map(hf_dir)
         for file in sorted(set(weight_map.values())):  # every file opens before anything is written
             read_safetensors_header(hf_dir / file, "HF_DIR")
         self.hf_dir, self.weight_map, self.live = hf_dir, weight_map, live
