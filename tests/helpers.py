@@ -249,3 +249,23 @@ def guard_looks(probe: Path) -> tuple[dict[str, int], list[str]]:
         else:
             others.append(line)
     return reads, others
+
+
+def assert_step_cost(record: dict, prediction: dict, tokens_per_step: int = 16 * 64) -> None:
+    """What a step cost: its time, tokens/s from it, the data-loader wait inside it, and no CUDA allocator keys. A
+    recipe planned for the host it trains on (`cluster.gpu: cpu`, as the tiny recipe) has its MFU against the host
+    peak it was predicted with; a recipe naming an H100 trained on CPU ranks has a null MFU."""
+    import pytest
+
+    from toolkit.estimate.flops import model_flops_per_token
+    from toolkit.spec.model import ModelSpec
+
+    assert record["step_time_s"] > 0 and 0 <= record["data_wait_s"] < record["step_time_s"]
+    assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"])
+    assert not [key for key in record if key.startswith("gpu_")]
+    if prediction["gpu"] != "cpu":
+        assert record["mfu"] is None
+        return
+    flops = model_flops_per_token(ModelSpec(**prediction["model_spec"]), 64) * tokens_per_step
+    assert prediction["peak_tflops"] > 0
+    assert record["mfu"] == pytest.approx(flops / (record["step_time_s"] * 2 * prediction["peak_tflops"] * 1e12))

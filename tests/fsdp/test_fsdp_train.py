@@ -10,11 +10,11 @@ import subprocess
 import pytest
 
 from fsdp_helpers import BIN, PROBE, STEPS, TINY_FSDP, environment, restore_test
-from helpers import free_port
+from helpers import assert_step_cost, free_port
 from toolkit.backends.fsdp.train import SHARDING_FILE
 from toolkit.checkpoint.manifest import FSDP_FORMAT, read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
-from toolkit.runtime.metrics import read_metrics
+from toolkit.runtime.metrics import read_metrics, read_run_record
 
 pytestmark = pytest.mark.launch
 
@@ -22,10 +22,9 @@ pytestmark = pytest.mark.launch
 def assert_trained(out, steps: int = STEPS) -> list[dict]:
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    for record in records:  # what the step cost; an H100 recipe on CPU ranks: no catalogue peak, no allocator keys
-        assert record["step_time_s"] > 0 and 0 <= record["data_wait_s"] < record["step_time_s"]
-        assert record["tokens_per_s"] == pytest.approx(16 * 64 / record["step_time_s"])
-        assert record["mfu"] is None and not [key for key in record if key.startswith("gpu_")]
+    prediction = read_run_record(out)
+    for record in records:  # what the step cost (the MFU against the host peak where the recipe is planned for it)
+        assert_step_cost(record, prediction)
     first = sum(r["loss"] for r in records[:3]) / 3
     last = sum(r["loss"] for r in records[-3:]) / 3
     assert last < first - 1.0, (first, last)  # the tiny corpus is learnable: the loss clearly falls

@@ -9,10 +9,8 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY, wandb_history
-from toolkit.estimate.flops import model_flops_per_token
+from helpers import ROOT, TINY, assert_step_cost, wandb_history
 from toolkit.runtime.metrics import read_metrics, read_run_record
-from toolkit.spec.model import ModelSpec
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 
@@ -23,19 +21,6 @@ STEPS = 20  # enough for the tiny corpus's loss to fall clearly, few enough for 
 # since train.py refuses a --max-steps that disagrees with an explicit total_num_steps (HF Trainer would too)
 RECIPE_STEPS = 30
 TRAIN = ROOT / "toolkit" / "train.py"
-
-
-def assert_step_cost(record: dict, prediction: dict, tokens_per_step: int = 16 * 64) -> None:
-    """What a step cost: its time, tokens/s from it, the data-loader wait inside it; the tiny recipe is planned for
-    the host it trains on (`cluster.gpu: cpu`), so its MFU is against the host peak it was predicted with (a recipe
-    naming an H100 trained on CPU ranks has a null MFU: tests/megatron/test_megatron_train.py), and no CUDA
-    allocator keys are written."""
-    assert record["step_time_s"] > 0 and 0 <= record["data_wait_s"] < record["step_time_s"]
-    assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"])
-    flops = model_flops_per_token(ModelSpec(**prediction["model_spec"]), 64) * tokens_per_step
-    assert prediction["gpu"] == "cpu" and prediction["peak_tflops"] > 0
-    assert record["mfu"] == pytest.approx(flops / (record["step_time_s"] * 2 * prediction["peak_tflops"] * 1e12))
-    assert not [key for key in record if key.startswith("gpu_")]
 
 
 def assert_trained(run, steps: int = STEPS, zero: int | None = None) -> list[dict]:
