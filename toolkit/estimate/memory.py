@@ -234,12 +234,3 @@ def estimate_memory(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     stages = (estimate_stage_memory(spec, plan, s, counts) for s in representative_stages(spec, plan))
     return max(stages, key=lambda m: m.total)
 
-
-def __getattr__(name: str):
-    """DeepSpeed's bucket sizes (DS_*) live in its memory part, toolkit/backends/deepspeed/memory.py; this answers the
-    importer not moved there yet (generate/deepspeed.py, another part of issue 24) without a second copy of them."""
-    if name.startswith("DS_"):
-        from toolkit.backends.deepspeed import memory
-
-        return getattr(memory, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

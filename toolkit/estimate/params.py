@@ -118,13 +118,3 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         experts_top_k=spec.experts_top_k,
         num_experts=spec.num_experts,
     )
-
-
-# Megatron pads the vocabulary so each tensor-parallel shard is a multiple of this (--make-vocab-size-divisible-by).
-MEGATRON_VOCAB_DIVISIBLE_BY = 128
-
-
-def megatron_padded_vocab(vocab_size: int, tp: int) -> int:
-    """Vocabulary size after Megatron's padding to a multiple of 128 x tp."""
-    multiple = MEGATRON_VOCAB_DIVISIBLE_BY * tp
-    return -(-vocab_size // multiple) * multiple

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from toolkit.errors import UserInputError
-from toolkit.estimate.memory import (
+from toolkit.backends.deepspeed.memory import (  # the bucket sizes the memory model counts
     DS_ALLGATHER_BUCKET_ELEMENTS,
     DS_OVERLAP_COMM,
     DS_REDUCE_BUCKET_ELEMENTS,
     DS_STAGE3_MAX_LIVE_PARAMETERS,
     DS_STAGE3_PREFETCH_ELEMENTS,
 )
+from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import DeepSpeedSection, TrainingSection
 

@@ -89,7 +89,7 @@ def trainer_fsdp_arguments(plan: Plan, layer_classes: list[str]) -> dict:
     """The TrainingArguments that make the HF Trainer build the same FSDP2 plugin (under torchrun as well as under
     `accelerate launch`). Gradient accumulation reduce-scatters every micro-batch (`sync_each_batch`): under
     Accelerate's no_sync FSDP2 would keep every rank's whole unsharded gradient until the last micro-batch
-    (toolkit/estimate/fsdp.py). `parallelism_config` holds ParallelismConfig's keyword arguments."""
+    (toolkit/backends/fsdp/memory.py). `parallelism_config` holds ParallelismConfig's keyword arguments."""
     args = {
         "fsdp": True,
         "fsdp_config": trainer_fsdp_config(fsdp_settings(plan, layer_classes)),

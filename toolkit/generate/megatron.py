@@ -13,7 +13,8 @@ as names and turned back into objects by `library_kwargs`.
 
 from __future__ import annotations
 
-from toolkit.estimate.params import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
+from toolkit.backends.megatron.memory import MEGATRON_VOCAB_DIVISIBLE_BY
+from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
 from toolkit.families import megatron_fields
 from toolkit.numeric import yaml_text
 from toolkit.spec.model import ModelSpec
