@@ -113,7 +113,7 @@ def test_estimate_plan_generate_validate_and_slurm_render_a_recipe(installed):
     assert 8.0e9 < estimate["params"]["total"] < 8.1e9 and estimate["fits"]  # the preset and the GPU catalogue
     plans = json.loads(installed.dmt("plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "2048",
                                      "--global-batch", "16", "--top", "3", "--json"))
-    assert 1 <= len(plans) <= 3
+    assert 1 <= len(plans["plans"]) <= 3 and plans["considered"] > 0  # one object: plans, rejected, calibration
     installed.dmt("generate", "recipe.yaml", "--out", "gen")
     generated = installed.home / "gen"
     assert {"plan.json", "deepspeed.json", "accelerate.yaml", "trainer_args.json", "launch.sh",
@@ -184,7 +184,8 @@ def test_explore_serves_its_page_and_renders_launch_files(installed):
                                              headers={"Content-Type": "application/json"})
             return json.loads(urllib.request.urlopen(request, timeout=120).read())
 
-        ranked = post("api/plan", {"model": "llama-3.1-8b", "gpus": 8, "seq_len": 2048, "global_batch": 16, "top": 1})
+        ranked = post("api/plan", {"model": "llama-3.1-8b", "gpus": 8, "seq_len": 2048, "global_batch": 16,
+                                   "top": 1})["plans"]
         files = post("api/generate", {"model": "llama-3.1-8b", "gpu": ranked[0]["gpu"], "plan": ranked[0]["plan"]})
         assert "#SBATCH" in files["files"]["slurm.sbatch"]
     finally:
