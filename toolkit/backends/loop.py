@@ -119,7 +119,10 @@ class StepGuard:
             self.target = latest_verified(self.output_dir)
             if self.target is None:
                 verdict = Verdict("stop", verdict.reason + "; no verified checkpoint to roll back to", verdict.loss)
-            else:
+            else:  # the libraries reload it with their unrestricted unpicklers: its pickles pass here first
+                from toolkit.checkpoint.safe_load import check_checkpoint
+
+                check_checkpoint(self.target, "rollback checkpoint")
                 extra = {"checkpoint": self.target.name,
                          "dropped_steps": [read_manifest(self.target)["step"] + 1, step]}
         self.verdict = verdict
