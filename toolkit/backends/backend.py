@@ -30,11 +30,7 @@ class Backend:
     launchers: tuple[str, ...]  # the launchers `dmt generate` writes commands for, the first one the default
     conversion: str  # the `dmt convert` subcommand that turns its checkpoint into an HF model
     files: tuple[str, ...] = field(default=())  # the files `dmt generate` writes for it beyond the common ones
-
-    @property
-    def a_label(self) -> str:
-        """`a DeepSpeed`, `an FSDP2`: the label after its article, as in "is an FSDP2 option"."""
-        return f"{'an' if self.label[0] in 'AEFHILMNORSX' and self.label[1].isupper() else 'a'} {self.label}"
+    article: str = "a"  # before its label, as in "is an FSDP2 option"
 
     def part(self, module: str) -> ModuleType:
         """This backend's module of that name (`rules`, `memory`, `timing`, `train`, ...), imported on first use so

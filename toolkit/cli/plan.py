@@ -6,12 +6,12 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from toolkit.backends import NAMES
 from toolkit.cli.common import add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import output_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
 from toolkit.errors import UserInputError
 from toolkit.numeric import GiB, bounded_int, json_text
-from toolkit.spec.options import BACKENDS
 
 if TYPE_CHECKING:
     from toolkit.planner.search import Candidate
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser, required=("seq_len", "global_batch"))  # any other plan option given is pinned
-    parser.add_argument("--backends", default=None, metavar=",".join(BACKENDS),
+    parser.add_argument("--backends", default=None, metavar=",".join(NAMES),
                         help="search only these backends (default: all; --backend pins one)")
     parser.add_argument("--top", type=bounded_int, default=10, help="plans to show (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: the ranked plans, the rejected "
@@ -143,11 +143,11 @@ def _pinned_refusal(model, gpus: int, backends: tuple[str, ...], pinned: dict, f
 def _backends(listed: str | None, pinned: str | None) -> tuple[str, ...]:
     """The backends to search: --backends (a comma list), or the one --backend pins, or all of them."""
     if listed is None:
-        return (pinned,) if pinned else BACKENDS
+        return (pinned,) if pinned else NAMES
     names = tuple(dict.fromkeys(name.strip() for name in listed.split(",") if name.strip()))
-    unknown = [name for name in names if name not in BACKENDS]
+    unknown = [name for name in names if name not in NAMES]
     if unknown or not names:
-        raise UserInputError("--backends", f"got {listed!r}; valid: a comma list of {', '.join(BACKENDS)}")
+        raise UserInputError("--backends", f"got {listed!r}; valid: a comma list of {', '.join(NAMES)}")
     if pinned and pinned not in names:
         raise UserInputError("--backend", f"{pinned} is not among --backends {','.join(names)}")
     return (pinned,) if pinned else names

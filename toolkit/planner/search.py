@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from toolkit.backends import backend_of
+from toolkit.backends import NAMES, backend_of
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
@@ -15,7 +15,6 @@ from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
-from toolkit.spec.options import BACKENDS
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import Plan, divisors, resolve_plan
 
@@ -102,7 +101,7 @@ def search(
     gpus: int,
     gpu: GPU,
     network: Network,
-    backends: tuple[str, ...] = BACKENDS,
+    backends: tuple[str, ...] = NAMES,
     calibration: Calibration | None = None,
     **fixed,
 ) -> SearchResult:
@@ -193,7 +192,7 @@ def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = N
               calibration: Calibration | None = None, **fixed) -> Plan:
     """The fastest plan that fits, for recipes that say `plan: auto`."""
     network = network or Network.from_catalogue(gpu, fixed.get("gpus_per_node") or 8)
-    backends = (fixed.pop("backend"),) if fixed.get("backend") else BACKENDS
+    backends = (fixed.pop("backend"),) if fixed.get("backend") else NAMES
     result = search(model, gpus, gpu, network, backends, calibration, **fixed)
     if not result.ranked:
         reasons = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common())

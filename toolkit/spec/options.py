@@ -114,7 +114,6 @@ class PlanOptions(BaseModel):
 
 
 OPTION_NAMES = tuple(PlanOptions.model_fields)
-BACKENDS: tuple[str, ...] = NAMES
 RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 TRANSFORMER_IMPLS: tuple[str, ...] = get_args(TransformerImpl)
 

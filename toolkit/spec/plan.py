@@ -181,7 +181,7 @@ def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:
             continue
         if name not in foreign:
             owner = backend_of(option_backends(name)[0])
-            raise UserInputError(flag(name), f"is {owner.a_label} option; use --backend {owner.name}")
+            raise UserInputError(flag(name), f"is {owner.article} {owner.label} option; use --backend {owner.name}")
         raise UserInputError(flag(name), foreign[name])
 
 
