@@ -96,6 +96,12 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
                     yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
 
+def zero_sharding_text(plan) -> str:
+    """How a plan shards model states in ZeRO's words (`zero=<stage>`): DeepSpeed's, and Megatron-Core's, whose
+    distributed optimizer the planner's label shows."""
+    return f"zero={plan.zero}"
+
+
 def search(
     model: ModelSpec,
     gpus: int,

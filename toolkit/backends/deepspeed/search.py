@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from toolkit.planner.search import grid_layouts
+from toolkit.planner.search import grid_layouts, zero_sharding_text
 
 
 def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
@@ -33,6 +33,4 @@ def label(plan) -> list[str]:
     return parts
 
 
-def sharding_text(plan) -> str:
-    """How a plan shards model states."""
-    return f"zero={plan.zero}"
+sharding_text = zero_sharding_text  # how a plan shards model states: `zero=<stage>`

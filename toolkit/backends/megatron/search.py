@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from toolkit.planner.search import grid_layouts
+from toolkit.planner.search import grid_layouts, zero_sharding_text
 from toolkit.spec.plan import divisors
 
 
@@ -39,6 +39,4 @@ def label(plan) -> list[str]:
     return parts
 
 
-def sharding_text(plan) -> str:
-    """How a plan shards model states."""
-    return f"zero={plan.zero}"
+sharding_text = zero_sharding_text  # how a plan shards model states: `zero=<stage>`
