@@ -22,6 +22,7 @@ from toolkit.runtime.ports import free_port
 
 TRAIN = Path(__file__).resolve().parent.parent / "train.py"
 COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
+LAUNCHERS = {"deepspeed": "--num_gpus", "torchrun": "--nproc_per_node"}  # the launchers it runs: their count flag
 
 
 @dataclass
@@ -44,14 +45,10 @@ class RestoreResult:
 
 def _command(launcher: str, nprocs: int, recipe: Path, out: Path, steps: int, save_steps: int, resume: bool,
              extra: tuple[str, ...] = ()) -> list[str]:
-    bin_dir = Path(sys.executable).parent
-    port = str(free_port())
-    if launcher == "deepspeed":
-        head = [str(bin_dir / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port, str(TRAIN)]
-    elif launcher == "torchrun":
-        head = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", port, str(TRAIN)]
-    else:
-        raise UserInputError("--launcher", f"'{launcher}' is not supported; use deepspeed or torchrun")
+    if launcher not in LAUNCHERS:
+        raise UserInputError("--launcher", f"'{launcher}' is not supported; use {' or '.join(LAUNCHERS)}")
+    head = [str(Path(sys.executable).parent / launcher), LAUNCHERS[launcher], str(nprocs), "--master_port",
+            str(free_port()), str(TRAIN)]
     tail = ["--recipe", str(recipe), "--output-dir", str(out), "--max-steps", str(steps), "--save-steps", str(save_steps)]
     return head + tail + list(extra) + (["--resume", "latest"] if resume else [])
 

@@ -9,12 +9,12 @@ import tempfile
 from pathlib import Path
 
 from toolkit.backends import backend_of
+from toolkit.checkpoint.restore import LAUNCHERS
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.numeric import bounded_int, finite_float, json_text
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
-RESTORE_LAUNCHERS = ("deepspeed", "torchrun")  # the launchers restore-test runs (toolkit/checkpoint/restore.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-world-size", type=bounded_int, default=None,
                         help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core "
                              "and FSDP2: the DCP checkpoint reshards on load)")
-    parser.add_argument("--launcher", choices=RESTORE_LAUNCHERS, default=None,
+    parser.add_argument("--launcher", choices=tuple(LAUNCHERS), default=None,
                         help="launcher of the deepspeed backend (default deepspeed; megatron and fsdp run under "
                              "torchrun)")
     parser.add_argument("--tolerance", type=finite_float, default=None,
@@ -89,7 +89,7 @@ def _launcher(given: str | None, backend: str) -> str:
     backend), else the backend's own (torchrun for Megatron-Core and FSDP2, deepspeed for DeepSpeed)."""
     from toolkit.errors import UserInputError
 
-    valid = [name for name in backend_of(backend).launchers if name in RESTORE_LAUNCHERS]
+    valid = [name for name in backend_of(backend).launchers if name in LAUNCHERS]
     if given is not None and given not in valid:
         raise UserInputError("--launcher", f"the {backend} backend runs under {' or '.join(valid)}, not {given}")
     return given or valid[0]
