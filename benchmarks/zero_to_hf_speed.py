@@ -34,7 +34,7 @@ print(json.dumps({{"seconds": time.perf_counter() - start,
 """
 OURS = """
 from pathlib import Path
-from toolkit.checkpoint.zero_to_hf import convert_zero_to_hf
+from toolkit.backends.deepspeed.convert import convert_zero_to_hf
 convert_zero_to_hf(Path(sys.argv[1]), Path(sys.argv[2]), progress=False)
 """
 THEIRS = """

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.checkpoint import zero_to_hf
+from toolkit.backends.deepspeed.convert import convert_zero_to_hf
 from toolkit.cli.main import main
 
 pytestmark = pytest.mark.launch
@@ -90,7 +90,7 @@ def test_interrupted_conversion_leaves_no_output(zero_checkpoints, tmp_path, mon
     monkeypatch.setattr(StreamingSafetensorsWriter, "copy_ranges", failing_copy)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        zero_to_hf.convert_zero_to_hf(zero_checkpoints["zero3"], out, progress=False)
+        convert_zero_to_hf(zero_checkpoints["zero3"], out, progress=False)
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
@@ -99,7 +99,7 @@ def test_the_fp32_path_copies_bytes_without_importing_torch(zero_checkpoints, tm
     import subprocess
     import sys
 
-    code = ("import sys; from pathlib import Path; from toolkit.checkpoint.zero_to_hf import convert_zero_to_hf; "
+    code = ("import sys; from pathlib import Path; from toolkit.backends.deepspeed.convert import convert_zero_to_hf; "
             "convert_zero_to_hf(Path(sys.argv[1]), Path(sys.argv[2]), progress=False); "
             "print('torch' in sys.modules)")
     out = tmp_path / "hf"

@@ -11,8 +11,9 @@ import pytest
 
 from fsdp_helpers import BIN, PROBE, STEPS, TINY_FSDP, environment, restore_test
 from helpers import assert_step_cost, free_port
+from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT as FSDP_FORMAT
 from toolkit.backends.fsdp.train import SHARDING_FILE
-from toolkit.checkpoint.manifest import FSDP_FORMAT, read_manifest, resolve_latest
+from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_metrics, read_run_record
 

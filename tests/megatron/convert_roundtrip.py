@@ -35,7 +35,7 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.checkpoint.megatron_hf import hf_to_megatron, megatron_to_hf
+    from toolkit.backends.megatron.convert import hf_to_megatron, megatron_to_hf
 
     results = {}
     for case in args.cases.split(","):

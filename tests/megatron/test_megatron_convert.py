@@ -99,7 +99,7 @@ def test_verify_deep_finds_nan_in_the_optimizer_state_of_a_training_checkpoint(l
     import numpy as np
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from toolkit.checkpoint.megatron_stream import DistCheckpointReader
+    from toolkit.checkpoint.dcp import DistCheckpointReader
     from toolkit.checkpoint.safe_load import read_dcp_metadata
 
     ckpt = tmp_path / "ckpt"

@@ -30,8 +30,8 @@ def test_conversions_hold_one_tensor_at_a_time(deep_narrow, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from toolkit.checkpoint.megatron_hf import hf_to_megatron, megatron_to_hf
-    from toolkit.checkpoint.megatron_stream import LiveBytes
+    from toolkit.backends.megatron.convert import hf_to_megatron, megatron_to_hf
+    from toolkit.checkpoint.dcp import LiveBytes
 
     original = load_file(deep_narrow / "model.safetensors")
     model_bytes = sum(t.numel() * t.element_size() for t in original.values())
@@ -51,7 +51,7 @@ def test_conversions_hold_one_tensor_at_a_time(deep_narrow, tmp_path):
 
 
 def test_a_truncated_checkpoint_file_is_one_line_naming_it(deep_narrow, tmp_path):
-    from toolkit.checkpoint.megatron_hf import hf_to_megatron
+    from toolkit.backends.megatron.convert import hf_to_megatron
 
     ckpt = tmp_path / "mcore"
     hf_to_megatron(deep_narrow, ckpt)

@@ -11,7 +11,7 @@ import pytest
 from helpers import free_port, guard_looks, guard_probe_env, launch_watched, rank_processes
 from megatron_helpers import BIN, TRAIN
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
-from toolkit.checkpoint.megatron_stream import DistCheckpointReader
+from toolkit.checkpoint.dcp import DistCheckpointReader
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 from toolkit.runtime.incident import read_incidents

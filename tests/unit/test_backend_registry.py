@@ -28,6 +28,9 @@ HOOKS = {
     "timing": ("execution_path", "data_parallel_and_optimizer"),
     "explain": ("one_replica", "sharding", "weights", "gradients", "optimizer_offloaded", "master_copy",
                 "fp32_gradients"),
+    # its checkpoint format: the names `dmt ckpt` prints (FORMATS) and the manifest records, `dmt convert
+    # <conversion>`'s declaration (TO_HF) and run (to_hf), and `dmt ckpt verify|inspect`'s detect, verify, inspect
+    "checkpoint": ("FORMATS", "MANIFEST_FORMAT", "TO_HF", "detect", "verify", "inspect", "to_hf"),
 }
 
 
@@ -120,6 +123,34 @@ def test_every_backend_answers_every_hook_of_a_part(name, part):
     assert module is importlib.import_module(f"toolkit.backends.{name}.{part}")
 
 
+def test_dmt_ckpt_asks_each_backend_for_its_format(tmp_path):
+    """`dmt ckpt verify|inspect` name a directory by the first backend whose checkpoint part detects it, and only
+    the formats of no backend (HF's Trainer and safetensors, a bare DCP directory) by themselves."""
+    from toolkit.checkpoint.verify import detect
+
+    def layout(name: str, *files: str) -> Path:
+        for file in files:
+            (tmp_path / name / file).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / file).write_bytes(b"")
+        return tmp_path / name
+
+    cases = {
+        layout("zero", "latest", "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"): ("deepspeed-zero", "deepspeed"),
+        layout("trainer-zero", "trainer_state.json", "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            ("hf-trainer", "deepspeed"),
+        layout("fsdp", "trainer_state.json", "pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"):
+            ("hf-trainer+fsdp", "fsdp"),
+        layout("megatron", "metadata.json", "__0_0.distcp"): ("megatron-dist", "megatron"),
+        layout("dcp", ".metadata", "__0_0.distcp"): ("dcp", None),
+        layout("trainer", "trainer_state.json", "model.safetensors"): ("hf-trainer", None),
+    }
+    parts = {BACKENDS[name].part("checkpoint"): name for name in NAMES}
+    for path, (fmt, owner) in cases.items():
+        found, part = detect(path)
+        assert (found, parts.get(part)) == (fmt, owner), path.name
+        assert owner is None or fmt in part.FORMATS
+
+
 @pytest.fixture(scope="module")
 def fourth_backend(tmp_path_factory):
     """A copy of the toolkit with a fourth backend added the way the registry says: one package (tests/unit/
@@ -176,3 +207,6 @@ def test_a_fourth_backend_is_one_package_and_one_registry_line(fourth_backend, t
     record = json.loads((out / "plan.json").read_text())
     assert record["plan"]["backend"] == "ddp" and "trainer_args.json" in record["files"]
     assert "deepspeed" not in json.loads((out / "trainer_args.json").read_text())
+    # its checkpoints are HF's own: `dmt convert` offers the other backends' conversions and none for it
+    conversions = _dmt(root, "convert", "--help").stdout
+    assert all(backend.conversion in conversions for backend in BACKENDS.values()) and "None" not in conversions

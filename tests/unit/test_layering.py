@@ -41,7 +41,11 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 # <name>/__init__.py) in the spec layer, which resolves plans against it. Its other modules run at training time.
 BACKEND_PARTS = {"__init__": "spec", "backend": "spec", "rules": "spec", "memory": "estimate", "timing": "estimate",
                  "explain": "estimate", "search": "planner", "generate": "generate", "validate": "validate",
-                 "build": "runtime"}  # build: Megatron-Core's model and parallel state from megatron.yaml (conversion too)
+                 "build": "runtime",  # build: Megatron-Core's model and parallel state from megatron.yaml (conversion too)
+                 # its checkpoint format (what toolkit/checkpoint/verify.py walks) and the conversions and readers
+                 # behind it
+                 "checkpoint": "checkpoint", "convert": "checkpoint", "zero_checkpoint": "checkpoint",
+                 "dist_writer": "checkpoint", "logit_check": "checkpoint"}
 
 
 def _package(module: str) -> str:

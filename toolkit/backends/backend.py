@@ -8,7 +8,10 @@ that backend's part of each layer, under the same names in every backend:
   the defaults it derives when a plan is resolved;
 - `memory.py` / `timing.py` / `explain.py` (estimate): its memory and step-time terms and what `dmt estimate
   --explain` says of them, the same hooks in every backend (tests/unit/test_backend_registry.py HOOKS);
-- `train.py` and the modules beside it (run time): its training loop and checkpoints.
+- `checkpoint.py` (checkpoint): its checkpoint format, the same hooks in every backend (tests/unit/
+  test_backend_registry.py HOOKS): what `dmt ckpt verify|inspect` detect, check and describe, and the conversion
+  `dmt convert <conversion>` runs (declared by an `HFConversion`);
+- `train.py` and the modules beside it (run time): its training loop.
 
 The rest of the toolkit reaches a backend's code through `Backend.part(<module>)` and never compares a backend's
 name; the registry (`toolkit.backends.BACKENDS`) is the list the planner, generators, validators and train.py walk.
@@ -28,7 +31,7 @@ class Backend:
     hf_modules: bool  # trains the HF model's own modules through the HF Trainer (else Megatron-Core's modules)
     default_zero: int  # the plan's `zero` when not given (DeepSpeed's ZeRO stage; 0 for the others)
     launchers: tuple[str, ...]  # the launchers `dmt generate` writes commands for, the first one the default
-    conversion: str  # the `dmt convert` subcommand that turns its checkpoint into an HF model
+    conversion: str | None  # the `dmt convert` subcommand that turns its checkpoint into an HF model (None: it is one)
     files: tuple[str, ...] = field(default=())  # the files `dmt generate` writes for it beyond the common ones
     article: str = "a"  # before its label, as in "is an FSDP2 option"
 
@@ -36,3 +39,18 @@ class Backend:
         """This backend's module of that name (`rules`, `memory`, `timing`, `train`, ...), imported on first use so
         that the spec layer can hold the registry without importing any library."""
         return importlib.import_module(f"toolkit.backends.{self.name}.{module}")
+
+
+@dataclass(frozen=True)
+class HFConversion:
+    """What `dmt convert <Backend.conversion>` offers for a backend's checkpoints (its checkpoint part's `TO_HF`):
+    the words of its help, its source argument, the flags beyond those every conversion to HF has (--dtype,
+    --max-shard-size, --config, --json), and the line it prints: `line.format(**summary, source=, mib=)` of the JSON
+    summary its `to_hf` returns, the checkpoint given and the MiB written."""
+
+    help: str
+    description: str
+    metavar: str  # the checkpoint argument as the usage line names it
+    source_help: str | None
+    line: str
+    flags: tuple[tuple[str, dict], ...] = ()  # (flag, argparse keywords): handed to `to_hf` by their dest

@@ -11,7 +11,7 @@ from toolkit.errors import UserInputError
 
 class HFPath:
     accelerate_variable = ""  # what `accelerate launch` sets when its accelerate.yaml is this backend's
-    checkpoint_format = ""  # the manifest's `format` of its checkpoints (toolkit/checkpoint/manifest.py)
+    checkpoint_format = ""  # the manifest's `format` of its checkpoints (its checkpoint.py's MANIFEST_FORMAT)
     layout_keys: tuple[str, ...] = ()  # the plan options a checkpoint's manifest records of its layout
 
     def arguments(self, args_dict: dict, recipe, plan, world: int, deepspeed_json: str | None,

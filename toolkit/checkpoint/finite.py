@@ -2,9 +2,9 @@
 optimizer moments), read a bounded piece at a time so that memory follows the piece, not the checkpoint.
 
 An optimizer whose exp_avg_sq went NaN resumes into NaN weights at the next step although the weights are finite
-today, so the optimizer state is scanned as well as the weights: in DeepSpeed ZeRO every floating tensor of every
-rank file (the fp32 masters by parameter name, everything else by its key), in a dist checkpoint every tensor chunk
-and every tensor inside a stored object.
+today, so the optimizer state is scanned as well as the weights: in a dist checkpoint every tensor chunk and every
+tensor inside a stored object; in a torch.save file indexed lazily (DeepSpeed ZeRO's rank files, scanned by
+toolkit/backends/deepspeed/checkpoint.py) every floating tensor, a piece at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def nonfinite(tensor) -> int:
     return int(tensor.numel() - torch.isfinite(tensor).sum())
 
 
-def _lazy_tensors(value, key: str) -> Iterator[tuple[str, object]]:
+def lazy_tensors(value, key: str) -> Iterator[tuple[str, object]]:
     """(dotted key, LazyTensor) for every tensor in an indexed torch.save object."""
     from toolkit.checkpoint.torch_zip import LazyTensor
 
@@ -36,37 +36,21 @@ def _lazy_tensors(value, key: str) -> Iterator[tuple[str, object]]:
         yield key, value
     elif isinstance(value, dict):
         for name, item in value.items():
-            yield from _lazy_tensors(item, f"{key}.{name}" if key else str(name))
+            yield from lazy_tensors(item, f"{key}.{name}" if key else str(name))
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            yield from _lazy_tensors(item, f"{key}.{index}")
+            yield from lazy_tensors(item, f"{key}.{index}")
 
 
-def _lazy_nonfinite(lazy) -> int:
+def lazy_nonfinite(lazy) -> int:
     bad = 0
     for start in range(0, lazy.numel(), PIECE):
         bad += nonfinite(lazy.read(start, min(PIECE, lazy.numel() - start)))
     return bad
 
 
-def _finding(file: Path, what: str, bad: int) -> Finding:
+def finding(file: Path, what: str, bad: int) -> Finding:
     return file, f"{what} holds {bad} NaN/Inf values" if bad else None
-
-
-def zero_findings(checkpoint) -> Iterator[Finding]:
-    """A ZeRO checkpoint: each trainable and frozen parameter's fp32 value by name, then every other floating tensor
-    of every rank file (Adam's exp_avg and exp_avg_sq, 16-bit module weights, buffers) by its key."""
-    from toolkit.checkpoint.deepspeed_zero import MASTER_KEYS, rank_files
-    from toolkit.checkpoint.torch_zip import index_torch_file
-
-    for name, tensor in checkpoint.tensors():
-        yield _finding(checkpoint.tag_dir, f"tensor {name}", nonfinite(tensor))
-    for file in rank_files(checkpoint.tag_dir):
-        state = index_torch_file(file)
-        for key, lazy in _lazy_tensors(state, ""):
-            if not lazy.is_floating_point or any(part in MASTER_KEYS for part in key.split(".")):
-                continue  # the fp32 masters were scanned above, by parameter name
-            yield _finding(file, key, _lazy_nonfinite(lazy))
 
 
 def dcp_findings(path: Path, metadata) -> Iterator[Finding]:
@@ -74,13 +58,13 @@ def dcp_findings(path: Path, metadata) -> Iterator[Finding]:
     tensor, model and optimizer alike, one chunk in memory at a time, and the tensors inside stored objects."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-    from toolkit.checkpoint.megatron_stream import DistCheckpointReader
+    from toolkit.checkpoint.dcp import DistCheckpointReader
 
     reader = DistCheckpointReader(path, metadata=metadata, key=str(path))
     for key, meta in metadata.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata) and meta.properties.dtype.is_floating_point:
             bad = sum(nonfinite(reader.load_chunk(MetadataIndex(key, c.offsets), c.sizes)) for c in meta.chunks)
-            yield _finding(path, f"tensor {key}", bad)
+            yield finding(path, f"tensor {key}", bad)
         elif isinstance(meta, BytesStorageMetadata):
             for index in (i for i in metadata.storage_data if i.fqn == key):
                 yield from _object_findings(reader, index)
@@ -107,7 +91,7 @@ def _object_findings(reader, index) -> Iterator[Finding]:
     while stack:
         key, item = stack.pop()
         if isinstance(item, torch.Tensor) and item.is_floating_point():
-            yield _finding(file, f"tensor {key}", nonfinite(item))
+            yield finding(file, f"tensor {key}", nonfinite(item))
         elif isinstance(item, dict):
             stack += [(f"{key}.{k}", v) for k, v in item.items()]
         elif isinstance(item, (list, tuple)):
@@ -121,6 +105,6 @@ def safetensors_findings(file: Path) -> Iterator[Finding]:
     try:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield _finding(file, f"tensor {name}", nonfinite(handle.get_tensor(name)))
+                yield finding(file, f"tensor {name}", nonfinite(handle.get_tensor(name)))
     except Exception as exc:  # safetensors raises its own error types for damaged data
         raise UserInputError(str(file), f"cannot be read as safetensors ({type(exc).__name__}: {exc})") from None

@@ -14,6 +14,9 @@ from pathlib import Path
 from toolkit.errors import UserInputError
 from toolkit.readers import one_line, read_json
 
+# Files next to an HF Trainer checkpoint that from_pretrained users expect to travel with the weights.
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 WHAT = "an HF config.json (a JSON object whose model_type names the architecture, e.g. llama)"
 
 

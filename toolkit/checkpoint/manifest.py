@@ -18,10 +18,6 @@ from toolkit.readers import read_json, read_text
 from toolkit.runtime.supervision import LATEST_POINTER as LATEST  # OUTPUT/latest: one name for the watchdog and here
 
 MANIFEST = "dmt_manifest.json"
-# The manifest's `format` of each kind of checkpoint the toolkit writes
-DEEPSPEED_FORMAT = "hf-trainer+deepspeed"  # HF Trainer's checkpoint-N with DeepSpeed's global_stepN inside
-MEGATRON_FORMAT = "megatron-core-dist"  # Megatron-Core dist_checkpointing (torch_dist)
-FSDP_FORMAT = "hf-trainer+fsdp"  # HF Trainer's checkpoint-N with Accelerate's FSDP2 DCP dirs (pytorch_model_fsdp_0/)
 LIBRARIES = ("dm-toolkit", "torch", "deepspeed", "megatron-core", "transformers", "accelerate")
 CHUNK = 8 * 2**20
 

@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
+from toolkit.checkpoint.hf_config import SIDE_FILES
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size, safetensors_weight_map
-from toolkit.checkpoint.zero_to_hf import SIDE_FILES
 from toolkit.errors import UserInputError
 from toolkit.numeric import is_finite_number
 from toolkit.readers import read_json, read_safetensors_header

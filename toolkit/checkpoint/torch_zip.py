@@ -182,7 +182,7 @@ def index_torch_file(path: Path, region: tuple[int, int] | None = None, allowed:
 
 
 def _index(path: Path, handle, start: int, length: int | None, allowed: frozenset):
-    from toolkit.checkpoint.megatron_stream import FileSlice
+    from toolkit.checkpoint.dcp import FileSlice
 
     raw = handle if length is None else FileSlice(handle, start, length)
     end = start + (length if length is not None else os.fstat(handle.fileno()).st_size)

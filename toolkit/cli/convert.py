@@ -12,16 +12,8 @@ from toolkit.numeric import bounded_int, finite_float, json_text
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True, parser_class=type(parser))
-    zero = sub.add_parser("zero-to-hf", help="DeepSpeed ZeRO 1/2/3 checkpoint -> HF safetensors + config",
-                          description="Stream a DeepSpeed ZeRO checkpoint (HF Trainer or bare DeepSpeed layout, any "
-                                      "world size) into HF safetensors; equal bit for bit to DeepSpeed's zero_to_fp32.")
-    zero.add_argument("ckpt_dir", type=path_arg, metavar="CKPT_DIR", help="directory with `latest` (or the tag directory)")
-    zero.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
-    zero.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: from `latest`)")
-    zero.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    zero.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
-    zero.add_argument("--config", type=path_arg, default=None, help="HF config.json when the checkpoint has none beside it")
-    zero.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    for backend in _converting():  # each backend's checkpoint -> HF, as its checkpoint part declares it
+        _add_to_hf(sub, backend.conversion, backend.part("checkpoint").TO_HF)
 
     to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron-Core dist checkpoint",
                               description="Write a Megatron-Core dist checkpoint (torch_dist) of an HF model that a "
@@ -32,29 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         to_mcore.add_argument(f"--{flag}", type=bounded_int, default=1, help=f"{what} parallel size it is meant for")
     to_mcore.add_argument("--check", action="store_true", help="then compare logits with the HF model at --tp/--pp")
     to_mcore.add_argument("--json", action="store_true", help="print the result as one JSON object")
-
-    to_hf = sub.add_parser("megatron-to-hf", help="Megatron-Core dist checkpoint -> HF safetensors + config",
-                           description="Read a Megatron-Core dist checkpoint (converted or saved by training, any "
-                                       "layout) back into HF safetensors.")
-    to_hf.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
-    to_hf.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
-    to_hf.add_argument("--config", type=path_arg, default=None, help="HF config.json when the checkpoint has none")
-    to_hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (HF's max_shard_size)")
-    to_hf.add_argument("--json", action="store_true", help="print the result as one JSON object")
-
-    fsdp = sub.add_parser("fsdp-to-hf", help="FSDP2 sharded checkpoint (DCP) -> HF safetensors + config",
-                          description="Stream an Accelerate FSDP2 SHARDED_STATE_DICT checkpoint (a Trainer "
-                                      "checkpoint-N or its pytorch_model_fsdp_0/, saved by any number of ranks) into "
-                                      "HF safetensors, tensor by tensor; equal bit for bit to `accelerate "
-                                      "merge-weights`.")
-    fsdp.add_argument("ckpt_dir", type=path_arg, metavar="CKPT", help="checkpoint-N, or its pytorch_model_fsdp_0/")
-    fsdp.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
-    fsdp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    fsdp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
-    fsdp.add_argument("--config", type=path_arg, default=None,
-                      help="HF config.json when the checkpoint has none beside it")
-    fsdp.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     merge = sub.add_parser("merge-lora", help="LoRA adapter + its base -> merged HF safetensors",
                            description="Merge a PEFT LoRA adapter (adapter_model.safetensors + adapter_config.json, a "
@@ -77,30 +46,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
+def _converting():
+    """The backends whose checkpoints `dmt convert` turns into HF models (a backend whose checkpoints are HF's own has
+    no conversion)."""
+    from toolkit.backends import BACKENDS
+
+    return [backend for backend in BACKENDS.values() if backend.part("checkpoint").to_hf is not None]
+
+
+def _add_to_hf(sub, name: str, conversion) -> None:
+    """`dmt convert <name>` as the backend's HFConversion declares it: CHECKPOINT OUT_DIR, its own flags, and the
+    flags every conversion to HF has."""
+    parser = sub.add_parser(name, help=conversion.help, description=conversion.description)
+    parser.add_argument("ckpt_dir", type=path_arg, metavar=conversion.metavar, help=conversion.source_help)
+    parser.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
+    extra = tuple(parser.add_argument(flag, **keywords).dest for flag, keywords in conversion.flags)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
+    parser.add_argument("--config", type=path_arg, default=None,
+                        help="HF config.json when the checkpoint has none beside it")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.set_defaults(to_hf=name, extra=extra)  # the flags only this conversion has, handed to its to_hf
+
+
 def run(args: argparse.Namespace) -> int:
-    handlers = {"zero-to-hf": _zero_to_hf, "hf-to-megatron": _hf_to_megatron, "megatron-to-hf": _megatron_to_hf,
-                "fsdp-to-hf": _fsdp_to_hf, "merge-lora": _merge_lora, "check": _check}
+    handlers = {"hf-to-megatron": _hf_to_megatron, "merge-lora": _merge_lora, "check": _check}
     if getattr(args, "out_dir", None) is not None:  # before any input is read: never one of them, never a full one
         from toolkit.checkpoint.atomic import check_output_dir
 
         check_output_dir(args.out_dir)
-    return handlers[args.direction](args)
+    return _to_hf(args) if getattr(args, "to_hf", None) else handlers[args.direction](args)
 
 
-def _zero_to_hf(args: argparse.Namespace) -> int:
-    import sys
+def _to_hf(args: argparse.Namespace) -> int:
+    """A backend's checkpoint -> HF safetensors + config, through its checkpoint part."""
+    from toolkit.backends import BACKENDS
 
-    from toolkit.checkpoint.zero_to_hf import convert_zero_to_hf
-
-    result = convert_zero_to_hf(args.ckpt_dir, args.out_dir, tag=args.tag, dtype=args.dtype,
-                                max_shard_size=args.max_shard_size, config=args.config, progress=sys.stderr.isatty())
-    summary = {"out_dir": str(result.out_dir), "tensors": result.tensors, "bytes": result.bytes_written,
-               "shards": result.shards, "zero_stage": result.stage, "world_size": result.world_size}
-    if args.json:
-        print(json_text(summary))
-    else:
-        print(f"ZeRO-{result.stage} checkpoint of {result.world_size} ranks -> {result.out_dir}: "
-              f"{result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB in {result.shards} shard(s)")
+    part = next(b for b in BACKENDS.values() if b.conversion == args.to_hf).part("checkpoint")
+    summary = part.to_hf(args.ckpt_dir, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                         config=args.config, progress=_interactive(), **{dest: getattr(args, dest) for dest in args.extra})
+    _print(args, summary, part.TO_HF.line.format(**summary, source=args.ckpt_dir, mib=summary.get("bytes", 0) / 2**20))
     return 0
 
 
@@ -117,7 +102,7 @@ def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
 
 
 def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:
-    from toolkit.checkpoint.megatron_check import run_check
+    from toolkit.backends.megatron.logit_check import run_check
 
     result = run_check(hf_dir, ckpt, tp=tp, pp=pp, tolerance=tolerance)
     summary = {"max_abs_diff": result.max_abs_diff, "logit_scale": result.logit_scale, "tolerance": tolerance,
@@ -129,7 +114,7 @@ def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, p
 
 
 def _hf_to_megatron(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.megatron_hf import hf_to_megatron
+    from toolkit.backends.megatron.convert import hf_to_megatron
 
     result = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                             progress=_interactive())
@@ -142,27 +127,6 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"{args.hf_dir} -> {result.out_dir}: {result.tensors} tensors, {result.parameters:,} parameters")
     return _check_report(args, args.hf_dir, args.out_dir, args.tp, args.pp)
-
-
-def _megatron_to_hf(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.megatron_hf import megatron_to_hf
-
-    summary = megatron_to_hf(args.megatron_dir, args.out_dir, config=args.config, dtype=args.dtype,
-                             progress=_interactive(), max_shard_size=args.max_shard_size)
-    _print(args, summary, f"{args.megatron_dir} -> {summary['out_dir']}: {summary['tensors']} tensors, "
-                          f"{summary['parameters']:,} parameters")
-    return 0
-
-
-def _fsdp_to_hf(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.fsdp_to_hf import convert_fsdp_to_hf
-
-    summary = convert_fsdp_to_hf(args.ckpt_dir, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                 config=args.config, progress=_interactive())
-    _print(args, summary, f"FSDP2 checkpoint of {summary['rank_files']} rank file(s) -> {summary['out_dir']}: "
-                          f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "
-                          f"{summary['bytes'] / 2**20:.1f} MiB in {summary['shards']} shard(s)")
-    return 0
 
 
 def _merge_lora(args: argparse.Namespace) -> int:

@@ -88,6 +88,9 @@ def render_sbatch(
                                             f"backend")
     if launcher not in LAUNCHERS:
         raise UserInputError("--launcher", f"'{launcher}': use one of {', '.join(LAUNCHERS)}")
+    if kind == "convert" and backend.conversion is None:
+        raise UserInputError("--convert", f"the {plan.backend} backend's checkpoints are HF models already: nothing "
+                                          f"to convert")
     if launcher not in backend.launchers:
         runs_under = " or ".join(sorted(backend.launchers, reverse=True))  # torchrun first
         raise UserInputError("--launcher", f"the {plan.backend} backend runs under {runs_under}, not {launcher}")

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from toolkit.backends.deepspeed.checkpoint import MANIFEST_FORMAT
 from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
 from toolkit.backends.hf_trainer import train_generated as train  # noqa: F401 (the backend's entry, train.py calls it)
-from toolkit.checkpoint.manifest import DEEPSPEED_FORMAT
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json
 
@@ -62,7 +62,7 @@ def _check_precision_runs_here(config: dict, trainer_args: dict) -> None:
 
 class DeepSpeedPath(HFPath):
     accelerate_variable = "ACCELERATE_USE_DEEPSPEED"
-    checkpoint_format = DEEPSPEED_FORMAT
+    checkpoint_format = MANIFEST_FORMAT
     layout_keys = ("dp", "tp", "pp", "zero")
 
     def arguments(self, args_dict, recipe, plan, world, deepspeed_json, generated_deepspeed, resharded):
@@ -89,7 +89,7 @@ class DeepSpeedPath(HFPath):
 
             release_at_exit()
         if resharded:
-            from toolkit.checkpoint.universal import universal_checkpoint
+            from toolkit.backends.deepspeed.universal import universal_checkpoint
 
             return universal_checkpoint(resume_path, output_dir)
         return resume_path

@@ -7,8 +7,8 @@ import json
 import logging
 from pathlib import Path
 
+from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT
 from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
-from toolkit.checkpoint.manifest import FSDP_FORMAT
 from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
 
@@ -144,7 +144,7 @@ def sharding_callback(output_dir: Path, plan: Plan):
 
 class FsdpPath(HFPath):
     accelerate_variable = "ACCELERATE_USE_FSDP"
-    checkpoint_format = FSDP_FORMAT
+    checkpoint_format = MANIFEST_FORMAT
     layout_keys = ("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward")
 
     def arguments(self, args_dict, recipe, plan, world, deepspeed_json, generated_deepspeed, resharded):

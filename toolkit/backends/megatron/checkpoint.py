@@ -1,27 +1,42 @@
-"""Megatron-Core distributed checkpoints (dist_checkpointing) with the toolkit's manifest and `latest` pointer.
+"""Megatron-Core distributed checkpoints (dist_checkpointing) with the toolkit's manifest and `latest` pointer, and
+the format as `dmt ckpt` and `dmt convert megatron-to-hf` see it (the conversions are convert.py).
 
 Model and optimizer state are saved as ShardedTensors in the reshardable formats, so a checkpoint loads at another
 TP/PP/DP layout; the distributed optimizer uses `fully_reshardable`. The iteration and the scheduler go into the
-common state; each rank's RNG states are a ShardedObject, restored only when the layout is the same.
+common state; each rank's RNG states are a ShardedObject, restored only when the layout is the same. On disk it is
+torch DCP (toolkit/checkpoint/dcp.py) beside Megatron's metadata.json.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from toolkit.checkpoint.manifest import MEGATRON_FORMAT
+from toolkit.backends.backend import HFConversion
+from toolkit.checkpoint.dcp import check_dcp, dcp_contents
 from toolkit.compat.megatron_seams import torch_adam_distributed_load
 from toolkit.errors import UserInputError
-from toolkit.backends.megatron.build import MegatronSetup, unwrapped
+
+if TYPE_CHECKING:  # building a model is training's business: `dmt ckpt` and `dmt convert` read this module too
+    from toolkit.backends.megatron.build import MegatronSetup
 
 log = logging.getLogger(__name__)
+FORMATS = ("megatron-dist",)
+MANIFEST_FORMAT = "megatron-core-dist"  # the manifest's `format`: Megatron-Core dist_checkpointing (torch_dist)
+TO_HF = HFConversion(
+    help="Megatron-Core dist checkpoint -> HF safetensors + config",
+    description="Read a Megatron-Core dist checkpoint (converted or saved by training, any layout) back into HF "
+                "safetensors.",
+    metavar="MEGATRON_DIR", source_help=None, line="{source} -> {out_dir}: {tensors} tensors, {parameters:,} parameters")
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp", "ep", "distributed_optimizer", "micro_batch", "grad_accum",
                "global_batch")
 
 
 def _model_state(setup: MegatronSetup) -> dict:
+    from toolkit.backends.megatron.build import unwrapped
+
     chunks = unwrapped(setup)
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
@@ -86,7 +101,7 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     if dist.get_rank() == 0:
         if hf_config is not None:
             (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan), fmt=MEGATRON_FORMAT,
+        write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan), fmt=MANIFEST_FORMAT,
                        extra={"run": identity, "guard_window": guard_window or []})
         point_latest(output_dir, ckpt)
     dist.barrier()
@@ -100,13 +115,14 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+    from toolkit.backends.megatron.build import unwrapped
     from toolkit.checkpoint.manifest import read_manifest
 
     manifest = read_manifest(ckpt)
     if manifest is None:
         raise UserInputError("--resume", f"{ckpt} has no manifest: it was not completely saved by the toolkit")
-    if manifest.get("format") != MEGATRON_FORMAT:
-        raise UserInputError("--resume", f"{ckpt} is a {manifest.get('format')} checkpoint, not {MEGATRON_FORMAT}")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise UserInputError("--resume", f"{ckpt} is a {manifest.get('format')} checkpoint, not {MANIFEST_FORMAT}")
     saved_layout = manifest.get("layout", {})
     if saved_layout.get("distributed_optimizer") != plan.distributed_optimizer:
         raise UserInputError("--resume", f"{ckpt.name} was saved with distributed_optimizer="
@@ -129,3 +145,23 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
         log.info("layout changed (%s -> %s): model and optimizer resharded, RNG streams reseeded",
                  saved_layout, layout(plan))
     return int(state["iteration"])
+
+
+def detect(path: Path) -> str | None:
+    return FORMATS[0] if (path / "metadata.json").is_file() and any(path.glob("*.distcp")) else None
+
+
+def verify(path: Path, report, deep: bool) -> None:
+    check_dcp(path, report, deep)
+
+
+def inspect(path: Path) -> dict:
+    return dcp_contents(path)
+
+
+def to_hf(ckpt_dir: Path, out_dir: Path, dtype: str, max_shard_size: str, config: Path | None,
+          progress: bool) -> dict:
+    from toolkit.backends.megatron.convert import megatron_to_hf
+
+    return megatron_to_hf(ckpt_dir, out_dir, config=config, dtype=dtype, progress=progress,
+                          max_shard_size=max_shard_size)

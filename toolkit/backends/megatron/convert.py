@@ -2,7 +2,7 @@
 
 Megatron-Core supplies the map: a `GPTModel` (TP=1, PP=1, local layer spec) built on the meta device in a one-process
 gloo group gives its `sharded_state_dict()`, the checkpoint key, shape and offset of every weight. hf-to-megatron
-writes that torch_dist checkpoint tensor by tensor (`megatron_stream`), each tensor made from its memory-mapped HF
+writes that torch_dist checkpoint tensor by tensor (dist_writer.py), each tensor made from its memory-mapped HF
 tensors by the family's weight table when the writer reaches it; megatron-to-hf reads it back chunk by chunk, splits
 the fused tensors and appends them to a safetensors file. No state dict is ever whole in memory. Such a checkpoint
 is reshardable: Megatron-Core loads it at any TP/PP/VPP/EP whose padded vocabulary matches, which is why `--tp` sets
@@ -18,9 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.backends.megatron.dist_writer import chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.hf_config import config_file, read_hf_config
-from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes, write_dist_checkpoint
+from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
@@ -181,7 +182,8 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     import torch
     from tqdm import tqdm
 
-    from toolkit.checkpoint.manifest import MEGATRON_FORMAT, write_manifest
+    from toolkit.backends.megatron.checkpoint import MANIFEST_FORMAT
+    from toolkit.checkpoint.manifest import write_manifest
     from toolkit.families import megatron_mapping
 
     padded = megatron_model_config(hf_config, tp=tp)["gpt_model"]["vocab_size"]  # written whole (TP=1), padded for --tp
@@ -220,7 +222,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
             if (hf_dir / side).is_file():
                 shutil.copyfile(hf_dir / side, tmp / side)
         layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "padded_vocab": padded}
-        write_manifest(tmp, step=0, world_size=1, layout=layout, fmt=MEGATRON_FORMAT,
+        write_manifest(tmp, step=0, world_size=1, layout=layout, fmt=MANIFEST_FORMAT,
                        extra={"converted_from": str(hf_dir.resolve())})
     log.info("wrote %s (%d tensors, %d parameters)", out_dir, len(by_name), parameters)
     return MegatronConversion(out_dir, len(by_name), parameters, layout, padded)
@@ -248,6 +250,19 @@ def load_weights(model, ckpt: Path) -> None:
         reason = str(exc).strip().splitlines()[-1].split("Exception: ")[-1]  # torch's carries the rank's traceback
         raise UserInputError("MEGATRON_DIR", f"{ckpt} does not hold this model's weights: {reason[:300]}") from None
     model.load_state_dict(loaded, strict=False)
+
+
+def model_tensor(reader: DistCheckpointReader, entry):
+    """The whole local tensor a meta ShardedTensor or ShardedTensorFactory of a TP=1 model stands for, read from
+    the checkpoint behind `reader`."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(entry, ShardedTensor):
+        return reader.read(entry.key, entry.global_offset, chunk_shape(entry), entry.global_shape).reshape(
+            entry.local_shape)
+    loaded = dict_list_map_inplace(lambda part: model_tensor(reader, part), entry.build())  # the parts; merged
+    return reader.track(entry.merge_fn(loaded))
 
 
 def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype: str = "fp32",
@@ -289,7 +304,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
             writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
             with tqdm(total=writer.total, unit="B", unit_scale=True, desc="megatron-to-hf", disable=not progress) as bar:
                 for item in items:
-                    pieces = item.to_hf(reader.model_tensor(sharded[item.megatron]), geometry)
+                    pieces = item.to_hf(model_tensor(reader, sharded[item.megatron]), geometry)
                     for name in list(pieces):  # popped: each piece is dropped once written
                         piece = pieces.pop(name).to(out_dtype)
                         bar.update(writer.write(name, live.track(piece) if live else piece))

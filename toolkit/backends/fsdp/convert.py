@@ -6,7 +6,7 @@ held a shard) and where each chunk's torch.save archive lies in the __R_0.distcp
 tensor's bytes are its chunks' bytes in order: where the dtype stays, the archives are indexed without loading them
 (torch_zip.py) and the kernel copies each chunk's bytes into the safetensors file (copy_file_range), so nothing
 passes through this process. Other layouts (chunks split along another dim, TP) and --dtype bf16 assemble each
-tensor with DistCheckpointReader (megatron_stream.py, the reader of Megatron's torch_dist checkpoints): peak memory
+tensor with DistCheckpointReader (toolkit/checkpoint/dcp.py, which reads Megatron's torch_dist checkpoints too): peak memory
 is one tensor and one chunk, where `accelerate merge-weights` (DCP's _load_state_dict with no process group) loads
 the whole model first. Names and values are those merge-weights writes (tests/fsdp/test_fsdp_convert.py compares
 them bit for bit).
@@ -19,12 +19,11 @@ import shutil
 from pathlib import Path
 
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.hf_config import check_tensors_match, find_config, read_hf_config
-from toolkit.checkpoint.megatron_stream import DistCheckpointReader, LiveBytes
+from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
+from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, find_config, read_hf_config
 from toolkit.checkpoint.safe_load import TENSORS, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
-from toolkit.checkpoint.zero_to_hf import SIDE_FILES
 from toolkit.errors import UserInputError
 
 log = logging.getLogger(__name__)

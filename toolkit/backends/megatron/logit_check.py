@@ -3,7 +3,7 @@
 
 With TP x PP > 1 the comparison runs under torchrun (gloo on CPU, nccl on GPUs): every rank builds its part,
 Megatron-Core's pipeline schedule runs the forward pass, and the last stage gathers the vocabulary over TP.
-Run directly as `python -m toolkit.checkpoint.megatron_check` by that launch.
+Run directly as `python -m toolkit.backends.megatron.logit_check` by that launch.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def megatron_logits(ckpt: Path, hf_config: dict, tp: int, pp: int, tokens):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from toolkit.checkpoint.megatron_hf import checkpoint_vocab, load_weights, megatron_model, megatron_model_config
+    from toolkit.backends.megatron.convert import checkpoint_vocab, load_weights, megatron_model, megatron_model_config
 
     config = megatron_model_config(hf_config, tp=tp, pp=pp, padded_vocab=checkpoint_vocab(ckpt))
     config["transformer_config"]["pipeline_dtype"] = "float32"
@@ -119,7 +119,7 @@ def _writer(tp: int, pp: int) -> bool:
 def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: float = 1e-4) -> LogitCheck:
     """Compare in this process (TP x PP = 1) or in a torchrun launch of TP x PP processes."""
     from toolkit.checkpoint.hf_config import read_hf_config
-    from toolkit.checkpoint.megatron_hf import check_layout, hf_weight_map, single_process_group
+    from toolkit.backends.megatron.convert import check_layout, hf_weight_map, single_process_group
     from toolkit.checkpoint.safe_load import check_checkpoint
     from toolkit.runtime.children import Children
     from toolkit.runtime.ports import free_port
@@ -135,7 +135,7 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
     with tempfile.TemporaryDirectory(prefix="dmt-check-") as tmp:
         out = Path(tmp) / "check.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp),
-               "--master_port", str(free_port()), "-m", "toolkit.checkpoint.megatron_check",
+               "--master_port", str(free_port()), "-m", "toolkit.backends.megatron.logit_check",
                "--hf-dir", str(hf_dir), "--ckpt", str(ckpt), "--tp", str(tp), "--pp", str(pp),
                "--tolerance", str(tolerance), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -152,7 +152,7 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.checkpoint.megatron_check")
+    parser = argparse.ArgumentParser(prog="python -m toolkit.backends.megatron.logit_check")
     parser.add_argument("--hf-dir", type=Path, required=True)
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
@@ -180,5 +180,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     raise SystemExit(main())

@@ -7,9 +7,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.backends.deepspeed.zero_checkpoint import open_zero_checkpoint, rank_files, resolve_tag_dir
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.deepspeed_zero import open_zero_checkpoint, rank_files, resolve_tag_dir
-from toolkit.checkpoint.hf_config import check_tensors_match, find_config, read_hf_config
+from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, find_config, read_hf_config
 from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.errors import UserInputError
@@ -19,9 +19,6 @@ log = logging.getLogger(__name__)
 # Larger files are checked against the manifest by size only: hashing them would read several times the bytes the
 # conversion copies (each rank file holds Adam's two moments beside the fp32 weights); `dmt ckpt verify` hashes all.
 HASH_UP_TO = 256 * 2**20
-# Files next to an HF Trainer checkpoint that from_pretrained users expect to travel with the weights.
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,211 @@
+"""torch.distributed.checkpoint (DCP) directories read one tensor chunk at a time, checked and described: the format
+under Megatron-Core's torch_dist checkpoints and Accelerate's FSDP2 SHARDED_STATE_DICT, and a bare DCP directory.
+
+Each chunk's file, offset and length come from the DCP metadata (`.metadata`, unpickled with safe_load.py's
+allow-list); a chunk is one torch.save archive, loaded straight from its bytes. Megatron-Core's writer of such
+checkpoints is toolkit/backends/megatron/dist_writer.py.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from toolkit.checkpoint.safe_load import read_dcp_metadata, torch_load
+from toolkit.errors import UserInputError
+
+log = logging.getLogger(__name__)
+
+
+class LiveBytes:
+    """Bytes of the tensor storages a conversion has materialised and not yet freed; `peak` is the most at any one
+    time (the memory bound the tests assert). A storage is registered where a tensor changes hands (each tensor
+    read, each whole model tensor, each tensor handed to a writer) and counted until the storage itself is freed,
+    whoever still holds a view of it (a writer's own dict included). Temporaries inside one transform (a
+    concatenation's inputs) are not registered: they live within a single tensor's step."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}  # id of a live registered storage -> bytes
+
+    def track(self, tensor):
+        storage = tensor.untyped_storage()  # torch keeps one Python object per storage while it lives
+        if id(storage) not in self._sizes:
+            self._sizes[id(storage)] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._release, id(storage))
+        return tensor
+
+    def _release(self, key: int) -> None:
+        self.live -= self._sizes.pop(key)
+
+
+def tracker(live: LiveBytes | None) -> Callable:
+    """What registers a tensor with `live` (nothing, without one)."""
+    return live.track if live else _untracked
+
+
+def _untracked(tensor):
+    return tensor
+
+
+
+class DistCheckpointReader:
+    """Regions of the tensors of a torch DCP checkpoint (Megatron-Core's torch_dist, Accelerate's FSDP2
+    SHARDED_STATE_DICT), read chunk by chunk from the files the metadata names."""
+
+    def __init__(self, ckpt: Path, live: LiveBytes | None = None, metadata=None, key: str = "MEGATRON_DIR"):
+        """`key` names the input in errors (the flag, or the checkpoint for `dmt ckpt verify`)."""
+        metadata = read_dcp_metadata(ckpt, key) if metadata is None else metadata
+        self.ckpt, self.tensors, self.storage = ckpt, metadata.state_dict_metadata, metadata.storage_data
+        self.track = tracker(live)
+        self.key = key
+
+    def read(self, key: str, offsets, sizes, global_shape=None):
+        """The region [offsets, offsets + sizes) of checkpoint tensor `key`, assembled from the chunks it overlaps."""
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+        meta = self.tensors.get(key)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise UserInputError(self.key, f"{self.ckpt} holds no tensor {key}: not this model's checkpoint")
+        if global_shape is not None and tuple(meta.size) != tuple(global_shape):
+            raise UserInputError(self.key, f"{self.ckpt}: {key} is {tuple(meta.size)}, this model's config.json "
+                                           f"implies {tuple(global_shape)}")
+        for chunk in meta.chunks:  # the usual case: the region is one chunk, returned as loaded
+            if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
+                return self.load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
+        out = self.track(torch.empty(sizes, dtype=meta.properties.dtype))
+        covered = 0
+        for chunk in meta.chunks:
+            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
+            hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            data = self.load_chunk(MetadataIndex(key, chunk.offsets), chunk.sizes)
+            source = data[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets))]
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = source
+            covered += source.numel()
+            del data, source
+        if covered != out.numel():
+            raise UserInputError(self.key, f"{self.ckpt}: the chunks of {key} do not cover "
+                                           f"{tuple(offsets)} + {tuple(sizes)}")
+        return out
+
+    def _storage(self, index):
+        info = self.storage.get(index)
+        if info is None:
+            raise UserInputError(self.key, f"{self.ckpt}: no storage entry for {index.fqn} at "
+                                           f"{tuple(index.offset)}")
+        return info
+
+    def object_bytes(self, index) -> tuple[Path, bytes]:
+        """The file and the stored bytes of one object (a ShardedObject's torch.save archive)."""
+        info = self._storage(index)
+        path = self.ckpt / info.relative_path
+        try:
+            with open(path, "rb") as handle:
+                data = os.pread(handle.fileno(), info.length, info.offset)
+        except OSError as exc:
+            raise UserInputError(self.key, f"cannot read {path} ({exc.strerror})") from None
+        if len(data) != info.length:
+            raise UserInputError(self.key, f"{path}: ends before object {index.fqn} does (truncated)")
+        return path, data
+
+    def load_chunk(self, index, sizes):
+        """One stored chunk of a tensor, as saved (its file, offset and length from the metadata)."""
+        info = self._storage(index)
+        if info.transform_descriptors:
+            raise UserInputError(self.key, f"{self.ckpt}: {index.fqn} is stored with transforms "
+                                           f"{info.transform_descriptors}, which this reader does not undo")
+        path = self.ckpt / info.relative_path
+        try:
+            with open(path, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size < info.offset + info.length:
+                    raise EOFError(f"the file ends before byte {info.offset + info.length}")
+                tensor = torch_load(FileSlice(handle, info.offset, info.length), path, self.key)
+        except UserInputError:  # a global outside the allow-list, named (a ValueError too)
+            raise
+        except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
+            raise UserInputError(self.key, f"{path}: cannot read {index.fqn} ({exc}): truncated or corrupt") from None
+        if tuple(tensor.shape) != tuple(sizes):
+            raise UserInputError(self.key, f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
+                                           f"says {tuple(sizes)}")
+        return self.track(tensor)
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a file of their own: torch.load reads one chunk's
+    torch.save archive from it straight into the tensor's storage (no copy of the chunk's bytes first)."""
+
+    def __init__(self, handle, offset: int, length: int):
+        super().__init__()
+        self.handle, self.start, self.length, self.position = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        self.position = position + {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self.length - self.position)]
+        self.handle.seek(self.start + self.position)
+        count = self.handle.readinto(view) or 0
+        self.position += count
+        return count
+
+
+# -- checking and describing (`dmt ckpt verify|inspect`) -------------------------------------------------------
+
+def check_dcp(path: Path, report, deep: bool) -> None:
+    """A DCP directory (Megatron-Core's, FSDP2's) into a VerifyReport: metadata readable, every storage file it names
+    present and long enough; with `deep`, every tensor read chunk by chunk."""
+    try:
+        metadata = read_dcp_metadata(path)
+    except UserInputError as exc:
+        report.problem(path / ".metadata", exc.message)
+        return
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        file = path / rel
+        if not file.is_file():
+            report.problem(file, "storage file named by the checkpoint metadata is missing")
+            continue
+        report.files_checked += 1
+        if file.stat().st_size < end:
+            report.problem(file, f"{file.stat().st_size} bytes, metadata needs {end} (truncated)")
+    if deep:  # a damaged file too: the scan reports what it reads, and the first read that fails
+        from toolkit.checkpoint.finite import dcp_findings
+
+        report.scan(dcp_findings(path, metadata))
+
+
+def dcp_contents(path: Path) -> dict:
+    """Parameters (tensors not under an `optimizer` key), whether optimizer state is there, dtypes, and how many rank
+    files hold the chunks."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(path)
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    return {"parameters": sum(math.prod(v.size) for k, v in tensors.items() if "optimizer" not in k),
+            "optimizer_state": any("optimizer" in k for k in tensors),
+            "dtypes": sorted({str(v.properties.dtype).removeprefix("torch.") for v in tensors.values()}),
+            "rank_files": len({info.relative_path for info in metadata.storage_data.values()})}
