@@ -101,10 +101,10 @@ def _poison(rank_file, key_suffix: str, index: int = 7) -> str:
     otherwise unchanged); returns the full key."""
     import struct
 
-    from toolkit.checkpoint.finite import _lazy_tensors
+    from toolkit.checkpoint.finite import lazy_tensors
     from toolkit.checkpoint.torch_zip import index_torch_file
 
-    key, lazy = next((k, t) for k, t in _lazy_tensors(index_torch_file(rank_file), "") if k.endswith(key_suffix))
+    key, lazy = next((k, t) for k, t in lazy_tensors(index_torch_file(rank_file), "") if k.endswith(key_suffix))
     with open(rank_file, "r+b") as handle:
         handle.seek(lazy.offset + 4 * index)
         handle.write(struct.pack("<f", float("nan")))

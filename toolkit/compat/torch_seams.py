@@ -7,7 +7,7 @@ from toolkit.compat import Seam
 
 SEAMS = [
     Seam("torch", "torch.distributed.checkpoint.filesystem._StorageInfo",
-         "the storage entry (file, offset, length) of each chunk in DCP's .metadata: megatron_stream's writer writes "
+         "the storage entry (file, offset, length) of each chunk in DCP's .metadata: Megatron's dist_writer.py writes "
          "one chunk at a time itself (torch's keeps a file's chunks in memory), and DCP's FileSystemReader and "
          "checkpoint/safe_load.py's allow-list read back exactly this class; DCP has no public constructor for it"),
     Seam("torch", "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
