@@ -146,12 +146,15 @@ class PlanFile(RecipePrediction):
     """plan.json: the prediction and what the plan was made from, for `toolkit/train.py --plan` to check its files
     against (toolkit/validate/generated.py)."""
 
+    only_when_given = (*Prediction.only_when_given, "save_interval")
+
     recipe: str
     auto: bool  # the recipe said `plan: auto` (the planner chose)
     recipe_path: str
     recipe_settings: dict  # the recipe as it was, to tell whether it changed since
     overrides: dict  # the plan options given on the command line
     files: list[str]  # the launch files written beside plan.json
+    save_interval: dict | None = None  # `training.save_steps: auto`: the steps written and what they come from
 
 
 class RankedPlans(_Record):
