@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from toolkit.planner.save_interval import is_auto, run_save_steps
     from toolkit.runtime.guard import GuardStop
 
     for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
@@ -76,6 +77,8 @@ def _run(args: argparse.Namespace) -> int:
             raise UserInputError(flag, f"must be positive, got {value}")
     run = _generated(args) if args.plan is not None else _quick(args)
     updates = {k: v for k, v in (("max_steps", args.max_steps), ("save_steps", args.save_steps)) if v is not None}
+    if "save_steps" not in updates and is_auto(run.recipe):  # `save_steps: auto`: the number dmt generate wrote
+        updates["save_steps"] = run_save_steps(run.recipe, run.model, run.plan, run.prediction)
     recipe = run.recipe
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})

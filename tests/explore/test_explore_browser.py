@@ -111,6 +111,13 @@ def test_bars_equal_dmt_estimate_json_as_model_and_zero_change(page):
         assert int(total.get_attribute("data-bytes")) == expected["memory_bytes"]["total"]
         explained = page.find_elements(By.CSS_SELECTOR, "#explain-table tbody tr")
         assert {row.get_attribute("data-component") for row in explained} >= {"weights", "optimizer", "activations"}
+    # a token budget: goodput, interruptions and the checkpoint interval beside the training days (issue 25)
+    set_field(page, "train_tokens", "1T")
+    timed = cli_json("--model", "llama-3.2-3b", "--gpus", "8", "--zero", "0", "--train-tokens", "1T")["training_time"]
+    assert f"goodput {timed['goodput'] * 100:.1f}%" in page.find_element(By.ID, "goodput").text
+    assert f"every {timed['checkpoint']['interval_steps']:,} steps" in page.find_element(By.ID, "goodput").text
+    assert "with failures" in page.find_element(By.ID, "training-time").text
+    set_field(page, "train_tokens", "")
 
 
 def test_a_plan_that_stops_fitting_changes_the_verdict(page):

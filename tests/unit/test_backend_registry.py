@@ -24,7 +24,7 @@ HOOKS = {
     "generate": ("WRITERS", "launch_environment"),
     "validate": ("READERS", "accelerate_launch"),
     "train": ("train",),
-    "memory": ("padded_vocab", "model_states", "step_fp32_grads"),
+    "memory": ("padded_vocab", "model_states", "step_fp32_grads", "saved_bytes_per_param"),
     "timing": ("execution_path", "data_parallel_and_optimizer"),
     "explain": ("one_replica", "sharding", "weights", "gradients", "optimizer_offloaded", "master_copy",
                 "fp32_gradients"),

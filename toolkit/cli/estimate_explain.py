@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from typing import TYPE_CHECKING
 
-from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, training_time_line
+from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, training_time_lines
 
 if TYPE_CHECKING:
     from toolkit.spec.prediction import Prediction
@@ -22,7 +22,7 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_extras(report: Prediction, model: ModelSpec, args: argparse.Namespace) -> None:
     """training_time and explain, each only when its flag is given (the JSON is unchanged otherwise)."""
-    add_training_time([report], args.train_tokens)
+    add_training_time([report], args)
     if args.explain:
         from toolkit.estimate.explain import explain_estimate
 
@@ -31,7 +31,7 @@ def add_extras(report: Prediction, model: ModelSpec, args: argparse.Namespace) -
 
 def print_extras(report: Prediction) -> None:
     if report.training_time is not None:
-        print(training_time_line(report))
+        print("\n".join(training_time_lines(report)))
     if report.explain is not None:
         print(explain_text(report.explain))
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from toolkit.backends import NAMES
 from toolkit.cli.common import add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import output_arg
-from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time
+from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, failure_inputs
 from toolkit.errors import UserInputError
 from toolkit.numeric import GiB, bounded_int, json_text
 
@@ -72,9 +72,14 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     refusal = result.refusal() and _pinned_refusal(model, args.gpus, backends, pinned, result.refusal())
     if refusal is not None:  # a mistyped option (--ep 3 for 8 experts), not an empty table
         raise refusal
-    top = result.ranked[: args.top]
+    ranked = result.ranked
+    if args.train_tokens is not None:  # the wall-clock days with checkpoints and failures rank the plans
+        from toolkit.planner.search import rank_by_training_days
+
+        ranked = rank_by_training_days(model, ranked, gpu, args.train_tokens, failure_inputs(args))
+    top = ranked[: args.top]
     plans = [plan_record(model, c.plan, c.memory, c.time, gpu, calibration) for c in top]
-    add_training_time(plans, args.train_tokens)
+    add_training_time(plans, args)
     record = RankedPlans(plans=plans, rejected=dict(result.rejected.most_common()), considered=result.considered,
                          calibration=None if calibration is None else calibration.describe())
     return PlanOutcome(record, model, gpu, top)
@@ -101,10 +106,23 @@ def run(args: argparse.Namespace) -> int:
         return 0 if plans else 1
     _print_table(outcome.model, args, outcome.gpu, outcome.record)
     if len(outcome.top) >= 2:
-        print(f"winner: {why_first_beats_second(outcome.top[0], outcome.top[1])}")
+        if args.train_tokens is not None:
+            print(f"winner: {_fewer_days(*plans[:2])}")
+        else:
+            print(f"winner: {why_first_beats_second(outcome.top[0], outcome.top[1])}")
     if args.plot is not None:
         print(f"memory plot written to {args.plot}")
     return 0 if plans else 1
+
+
+def _fewer_days(first, second) -> str:
+    """Why the first plan ranks first by wall-clock days with checkpoints and failures."""
+    a, b = first.training_time, second.training_time
+    saved = (b.days - a.days) / b.days * 100 if b.days else 0.0
+    step = (second.step_time_s - first.step_time_s) / second.step_time_s * 100
+    return (f"{saved:.2f}% fewer days with failures than the runner-up ({a.days:,.2f} against {b.days:,.2f}): step "
+            f"{abs(step):.1f}% {'faster' if step >= 0 else 'slower'}, goodput {a.goodput:.1%} against {b.goodput:.1%} "
+            f"(checkpoint blocking {a.checkpoint.blocking_s:.3g} s against {b.checkpoint.blocking_s:.3g} s)")
 
 
 def _plot(args: argparse.Namespace, outcome: PlanOutcome) -> None:
@@ -165,14 +183,23 @@ def _print_table(model, args, gpu, record: RankedPlans) -> None:
                   f"{record.considered} plans considered, {record.considered - sum(record.rejected.values())} fit")
     table = Table()
     timed = args.train_tokens is not None
-    for col in ("#", "plan", "GiB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU") + (("days", "GPU-h") if timed else ()):
+    timed_columns = ("days w/o failures", "days", "GPU-h", "goodput", "ckpt every", "interruptions")
+    for col in ("#", "plan", "GiB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU") + (timed_columns if timed else ()):
         table.add_column(col, justify="left" if col == "plan" else "right")
     for rank, r in enumerate(record.plans, 1):
         table.add_row(str(rank), plan_label(r.plan), f"{r.memory_bytes.total / GiB:.1f}",
                       f"{r.step_time_s:.3g}", f"{r.tokens_per_s:,.0f}", f"{r.tflops_per_gpu:.0f}", f"{r.mfu:.1%}",
-                      *((f"{r.training_time.days:,.1f}", f"{r.training_time.gpu_hours:,.0f}") if timed else ()))
+                      *(_timed_cells(r.training_time) if timed else ()))
     console.print(table)
     rejected = ", ".join(f"{n} {why}" for why, n in record.rejected.items()) or "none"
+    if timed:
+        console.print("ranked by days with checkpoints and failures (Daly's optimum interval; see dmt estimate "
+                      "--train-tokens for the inputs)")
     console.print(f"rejected: {rejected}")
     console.print(f"MFU = {MFU_NOTE}")
     console.print(calibration_line(record.calibration))
+
+
+def _timed_cells(t) -> tuple[str, ...]:
+    return (f"{t.days_compute:,.1f}", f"{t.days:,.1f}", f"{t.gpu_hours:,.0f}", f"{t.goodput:.1%}",
+            f"{t.checkpoint.interval_steps:,} steps", f"{t.interruptions:,.1f}")

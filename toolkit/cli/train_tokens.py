@@ -1,5 +1,7 @@
 """`--train-tokens` of `dmt estimate` and `dmt plan`: a token budget (15T, 1.5e12, 300B) turned into days and
-GPU-hours next to each record (`training_time`), only when given, so the JSON is unchanged otherwise."""
+GPU-hours next to each record (`training_time`), only when given, so the JSON is unchanged otherwise; failure-free
+and with the checkpoints and failures the flags beside it assume (their defaults and sources live in
+toolkit/estimate/goodput.py and checkpoint_cost.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ import math
 import re
 from typing import TYPE_CHECKING
 
+from toolkit.errors import UserInputError
+from toolkit.estimate.checkpoint_cost import WRITE_BW_GBPS_PER_NODE
+from toolkit.estimate.goodput import FAILURE_RATE_PER_GPU_HOUR, RESTART_S
+from toolkit.numeric import finite_float, positive_float
+
 if TYPE_CHECKING:
+    from toolkit.estimate.training_time import FailureInputs
     from toolkit.spec.prediction import Prediction
 
 # decimal multipliers, as token budgets are quoted ("15T tokens" = 15e12)
@@ -27,20 +35,64 @@ def parse_token_count(text: str) -> int:
 
 def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-tokens", type=parse_token_count, default=None, metavar="N",
-                        help="training budget in tokens (15T, 300B, 1.5e12): adds wall-clock days and GPU-hours")
+                        help="training budget in tokens (15T, 300B, 1.5e12): adds wall-clock days and GPU-hours, "
+                             "failure-free and with checkpoints and failures")
+    parser.add_argument("--failure-rate", type=finite_float, default=FAILURE_RATE_PER_GPU_HOUR, metavar="PER_GPU_HOUR",
+                        help="interruptions per GPU-hour, with --train-tokens (default %(default).3g: Llama 3 405B's "
+                             "419 in 54 days on 16,384 GPUs, arXiv:2407.21783 Sec. 3.3.4; 0: none)")
+    parser.add_argument("--restart-s", type=finite_float, default=RESTART_S, metavar="S",
+                        help="seconds from a failure to training again, before the checkpoint is reloaded "
+                             "(default %(default)g: an assumption, Daly's R = 10 min; pass a measured one)")
+    parser.add_argument("--checkpoint-write-bw", type=positive_float, default=WRITE_BW_GBPS_PER_NODE, metavar="GBPS",
+                        help="checkpoint storage GB/s per node, writing and reading (default %(default).3g: Llama 3's "
+                             "2 TB/s sustained over 2,048 nodes, arXiv:2407.21783 Sec. 3.3.1)")
+    parser.add_argument("--checkpoint-write-s", type=positive_float, default=None, metavar="S",
+                        help="a measured write time of one checkpoint, instead of its bytes over the bandwidth")
+    parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                        help="asynchronous saves block training only for the copy of each GPU's states to host "
+                             "memory; --no-async-checkpoint: for the whole write (default: async)")
+    parser.add_argument("--gpu-hour-price", type=positive_float, default=None, metavar="PRICE",
+                        help="price of one GPU-hour: adds training_time.cost (GPU-hours with failures x price)")
 
 
-def add_training_time(records: list[Prediction], tokens: int | None) -> None:
-    """Attach `training_time: {tokens, steps, days, gpu_hours}` to every record when a budget was given."""
+def failure_inputs(args: argparse.Namespace) -> FailureInputs:
+    """The failure and checkpoint assumptions the flags give; negative rates and times are refused in one line."""
+    from toolkit.estimate.training_time import FailureInputs
+
+    for flag, value in (("--failure-rate", args.failure_rate), ("--restart-s", args.restart_s)):
+        if value < 0:
+            raise UserInputError(flag, f"must be 0 or more, got {value:g}")
+    return FailureInputs(failure_rate_per_gpu_hour=args.failure_rate, restart_s=args.restart_s,
+                         write_bw_gbps_per_node=args.checkpoint_write_bw, write_s=args.checkpoint_write_s,
+                         async_save=args.async_checkpoint, gpu_hour_price=args.gpu_hour_price)
+
+
+def add_training_time(records: list[Prediction], args: argparse.Namespace) -> None:
+    """Attach `training_time` to every record when a budget was given (--train-tokens)."""
     from toolkit.estimate.training_time import record_training_time
 
-    if tokens is None:
+    if args.train_tokens is None:
         return
+    inputs = failure_inputs(args)
     for record in records:
-        record.training_time = record_training_time(record, tokens)
+        record.training_time = record_training_time(record, args.train_tokens, inputs)
 
 
-def training_time_line(record: Prediction) -> str:
+def training_time_lines(record: Prediction) -> list[str]:
     t = record.training_time
-    return (f"training on {t.tokens:.4g} tokens: {t.steps:,} steps, {t.days:,.1f} days, "
-            f"{t.gpu_hours:,.0f} GPU-hours on {record.plan.gpus} x {record.gpu}")
+    c, lost = t.checkpoint, t.lost_h
+    mode = "async: the copy to host memory" if c.async_save else "sync: the whole write"
+    failures = (f"one interruption every {t.mtbf_h:,.1f} h on {record.plan.gpus} GPUs "
+                f"({t.failure_rate_per_gpu_hour:.3g} per GPU-hour): {t.interruptions:,.1f} expected"
+                if t.mtbf_h is not None else "no failures (--failure-rate 0)")
+    lines = [
+        f"training on {t.tokens:.4g} tokens: {t.steps:,} steps, {t.days_compute:,.1f} days, "
+        f"{t.gpu_hours_compute:,.0f} GPU-hours on {record.plan.gpus} x {record.gpu} without failures",
+        f"checkpoint: {c.bytes / 1e9:,.1f} GB per save, written in {c.write_s:,.3g} s, blocking {c.blocking_s:,.3g} s "
+        f"({mode}); every {c.interval_steps:,} steps ({c.interval_s / 60:,.1f} min, Daly's optimum)",
+        f"{failures}; lost: checkpoints {lost.checkpoints:,.1f} h, restarts {lost.restarts:,.1f} h, "
+        f"reloads {lost.reloads:,.1f} h, recomputed steps {lost.recomputed:,.1f} h",
+        f"with failures: {t.days:,.1f} days, {t.gpu_hours:,.0f} GPU-hours, goodput {t.goodput:.1%}"
+        + (f", cost {t.cost:,.0f}" if t.cost is not None else ""),
+    ]
+    return lines

@@ -45,6 +45,8 @@ SOURCES = {
                 "DeepSpeed bucket defaults (deepspeed/runtime/zero/config.py)",
     "step_time": "toolkit/estimate/timing.py (per-layer FLOPs, GEMM efficiency, exposed communication, bubble); "
                  "accuracy against published runs: benchmarks/step_time_accuracy.md; Megatron-LM arXiv:2104.04473 Eq. 3",
+    "goodput": "Daly, FGCS 22 (2006) 303-312 (optimum interval, expected wall time); Young, CACM 17(9) 1974; failure "
+               "rate: Llama 3 arXiv:2407.21783 Sec. 3.3.4; toolkit/estimate/goodput.py, checkpoint_cost.py",
 }
 
 
@@ -87,7 +89,7 @@ def explain_estimate(model: ModelSpec, report: Prediction) -> list[dict]:
                _optimizer(plan, mem, params, per, unsharded), _model_states(plan, mem, params, per, unsharded),
                _activations(model, plan, report), _overhead(report), _step_time(model, report)]
     if report.training_time is not None:
-        entries.append(_training_time(model, report))
+        entries += [_training_time(model, report), _goodput(report)]
     return entries
 
 
@@ -217,11 +219,27 @@ def _training_time(model: ModelSpec, report: Prediction) -> dict:
     t, plan = report.training_time, report.plan
     peak = report.tflops_per_gpu * 1e12 / report.mfu if report.mfu else 0.0
     ideal_days = six_n_flops_per_token(model) * t.tokens / (plan.gpus * peak) / SECONDS_PER_DAY if peak else 0.0
-    return _entry("training_time", t.days * SECONDS_PER_DAY,
-                  f"{t.steps:,} steps x {report.step_time_s:.3g} s = {t.days:,.1f} days, "
-                  f"{t.gpu_hours:,.0f} GPU-hours",
+    return _entry("training_time", t.days_compute * SECONDS_PER_DAY,
+                  f"{t.steps:,} steps x {report.step_time_s:.3g} s = {t.days_compute:,.1f} days, "
+                  f"{t.gpu_hours_compute:,.0f} GPU-hours without failures",
                   f"6·N·D at 100% of peak: {ideal_days:,.1f} days on these {plan.gpus} GPUs "
                   f"({ideal_days * plan.gpus:,.0f} days on one)", ideal_days * SECONDS_PER_DAY,
                   f"no run reaches peak: at the predicted MFU of {report.mfu:.1%} it takes "
-                  f"{t.days / ideal_days if ideal_days else 0:.2g} x the ideal; check a quoted '<N> days' "
-                  f"against the one-GPU figure above", days=t.days, days_at_peak=ideal_days)
+                  f"{t.days_compute / ideal_days if ideal_days else 0:.2g} x the ideal; check a quoted '<N> days' "
+                  f"against the one-GPU figure above", days=t.days_compute, days_at_peak=ideal_days)
+
+
+def _goodput(report: Prediction) -> dict:
+    t = report.training_time
+    c = t.checkpoint
+    young = (2 * c.blocking_s * t.mtbf_h * 3600) ** 0.5 if t.mtbf_h is not None else None
+    return _entry("goodput", t.days * SECONDS_PER_DAY,
+                  f"a save of {c.bytes / 1e9:,.1f} GB blocks {c.blocking_s:.3g} s "
+                  f"({'async: the copy to host memory' if c.async_save else 'sync: the whole write'}); Daly's optimum "
+                  f"interval {c.interval_s:,.0f} s ({c.interval_steps:,} steps); {t.interruptions:,.1f} interruptions "
+                  f"expected: {t.days:,.1f} days, goodput {t.goodput:.1%}",
+                  "Young's sqrt(2 x checkpoint time x MTBF)" + (f": {young:,.0f} s" if young is not None else ""),
+                  young,
+                  "Daly's higher-order optimum adds terms in sqrt(checkpoint / MTBF) and counts failures during "
+                  "checkpoints and restarts; an async save's interval is at least its write time (one in flight)",
+                  days=t.days, goodput=t.goodput)

@@ -15,6 +15,7 @@ from pathlib import Path
 from toolkit.backends import BACKENDS, backend_of
 from toolkit.numeric import json_text
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
+from toolkit.planner.save_interval import AUTO, auto_save_interval, is_auto, with_save_steps
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
@@ -31,6 +32,7 @@ class GenerationContext:
     out_dir: Path
     overrides: dict = field(default_factory=dict)  # plan options given on the command line (plan.json keeps them)
     calibration: Calibration | None = None  # --calibration, else the recipe's cluster.calibration
+    save_interval: dict | None = None  # `training.save_steps: auto` resolved (recipe holds the number), and why
 
 
 
@@ -54,9 +56,18 @@ def _slurm(ctx: GenerationContext) -> str:
 def _plan(ctx: GenerationContext) -> str:
     record = recipe_prediction(ctx.recipe, ctx.model, ctx.plan, ctx.calibration, PlanFile, recipe=ctx.recipe.name,
                                auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
-                               recipe_settings=recipe_settings(ctx.recipe), overrides=ctx.overrides,
-                               files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE])
+                               recipe_settings=_settings_as_written(ctx), overrides=ctx.overrides,
+                               files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE],
+                               save_interval=ctx.save_interval)
     return json_text(record.as_json(), indent=2) + "\n"
+
+
+def _settings_as_written(ctx: GenerationContext) -> dict:
+    """The recipe's settings as its file says them (`save_steps: auto`, not the number resolved from it)."""
+    settings = recipe_settings(ctx.recipe)
+    if ctx.save_interval is not None:
+        settings["training"]["save_steps"] = AUTO
+    return settings
 
 
 def recipe_settings(recipe: Recipe) -> dict:
@@ -94,8 +105,13 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | No
     fitted = recipe_calibration(recipe, calibration)  # read before the model, which may import transformers (seconds)
     model = recipe_model(recipe)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    return GenerationContext(recipe, Path(recipe_path), model, recipe_plan(recipe, model, fitted, **overrides),
-                             Path(out_dir).resolve(), overrides, fitted)
+    plan = recipe_plan(recipe, model, fitted, **overrides)
+    save_interval = None
+    if is_auto(recipe):  # resolved here once; every writer then reads the number from the recipe
+        save_interval = auto_save_interval(recipe_prediction(recipe, model, plan, fitted), recipe.training.max_steps)
+        recipe = with_save_steps(recipe, save_interval["save_steps"])
+    return GenerationContext(recipe, Path(recipe_path), model, plan, Path(out_dir).resolve(), overrides, fitted,
+                             save_interval)
 
 
 def render(ctx: GenerationContext) -> dict[str, str]:

@@ -131,6 +131,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
             "seq_length": plan.seq_len,
             "train_iters": training.max_steps,
             "seed": training.seed,
+            **({"save_interval": training.save_steps} if training.save_steps else {}),
         },
     }
 

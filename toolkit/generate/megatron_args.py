@@ -69,6 +69,7 @@ VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("schedule", "global_batch_size", "--global-batch-size"),
     ("schedule", "seq_length", "--seq-length"),
     ("schedule", "train_iters", "--train-iters"),
+    ("schedule", "save_interval", "--save-interval"),
     ("schedule", "seed", "--seed"),
 )
 

@@ -12,6 +12,7 @@ from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
+from toolkit.estimate.training_time import FailureInputs, expected_training_time
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
@@ -204,6 +205,20 @@ def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = N
         reasons = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common())
         raise UserInputError("plan", f"no plan of {model.name} fits {gpus} x {gpu.name} ({reasons})")
     return result.ranked[0].plan
+
+
+def rank_by_training_days(model: ModelSpec, ranked: list[Candidate], gpu: GPU, tokens: int,
+                          inputs: FailureInputs) -> list[Candidate]:
+    """The plans in order of their expected wall-clock time for `tokens` with checkpoints and failures (`dmt plan
+    --train-tokens`): a plan with a cheaper checkpoint can beat one with a faster step. Ties keep the step-time order."""
+    from toolkit.estimate.lora import trainable_params
+
+    def days(candidate: Candidate) -> float:
+        plan, memory = candidate.plan, candidate.memory
+        return expected_training_time(tokens, plan, candidate.time.total_s, trainable_params(model, plan.finetune),
+                                      memory.weights + memory.optimizer, gpu.pcie_bw_gbps, inputs)["days"]
+
+    return sorted(ranked, key=days)
 
 
 def why_first_beats_second(first: Candidate, second: Candidate) -> str:

@@ -57,15 +57,53 @@ class MemoryBytes(BaseModel):
     total: int
 
 
-class TrainingTime(BaseModel):
-    """`--train-tokens`: the budget's whole optimizer steps at the predicted step time (estimate/training_time.py)."""
+class CheckpointTime(BaseModel):
+    """One checkpoint of the plan (estimate/checkpoint_cost.py) and Daly's interval between them."""
 
     model_config = ConfigDict(extra="forbid")
 
+    bytes: int  # one save, all ranks together
+    write_s: float  # until it is complete on storage
+    blocking_s: float  # training paused by it: the whole write, or an async save's copy to host memory
+    interval_s: float  # compute time between saves: interval_steps x the step time
+    interval_steps: int  # Daly's optimum in whole steps (what `training.save_steps: auto` writes)
+    async_save: bool  # blocking_s of an asynchronous save (--async-checkpoint), else of a synchronous one
+    local_bytes: int  # the busiest rank's states on its GPU, which an async save copies to the host
+    reload_s: float  # reading it back after a failure
+    write_bw_gbps_per_node: float | None  # None: --checkpoint-write-s gave the write time
+
+
+class LostHours(BaseModel):
+    """Where the expected hours beyond the failure-free compute go (estimate/goodput.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoints: float
+    restarts: float
+    reloads: float
+    recomputed: float
+
+
+class TrainingTime(_Record):
+    """`--train-tokens`: the budget's whole optimizer steps at the predicted step time, failure-free (`days_compute`)
+    and with checkpoints and failures (`days`, `gpu_hours`, estimate/training_time.py)."""
+
+    only_when_given = ("cost",)
+
     tokens: int
     steps: int
+    days_compute: float
+    gpu_hours_compute: float
     days: float
     gpu_hours: float
+    interruptions: float  # expected failures over the run
+    goodput: float  # useful training time over elapsed time
+    mtbf_h: float | None  # the job's mean time between failures; None: --failure-rate 0
+    failure_rate_per_gpu_hour: float
+    restart_s: float
+    lost_h: LostHours
+    checkpoint: CheckpointTime
+    cost: float | None = None  # gpu_hours x --gpu-hour-price
 
 
 class Prediction(_Record):
@@ -108,12 +146,15 @@ class PlanFile(RecipePrediction):
     """plan.json: the prediction and what the plan was made from, for `toolkit/train.py --plan` to check its files
     against (toolkit/validate/generated.py)."""
 
+    only_when_given = (*Prediction.only_when_given, "save_interval")
+
     recipe: str
     auto: bool  # the recipe said `plan: auto` (the planner chose)
     recipe_path: str
     recipe_settings: dict  # the recipe as it was, to tell whether it changed since
     overrides: dict  # the plan options given on the command line
     files: list[str]  # the launch files written beside plan.json
+    save_interval: dict | None = None  # `training.save_steps: auto`: the steps written and what they come from
 
 
 class RankedPlans(_Record):

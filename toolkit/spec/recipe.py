@@ -140,7 +140,10 @@ class TrainingSection(_Strict):
     seed: Seed = Field(42, description=f"Seed of the model init and the data order (0 to {SEED_MAX}, what numpy's "
                                        f"seed, which HF's set_seed calls, accepts).")
     logging_steps: int = Field(1, gt=0, description="Write a metrics.jsonl record every N steps.")
-    save_steps: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    save_steps: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        0, description="Checkpoint every N steps (0: only at the end); auto: Daly's optimum interval for the planned "
+                       "step time, the checkpoint's cost and the expected failures (toolkit/planner/save_interval.py), "
+                       "written by `dmt generate` into the generated files and recorded in plan.json.")
     eval_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N steps (0: never).")
     report_to: list[Literal["wandb", "tensorboard", "none"]] = Field(
         ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")

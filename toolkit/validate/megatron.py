@@ -16,7 +16,7 @@ from toolkit.generate.megatron import OPTIMIZERS
 from toolkit.numeric import SEED_MAX
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
-from toolkit.validate.megatron_fields import MODEL_TYPES, SCHEDULE_KEYS, field_problems
+from toolkit.validate.megatron_fields import MODEL_TYPES, SCHEDULE_KEYS, SCHEDULE_OPTIONAL, field_problems
 
 TC = "transformer_config"
 # resolve_plan's flags -> the megatron.yaml key holding that number
@@ -59,7 +59,7 @@ def _section_fields() -> dict[str, tuple[str, set[str]]]:
                        {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}),
         "optimizer_config": ("OptimizerConfig", {f.name for f in dataclasses.fields(OptimizerConfig)}),
         "scheduler": ("OptimizerParamScheduler", params(OptimizerParamScheduler.__init__, {"self", "optimizer"})),
-        "schedule": ("the toolkit's schedule", set(SCHEDULE_KEYS)),
+        "schedule": ("the toolkit's schedule", set(SCHEDULE_KEYS) | set(SCHEDULE_OPTIONAL)),
         "model": ("the toolkit's model", set(MODEL_TYPES)),
     }
 
@@ -91,7 +91,7 @@ def _integers(config: dict) -> list[Problem]:
     keys = [(TC, k) for k in ("num_layers", "num_attention_heads", "tensor_model_parallel_size",
                               "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")]
     keys += [("schedule", k) for k in ("world_size", "micro_batch_size", "num_microbatches", "global_batch_size",
-                                       "seq_length")] + [("gpt_model", "vocab_size")]
+                                       "seq_length", *SCHEDULE_OPTIONAL)] + [("gpt_model", "vocab_size")]
     problems = []
     for section, key in keys:
         value = config[section].get(key, 1)

@@ -16,6 +16,7 @@ from toolkit.validate import Problem
 TC = "transformer_config"
 SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_microbatches", "global_batch_size",
                  "seq_length", "train_iters", "seed")
+SCHEDULE_OPTIONAL = ("save_interval",)  # checkpoint every N steps (the recipe's save_steps), absent: only at the end
 MODEL_TYPES = {"family": str, "vocab_size": int, "make_vocab_size_divisible_by": int, "padded_vocab_size": int}
 # what training and the rules below read without a default of their own
 TOOLKIT_REQUIRED = {TC: ("num_layers", "hidden_size", "num_attention_heads"), "schedule": SCHEDULE_KEYS,

@@ -37,6 +37,12 @@ def _zero12_buckets(w: int, trained: int) -> dict[str, int]:
             "allgather_bucket": min(DS_ALLGATHER_BUCKET_ELEMENTS, trained) * w}
 
 
+def saved_bytes_per_param(plan: Plan) -> int:
+    """Bytes per trained parameter one checkpoint holds: the 16-bit module (mp_rank_*_model_states.pt) and the fp32
+    master weights with the optimizer's moments (zero_pp_rank_*_optim_states.pt)."""
+    return PRECISION_BYTES[plan.precision] + optimizer_bytes(plan.optimizer, plan.precision != "fp32")
+
+
 def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> ModelStates:
     """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU under ZeRO-`plan.zero`."""
     if plan.finetune.peft:

@@ -72,6 +72,12 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return vocab_size
 
 
+def saved_bytes_per_param(plan: Plan) -> int:
+    """Bytes per trained parameter one checkpoint holds: the fp32 shards (their own master copy,
+    pytorch_model_fsdp_0/) and the optimizer's states (optimizer_0/)."""
+    return FP32 + optimizer_bytes(plan.optimizer, master_copy=False)
+
+
 def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> ModelStates:
     """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU: fp32 shards are their own master copy,
     so the optimizer keeps its states only."""

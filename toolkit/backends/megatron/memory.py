@@ -25,6 +25,12 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def saved_bytes_per_param(plan: Plan) -> int:
+    """Bytes per trained parameter one checkpoint holds: the model's parameters in the training dtype and the
+    optimizer's fp32 main parameters and moments (dist_checkpointing's model and optimizer sharded state dicts)."""
+    return PRECISION_BYTES[plan.precision] + optimizer_bytes(plan.optimizer, plan.precision != "fp32")
+
+
 def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: int) -> ModelStates:
     """(weights, gradients, optimizer, comm buffers, host bytes) on one GPU. Megatron-Core trains every parameter
     (adapters are refused for it, spec/finetune.py) and offloads nothing."""

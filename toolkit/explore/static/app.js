@@ -259,10 +259,17 @@ function renderHeadline(report) {
   $("#tokens-per-s").textContent = Math.round(report.tokens_per_s).toLocaleString("en-US");
   $("#mfu").textContent = `${(report.mfu * 100).toFixed(1)}%`;
   const t = report.training_time;
+  const days = (d) => d.toLocaleString("en-US", {maximumFractionDigits: 1});
   $("#training-time").textContent = t
-    ? `${t.days.toLocaleString("en-US", {maximumFractionDigits: 1})} days, `
-      + `${Math.round(t.gpu_hours).toLocaleString("en-US")} GPU-hours for ${fmt(t.tokens)} tokens`
+    ? `${days(t.days)} days, ${Math.round(t.gpu_hours).toLocaleString("en-US")} GPU-hours for ${fmt(t.tokens)} tokens `
+      + `with failures (${days(t.days_compute)} days without)`
     : "set train tokens";
+  // goodput, interruptions and Daly's checkpoint interval, beside the training days (estimate/training_time.py)
+  $("#goodput").textContent = t
+    ? `goodput ${(t.goodput * 100).toFixed(1)}%, ${t.interruptions.toLocaleString("en-US", {maximumFractionDigits: 1})} `
+      + `interruptions, a checkpoint every ${t.checkpoint.interval_steps.toLocaleString("en-US")} steps `
+      + `(${fmt(t.checkpoint.interval_s / 60)} min; blocks ${fmt(t.checkpoint.blocking_s)} s)`
+    : "";
 }
 
 function renderBreakdown(report) {
@@ -392,14 +399,17 @@ async function refreshPlans() {
   const plans = payload.plans;  // `dmt plan --json`: {plans, rejected, considered, calibration}
   state.plans = plans;
   const timed = plans.some((r) => r.training_time);
-  const head = [...PLAN_COLUMNS, "GiB/GPU", "step s", "tokens/s", "MFU", ...(timed ? ["days", "GPU-h"] : []), ""];
+  const head = [...PLAN_COLUMNS, "GiB/GPU", "step s", "tokens/s", "MFU",
+    ...(timed ? ["days", "GPU-h", "goodput", "ckpt every"] : []), ""];
   $("#plan-table thead").replaceChildren(el("tr", {}, el("th", {}, "#"), ...head.map((h) => el("th", {class: "num"}, h))));
   const body = $("#plan-table tbody");
   body.replaceChildren();
   plans.forEach((record, i) => {
     const cells = [...PLAN_COLUMNS.map((k) => planCell(record, k)), `${gib(record.memory_bytes.total)}`,
       fmt(record.step_time_s), Math.round(record.tokens_per_s).toLocaleString("en-US"), `${(record.mfu * 100).toFixed(1)}%`];
-    if (timed) cells.push(record.training_time.days.toFixed(1), Math.round(record.training_time.gpu_hours).toLocaleString("en-US"));
+    const t = record.training_time;
+    if (timed) cells.push(t.days.toFixed(1), Math.round(t.gpu_hours).toLocaleString("en-US"),
+                          `${(t.goodput * 100).toFixed(1)}%`, t.checkpoint.interval_steps.toLocaleString("en-US"));
     const files = el("button", {type: "button", class: "files", "data-rank": String(i + 1)}, "files");
     files.addEventListener("click", () => openFiles(record, i + 1));
     const use = el("button", {type: "button", class: "use"}, "use");
