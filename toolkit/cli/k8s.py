@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def render_from_args(args: argparse.Namespace) -> str:
     from pathlib import Path
 
-    from toolkit.k8s.render import make_job, manifest_text, train_arguments
+    from toolkit.k8s.render import make_job, manifest_text
 
     if args.plan is not None:
         from toolkit.validate.generated import read_generated
@@ -49,8 +49,8 @@ def render_from_args(args: argparse.Namespace) -> str:
         recipe = load_recipe(args.recipe)
         with recipe_names():
             plan, plan_path = recipe_plan(recipe, recipe_model(recipe)), None
-    job = make_job(recipe, plan, args.image, train_arguments(recipe, Path(args.recipe), plan_path),
-                   args.namespace, args.checkpoint_pvc, args.queue)
+    job = make_job(recipe, plan, args.image, Path(args.recipe), plan_path, args.namespace, args.checkpoint_pvc,
+                   args.queue)
     text = manifest_text(job, args.kind)
     _check(text)
     return text

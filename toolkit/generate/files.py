@@ -55,11 +55,10 @@ def _k8s(ctx: GenerationContext) -> str:
     """The plan as a Kubeflow TrainJob (with its TrainingRuntime), training these files: written only when the recipe
     names an image (cluster.k8s.image; see written())."""
     from toolkit.errors import named_as
-    from toolkit.k8s.render import make_job, manifest_text, train_arguments
+    from toolkit.k8s.render import make_job, manifest_text
 
     with named_as({"RECIPE": "--recipe", "--plan": "--out", "--image": "cluster.k8s.image"}):
-        args = train_arguments(ctx.recipe, ctx.recipe_path, ctx.out_dir / PLAN_FILE)
-        return manifest_text(make_job(ctx.recipe, ctx.plan, None, args), "trainjob")
+        return manifest_text(make_job(ctx.recipe, ctx.plan, None, ctx.recipe_path, ctx.out_dir / PLAN_FILE), "trainjob")
 
 
 def _plan(ctx: GenerationContext) -> str:

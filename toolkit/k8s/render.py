@@ -99,19 +99,22 @@ def train_arguments(recipe: Recipe, recipe_path: Path, plan_path: Path | None = 
     return (*args, "--output-dir", f"{CHECKPOINT_MOUNT}/{recipe.name}", "--resume", "auto")
 
 
-def make_job(recipe: Recipe, plan: Plan, image: str | None, train_args: tuple[str, ...], namespace: str | None = None,
-             checkpoint_pvc: str | None = None, queue: str | None = None) -> K8sJob:
-    """The job, every name checked (one line naming the flag on the first bad one)."""
+def make_job(recipe: Recipe, plan: Plan, image: str | None, recipe_path: Path, plan_path: Path | None = None,
+             namespace: str | None = None, checkpoint_pvc: str | None = None, queue: str | None = None,
+             cwd: Path | None = None) -> K8sJob:
+    """The job, every name checked first (one line naming the flag on the first bad one), then the files it reads
+    as the container sees them."""
     image = image or recipe.cluster.k8s.image
     if not image:
         raise UserInputError("--image", "is required (or cluster.k8s.image in the recipe): the container image that "
                                         f"holds the toolkit and this directory at {WORKDIR}")
-    job = K8sJob(recipe, plan, names.image_reference(image), tuple(train_args),
-                 namespace and names.namespace(namespace), checkpoint_pvc and names.claim_name(checkpoint_pvc),
-                 queue and names.queue_name(queue))
-    if plan.gpus % job.nodes:
-        raise UserInputError("cluster.nodes", f"{plan.gpus} processes do not split evenly over {job.nodes} nodes")
-    return job
+    checked = (names.image_reference(image), namespace and names.namespace(namespace),
+               checkpoint_pvc and names.claim_name(checkpoint_pvc), queue and names.queue_name(queue))
+    if plan.gpus % recipe.cluster.num_nodes:
+        raise UserInputError("cluster.nodes", f"{plan.gpus} processes do not split evenly over "
+                                              f"{recipe.cluster.num_nodes} nodes")
+    args = train_arguments(recipe, recipe_path, plan_path, cwd)
+    return K8sJob(recipe, plan, checked[0], args, *checked[1:])
 
 
 def _env(variables) -> list[dict]:

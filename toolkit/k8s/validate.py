@@ -203,17 +203,18 @@ def plan_problems(pod: TrainingPod, plan, accelerator: str | None, world_size: i
 
 def _gpu_problems(pod: TrainingPod, procs: int | None, accelerator: str | None) -> list[Problem]:
     key, resources = pod.resources
-    problems = []
-    for section in ("requests", "limits"):
-        asked = _dig(resources, section, GPU_RESOURCE)
-        if accelerator == "cpu":
-            if asked not in (None, 0, "0"):
-                problems.append(Problem(f"{key}.{section}", f"asks for {asked} {GPU_RESOURCE}; the plan trains on CPU"))
-        elif procs is not None and (accelerator == "gpu" or asked is not None) and \
-                quantity_bytes(asked if asked is not None else "") != procs:
-            problems.append(Problem(f"{key}.{section}", f"{GPU_RESOURCE} is {asked!r}; the plan runs {procs} "
-                                                        f"processes per node, one GPU each: set it to {procs}"))
-    return problems
+    asked = {section: _dig(resources, section, GPU_RESOURCE) for section in ("requests", "limits")}
+    if accelerator == "cpu":
+        wrong = [section for section, count in asked.items() if count not in (None, 0, "0")]
+        return [Problem(f"{key}.{' and '.join(wrong)}", f"asks for {asked[wrong[0]]} {GPU_RESOURCE}; the plan trains "
+                                                        f"on CPU")] if wrong else []
+    if procs is None or (accelerator != "gpu" and asked == {"requests": None, "limits": None}):
+        return []
+    wrong = [section for section, count in asked.items() if quantity_bytes("" if count is None else count) != procs]
+    if not wrong:
+        return []
+    return [Problem(f"{key}.{' and '.join(wrong)}", f"{GPU_RESOURCE} is {asked[wrong[0]]!r}; the plan runs {procs} "
+                                                    f"processes per node, one GPU each: set it to {procs}")]
 
 
 def _shm_problems(pod: TrainingPod, plan, procs: int | None) -> list[Problem]:
