@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT
+from helpers import ROOT, k8s_training_pod
 from toolkit.cli.main import main
 from toolkit.k8s.render import KINDS, PET_VARIABLES, make_job, manifest_text
 from toolkit.k8s.shm import NCCL_SHM_PER_COMMUNICATOR, quantity_bytes, shm_bytes
@@ -68,22 +68,13 @@ def _job(documents: list[dict]) -> dict:
     return documents[-1]  # the TrainJob follows its TrainingRuntime
 
 
-def _pod(kind: str, documents: list[dict]) -> dict:
-    """The training pod's spec, where each kind keeps it."""
-    if kind == "trainjob":
-        return documents[0]["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    if kind == "jobset":
-        return documents[0]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    return documents[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_kind_renders_for_every_backend_and_validates(manifests, capsys, tmp_path, name, kind):
     job, documents = manifests[name, kind]
     code, lines = _validate(capsys, tmp_path, documents)
     assert code == 0 and "valid (" in lines[0], lines
-    pod = _pod(kind, documents)
+    pod = k8s_training_pod(kind, documents)
     (trainer,) = pod["containers"]
     command = _job(documents)["spec"]["trainer"]["command"] if kind == "trainjob" else trainer["command"]
     # the same training entry as launch.sh, under torchrun for every backend, resuming from the PVC
@@ -114,7 +105,7 @@ def test_the_nccl_environment_is_the_slurm_scripts(manifests, project, capsys):
     job, documents = manifests["tiny-llama-cpu-gpu", "jobset"]
     assert main(["slurm", "render", str(project / "tiny-llama-cpu-gpu.yaml")]) == 0
     sbatch = capsys.readouterr().out
-    env = {e["name"]: e.get("value") for e in _pod("jobset", documents)["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in k8s_training_pod("jobset", documents)["containers"][0]["env"]}
     for variable in job_variables(job.recipe):
         assert f"export {variable.name}=" in sbatch and env[variable.name] == variable.value
 
@@ -125,7 +116,7 @@ def test_the_megatron_plan_variables_reach_the_container(project):
     plan = recipe_plan(recipe, recipe_model(recipe), tp=2)
     job = make_job(recipe, plan, IMAGE, project / "tiny-llama-megatron-cpu.yaml", cwd=project)
     (document,) = yaml.safe_load_all(manifest_text(job, "pytorchjob"))
-    env = {e["name"]: e["value"] for e in _pod("pytorchjob", [document])["containers"][0]["env"]}
+    env = {e["name"]: e["value"] for e in k8s_training_pod("pytorchjob", [document])["containers"][0]["env"]}
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
@@ -143,7 +134,7 @@ def _env_named(entries: list, name: str, value: str) -> None:
 
 
 def _drop_shm(documents: list[dict]) -> None:
-    pod = _pod("trainjob", documents)
+    pod = k8s_training_pod("trainjob", documents)
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
     for container in [*pod["containers"], *pod["initContainers"]]:
         container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "dshm"]
@@ -155,7 +146,7 @@ def _set_gpus(documents: list[dict], count: int) -> None:
 
 
 def _small_shm(documents: list[dict]) -> None:
-    for volume in _pod("trainjob", documents)["volumes"]:
+    for volume in k8s_training_pod("trainjob", documents)["volumes"]:
         if volume["name"] == "dshm":
             volume["emptyDir"]["sizeLimit"] = "64Mi"
 
@@ -177,14 +168,15 @@ MISTAKES = {  # a TrainJob of the GPU recipe edited -> what the one line must sa
     "a GPU count off the plan": (lambda d: _set_gpus(d, 4), ("nvidia.com/gpu", "4", "set it to 2")),
     "a node count off the plan": (lambda d: _job(d)["spec"]["trainer"].__setitem__("numNodes", 3),
                                   ("3 node(s)", "world size is 4")),
-    "an unknown field": (lambda d: _pod("trainjob", d)["containers"][0].__setitem__("volumeMount", []),
+    "an unknown field": (lambda d: k8s_training_pod("trainjob", d)["containers"][0].__setitem__("volumeMount", []),
                          ("containers[0].volumeMount", "unknown field")),
     "a CEL rule": (lambda d: _job(d)["spec"].__setitem__("managedBy", "me"),
                    ("spec.managedBy", "ManagedBy must be")),
-    "no image": (lambda d: [_job(d)["spec"]["trainer"].pop("image"), _pod("trainjob", d)["containers"][0].pop(
-        "image")], ("spec.trainer.image", "None", "image")),
+    "no image": (lambda d: [_job(d)["spec"]["trainer"].pop("image"),
+                            k8s_training_pod("trainjob", d)["containers"][0].pop("image")],
+                 ("spec.trainer.image", "None", "image")),
     "no checkpoint PVC": (lambda d: [v.__setitem__("emptyDir", {}) or v.pop("persistentVolumeClaim")
-                                     for v in _pod("trainjob", d)["volumes"] if v["name"] == "checkpoints"],
+                                     for v in k8s_training_pod("trainjob", d)["volumes"] if v["name"] == "checkpoints"],
                           ("volumeMounts", "PersistentVolumeClaim")),
     "the wrong apiVersion": (lambda d: _job(d).__setitem__("apiVersion", "kubeflow.org/v1"),
                              ("apiVersion", "trainer.kubeflow.org/v1alpha1")),
@@ -252,7 +244,7 @@ def test_a_hostile_path_is_one_argument_in_yaml_and_in_the_shell(project, capsys
         documents = list(yaml.safe_load_all((tmp_path / f"{kind}.yaml").read_text()))
         assert len(documents) == (2 if kind == "trainjob" else 1)
         command = (_job(documents)["spec"]["trainer"]["command"] if kind == "trainjob"
-                   else _pod(kind, documents)["containers"][0]["command"])
+                   else k8s_training_pod(kind, documents)["containers"][0]["command"])
         assert f"{hostile.name}/recipe.yaml" in command
     script = command[:3] + ["dmt-train"] + command[4:]  # the PyTorchJob's: bash -c SCRIPT dmt-train ARGS...
     script[2] = script[2].replace("torchrun", "printf '%s\\n'").replace("exec ", "").split("&& ")[-1]

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-pvc", default=None, metavar="NAME",
                    help=f"PersistentVolumeClaim mounted at {CHECKPOINT_MOUNT} for the run's checkpoints "
                         f"(default <job name>-checkpoints)")
-    p.add_argument("--queue", default=None, metavar="NAME", help="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label)")
+    p.add_argument("--queue", default=None, metavar="NAME",
+                   help="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label)")
     p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                    help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
 

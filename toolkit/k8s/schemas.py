@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 
+from toolkit.k8s.names import DNS_LABEL, DNS_SUBDOMAIN
 from toolkit.k8s.vendored import SCHEMAS, crd
 
 # ObjectMeta as a client may send it (the CRDs say only `type: object`; the API server checks it itself)
 OBJECT_META = {"type": "object", "additionalProperties": False, "properties": {
-    "name": {"type": "string", "maxLength": 253, "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"},
-    "generateName": {"type": "string"}, "namespace": {"type": "string", "maxLength": 63,
-                                                       "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+    "name": {"type": "string", "maxLength": 253, "pattern": DNS_SUBDOMAIN.pattern},
+    "generateName": {"type": "string"}, "namespace": {"type": "string", "maxLength": 63, "pattern": DNS_LABEL.pattern},
     "labels": {"type": "object", "additionalProperties": {"type": "string"}},
     "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
     "finalizers": {"type": "array", "items": {"type": "string"}},
@@ -63,7 +63,8 @@ def dotted(path) -> str:
 def schema_problems(document: dict, file_name: str) -> list[tuple[str, str]]:
     """(dotted key, message) for every place the document breaks its CRD's schema, the shallowest first."""
     problems = []
-    for error in sorted(_validator(file_name).iter_errors(document), key=lambda e: (len(e.path), list(map(str, e.path)))):
+    errors = _validator(file_name).iter_errors(document)
+    for error in sorted(errors, key=lambda e: (len(e.path), list(map(str, e.path)))):
         if error.validator == "additionalProperties" and isinstance(error.instance, dict):
             known = set(error.schema.get("properties", {}))
             for field in sorted(set(error.instance) - known):

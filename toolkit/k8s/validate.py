@@ -219,7 +219,8 @@ def _gpu_problems(pod: TrainingPod, procs: int | None, accelerator: str | None) 
 
 def _shm_problems(pod: TrainingPod, plan, procs: int | None) -> list[Problem]:
     mount = next((m for m in pod.mounts if isinstance(m, dict) and m.get("mountPath") == SHM_MOUNT), None)
-    volume = next((v for v in pod.volumes if isinstance(v, dict) and mount and v.get("name") == mount.get("name")), None)
+    volume = next((v for v in pod.volumes if isinstance(v, dict) and mount and v.get("name") == mount.get("name")),
+                  None)
     medium = _dig(volume, "emptyDir", "medium")
     if mount is None or medium != "Memory":
         return [Problem(f"{pod.where}.volumeMounts", f"no memory-backed emptyDir at {SHM_MOUNT}: pods get 64 MB "
