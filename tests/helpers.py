@@ -269,3 +269,13 @@ def assert_step_cost(record: dict, prediction: dict, tokens_per_step: int = 16 *
     flops = model_flops_per_token(ModelSpec(**prediction["model_spec"]), 64) * tokens_per_step
     assert prediction["peak_tflops"] > 0
     assert record["mfu"] == pytest.approx(flops / (record["step_time_s"] * 2 * prediction["peak_tflops"] * 1e12))
+
+
+def k8s_training_pod(kind: str, documents: list[dict]) -> dict:
+    """The training pod's spec in a manifest `dmt k8s render` wrote, where each kind keeps it (a TrainJob's in the
+    TrainingRuntime before it)."""
+    if kind == "trainjob":
+        return documents[0]["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    if kind == "jobset":
+        return documents[0]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    return documents[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]

@@ -233,12 +233,35 @@ def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: ty
                what: str = "a YAML mapping") -> Any:
     """A YAML document given as text (an upload, or a file read_yaml read), read by bounded_yaml_loader; `source`
     names it in errors."""
+    data = _load_yaml(text, source, key, what, lambda loader: loader.get_single_data())
+    return _finite(_shape(data, source, key, expect, what), source, key, what)
+
+
+def parse_yaml_documents(text: str, source: Path | str, key: str | None = None,
+                         what: str = "YAML mappings") -> list[dict]:
+    """Every document of a YAML stream (`---` between them: a Kubernetes manifest), each a mapping, read by
+    bounded_yaml_loader with its bounds over the whole stream; empty documents between `---`s are skipped."""
+
+    def every(loader) -> list:
+        documents = []
+        while loader.check_data():
+            documents.append(loader.get_data())
+        return [document for document in documents if document is not None]
+
+    documents = _load_yaml(text, source, key, what, every)
+    if not documents:
+        raise problem(source, key, f"is empty; expected {what}")
+    return [_finite(_shape(document, source, key, dict, what), source, key, what) for document in documents]
+
+
+def _load_yaml(text: str, source: Path | str, key: str | None, what: str, read) -> Any:
+    """`read(loader)` on a bounded loader over `text`: what goes wrong is one problem naming `source`."""
     import yaml
 
     loader = None
     try:
         loader = bounded_yaml_loader()(text)  # its reader refuses control characters already here
-        data = loader.get_single_data()
+        return read(loader)
     except BoundExceeded as exc:
         raise problem(source, key, f"{exc}; expected {what}") from None
     except yaml.YAMLError as exc:
@@ -249,8 +272,6 @@ def parse_yaml(text: str, source: Path | str, key: str | None = None, expect: ty
     finally:
         if loader is not None:
             loader.dispose()
-    return _finite(_shape(data, source, key, expect, what), source, key, what)
-
 
 # safetensors (its docs, "Format"): an 8-byte little-endian header length, a JSON header mapping each tensor name to
 # dtype, shape and [begin, end) offsets into the data that follows; safetensors itself refuses headers over 100 MB

@@ -26,7 +26,7 @@ from toolkit.cli.main import VERBS
 PACKAGE = ROOT / "toolkit"
 # the verbs the tests below run from the installed wheel (a new verb joins them: the first test says so)
 RUN_HERE = {"estimate", "plan", "generate", "validate", "slurm", "convert", "ckpt", "restore-test", "health", "report",
-            "calibrate", "explore"}
+            "calibrate", "explore", "k8s"}
 
 
 def _data_files() -> set[Path]:
@@ -105,7 +105,7 @@ def test_the_installed_toolkit_is_the_wheels_own_with_every_data_file(installed)
 
 
 @pytest.mark.launch
-def test_estimate_plan_generate_validate_and_slurm_render_a_recipe(installed):
+def test_estimate_plan_generate_validate_slurm_and_k8s_render_a_recipe(installed):
     """The tiny recipe as a user's file (its corpus named by absolute path) through the whole planning chain."""
     recipe = installed.home / "recipe.yaml"
     recipe.write_text(TINY.read_text().replace("data/tiny_corpus.txt", str(TINY.parent / "data/tiny_corpus.txt")))
@@ -123,6 +123,10 @@ def test_estimate_plan_generate_validate_and_slurm_render_a_recipe(installed):
                                                      "--trainer-args", "gen/trainer_args.json")
     sbatch = installed.dmt("slurm", "render", "recipe.yaml")
     assert sbatch.startswith("#!/usr/bin/env bash") and "torchrun" in sbatch
+    # the Kubernetes manifest, checked against the CRDs the wheel ships (toolkit/k8s/crds)
+    assert "kubectl apply -f" in installed.dmt("k8s", "render", "recipe.yaml", "--kind", "jobset", "--image",
+                                               "registry.example.com/dmt:1", "--out", "job.yaml")
+    assert "valid (JobSet of kubernetes-sigs/jobset v0.12.0" in installed.dmt("validate", "job.yaml")
 
 
 @pytest.mark.launch

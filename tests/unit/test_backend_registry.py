@@ -16,12 +16,12 @@ PACKAGE = ROOT / "toolkit"
 # parts of issue 24 and join this list as they are merged.
 CLEARED = ("estimate", "errors", "explore", "families", "health", "numeric", "outputs", "readers", "report",
            "runtime", "__init__", "__main__", "spec", "planner", "generate", "validate", "cli", "train", "checkpoint",
-           "compat", "backends")
+           "compat", "backends", "k8s")
 # What the toolkit asks each backend's part (toolkit/backends/<name>/<part>.py)
 HOOKS = {
     "rules": ("check", "fill", "check_steps", "FOREIGN", "FINETUNE_REFUSED"),
     "search": ("layouts", "recompute_options", "label", "sharding_text"),
-    "generate": ("WRITERS", "launch_environment"),
+    "generate": ("WRITERS", "launch_variables"),
     "validate": ("READERS", "accelerate_launch"),
     "train": ("train",),
     "memory": ("padded_vocab", "model_states", "step_fp32_grads", "saved_bytes_per_param"),

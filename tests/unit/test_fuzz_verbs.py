@@ -44,6 +44,8 @@ FILE_INPUTS = {
     "validate --trainer-args": (["validate", "{valid_ds}", "--world-size", "2", "--trainer-args", "{file}"],
                                 "--trainer-args"),
     "slurm render RECIPE": (["slurm", "render", "{file}"], "--recipe"),
+    "k8s render RECIPE": (["k8s", "render", "{file}", "--kind", "jobset", "--image", "reg.io/dmt:1"], "--recipe"),
+    "validate k8s manifest.yaml": (["validate", "{file}.yaml"], "FILE"),
     "restore-test --recipe": (["restore-test", "--recipe", "{file}", "--workdir", "{tmp}/restore"], "--recipe"),
     "convert hf-to-megatron HF_DIR": (["convert", "hf-to-megatron", "{file}", "{tmp}/mcore"], "HF_DIR"),
     "convert zero-to-hf CKPT_DIR": (["convert", "zero-to-hf", "{file}", "{tmp}/hf"], "CKPT_DIR"),
@@ -119,6 +121,8 @@ OUTPUTS = {
     "plan --plot": (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "512", "--global-batch", "8",
                      "--plot", "{out}"], "--plot", "file"),
     "slurm render --out": (["slurm", "render", "{recipe}", "--out", "{out}"], "--out", "file"),
+    "k8s render --out": (["k8s", "render", "{recipe}", "--kind", "trainjob", "--image", "reg.io/dmt:1", "--out",
+                          "{out}"], "--out", "file"),
     "restore-test --workdir": (["restore-test", "--recipe", "{recipe}", "--workdir", "{out}"], "--workdir", "dir"),
     "health --output": (["health", "--nproc", "1", "--output", "{out}"], "--output", "file"),
     "report --plot": (["report", "{run}", "--plot", "{out}"], "--plot", "file"),
@@ -237,6 +241,7 @@ def refuses_recipe_edit(sandbox, capsys, verb: str, old: str, new: str, key: str
     before = _snapshot(sandbox)
     argv = {"generate": ["generate", str(recipe), "--out", str(sandbox / "gen")],
             "slurm render": ["slurm", "render", str(recipe)],
+            "k8s render": ["k8s", "render", str(recipe), "--kind", "pytorchjob", "--image", "reg.io/dmt:1"],
             "restore-test": ["restore-test", "--recipe", str(recipe), "--workdir", str(sandbox / "restore")]}[verb]
     code, err = _run(capsys, argv)
     _assert_refused(code, err, key)
@@ -244,7 +249,7 @@ def refuses_recipe_edit(sandbox, capsys, verb: str, old: str, new: str, key: str
 
 
 @pytest.mark.parametrize("case", sorted(RECIPE_VALUES))
-@pytest.mark.parametrize("verb", ["generate", "slurm render", "restore-test"])
+@pytest.mark.parametrize("verb", ["generate", "slurm render", "k8s render", "restore-test"])
 def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, monkeypatch, tmp_path_factory, case, verb):
     scratch = tmp_path_factory.mktemp("tmp")  # the command's temp dir: no training run may have started there
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
@@ -262,6 +267,10 @@ FLAG_VALUES = [  # argv -> the flag the error must name
      "--top"),
     (["slurm", "render", "{recipe}", "--output-dir", "runs\n#SBATCH --qos=high/x"], "--output-dir"),
     (["slurm", "render", "{recipe}", "--time", "1 day"], "--time"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1\nkind: Secret"], "--image"),
+    (["k8s", "render", "{recipe}", "--kind", "cronjob", "--image", "reg.io/dmt:1"], "--kind"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--namespace", "$(id)"],
+     "--namespace"),
     (["restore-test", "--recipe", "{recipe}", "--steps", "0"], "--steps"),
     (["restore-test", "--recipe", "{recipe}", "--steps", "-5"], "--steps"),
     (["restore-test", "--recipe", "{recipe}", "--backend", "megatron", "--steps", "2"], "--steps"),

@@ -48,10 +48,18 @@ BACKEND_PARTS = {"__init__": "spec", "backend": "spec", "rules": "spec", "memory
                  "dist_writer": "checkpoint", "logit_check": "checkpoint"}
 
 
+# The Kubernetes package (toolkit/k8s/) is the same kind of slice: what renders manifests beside the generators (dmt
+# generate writes one), what checks them against the CRDs beside the validators.
+K8S_PARTS = {"__init__": "generate", "names": "generate", "shm": "generate", "vendored": "generate",
+             "render": "generate", "schemas": "validate", "versions": "validate", "validate": "validate"}
+
+
 def _package(module: str) -> str:
     """The layer name of a dotted module of toolkit: its top-level package (or module; toolkit/__init__.py is
     `toolkit`), or for a backend's module the layer of its part (BACKEND_PARTS)."""
     parts = module.split(".")
+    if parts[:2] == ["toolkit", "k8s"]:
+        return K8S_PARTS.get(parts[2] if len(parts) > 2 else "__init__", "k8s")
     if parts[:2] == ["toolkit", "backends"] and len(parts) <= 3 and parts[2:] in ([], ["__init__"], ["backend"]):
         return "spec"
     if parts[:2] == ["toolkit", "backends"] and len(parts) >= 4 and (parts[2], parts[3]) and _is_backend(parts[2]):

@@ -133,3 +133,12 @@ def sharding_text(plan) -> str:
     from toolkit.backends import backend_of
 
     return backend_of(plan).part("search").sharding_text(plan)
+
+
+def rendered_from(args: argparse.Namespace) -> list:
+    """What a rendered script or manifest is made from besides its flags: the recipe's files, and the generated
+    directory of --plan (its deepspeed.json, accelerate.yaml, ...), none of which --out may replace."""
+    from toolkit.spec.recipe import load_recipe, recipe_files
+
+    plan = [] if args.plan is None else [args.plan if args.plan.is_dir() else args.plan.parent]
+    return [*recipe_files(load_recipe(args.recipe)), *plan]

@@ -15,12 +15,13 @@ VERBS = {
     "estimate": ("toolkit.cli.estimate", "per-GPU memory, parameter counts and step time for one model and plan"),
     "plan": ("toolkit.cli.plan", "search the fastest DP/ZeRO/FSDP/TP/PP/VPP/CP/EP plan that fits"),
     "generate": ("toolkit.cli.generate", "write deepspeed.json, accelerate.yaml, trainer_args.json, launch.sh, plan.json"),
-    "validate": ("toolkit.cli.validate", "check a DeepSpeed JSON, an FSDP accelerate.yaml (and HF trainer arguments) "
-                                         "or a megatron.yaml before launching"),
+    "validate": ("toolkit.cli.validate", "check a DeepSpeed JSON, an FSDP accelerate.yaml (and HF trainer arguments), "
+                                         "a megatron.yaml or a Kubernetes manifest before launching"),
     "convert": ("toolkit.cli.convert", "convert checkpoints: DeepSpeed ZeRO -> HF, FSDP2 -> HF, HF <-> Megatron-Core"),
     "ckpt": ("toolkit.cli.ckpt", "verify or inspect a checkpoint"),
     "health": ("toolkit.cli.health", "preflight: collectives, bandwidth, stragglers, hangs on every rank"),
     "slurm": ("toolkit.cli.slurm", "render or submit SLURM job scripts for a recipe"),
+    "k8s": ("toolkit.cli.k8s", "render a recipe's plan as a Kubernetes TrainJob, JobSet or PyTorchJob manifest"),
     "restore-test": ("toolkit.cli.restore", "train, kill after a save, resume: prove the run comes back"),
     "report": ("toolkit.cli.report", "measured against predicted for finished runs: step time, tokens/s, MFU, memory"),
     "calibrate": ("toolkit.cli.calibrate", "fit the step-time model's efficiencies (and measured links) to runs"),

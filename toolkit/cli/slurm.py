@@ -94,15 +94,6 @@ def _check_launch_files(args: argparse.Namespace, plan) -> None:
             raise UserInputError("--accelerate-config", f"{args.accelerate_config}: {problems[0]}")
 
 
-def _read_for(args: argparse.Namespace) -> list:
-    """What the script is rendered from besides its flags: the recipe's files, and the generated directory of --plan
-    (its deepspeed.json, accelerate.yaml, ...), none of which --out may replace."""
-    from toolkit.spec.recipe import load_recipe, recipe_files
-
-    plan = [] if args.plan is None else [args.plan if args.plan.is_dir() else args.plan.parent]
-    return [*recipe_files(load_recipe(args.recipe)), *plan]
-
-
 def run(args: argparse.Namespace) -> int:
     from toolkit.outputs import output_file, write_file
 
@@ -114,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
         if out is None:
             print(script, end="")
             return 0
-        out = output_file(out, "--out", inputs=_read_for(args))  # again, with the files rendering read
+        from toolkit.cli.common import rendered_from
+
+        out = output_file(out, "--out", inputs=rendered_from(args))  # again, with the files rendering read
         write_file(out, script, "--out", mode=0o755)
         print(f"wrote {out}")
         return 0

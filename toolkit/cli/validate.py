@@ -1,6 +1,6 @@
 """`dmt validate FILE --world-size N [--model M] [--trainer-args FILE]`: check a DeepSpeed JSON, an Accelerate FSDP
-config (accelerate.yaml, through `toolkit.cli.validate_accelerate`) or a megatron.yaml (`toolkit.cli.validate_megatron`)
-before launching."""
+config (accelerate.yaml, through `toolkit.cli.validate_accelerate`), a megatron.yaml (`toolkit.cli.validate_megatron`)
+or a Kubernetes manifest (`toolkit.cli.validate_k8s`) before launching."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def choices_of(annotation) -> list:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=path_arg, metavar="FILE",
-                        help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP) or megatron.yaml")
-    parser.add_argument("--world-size", type=bounded_int, required=True, help="processes the job will launch")
+                        help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP), megatron.yaml, or a "
+                             "Kubernetes manifest (TrainJob, JobSet, PyTorchJob)")
+    parser.add_argument("--world-size", type=bounded_int, default=None,
+                        help="processes the job will launch (a Kubernetes manifest: default the plan it records)")
     # not offered: DeepSpeed plans have one pipeline stage; taken only to refuse it in the plans' own words
     parser.add_argument("--pp", type=bounded_int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--trainer-args", type=path_arg, default=None, help="HF TrainingArguments as JSON (trainer_args.json)")
@@ -52,10 +54,23 @@ def _read_json(path: Path, flag: str, what: str):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    if args.file.suffix in (".yaml", ".yml"):  # accelerate.yaml (FSDP), or megatron.yaml
-        from toolkit.readers import read_yaml
+    if args.world_size is not None and args.world_size < 1:
+        raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
+    if args.file.suffix in (".yaml", ".yml"):  # accelerate.yaml (FSDP), megatron.yaml, or a Kubernetes manifest
+        from toolkit.k8s.validate import is_manifest
+        from toolkit.readers import parse_yaml_documents, read_text
 
-        config = read_yaml(args.file, "FILE", what="an accelerate.yaml or a megatron.yaml")
+        what = "an accelerate.yaml, a megatron.yaml or a Kubernetes manifest"
+        documents = parse_yaml_documents(read_text(args.file, "FILE", what, "yaml"), args.file, "FILE", what)
+        if is_manifest(documents):  # apiVersion and kind: a TrainJob, a JobSet, a PyTorchJob
+            from toolkit.cli import validate_k8s
+
+            return validate_k8s.run(args, documents)
+        if len(documents) > 1:
+            raise UserInputError("FILE", f"{args.file} holds {len(documents)} YAML documents, not all with apiVersion "
+                                         f"and kind; expected {what}")
+        _require_world_size(args)
+        config = documents[0]
         if "distributed_type" in config:  # Accelerate's own config: its plugin classes and launch-time rules
             from toolkit.cli import validate_accelerate
 
@@ -72,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     # DeepSpeed's own import-time warnings (which accelerator it picked) are noise here: the problems are the output
     logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
 
+    _require_world_size(args)
     for flag, value in (("--world-size", args.world_size), ("--pp", args.pp), ("--seq-len", args.seq_len)):
         if value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
@@ -96,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
 
     return report(args, validate_deepspeed_config(config, args.world_size, trainer_args=trainer, memory_check=check,
                                                   config_path=args.file) + finetune_problems(config, args.finetune))
+
+
+def _require_world_size(args: argparse.Namespace) -> None:
+    if args.world_size is None:  # a Kubernetes manifest states its own (nodes x processes per node)
+        raise UserInputError("--world-size", "is required for a DeepSpeed JSON, an accelerate.yaml or a megatron.yaml: "
+                                             "the processes the job will launch")
 
 
 def report(args: argparse.Namespace, problems: list) -> int:

@@ -53,11 +53,22 @@ def _slurm(ctx: GenerationContext) -> str:
                              train_flags=["--plan", str(ctx.out_dir / PLAN_FILE)])
 
 
+def _k8s(ctx: GenerationContext) -> str:
+    """The plan as a Kubeflow TrainJob (with its TrainingRuntime), training these files: written only when the recipe
+    names an image (cluster.k8s.image; see written())."""
+    from toolkit.errors import named_as
+    from toolkit.k8s.render import make_job, manifest_text
+
+    with named_as({"RECIPE": "--recipe", "--plan": "--out", "--image": "cluster.k8s.image"}):
+        return manifest_text(make_job(ctx.recipe, ctx.plan, None, ctx.recipe_path, ctx.out_dir / PLAN_FILE), "trainjob")
+
+
 def _plan(ctx: GenerationContext) -> str:
     record = recipe_prediction(ctx.recipe, ctx.model, ctx.plan, ctx.calibration, PlanFile, recipe=ctx.recipe.name,
                                auto=ctx.recipe.plan.auto, recipe_path=str(ctx.recipe_path.resolve()),
                                recipe_settings=_settings_as_written(ctx), overrides=ctx.overrides,
-                               files=[name for name in files_of(ctx.plan.backend) if name != PLAN_FILE],
+                               files=[name for name in files_of(ctx.plan.backend)
+                                      if name != PLAN_FILE and written(ctx, name)],
                                save_interval=ctx.save_interval)
     return json_text(record.as_json(), indent=2) + "\n"
 
@@ -71,8 +82,9 @@ def _settings_as_written(ctx: GenerationContext) -> dict:
 
 
 def recipe_settings(recipe: Recipe) -> dict:
-    """What plan.json records of the recipe, to tell later whether the recipe changed since (its location aside)."""
-    return recipe.model_dump(mode="json", exclude={"base_dir"})
+    """What plan.json records of the recipe, to tell later whether the recipe changed since (its location and the
+    Kubernetes image aside: neither changes what trains)."""
+    return recipe.model_dump(mode="json", exclude={"base_dir": True, "cluster": {"k8s"}})
 
 
 
@@ -80,7 +92,11 @@ def recipe_settings(recipe: Recipe) -> dict:
 
 PLAN_FILE = "plan.json"
 # the files every plan gets (file name -> writer); each backend adds its own (toolkit/backends/<name>/generate.py)
-COMMON: dict[str, Callable[[GenerationContext], str]] = {PLAN_FILE: _plan, "launch.sh": _launch, "slurm.sbatch": _slurm}
+K8S_FILE = "k8s-trainjob.yaml"
+COMMON: dict[str, Callable[[GenerationContext], str]] = {PLAN_FILE: _plan, "launch.sh": _launch, "slurm.sbatch": _slurm,
+                                                         K8S_FILE: _k8s}
+# files written only for some recipes: name -> whether this one gets it
+CONDITIONS: dict[str, Callable[[GenerationContext], bool]] = {K8S_FILE: lambda ctx: bool(ctx.recipe.cluster.k8s.image)}
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}
 # every name a generator writes: the only files a record lets `generate` remove
 GENERATED = frozenset(COMMON) | {name for backend in BACKENDS.values() for name in backend.files}
@@ -90,6 +106,11 @@ def writers_of(backend: str) -> dict[str, Callable[[GenerationContext], str]]:
     """The files `dmt generate` writes for a plan of this backend, each with its writer, plan.json first."""
     first, *rest = COMMON.items()  # plan.json, the backend's files, then the launchers'
     return dict([first, *backend_of(backend).part("generate").WRITERS.items(), *rest])
+
+
+def written(ctx: GenerationContext, name: str) -> bool:
+    """Whether `dmt generate` writes this file for this recipe (every registered file but the conditional ones)."""
+    return name not in CONDITIONS or CONDITIONS[name](ctx)
 
 
 def files_of(backend: str) -> list[str]:
@@ -116,7 +137,7 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | No
 
 def render(ctx: GenerationContext) -> dict[str, str]:
     """Every registered file of the plan's backend, as text (nothing written)."""
-    return {name: write(ctx) for name, write in writers_of(ctx.plan.backend).items()}
+    return {name: write(ctx) for name, write in writers_of(ctx.plan.backend).items() if written(ctx, name)}
 
 
 def generate(recipe_path: Path, out_dir: Path, force: bool = False, calibration: Path | None = None,

@@ -4,6 +4,7 @@ several. Every launcher runs `toolkit/train.py --plan plan.json`: the files besi
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass
 
 from toolkit.backends import backend_of
 from toolkit.spec.plan import Plan
@@ -80,9 +81,65 @@ FOOTER = """  *) echo "launch.sh: unknown launcher '$LAUNCHER' ({launchers})" >&
 esac
 """
 
+@dataclass(frozen=True)
+class LaunchVariable:
+    """One environment variable a launch sets, with the reason the generated file states beside it."""
+
+    name: str
+    value: str
+    reason: str
+    default_only: bool = False  # a value the launching environment already has wins (a shell's ${NAME:-value})
+
+
+def job_variables(recipe: Recipe) -> list[LaunchVariable]:
+    """The NCCL / torch.distributed defaults every multi-node job sets (slurm.sbatch exports them, the Kubernetes
+    manifests put them in each container's env), each with its reason."""
+    variables = [
+        LaunchVariable("NCCL_ASYNC_ERROR_HANDLING", "1", "a failed collective ends the job instead of hanging it"),
+        LaunchVariable("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "the same switch under its current torch name"),
+        LaunchVariable("TORCH_NCCL_BLOCKING_WAIT", "0", "keep the watchdog thread, not blocking waits, for timeouts"),
+        LaunchVariable("NCCL_DEBUG", "WARN", "warnings in the job log without per-call noise", default_only=True),
+        LaunchVariable("OMP_NUM_THREADS", "1" if _cpu(recipe) else "8",
+                       "no CPU oversubscription by dataloader/optimizer threads", default_only=True),
+        LaunchVariable("PYTHONUNBUFFERED", "1", "logs arrive as they happen"),
+    ]
+    if _cpu(recipe):
+        variables.append(LaunchVariable("CUDA_VISIBLE_DEVICES", "", "CPU recipe: gloo ranks"))
+    return variables
+
+
+def plan_variables(plan: Plan) -> list[LaunchVariable]:
+    """The variables the plan needs at launch (Megatron-Core's with TP or CP: toolkit/backends/megatron/generate.py)."""
+    return [LaunchVariable(name, value, reason)
+            for name, (value, reason) in backend_of(plan).part("generate").launch_variables(plan).items()]
+
+
+def export_lines(variables: list[LaunchVariable]) -> str:
+    """`export NAME=value  # reason` lines for a bash script (values quoted as one word)."""
+    lines = []
+    for variable in variables:
+        value = shlex.quote(variable.value)
+        value = f'"${{{variable.name}:-{variable.value}}}"' if variable.default_only else value
+        lines.append(f"export {variable.name}={value}  # {variable.reason}\n")
+    return "".join(lines)
+
+
 def launch_environment(plan: Plan) -> str:
-    """Exports the plan needs at launch (Megatron-Core's with TP or CP: toolkit/backends/megatron/generate.py)."""
-    return backend_of(plan).part("generate").launch_environment(plan)
+    """The exports of the plan's own variables (plan_variables), as launch.sh and slurm.sbatch set them."""
+    return export_lines(plan_variables(plan))
+
+
+def preflight_flags(recipe: Recipe) -> list[str]:
+    """`dmt health`'s flags when a job checks its ranks before training (slurm.sbatch's srun step, the Kubernetes
+    manifests' preflight). CPU recipes: the ranks share cores with each other and with the rest of the machine, so a
+    matmul 2x slower than the median is noise there, not a bad device; the preflight still checks liveness and
+    correctness."""
+    sizes = ["--sizes", "1K,1M", "--straggler-factor", "10"] if _cpu(recipe) else ["--sizes", "1M,64M,256M"]
+    return [*sizes, "--deadline-s", "60"]
+
+
+def _cpu(recipe: Recipe) -> bool:
+    return recipe.cluster.accelerator == "cpu"
 
 
 def launch_script(recipe: Recipe, plan: Plan, recipe_path: str) -> str:

@@ -12,7 +12,7 @@ from string import Template
 
 from toolkit.errors import UserInputError
 from toolkit.backends import backend_of
-from toolkit.generate.launch import launch_environment
+from toolkit.generate.launch import export_lines, job_variables, launch_environment, preflight_flags
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
@@ -118,12 +118,9 @@ def render_sbatch(
         signal_lead_s=120,
         extra_directives="\n".join(extra),
         output_dir=shlex.quote(str(Path(output_dir or f"runs/{recipe.name}").resolve())),
-        omp_threads=1 if cpu else 8,
-        cpu_env="export CUDA_VISIBLE_DEVICES=''  # CPU recipe: gloo ranks" if cpu else "",
+        job_env=export_lines(job_variables(recipe)),
         launch_env=launch_environment(plan),
-        # CPU recipes: the ranks share cores with each other and with the rest of the machine, so a matmul 2x slower
-        # than the median is noise there, not a bad device; the preflight still checks liveness and correctness
-        health_flags="--sizes 1K,1M --straggler-factor 10" if cpu else "--sizes 1M,64M,256M",
+        health_flags=" ".join(preflight_flags(recipe)),
         python_bin_dir=shlex.quote(str(Path(sys.executable).parent)),
         train_args=" ".join(shlex.quote(arg) for arg in train_args),
         accelerate_config=shlex.quote(str(Path(accelerate_config).resolve())) if accelerate_config else "",

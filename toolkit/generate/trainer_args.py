@@ -13,6 +13,10 @@ HF_SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant":
 # DeepSpeed JSON configures otherwise, so the file means the same when read without DeepSpeed
 HF_OPTIMIZERS = {"adamw": "adamw_torch", "sgd": "sgd", "adamw8bit": "adamw_bnb_8bit"}
 
+# data-loading processes per rank (the batches are packed in memory ahead of training); the Kubernetes manifests size
+# /dev/shm for them (toolkit/k8s/shm.py)
+DATALOADER_WORKERS = 0
+
 
 def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_json: str | None) -> dict:
     """The TrainingArguments keyword arguments; batch numbers and precision are the plan's."""
@@ -45,7 +49,7 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         "report_to": [r for r in training.report_to if r != "none"] or "none",
         "run_name": recipe.name,
         "use_cpu": recipe.cluster.accelerator == "cpu",
-        "dataloader_num_workers": 0,
+        "dataloader_num_workers": DATALOADER_WORKERS,
         "remove_unused_columns": False,
         "save_only_model": False,
     }

@@ -77,6 +77,14 @@ class DataSection(_Strict):
         return self
 
 
+class K8sSection(_Strict):
+    """Kubernetes: what `dmt generate` and `dmt k8s render` put in the manifests (the flags of `dmt k8s render`
+    override them)."""
+
+    image: str | None = Field(None, description="Container image holding the toolkit and this project at /workspace; "
+                                                "when set, `dmt generate` also writes k8s-trainjob.yaml.")
+
+
 class ClusterSection(_Strict):
     gpus: int = Field(gt=0, description="Total GPUs (CPU processes on a machine without GPUs).")
     gpus_per_node: int = Field(default("gpus_per_node"), gt=0, description="GPUs (processes) per node.")
@@ -85,6 +93,7 @@ class ClusterSection(_Strict):
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
     calibration: str | None = Field(None, description="A calibration file `dmt calibrate` wrote for cluster.gpu "
                                                       "(relative to the recipe): the plan's predictions use it.")
+    k8s: K8sSection = Field(K8sSection(), description="Kubernetes manifests (dmt k8s render, dmt generate).")
 
     @field_validator("gpu")
     @classmethod

@@ -16,5 +16,5 @@ def trainer_extras(recipe, plan):
     return {}
 
 
-def launch_environment(plan):
-    return ""
+def launch_variables(plan):
+    return {}

@@ -40,6 +40,6 @@ def trainer_extras(recipe: Recipe, plan: Plan) -> dict:
     return {}
 
 
-def launch_environment(plan: Plan) -> str:
-    """Exports the launch script sets before the launcher: none."""
-    return ""
+def launch_variables(plan: Plan) -> dict[str, tuple[str, str]]:
+    """Environment variables a launch of this plan sets (name -> value, reason): none."""
+    return {}

@@ -32,9 +32,10 @@ def _megatron_args(ctx: GenerationContext) -> str:
 WRITERS = {"megatron.yaml": _megatron_yaml, "megatron_args.txt": _megatron_args}
 
 
-def launch_environment(plan: Plan) -> str:
-    """Exports the plan needs at launch: Megatron-LM and Megatron-Core's TP/CP communication overlap expect one CUDA
-    connection per device, so kernels queue in issue order (Megatron-LM's validate_args asserts it with TP or CP)."""
+def launch_variables(plan: Plan) -> dict[str, tuple[str, str]]:
+    """Environment variables a launch of this plan sets (name -> value, reason): Megatron-LM and Megatron-Core's
+    TP/CP communication overlap expect one CUDA connection per device, so kernels queue in issue order (Megatron-LM's
+    validate_args asserts it with TP or CP)."""
     if plan.tp > 1 or plan.cp > 1:
-        return "export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-Core TP/CP: kernels queue in issue order\n"
-    return ""
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": ("1", "Megatron-Core TP/CP: kernels queue in issue order")}
+    return {}

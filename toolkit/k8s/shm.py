@@ -1,0 +1,53 @@
+"""How much /dev/shm a training pod needs: NCCL's proxy segments for every communicator a rank opens, and the data
+loader's worker batches. Kubernetes gives a pod 64 MB unless a memory-backed emptyDir is mounted there.
+
+Source: Kubeflow Trainer, docs/user-guides/megatron.md ("Increasing /dev/shm for NCCL", commit 58cad8db39):
+"NCCL allocates shared memory in /dev/shm for its proxy service (roughly 33 MB per communicator)"."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from toolkit.spec.plan import Plan
+
+NCCL_SHM_PER_COMMUNICATOR = 33 * 10**6  # bytes, the Trainer docs' "roughly 33 MB"
+PREFETCH_FACTOR = 2  # torch DataLoader's batches in flight per worker (its default)
+TOKEN_TENSORS = 2  # input ids and labels, int64, per sequence
+MIB = 2**20
+
+
+def communicators(plan: Plan) -> dict[str, int]:
+    """The process groups a rank of this plan communicates in (name -> size): the whole world, and every parallel
+    dimension of more than one rank (each an NCCL communicator of its own)."""
+    groups = {"world": plan.gpus, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    return {name: size for name, size in groups.items() if size > 1 or name == "world"}
+
+
+def shm_bytes(plan: Plan, ranks_per_node: int) -> int:
+    """The /dev/shm a node of ranks_per_node ranks needs, rounded up to whole MiB."""
+    from toolkit.generate.trainer_args import DATALOADER_WORKERS
+
+    nccl = len(communicators(plan)) * NCCL_SHM_PER_COMMUNICATOR
+    batch = plan.micro_batch * plan.seq_len * TOKEN_TENSORS * 8
+    workers = DATALOADER_WORKERS * PREFETCH_FACTOR * batch
+    return math.ceil(ranks_per_node * (nccl + workers) / MIB) * MIB
+
+
+def quantity(nbytes: int) -> str:
+    """Bytes as a Kubernetes quantity: whole GiB or MiB."""
+    return f"{nbytes // 2**30}Gi" if nbytes % 2**30 == 0 else f"{math.ceil(nbytes / MIB)}Mi"
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([eE][-+]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?)$")
+_SCALE = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_bytes(text) -> float | None:
+    """A Kubernetes quantity (`512Mi`, `1G`, `1e9`, `2`) as a number; None if it is not one."""
+    match = _QUANTITY.match(str(text).strip())
+    if not match:
+        return None
+    number, exponent, suffix = match.groups()
+    return float(number) * (10 ** int(exponent[1:]) if exponent else _SCALE[suffix or ""])
