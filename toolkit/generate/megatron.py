@@ -13,6 +13,7 @@ as names and turned back into objects by `library_kwargs`.
 
 from __future__ import annotations
 
+from toolkit.backends import backend_of
 from toolkit.backends.megatron.memory import MEGATRON_VOCAB_DIVISIBLE_BY
 from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
 from toolkit.families import megatron_fields
@@ -131,6 +132,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
             "seq_length": plan.seq_len,
             "train_iters": training.max_steps,
             "seed": training.seed,
+            "async_save": backend_of(plan).saves_async(training.async_save),
         },
     }
 

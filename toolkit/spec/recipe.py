@@ -141,6 +141,12 @@ class TrainingSection(_Strict):
                                        f"seed, which HF's set_seed calls, accepts).")
     logging_steps: int = Field(1, gt=0, description="Write a metrics.jsonl record every N steps.")
     save_steps: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    async_save: bool | None = Field(None, description="Write each checkpoint in the background while training goes "
+                                                      "on (Megatron-Core: dist_checkpointing's asynchronous save on its "
+                                                      "persistent writer process); its manifest and `latest` follow "
+                                                      "once every rank's files are complete. Unset: on where the "
+                                                      "backend saves asynchronously (Megatron-Core), off elsewhere "
+                                                      "(DeepSpeed and FSDP2 save synchronously today, and say so).")
     eval_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N steps (0: never).")
     report_to: list[Literal["wandb", "tensorboard", "none"]] = Field(
         ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")
