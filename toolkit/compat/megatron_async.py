@@ -46,9 +46,10 @@ SEAMS = [
 _written = None  # in the worker process: its count of finished writes (a shared integer the rank reads)
 
 
-def start_writer(calls) -> object:
-    """Start the persistent worker of `calls` (an AsyncCallsQueue(persistent=True)) now; returns the shared count of
-    its finished writes."""
+def start_writer(calls, ready_s: float) -> object:
+    """Start the persistent worker of `calls` (an AsyncCallsQueue(persistent=True)) now and wait (at most `ready_s`)
+    until it has imported what it writes with, so that no save waits for that; returns the shared count of its
+    finished writes."""
     import torch
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -58,17 +59,21 @@ def start_writer(calls) -> object:
     filesystem_async._get_write_results_queue()
     caller = PersistentAsyncCaller()
     context = mp.get_context("spawn")
-    written = context.Value("q", 0)
+    written, ready = context.Value("q", 0), context.Event()
     caller.process = context.Process(target=_worker, args=(
         dist.get_rank(), caller.queue, caller.preload_q, caller.comp_q, logging.getLogger(_ASYNC).getEffectiveLevel(),
-        written, os.getpid(), torch.cuda.is_available()), name=f"dmt-checkpoint-writer-{dist.get_rank()}")
+        written, ready, os.getpid(), torch.cuda.is_available()), name=f"dmt-checkpoint-writer-{dist.get_rank()}")
     caller.process.start()
     calls.persistent_caller = caller
+    if not ready.wait(ready_s):
+        log.warning("the checkpoint writer process did not start within %.0f s; the first save may wait for it",
+                    ready_s)
     return written
 
 
-def _worker(rank: int, queue, preload_q, comp_q, level: int, written, parent: int, on_gpu: bool) -> None:
+def _worker(rank: int, queue, preload_q, comp_q, level: int, written, ready, parent: int, on_gpu: bool) -> None:
     import torch
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401  (what requests unpickle)
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
     global _written
@@ -79,6 +84,7 @@ def _worker(rank: int, queue, preload_q, comp_q, level: int, written, parent: in
         torch.cuda.device_count = lambda: 1
         torch.cuda.set_device = lambda *args, **kwargs: None
         torch.cuda.synchronize = lambda *args, **kwargs: None
+    ready.set()
     PersistentAsyncCaller.async_loop(rank, queue, preload_q, comp_q, level)
 
 

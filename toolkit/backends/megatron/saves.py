@@ -59,7 +59,7 @@ class CheckpointSaves:
         from toolkit.compat.megatron_async import start_writer
 
         self.calls = AsyncCallsQueue(persistent=True)
-        self.written = start_writer(self.calls)
+        self.written = start_writer(self.calls, self.wait_s)
         self.watch.before_exit(self.abandon)
         log.info("checkpoints are written in the background (training.async_save)")
 
