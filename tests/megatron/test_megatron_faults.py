@@ -44,7 +44,9 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recipe, tmp_path):
-    recipe = megatron_recipe("tiny-megatron-hang", training=FAULTY)
+    # saved synchronously: checkpoint-2 is complete before step 3 (a background write would complete at step 3's
+    # poll, after the collective rank 0 waits in)
+    recipe = megatron_recipe("tiny-megatron-hang", training={**FAULTY, "async_save": False})
     out, stopped = tmp_path / "run", {}
 
     def stop_rank_1_in_step_3(process):

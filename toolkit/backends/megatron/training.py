@@ -168,12 +168,13 @@ def _save_wait_s(recipe: Recipe) -> float:
     return recipe.training.hang_timeout_s or TrainingSection.model_fields["hang_timeout_s"].default
 
 
-def _optimizer_step(setup, guard, step: int, loss: float, data_sha: str) -> float:
+def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) -> float:
     """Megatron-Core's optimizer step with the guard's verdict between the gradient norm and the update; returns the
     norm. The step is ChainedOptimizer.step of megatron-core 0.16.1 through its public parts (prepare_grads,
     get_grad_norm, clip_grad_by_total_norm_fp32, step_with_ready_grads): its one global norm, which clipping needs
     anyway (a non-finite gradient anywhere makes it inf or nan), is the guard's one look at the gradients. A verdict
-    leaves the update and the scheduler step out (`stop` raises first; a rollback then reloads)."""
+    leaves the update and the scheduler step out (`stop` raises first; a rollback waits for the save in flight, then
+    reloads)."""
     import math
 
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -185,6 +186,8 @@ def _optimizer_step(setup, guard, step: int, loss: float, data_sha: str) -> floa
     grad_norm = math.inf if found_inf else read_grad_norm(optimizer.get_grad_norm())
     verdict = guard.judge(step, loss, grad_norm)
     if verdict.action is not None:
+        if verdict.action == "rollback":  # the save in flight, once complete, is the checkpoint to go back to
+            saves.wait(step)
         guard.act(step, verdict, data_sha)
         return grad_norm
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -262,7 +265,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         loss = _global_loss(losses)
         digest = global_batch_fingerprint(batches.tokens(indices))
         guard.begin_step()
-        grad_norm = _optimizer_step(setup, guard, step, loss, digest)
+        grad_norm = _optimizer_step(setup, guard, saves, step, loss, digest)
         guard.end_step(step, loss)
         target = guard.rolling_back()
         if target is not None:
