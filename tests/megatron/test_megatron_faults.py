@@ -1,6 +1,6 @@
 """Faults in a Megatron-Core run of the tiny recipe (2 gloo ranks, data parallel): a rank SIGSTOPped from outside
-mid-training is named within the timeout and the job ends; a rank SIGKILLed inside a dist-checkpoint save leaves
-`latest` on the checkpoint before, and launch.sh's torchrun restarts the job from it; the guard's skip and
+mid-training is named within the timeout and the job ends; a rank SIGKILLed while a dist checkpoint is written in
+the background leaves `latest` on the checkpoint before, and launch.sh's torchrun restarts the job from it; the guard's skip and
 rollback act on Megatron-Core's optimizer step and checkpoints."""
 
 import signal
@@ -15,7 +15,7 @@ from toolkit.checkpoint.dcp import DistCheckpointReader
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 from toolkit.runtime.incident import read_incidents
-from toolkit.runtime.metrics import read_metrics
+from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 
 pytestmark = pytest.mark.launch
 STEPS, HANG_TIMEOUT_S = 6, 10
@@ -44,7 +44,9 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recipe, tmp_path):
-    recipe = megatron_recipe("tiny-megatron-hang", training=FAULTY)
+    # saved synchronously: checkpoint-2 is complete before step 3 (a background write would complete at step 3's
+    # poll, after the collective rank 0 waits in)
+    recipe = megatron_recipe("tiny-megatron-hang", training={**FAULTY, "async_save": False})
     out, stopped = tmp_path / "run", {}
 
     def stop_rank_1_in_step_3(process):
@@ -80,32 +82,46 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
     assert latest is not None and verify(latest).ok and latest.name == hang["latest"]
 
 
-def test_a_rank_killed_inside_a_save_leaves_latest_before_it_and_the_job_restarts_from_there(megatron_recipe,
-                                                                                            tmp_path):
-    """Rank 0 is SIGKILLed once every shard of checkpoint-4 is written, before its manifest; launch.sh's torchrun
-    restarts the job (training.max_restarts), which resumes from checkpoint-2 and rewrites checkpoint-4."""
+def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_job_restarts_from_there(
+        megatron_recipe, tmp_path, capsys):
+    """checkpoint-4 is written in the background (training.async_save, Megatron-Core's default), each rank's write
+    held back 60 s in its writer process; rank 0 is SIGKILLed in step 5, while that write runs: training went on
+    without a shard of checkpoint-4 on disk (the save did not wait for its files), `latest` stays on checkpoint-2 and
+    `dmt ckpt verify` rejects checkpoint-4. Rank 1, ended by the launcher, waits the bounded time for its write and
+    says so; launch.sh's torchrun restarts the job (training.max_restarts), which resumes from checkpoint-2 and
+    rewrites checkpoint-4, no writer of the killed attempt writing into it."""
     recipe = megatron_recipe("tiny-megatron-kill-in-save", training=FAULTY)
     generated = tmp_path / "gen"
     assert main(["generate", str(recipe), "--out", str(generated)]) == 0
+    assert "async_save: true" in (generated / "megatron.yaml").read_text()
     out, seen = tmp_path / "run", {}
 
-    # the fault's log line comes 0.5 s before its SIGKILL; what is looked at (latest, checkpoint-4's manifest) can
-    # only change once torchrun has restarted the job and it has trained steps 3 and 4 again (seconds even idle),
-    # so a 50 ms poll sees it as the kill left it with that much to spare
+    # the fault's log line comes 0.5 s before its SIGKILL; what is looked at (latest, checkpoint-4's files) can only
+    # change once torchrun has restarted the job and it has trained steps 3 and 4 again (seconds even idle), or once
+    # the held writes go on after 60 s, so a 50 ms poll sees it as the kill left it with that much to spare
     def look_when_the_kill_comes(process):
         if "fault injection: kill" in log.read_text():
-            seen.update(latest=resolve_latest(out).name, manifest=(out / "checkpoint-4" / MANIFEST).exists())
+            partial = out / "checkpoint-4"
+            seen.update(latest=resolve_latest(out).name, manifest=(partial / MANIFEST).exists(),
+                        shards=sorted(p.name for p in partial.glob("*.distcp")),
+                        verify=main(["ckpt", "verify", str(partial)]))
             return True
 
     log = tmp_path / "kill.log"
     rc = launch_watched(["bash", str(generated / "launch.sh"), "torchrun"], log, look_when_the_kill_comes,
                         {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-                         "DMT_FAULT": "kill@rank=0,step=4,phase=manifest"})
+                         "DMT_FAULT": "slow=60@step=4,phase=persist;kill@rank=0,step=5,phase=train"})
     assert rc == 0, log.read_text()[-3000:]
-    assert seen == {"latest": "checkpoint-2", "manifest": False}
+    assert {k: seen[k] for k in ("latest", "manifest", "shards")} == {"latest": "checkpoint-2", "manifest": False,
+                                                                       "shards": []}
+    assert seen["verify"] != 0
+    assert (f"checkpoint-4: this rank's background write did not finish within {HANG_TIMEOUT_S} s and is "
+            f"abandoned") in log.read_text()
     [restart] = [e for e in read_incidents(out) if e["event"] == "restart"]
     assert restart["resume_from"] == "checkpoint-2" and restart["attempt"]["torchrun"] == 1
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
+    saves = read_checkpoint_records(out)
+    assert [(r["checkpoint"], r["async"]) for r in saves] == [(f"checkpoint-{s}", True) for s in (2, 4, 6)]
     for step in (2, 4, 6):
         report = verify(out / f"checkpoint-{step}")
         assert report.ok and report.format == "megatron-dist", report.problems

@@ -1,12 +1,14 @@
 """toolkit/train.py --backend megatron under torchrun, 2 CPU ranks over gloo, real Megatron-Core: TP=2, PP=2 (1F1B)
 and DP=2 with the distributed optimizer each train the tiny recipe (the loss falls), write metrics.jsonl and verified
-dist checkpoints; a resume reproduces the uninterrupted run, also at another TP/PP (dist_checkpointing reshards)."""
+dist checkpoints (written in the background, each with its record); a resume reproduces the uninterrupted run, also at another TP/PP (dist_checkpointing reshards)."""
+
+import json
 
 import pytest
 
 from helpers import wandb_history
 from megatron_helpers import SAVE_AT, STEPS, TINY_MEGATRON
-from toolkit.runtime.metrics import read_metrics
+from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 
@@ -47,7 +49,24 @@ def test_each_layout_trains_and_saves_dist_checkpoints(layout_run, layout):
     for step in (SAVE_AT, STEPS):
         assert_checkpoint(run, step, **LAYOUTS[layout])
     assert list((run.out / f"checkpoint-{STEPS}").glob("*.distcp")), "not a torch_dist checkpoint"
+    assert_saves_recorded(run)
     assert run.rc == 0, run.tail()
+
+
+def assert_saves_recorded(run) -> None:
+    """Each checkpoint's metrics.jsonl record: written in the background (Megatron-Core's default), its size the
+    manifest's, complete only after training went on (its record follows the next step's), never paused for longer
+    than it took."""
+    saves = read_checkpoint_records(run.out)
+    assert [(r["step"], r["checkpoint"], r["async"]) for r in saves] == \
+           [(s, f"checkpoint-{s}", True) for s in (SAVE_AT, STEPS)], run.tail()
+    for record in saves:
+        files = read_manifest(run.out / record["checkpoint"])["files"].values()
+        assert record["bytes"] == sum(f["bytes"] for f in files) > 0
+        assert 0 < record["blocking_s"] <= record["persist_s"]
+    lines = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines()]
+    order = [("checkpoint" if "kind" in r else "step", r["step"]) for r in lines]
+    assert order.index(("checkpoint", SAVE_AT)) > order.index(("step", SAVE_AT + 1))
 
 
 def test_wandb_gets_what_metrics_jsonl_has(layout_run):

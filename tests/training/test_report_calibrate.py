@@ -16,7 +16,7 @@ import pytest
 from helpers import ROOT
 from toolkit.cli.main import main
 from toolkit.estimate.flops import model_flops_per_token
-from toolkit.runtime.metrics import RUN_FILE, read_metrics, read_run_record
+from toolkit.runtime.metrics import RUN_FILE, read_checkpoint_records, read_metrics, read_run_record
 from toolkit.spec.model import ModelSpec
 
 pytestmark = pytest.mark.launch
@@ -86,6 +86,12 @@ def test_report_json_holds_measured_predicted_and_signed_errors(runs, capsys):
         assert predicted["memory_bytes"] > 0
         assert error["step_time"] == pytest.approx(predicted["step_time_s"] / measured["step_time_s"] - 1)
         assert error["memory"] is None
+        # the one save, at the end: synchronous under the HF Trainer, so complete when training went on
+        [save] = read_checkpoint_records(runs[micro].out)
+        assert (save["step"], save["checkpoint"], save["async"]) == (STEPS, f"checkpoint-{STEPS}", False)
+        assert save["blocking_s"] == save["persist_s"] > 0 and save["bytes"] > 0
+        assert entry["checkpoints"]["count"] == 1 and entry["checkpoints"]["blocking_s"] == save["blocking_s"]
+        assert 0 < entry["checkpoints"]["stall_fraction"] < 1
 
 
 def test_report_table_and_plot(runs, tmp_path, capsys):

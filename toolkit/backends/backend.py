@@ -34,6 +34,12 @@ class Backend:
     conversion: str | None  # the `dmt convert` subcommand that turns its checkpoint into an HF model (None: it is one)
     files: tuple[str, ...] = field(default=())  # the files `dmt generate` writes for it beyond the common ones
     article: str = "a"  # before its label, as in "is an FSDP2 option"
+    async_save: bool = False  # writes checkpoints in the background (training.async_save), on every device it runs on
+
+    def saves_async(self, asked: bool | None) -> bool:
+        """Whether its checkpoints are written in the background: the recipe's training.async_save, unset meaning
+        yes where this backend can."""
+        return self.async_save and asked is not False
 
     def part(self, module: str) -> ModuleType:
         """This backend's module of that name (`rules`, `memory`, `timing`, `train`, ...), imported on first use so

@@ -5,9 +5,11 @@ every complete save."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from toolkit.backends.loop import BatchFingerprints, save_and_exit_requested, write_step_record
+from toolkit.backends.loop import (BatchFingerprints, save_and_exit_requested, write_checkpoint_record,
+                                   write_step_record)
 from toolkit.runtime.metrics import MetricsWriter
 from toolkit.spec.plan import Plan
 
@@ -26,6 +28,7 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
         phases and the guard's verdicts around every step."""
 
         trainer = None  # set once the Trainer exists: the guard acts on it
+        save_started: float | None = None  # when training paused for the checkpoint the Trainer is about to save
 
         def on_train_begin(self, args, state, control, **kwargs):
             metrics.mark(state.global_step)  # on every rank: each measures, rank 0 writes
@@ -44,6 +47,8 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
                 control.should_save = True
                 control.should_training_stop = True
             watch.phase(state.global_step, "save" if control.should_save else "log")
+            if control.should_save:  # the Trainer logs (on_log) and evaluates, then saves
+                self.save_started = time.perf_counter()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -52,6 +57,8 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
                     # a step the guard judged logs the loss it measured (not HF's NaN filter's stand-in)
                     write_step_record(metrics, guard.guard, state.global_step, logs["loss"], logs.get("grad_norm"),
                                       logs.get("learning_rate"), metrics.pending, data_sha, epoch=logs.get("epoch"))
+            if self.save_started is not None:  # the save comes next: its pause starts after the log
+                self.save_started = time.perf_counter()
 
         def on_save(self, args, state, control, model=None, **kwargs):
             import torch.distributed as dist
@@ -63,11 +70,15 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
             path.on_save(model, ckpt, state.is_world_process_zero)
             if state.is_world_process_zero:
                 layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum", "global_batch")}
-                write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout,
-                               fmt=path.checkpoint_format,
-                               extra={"run": identity, "guard_window": guard.guard.window()})
+                manifest = write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout,
+                                          fmt=path.checkpoint_format,
+                                          extra={"run": identity, "guard_window": guard.guard.window()})
                 point_latest(output_dir, ckpt)
             if dist.is_initialized():
                 dist.barrier()
+            if state.is_world_process_zero and self.save_started is not None:  # synchronous: complete when resumed
+                paused = time.perf_counter() - self.save_started
+                write_checkpoint_record(metrics, manifest, ckpt, paused, paused, asynchronous=False)
+            self.save_started = None
 
     return [ToolkitCallback()]

@@ -76,6 +76,10 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
     world = _check_world(plan)
     path = backend_of(plan).part("train").HF_PATH  # what DeepSpeed or FSDP2 adds to the HF Trainer's path
+    if recipe.training.async_save is not False and not backend_of(plan).saves_async(recipe.training.async_save):
+        (log.warning if recipe.training.async_save else log.info)(
+            "training.async_save: %s checkpoints are written synchronously under the HF Trainer (the toolkit has no "
+            "asynchronous save for it yet); each save's pause is in metrics.jsonl", backend_of(plan).label)
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)

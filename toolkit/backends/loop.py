@@ -1,7 +1,8 @@
 """What every training loop does around its steps, whatever the engine (HF Trainer with DeepSpeed or FSDP2,
 Megatron-Core's own loop): the world-size check, the data fingerprint of a step (`data_sha`), a scheduler's
-save-and-exit request, the guard's verdict and its action (the report, the rollback target, the reload's bookkeeping)
-and the metrics.jsonl record of a step. The engines differ only in how they drop or reload a step."""
+save-and-exit request, the guard's verdict and its action (the report, the rollback target, the reload's bookkeeping),
+the metrics.jsonl record of a step and of a checkpoint. The engines differ only in how they drop or reload a step and
+how they write a checkpoint."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def check_world(plan: Plan) -> int:
     return world
 
 
-def _reduced_flag(value: bool, op: str) -> bool:
+def reduced_flag(value: bool, op: str) -> bool:
     """`value` reduced over every rank (MAX: any rank, MIN: every rank) on the device the process group uses."""
     import torch
     import torch.distributed as dist
@@ -41,7 +42,7 @@ def _reduced_flag(value: bool, op: str) -> bool:
 def save_and_exit_requested(output_dir: Path) -> bool:
     """A scheduler asked for a save and an exit (the file SAVE_AND_EXIT) on any rank's view of the output directory;
     every rank gets the same answer at the same step."""
-    return _reduced_flag((Path(output_dir) / SAVE_AND_EXIT).exists(), "MAX")
+    return reduced_flag((Path(output_dir) / SAVE_AND_EXIT).exists(), "MAX")
 
 
 def _sample_digests(input_ids) -> list[bytes]:
@@ -170,3 +171,16 @@ def write_step_record(metrics, guard: StepGuard, step: int, loss, grad_norm, lea
     """metrics.jsonl's record of a logged step (rank 0), with the guard's word on the steps it covers."""
     fields = {"loss": loss, **extra, **guard.metrics_of(step)}
     return metrics.write(step, fields.pop("loss"), grad_norm, learning_rate, figures, data_sha=data_sha, **fields)
+
+
+def write_checkpoint_record(metrics, manifest: dict, checkpoint: Path, blocking_s: float, persist_s: float,
+                            asynchronous: bool) -> dict:
+    """metrics.jsonl's record of a checkpoint (rank 0, once its manifest is written): the time training was paused
+    for it, the time until its files and manifest were complete, and its size (the files its manifest lists)."""
+    from toolkit.runtime.metrics import CHECKPOINT_KIND
+
+    size = sum(entry["bytes"] for entry in manifest["files"].values())
+    log.info("%s: %d bytes, training paused %.3f s, complete after %.3f s (%s)", checkpoint.name, size, blocking_s,
+             persist_s, "written in the background" if asynchronous else "synchronous")
+    return metrics.append({"kind": CHECKPOINT_KIND, "step": manifest["step"], "checkpoint": checkpoint.name,
+                           "async": asynchronous, "blocking_s": blocking_s, "persist_s": persist_s, "bytes": size})

@@ -63,6 +63,14 @@ def _pair(measured, predicted, form: str, error=None) -> str:
     return text + (f" ({error:+.0%})" if error is not None else "")
 
 
+def _checkpoints(summary: dict) -> str:
+    """count x median pause / median time to complete (the share of the run spent paused)."""
+    if not summary["count"]:
+        return "-"
+    return (f"{summary['count']} x {_number(summary['blocking_s'], '.3g')} / {_number(summary['persist_s'], '.3g')} "
+            f"({_number(summary['stall_fraction'], '.1%')})")
+
+
 def _print_table(reports, warmup: int) -> None:
     from rich.table import Table
 
@@ -74,7 +82,8 @@ def _print_table(reports, warmup: int) -> None:
     console = make_console()
     table = Table(title=f"measured / predicted (medians after {warmup} warm-up records; error = predicted / "
                         f"measured - 1)", title_justify="left")
-    for column in ("run", "plan", "status", "steps", "step s", "tokens/s", "MFU", "GiB (allocator)", "data wait s"):
+    for column in ("run", "plan", "status", "steps", "step s", "tokens/s", "MFU", "GiB (allocator)", "data wait s",
+                   "checkpoints: paused / complete s (run paused)"):
         table.add_column(column, justify="left" if column in ("run", "plan", "status") else "right")
     for r in reports:
         m, p = r.measured, r.predicted
@@ -88,7 +97,7 @@ def _print_table(reports, warmup: int) -> None:
                       _pair(m["tokens_per_s"], p["tokens_per_s"], ",.0f"),
                       _pair(m["mfu"], p["mfu"], ".1%"),
                       memory,
-                      _number(m["data_wait_s"], ".3g"))
+                      _number(m["data_wait_s"], ".3g"), _checkpoints(r.checkpoints))
     console.print(table)
     for r in reports:
         notes = [calibration_line(r.calibration)]

@@ -13,6 +13,7 @@ as names and turned back into objects by `library_kwargs`.
 
 from __future__ import annotations
 
+from toolkit.backends import backend_of
 from toolkit.backends.megatron.memory import MEGATRON_VOCAB_DIVISIBLE_BY
 from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
 from toolkit.families import megatron_fields
@@ -132,6 +133,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
             "train_iters": training.max_steps,
             "seed": training.seed,
             **({"save_interval": training.save_steps} if training.save_steps else {}),
+            "async_save": backend_of(plan).saves_async(training.async_save),
         },
     }
 

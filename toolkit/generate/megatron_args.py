@@ -105,6 +105,8 @@ def _special(config: dict) -> list[str]:
     if config["optimizer_config"]["optimizer"] == "sgd":
         flags.append(f"--sgd-momentum {config['optimizer_config']['sgd_momentum']}")
     flags.append("--ckpt-format torch_dist")
+    if config["schedule"]["async_save"]:  # dist_checkpointing's asynchronous save needs its persistent worker
+        flags += ["--async-save", "--use-persistent-ckpt-worker"]
     return flags
 
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolkit.errors import UserInputError
 from toolkit.readers import parse_json, read_text
-from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
+from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE, is_checkpoint_record
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -54,6 +54,19 @@ class MetricsRecord(BaseModel):
     gpu_max_reserved_bytes: Count | None = None
     gpu_max_allocated_bytes_per_rank: list[Count] | None = None
     gpu_max_reserved_bytes_per_rank: list[Count] | None = None
+
+
+class CheckpointRecord(BaseModel):
+    """A checkpoint's line of metrics.jsonl (loop.write_checkpoint_record)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    kind: Literal["checkpoint"]
+    step: Count
+    checkpoint: str
+    blocking_s: NonNegative
+    persist_s: NonNegative
+    bytes: Count
 
 
 class RecordedCalibration(BaseModel):
@@ -117,6 +130,7 @@ class RunFiles:
     metrics: list[dict] = field(default_factory=list)
     damage: str | None = None
     prediction: RunRecord | None = None  # run_plan.json as the typed record its figures are read from
+    checkpoints: list[dict] = field(default_factory=list)  # metrics.jsonl's checkpoint records before any damage
 
 
 def _fault(exc: ValidationError) -> str:
@@ -196,15 +210,23 @@ def _field(key: str) -> str:
 
 
 def read_metrics_records(run_dir: Path) -> tuple[list[dict], str | None]:
-    """(metrics.jsonl's records up to the first damaged line, that line's damage or None); [] where none."""
+    """(metrics.jsonl's step records up to the first damaged line, that line's damage or None); [] where none."""
+    records, _, damage = read_all_records(run_dir)
+    return records, damage
+
+
+def read_all_records(run_dir: Path) -> tuple[list[dict], list[dict], str | None]:
+    """(metrics.jsonl's step records, its checkpoint records, each up to the first damaged line; that line's damage
+    or None). Each kind's steps increase strictly: a checkpoint's record follows its step's, once it is complete."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists() and not path.is_symlink():
-        return [], None
+        return [], [], None
     text = read_text(path, "RUN_DIR", "one JSON object a line (written by toolkit/train.py)", "jsonl")
     lines = text.splitlines()
     if lines and not text.endswith("\n"):  # the writer was stopped mid-line: that line was never a record
         lines = lines[:-1]
     records: list[dict] = []
+    checkpoints: list[dict] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -212,22 +234,25 @@ def read_metrics_records(run_dir: Path) -> tuple[list[dict], str | None]:
         try:
             data = _json(line, where)
         except UserInputError as exc:
-            return records, f"{where} {exc.message}"
+            return records, checkpoints, f"{where} {exc.message}"
         if not isinstance(data, dict):
-            return records, f"{where} holds a {type(data).__name__}; expected a JSON object (one record a step)"
+            return records, checkpoints, (f"{where} holds a {type(data).__name__}; expected a JSON object (one "
+                                          f"record a step)")
+        kind, model = (checkpoints, CheckpointRecord) if is_checkpoint_record(data) else (records, MetricsRecord)
         try:
-            record = MetricsRecord.model_validate(data)
+            record = model.model_validate(data)
         except ValidationError as exc:
-            return records, f"{where}: {_fault(exc)}"
-        if records and record.step <= records[-1]["step"]:
-            return records, (f"{where}: step {record.step} after step {records[-1]['step']}; each step is logged "
-                             f"once, in order (two launches writing one directory?)")
-        records.append(data)
-    return records, None
+            return records, checkpoints, f"{where}: {_fault(exc)}"
+        if kind and record.step <= kind[-1]["step"]:
+            what = "step {}" if kind is records else "the checkpoint of step {}"
+            return records, checkpoints, (f"{where}: {what.format(record.step)} after {what.format(kind[-1]['step'])};"
+                                          f" each is recorded once, in order (two launches writing one directory?)")
+        kind.append(data)
+    return records, checkpoints, None
 
 
 def read_run_files(run_dir: Path) -> RunFiles:
     """Both files of a run directory, checked; the first damage found is the run's (run_plan.json's first)."""
     record, checked, damage = _read_run_plan(run_dir)
-    metrics, metrics_damage = read_metrics_records(run_dir)
-    return RunFiles(record, metrics, damage or metrics_damage, checked)
+    metrics, checkpoints, metrics_damage = read_all_records(run_dir)
+    return RunFiles(record, metrics, damage or metrics_damage, checked, checkpoints)

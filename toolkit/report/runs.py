@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 DEFAULT_WARMUP = 3
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s", "peak_allocated_bytes", "peak_reserved_bytes")
 PREDICTED_KEYS = ("step_time_s", "tokens_per_s", "mfu", "memory_bytes", "allocated_bytes")
+CHECKPOINT_KEYS = ("count", "blocking_s", "persist_s", "stall_fraction")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RunReport:
     error: dict = field(default_factory=lambda: {"step_time": None, "memory": None})
     calibration: dict | None = None  # the calibration the prediction used (Calibration.describe())
     measured_per_rank: dict = field(default_factory=dict)  # GPUs: peak_allocated_bytes per rank, in rank order
+    checkpoints: dict = field(default_factory=lambda: dict.fromkeys(CHECKPOINT_KEYS))
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -70,6 +72,26 @@ def _peak(records: list[dict], key: str) -> int | None:
 def _peak_per_rank(records: list[dict], key: str) -> list[int] | None:
     lists = [r[key] for r in records if isinstance(r.get(key), list)]
     return [max(column) for column in zip(*lists)] if lists else None
+
+
+def checkpoint_summary(steps: list[dict], checkpoints: list[dict]) -> dict:
+    """What the run's complete checkpoints cost: how many, the median time training was paused for one and the
+    median time until one was complete, and the share of the run's training time spent paused for them. That time
+    is what the step records measured (each covers the steps since the one before, pauses included) plus the pauses
+    of the checkpoints taken at the last logged step or after it, which no step record covers."""
+    if not checkpoints:
+        return {"count": 0, "blocking_s": None, "persist_s": None, "stall_fraction": None}
+    timed, previous = 0.0, 0
+    for record in steps:
+        if record.get("step_time_s") is not None:
+            timed += record["step_time_s"] * (record["step"] - previous)
+        previous = record["step"]
+    last = steps[-1]["step"] if steps else 0
+    blocked = sum(c["blocking_s"] for c in checkpoints)
+    elapsed = timed + sum(c["blocking_s"] for c in checkpoints if c["step"] >= last)
+    return {"count": len(checkpoints), "blocking_s": _median([c["blocking_s"] for c in checkpoints]),
+            "persist_s": _median([c["persist_s"] for c in checkpoints]),
+            "stall_fraction": blocked / elapsed if elapsed > 0 else None}
 
 
 def allocator_comparable(prediction: Prediction | RunRecord) -> int | None:
@@ -136,6 +158,7 @@ def read_run(run_dir: Path, warmup: int = DEFAULT_WARMUP, key: str = "RUN_DIR") 
         "peak_allocated_bytes": _peak(metrics, "gpu_max_allocated_bytes"),
         "peak_reserved_bytes": _peak(metrics, "gpu_max_reserved_bytes"),
     }
+    report.checkpoints = checkpoint_summary(metrics, files.checkpoints)
     per_rank = _peak_per_rank(metrics, "gpu_max_allocated_bytes_per_rank")
     if per_rank:
         report.measured_per_rank = {"peak_allocated_bytes": per_rank}

@@ -6,6 +6,11 @@ Every metrics.jsonl record carries, besides loss, grad norm and learning rate, w
 time, the GPUs and one GPU's dense peak; null where the device running has no catalogue peak), `data_wait_s` (time per
 step spent waiting for the data loader) and, on GPUs only, the allocator's peaks (`gpu_max_allocated_bytes`,
 `gpu_max_reserved_bytes`; with several ranks also `..._per_rank` lists).
+
+Besides the step records, one record per complete checkpoint (`"kind": "checkpoint"`, written once its manifest is):
+`step`, `checkpoint` (its directory's name), `async` (written in the background), `blocking_s` (the time training was
+paused for it), `persist_s` (from the start of the save until its files and manifest were complete) and `bytes`.
+`read_metrics` gives the step records, `read_checkpoint_records` these.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run_plan.json"
 DISCARDED_FILE = "metrics.discarded.jsonl"  # records of steps a resume dropped (trained, then lost with their process)
 PERFORMANCE_KEYS = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s")
+CHECKPOINT_KIND = "checkpoint"  # the `kind` of a checkpoint's record (step records have no `kind`)
 
 
 @dataclass(frozen=True)
@@ -102,9 +108,12 @@ class MetricsWriter:
               performance: dict | None = None, **extra) -> dict:
         """One record; `performance` is what measure() returned for this step (measured now when not given)."""
         figures = performance if performance is not None else self.measure(step)
-        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate, **figures,
-                  **extra}
-        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}  # JSON
+        return self.append({"step": step, "loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
+                            **figures, **extra})
+
+    def append(self, record: dict) -> dict:
+        """One line of metrics.jsonl, a non-finite figure written as null (JSON has no NaN)."""
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         return record
@@ -144,13 +153,27 @@ def logged_figures(figures: dict) -> dict:
     return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def read_metrics(output_dir: Path, key: str | None = None) -> list[dict]:
-    """The records of a run (one JSON line each, through the one reading path); a last line cut short (the writer
-    was killed mid-write) is not a record. `key` names the flag that gave the directory."""
+def _read_records(output_dir: Path, key: str | None = None) -> list[dict]:
+    """Every record of metrics.jsonl (one JSON line each, through the one reading path); a last line cut short (the
+    writer was killed mid-write) is not a record. `key` names the flag that gave the directory."""
     path = Path(output_dir) / METRICS_FILE
     if not os.path.lexists(path):
         return []
     return read_json_lines(path, key, what=f"{METRICS_FILE}, one JSON object per line, as toolkit/train.py writes it")
+
+
+def is_checkpoint_record(record: dict) -> bool:
+    return record.get("kind") == CHECKPOINT_KIND
+
+
+def read_metrics(output_dir: Path, key: str | None = None) -> list[dict]:
+    """The step records of a run, in order."""
+    return [r for r in _read_records(output_dir, key) if not is_checkpoint_record(r)]
+
+
+def read_checkpoint_records(output_dir: Path, key: str | None = None) -> list[dict]:
+    """The records of a run's complete checkpoints, in the order they became complete."""
+    return [r for r in _read_records(output_dir, key) if is_checkpoint_record(r)]
 
 
 def _utc_now() -> str:
@@ -207,7 +230,7 @@ def keep_until(output_dir: Path, step: int) -> None:
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file():
         return
-    text, records = read_text(path, kind="jsonl"), read_metrics(output_dir)
+    text, records = read_text(path, kind="jsonl"), _read_records(output_dir)  # checkpoint records go by step too
     later = [r for r in records if r["step"] > step]
     if not later and (not text or text.endswith("\n")):  # nothing later, no line cut short
         return

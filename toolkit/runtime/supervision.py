@@ -65,6 +65,7 @@ class TrainingWatchdog:
         self.rank = self.env.rank if self.env else 0
         self.watchdog = None
         self._previous_term = None
+        self._exit_hooks: list[Callable[[], None]] = []
 
     @property
     def interval_s(self) -> float:
@@ -181,7 +182,17 @@ class TrainingWatchdog:
                       KILL_DELAY_S)
             kill_later([e["pid"] for e in ended], KILL_DELAY_S)
 
+    def before_exit(self, hook: Callable[[], None]) -> None:
+        """`hook` runs when the watchdog ends this rank (a hang, a failure), before its last words: bounded, and
+        without collectives (a peer may be gone)."""
+        self._exit_hooks.append(hook)
+
     def _last_words(self) -> None:
+        for hook in self._exit_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("on the way out")
         write_last_words(self.output_dir, self.rank)
 
 

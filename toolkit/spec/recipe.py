@@ -153,6 +153,12 @@ class TrainingSection(_Strict):
         0, description="Checkpoint every N steps (0: only at the end); auto: Daly's optimum interval for the planned "
                        "step time, the checkpoint's cost and the expected failures (toolkit/planner/save_interval.py), "
                        "written by `dmt generate` into the generated files and recorded in plan.json.")
+    async_save: bool | None = Field(None, description="Write each checkpoint in the background while training goes "
+                                                      "on (Megatron-Core: dist_checkpointing's asynchronous save on its "
+                                                      "persistent writer process); its manifest and `latest` follow "
+                                                      "once every rank's files are complete. Unset: on where the "
+                                                      "backend saves asynchronously (Megatron-Core), off elsewhere "
+                                                      "(DeepSpeed and FSDP2 save synchronously today, and say so).")
     eval_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N steps (0: never).")
     report_to: list[Literal["wandb", "tensorboard", "none"]] = Field(
         ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")

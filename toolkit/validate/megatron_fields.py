@@ -15,8 +15,9 @@ from toolkit.validate import Problem
 
 TC = "transformer_config"
 SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_microbatches", "global_batch_size",
-                 "seq_length", "train_iters", "seed")
+                 "seq_length", "train_iters", "seed", "async_save")
 SCHEDULE_OPTIONAL = ("save_interval",)  # checkpoint every N steps (the recipe's save_steps), absent: only at the end
+SCHEDULE_TYPES = {**{key: int for key in SCHEDULE_KEYS + SCHEDULE_OPTIONAL}, "async_save": bool}  # training.async_save
 MODEL_TYPES = {"family": str, "vocab_size": int, "make_vocab_size_divisible_by": int, "padded_vocab_size": int}
 # what training and the rules below read without a default of their own
 TOOLKIT_REQUIRED = {TC: ("num_layers", "hidden_size", "num_attention_heads"), "schedule": SCHEDULE_KEYS,
@@ -68,7 +69,7 @@ def _owners() -> dict[str, tuple[dict[str, Any], set[str]]]:
         "optimizer_config": of_dataclass(OptimizerConfig),
         "gpt_model": of_function(GPTModel.__init__, {"self", "config", "transformer_layer_spec"}),
         "scheduler": of_function(OptimizerParamScheduler.__init__, {"self", "optimizer"}),
-        "schedule": ({key: int for key in SCHEDULE_KEYS}, set()),
+        "schedule": (SCHEDULE_TYPES, set()),
         "model": (MODEL_TYPES, set()),
     }
 

@@ -4,4 +4,4 @@ torchrun."""
 from toolkit.backends.backend import Backend
 
 BACKEND = Backend(name="megatron", label="Megatron-Core", hf_modules=False, default_zero=0, launchers=("torchrun",),
-                  conversion="megatron-to-hf", files=("megatron.yaml", "megatron_args.txt"))
+                  conversion="megatron-to-hf", files=("megatron.yaml", "megatron_args.txt"), async_save=True)

@@ -74,11 +74,12 @@ def layout(plan) -> dict:
     return {k: getattr(plan, k) for k in LAYOUT_KEYS}
 
 
-def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, identity: dict,
+def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, identity: dict, saves,
                     hf_config: dict | None = None, watch=None, guard_window: list | None = None) -> Path:
-    """Save on every rank into output_dir/checkpoint-<step>; rank 0 writes the model's HF config.json (what
-    `dmt convert megatron-to-hf` reads), the manifest (with the guard's window), and moves `latest`. `watch`
-    (the training watchdog) hears the save's phases."""
+    """Save on every rank into output_dir/checkpoint-<step> through `saves` (toolkit.backends.megatron.saves: in the
+    background with training.async_save); once every rank's files are written, rank 0 writes the model's HF
+    config.json (what `dmt convert megatron-to-hf` reads), the manifest (with the guard's window), and moves
+    `latest`. `watch` (the training watchdog) hears the save's phases."""
     import json
     import shutil
 
@@ -88,24 +89,31 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     from toolkit.checkpoint.manifest import point_latest, write_manifest
 
     ckpt = output_dir / f"checkpoint-{step}"
-    if watch is not None:
-        watch.phase(step, "save")
-    if dist.get_rank() == 0:
-        shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete save of the same step (no manifest) is replaced
-        ckpt.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True), str(ckpt))
-    if watch is not None:
-        watch.phase(step, "manifest")
-    dist.barrier()  # every rank's shards are on disk before they are hashed
-    if dist.get_rank() == 0:
-        if hf_config is not None:
-            (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan), fmt=MANIFEST_FORMAT,
-                       extra={"run": identity, "guard_window": guard_window or []})
-        point_latest(output_dir, ckpt)
-    dist.barrier()
-    log.info("saved %s", ckpt)
+
+    def write(asynchronous: bool):
+        if dist.get_rank() == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete save of the same step (no manifest) is replaced
+            ckpt.mkdir(parents=True)
+        dist.barrier()
+        return dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True), str(ckpt),
+                                       async_sharded_save=asynchronous)
+
+    def complete() -> dict | None:
+        if watch is not None:
+            watch.phase(step, "manifest")
+        dist.barrier()  # every rank's shards are on disk before they are hashed
+        manifest = None
+        if dist.get_rank() == 0:
+            if hf_config is not None:
+                (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            manifest = write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan),
+                                      fmt=MANIFEST_FORMAT, extra={"run": identity, "guard_window": guard_window or []})
+            point_latest(output_dir, ckpt)
+        dist.barrier()
+        log.info("saved %s", ckpt)
+        return manifest
+
+    saves.save(step, ckpt, write, complete)
     return ckpt
 
 

@@ -160,12 +160,21 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
                            watch)
 
 
-def _optimizer_step(setup, guard, step: int, loss: float, data_sha: str) -> float:
+def _save_wait_s(recipe: Recipe) -> float:
+    """How long a save waits for the one in flight: the hang timeout, which every save must fit in anyway (its
+    default where the watchdog is off)."""
+    from toolkit.spec.recipe import TrainingSection
+
+    return recipe.training.hang_timeout_s or TrainingSection.model_fields["hang_timeout_s"].default
+
+
+def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) -> float:
     """Megatron-Core's optimizer step with the guard's verdict between the gradient norm and the update; returns the
     norm. The step is ChainedOptimizer.step of megatron-core 0.16.1 through its public parts (prepare_grads,
     get_grad_norm, clip_grad_by_total_norm_fp32, step_with_ready_grads): its one global norm, which clipping needs
     anyway (a non-finite gradient anywhere makes it inf or nan), is the guard's one look at the gradients. A verdict
-    leaves the update and the scheduler step out (`stop` raises first; a rollback then reloads)."""
+    leaves the update and the scheduler step out (`stop` raises first; a rollback waits for the save in flight, then
+    reloads)."""
     import math
 
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -177,6 +186,8 @@ def _optimizer_step(setup, guard, step: int, loss: float, data_sha: str) -> floa
     grad_norm = math.inf if found_inf else read_grad_norm(optimizer.get_grad_norm())
     verdict = guard.judge(step, loss, grad_norm)
     if verdict.action is not None:
+        if verdict.action == "rollback":  # the save in flight, once complete, is the checkpoint to go back to
+            saves.wait(step)
         guard.act(step, verdict, data_sha)
         return grad_norm
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -200,6 +211,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
 
     from toolkit.backends.loop import StepGuard, global_batch_fingerprint, save_and_exit_requested, write_step_record
     from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.backends.megatron.saves import CheckpointSaves
     from toolkit.backends.resume import guard_window
     from toolkit.runtime import faults
     from toolkit.runtime.guard import LossGuard
@@ -224,6 +236,8 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     if rank0 and "wandb" in recipe.training.report_to:
         configure_wandb(recipe.training.report_to, output_dir)
         wandb = WandbRun(recipe.name, output_dir, {"plan": plan.as_dict(), "recipe": recipe.name})
+    saves = CheckpointSaves(config["schedule"]["async_save"], metrics, watch, _save_wait_s(recipe))
+    saves.start()
     forward_backward = get_forward_backward_func()
     dp_rank, per_rank = parallel_state.get_data_parallel_rank(), plan.micro_batch * plan.grad_accum
     save_every, loss, last = recipe.training.save_steps, None, config["schedule"]["train_iters"]
@@ -251,7 +265,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         loss = _global_loss(losses)
         digest = global_batch_fingerprint(batches.tokens(indices))
         guard.begin_step()
-        grad_norm = _optimizer_step(setup, guard, step, loss, digest)
+        grad_norm = _optimizer_step(setup, guard, saves, step, loss, digest)
         guard.end_step(step, loss)
         target = guard.rolling_back()
         if target is not None:
@@ -264,13 +278,15 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
                                        {**metrics.measure(step), **memory}, digest)
             if wandb is not None:
                 wandb.log(record)
+        saves.poll()  # a background write that finished is completed (manifest, `latest`) now
         stop = save_and_exit_requested(output_dir)
         if stop or step == last or (save_every and step % save_every == 0):
-            save_checkpoint(setup, output_dir, step, plan, identity, hf_config, watch, guard.window())
+            save_checkpoint(setup, output_dir, step, plan, identity, saves, hf_config, watch, guard.window())
         else:
             watch.phase(step, "log")
         if stop:
             break
+    saves.close(step)  # the last save complete before the run ends
     if wandb is not None:
         wandb.finish()
     destroy()

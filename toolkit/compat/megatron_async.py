@@ -1,0 +1,136 @@
+"""Megatron-Core's asynchronous checkpoint writer as the toolkit runs it: dist_checkpointing's persistent worker
+(`AsyncCallsQueue(persistent=True)`), started by the toolkit instead of at the first save, so that it can
+
+- start before the first save (spawning it and importing torch there would otherwise fall inside that save's pause);
+- run on CPU ranks: 0.16.1's worker loop sets its CUDA device by `rank % torch.cuda.device_count()`, a division by
+  zero without a GPU, and its staging copy (`preload_fn`) only copies device tensors: a CPU tensor would be written
+  by the worker from the live training state while the optimizer changes it. On CPU the request's tensors are
+  copied here instead, while training waits, as the GPU's device-to-host copy is;
+- die with its rank: a rank killed mid-write must not leave a writer finishing the files of a checkpoint that a
+  restart is writing again. The worker leads a process group of its own (its writer processes inherit it) and ends
+  that group when its rank's process is gone;
+- report, without a collective, whether this rank's write is done (a counter the worker advances after each write),
+  for the bounded wait of an exit; and run the caller's wrapper around each write (the test faults of its phase).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import threading
+
+from toolkit.compat import Seam
+
+log = logging.getLogger(__name__)
+_ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
+SEAMS = [
+    Seam("megatron-core", f"{_ASYNC}.PersistentAsyncCaller.async_loop",
+         "the persistent worker's own loop, run inside the toolkit's worker process (CPU-safe device calls, its "
+         "group ended with its rank)"),
+    *(Seam("megatron-core", f"{_ASYNC}.PersistentAsyncCaller.{name}", kind="in_source",
+           why="the worker process the caller would start at the first save, started by the toolkit before it "
+               "with the caller's own queues") for name in ("process", "queue", "preload_q", "comp_q")),
+    Seam("megatron-core", f"{_ASYNC}.AsyncCallsQueue.persistent_caller", kind="in_source",
+         why="the queue's persistent caller, given the worker started above"),
+    Seam("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
+         "the writers' results queue (a multiprocessing manager, a process of its own), made at start instead of "
+         "inside the first save"),
+    Seam("torch", "torch.cuda.device_count", "answered 1 inside the CPU worker process (the loop divides by it)"),
+    Seam("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync."
+                          "get_save_function_and_args", kind="in_source",
+         why="the layout of the request's arguments, [rank, write_buckets, results_queue] with write buckets of "
+             "(path, name, (bytes items, tensor items)): the CPU copy replaces the tensors"),
+]
+_written = None  # in the worker process: its count of finished writes (a shared integer the rank reads)
+
+
+def start_writer(calls, ready_s: float) -> object:
+    """Start the persistent worker of `calls` (an AsyncCallsQueue(persistent=True)) now and wait (at most `ready_s`)
+    until it has imported what it writes with, so that no save waits for that; returns the shared count of its
+    finished writes."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from torch import multiprocessing as mp
+
+    filesystem_async._get_write_results_queue()
+    caller = PersistentAsyncCaller()
+    context = mp.get_context("spawn")
+    written, ready = context.Value("q", 0), context.Event()
+    caller.process = context.Process(target=_worker, args=(
+        dist.get_rank(), caller.queue, caller.preload_q, caller.comp_q, logging.getLogger(_ASYNC).getEffectiveLevel(),
+        written, ready, os.getpid(), torch.cuda.is_available()), name=f"dmt-checkpoint-writer-{dist.get_rank()}")
+    caller.process.start()
+    calls.persistent_caller = caller
+    if not ready.wait(ready_s):
+        log.warning("the checkpoint writer process did not start within %.0f s; the first save may wait for it",
+                    ready_s)
+    return written
+
+
+def _worker(rank: int, queue, preload_q, comp_q, level: int, written, ready, parent: int, on_gpu: bool) -> None:
+    import torch
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: F401  (what requests unpickle)
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    global _written
+    _written = written
+    os.setpgid(0, 0)
+    threading.Thread(target=_end_with, args=(parent,), daemon=True, name="dmt-writer-parent").start()
+    if not on_gpu:  # this process is the worker's alone: nothing to undo
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda *args, **kwargs: None
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+    ready.set()
+    PersistentAsyncCaller.async_loop(rank, queue, preload_q, comp_q, level)
+
+
+def _end_with(parent: int) -> None:
+    """End this worker's process group (itself and the writer processes it forked) once `parent` is gone."""
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(0.1)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _counted(write, *args, **kwargs) -> None:
+    """The write of one request, in the worker, counted when it ends (written or failed)."""
+    try:
+        write(*args, **kwargs)
+    finally:
+        with _written.get_lock():
+            _written.value += 1
+
+
+def prepared(request, around):
+    """The AsyncRequest to schedule: its write called as `around(write, *args)` in the worker and counted, and, on
+    CPU, its tensors copied now, while training waits, so that the worker writes the state of this step whatever
+    training does next."""
+    import torch
+
+    if request.async_fn is None:  # nothing for this rank to write
+        return request
+    args, preload = list(request.async_fn_args), request.preload_fn
+    if not torch.cuda.is_available():
+        args[1] = [(path, name, (items, [(item, tensor.detach().clone()) for item, tensor in tensors]))
+                   for path, name, (items, tensors) in args[1]]
+        preload = None
+    return request._replace(async_fn=functools.partial(_counted, functools.partial(around, request.async_fn)),
+                            async_fn_args=args, preload_fn=preload)
+
+
+def stop_writer(calls) -> None:
+    """Kill the worker of `calls` and its writer processes (a write in progress is abandoned: its checkpoint has no
+    manifest)."""
+    caller = calls.persistent_caller
+    if caller is not None and caller.process is not None and caller.process.pid:
+        try:
+            os.killpg(caller.process.pid, signal.SIGKILL)  # its group: itself and its writers
+        except ProcessLookupError:  # not yet its own group's leader
+            pass
+        caller.process.kill()
+        caller.process = None
