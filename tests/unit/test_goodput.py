@@ -91,9 +91,16 @@ def test_a_save_holds_the_trained_weights_and_optimizer_states_as_the_backend_ke
     assert report["training_time"]["checkpoint"]["bytes"] == report["params"]["total"] * bytes_per_param
 
 
+@pytest.mark.parametrize("backend, saves_async", [("deepspeed", False), ("fsdp", False), ("megatron", True)])
+def test_without_the_flag_a_save_blocks_as_the_backend_saves_today(capsys, backend, saves_async):
+    checkpoint = _training_time(capsys, "--backend", backend)["training_time"]["checkpoint"]
+    assert checkpoint["async_save"] is saves_async
+    assert (checkpoint["blocking_s"] < checkpoint["write_s"]) is saves_async
+
+
 def test_sync_blocks_for_the_write_async_for_the_copy_of_the_local_states(capsys):
     sync = _training_time(capsys, "--no-async-checkpoint")["training_time"]["checkpoint"]
-    report = _training_time(capsys)
+    report = _training_time(capsys, "--async-checkpoint")
     a = report["training_time"]["checkpoint"]
     # one node at Llama 3's 0.98 GB/s per node
     assert sync["write_s"] == pytest.approx(sync["bytes"] / (2000e9 / 2048), rel=1e-9)

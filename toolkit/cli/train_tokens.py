@@ -48,9 +48,10 @@ def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
                              "2 TB/s sustained over 2,048 nodes, arXiv:2407.21783 Sec. 3.3.1)")
     parser.add_argument("--checkpoint-write-s", type=positive_float, default=None, metavar="S",
                         help="a measured write time of one checkpoint, instead of its bytes over the bandwidth")
-    parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=None,
                         help="asynchronous saves block training only for the copy of each GPU's states to host "
-                             "memory; --no-async-checkpoint: for the whole write (default: async)")
+                             "memory; --no-async-checkpoint: for the whole write (default: as the plan's backend "
+                             "saves today: async on Megatron-Core, sync on DeepSpeed and FSDP2)")
     parser.add_argument("--gpu-hour-price", type=positive_float, default=None, metavar="PRICE",
                         help="price of one GPU-hour: adds training_time.cost (GPU-hours with failures x price)")
 

@@ -32,7 +32,7 @@ class FailureInputs:
     restart_s: float = RESTART_S
     write_bw_gbps_per_node: float = WRITE_BW_GBPS_PER_NODE
     write_s: float | None = None  # a measured write time, instead of bytes / bandwidth
-    async_save: bool = True  # the recipe default where the backend supports it (training.async_save)
+    async_save: bool | None = None  # None: as the plan's backend saves (Backend.saves_async); else a what-if
     gpu_hour_price: float | None = None
 
 
@@ -68,8 +68,11 @@ def expected_training_time(tokens: int, plan: Plan, step_time_s: float, trained_
                            host_link_gbps: float, inputs: FailureInputs = FailureInputs()) -> dict:
     """Failure-free, and expected with the plan's checkpoints and the failures `inputs` assume; `local_bytes` the
     busiest GPU's weights and optimizer states (the memory estimate's)."""
+    from toolkit.backends import backend_of
+
     base = training_time(tokens, step_time_s, plan.global_batch * plan.seq_len, plan.gpus)
-    cost = checkpoint_cost(trained_params, plan, local_bytes, host_link_gbps, inputs.async_save,
+    async_save = backend_of(plan).saves_async(None) if inputs.async_save is None else inputs.async_save
+    cost = checkpoint_cost(trained_params, plan, local_bytes, host_link_gbps, async_save,
                            inputs.write_bw_gbps_per_node, inputs.write_s)
     mtbf = mean_time_between_failures_s(inputs.failure_rate_per_gpu_hour, plan.gpus)
     interval_steps = checkpoint_interval_steps(cost, step_time_s, mtbf, base["steps"])

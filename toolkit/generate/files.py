@@ -129,7 +129,8 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | No
     plan = recipe_plan(recipe, model, fitted, **overrides)
     save_interval = None
     if is_auto(recipe):  # resolved here once; every writer then reads the number from the recipe
-        save_interval = auto_save_interval(recipe_prediction(recipe, model, plan, fitted), recipe.training.max_steps)
+        save_interval = auto_save_interval(recipe_prediction(recipe, model, plan, fitted), recipe.training.max_steps,
+                                           recipe.training.async_save)
         recipe = with_save_steps(recipe, save_interval["save_steps"])
     return GenerationContext(recipe, Path(recipe_path), model, plan, Path(out_dir).resolve(), overrides, fitted,
                              save_interval)
