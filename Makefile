@@ -22,12 +22,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(RUN_ENV) bash scripts/demo.sh
 
-test: $(STAMP)
-	$(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -rfE --durations=40 tests
+# The fast lane: every test that starts no launcher, server, browser or Slurm (marker `launch`), in under 3 minutes,
+# on one pytest-xdist worker per core of the 2-core machines it must fit. The launch tests run one at a time after
+# it: each starts 2 ranks, some time a hang, and runs are shared between tests through session fixtures.
+FAST_LANE := -m "not launch" -n 2
+TEST_ENV := $(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline
 
-# The fast lane: every test that starts no launcher, server, browser or Slurm (marker `launch`), in under 3 minutes.
+test: $(STAMP)
+	$(TEST_ENV) $(PY) -m pytest -q -rfE $(FAST_LANE) --durations=10 tests; fast=$$?; \
+	$(TEST_ENV) $(PY) -m pytest -q -rfE -m launch --durations=40 tests; launch=$$?; \
+	exit $$(( fast || launch ))
+
 check: $(STAMP)
-	$(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -rfE -m "not launch" --durations=5 tests
+	$(TEST_ENV) $(PY) -m pytest -q -rfE $(FAST_LANE) --durations=5 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

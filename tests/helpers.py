@@ -214,16 +214,25 @@ def write_run(path: Path, prediction: dict, device: dict = H100_RANKS, status: s
     return path
 
 
+# a segment modified this recently when a sweep starts is left to a later sweep: it may be one a rank is creating
+# while the sweep reads /proc (the process was read before it opened the file), and tmpfs stamps files with a coarse
+# clock that may lag time.time() by a tick
+SEGMENT_SETTLE_S = 1.0
+
+
 def remove_segments_since(start: float) -> None:
     """Segments created since `start` that no live process holds: a launch still running keeps its own, whichever
     session started it (deleting a segment a peer has yet to open hangs that peer in DeepSpeed's shm setup: two test
-    sessions on one machine did that to each other)."""
+    sessions on one machine did that to each other, and so did two pytest-xdist workers' sweeps)."""
+    import time
+
     from toolkit.runtime.ds_shm import in_use, segments
 
+    settled = time.time() - SEGMENT_SETTLE_S
     live = in_use()
     for path in segments():
         try:
-            if path.stat().st_mtime >= start and path not in live:
+            if start <= path.stat().st_mtime < settled and path not in live:
                 path.unlink()
         except FileNotFoundError:
             pass

@@ -3,6 +3,7 @@ every option the search varies, per backend (ZeRO stage, offload, recomputation,
 the distributed optimizer, FSDP2's shard group and resharding), each pasted into a recipe, generated, and trained for
 two steps through the generated launch.sh."""
 
+import itertools
 import json
 
 import pytest
@@ -28,15 +29,17 @@ PINS = [[], ["--offload-optimizer", "cpu"], ["--zero", "3", "--offload-params", 
 
 
 def _cover(records: list[dict]) -> list[dict]:
-    """Greedily, the fewest plans that between them show every value the search gave every varied option, per
-    backend (ZeRO-0 and TP 2 of DeepSpeed are not those of Megatron-Core)."""
-    values = lambda record: {(record["plan"]["backend"], k, json.dumps(record["plan"][k])) for k in VARIED}  # noqa
-    missing = set().union(*(values(r) for r in records))
+    """The fewest plans that between them show every value the search gave every varied option, per backend (ZeRO-0
+    and TP 2 of DeepSpeed are not those of Megatron-Core): each launch costs ~10 s, so the smallest cover, found
+    exactly (a backend has at most a few dozen distinct plans and needs 2-4), not greedily (one launch more)."""
+    values = lambda r: frozenset((r["plan"]["backend"], k, json.dumps(r["plan"][k])) for k in VARIED)  # noqa
     chosen = []
-    while missing:
-        best = max(records, key=lambda r: len(values(r) & missing))
-        chosen.append(best)
-        missing -= values(best)
+    for backend in sorted({r["plan"]["backend"] for r in records}):
+        distinct = list({values(r): r for r in records if r["plan"]["backend"] == backend}.items())
+        wanted = frozenset().union(*(v for v, _ in distinct))
+        cover = next(combo for size in range(1, len(distinct) + 1) for combo in itertools.combinations(distinct, size)
+                     if frozenset().union(*(v for v, _ in combo)) == wanted)
+        chosen += [record for _, record in cover]
     return chosen
 
 

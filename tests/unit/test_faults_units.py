@@ -76,6 +76,28 @@ def test_faults_are_parsed_and_only_the_first_launch_acts_them_out(monkeypatch):
     assert faults.loss_factor(5) is None
 
 
+def test_a_slow_rank_goes_on_once_the_save_and_exit_request_is_there(tmp_path, monkeypatch):
+    """A step held open (slow=30) ends when a scheduler's request arrives, not 30 s later: the request is acted on
+    at the end of that step. Without the request the hold lasts its time."""
+    import threading
+    import time
+
+    from toolkit.runtime.incident import RESTART_COUNTERS
+
+    for counter in RESTART_COUNTERS.values():
+        monkeypatch.delenv(counter, raising=False)
+    monkeypatch.setenv(faults.FAULT_ENV, "slow=30@step=21,phase=train;slow=1@step=22,phase=train")
+    request = tmp_path / "SAVE_AND_EXIT"
+    threading.Timer(0.3, request.touch).start()
+    start = time.monotonic()
+    faults.at_phase(21, "train", 0, wake=request)
+    assert 0.3 <= time.monotonic() - start < 10
+    request.unlink()
+    start = time.monotonic()
+    faults.at_phase(22, "train", 0, wake=request)
+    assert time.monotonic() - start >= 1
+
+
 def test_a_restart_records_what_ended_the_previous_attempt(tmp_path, monkeypatch):
     for name in ("TORCHELASTIC_RESTART_COUNT", "DMT_RESTART_COUNT", "SLURM_RESTART_COUNT", "RANK"):
         monkeypatch.delenv(name, raising=False)

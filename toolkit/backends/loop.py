@@ -12,10 +12,10 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.runtime.guard import LossGuard, Verdict, report, step_record
+from toolkit.runtime.supervision import SAVE_AND_EXIT
 from toolkit.spec.plan import Plan
 
 log = logging.getLogger(__name__)
-SAVE_AND_EXIT = "SAVE_AND_EXIT"  # the file a scheduler's USR1 handler touches in the output directory (slurm.sbatch)
 DATA_SHA_LENGTH = 16  # hex digits of a step's data fingerprint
 
 

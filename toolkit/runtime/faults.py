@@ -7,7 +7,8 @@ backends act out at a given step and phase, on the first launch of a job only (a
     DMT_FAULT="hang@rank=1,step=3,phase=train"      rank 1's main thread sleeps there (alive, stuck)
     DMT_FAULT="kill@rank=0,step=4,phase=manifest"   rank 0 SIGKILLs itself there
     DMT_FAULT="slow=30@rank=1,step=3,phase=train"   rank 1 sleeps 30 s there, then goes on (a slow rank: a window
-                                                    for a test to act on it from outside, however fast the steps)
+                                                    for a test to act on it from outside, however fast the steps);
+                                                    a scheduler's save-and-exit request ends the sleep early
     DMT_FAULT="slow=60@step=4,phase=persist"        the background write of checkpoint-4 (training.async_save)
                                                     waits 60 s in its writer process before writing a byte
 Several faults are separated by ';'. Phases: train (the step's forward, backward and optimizer), save (a checkpoint
@@ -24,11 +25,13 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from toolkit.runtime.incident import is_restart
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "DMT_FAULT"
+WAKE_POLL_S = 0.1  # how often a slow fault looks for its wake-up file
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,8 @@ def loss_factor(step: int) -> float | None:
     return None
 
 
-def at_phase(step: int, phase: str, rank: int) -> None:
-    """Act out a process fault planned for this rank, step and phase."""
+def at_phase(step: int, phase: str, rank: int, wake: Path | None = None) -> None:
+    """Act out a process fault planned for this rank, step and phase; a slow one ends early once `wake` exists."""
     for fault in _active():
         if fault.step != step or fault.kind not in ("stop", "hang", "kill", "slow") or fault.rank not in (None, rank) \
                 or fault.phase not in (None, phase):
@@ -77,7 +80,15 @@ def at_phase(step: int, phase: str, rank: int) -> None:
         elif fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "slow":
-            time.sleep(fault.factor)
+            _hold(fault.factor, wake)
         else:
             while True:
                 time.sleep(3600)
+
+
+def _hold(seconds: float, wake: Path | None) -> None:
+    """Sleep `seconds`, or until `wake` exists: the window a test holds a step open for ends when what it waited
+    for has arrived (a save-and-exit request is acted on at the end of the step), not a fixed time later."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and not (wake is not None and wake.exists()):
+        time.sleep(min(WAKE_POLL_S, left))

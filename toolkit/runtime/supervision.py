@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 _PHASE = re.compile(r"^step (\d+) (.+)$")  # a heartbeat's step name, as phase() writes it
 KILL_DELAY_S = 3.0  # after the hang report, before the silent rank on the reporter's host is SIGKILLed (kill_later)
 LATEST_POINTER = "latest"  # OUTPUT/latest names the newest complete checkpoint (toolkit.checkpoint.manifest)
+SAVE_AND_EXIT = "SAVE_AND_EXIT"  # the file a scheduler's USR1 handler touches in the output directory (slurm.sbatch)
 
 
 def where(name: str | None) -> tuple[int | None, str | None]:
@@ -94,7 +95,7 @@ class TrainingWatchdog:
     def phase(self, step: int, name: str) -> None:
         if self.watchdog is not None:
             self.watchdog.step(f"step {step} {name}")
-        faults.at_phase(step, name, self.rank)
+        faults.at_phase(step, name, self.rank, wake=self.output_dir / SAVE_AND_EXIT)
 
     def finish(self) -> None:
         """This rank ends normally (done, or stopped by the guard together with every other rank)."""
