@@ -119,6 +119,27 @@ def launch_watched(cmd: list[str], log: Path, act, changes: dict | None = None, 
     return process.returncode
 
 
+def processes_with_env(name: str, value: str, grace_s: float = 5.0) -> list[int]:
+    """The pids still alive, after at most `grace_s`, whose environment has name=value (what a launch gave its ranks
+    and everything they started: nothing of a finished job may outlive it)."""
+    import time
+
+    needle = f"{name}={value}".encode()
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if needle in (entry / "environ").read_bytes().split(b"\0"):
+                        found.append(int(entry.name))
+                except OSError:  # gone, or not ours to read
+                    pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list:
     """The training processes (toolkit/train.py) below a launcher: all, or the one of `rank` in the launcher's
     first attempt (their environment says which)."""

@@ -248,10 +248,10 @@ class _EndAfterExitHandlers:
     def end(self) -> None:
         if self.code is None:
             return
+        from toolkit.runtime.watchdog import exit_now
+
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(self.code)
+        exit_now(self.code)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import free_port, guard_looks, guard_probe_env, launch_watched, rank_processes
+from helpers import free_port, guard_looks, guard_probe_env, launch_watched, processes_with_env, rank_processes
 from megatron_helpers import BIN, TRAIN
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.dcp import DistCheckpointReader
@@ -112,6 +112,8 @@ def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_
                         {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
                          "DMT_FAULT": "slow=60@step=4,phase=persist;kill@rank=0,step=5,phase=train"})
     assert rc == 0, log.read_text()[-3000:]
+    # the killed rank's writer and its results-queue manager (a process Megatron-Core spawns) end with it
+    assert processes_with_env("OUTPUT_DIR", str(out)) == []
     assert {k: seen[k] for k in ("latest", "manifest", "shards")} == {"latest": "checkpoint-2", "manifest": False,
                                                                        "shards": []}
     assert seen["verify"] != 0

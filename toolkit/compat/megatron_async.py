@@ -34,9 +34,10 @@ SEAMS = [
                "with the caller's own queues") for name in ("process", "queue", "preload_q", "comp_q")),
     Seam("megatron-core", f"{_ASYNC}.AsyncCallsQueue.persistent_caller", kind="in_source",
          why="the queue's persistent caller, given the worker started above"),
-    Seam("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
-         "the writers' results queue (a multiprocessing manager, a process of its own), made at start instead of "
-         "inside the first save"),
+    Seam("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
+         "the writers' results queue, which _get_write_results_queue makes on a multiprocessing manager (a process "
+         "of its own) at the first save: made at start instead, on a manager that ends with its rank (Megatron's "
+         "outlives a killed rank for ever)"),
     Seam("torch", "torch.cuda.device_count", "answered 1 inside the CPU worker process (the loop divides by it)"),
     Seam("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync."
                           "get_save_function_and_args", kind="in_source",
@@ -56,7 +57,7 @@ def start_writer(calls, ready_s: float) -> object:
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
     from torch import multiprocessing as mp
 
-    filesystem_async._get_write_results_queue()
+    _results_queue(filesystem_async)
     caller = PersistentAsyncCaller()
     context = mp.get_context("spawn")
     written, ready = context.Value("q", 0), context.Event()
@@ -69,6 +70,35 @@ def start_writer(calls, ready_s: float) -> object:
         log.warning("the checkpoint writer process did not start within %.0f s; the first save may wait for it",
                     ready_s)
     return written
+
+
+_manager = None  # the results queue's manager: kept for the rank's lifetime (collected, it would shut down)
+
+
+def _results_queue(filesystem_async) -> None:
+    """filesystem_async's results queue, as its _get_write_results_queue makes it (a queue on a spawned
+    multiprocessing manager), on a manager process that watches this rank and ends when it is gone."""
+    global _manager
+    from multiprocessing.managers import SyncManager
+
+    from torch import multiprocessing as mp
+
+    if filesystem_async._results_queue is None:
+        _manager = SyncManager(ctx=mp.get_context("spawn"))
+        _manager.start(initializer=_ends_with, initargs=(os.getpid(),))
+        filesystem_async._results_queue = _manager.Queue()
+
+
+def _ends_with(parent: int) -> None:
+    """In the manager process: end it once `parent` (its rank) is gone."""
+    def watch():
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="dmt-manager-parent").start()
 
 
 def _worker(rank: int, queue, preload_q, comp_q, level: int, written, ready, parent: int, on_gpu: bool) -> None:

@@ -31,7 +31,7 @@ from toolkit.runtime import faults
 from toolkit.runtime.incident import (EXIT_FAILURE, EXIT_HANG, append_incident, attempt_tag, is_restart,
                                       last_words_dir, read_incidents, write_last_words)
 from toolkit.runtime.job import rank_env
-from toolkit.runtime.watchdog import heartbeat_stopped
+from toolkit.runtime.watchdog import exit_now, heartbeat_stopped
 
 log = logging.getLogger(__name__)
 _PHASE = re.compile(r"^step (\d+) (.+)$")  # a heartbeat's step name, as phase() writes it
@@ -142,9 +142,7 @@ class TrainingWatchdog:
                 log.exception("after the failure report")
         watchdog.mark_exit()
         self._last_words()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
 
     def _ranks(self, ranks: list[int], store, reasons: dict[int, dict] | None = None) -> list[dict]:
         """Who they are: host, pid and where their last heartbeat said they were."""

@@ -344,10 +344,21 @@ class Watchdog:
                 self.on_exit()
             except Exception:  # the exit matters more than its last words
                 log.exception("before exiting")
-        _exit_now(self.exit_code)
+        exit_now(self.exit_code)
 
 
-def _exit_now(code: int = 1) -> None:
+def exit_now(code: int = 1) -> None:
+    """End this rank without the interpreter's teardown (it can hang or abort in a library's threads), taking its
+    multiprocessing children with it: the exit handler that would stop them does not run on os._exit, and one of them
+    (the Manager process Megatron-Core's dist_checkpointing starts for its write results, filesystem_async.py) would
+    outlive the rank for ever, holding its memory."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=2.0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
