@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # the seam modules, by library (named so that none shadows the library it wraps)
-MODULES = ("torch_seams", "transformers_seams", "accelerate_seams", "megatron_seams", "megatron_cpu", "stdlib_seams")
+MODULES = ("torch_seams", "transformers_seams", "accelerate_seams", "megatron_seams", "megatron_cpu", "stdlib_seams",
+           "megatron_datasets_seams")
 
 
 @dataclass(frozen=True)
