@@ -99,12 +99,15 @@ def main() -> int:
             env),
         "dmt data prepare": measured_run([sys.executable, "-m", "toolkit", "data", "prepare", "--input", str(corpus),
                                           "--tokenizer", str(TOKENIZER), "--append-eod", "--workers", workers,
-                                          "--output-prefix", str(work / "dmt")], dict(env, PYTHONPATH=str(ROOT))),
+                                          "--output-prefix", str(work / "dmt")],
+                                         dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))),
     }
     same = all(filecmp.cmp(work / f"reference_text_document{s}", work / f"dmt_text_document{s}", shallow=False)
                for s in (".bin", ".idx"))
+    encoder = json.loads((work / "dmt.dmt.json").read_text())["encoder"]
     print(f"corpus: {size_mb:.1f} MiB, {documents} documents; {options.workers} workers; {os.cpu_count()} CPUs "
-          f"({platform.processor() or platform.machine()}); same bytes: {'yes' if same else 'NO'}")
+          f"({platform.processor() or platform.machine()}); dmt's encoder: {encoder}; same bytes: "
+          f"{'yes' if same else 'NO'}")
     print("| tool | wall s | documents/s | MB/s | peak RSS, process tree (MiB) | peak RSS, largest process (MiB) |")
     print("|---|---|---|---|---|---|")
     for name, run in runs.items():

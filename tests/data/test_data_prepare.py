@@ -4,6 +4,7 @@ giving the same bytes, bad lines refused in one line with nothing left behind, `
 
 import filecmp
 import gzip
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -132,9 +133,14 @@ def test_the_batch_encoder_gives_the_ids_megatrons_tokenize_gives(tmp_path):
             tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(directory), vocab_file=None, merge_file=None,
             tokenizer_special_tokens=None, tokenizer_hf_use_fast=False, trust_remote_code=False,
             tokenizer_hf_include_special_tokens=False, tokenizer_metadata=None))
-        ours = BatchEncoder(load_tokenizer(directory))
-        assert [list(ids) for ids in ours.encode(texts)] == [reference.tokenize(text) for text in texts]
+        expected = [reference.tokenize(text) for text in texts]
+        ours, rust_only = BatchEncoder(load_tokenizer(directory)), BatchEncoder(load_tokenizer(directory))
+        rust_only.fast = None  # tokenizers' batch call, whether gigatoken stands in for it or not
+        for encoder in (ours, rust_only):
+            assert [list(ids) for ids in encoder.encode(texts)] == expected, encoder.name
         assert ours.tokenizer.eod == reference.eod and ours.tokenizer.vocab_size == reference.vocab_size
+        if directory == TOKENIZER and importlib.util.find_spec("gigatoken"):
+            assert ours.name.startswith("gigatoken")  # where installed, it passes the probe for this BPE
 
 
 BAD_LINES = {  # a line replaced -> what the one line says
@@ -195,3 +201,40 @@ def test_inspect_reads_back_counts_lengths_and_the_first_document(tmp_path, caps
     assert main(["data", "inspect", str(GOLDEN / "plain_title_document")]) == 0
     out = capsys.readouterr().out
     assert "13 documents (2 empty)" in out and "not decoded: no sidecar names a tokenizer" in out
+
+
+def _start_and_stop(tmp_path: Path, prefix: Path, corpus: Path, stop) -> tuple[int, str]:
+    """`dmt data prepare` in its own process, `stop(process)` once its first temporary file is there."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "toolkit", "data", "prepare", "--input", str(corpus),
+                                "--tokenizer", str(TOKENIZER), "--output-prefix", str(prefix), "--workers", "2"],
+                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(HERE.parents[1])))
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(f".{prefix.name}_*.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process.poll() is None, "finished before it could be stopped: a larger corpus is needed"
+    stop(process)
+    _, err = process.communicate(timeout=120)
+    return process.returncode, err
+
+
+def test_an_interrupted_run_leaves_nothing_that_looks_complete(tmp_path):
+    """Ctrl-C: exit 130, one line, nothing left. SIGKILL: no dataset under its own name and no record, only hidden
+    temporary files."""
+    import signal
+
+    line = CORPUS.read_bytes().split(b"\n")[10] + b"\n"  # the long document: ~30 KB a line
+    corpus = tmp_path / "big.jsonl"
+    corpus.write_bytes(line * 1000)
+    code, err = _start_and_stop(tmp_path, tmp_path / "stopped", corpus, lambda p: p.send_signal(signal.SIGINT))
+    lines = [text for text in err.splitlines() if text.strip() and "arning" not in text]
+    assert code == 130 and lines[-1].startswith("dmt data: interrupted; removed the partial files"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+    code, _ = _start_and_stop(tmp_path, tmp_path / "killed", corpus, lambda p: p.kill())
+    assert code == -9
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "big.jsonl")
+    assert left and all(name.startswith(".killed_") and ".tmp-" in name for name in left), left

@@ -3,11 +3,11 @@ the same bytes as Megatron-LM's tools/preprocess_data.py at core_v0.16.1 with --
 and the PREFIX.dmt.json sidecar.
 
 The reference sends one line at a time to its workers and encodes one document per call through transformers'
-Python wrapper; here the main process cuts the inputs into blocks, the workers parse and encode a whole block with
-the Rust tokenizer's batch call, and the main process appends each block's documents to Megatron-Core's own
-builders in one write. At most a few blocks per worker are in flight, so memory follows the workers, not the input
-(Pool.imap, which the reference uses, reads its whole input ahead). Files are written under temporary names and
-renamed into place at the end, the sidecar last; a failure or an interrupt removes what was written.
+Python wrapper; here the main process cuts the inputs into blocks, the workers parse and encode a whole block in
+one batch call (toolkit/data/tokenizer.py), and the main process appends each block's documents to Megatron-Core's
+own builders in one write. At most two blocks per worker are in flight, so memory follows the workers, not the
+input. Files are written under temporary names and renamed into place at the end, the sidecar last; a failure or an
+interrupt removes what was written.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def prepare(inputs: list[Path], tokenizer_dir: Path, prefix: Path, keys: list[st
     try:
         counts, documents, text_bytes = _write(found, keys, loaded, append_eod, workers, temporary, progress,
                                                block_bytes)
-        record = _record(found, tokenizer_dir, loaded, prefix, keys, append_eod, counts)
+        record = _record(found, tokenizer_dir, loaded, prefix, keys, append_eod, counts, _WORKER.encoder.name)
         record_path.unlink(missing_ok=True)  # the old record goes first: from here its datasets are replaced
         for key, (bin_path, idx_path) in targets.items():
             idx_path.unlink(missing_ok=True)
@@ -134,13 +134,16 @@ def _write(found, keys, loaded, append_eod, workers, temporary, progress, block_
     from toolkit.compat.megatron_datasets_seams import indexed_dataset_builder
 
     dtype = DType.optimal_dtype(loaded.vocab_size)
-    builders = {key: indexed_dataset_builder(str(temporary[key][0]), dtype) for key in keys}
     counts = {key: KeyCounts() for key in keys}
     read = InputRead()
     global _WORKER
     _WORKER = _Worker(loaded, keys, append_eod, numpy.dtype(dtype))  # inherited by the forked workers
+    # the pool first: an interrupt while it forks is lost (CPython ignores exceptions in its at-fork hooks), so the
+    # files appear only once the workers are there, and Ctrl-C from then on removes them
     pool = multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_interrupts)
+    builders = {}
     try:
+        builders.update({key: indexed_dataset_builder(str(temporary[key][0]), dtype) for key in keys})
         for source in found:
             pending, lines = deque(), 0
             for chunk in sources.chunks(source, keys, block_bytes=block_bytes):
@@ -247,7 +250,7 @@ def _find_unencodable(documents: list[list[str]]) -> None:
                                                   f"tokenizer encodes") from None
 
 
-def _record(found, tokenizer_dir, loaded, prefix, keys, append_eod, counts) -> dict:
+def _record(found, tokenizer_dir, loaded, prefix, keys, append_eod, counts, encoder: str) -> dict:
     from megatron.core.datasets.indexed_dataset import DType
 
     from toolkit import __version__
@@ -259,6 +262,7 @@ def _record(found, tokenizer_dir, loaded, prefix, keys, append_eod, counts) -> d
         "same_bytes_as": "Megatron-LM tools/preprocess_data.py at core_v0.16.1, --tokenizer-type "
                          "HuggingFaceTokenizer --tokenizer-model TOKENIZER, with the same --json-keys and --append-eod",
         "tokenizer": identity(tokenizer_dir, loaded),
+        "encoder": encoder,
         "inputs": [{"path": str(source.path.resolve()), "bytes": source.size, "format": source.kind
                     + (".gz" if source.gzipped else "")} for source in found],
         "keys": keys, "append_eod": append_eod,

@@ -5,11 +5,14 @@ gives."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.readers import one_line
+
+log = logging.getLogger(__name__)
 
 # preprocess_data.py at core_v0.16.1 builds its tokenizer with megatron.core's build_tokenizer (the new tokenizer
 # system: --legacy-tokenizer is off by default), which for HuggingFaceTokenizer passes these (its argument defaults:
@@ -49,12 +52,41 @@ def identity(directory: Path, tokenizer) -> dict:
             "sha256": combined, "files": files}
 
 
+# texts on which gigatoken must give the Rust tokenizer's ids before it stands in for it (with every added token's
+# text inside, see _agreeing_gigatoken): what byte-level and SentencePiece tokenizers treat specially
+PROBE = ["The cluster saves a checkpoint.", "", " ", "   leading and trailing   ", "tabs\tand\nnewlines\r\n",
+         "naïve café: 日本語のテキスト, Ελληνικά, 🤗 ß", "digits 1234567890 3.14159 1e-9", "don't we'll I'M",
+         "separators\u2028and\u0085here", "x" * 300, "mixed-CASE words_with_underscores and #hash @at"]
+
+
+def _agreeing_gigatoken(hf, backend):
+    """gigatoken's encoder of the same tokenizer (its Rust encoder of byte-level and SentencePiece BPE is several
+    times faster than tokenizers' on one thread), when it is installed, loads this tokenizer and gives the Rust
+    tokenizer's ids on PROBE and on every added token inside text; None otherwise (tokenizers then encodes)."""
+    try:
+        import gigatoken
+    except ImportError:
+        return None
+    added = [token.content for token in backend.get_added_tokens_decoder().values()]
+    probe = PROBE + [f"a{token}b {token} {token}{token}" for token in added]
+    try:
+        fast = gigatoken.Tokenizer(hf)
+        agrees = fast.encode_batch_list(probe, parallel=False) == \
+            [encoding.ids for encoding in backend.encode_batch_fast(probe, add_special_tokens=False)]
+    except Exception as exc:  # noqa: BLE001 (any failure to load or encode: tokenizers encodes instead)
+        log.info("gigatoken does not take this tokenizer (%s); tokenizers encodes", one_line(exc)[:200])
+        return None
+    if not agrees:
+        log.info("gigatoken's ids differ from the tokenizer's on the probe texts; tokenizers encodes")
+    return fast if agrees else None
+
+
 class BatchEncoder:
     """Token ids of many texts at once, equal to the reference's `tokenizer.tokenize(text)` of each: transformers'
     tokenize runs the Rust tokenizer on one text (add_special_tokens=False, special tokens split as the tokenizer
-    says) and maps each token string back to an id. The batch runs the same Rust tokenizer once over the batch and
-    maps each id through the same string round trip (a table, built once). A tokenizer without a Rust backend is
-    called text by text, as the reference calls it."""
+    says) and maps each token string back to an id. The batch runs the same Rust tokenizer once over the batch (or
+    gigatoken, where it is installed and agrees with it) and maps each id through the same string round trip (a
+    table, built once). A tokenizer without a Rust backend is called text by text, as the reference calls it."""
 
     def __init__(self, tokenizer):
         import numpy
@@ -62,10 +94,12 @@ class BatchEncoder:
         self.tokenizer = tokenizer
         hf = tokenizer.tokenizer
         self.backend = getattr(hf, "backend_tokenizer", None)
-        self.remap = None
+        self.remap = self.fast = None
         if self.backend is None:
             return
         self.split_special_tokens = bool(getattr(hf, "split_special_tokens", False))
+        if not self.split_special_tokens:  # gigatoken always splits special tokens out of text, as tokenizers does
+            self.fast = _agreeing_gigatoken(hf, self.backend)
         size = self.backend.get_vocab_size(with_added_tokens=True)
         table = numpy.arange(size, dtype=numpy.int64)
         for token_id in range(size):
@@ -82,7 +116,19 @@ class BatchEncoder:
 
         if self.backend is None:
             return [numpy.asarray(self.tokenizer.text_to_ids(text), dtype=numpy.int64) for text in texts]
-        self.backend.encode_special_tokens = self.split_special_tokens
-        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
-        ids = [numpy.asarray(encoding.ids, dtype=numpy.int64) for encoding in encodings]
+        if self.fast is not None:
+            ids = [numpy.asarray(row, dtype=numpy.int64) for row in self.fast.encode_batch_list(texts, parallel=False)]
+        else:
+            self.backend.encode_special_tokens = self.split_special_tokens
+            encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
+            ids = [numpy.asarray(encoding.ids, dtype=numpy.int64) for encoding in encodings]
         return [self.remap[array] for array in ids] if self.remap is not None else ids
+
+    @property
+    def name(self) -> str:
+        """Which encoder runs, with its version (for the sidecar)."""
+        from importlib.metadata import version
+
+        if self.backend is None:
+            return f"transformers {version('transformers')} (text by text)"
+        return f"gigatoken {version('gigatoken')}" if self.fast is not None else f"tokenizers {version('tokenizers')}"
