@@ -26,7 +26,7 @@ from toolkit.cli.main import VERBS
 PACKAGE = ROOT / "toolkit"
 # the verbs the tests below run from the installed wheel (a new verb joins them: the first test says so)
 RUN_HERE = {"estimate", "plan", "generate", "validate", "slurm", "convert", "ckpt", "restore-test", "health", "report",
-            "calibrate", "explore", "k8s"}
+            "calibrate", "explore", "k8s", "data"}
 
 
 def _data_files() -> set[Path]:
@@ -139,6 +139,21 @@ def test_report_calibrate_and_a_calibrated_estimate_of_a_finished_run(installed)
     estimate = json.loads(installed.dmt("estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--calibration",
                                         "calibration.yaml", "--json"))
     assert estimate["calibration"]["hardware"] == "h100-80gb"
+
+
+@pytest.mark.launch
+def test_data_prepare_and_inspect_answer_from_the_wheel(installed):
+    """The golden corpus prepared from the user's directory: Megatron-LM's bytes, read back by inspect."""
+    data = ROOT / "tests" / "data"
+    prepared = json.loads(installed.dmt("data", "prepare", "--input", str(data / "golden" / "corpus.jsonl"),
+                                        "--tokenizer", str(data / "tokenizer"), "--output-prefix", "corpus",
+                                        "--workers", "1", "--json"))
+    assert prepared["datasets"]["text"]["documents"] == 13
+    for suffix in (".bin", ".idx"):
+        assert (installed.home / f"corpus_text_document{suffix}").read_bytes() == \
+            (data / "golden" / f"plain_text_document{suffix}").read_bytes()
+    summary = json.loads(installed.dmt("data", "inspect", "corpus", "--json"))
+    assert summary["datasets"]["text"]["first_document"]["text"].startswith("The ")
 
 
 @pytest.mark.launch

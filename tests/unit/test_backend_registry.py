@@ -16,7 +16,7 @@ PACKAGE = ROOT / "toolkit"
 # parts of issue 24 and join this list as they are merged.
 CLEARED = ("estimate", "errors", "explore", "families", "health", "numeric", "outputs", "readers", "report",
            "runtime", "__init__", "__main__", "spec", "planner", "generate", "validate", "cli", "train", "checkpoint",
-           "compat", "backends", "k8s")
+           "compat", "backends", "k8s", "data")
 # What the toolkit asks each backend's part (toolkit/backends/<name>/<part>.py)
 HOOKS = {
     "rules": ("check", "fill", "check_steps", "FOREIGN", "FINETUNE_REFUSED"),

@@ -17,6 +17,8 @@ import pytest
 from helpers import TINY
 from toolkit.cli.main import main
 
+DATA_TOKENIZER = str(TINY.parents[1] / "tests" / "data" / "tokenizer")
+DATA_CORPUS = str(TINY.parents[1] / "tests" / "data" / "golden" / "corpus.jsonl")
 RECIPE_TEXT = TINY.read_text().replace("data/tiny_corpus.txt", str(TINY.parent / "data/tiny_corpus.txt"))
 
 # how a file the user names can be wrong
@@ -65,6 +67,11 @@ FILE_INPUTS = {
     "calibrate RUN_DIR": (["calibrate", "{file}", "--out", "{tmp}/calibration.yaml"], "RUN_DIR"),
     "calibrate --health": (["calibrate", "{tmp}", "--health", "{file}", "--out", "{tmp}/calibration.yaml"],
                            "--health"),
+    "data prepare --input": (["data", "prepare", "--input", "{file}.jsonl", "--tokenizer", DATA_TOKENIZER,
+                              "--output-prefix", "{tmp}/prepared"], "--input"),
+    "data prepare --tokenizer": (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", "{file}",
+                                  "--output-prefix", "{tmp}/prepared"], "--tokenizer"),
+    "data inspect PREFIX": (["data", "inspect", "{file}"], "PREFIX"),
 }
 
 
@@ -127,6 +134,8 @@ OUTPUTS = {
     "health --output": (["health", "--nproc", "1", "--output", "{out}"], "--output", "file"),
     "report --plot": (["report", "{run}", "--plot", "{out}"], "--plot", "file"),
     "calibrate --out": (["calibrate", "{run}", "--out", "{out}"], "--out", "file"),
+    "data prepare --output-prefix": (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER,
+                                      "--output-prefix", "{out}"], "--output-prefix", "file"),
 }
 
 
@@ -176,6 +185,10 @@ def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, ver
     elif kind == "the-input-itself" and verb == "calibrate --out":  # a file of a run it reads
         out = str(run / "metrics.jsonl")
         (run / "metrics.jsonl").write_text("{}\n")
+    elif kind == "the-input-itself" and verb == "data prepare --output-prefix":  # its sidecar would replace its input
+        out = str(sandbox / "corpus")
+        (sandbox / "corpus.dmt.json").write_text('{"text": "a user\'s corpus"}\n')
+        argv_template = [*argv_template[:3], out + ".dmt.json", *argv_template[4:]]
     before = _snapshot(sandbox)
     argv = [part.format(out=out, recipe=sandbox / "recipe.yaml", run=run) for part in argv_template]
     code, err = _run(capsys, argv)
@@ -257,6 +270,52 @@ def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, monkeypatch, tmp_pa
     assert not list(sandbox.rglob("PWNED")) and not list(scratch.glob("dmt-restore-*"))
 
 
+def _prepared(directory: Path) -> Path:
+    """A prefix `dmt data prepare` made of the golden corpus, in `directory`."""
+    prefix = directory / "corpus"
+    assert main(["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix",
+                 str(prefix), "--workers", "1"]) == 0
+    return prefix
+
+
+def _damage(path: Path, offset: int, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset:offset + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+DAMAGED_DATASETS = {  # how a prepared dataset is damaged -> the file and the words the one line must hold
+    "truncated .bin": (lambda p: Path(f"{p}.bin").write_bytes(Path(f"{p}.bin").read_bytes()[:-7]), ".bin", "truncated"),
+    "longer .bin": (lambda p: Path(f"{p}.bin").write_bytes(Path(f"{p}.bin").read_bytes() + b"\0\0"), ".bin",
+                    "longer than its index says"),
+    "wrong magic": (lambda p: _damage(Path(f"{p}.idx"), 0, b"NOTANIDX\0"), ".idx", "magic"),
+    "wrong version": (lambda p: _damage(Path(f"{p}.idx"), 9, (2).to_bytes(8, "little")), ".idx", "version 2"),
+    "unknown dtype": (lambda p: _damage(Path(f"{p}.idx"), 17, b"\x63"), ".idx", "dtype code 99"),
+    "truncated .idx": (lambda p: Path(f"{p}.idx").write_bytes(Path(f"{p}.idx").read_bytes()[:-8]), ".idx",
+                       "truncated or damaged"),
+    "header only": (lambda p: Path(f"{p}.idx").write_bytes(Path(f"{p}.idx").read_bytes()[:20]), ".idx",
+                    "less than an index header"),
+    "missing .idx": (lambda p: Path(f"{p}.idx").unlink(), ".idx", "is missing"),
+    "missing .bin": (lambda p: Path(f"{p}.bin").unlink(), ".bin", "is missing"),
+    "sidecar damaged": (lambda p: Path(str(p).rsplit("_text_document", 1)[0] + ".dmt.json").write_text("{"),
+                        ".dmt.json", "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_DATASETS))
+def test_a_damaged_prepared_dataset_is_one_line_naming_the_file(sandbox, capsys, case):
+    damage, suffix, says = DAMAGED_DATASETS[case]
+    prefix = _prepared(sandbox)
+    dataset = Path(f"{prefix}_text_document")
+    damage(dataset)
+    capsys.readouterr()
+    before = _snapshot(sandbox)
+    code, err = _run(capsys, ["data", "inspect", str(prefix)])
+    named = f"{prefix}.dmt.json" if suffix == ".dmt.json" else f"{dataset}{suffix}"
+    _assert_refused(code, err, "PREFIX", named, says)
+    assert _snapshot(sandbox) == before
+
+
 FLAG_VALUES = [  # argv -> the flag the error must name
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "0"], "--seq-len"),
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--recompute-modules", "core_attn,all"],
@@ -281,6 +340,17 @@ FLAG_VALUES = [  # argv -> the flag the error must name
     (["explore", "--port", "70000"], "--port"),
     (["report", "{ds}", "--warmup", "-1"], "--warmup"),
     (["calibrate", "{ds}", "--out", "{ds}.yaml", "--warmup", "-2"], "--warmup"),
+    (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
+      "--workers", "0"], "--workers"),
+    (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
+      "--json-keys", "text", "a/b"], "--json-keys"),
+    (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
+      "--json-keys", "text", "text"], "--json-keys"),
+    (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
+      "--json-keys", "body"], "--json-keys"),
+    (["data", "prepare", "--input", "{ds}", "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out"],
+     "--input"),
+    (["data", "inspect", ""], "PREFIX"),
 ]
 
 

@@ -22,6 +22,7 @@ LAYERS = (
     ("compat",),  # every private-API seam of a library, used from any layer above
     ("readers",),
     ("outputs",),  # reads the record of `dmt generate` through the one reading path
+    ("data",),  # prepared token datasets: read by training (backends) and the CLI, below the spec that names them
     ("families",),
     ("spec",),
     ("estimate",),

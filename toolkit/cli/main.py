@@ -26,6 +26,8 @@ VERBS = {
     "report": ("toolkit.cli.report", "measured against predicted for finished runs: step time, tokens/s, MFU, memory"),
     "calibrate": ("toolkit.cli.calibrate", "fit the step-time model's efficiencies (and measured links) to runs"),
     "explore": ("toolkit.cli.explore", "a local web page: memory breakdown, sweeps and ranked plans as inputs change"),
+    "data": ("toolkit.cli.data", "prepare token datasets (Megatron's .bin/.idx) from JSON lines, parquet or text; "
+                                 "inspect them"),
 }
 
 

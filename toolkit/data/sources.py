@@ -1,0 +1,167 @@
+"""The input files of `dmt data prepare` as chunks of documents: JSON lines (also gzipped), parquet, plain text (a
+line a document). The main process cuts the files into chunks of about a block of bytes; the workers turn a chunk
+into the documents of each key, read as the reference reads them, or say which line is wrong."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.errors import UserInputError
+from toolkit.readers import not_a_file
+
+FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+FORMAT_NAMES = "JSON lines (.jsonl, .json, also .gz), parquet (.parquet) or plain text (.txt, .text, also .gz)"
+BLOCK_BYTES = 1 << 20  # a chunk of JSON lines or text: the unit of work of one worker, and what memory holds per task
+PARQUET_ROWS = 1024  # a chunk of a parquet file
+# the reference reads its input with open(path, 'r', encoding='utf-8'): universal newlines, so \r\n, \r and \n each
+# end a line (and nothing else: not U+2028, U+0085 or a form feed, which str.splitlines would split at)
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    kind: str  # jsonl, parquet or text
+    gzipped: bool
+    size: int  # bytes on disk
+
+
+@dataclass(frozen=True)
+class Chunk:
+    source: Path
+    kind: str
+    payload: object  # bytes (jsonl, text: whole lines) or {key: [values]} (parquet)
+    disk_bytes: int  # how far into the file on disk this chunk reaches, from the previous chunk's end
+    text_bytes: int  # the input bytes (uncompressed) it holds
+
+
+def source_of(path: Path, keys: list[str], flag: str = "--input") -> Source:
+    """What kind of input `path` is (by its name), checked to be a readable regular file."""
+    path = Path(path)
+    gzipped = path.suffix.lower() == ".gz"
+    kind = FORMATS.get(Path(path.stem).suffix.lower() if gzipped else path.suffix.lower())
+    if kind is None or (gzipped and kind == "parquet"):
+        raise UserInputError(flag, f"{path}: expected {FORMAT_NAMES}")
+    if not path.exists():
+        raise UserInputError(flag, f"{path} does not exist; expected {FORMAT_NAMES}")
+    if not_a_file(path):
+        raise UserInputError(flag, f"{path} is {not_a_file(path)}, not a regular file")
+    if path.stat().st_size == 0:
+        raise UserInputError(flag, f"{path} is empty; expected {FORMAT_NAMES}")
+    if kind == "text" and len(keys) != 1:
+        raise UserInputError("--json-keys", f"{path} is plain text: one document a line, under one key; got "
+                                            f"{len(keys)} keys ({' '.join(keys)})")
+    return Source(path, kind, gzipped, path.stat().st_size)
+
+
+def chunks(source: Source, keys: list[str], flag: str = "--input", block_bytes: int = BLOCK_BYTES):
+    """The chunks of one input, in order; a file that cannot be read is one line naming it."""
+    try:
+        if source.kind == "parquet":
+            yield from _parquet_chunks(source, keys, flag)
+        else:
+            yield from _line_chunks(source, block_bytes)
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise UserInputError(flag, f"{source.path} cannot be read ({getattr(exc, 'strerror', None) or exc})") \
+            from None
+
+
+def _line_chunks(source: Source, block_bytes: int):
+    """Blocks of whole lines: cut after the last line end of each block (a \\r only where the next byte is known not
+    to be \\n); a line longer than a block makes its block longer."""
+    with open(source.path, "rb") as raw:
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if source.gzipped else raw
+        pending, consumed = b"", 0
+        while True:
+            data = stream.read(block_bytes)
+            buffer = pending + data
+            if not data:
+                if buffer:
+                    yield Chunk(source.path, source.kind, buffer, raw.tell() - consumed, len(buffer))
+                return
+            cut = max(buffer.rfind(b"\n"), buffer.rfind(b"\r", 0, len(buffer) - 1)) + 1
+            if cut == 0:
+                pending = buffer
+                continue
+            pending = buffer[cut:]
+            position = raw.tell()
+            yield Chunk(source.path, source.kind, buffer[:cut], position - consumed, cut)
+            consumed = position
+
+
+def _parquet_chunks(source: Source, keys: list[str], flag: str):
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        handle = pyarrow.parquet.ParquetFile(source.path)
+    except (pyarrow.ArrowException, OSError) as exc:
+        raise UserInputError(flag, f"{source.path} is not a parquet file ({str(exc)[:200]})") from None
+    missing = [key for key in keys if key not in handle.schema_arrow.names]
+    if missing:
+        raise UserInputError("--json-keys", f"{source.path} has no column {', '.join(map(repr, missing))}; its "
+                                            f"columns: {', '.join(handle.schema_arrow.names)}")
+    rows = max(handle.metadata.num_rows, 1)
+    try:
+        for batch in handle.iter_batches(batch_size=PARQUET_ROWS, columns=keys, use_threads=False):
+            columns = {key: batch.column(key).to_pylist() for key in keys}
+            text_bytes = sum(len(value.encode()) for value in columns[keys[0]] if isinstance(value, str))
+            yield Chunk(source.path, source.kind, columns, source.size * batch.num_rows // rows, text_bytes)
+    except pyarrow.ArrowException as exc:
+        raise UserInputError(flag, f"{source.path} cannot be read as parquet ({str(exc)[:200]})") from None
+
+
+class BadDocument(Exception):
+    """A document of a chunk that cannot be read: `where` is its line or row within the chunk (1-based)."""
+
+    def __init__(self, where: int, message: str):
+        super().__init__(where, message)
+        self.where, self.message = where, message
+
+
+def documents(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[list[str]]], int]:
+    """{key: [the sentences of each document]} of a chunk, and how many lines (rows) it holds. A document's value
+    is one string or a list of strings (the reference tokenizes each string as a sentence)."""
+    if chunk.kind == "parquet":
+        rows = len(chunk.payload[keys[0]])
+        return {key: [_sentences(value, key, row) for row, value in enumerate(chunk.payload[key], 1)]
+                for key in keys}, rows
+    try:
+        text = chunk.payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = chunk.payload[:exc.start].count(b"\n") + 1
+        raise BadDocument(line, f"is not UTF-8 (byte {chunk.payload[exc.start]:#04x})") from None
+    lines = _LINE_END.split(text)
+    if lines and lines[-1] == "":  # the last line's end, not a line
+        lines.pop()
+    if chunk.kind == "text":
+        return {keys[0]: [[line] for line in lines]}, len(lines)
+    found = {key: [] for key in keys}
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadDocument(number, f"is not a JSON object ({exc.msg}, column {exc.colno})") from None
+        except RecursionError:
+            raise BadDocument(number, "nests too deep to be read as JSON") from None
+        if not isinstance(record, dict):
+            raise BadDocument(number, f"holds a JSON {type(record).__name__}, not an object")
+        for key in keys:
+            if key not in record:
+                raise BadDocument(number, f"has no key {key!r} (--json-keys); its keys: "
+                                          f"{', '.join(map(repr, list(record)[:10]))}")
+            found[key].append(_sentences(record[key], key, number))
+    return found, len(lines)
+
+
+def _sentences(value, key: str, where: int) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    kind = "null" if value is None else type(value).__name__
+    raise BadDocument(where, f"has {kind} under {key!r}; expected a string or a list of strings")
