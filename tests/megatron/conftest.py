@@ -56,7 +56,12 @@ def torchrun(tmp_path_factory):
 @pytest.fixture(scope="session")
 def distopt_recipe(megatron_recipe):
     return megatron_recipe("tiny-megatron-distopt", plan={"distributed_optimizer": True},
-                           training={"report_to": ["wandb"]})
+                           training={"report_to": ["wandb"], **ASYNC})
+
+
+# The layout runs save in the background (asked for: on CPU ranks training.async_save is off unless a recipe says
+# so, Backend.saves_async): each layout's checkpoints are async dist_checkpointing saves, with their records.
+ASYNC = {"async_save": True}
 
 
 @pytest.fixture(scope="session")
@@ -68,11 +73,12 @@ def layout_run(torchrun, distopt_recipe, megatron_recipe, tmp_path_factory):
 
     def run(layout: str) -> Launch:
         if layout == "tp2":
-            recipe = megatron_recipe("tiny-megatron-tp2", training={"max_steps": STEPS, "save_steps": SAVE_AT})
+            recipe = megatron_recipe("tiny-megatron-tp2", training={"max_steps": STEPS, "save_steps": SAVE_AT, **ASYNC})
             generated = tmp_path_factory.mktemp("megatron-tp2-generated")
             assert main(["generate", str(recipe), "--out", str(generated), "--tp", "2"]) == 0
             return torchrun(layout, "--plan", str(generated / "plan.json"))
-        recipe, *flags = {"pp2": (TINY_MEGATRON, "--pp", "2"), "dp2": (distopt_recipe,)}[layout]
+        recipe, *flags = {"pp2": (megatron_recipe("tiny-megatron-pp2", training=ASYNC), "--pp", "2"),
+                          "dp2": (distopt_recipe,)}[layout]
         return torchrun(layout, "--recipe", str(recipe), *flags, "--max-steps", str(STEPS),
                         "--save-steps", str(SAVE_AT))
 

@@ -46,7 +46,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recipe, tmp_path):
     # saved synchronously: checkpoint-2 is complete before step 3 (a background write would complete at step 3's
     # poll, after the collective rank 0 waits in)
-    recipe = megatron_recipe("tiny-megatron-hang", training={**FAULTY, "async_save": False})
+    recipe = megatron_recipe("tiny-megatron-hang", training=FAULTY)
     out, stopped = tmp_path / "run", {}
 
     def stop_rank_1_in_step_3(process):
@@ -84,13 +84,13 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
 
 def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_job_restarts_from_there(
         megatron_recipe, tmp_path, capsys):
-    """checkpoint-4 is written in the background (training.async_save, Megatron-Core's default), each rank's write
+    """checkpoint-4 is written in the background (training.async_save: true), each rank's write
     held back 60 s in its writer process; rank 0 is SIGKILLed in step 5, while that write runs: training went on
     without a shard of checkpoint-4 on disk (the save did not wait for its files), `latest` stays on checkpoint-2 and
     `dmt ckpt verify` rejects checkpoint-4. Rank 1, ended by the launcher, waits the bounded time for its write and
     says so; launch.sh's torchrun restarts the job (training.max_restarts), which resumes from checkpoint-2 and
     rewrites checkpoint-4, no writer of the killed attempt writing into it."""
-    recipe = megatron_recipe("tiny-megatron-kill-in-save", training=FAULTY)
+    recipe = megatron_recipe("tiny-megatron-kill-in-save", training={**FAULTY, "async_save": True})
     generated = tmp_path / "gen"
     assert main(["generate", str(recipe), "--out", str(generated)]) == 0
     assert "async_save: true" in (generated / "megatron.yaml").read_text()

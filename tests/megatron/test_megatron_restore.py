@@ -20,8 +20,9 @@ pytestmark = pytest.mark.launch
 STEPS = 12
 
 
-def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys):
-    code = main(["restore-test", "--recipe", str(TINY_MEGATRON), "--backend", "megatron", "--tp", "2", "--steps",
+def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys, megatron_recipe):
+    recipe = megatron_recipe("tiny-megatron-async", training={"async_save": True})  # saved in the background
+    code = main(["restore-test", "--recipe", str(recipe), "--backend", "megatron", "--tp", "2", "--steps",
                  str(STEPS), "--save-at", "3", "--workdir", str(tmp_path), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["passed"] and result["identical"], result["mismatches"]

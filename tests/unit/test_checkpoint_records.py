@@ -99,10 +99,13 @@ def test_a_resume_moves_the_later_checkpoint_records_aside_with_the_steps(tmp_pa
     assert [r["step"] for r in read_checkpoint_records(run)] == [4]
 
 
-@pytest.mark.parametrize("async_save, expected", [(None, True), (True, True), (False, False)])
-def test_async_save_reaches_megatron_yaml_and_megatron_lm_flags(tmp_path, capsys, async_save, expected):
+@pytest.mark.parametrize("accelerator, async_save, expected", [
+    ("gpu", None, True), ("cpu", None, False), ("cpu", True, True), ("gpu", False, False), ("cpu", False, False)])
+def test_async_save_reaches_megatron_yaml_and_megatron_lm_flags(tmp_path, capsys, accelerator, async_save, expected):
+    """Unset, on where Megatron-Core saves asynchronously as the library ships it (GPUs); on CPU ranks when asked."""
     recipe = yaml.safe_load((ROOT / "recipes" / "tiny-llama-megatron-cpu.yaml").read_text())
     recipe["data"]["train_files"] = [str(ROOT / "recipes" / f) for f in recipe["data"]["train_files"]]
+    recipe["cluster"]["accelerator"] = accelerator
     if async_save is not None:
         recipe["training"]["async_save"] = async_save
     path = tmp_path / "recipe.yaml"

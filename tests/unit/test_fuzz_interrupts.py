@@ -339,10 +339,22 @@ def test_ctrl_c_on_restore_test_ends_its_training_and_removes_its_workdir(tmp_pa
     assert not workdir.exists()
 
 
+def _both_health_ranks(tree: list) -> bool:
+    """Both rank processes (`python -m toolkit.health.worker`) have started, not one rank and something it runs
+    (a rank's own short-lived subprocess made two descendants before the second rank existed: 1 process ended)."""
+    ranks = 0
+    for process in tree:
+        try:
+            ranks += "toolkit.health.worker" in process.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+    return ranks >= 2
+
+
 @pytest.mark.launch
 def test_ctrl_c_on_health_ends_its_ranks(tmp_path):
     result, pids = _interrupt_when(["health", "--nproc", "2", "--matmul-seconds", "60", "--deadline-s", "120"],
-                                   lambda tree: len(tree) >= 2, timeout=120)
+                                   _both_health_ranks, timeout=120)
     assert result.returncode == 130, result.stderr
     assert result.stderr.splitlines() == ["dmt health: interrupted; ended the 2 health-check ranks (2 processes)"]
     assert not _gone(pids)

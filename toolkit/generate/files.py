@@ -15,7 +15,7 @@ from pathlib import Path
 from toolkit.backends import BACKENDS, backend_of
 from toolkit.numeric import json_text
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
-from toolkit.planner.save_interval import AUTO, auto_save_interval, is_auto, with_save_steps
+from toolkit.planner.save_interval import AUTO, auto_save_interval, is_auto, recipe_saves_async, with_save_steps
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
@@ -130,7 +130,7 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | No
     save_interval = None
     if is_auto(recipe):  # resolved here once; every writer then reads the number from the recipe
         save_interval = auto_save_interval(recipe_prediction(recipe, model, plan, fitted), recipe.training.max_steps,
-                                           recipe.training.async_save)
+                                           recipe_saves_async(recipe, plan))
         recipe = with_save_steps(recipe, save_interval["save_steps"])
     return GenerationContext(recipe, Path(recipe_path), model, plan, Path(out_dir).resolve(), overrides, fitted,
                              save_interval)

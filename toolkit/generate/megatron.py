@@ -17,6 +17,7 @@ from toolkit.backends import backend_of
 from toolkit.backends.megatron.memory import MEGATRON_VOCAB_DIVISIBLE_BY
 from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
 from toolkit.families import megatron_fields
+from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.numeric import yaml_text
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
@@ -133,7 +134,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
             "train_iters": training.max_steps,
             "seed": training.seed,
             **({"save_interval": training.save_steps} if training.save_steps else {}),
-            "async_save": backend_of(plan).saves_async(training.async_save),
+            "async_save": recipe_saves_async(recipe, plan),
         },
     }
 

@@ -18,13 +18,11 @@ def is_auto(recipe: Recipe) -> bool:
     return recipe.training.save_steps == AUTO
 
 
-def auto_save_interval(prediction: Prediction, max_steps: int, async_save: bool | None = None) -> dict:
+def auto_save_interval(prediction: Prediction, max_steps: int, async_save: bool) -> dict:
     """The interval in steps for a run of `max_steps` at the prediction's step time, and why: plan.json's
     `save_interval` record (the checkpoint's cost, the failure model, Daly's optimum)."""
     plan = prediction.plan
-    from toolkit.backends import backend_of
-
-    inputs = FailureInputs(async_save=backend_of(plan).saves_async(async_save))  # as this run will save
+    inputs = FailureInputs(async_save=async_save)  # as this run will save (recipe_saves_async)
     timed = record_training_time(prediction, max_steps * plan.global_batch * plan.seq_len, inputs)
     checkpoint = timed["checkpoint"]
     return {
@@ -49,7 +47,14 @@ def run_save_steps(recipe: Recipe, model, plan, record: dict | None) -> int:
     from toolkit.spec.recipe import recipe_calibration
 
     prediction = recipe_prediction(recipe, model, plan, recipe_calibration(recipe))
-    return auto_save_interval(prediction, recipe.training.max_steps, recipe.training.async_save)["save_steps"]
+    return auto_save_interval(prediction, recipe.training.max_steps, recipe_saves_async(recipe, plan))["save_steps"]
+
+
+def recipe_saves_async(recipe: Recipe, plan) -> bool:
+    """Whether this recipe's run writes its checkpoints in the background (what megatron.yaml's async_save says)."""
+    from toolkit.backends import backend_of
+
+    return backend_of(plan).saves_async(recipe.training.async_save, recipe.cluster.accelerator)
 
 
 def with_save_steps(recipe: Recipe, save_steps: int) -> Recipe:

@@ -157,8 +157,9 @@ class TrainingSection(_Strict):
                                                       "on (Megatron-Core: dist_checkpointing's asynchronous save on its "
                                                       "persistent writer process); its manifest and `latest` follow "
                                                       "once every rank's files are complete. Unset: on where the "
-                                                      "backend saves asynchronously (Megatron-Core), off elsewhere "
-                                                      "(DeepSpeed and FSDP2 save synchronously today, and say so).")
+                                                      "backend saves asynchronously (Megatron-Core) on GPUs; on CPU "
+                                                      "ranks when true; DeepSpeed and FSDP2 save synchronously today, "
+                                                      "and say so.")
     eval_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N steps (0: never).")
     report_to: list[Literal["wandb", "tensorboard", "none"]] = Field(
         ["none"], description="Loggers besides metrics.jsonl; wandb runs offline when no API key is configured.")
