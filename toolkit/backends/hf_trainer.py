@@ -13,6 +13,7 @@ from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
 from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
 from toolkit.errors import UserInputError
+from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
 from toolkit.runtime.metrics import MetricsWriter, Throughput, configure_wandb
 from toolkit.runtime.supervision import TrainingWatchdog
@@ -76,7 +77,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
     world = _check_world(plan)
     path = backend_of(plan).part("train").HF_PATH  # what DeepSpeed or FSDP2 adds to the HF Trainer's path
-    if recipe.training.async_save is not False and not backend_of(plan).saves_async(recipe.training.async_save):
+    if recipe.training.async_save is not False and not recipe_saves_async(recipe, plan):
         (log.warning if recipe.training.async_save else log.info)(
             "training.async_save: %s checkpoints are written synchronously under the HF Trainer (the toolkit has no "
             "asynchronous save for it yet); each save's pause is in metrics.jsonl", backend_of(plan).label)

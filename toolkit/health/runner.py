@@ -17,7 +17,7 @@ from pathlib import Path
 
 from toolkit.health.options import HealthOptions
 from toolkit.runtime.job import STORE_HOSTED_ENV, RankEnv, connect_store
-from toolkit.runtime.watchdog import raise_terminated
+from toolkit.runtime.watchdog import exit_now, raise_terminated
 from toolkit.estimate.device_peak import matmul_benchmark
 
 log = logging.getLogger(__name__)
@@ -160,9 +160,7 @@ def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, em
         watchdog.wait_for_report()
     watchdog.mark_exit()
     log.debug("rank %d ends after: %s", env.rank, exc)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    exit_now(1)
 
 
 # ---- `dmt health --nproc N` ------------------------------------------------------------------------------------
