@@ -9,6 +9,18 @@ export HF_HUB_OFFLINE=1 WANDB_MODE=offline
 OUT=runs/demo
 rm -rf "$OUT" && mkdir -p "$OUT"
 
+losses() {  # losses RUN_DIR TEXT: TEXT ({steps} filled in), then the run's first and last loss (its step records)
+  python - "$1" "$2" <<'PY'
+import sys
+from pathlib import Path
+
+from toolkit.runtime.metrics import read_metrics
+
+rows = read_metrics(Path(sys.argv[1]))
+print(f"{sys.argv[2].format(steps=rows[-1]['step'])} {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+PY
+}
+
 echo "== 1. dmt estimate: Llama 3.1 70B on 64 x H100, ZeRO-3, full recompute"
 dmt estimate --model llama-3.1-70b --gpus 64 --gpu h100-80gb --zero 3 --recompute full --seq-len 8192
 
@@ -25,11 +37,7 @@ echo "      then dmt report: what the run measured against what step 3 predicted
 # match the recipe; $OUT/config/launch.sh runs the same command under deepspeed, accelerate or torchrun
 deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/config/plan.json" --output-dir "$OUT/run" > "$OUT/train.log" 2>&1 \
   || { tail -30 "$OUT/train.log"; exit 1; }
-python - "$OUT/run/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-print(f"trained {rows[-1]['step']} steps: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
-PY
+losses "$OUT/run" "trained {steps} steps: loss"
 dmt report "$OUT/run"
 
 echo; echo "== 5. dmt ckpt verify / inspect the latest checkpoint"
@@ -53,11 +61,7 @@ dmt generate recipes/tiny-llama-megatron-cpu.yaml --out "$OUT/megatron-config" -
 dmt validate "$OUT/megatron-config/megatron.yaml" --world-size 2
 OMP_NUM_THREADS=1 OUTPUT_DIR="$OUT/megatron" bash "$OUT/megatron-config/launch.sh" torchrun --save-steps 10 \
   > "$OUT/megatron.log" 2>&1 || { tail -30 "$OUT/megatron.log"; exit 1; }
-python - "$OUT/megatron/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-print(f"trained {rows[-1]['step']} steps at TP=2: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
-PY
+losses "$OUT/megatron" "trained {steps} steps at TP=2: loss"
 
 echo; echo "== 9. dmt convert megatron-to-hf, then compare logits with Megatron-Core at TP=2"
 export PYTHONWARNINGS=ignore  # Megatron-Core warns at import that Apex and Transformer Engine are absent (CPU)
@@ -70,10 +74,5 @@ dmt generate recipes/tiny-llama-qlora-cpu.yaml --out "$OUT/qlora-config" > /dev/
 # the generated deepspeed.json fixes the schedule's length (30 steps): train.py refuses a --max-steps against it
 deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/qlora-config/plan.json" --output-dir "$OUT/qlora" \
   > "$OUT/qlora.log" 2>&1 || { tail -30 "$OUT/qlora.log"; exit 1; }
-python - "$OUT/qlora/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-print(f"trained the adapters {rows[-1]['step']} steps: loss on the completions {rows[0]['loss']:.3f} -> "
-      f"{rows[-1]['loss']:.3f}")
-PY
+losses "$OUT/qlora" "trained the adapters {steps} steps: loss on the completions"
 dmt convert merge-lora "$OUT/qlora/base" "$OUT/qlora/checkpoint-30" "$OUT/qlora-merged"
