@@ -62,10 +62,18 @@ def test_groups_crossing_nodes_use_the_inter_node_link():
 
 @pytest.mark.parametrize("pp, vpp, global_batch", [(4, 1, 16), (4, 2, 16), (2, 1, 64)])
 def test_pipeline_bubble_is_p_minus_1_over_v_m(pp, vpp, global_batch):
+    # with stages of equal work (a vocabulary of 256: no head to speak of) the bubble is (p-1)/(v m) of the step's
+    # micro-batches; the boundary stages' single exchange (vpp 1) is all that differs
+    even = LLAMA.model_copy(update={"vocab_size": 256})
+    plan = resolve_plan(even, pp, backend="megatron", pp=pp, vpp=vpp, seq_len=2048, global_batch=global_batch)
+    t = step_time(even, plan, H100, FAST)
+    per_micro = (t.compute_s + t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.pp_comm_s) / plan.grad_accum
+    assert t.bubble_s / (per_micro * plan.grad_accum) == pytest.approx((pp - 1) / (vpp * plan.grad_accum), rel=0.01)
+    # the last stage's head sets the pace, but the fill and drain are the other stages' (test_pipeline_schedule.py)
     plan = resolve_plan(LLAMA, pp, backend="megatron", pp=pp, vpp=vpp, seq_len=2048, global_batch=global_batch)
     t = step_time(LLAMA, plan, H100, FAST)
     per_micro = (t.compute_s + t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.pp_comm_s) / plan.grad_accum
-    assert t.bubble_s / (per_micro * plan.grad_accum) == pytest.approx((pp - 1) / (vpp * plan.grad_accum))
+    assert t.bubble_s < per_micro * (pp - 1) / vpp
 
 
 def test_mfu_counts_model_flops_without_recompute():

@@ -116,7 +116,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     ep_per_moe_layer = 4 * network.all_to_all_time(act * spec.experts_top_k / plan.tp, plan.ep, plan.tp * plan.cp)
     pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
     p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
-    pp_comm = 2 * plan.vpp * collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
+    p2p = collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
 
     stages = []
     rate = peak * efficiency
@@ -145,11 +145,13 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time)
         ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
         tp_comm = collectives * tp_collective
-        stages.append((compute + tp_comm + cp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, ep_comm))
-    micro, compute_micro, tp_comm, cp_comm, ep_comm = max(stages)
+        pp_comm = pipeline_exchanges(plan, stage) * p2p
+        stages.append((compute + tp_comm + cp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, ep_comm, pp_comm,
+                       stage))
+    micro, compute_micro, tp_comm, cp_comm, ep_comm, pp_comm, _ = max(stages)
 
     m = plan.grad_accum
-    bubble = micro * (plan.pp - 1) / plan.vpp if plan.pp > 1 else 0.0  # (p-1)/(v m) of the m micro-batches
+    bubble = pipeline_bubble_s(plan, {stage[-1]: stage[0] for stage in stages})
 
     dp_comm, optimizer_s, offload_s = _data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro)
     total = m * micro + bubble + dp_comm + optimizer_s + offload_s + path.fixed_step_s
@@ -174,6 +176,33 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         execution_path=path.name,
         peak_tflops=peak / 1e12,
     )
+
+
+def pipeline_exchanges(plan: Plan, stage: int) -> int:
+    """Blocking point-to-point exchanges a pipeline rank waits for per micro-batch, as Megatron-Core's schedules issue
+    them (megatron/core/pipeline_parallel/schedules.py): 1F1B's steady state calls send_forward_recv_backward after a
+    forward and send_backward_recv_forward after a backward, and on the first and the last stage one of the two has no
+    peer (nothing comes before the embedding, nothing after the loss); interleaved, every rank sends and receives
+    around each of its chunks' forwards and backwards."""
+    if plan.pp == 1:
+        return 0
+    boundary = plan.vpp == 1 and stage in (0, plan.pp - 1)
+    return 2 * plan.vpp - (1 if boundary else 0)
+
+
+def pipeline_bubble_s(plan: Plan, stage_micro_s: dict[int, float]) -> float:
+    """The pipeline's fill and drain: (p-1)/v micro-batch times (Narayanan et al., arXiv:2104.04473 Sec. 2.2), each
+    the time of a stage that does not set the pace. The slowest stage (the last with its head and loss, or the first
+    with its embedding) runs its m micro-batches back to back once the first input reaches it; the fill before that
+    and the drain after it are the other stages' forwards and backwards, so its own extra work is paid m times,
+    not m + p - 1 (an event-driven run of the 1F1B order, tests/unit/test_pipeline_schedule.py, agrees).
+    `stage_micro_s`: the micro-batch time of each representative stage (toolkit/estimate/memory.py); a middle one
+    stands for every rank like it, so when one sets the pace, others like it fill and drain."""
+    if plan.pp == 1:
+        return 0.0
+    pace = max(stage_micro_s, key=stage_micro_s.get)
+    others = [t for stage, t in stage_micro_s.items() if stage != pace or stage not in (0, plan.pp - 1)]
+    return max(others) * (plan.pp - 1) / plan.vpp
 
 
 def useful_flops_per_token(spec: ModelSpec, plan: Plan) -> float:
