@@ -195,7 +195,8 @@ def pipeline_bubble_s(plan: Plan, stage_micro_s: dict[int, float]) -> float:
     the time of a stage that does not set the pace. The slowest stage (the last with its head and loss, or the first
     with its embedding) runs its m micro-batches back to back once the first input reaches it; the fill before that
     and the drain after it are the other stages' forwards and backwards, so its own extra work is paid m times,
-    not m + p - 1 (an event-driven run of the 1F1B order, tests/unit/test_pipeline_schedule.py, agrees).
+    not m + p - 1 (an event-driven run of the 1F1B order, tests/unit/test_pipeline_schedule.py, agrees, and so do
+    Megatron-Core's own schedules timed on CPU ranks, benchmarks/pipeline_schedule_cpu.md).
     `stage_micro_s`: the micro-batch time of each representative stage (toolkit/estimate/memory.py); a middle one
     stands for every rank like it, so when one sets the pace, others like it fill and drain."""
     if plan.pp == 1:
