@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from toolkit.backends import NAMES, backend_of
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
-from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
+from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
 from toolkit.spec.calibration import Calibration
@@ -177,7 +177,7 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
     def attempt(**extra):
         plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings, **extra)
         memory = estimate_memory(model, plan)
-        return (plan, memory) if memory.total <= gpu.memory_bytes else None
+        return (plan, memory) if exceeded(memory, gpu, plan.gpus_per_node) is None else None
 
     if not option.get("block"):
         return attempt()

@@ -35,8 +35,18 @@ class GPU(BaseModel):
     pcie_bw_gbps: float = Field(description="Host <-> device GB/s, unidirectional.")
     gpus_per_node_default: int = 8
     aliases: tuple[str, ...] = ()
+    host_memory_bytes: int | None = Field(None, gt=0, description="RAM of one node for what offload keeps there, when "
+                                                                   "the cluster states it (cluster.host_memory_gb, "
+                                                                   "--host-memory-gb): plans needing more do not fit.")
     host: bool = Field(False, description="The machine running the toolkit (CPU ranks): its peak is a matmul "
                                           "measurement here, shared by the ranks on it, and its memory is its RAM.")
+
+
+def with_host_memory(gpu: GPU, host_memory_gb: float | None) -> GPU:
+    """The GPU with its node's stated RAM (None: unstated, not checked)."""
+    if host_memory_gb is None:
+        return gpu
+    return gpu.model_copy(update={"host_memory_bytes": int(host_memory_gb * 2**30)})
 
 
 def host_memory_bytes() -> int:
