@@ -20,7 +20,12 @@ from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import Plan, divisors, resolve_plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+# Tried after full recomputation on the HF backends, each only where the one before does not fit (they only add time):
+# the MLP and the loss in sequence tiles, then also the checkpointed layer inputs in host memory
+LONG_CONTEXT = (dict(recompute="full", tiled_mlp=True, tiled_loss=True),
+                dict(recompute="full", tiled_mlp=True, tiled_loss=True, offload_activations="cpu"))
 MAX_CP = 16
+MAX_SEQUENCE_SPLIT = 64  # Ulysses or torch context-parallel ranks the HF backends are searched with
 MAX_VPP = 8
 
 
@@ -97,6 +102,16 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
                     yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
 
+def sequence_splits(model: ModelSpec, gpus: int, ulysses: bool) -> list[int]:
+    """Ranks to split a sequence over: powers of two dividing the GPUs; Ulysses' must also split the heads as
+    UlyssesSPAttentionHF asserts (heads divisible, kv heads divisible or dividing)."""
+    sizes = [d for d in divisors(gpus, MAX_SEQUENCE_SPLIT) if d & (d - 1) == 0]
+    if ulysses:
+        kv = model.num_kv_heads
+        sizes = [d for d in sizes if model.num_attention_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+    return sizes
+
+
 def zero_sharding_text(plan) -> str:
     """How a plan shards model states in ZeRO's words (`zero=<stage>`): DeepSpeed's, and Megatron-Core's, whose
     distributed optimizer the planner's label shows."""
@@ -162,7 +177,8 @@ def search(
     return result
 
 
-RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers")
+RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers", "tiled_mlp", "tiled_loss",
+                  "offload_activations")
 
 
 class _NoChoice(Exception):
