@@ -75,6 +75,8 @@ def plan_label(plan: Plan) -> str:
     parts += [f"ep{plan.ep}"] if plan.ep > 1 else []
     parts += backend_of(plan).part("search").label(plan)  # z2 +off-opt; shard8 rep2; +sp +dopt
     parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]
+    parts += [name for name, on in (("+tiled-mlp", plan.tiled_mlp), ("+tiled-loss", plan.tiled_loss),
+                                    ("+off-act", plan.offload_activations != "none")) if on]
     parts += [f"{plan.finetune.method}-r{plan.finetune.r}"] if plan.finetune.peft else []
     return " ".join(parts)
 
