@@ -26,6 +26,7 @@ LONG_CONTEXT = (dict(recompute="full", tiled_mlp=True, tiled_loss=True),
                 dict(recompute="full", tiled_mlp=True, tiled_loss=True, offload_activations="cpu"))
 MAX_CP = 16
 MAX_SEQUENCE_SPLIT = 64  # Ulysses or torch context-parallel ranks the HF backends are searched with
+SEQUENCE_SPLIT_FROM = 32768  # the shortest sequence the HF backends' search splits
 MAX_VPP = 8
 
 
@@ -102,9 +103,13 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
                     yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
 
-def sequence_splits(model: ModelSpec, gpus: int, ulysses: bool) -> list[int]:
+def sequence_splits(model: ModelSpec, gpus: int, ulysses: bool, seq_len: int | None) -> list[int]:
     """Ranks to split a sequence over: powers of two dividing the GPUs; Ulysses' must also split the heads as
-    UlyssesSPAttentionHF asserts (heads divisible, kv heads divisible or dividing)."""
+    UlyssesSPAttentionHF asserts (heads divisible, kv heads divisible or dividing). Below SEQUENCE_SPLIT_FROM tokens
+    (and a length is given: --max-seq-len gives none) only 1: there a split trades data-parallel ranks for exchanges
+    and only ties or loses to the same plan unsplit."""
+    if seq_len is not None and seq_len < SEQUENCE_SPLIT_FROM:
+        return [1]
     sizes = [d for d in divisors(gpus, MAX_SEQUENCE_SPLIT) if d & (d - 1) == 0]
     if ulysses:
         kv = model.num_kv_heads

@@ -18,7 +18,7 @@ def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator
             found.append(dict(zero=3, offload_optimizer="cpu", offload_params="cpu"))
         return found
 
-    for sp in axis("sp", sequence_splits(model, gpus, ulysses=True)):
+    for sp in axis("sp", sequence_splits(model, gpus, ulysses=True, seq_len=fixed.get("seq_len"))):
         for layout in grid_layouts(model, gpus // sp, fixed, axis, axis("tp", [1]), axis("pp", [1]), False, states):
             yield dict(layout, sp=sp)
 

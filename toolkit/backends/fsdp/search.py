@@ -13,7 +13,8 @@ from toolkit.planner.search import LONG_CONTEXT, sequence_splits
 
 
 def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
-    for tp, cp in itertools.product(axis("tp", [1]), axis("cp", sequence_splits(model, gpus, ulysses=False))):
+    cps = sequence_splits(model, gpus, ulysses=False, seq_len=fixed.get("seq_len"))
+    for tp, cp in itertools.product(axis("tp", [1]), axis("cp", cps)):
         if gpus % (tp * cp):  # tensor parallelism is Megatron-Core's here (rules.py)
             continue
         dp = gpus // (tp * cp)
