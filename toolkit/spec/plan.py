@@ -169,10 +169,11 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
     if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem()):
         raise UserInputError(*problem)
+    sizes = "tp x pp x cp" + (" x sp" if p.sp > 1 else "")
     if p.gpus % p.model_parallel:
-        raise UserInputError("--gpus", f"{p.gpus} is not divisible by tp x pp x cp x sp = {p.model_parallel}")
+        raise UserInputError("--gpus", f"{p.gpus} is not divisible by {sizes} = {p.model_parallel}")
     if p.dp != p.gpus // p.model_parallel:
-        raise UserInputError("dp", f"{p.dp} but gpus / (tp x pp x cp x sp) = {p.gpus // p.model_parallel}")
+        raise UserInputError("dp", f"{p.dp} but gpus / ({sizes}) = {p.gpus // p.model_parallel}")
     _check_experts(p, model)
     _check_sequence_split(p, model)
     rules = backend_of(p).part("rules")
