@@ -20,6 +20,7 @@ from toolkit.cli.options import plan_overrides
 from toolkit.numeric import GiB, json_text
 
 if TYPE_CHECKING:
+    from toolkit.planner.max_seq_len import Longest
     from toolkit.spec.prediction import Prediction
 
 
@@ -30,10 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_explain_arguments(parser)
 
 
-def result(args: argparse.Namespace) -> Prediction:
+def result(args: argparse.Namespace) -> Prediction | Longest:
     """What `dmt estimate` says of the model and plan its arguments name (what `--json` prints, and what `dmt explore`
-    answers): the prediction, with training_time and explain when asked for."""
+    answers): the prediction, with training_time and explain when asked for; with --max-seq-len, the longest
+    sequence the plan fits."""
     from toolkit.planner.report import predicted_record
+
+    if args.max_seq_len:
+        return longest(args)
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.plan import resolve_plan
 
@@ -47,7 +52,7 @@ def result(args: argparse.Namespace) -> Prediction:
     return report
 
 
-def longest(args: argparse.Namespace):
+def longest(args: argparse.Namespace) -> Longest:
     """`dmt estimate --max-seq-len`: the longest sequence the options given fit (planner/max_seq_len.py)."""
     from toolkit.planner.max_seq_len import longest_sequence
     from toolkit.spec.model import load_model_spec
@@ -58,14 +63,13 @@ def longest(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_seq_len:
-        found = longest(args)
-        if args.json:
-            print(json_text(found.as_json(), indent=2))
-        else:
-            print(longest_text(found))
-        return 0 if found.plan is not None else 1
     report = result(args)
+    if args.max_seq_len:
+        if args.json:
+            print(json_text(report.as_json(), indent=2))
+        else:
+            print(longest_text(report))
+        return 0 if report.plan is not None else 1
     if args.json:
         print(json_text(report.as_json(), indent=2))
     else:

@@ -85,12 +85,26 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     return PlanOutcome(record, model, gpu, top)
 
 
-def result(args: argparse.Namespace) -> RankedPlans:
-    """What `dmt plan --json` prints (and `dmt explore` answers)."""
+@dataclass(frozen=True)
+class LongestPlans:
+    """What `dmt plan --max-seq-len --json` prints: the plans at their longest sequence, longest first."""
+
+    plans: list[dict]  # label, plan, step_time_s, max_seq_len, limit
+    considered: int
+    fitting: int
+
+    def as_json(self) -> dict:
+        return dict(plans=self.plans, considered=self.considered, fitting=self.fitting)
+
+
+def result(args: argparse.Namespace) -> RankedPlans | LongestPlans:
+    """What `dmt plan --json` prints (and `dmt explore` answers); with --max-seq-len, the longest-sequence ranking."""
+    if args.max_seq_len:
+        return longest_results(args)
     return plan_results(args).record
 
 
-def longest_results(args: argparse.Namespace) -> dict:
+def longest_results(args: argparse.Namespace) -> LongestPlans:
     """`dmt plan --max-seq-len`: the plans at their longest sequence, longest first, then fastest there."""
     from toolkit.cli.common import build_network, calibration_for, check_max_seq_len, plan_gpu
     from toolkit.cli.options import FINETUNE, plan_overrides
@@ -115,7 +129,7 @@ def longest_results(args: argparse.Namespace) -> dict:
     found, considered = longest_plans(model, args.gpus, gpu, network, backends, calibration, **pinned)
     plans = [dict(label=plan_label(c.longest.plan), plan=c.longest.plan.as_dict(), step_time_s=c.step_time_s,
                   **c.longest.as_json()) for c in found[: args.top]]
-    return dict(plans=plans, considered=considered, fitting=len(found))
+    return LongestPlans(plans, considered, len(found))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,14 +138,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_seq_len:
         record = longest_results(args)
         if args.json:
-            print(json_text(record, indent=2))
+            print(json_text(record.as_json(), indent=2))
         else:
-            for rank, p in enumerate(record["plans"], 1):
+            for rank, p in enumerate(record.plans, 1):
                 print(f"{rank:>3}  {p['max_seq_len']:>12,}  {p['step_time_s']:>9.3g} s  {p['label']}  "
                       f"(next: {p['limit']['component']})")
-            print(f"{record['considered']} plans considered, {record['fitting']} fit at 1024 tokens or more; "
+            print(f"{record.considered} plans considered, {record.fitting} fit at 1024 tokens or more; "
                   f"ranked by their longest sequence, then their step time there")
-        return 0 if record["plans"] else 1
+        return 0 if record.plans else 1
     if args.seq_len is None:
         raise UserInputError("--seq-len", "is required (or --max-seq-len, to search for the longest)")
 
