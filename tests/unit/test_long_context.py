@@ -111,3 +111,21 @@ def test_tiled_mlp_keeps_what_deepspeeds_tiledmlp_saves():
     assert estimated[False] - estimated[True] == pytest.approx(plain - tiled, rel=0.10)
     setup = activation_setup(spec, resolve_plan(spec, 1, zero=0, seq_len=seq, tiled_mlp=True))
     assert shards == [mlp_tiles(spec, setup)] * 2
+
+
+@pytest.mark.parametrize("options, over", [
+    (dict(backend="fsdp", cp=2, seq_len=32768), "dp_shard x cp = 4 x 2 = 8"),
+    (dict(backend="deepspeed", sp=2, zero=3, seq_len=32768), "dp x sp = 8"),
+])
+def test_explain_names_the_ranks_the_states_are_sharded_over_with_the_sequence_split(options, over):
+    """--explain says what the memory model divides by: with cp (FSDP2) or sp (ZeRO) the states shard over 8 ranks,
+    not over the 4 of dp_shard or dp, and the saving against one unsplit replica is 1 - 1/8."""
+    from toolkit.estimate.comm import Network
+    from toolkit.estimate.explain import explain_estimate
+    from toolkit.planner.report import predicted_record
+
+    plan = resolve_plan(LLAMA_8B, 8, **options)
+    entries = {e["component"]: e for e in explain_estimate(LLAMA_8B, predicted_record(
+        LLAMA_8B, plan, H100, Network(H100.intra_node_bw_gbps, H100.inter_node_bw_gbps, 8), None))}
+    assert over in entries["gradients"]["difference"] + entries["optimizer"]["rule"]
+    assert entries["optimizer"]["saving_vs_unsharded"] == pytest.approx(1 - 1 / 8)
