@@ -20,7 +20,14 @@ beside `gemm_efficiency`, the curve the step-time model uses (that curve is cali
 throughput, so it sits below the bare GEMM), and runs `dmt health --nproc 1` (NCCL, one rank: the matmul and
 memory checks; no link to measure on one GPU).
 
-Usage: python benchmarks/gpu_check.py --work /tmp/gpu_check --out result.json [--cases NAME ...]
+The long-context check (LONG_CONTEXT_CASES; `--long-context`, under 2 minutes on an H100) runs one forward and
+backward of Llama 3.2 1B at 32K tokens with full recompute, as it is and with DeepSpeed's TiledMLP and
+TiledFusedLogitsLoss (the tile counts the estimate assumes, toolkit/estimate/long_context.py), and puts the peak of
+`torch.cuda.max_memory_allocated()` above the weights beside the estimate's activations, transient terms and
+gradients. Without a GPU it says so and skips.
+
+Usage: python benchmarks/gpu_check.py --work /tmp/gpu_check --out result.json [--cases NAME ...] [--long-context]
+Only the long-context check: --cases --skip-health --skip-gemm --long-context
 benchmarks/gpu_check.md holds a run's figures with the machine named.
 """
 
@@ -50,6 +57,14 @@ CASES = {
     "llama1b-s2048-mb8-zero3": ("llama-3.2-1b", "deepspeed", 2048, 8, 1, 3, "none"),
     "llama1b-megatron-s2048-mb1": ("llama-3.2-1b", "megatron", 2048, 1, 4, None, "none"),
 }
+
+# name -> (preset, seq_len, tiled): Llama 3.2 1B's 128K vocabulary makes the fp32 logits the largest term untiled
+LONG_CONTEXT_CASES = {
+    "llama1b-s32768-full": ("llama-3.2-1b", 32768, False),
+    "llama1b-s32768-full-tiled": ("llama-3.2-1b", 32768, True),
+}
+# the estimate's terms that are not tensors of PyTorch's allocator (the CUDA context) or not the run's (fragmentation)
+OUTSIDE_ALLOCATED = ("cuda_context", "allocator_margin")
 
 
 def recipe_text(name: str, corpus: Path, gpu: str, steps: int) -> str:
@@ -133,6 +148,76 @@ def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:
     return result
 
 
+def long_context_case(name: str) -> dict:
+    """One training forward and backward (no optimizer step) of the case's model on the GPU: the allocator's peak
+    above the weights against the estimate's activations, its transient terms and the gradients as this run keeps
+    them (bf16, the model's dtype; the estimate's fp32 gradients are DeepSpeed's)."""
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from toolkit.estimate.long_context import loss_tiles, mlp_tiles
+    from toolkit.estimate.memory import activation_setup, estimate_memory
+    from toolkit.spec.model import PRESET_DIR, load_model_spec
+    from toolkit.spec.plan import resolve_plan
+
+    preset, seq_len, tiled = LONG_CONTEXT_CASES[name]
+    spec = load_model_spec(preset)
+    plan = resolve_plan(spec, 1, zero=0, seq_len=seq_len, micro_batch=1, recompute="full", tiled_mlp=tiled,
+                        tiled_loss=tiled, gpus_per_node=1)
+    memory = estimate_memory(spec, plan)
+    setup = activation_setup(spec, plan)
+    config = AutoConfig.from_pretrained(PRESET_DIR / f"{preset}.json")
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), device="cuda")
+    mlp_shards = mlp_tiles(spec, setup)
+
+    def tiled_mlp(self, x):  # the patch DeepSpeed's TiledMLP docstring gives for LlamaMLP
+        return TiledMLP.apply(lambda mlp, t: mlp.down_proj(mlp.act_fn(mlp.gate_proj(t)) * mlp.up_proj(t)), self, x,
+                              mlp_shards, [])
+
+    def tiled_loss(hidden, labels):  # TiledFusedLogitsLoss over the shifted labels, as ALST computes the loss
+        def loss_fn(owner, x, y):
+            logits = owner.lm_head(x).float()
+            return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+
+        return TiledFusedLogitsLoss.apply(loss_fn, model, hidden[:, :-1], labels[:, 1:], None,
+                                          loss_tiles(spec, setup), [model.lm_head.weight], "mean")
+
+    original = modeling_llama.LlamaMLP.forward
+    if tiled:
+        modeling_llama.LlamaMLP.forward = tiled_mlp
+    try:
+        torch.cuda.synchronize()
+        weights = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        started = time.time()
+        if tiled:
+            loss = tiled_loss(model.model(input_ids=ids).last_hidden_state, ids)
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        wall_s = time.time() - started
+        peak = torch.cuda.max_memory_allocated() - weights
+    finally:
+        modeling_llama.LlamaMLP.forward = original
+    gradients = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    transients = {k: v for k, v in memory.overhead_detail.items() if k not in OUTSIDE_ALLOCATED}
+    predicted = memory.activations + sum(transients.values()) + gradients
+    del model, loss
+    torch.cuda.empty_cache()
+    return {"case": name, "preset": preset, "seq_len": seq_len, "tiled_mlp": tiled, "tiled_loss": tiled,
+            "mlp_tiles": mlp_shards if tiled else None, "loss_tiles": loss_tiles(spec, setup) if tiled else None,
+            "wall_s": round(wall_s, 2), "measured_peak_above_weights": peak, "run_gradients": gradients,
+            "predicted_activations": memory.activations, "predicted_transients": transients,
+            "predicted_peak_above_weights": predicted, "memory_error": predicted / peak - 1}
+
+
 def gemm_table(gpu_name: str) -> list[dict]:
     import torch
 
@@ -170,11 +255,16 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--skip-health", action="store_true")
     parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--long-context", action="store_true",
+                        help="the long-context check: activation peak with and without DeepSpeed's tiles")
     parser.add_argument("--cross-validate", action="store_true",
                         help="re-predict every case with a calibration fitted on the other cases of its path")
     args = parser.parse_args()
     import torch
 
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here; skipped (it runs on a GPU machine, never in make test)")
+        return 0
     args.work.mkdir(parents=True, exist_ok=True)
     corpus = args.work / "corpus.txt"
     corpus.write_text((REPO / "recipes" / "data" / "tiny_corpus.txt").read_text() * 40)
@@ -193,6 +283,9 @@ def main() -> int:
         report["cases"].append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("estimate",)}, default=str), flush=True)
         args.out.write_text(json.dumps(report, indent=2, default=str))
+    if args.long_context:
+        report["long_context"] = [long_context_case(name) for name in LONG_CONTEXT_CASES]
+        args.out.write_text(json.dumps(report, indent=2, default=str))
     if args.cross_validate:
         from calibration_cpu import leave_one_out
 
@@ -208,6 +301,11 @@ def main() -> int:
     for row in report["gemm"]:
         print(f"gemm h={row['hidden']:>5} tokens={row['tokens']:>5}: {row['tflops']:6.0f} TFLOP/s "
               f"= {row['fraction_of_peak']:.2f} of peak; model {row['model_efficiency']:.2f}")
+    for r in report.get("long_context", []):
+        print(f"{r['case']}: peak above the weights {r['measured_peak_above_weights'] / GiB:.2f} GiB vs predicted "
+              f"{r['predicted_peak_above_weights'] / GiB:.2f} GiB ({r['memory_error']:+.1%}; activations "
+              f"{r['predicted_activations'] / GiB:.2f}, transients {sum(r['predicted_transients'].values()) / GiB:.2f}, "
+              f"gradients {r['run_gradients'] / GiB:.2f}); {r['wall_s']} s")
     for r in report["cases"]:
         if "measured_step_s" in r:
             print(f"{r['case']}: allocated {r['measured_max_allocated'] / GiB:.2f} GiB vs predicted "

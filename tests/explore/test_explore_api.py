@@ -50,6 +50,24 @@ def test_plan_answers_exactly_what_the_cli_prints(client):
     assert none_fit.status_code == 200 and none_fit.json()["plans"] == [] and none_fit.json()["rejected"]
 
 
+def test_max_seq_len_answers_what_the_cli_prints_for_estimate_and_plan(client):
+    """The form's --max-seq-len checkbox asks the verbs' own search (planner/max_seq_len.py), not a copy of it."""
+    estimate = client.post("/api/estimate", json={"model": "llama-3.2-3b", "gpus": 8, "zero": 3, "max_seq_len": True})
+    code, out, _ = cli("estimate", "--model", "llama-3.2-3b", "--gpus", "8", "--zero", "3", "--max-seq-len", "--json")
+    assert estimate.status_code == 200 and code == 0 and estimate.json() == json.loads(out)
+    assert estimate.json()["max_seq_len"] > 0 and estimate.json()["limit"]["seq_len"] > estimate.json()["max_seq_len"]
+    request = {"model": "llama-3.2-3b", "gpus": 8, "global_batch": 8, "backend": "fsdp", "top": 3, "max_seq_len": True}
+    plan = client.post("/api/plan", json=request)
+    code, out, _ = cli("plan", "--model", "llama-3.2-3b", "--gpus", "8", "--global-batch", "8", "--backend", "fsdp",
+                       "--top", "3", "--max-seq-len", "--json")
+    assert plan.status_code == 200 and code == 0 and plan.json() == json.loads(out)
+    lengths = [p["max_seq_len"] for p in plan.json()["plans"]]
+    assert len(lengths) == 3 and lengths == sorted(lengths, reverse=True) and lengths[0] > estimate.json()["max_seq_len"]
+    # with a --seq-len beside it, the CLI's own line, at the seq_len field
+    both = client.post("/api/estimate", json={"model": "llama-3.2-3b", "gpus": 8, "seq_len": 4096, "max_seq_len": True})
+    assert both.status_code == 400 and both.json()["key"] == "seq_len"
+
+
 @pytest.mark.parametrize("request_body, argv, key", [
     ({"model": "llama-3.1-8b", "gpus": 8, "tp": 3}, ["--tp", "3"], "tp"),
     ({"model": "llama-3.1-8b", "gpus": "eight"}, None, "gpus"),

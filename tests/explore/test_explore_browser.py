@@ -83,11 +83,15 @@ def set_field(driver, key, value):
     settle(driver)
 
 
-def cli_json(*argv):
+def cli_verb(verb, *argv):
     out = io.StringIO()
     with redirect_stdout(out):
-        assert main(["estimate", *argv, "--json"]) == 0
+        assert main([verb, *argv, "--json"]) == 0
     return json.loads(out.getvalue())
+
+
+def cli_json(*argv):
+    return cli_verb("estimate", *argv)
 
 
 def bars(driver) -> dict:
@@ -136,6 +140,31 @@ def test_a_plan_that_stops_fitting_changes_the_verdict(page):
     first_miss = int(note.get_attribute("data-first-miss"))
     assert not cli_json("--model", "llama-3.2-3b", "--gpus", "8", "--seq-len", str(first_miss))["fits"]
     assert cli_json("--model", "llama-3.2-3b", "--gpus", "8", "--seq-len", str(first_miss // 2))["fits"]
+    # and, per length, the long-context options of the fastest plan that fits (dmt plan --top 1 at that length)
+    rows = page.find_elements(By.CSS_SELECTOR, "#sweep-options tbody tr")
+    assert [int(r.get_attribute("data-seq-len")) for r in rows] == page.execute_script("return SWEEPS.seq_len")
+    longest_row = rows[-1]
+    best = cli_verb("plan", "--model", "llama-3.2-3b", "--gpus", "8", "--zero", "1", "--global-batch",
+                    str(page.execute_script("return state.report.plan.global_batch")), "--top", "1", "--seq-len",
+                    longest_row.get_attribute("data-seq-len"))["plans"][0]["plan"]
+    used = longest_row.get_attribute("data-options").split(",")
+    assert used and ("sp" in used) == (best["sp"] > 1) and ("cp" in used) == (best["cp"] > 1)
+    assert ("recompute" in used) == (best["recompute"] != "none") and ("tiled_mlp" in used) == best["tiled_mlp"]
+    needed = {li.get_attribute("data-option"): int(li.get_attribute("data-from"))
+              for li in page.find_elements(By.CSS_SELECTOR, "#sweep-options li")}
+    assert set(used) <= set(needed) and all(needed[k] <= int(longest_row.get_attribute("data-seq-len")) for k in used)
+    # the --max-seq-len checkbox answers with dmt estimate --max-seq-len's own number, and ranks plans by length
+    page.find_element(By.CSS_SELECTOR, '#estimate-form [data-control="max_seq_len"]').click()
+    settle(page)
+    longest = cli_json("--model", "llama-3.2-3b", "--gpus", "8", "--zero", "1", "--max-seq-len")
+    assert int(page.find_element(By.ID, "max-seq-len").get_attribute("data-max-seq-len")) == longest["max_seq_len"]
+    assert f"{longest['max_seq_len']:,} tokens" in page.find_element(By.ID, "max-seq-len").text
+    ranked = page.find_elements(By.CSS_SELECTOR, "#plan-table tbody tr")
+    lengths = [int(r.get_attribute("data-max-seq-len")) for r in ranked]
+    assert lengths and lengths == sorted(lengths, reverse=True) and lengths[0] >= longest["max_seq_len"]
+    page.find_element(By.CSS_SELECTOR, '#estimate-form [data-control="max_seq_len"]').click()
+    settle(page)
+    assert page.find_element(By.CSS_SELECTOR, "#plan-table tbody tr").get_attribute("data-max-seq-len") is None
     set_field(page, "seq_len", "4096")
     assert verdict.get_attribute("data-fits") == "true"
 

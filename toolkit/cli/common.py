@@ -19,7 +19,24 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, required: tuple[str, 
                         help="preset name, HF config.json or directory, hub id, or toolkit YAML/JSON spec")
     parser.add_argument("--gpus", type=bounded_int, required=True, help="total GPUs")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help="GPU from the catalogue (default %(default)s)")
+    parser.add_argument("--host-memory-gb", type=positive_float, default=None, metavar="GB",
+                        help="RAM of one node (GiB): plans whose offload needs more do not fit (default: not checked)")
+    parser.add_argument("--max-seq-len", action="store_true",
+                        help="find the longest sequence (a multiple of 1024) that fits, and what stops the next one")
     add_plan_flags(parser, required=required)
+
+
+def plan_gpu(args: argparse.Namespace):
+    """The catalogue's GPU the flags name, with the node RAM --host-memory-gb states."""
+    from toolkit.spec.cluster import get_gpu, with_host_memory
+
+    return with_host_memory(get_gpu(args.gpu), args.host_memory_gb)
+
+
+def check_max_seq_len(args: argparse.Namespace) -> None:
+    """--max-seq-len searches the length: a --seq-len beside it is a contradiction, not a starting point."""
+    if args.max_seq_len and args.seq_len is not None:
+        raise UserInputError("--seq-len", "leave it out with --max-seq-len, which searches the sequence length")
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,8 @@ from toolkit.cli.common import (
     build_network,
     calibration_for,
     calibration_line,
+    check_max_seq_len,
+    plan_gpu,
     sharding_text,
 )
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
@@ -18,6 +20,7 @@ from toolkit.cli.options import plan_overrides
 from toolkit.numeric import GiB, json_text
 
 if TYPE_CHECKING:
+    from toolkit.planner.max_seq_len import Longest
     from toolkit.spec.prediction import Prediction
 
 
@@ -28,15 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_explain_arguments(parser)
 
 
-def result(args: argparse.Namespace) -> Prediction:
+def result(args: argparse.Namespace) -> Prediction | Longest:
     """What `dmt estimate` says of the model and plan its arguments name (what `--json` prints, and what `dmt explore`
-    answers): the prediction, with training_time and explain when asked for."""
+    answers): the prediction, with training_time and explain when asked for; with --max-seq-len, the longest
+    sequence the plan fits."""
     from toolkit.planner.report import predicted_record
-    from toolkit.spec.cluster import get_gpu
+
+    if args.max_seq_len:
+        return longest(args)
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.plan import resolve_plan
 
-    gpu = get_gpu(args.gpu)
+    gpu = plan_gpu(args)
     network = build_network(args, gpu)
     calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
@@ -46,8 +52,24 @@ def result(args: argparse.Namespace) -> Prediction:
     return report
 
 
+def longest(args: argparse.Namespace) -> Longest:
+    """`dmt estimate --max-seq-len`: the longest sequence the options given fit (planner/max_seq_len.py)."""
+    from toolkit.planner.max_seq_len import longest_sequence
+    from toolkit.spec.model import load_model_spec
+
+    check_max_seq_len(args)
+    gpu = plan_gpu(args)
+    return longest_sequence(load_model_spec(args.model), args.gpus, gpu, **plan_overrides(args))
+
+
 def run(args: argparse.Namespace) -> int:
     report = result(args)
+    if args.max_seq_len:
+        if args.json:
+            print(json_text(report.as_json(), indent=2))
+        else:
+            print(longest_text(report))
+        return 0 if report.plan is not None else 1
     if args.json:
         print(json_text(report.as_json(), indent=2))
     else:
@@ -105,3 +127,16 @@ def print_report(report: Prediction) -> None:
     console.print(f"execution path {path.name}: {path.description}, {scale} of the fused kernels' rate{fixed_text} "
                   f"(toolkit/estimate/efficiency.py)")
     console.print(calibration_line(report.calibration))
+
+
+def longest_text(found) -> str:
+    """The --max-seq-len answer in one or two lines."""
+    limit = found.limit
+    if limit["seq_len"] is None:
+        return f"max seq_len: at least {found.max_seq_len:,} (the search stops there)"
+    where = "per node in host RAM" if limit["where"] == "host" else "per GPU"
+    stop = (f"at {limit['seq_len']:,}: {limit['total_bytes'] / GiB:.1f} GiB {where} > {limit['capacity_bytes'] / GiB:.1f} "
+            f"GiB, the largest term {limit['component']} ({limit['bytes'] / GiB:.1f} GiB)")
+    if found.plan is None:
+        return f"max seq_len: none fits; {stop}"
+    return f"max seq_len: {found.max_seq_len:,} tokens\nstops {stop}"

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_plan_arguments(parser, required=("seq_len", "global_batch"))  # any other plan option given is pinned
+    add_plan_arguments(parser, required=("global_batch",))  # any other plan option given is pinned
     parser.add_argument("--backends", default=None, metavar=",".join(NAMES),
                         help="search only these backends (default: all; --backend pins one)")
     parser.add_argument("--top", type=bounded_int, default=10, help="plans to show (default %(default)s)")
@@ -85,13 +85,69 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     return PlanOutcome(record, model, gpu, top)
 
 
-def result(args: argparse.Namespace) -> RankedPlans:
-    """What `dmt plan --json` prints (and `dmt explore` answers)."""
+@dataclass(frozen=True)
+class LongestPlans:
+    """What `dmt plan --max-seq-len --json` prints: the plans at their longest sequence, longest first."""
+
+    plans: list[dict]  # label, plan, step_time_s, max_seq_len, limit
+    considered: int
+    fitting: int
+
+    def as_json(self) -> dict:
+        return dict(plans=self.plans, considered=self.considered, fitting=self.fitting)
+
+
+def result(args: argparse.Namespace) -> RankedPlans | LongestPlans:
+    """What `dmt plan --json` prints (and `dmt explore` answers); with --max-seq-len, the longest-sequence ranking."""
+    if args.max_seq_len:
+        return longest_results(args)
     return plan_results(args).record
+
+
+def longest_results(args: argparse.Namespace) -> LongestPlans:
+    """`dmt plan --max-seq-len`: the plans at their longest sequence, longest first, then fastest there."""
+    from toolkit.cli.common import build_network, calibration_for, check_max_seq_len, plan_gpu
+    from toolkit.cli.options import FINETUNE, plan_overrides
+    from toolkit.planner.max_seq_len import longest_plans
+    from toolkit.planner.report import plan_label
+    from toolkit.spec.model import load_model_spec
+    from toolkit.spec.options import PlanOptions
+    from toolkit.spec.plan import validated
+
+    check_max_seq_len(args)
+    if args.top < 1:
+        raise UserInputError("--top", f"must be at least 1, got {args.top}")
+    pinned = plan_overrides(args)
+    if pinned.get(FINETUNE):
+        raise UserInputError("--max-seq-len", "searches full training plans; leave out the fine-tuning flags")
+    validated(PlanOptions, pinned)
+    gpu = plan_gpu(args)
+    network = build_network(args, gpu)
+    calibration = calibration_for(args.calibration, gpu.name)
+    model = load_model_spec(args.model)
+    backends = _backends(args.backends, pinned.pop("backend", None))
+    found, considered = longest_plans(model, args.gpus, gpu, network, backends, calibration, **pinned)
+    plans = [dict(label=plan_label(c.longest.plan), plan=c.longest.plan.as_dict(), step_time_s=c.step_time_s,
+                  **c.longest.as_json()) for c in found[: args.top]]
+    return LongestPlans(plans, considered, len(found))
 
 
 def run(args: argparse.Namespace) -> int:
     from toolkit.planner.search import why_first_beats_second
+
+    if args.max_seq_len:
+        record = longest_results(args)
+        if args.json:
+            print(json_text(record.as_json(), indent=2))
+        else:
+            for rank, p in enumerate(record.plans, 1):
+                print(f"{rank:>3}  {p['max_seq_len']:>12,}  {p['step_time_s']:>9.3g} s  {p['label']}  "
+                      f"(next: {p['limit']['component']})")
+            print(f"{record.considered} plans considered, {record.fitting} fit at 1024 tokens or more; "
+                  f"ranked by their longest sequence, then their step time there")
+        return 0 if record.plans else 1
+    if args.seq_len is None:
+        raise UserInputError("--seq-len", "is required (or --max-seq-len, to search for the longest)")
 
     if args.plot is not None:  # before the search: a plot that cannot be written is refused at once
         from toolkit.outputs import output_file

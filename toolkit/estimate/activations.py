@@ -46,6 +46,10 @@ class ActivationSetup:
     tp: int = 1
     sequence_parallel: bool = False  # Megatron-Core's: norms, dropout and the checkpointed input split by tp
     cp: int = 1
+    sp: int = 1  # Ulysses: each rank keeps 1/sp of the sequence, and attention runs on heads/sp of the whole sequence
+    tiled_mlp: bool = False  # DeepSpeed's TiledMLP: the MLP keeps only its input; tiles recompute it in backward
+    tiled_loss: bool = False  # DeepSpeed's TiledFusedLogitsLoss: no [s, vocab] logits kept, the input's grad instead
+    offload_activations: bool = False  # checkpointed layer inputs kept in host memory (full recompute)
     hf_activation: str | None = None  # transformers' hidden_act name, when known
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -53,8 +57,7 @@ class ActivationSetup:
     @property
     def tokens(self) -> int:
         """Tokens one rank processes per micro-batch (context parallelism splits the sequence)."""
-        return self.micro_batch * self.seq_len // self.cp
-
+        return self.micro_batch * self.seq_len // (self.cp * self.sp)
 
 def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool = False) -> int:
     """Per token: what a norm keeps plus its output, which the next linear keeps; `megatron`: Megatron-Core's norm
@@ -69,7 +72,7 @@ def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool
     return a * width + 2 * FP32 + a * width  # nn.LayerNorm: input, mean, rstd; output
 
 
-def _mlp_bytes(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetup) -> int:
+def mlp_bytes_per_token(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetup) -> int:
     """Per token, inside the tensor-parallel region (not yet divided by tp)."""
     if not setup.hf_modules and setup.local_layers and spec.gated_mlp:
         # unfused SwiGLU: fc1's output, silu's output, the second half multiplied, and fc2's input (measured on the
@@ -109,7 +112,12 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
             # Megatron recomputes core attention; its checkpoint keeps the inputs: rotated q and k, and v, a view of
             # the fused QKV projection's output, which so stays whole (measured on the local spec)
             return qk_norm + a * (q + kv) + a * (q + 2 * kv) + out
-        if hf and spec.family in HF_FUSED_QKV_SDPA_COPIES:
+        if setup.sp > 1:
+            # Ulysses: the kernel keeps q, k, v after the all-to-all ([s, heads/sp]: as many bytes as [s/sp, heads]);
+            # the sequence-sharded ones go with the all-to-all, which keeps nothing. With fewer kv heads than sp each
+            # rank gets one kv head replicated (UlyssesSPAttentionHF kv_replication_factor)
+            saved_qkv = a * (q + 2 * kv * ulysses_kv_copies(spec, setup.sp))
+        elif hf and spec.family in HF_FUSED_QKV_SDPA_COPIES:
             # v is a view of the fused [q|k|v] output, kept whole; q and k are separate (rotated or made contiguous)
             saved_qkv = a * (q + 2 * kv) + a * (q + kv)
         else:
@@ -123,6 +131,12 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     if setup.attention_dropout > 0:
         probs += MASK * heads * s
     return qk_norm + a * (q + 2 * kv_kept) + probs + out
+
+
+def ulysses_kv_copies(spec: ModelSpec, sp: int) -> float:
+    """How many times the kv heads' bytes per token grow after Ulysses' all-to-all: sp / kv heads when sp exceeds them
+    (each rank then holds one kv head over the whole sequence), else 1."""
+    return max(1.0, sp / spec.num_kv_heads)
 
 
 @lru_cache(maxsize=4096)
@@ -143,12 +157,14 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
         if not local:
             norms -= _norm_bytes(spec, a, h, megatron) - a * h
         mlp = 0
+    elif setup.tiled_mlp and not moe:
+        mlp = 0  # TiledMLP keeps only the MLP's input: the norm's output, counted with the norm
     elif moe:
         k, e = spec.experts_top_k, spec.num_experts
         # router: logits (fp32 softmax output) per expert; each token's hidden copy and MLP per chosen expert
-        mlp = FP32 * e + k * (a * h + _mlp_bytes(spec, a, spec.moe_ffn_hidden_size, setup))
+        mlp = FP32 * e + k * (a * h + mlp_bytes_per_token(spec, a, spec.moe_ffn_hidden_size, setup))
     else:
-        mlp = _mlp_bytes(spec, a, spec.ffn_hidden_size, setup)
+        mlp = mlp_bytes_per_token(spec, a, spec.ffn_hidden_size, setup)
     dropout = 2 * MASK * h if setup.hidden_dropout > 0 else 0
     return norms / norm_split + (_attention_bytes(spec, a, setup) + mlp) / tp + dropout / norm_split
 
@@ -161,6 +177,10 @@ def head_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
             else a * spec.hidden_size)
     if megatron and setup.sequence_parallel:
         norm /= setup.tp
+    if setup.tiled_loss:
+        # TiledFusedLogitsLoss runs backward tile by tile inside forward and keeps the input's gradient (compute dtype)
+        # in place of the norm output lm_head would keep; no logits stay
+        return norm + INDEX
     logits = FP32 * spec.vocab_size / setup.tp  # softmax / log-softmax output in fp32
     return norm + logits + INDEX
 
@@ -208,8 +228,21 @@ def stage_activation_bytes(
         # block method: a chunk's checkpointed layers come first, so by the time backward recomputes one of them the
         # micro-batch's later, fully kept layers (at least as large) have been freed
         working = 0.0
+    if setup.offload_activations and checkpointed:
+        # the checkpointed inputs live in host memory (offloaded_activation_bytes); the one being copied stays
+        kept -= checkpointed_layer_bytes_per_token(spec, setup) * (sum(by_layer[i] for i in checkpointed) - 1)
     kept += embedding_bytes_per_token(spec, setup) * embedding_forwards
     total = (kept + working) * tokens
     if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch
         total += head_bytes_per_token(spec, setup) * tokens
     return int(total)
+
+
+def offloaded_activation_bytes(spec: ModelSpec, setup: ActivationSetup, alive_layers: Sequence[int],
+                               recomputed: Collection[int] | None = None) -> int:
+    """Host bytes of one rank's checkpointed layer inputs with activation offload (0 without it): every checkpointed
+    layer's input but the one in flight, which stage_activation_bytes leaves on the GPU."""
+    if not setup.offload_activations or setup.recompute != "full":
+        return 0
+    count = sum(1 for i in alive_layers if recomputed is None or i in recomputed)
+    return int(checkpointed_layer_bytes_per_token(spec, setup) * max(0, count - 1) * setup.tokens)

@@ -72,8 +72,10 @@ def _explain(plan: Plan) -> ModuleType:
 
 def replica_plan(plan: Plan) -> Plan:
     """The same plan on one data-parallel replica, nothing offloaded: what every parameter costs before ZeRO /
-    distributed-optimizer sharding and offload (experts unsplit, so expert data parallelism is 1 as well)."""
-    return plan.model_copy(update=dict(gpus=plan.model_parallel, dp=1, ep=1, grad_accum=1,
+    distributed-optimizer sharding and offload (experts unsplit, so expert data parallelism is 1 as well; the sequence
+    unsplit, as ZeRO, FSDP2 and the distributed optimizer shard the states over the cp and sp ranks too)."""
+    return plan.model_copy(update=dict(gpus=plan.model_parallel // plan.sequence_split, cp=1, sp=1, dp=1, ep=1,
+                                       grad_accum=1,
                                        global_batch=plan.micro_batch, offload_optimizer="none", offload_params="none",
                                        **_explain(plan).one_replica(plan)))
 

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from toolkit.backends import backend_of
-from toolkit.estimate.activations import ActivationSetup, stage_activation_bytes
+from toolkit.estimate.activations import ActivationSetup, offloaded_activation_bytes, stage_activation_bytes
+from toolkit.estimate.long_context import sequence_working_bytes
 from toolkit.estimate.lora import NF4_BYTES, FinetuneCounts, adapter_activation_bytes, finetune_counts
 from toolkit.estimate.params import ParamCounts, count_params
 from toolkit.estimate.pipeline import peak_forwards
 from toolkit.numeric import GiB
+from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
@@ -141,6 +143,10 @@ def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
         tp=plan.tp,
         sequence_parallel=plan.sequence_parallel,
         cp=plan.cp,
+        sp=plan.sp,
+        tiled_mlp=plan.tiled_mlp,
+        tiled_loss=plan.tiled_loss,
+        offload_activations=plan.offload_activations != "none",
         hf_activation=spec.hf_activation,
         hidden_dropout=spec.hidden_dropout,
         attention_dropout=spec.attention_dropout,
@@ -182,14 +188,16 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
     setup = activation_setup(spec, plan)
     last = stage == plan.pp - 1
     alive, embedding_forwards = alive_forwards(spec, plan, stage)
-    activations = stage_activation_bytes(spec, setup, alive, embedding_forwards, last_stage=last,
-                                         recomputed=recomputed_layers(spec, plan, stage))
+    recomputed = recomputed_layers(spec, plan, stage)
+    activations = stage_activation_bytes(spec, setup, alive, embedding_forwards, last_stage=last, recomputed=recomputed)
+    host += offloaded_activation_bytes(spec, setup, alive, recomputed)
     if plan.finetune.peft and plan.recompute != "full":  # what the adapters' matmuls keep, per alive layer
         activations += int(setup.tokens * sum(adapter_activation_bytes(spec, plan.finetune, i, setup.act_bytes)
                                               for i in alive))
     detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
-    if last:  # gradient of the fp32 logits exists next to the saved ones during the head's backward
+    if last and not plan.tiled_loss:  # gradient of the fp32 logits exists next to the saved ones in the head's backward
         detail["logits_grad"] = FP32 * spec.vocab_size * setup.tokens // plan.tp
+    detail.update(sequence_working_bytes(spec, setup, last))
     step_grads = memory.step_fp32_grads(spec, plan, params)
     if step_grads > activations:  # inside step() activations are freed: only the larger of the two peaks counts
         detail["step_fp32_grads"] = step_grads - activations
@@ -205,6 +213,17 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
         stage=stage,
         params_on_gpu=params.total,
     )
+
+
+def exceeded(memory: MemoryBreakdown, gpu: GPU, gpus_per_node: int) -> tuple[str, int] | None:
+    """What does not fit, as (component, bytes needed): the GPU's memory (`gpu`), or the host's RAM that offload
+    needs on a node (`host`) when the cluster states it (GPU.host_memory_bytes); None when it all fits."""
+    if memory.total > gpu.memory_bytes:
+        return "gpu", memory.total
+    host = memory.host_bytes * gpus_per_node
+    if gpu.host_memory_bytes is not None and host > gpu.host_memory_bytes:
+        return "host", host
+    return None
 
 
 def representative_stages(spec: ModelSpec, plan: Plan) -> list[int]:

@@ -24,6 +24,8 @@ from toolkit.estimate.efficiency import (
     gemm_efficiency,
 )
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
+from toolkit.estimate.activations import ulysses_kv_copies
+from toolkit.estimate.long_context import tile_recompute_forwards
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
@@ -45,7 +47,7 @@ CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score m
 # against ~60% for large GEMMs (toolkit/estimate/efficiency.py). With MFU counted over the full score matrix (PaLM),
 # this also keeps every prediction at or below the GEMM efficiency's share of the peak, whatever the length.
 ATTENTION_KERNEL_EFFICIENCY = 0.5
-STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
+STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
                    "optimizer_s", "offload_s", "fixed_s")
 
 
@@ -54,6 +56,7 @@ class StepTime:
     compute_s: float
     tp_comm_s: float
     cp_comm_s: float
+    sp_comm_s: float  # Ulysses' all-to-alls (DeepSpeed's UlyssesSPAttentionHF), on the critical path
     ep_comm_s: float
     pp_comm_s: float
     bubble_s: float
@@ -93,7 +96,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     gpu, network = calibrated(gpu, network, calibration)
     a = PRECISION_BYTES[plan.precision]
     peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
-    tokens = plan.micro_batch * plan.seq_len // plan.cp  # per rank per micro-batch
+    tokens = plan.micro_batch * plan.seq_len // plan.sequence_split  # per rank per micro-batch
     path = calibrated_path(path or execution_path(plan), calibration)
     efficiency = min(1.0, gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale)
     hbm = hbm_bytes_per_s(gpu)
@@ -113,6 +116,11 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     cp_link = network.link(plan.cp, plan.tp)
     kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
     cp_per_layer = 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
+    # Ulysses: q, k, v to the head-sharded layout before attention and the output back, each again in backward
+    kv_heads = spec.num_kv_heads * ulysses_kv_copies(spec, plan.sp)
+    sp_forward = (network.all_to_all_time(tokens * (spec.num_attention_heads + 2 * kv_heads) * spec.head_dim * a,
+                                          plan.sp, plan.tp)
+                  + network.all_to_all_time(act, plan.sp, plan.tp))
     ep_per_moe_layer = 4 * network.all_to_all_time(act * spec.experts_top_k / plan.tp, plan.ep, plan.tp * plan.cp)
     pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
     p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
@@ -129,12 +137,15 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         recomputed = recomputed_layers(spec, plan, stage)
         work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
         collectives = 0
+        sp_exchanges = 0.0
         for i in layers:
             f = layer_forward_flops(spec, i, plan.seq_len)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
             work += matmul_passes * f.matmul + 3 * (f.attention * attention_work + adapter_forward_flops(spec, ft, i))
             work += again.matmul + again.attention * attention_work
+            work += f.mlp_matmul * tile_recompute_forwards(plan.tiled_mlp)  # TiledMLP's forward again in backward
+            sp_exchanges += 2 + (1 if again.attention else 0)  # forward, backward, and a recomputed forward
             attention += f.attention * attention_work
             memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
@@ -146,14 +157,16 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
         tp_comm = collectives * tp_collective
         pp_comm = pipeline_exchanges(plan, stage) * p2p
-        stages.append((compute + tp_comm + cp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, ep_comm, pp_comm,
-                       stage))
-    micro, compute_micro, tp_comm, cp_comm, ep_comm, pp_comm, _ = max(stages)
+        sp_comm = sp_exchanges * sp_forward
+        stages.append((compute + tp_comm + cp_comm + sp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, sp_comm,
+                       ep_comm, pp_comm, stage))
+    micro, compute_micro, tp_comm, cp_comm, sp_comm, ep_comm, pp_comm, _ = max(stages)
 
     m = plan.grad_accum
     bubble = pipeline_bubble_s(plan, {stage[-1]: stage[0] for stage in stages})
 
     dp_comm, optimizer_s, offload_s = _data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro)
+    offload_s += m * activation_offload_s(spec, plan, gpu, tokens)
     total = m * micro + bubble + dp_comm + optimizer_s + offload_s + path.fixed_step_s
     step_tokens = plan.global_batch * plan.seq_len
     model_flops = useful_flops_per_token(spec, plan) * step_tokens
@@ -162,6 +175,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         compute_s=m * compute_micro,
         tp_comm_s=m * tp_comm,
         cp_comm_s=m * cp_comm,
+        sp_comm_s=m * sp_comm,
         ep_comm_s=m * ep_comm,
         pp_comm_s=m * pp_comm,
         bubble_s=bubble,
@@ -234,6 +248,15 @@ def _data_parallel_and_optimizer(
     trainable = finetune_counts(spec, plan.finetune).adapters if plan.finetune.peft else params.total
     return backend_of(plan).part("timing").data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro,
                                                                       params.total, trainable)
+
+
+def activation_offload_s(spec: ModelSpec, plan: Plan, gpu: GPU, tokens: int) -> float:
+    """Seconds per micro-batch of activation offload: every checkpointed layer input to the host in forward and back
+    before its recomputation, over PCIe (not hidden: the copies wait on the layer that makes or needs them)."""
+    if plan.offload_activations == "none":
+        return 0.0
+    layer_input = tokens * spec.hidden_size * PRECISION_BYTES[plan.precision]
+    return 2 * spec.num_layers / plan.pp * layer_input / (gpu.pcie_bw_gbps * 1e9)
 
 
 def hbm_bytes_per_s(gpu: GPU) -> float:

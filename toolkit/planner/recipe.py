@@ -37,10 +37,10 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
     with recipe_names(given):
         if recipe.plan.auto:
             from toolkit.planner.search import best_plan
-            from toolkit.spec.cluster import get_gpu
+            from toolkit.spec.cluster import get_gpu, with_host_memory
 
             calibration = calibration or recipe_calibration(recipe)
-            plan = best_plan(model, recipe.cluster.gpus, get_gpu(recipe.cluster.gpu), calibration=calibration,
+            plan = best_plan(model, recipe.cluster.gpus, with_host_memory(get_gpu(recipe.cluster.gpu), recipe.cluster.host_memory_gb), calibration=calibration,
                              **options)
         else:
             plan = resolve_plan(model, recipe.cluster.gpus, **options)
@@ -62,9 +62,9 @@ def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration:
     `record` one with more fields (`extra`: plan.json's PlanFile)."""
     from toolkit.estimate.comm import Network
     from toolkit.planner.report import predicted_record
-    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.cluster import get_gpu, with_host_memory
 
-    gpu = get_gpu(recipe.cluster.gpu)
+    gpu = with_host_memory(get_gpu(recipe.cluster.gpu), recipe.cluster.host_memory_gb)
     network = Network.from_catalogue(gpu, recipe.cluster.gpus_per_node)
     return predicted_record(model, plan, gpu, network, calibration, record,
                             model_spec=model.model_dump(mode="json"), **extra)

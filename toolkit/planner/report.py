@@ -7,7 +7,7 @@ from __future__ import annotations
 from toolkit.backends import backend_of
 from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
-from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
+from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.spec.calibration import Calibration
@@ -49,7 +49,7 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
         host_memory_bytes_per_gpu=memory.host_bytes,
         most_loaded_stage=memory.stage,
         params_per_gpu=memory.params_on_gpu,
-        fits=memory.total <= gpu.memory_bytes,
+        fits=exceeded(memory, gpu, plan.gpus_per_node) is None,
         step_time_s=time.total_s,
         tokens_per_s=time.tokens_per_s,
         tflops_per_gpu=time.tflops_per_gpu,
@@ -75,6 +75,8 @@ def plan_label(plan: Plan) -> str:
     parts += [f"ep{plan.ep}"] if plan.ep > 1 else []
     parts += backend_of(plan).part("search").label(plan)  # z2 +off-opt; shard8 rep2; +sp +dopt
     parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]
+    parts += [name for name, on in (("+tiled-mlp", plan.tiled_mlp), ("+tiled-loss", plan.tiled_loss),
+                                    ("+off-act", plan.offload_activations != "none")) if on]
     parts += [f"{plan.finetune.method}-r{plan.finetune.r}"] if plan.finetune.peft else []
     return " ".join(parts)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from toolkit.backends import NAMES, backend_of
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
-from toolkit.estimate.memory import MemoryBreakdown, estimate_memory
+from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
 from toolkit.spec.calibration import Calibration
@@ -20,7 +20,13 @@ from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import Plan, divisors, resolve_plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+# Tried after full recomputation on the HF backends, each only where the one before does not fit (they only add time):
+# the MLP and the loss in sequence tiles, then also the checkpointed layer inputs in host memory
+LONG_CONTEXT = (dict(recompute="full", tiled_mlp=True, tiled_loss=True),
+                dict(recompute="full", tiled_mlp=True, tiled_loss=True, offload_activations="cpu"))
 MAX_CP = 16
+MAX_SEQUENCE_SPLIT = 64  # Ulysses or torch context-parallel ranks the HF backends are searched with
+SEQUENCE_SPLIT_FROM = 32768  # the shortest sequence the HF backends' search splits
 MAX_VPP = 8
 
 
@@ -97,6 +103,20 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
                     yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
 
 
+def sequence_splits(model: ModelSpec, gpus: int, ulysses: bool, seq_len: int | None) -> list[int]:
+    """Ranks to split a sequence over: powers of two dividing the GPUs; Ulysses' must also split the heads as
+    UlyssesSPAttentionHF asserts (heads divisible, kv heads divisible or dividing). Below SEQUENCE_SPLIT_FROM tokens
+    (and a length is given: --max-seq-len gives none) only 1: there a split trades data-parallel ranks for exchanges
+    and only ties or loses to the same plan unsplit."""
+    if seq_len is not None and seq_len < SEQUENCE_SPLIT_FROM:
+        return [1]
+    sizes = [d for d in divisors(gpus, MAX_SEQUENCE_SPLIT) if d & (d - 1) == 0]
+    if ulysses:
+        kv = model.num_kv_heads
+        sizes = [d for d in sizes if model.num_attention_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+    return sizes
+
+
 def zero_sharding_text(plan) -> str:
     """How a plan shards model states in ZeRO's words (`zero=<stage>`): DeepSpeed's, and Megatron-Core's, whose
     distributed optimizer the planner's label shows."""
@@ -162,7 +182,8 @@ def search(
     return result
 
 
-RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers")
+RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers", "tiled_mlp", "tiled_loss",
+                  "offload_activations")
 
 
 class _NoChoice(Exception):
@@ -177,7 +198,7 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
     def attempt(**extra):
         plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings, **extra)
         memory = estimate_memory(model, plan)
-        return (plan, memory) if memory.total <= gpu.memory_bytes else None
+        return (plan, memory) if exceeded(memory, gpu, plan.gpus_per_node) is None else None
 
     if not option.get("block"):
         return attempt()

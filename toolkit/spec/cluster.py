@@ -17,6 +17,7 @@ CATALOGUE = Path(__file__).resolve().parent.parent / "presets" / "gpus.yaml"
 DEFAULT_GPU = "h100-80gb"
 # the peak_tflops key a training precision runs at (fp32 training runs its matmuls in TF32 on tensor cores)
 PEAK_KEY = {"fp8": "fp8", "fp32": "tf32"}
+MAX_HOST_MEMORY_GB = 2**23  # 8 PiB of RAM per node: a byte count that stays an exact integer (2^53)
 
 
 class GPU(BaseModel):
@@ -35,8 +36,21 @@ class GPU(BaseModel):
     pcie_bw_gbps: float = Field(description="Host <-> device GB/s, unidirectional.")
     gpus_per_node_default: int = 8
     aliases: tuple[str, ...] = ()
+    host_memory_bytes: int | None = Field(None, gt=0, description="RAM of one node for what offload keeps there, when "
+                                                                   "the cluster states it (cluster.host_memory_gb, "
+                                                                   "--host-memory-gb): plans needing more do not fit.")
     host: bool = Field(False, description="The machine running the toolkit (CPU ranks): its peak is a matmul "
                                           "measurement here, shared by the ranks on it, and its memory is its RAM.")
+
+
+def with_host_memory(gpu: GPU, host_memory_gb: float | None) -> GPU:
+    """The GPU with its node's stated RAM (None: unstated, not checked)."""
+    if host_memory_gb is None:
+        return gpu
+    if not 0 < host_memory_gb <= MAX_HOST_MEMORY_GB:
+        raise UserInputError("--host-memory-gb", f"must be a number of GiB above 0 and at most {MAX_HOST_MEMORY_GB:,}, "
+                                                 f"got {host_memory_gb!r}")
+    return gpu.model_copy(update={"host_memory_bytes": int(host_memory_gb * 2**30)})
 
 
 def host_memory_bytes() -> int:

@@ -50,12 +50,24 @@ class Plan(PlanOptions):
 
     @property
     def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.tp * self.pp * self.cp * self.sp
+
+    @property
+    def sequence_split(self) -> int:
+        """Ranks one sequence is split over: context-parallel (cp) or Ulysses (sp) ranks; each holds 1/this of it."""
+        return self.cp * self.sp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that hold the same model states: data-parallel x sequence-split ones (ZeRO over DeepSpeed's
+        sequence-data-parallel group, FSDP2 over Accelerate's dp_shard_cp mesh and Megatron-Core's distributed optimizer
+        over dp x cp all shard over them)."""
+        return self.dp * self.sequence_split
 
     @property
     def expert_dp(self) -> int:
         """Data-parallel replicas of each expert (Megatron's expert-data-parallel group, with expert TP = TP)."""
-        return self.dp * self.cp // self.ep
+        return self.data_ranks // self.ep
 
     def as_dict(self) -> dict:
         return self.model_dump(mode="json")  # JSON types (recompute_modules a list), as plan.json stores them
@@ -110,7 +122,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     if values["zero"] is None:  # DeepSpeed's usual start; Megatron and FSDP2 shard their own way
         values["zero"] = backend.default_zero
     # dp and grad_accum as close as the sizes allow: the rules below say what does not divide
-    model_parallel = values["tp"] * values["pp"] * values["cp"]
+    model_parallel = values["tp"] * values["pp"] * values["cp"] * values["sp"]
     dp = max(1, gpus // model_parallel)
     micro = values["micro_batch"]
     global_batch = values["global_batch"] or micro * dp
@@ -157,13 +169,13 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
     if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem()):
         raise UserInputError(*problem)
+    sizes = "tp x pp x cp" + (" x sp" if p.sp > 1 else "")
     if p.gpus % p.model_parallel:
-        raise UserInputError("--gpus", f"{p.gpus} is not divisible by tp x pp x cp = {p.model_parallel}")
+        raise UserInputError("--gpus", f"{p.gpus} is not divisible by {sizes} = {p.model_parallel}")
     if p.dp != p.gpus // p.model_parallel:
-        raise UserInputError("dp", f"{p.dp} but gpus / (tp x pp x cp) = {p.gpus // p.model_parallel}")
+        raise UserInputError("dp", f"{p.dp} but gpus / ({sizes}) = {p.gpus // p.model_parallel}")
     _check_experts(p, model)
-    if p.cp > 1 and p.seq_len % (2 * p.cp):
-        raise UserInputError("--seq-len", f"{p.seq_len} must be divisible by 2 x cp = {2 * p.cp}")
+    _check_sequence_split(p, model)
     rules = backend_of(p).part("rules")
     rules.check(p)
     _check_own_options(p, rules.FOREIGN)
@@ -201,12 +213,36 @@ def _check_experts(p: Plan, model: ModelSpec | None) -> None:
 
 
 
+def _check_sequence_split(p: Plan, model: ModelSpec | None) -> None:
+    """Context parallelism (Megatron-Core, torch's through Accelerate) and Ulysses (DeepSpeed's UlyssesSPAttentionHF)
+    as the libraries assert them."""
+    if p.cp > 1 and p.seq_len % (2 * p.cp):  # both load-balance causal attention over 2 x cp chunks
+        raise UserInputError("--seq-len", f"{p.seq_len} must be divisible by 2 x cp = {2 * p.cp}")
+    if p.sp == 1:
+        return
+    if p.cp > 1:  # accelerate/parallelism_config.py: "CP and SP are mutually exclusive"
+        raise UserInputError("--sp", "Ulysses (--sp) and context parallelism (--cp) are mutually exclusive; set one to 1")
+    heads, kv = (model.num_attention_heads, model.num_kv_heads) if model is not None else (None, None)
+    if heads is not None and heads % p.sp:  # deepspeed/runtime/sequence_parallel/ulysses_sp.py UlyssesSPAttentionHF
+        raise UserInputError("--sp", f"{p.sp} must divide the attention heads ({heads}); valid: "
+                                     f"{', '.join(str(d) for d in divisors(heads) if d > 1 and (kv % d == 0 or d % kv == 0))}")
+    if kv is not None and kv % p.sp and p.sp % kv:
+        raise UserInputError("--sp", f"{p.sp} must divide the kv heads ({kv}) or be a multiple of them")
+    if p.seq_len % p.sp:  # UlyssesSPDataLoaderAdapter: "batch's seqlen isn't divisible by sp-size"
+        raise UserInputError("--seq-len", f"{p.seq_len} must be divisible by sp = {p.sp}")
+    if p.attention == "eager":  # register_with_transformers refuses eager (it needs a 4D mask, which Ulysses drops)
+        raise UserInputError("--attention", "Ulysses (--sp) runs sdpa or flash kernels; eager needs the whole 4D mask")
+
+
 def _check_recompute(p: Plan) -> None:
     """recompute_modules and recompute_num_layers as Megatron-Core's TransformerConfig takes them."""
     if p.recompute_modules and p.recompute != "selective":
         raise UserInputError("--recompute-modules", "applies to --recompute selective only")
     if p.recompute == "selective" and not p.recompute_modules:
         raise UserInputError("--recompute-modules", f"got nothing; valid: a comma list of {', '.join(RECOMPUTE_MODULES)}")
+    if p.offload_activations != "none" and p.recompute != "full":
+        raise UserInputError("--offload-activations", "moves the checkpointed layer inputs to the host: it needs "
+                                                      "--recompute full")
     if p.recompute_num_layers is not None and p.recompute != "full":  # a Megatron-Core option (spec/options.py)
         raise UserInputError("--recompute-num-layers", "applies to --recompute full with --backend megatron "
                                                        "(Megatron-Core's block method)")

@@ -91,6 +91,8 @@ class ClusterSection(_Strict):
     gpu: str = Field(DEFAULT_GPU, description="GPU from the catalogue, for the memory estimate and the planner.")
     nodes: int | None = Field(None, gt=0, description="Defaults to gpus / gpus_per_node, at least 1.")
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
+    host_memory_gb: float | None = Field(None, gt=0, description="RAM of one node in GiB: a plan whose offload (ZeRO, "
+                                                                 "CPUOffloadPolicy, activations) needs more does not fit.")
     calibration: str | None = Field(None, description="A calibration file `dmt calibrate` wrote for cluster.gpu "
                                                       "(relative to the recipe): the plan's predictions use it.")
     k8s: K8sSection = Field(K8sSection(), description="Kubernetes manifests (dmt k8s render, dmt generate).")

@@ -14,7 +14,7 @@ def one_replica(plan: Plan) -> dict:
 
 
 def sharding(plan: Plan) -> str:
-    return f"ZeRO-{plan.zero} over dp = {plan.dp}{experts_sharding(plan)}" if plan.zero else "none (ZeRO-0)"
+    return f"ZeRO-{plan.zero} over dp x sp = {plan.data_ranks}{experts_sharding(plan)}" if plan.zero else "none (ZeRO-0)"
 
 
 def weights(plan: Plan) -> tuple[str | None, str | None]:
@@ -23,7 +23,7 @@ def weights(plan: Plan) -> tuple[str | None, str | None]:
         return None, None
     if plan.offload_params != "none":
         return None, f"ZeRO-3 parameter offload keeps them in {plan.offload_params} memory, not on the GPU"
-    return None, f"ZeRO-3 keeps 1/{plan.dp} of the parameters on each GPU and gathers the rest layer by layer"
+    return None, f"ZeRO-3 keeps 1/{plan.data_ranks} of the parameters on each GPU and gathers the rest layer by layer"
 
 
 def gradients(plan: Plan) -> tuple[str, str]:
@@ -33,10 +33,10 @@ def gradients(plan: Plan) -> tuple[str, str]:
         rule = ("fp32 gradients: DeepSpeed's BF16_Optimizer accumulates into fp32 at ZeRO-0" if fp32
                 else f"gradients in the weights' dtype ({plan.precision})")
         return rule, "bf16 at ZeRO-0 pays 4 B/param, not 2" if fp32 else "same per parameter; nothing partitioned"
-    return (f"16-bit gradient partition: 1/{plan.dp} per GPU from ZeRO-1 on",
+    return (f"16-bit gradient partition: 1/{plan.data_ranks} per GPU from ZeRO-1 on",
             f"the textbook ZeRO-1 partitions only optimizer states; DeepSpeed's ZeRO-1 copies just this rank's "
-            f"gradient partition (contiguous_gradients), as measured, so gradients cost 1/{plan.dp} here"
-            if plan.zero == 1 else f"ZeRO-{plan.zero} partitions gradients over dp = {plan.dp}")
+            f"gradient partition (contiguous_gradients), as measured, so gradients cost 1/{plan.data_ranks} here"
+            if plan.zero == 1 else f"ZeRO-{plan.zero} partitions gradients over dp x sp = {plan.data_ranks}")
 
 
 def optimizer_offloaded(plan: Plan) -> str | None:

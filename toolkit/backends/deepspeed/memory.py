@@ -52,7 +52,7 @@ def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params:
     dense, expert = params.dense, params.expert
     buffers: dict[str, int] = {}
     host = 0
-    dp = plan.dp
+    dp = plan.data_ranks
     partition = dense / dp + expert / max(plan.expert_dp, 1)
     weights = params.total * w
     if plan.zero == 0:
@@ -90,7 +90,7 @@ def _frozen_base_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_
     counts, packed, scales = base.counts, base.packed, base.scales
     adapters = counts.adapters
     buffers: dict[str, int] = {}
-    dp = plan.dp if plan.zero >= 1 else 1
+    dp = plan.data_ranks if plan.zero >= 1 else 1
     opt_bytes = optimizer_bytes(plan.optimizer, plan.precision != "fp32")
     weights = packed + adapters * w + scales
     gradients = adapters * (FP32 if plan.zero == 0 and plan.precision == "bf16" else w) / dp
@@ -106,7 +106,7 @@ def _frozen_base_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_
         # ZeRO-3 casts nothing it did not build under zero.Init: PEFT's adapters on a bf16 base stay in the fp32 it
         # upcasts them to (autocast_adapter_dtype); on a 4-bit base they stay in the compute dtype (measured)
         a = FP32 if plan.finetune.method == "lora" else w
-        weights = (packed + adapters * a) / plan.dp + persistent * w + persistent_adapters * a + scales
+        weights = (packed + adapters * a) / plan.data_ranks + persistent * w + persistent_adapters * a + scales
         buffers["stage3_live_params"] = int(min(DS_STAGE3_MAX_LIVE_PARAMETERS * w, 2 * base.layer_bytes))
         buffers["stage3_prefetch_bucket"] = min(DS_STAGE3_PREFETCH_ELEMENTS, params.total) * w
         buffers["reduce_bucket"] = DS_REDUCE_BUCKET_ELEMENTS * w
@@ -131,5 +131,5 @@ def step_fp32_grads(spec: ModelSpec, plan: Plan, params: StageParams) -> int:
     if plan.offload_optimizer != "none":
         return 0
     if plan.finetune.peft:  # only the adapters have gradients
-        return int(FP32 * finetune_counts(spec, plan.finetune).adapters / plan.dp)
-    return int(FP32 * (params.dense / plan.dp + params.expert / max(plan.expert_dp, 1)))
+        return int(FP32 * finetune_counts(spec, plan.finetune).adapters / plan.data_ranks)
+    return int(FP32 * (params.dense / plan.data_ranks + params.expert / max(plan.expert_dp, 1)))

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 # What a user who set another backend's option reads (the option's own backends are declared in spec/options.py)
 FOREIGN = {
-    "cp": "context parallelism is modelled for --backend megatron only",
+    "cp": "context parallelism on the HF path is FSDP2's (Accelerate's cp_backend torch); with deepspeed split the "
+          "sequence with --sp (Ulysses)",
     "distributed_optimizer": "is a Megatron-Core option; with DeepSpeed use --zero 1",
     "transformer_impl": "is a Megatron-Core option; DeepSpeed trains the HF modules",
 }

@@ -34,7 +34,7 @@ def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: 
                                 params_total: int, trainable: int) -> tuple[float, float, float]:
     """(exposed ZeRO communication, optimizer step, offload transfers) per step, in seconds."""
     a = PRECISION_BYTES[plan.precision]
-    dp_group = plan.dp
+    dp_group = plan.data_ranks
     link = network.link(dp_group, plan.tp)  # tp is innermost
     m = plan.grad_accum
     grads = trainable * a
@@ -58,5 +58,5 @@ def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: 
         offload_s += partition * plan.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE
         optimizer_s = 0.0
     if plan.offload_params != "none":
-        offload_s += 2 * m * params_total * a / plan.dp / (gpu.pcie_bw_gbps * 1e9)
+        offload_s += 2 * m * params_total * a / plan.data_ranks / (gpu.pcie_bw_gbps * 1e9)
     return exposed, optimizer_s, offload_s

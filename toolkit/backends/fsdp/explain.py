@@ -1,10 +1,11 @@
-"""What `dmt estimate --explain` says of FSDP2's own terms: fp32 shards over dp_shard (HSDP replicas), gathered
+"""What `dmt estimate --explain` says of FSDP2's own terms: fp32 shards over dp_shard (x cp; HSDP replicas), gathered
 copies, fp32 gradient shards and CPUOffloadPolicy.
 
 Each function answers one question toolkit/estimate/explain.py asks every backend; None: the common sentence."""
 
 from __future__ import annotations
 
+from toolkit.backends.fsdp.memory import shard_ranks
 from toolkit.spec.plan import Plan
 
 
@@ -13,9 +14,16 @@ def one_replica(plan: Plan) -> dict:
     return dict(dp_shard=1, dp_replicate=1)
 
 
+def sharded_over(plan: Plan) -> str:
+    """The ranks FSDP2 shards over as a sentence names them: dp_shard, or dp_shard x cp (Accelerate's dp_shard_cp
+    mesh) with context parallelism; the count is the memory model's (memory.shard_ranks)."""
+    return f"dp_shard x cp = {plan.dp_shard} x {plan.cp} = {shard_ranks(plan)}" if plan.cp > 1 else \
+        f"dp_shard = {shard_ranks(plan)}"
+
+
 def sharding(plan: Plan) -> str:
     replicas = f", replicated {plan.dp_replicate} times (HSDP)" if plan.dp_replicate > 1 else ""
-    return f"FSDP2 over dp_shard = {plan.dp_shard}{replicas}"
+    return f"FSDP2 over {sharded_over(plan)}{replicas}"
 
 
 def weights(plan: Plan) -> tuple[str | None, str | None]:
@@ -23,15 +31,15 @@ def weights(plan: Plan) -> tuple[str | None, str | None]:
     if plan.offload_params != "none":
         why = "FSDP2's CPUOffloadPolicy keeps the shards in host memory; only gathered copies reach the GPU"
     else:
-        why = (f"FSDP2 keeps a 1/{plan.dp_shard} fp32 shard of every parameter and gathers {plan.precision} copies "
+        why = (f"FSDP2 keeps a 1/{shard_ranks(plan)} fp32 shard of every parameter and gathers {plan.precision} copies "
                f"group by group (fsdp_gathered_params, under overhead)")
     return "fp32 parameters: Accelerate upcasts them for FSDP2 mixed precision", why
 
 
 def gradients(plan: Plan) -> tuple[str, str]:
     """(the rule, why it differs from 16-bit gradients on every GPU)."""
-    return (f"fp32 gradient shards (the fp32 reduce-scatter's output): 1/{plan.dp_shard} per GPU",
-            f"FSDP2 reduce-scatters every micro-batch's gradients in fp32 over dp_shard = {plan.dp_shard}")
+    return (f"fp32 gradient shards (the fp32 reduce-scatter's output): 1/{shard_ranks(plan)} per GPU",
+            f"FSDP2 reduce-scatters every micro-batch's gradients in fp32 over {sharded_over(plan)}")
 
 
 def optimizer_offloaded(plan: Plan) -> str | None:

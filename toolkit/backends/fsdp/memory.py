@@ -50,7 +50,7 @@ def fsdp_groups(counts: ParamCounts, params_total: int, largest_layer: int, tp: 
 
 def fsdp_model_states(plan: Plan, groups: FsdpGroups, optimizer_state_bytes: int) -> ModelStates:
     """(weights, gradients, optimizer, buffers, host bytes) on one GPU; `optimizer_state_bytes` per fp32 parameter."""
-    shard = groups.total / plan.dp_shard
+    shard = groups.total / shard_ranks(plan)
     weights, gradients, optimizer = shard * FP32, shard * FP32, shard * optimizer_state_bytes
     w = PRECISION_BYTES[plan.precision]
     if plan.reshard_after_forward:
@@ -65,6 +65,12 @@ def fsdp_model_states(plan: Plan, groups: FsdpGroups, optimizer_state_bytes: int
         host = int(weights + gradients + optimizer)
         weights = gradients = optimizer = 0
     return int(weights), int(gradients), int(optimizer), buffers, host
+
+
+def shard_ranks(plan: Plan) -> int:
+    """Ranks each parameter is sharded over: dp_shard, times cp with context parallelism (Accelerate's dp_shard_cp
+    mesh dimension, accelerate/parallelism_config.py)."""
+    return plan.dp_shard * plan.cp
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -94,7 +100,7 @@ def _frozen_base_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_
     w = PRECISION_BYTES[plan.precision]
     base = frozen_base(spec, plan, params, layer_params)
     adapters, packed, scales = base.counts.adapters, base.packed, base.scales
-    shard = plan.dp_shard
+    shard = shard_ranks(plan)
     weights, gradients = (packed + adapters * FP32) / shard + scales, adapters * FP32 / shard
     optimizer = adapters * optimizer_bytes(plan.optimizer, master_copy=False) / shard
     groups = fsdp_groups(count_params(spec), params.total, layer_params, plan.tp)

@@ -17,7 +17,7 @@ _NOT_PART = "is not part of the fsdp backend (Accelerate's FSDP2 + HF Trainer); 
 # What a user who set another backend's option reads (the option's own backends are declared in spec/options.py)
 FOREIGN = {
     "zero": "is a DeepSpeed option; FSDP2 shards parameters, gradients and optimizer states over --dp-shard",
-    "cp": f"context parallelism {_NOT_PART}",
+    "sp": "Ulysses (Accelerate's sp_backend deepspeed) needs --backend deepspeed; FSDP2 splits the sequence with --cp",
     "distributed_optimizer": _HF_MODULES,
     "sequence_parallel": _HF_MODULES,
     "transformer_impl": _HF_MODULES,
@@ -65,7 +65,9 @@ def check(p: Plan) -> None:
         raise UserInputError("--optimizer", "8-bit AdamW over FSDP2's DTensor shards is not modelled; use adamw or sgd")
     if p.dp_replicate * p.dp_shard != p.dp:
         raise UserInputError("--dp-shard", f"dp_replicate x dp_shard = {p.dp_replicate} x {p.dp_shard} must equal the "
-                                           f"data-parallel ranks gpus / tp = {p.dp}")
+                                           f"data-parallel ranks gpus / {'(tp x cp)' if p.cp > 1 else 'tp'} = {p.dp}")
+    if p.cp > 1 and p.attention == "eager":  # torch's context_parallel dispatches scaled_dot_product_attention only
+        raise UserInputError("--attention", "torch's context parallelism (--cp) runs sdpa only")
     if p.dp_shard == 1 and p.dp_replicate > 1:  # accelerate/parallelism_config.py: FSDP needs a dp_shard dimension
         raise UserInputError("--dp-replicate", f"{p.dp_replicate} leaves one rank per shard group: FSDP2 has nothing to "
                                                f"shard over (Accelerate refuses dp_shard_size 1 here); lower it so that "

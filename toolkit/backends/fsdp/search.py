@@ -1,33 +1,37 @@
 """What the planner tries for FSDP2: sharding over every data-parallel rank, and HSDP sharding inside a node and
 replicating across nodes (shorter all-gathers on NVLink for one all-reduce of the shards over the network); reshard
 after forward or keep the gathered layers (one all-gather less, more memory); parameters on the GPU or
-CPUOffloadPolicy. Whole-layer recomputation or none."""
+CPUOffloadPolicy; torch context parallelism over powers of two. Whole-layer recomputation or none, then the sequence
+tiles and activation offload (toolkit/planner/search.py LONG_CONTEXT)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
 
+from toolkit.planner.search import LONG_CONTEXT, sequence_splits
+
 
 def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
-    for tp in axis("tp", [1]):  # tensor parallelism is Megatron-Core's here (rules.py)
-        if gpus % tp:
+    cps = sequence_splits(model, gpus, ulysses=False, seq_len=fixed.get("seq_len"))
+    for tp, cp in itertools.product(axis("tp", [1]), axis("cp", cps)):
+        if gpus % (tp * cp):  # tensor parallelism is Megatron-Core's here (rules.py)
             continue
-        dp = gpus // tp
+        dp = gpus // (tp * cp)
         in_node = max(1, gpus_per_node // tp)
         hsdp = in_node > 1 and dp > in_node and dp % in_node == 0  # a shard group must have ranks to shard over
         replicas = axis("dp_replicate", [1, dp // in_node] if hsdp else [1])
         for replicate, reshard, offload in itertools.product(replicas, axis("reshard_after_forward", [True, False]),
                                                              axis("offload_params", ["none", "cpu"])):
-            yield dict(tp=tp, pp=axis("pp", [1])[0], vpp=axis("vpp", [1])[0], cp=axis("cp", [1])[0],
+            yield dict(tp=tp, pp=axis("pp", [1])[0], vpp=axis("vpp", [1])[0], cp=cp,
                        ep=axis("ep", [1])[0], dp_replicate=replicate,
                        dp_shard=fixed.get("dp_shard") or max(1, dp // replicate),
                        reshard_after_forward=reshard, offload_params=offload)
 
 
 def recompute_options() -> list[dict]:
-    """FSDP2 checkpoints whole decoder layers."""
-    return [dict(recompute="none"), dict(recompute="full")]
+    """FSDP2 checkpoints whole decoder layers; past that, the sequence tiles and the checkpoints' offload."""
+    return [dict(recompute="none"), dict(recompute="full"), *LONG_CONTEXT]
 
 
 def label(plan) -> list[str]:

@@ -4,7 +4,7 @@ its memory part (memory.py)."""
 
 from __future__ import annotations
 
-from toolkit.backends.fsdp.memory import FsdpGroups, fsdp_groups
+from toolkit.backends.fsdp.memory import FsdpGroups, fsdp_groups, shard_ranks
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import HF, ExecutionPath
 from toolkit.estimate.memory import FP32
@@ -37,7 +37,7 @@ def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: 
     largest_layer = max(layer.total for layer in counts.layers) // plan.tp
     groups = fsdp_groups(counts, params_total, largest_layer, plan.tp)
     exposed = fsdp_communication(plan, groups, network, compute_micro, trainable / params_total)
-    shard = trainable / plan.dp_shard
+    shard = trainable / shard_ranks(plan)
     if plan.offload_params == "cpu":
         optimizer_s = shard * plan.gpus_per_node / CPU_ADAM_PARAMS_PER_S_PER_NODE
         return exposed, optimizer_s, fsdp_offload_time(plan, groups, gpu.pcie_bw_gbps * 1e9)
@@ -52,15 +52,16 @@ def fsdp_communication(plan: Plan, groups: FsdpGroups, network: Network, compute
     and the last group's reduction, which have nothing to overlap with. `trained_share`: the share of parameters that
     have gradients to reduce (LoRA: the adapters)."""
     a = PRECISION_BYTES[plan.precision]
-    shard_link = network.link(plan.dp_shard, plan.tp)  # TP innermost, then the shard group, then replicas
+    ranks = shard_ranks(plan)
+    shard_link = network.link(ranks, plan.tp)  # TP innermost, then the shard group (x cp), then replicas
     gathers = 1 if not plan.reshard_after_forward else 2
-    layer_gather = collective_time("all_gather", groups.layer * a, plan.dp_shard, shard_link)
-    layer_reduce = collective_time("reduce_scatter", groups.layer * trained_share * FP32, plan.dp_shard, shard_link)
-    comm = gathers * collective_time("all_gather", groups.total * a, plan.dp_shard, shard_link)
-    comm += collective_time("reduce_scatter", groups.total * trained_share * FP32, plan.dp_shard, shard_link)
+    layer_gather = collective_time("all_gather", groups.layer * a, ranks, shard_link)
+    layer_reduce = collective_time("reduce_scatter", groups.layer * trained_share * FP32, ranks, shard_link)
+    comm = gathers * collective_time("all_gather", groups.total * a, ranks, shard_link)
+    comm += collective_time("reduce_scatter", groups.total * trained_share * FP32, ranks, shard_link)
     if plan.dp_replicate > 1:
-        replica_link = network.link(plan.dp_replicate, plan.tp * plan.dp_shard)
-        replica_reduce = collective_time("all_reduce", groups.total * trained_share * FP32 / plan.dp_shard, plan.dp_replicate,
+        replica_link = network.link(plan.dp_replicate, plan.tp * ranks)
+        replica_reduce = collective_time("all_reduce", groups.total * trained_share * FP32 / ranks, plan.dp_replicate,
                                          replica_link)
         comm += replica_reduce
         layer_reduce += replica_reduce * groups.layer / groups.total
@@ -74,5 +75,5 @@ def fsdp_offload_time(plan: Plan, groups: FsdpGroups, pcie_bytes_per_s: float) -
     if plan.offload_params != "cpu":
         return 0.0
     gathers = 1 if not plan.reshard_after_forward else 2
-    shard_bytes = groups.total / plan.dp_shard * FP32
+    shard_bytes = groups.total / shard_ranks(plan) * FP32
     return plan.grad_accum * (gathers + 1) * shard_bytes / pcie_bytes_per_s

@@ -16,6 +16,9 @@ FOREIGN = {
     "zero": "is a DeepSpeed option; with Megatron use --distributed-optimizer",
     "offload_optimizer": "offload is modelled for --backend deepspeed only",
     "offload_params": "offload is modelled for --backend deepspeed only",
+    "sp": "Ulysses is DeepSpeed's; Megatron-Core splits the sequence with --cp",
+    "offload_activations": "Megatron-Core's cpu_offloading refuses recomputation (TransformerConfig); use --recompute "
+                           "full alone, or --backend deepspeed/fsdp",
 }
 
 

@@ -7,6 +7,18 @@ const COMPONENTS = ["weights", "gradients", "optimizer", "activations", "overhea
 const COLORS = {weights: "#4e79a7", gradients: "#f28e2b", optimizer: "#59a14f", activations: "#e15759",
                 overhead: "#9c9c9c", capacity: "#1f2a44", step: "#b07aa1"};
 const PAGE_SET = {explain: true};  // options the page sets itself rather than showing as fields
+// a checkbox that asks the same verb another question (its answer is shown beside the usual one): `dmt estimate
+// --max-seq-len` and `dmt plan --max-seq-len` search the sequence length, so they are sent without --seq-len
+const SEPARATE_ANSWER = "max_seq_len";
+// what a plan does to fit a longer sequence, as the sweep names it: option -> its text in a plan, or null when off
+const LONG_CONTEXT = {
+  recompute: (p) => (p.recompute === "none" ? null : `recompute=${p.recompute}`),
+  tiled_mlp: (p) => (p.tiled_mlp ? "tiled_mlp" : null),
+  tiled_loss: (p) => (p.tiled_loss ? "tiled_loss" : null),
+  offload_activations: (p) => (p.offload_activations === "none" ? null : `offload_activations=${p.offload_activations}`),
+  sp: (p) => (p.sp > 1 ? `sp=${p.sp}` : null),
+  cp: (p) => (p.cp > 1 ? `cp=${p.cp}` : null),
+};
 const FIRST_VALUES = {gpus: "8"};  // a starting value for required options without a default
 const SWEEPS = {
   gpus: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
@@ -15,7 +27,7 @@ const SWEEPS = {
 const FILE_ORDER = ["deepspeed.json", "megatron.yaml", "accelerate.yaml", "slurm.sbatch"];
 
 const state = {setup: null, fields: {estimate: [], plan: []}, planOnly: new Set(), report: null, plans: [],
-               seq: {estimate: 0, plan: 0, sweep: 0}, charts: {}, file: null,
+               seq: {estimate: 0, plan: 0, sweep: 0, longest: 0}, charts: {}, file: null,
                uploads: {}};  // key of a "file" field -> the text of the file chosen (the server never takes a path)
 // what the tests wait on: a change is scheduled, or requests are in flight
 window.explorer = {pending: 0, scheduled: 0, busy() { return this.pending > 0 || this.scheduled > 0; }};
@@ -118,6 +130,7 @@ function estimateRequest() {
   const request = {model: modelValue()};
   for (const field of state.fields.estimate) {
     if (field.key === "model") continue;
+    if (field.key === SEPARATE_ANSWER) continue;
     const value = field.key in PAGE_SET ? PAGE_SET[field.key] : fieldValue($("#estimate-form"), field.key);
     if (value !== null && value !== false) request[field.key] = value;
   }
@@ -127,7 +140,7 @@ function estimateRequest() {
 function planRequest() {
   const request = {model: modelValue()};
   for (const field of state.fields.plan) {
-    if (field.key === "model") continue;
+    if (field.key === "model" || field.key === SEPARATE_ANSWER) continue;
     const form = state.planOnly.has(field.key) ? $("#plan-form") : $("#estimate-form");
     let value = fieldValue(form, field.key);
     if (value === null && field.required && state.report && field.key in state.report.plan) {
@@ -323,6 +336,33 @@ async function refreshEstimate() {
   renderExplain(payload.explain);
 }
 
+// ---- the longest sequence (--max-seq-len): the same request without --seq-len ----
+const asksLongest = () => fieldValue($("#estimate-form"), SEPARATE_ANSWER) === true;
+
+function longestRequest(request) {
+  const {seq_len, explain, train_tokens, ...rest} = request;
+  return {...rest, [SEPARATE_ANSWER]: true};
+}
+
+function limitText(limit) {
+  if (limit.seq_len === null) return "the search stops there";
+  const where = limit.where === "host" ? "per node in host RAM" : "per GPU";
+  return `at ${limit.seq_len.toLocaleString("en-US")}: ${gib(limit.total_bytes)} GiB ${where} > `
+    + `${gib(limit.capacity_bytes)} GiB, largest ${limit.component} ${gib(limit.bytes)} GiB`;
+}
+
+async function refreshLongest() {
+  const box = $("#max-seq-len");
+  const seq = ++state.seq.longest;
+  if (!asksLongest()) { box.hidden = true; box.dataset.maxSeqLen = ""; return; }
+  const {ok, payload} = await api("/api/estimate", longestRequest(estimateRequest()));
+  if (seq !== state.seq.longest) return;
+  box.hidden = false;
+  box.dataset.maxSeqLen = ok ? String(payload.max_seq_len) : "";
+  box.textContent = !ok ? payload.error : payload.max_seq_len === 0 ? `longest sequence: none fits; ${limitText(payload.limit)}`
+    : `longest sequence of this plan: ${payload.max_seq_len.toLocaleString("en-US")} tokens; stops ${limitText(payload.limit)}`;
+}
+
 // ---- the sweep ----
 function clip(reports) {
   const capacity = reports[0].gpu_memory_bytes / GiB;
@@ -377,6 +417,45 @@ async function refreshSweep() {
   };
   if (state.charts.sweep) state.charts.sweep.destroy();
   state.charts.sweep = new Chart($("#sweep-chart"), config);
+  await renderSweepOptions(axis, kept, seq);
+}
+
+// Over sequence lengths: what the fastest plan that fits (`dmt plan`, the options set above pinned) uses at each
+// length, and from which length each option appears in it.
+async function renderSweepOptions(axis, kept, seq) {
+  const box = $("#sweep-options");
+  box.replaceChildren();
+  box.hidden = axis !== "seq_len";
+  if (axis !== "seq_len") return;
+  const base = {...planRequest(), top: 1};
+  delete base.train_tokens;
+  const rows = [];
+  for (const point of kept) {
+    const {ok, payload} = await api("/api/plan", {...base, seq_len: point.value});
+    if (seq !== state.seq.sweep) return;
+    const best = ok && payload.plans.length ? payload.plans[0].plan : null;
+    rows.push({point, best, used: best ? Object.keys(LONG_CONTEXT).filter((k) => LONG_CONTEXT[k](best)) : []});
+  }
+  const from = Object.keys(LONG_CONTEXT).map((key) => [key, rows.find((r) => r.used.includes(key))]).filter(([, r]) => r);
+  box.append(el("div", {class: "note"}, from.length
+    ? "the fastest plan that fits uses " + from.map(([key, r]) => `${key} from ${r.point.label}`).join(", ") + "."
+    : "the fastest plan that fits needs no recompute, tiling, offload, sp or cp at these lengths."));
+  const list = el("ul", {class: "needed"});
+  for (const [key, r] of from) list.append(el("li", {"data-option": key, "data-from": String(r.point.value)},
+                                              `${key}: from ${r.point.label}`));
+  box.append(list);
+  const table = el("table", {class: "numbers"}, el("thead", {}, el("tr", {}, el("th", {}, "seq_len"),
+    el("th", {}, "this plan"), el("th", {}, "fastest plan that fits: long-context options"), el("th", {}, "plan"))));
+  const body = el("tbody");
+  for (const {point, best, used} of rows) {
+    const fits = point.answer.payload.fits;
+    body.append(el("tr", {"data-seq-len": String(point.value), "data-options": used.join(",")},
+      el("td", {class: "num"}, point.label), el("td", {}, fits ? "fits" : "does not fit"),
+      el("td", {}, best ? used.map((k) => LONG_CONTEXT[k](best)).join(", ") || "none" : "no plan fits"),
+      el("td", {class: "note"}, best ? `${best.backend} dp${best.dp} tp${best.tp} pp${best.pp} mb${best.micro_batch}` : "")));
+  }
+  table.append(body);
+  box.append(table);
 }
 
 // ---- ranked plans and their launch files ----
@@ -393,9 +472,11 @@ function planCell(record, key) {
 }
 
 async function refreshPlans() {
-  const payload = await latestAnswer("plan", "/api/plan", planRequest(), $("#plans"), $("#plan-table"),
-                                     $("#plan-error"));
+  const longest = asksLongest();
+  const request = longest ? longestRequest(planRequest()) : planRequest();
+  const payload = await latestAnswer("plan", "/api/plan", request, $("#plans"), $("#plan-table"), $("#plan-error"));
   if (payload === null) return;
+  if (longest) { renderLongestPlans(payload); return; }
   const plans = payload.plans;  // `dmt plan --json`: {plans, rejected, considered, calibration}
   state.plans = plans;
   const timed = plans.some((r) => r.training_time);
@@ -421,6 +502,26 @@ async function refreshPlans() {
   $("#plan-summary").textContent = plans.length
     ? `${plans.length} fastest plans that fit, fastest first (predicted step time).`
     : `no plan fits: more GPUs, a shorter sequence or a smaller global batch (rejected: ${rejected || "none"}).`;
+}
+
+// `dmt plan --max-seq-len --json`: {plans: [{label, plan, step_time_s, max_seq_len, limit}], considered, fitting}
+function renderLongestPlans(payload) {
+  state.plans = [];
+  $("#plan-table thead").replaceChildren(el("tr", {}, ...["#", "max seq_len", "step s", "plan", "what stops the next"]
+    .map((h) => el("th", {class: "num"}, h))));
+  const body = $("#plan-table tbody");
+  body.replaceChildren();
+  payload.plans.forEach((record, i) => {
+    body.append(el("tr", {class: i === 0 ? "best" : null, "data-rank": String(i + 1),
+                          "data-max-seq-len": String(record.max_seq_len)},
+                   el("td", {}, String(i + 1)), el("td", {class: "num"}, record.max_seq_len.toLocaleString("en-US")),
+                   el("td", {class: "num"}, fmt(record.step_time_s)), el("td", {}, record.label),
+                   el("td", {class: "note"}, limitText(record.limit))));
+  });
+  $("#plan-summary").textContent = payload.plans.length
+    ? `${payload.plans.length} plans at their longest sequence, longest first, then fastest there `
+      + `(${payload.considered.toLocaleString("en-US")} considered, ${payload.fitting.toLocaleString("en-US")} fit).`
+    : "no plan fits even 1024 tokens: more GPUs or a smaller model.";
 }
 
 function usePlan(record) {
@@ -503,7 +604,8 @@ function schedule(parts = ["estimate", "plan", "sweep"], delay = 300) {
     scheduledParts.clear();
     try {
       if (run.has("estimate")) await refreshEstimate();  // the plans take the global batch the estimate resolved
-      await Promise.all([run.has("plan") ? refreshPlans() : null, run.has("sweep") ? refreshSweep() : null]);
+      await Promise.all([run.has("plan") ? refreshPlans() : null, run.has("sweep") ? refreshSweep() : null,
+                         run.has("estimate") ? refreshLongest() : null]);
     } finally {
       window.explorer.scheduled--;
     }
