@@ -30,6 +30,7 @@ TransformerImpl = Literal["transformer_engine", "local"]
 Attention = Literal["sdpa", "eager"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
+ActivationOffload = Literal["none", "cpu"]
 
 # the backends an option belongs to (an option without is every backend's), by their registry names
 DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
@@ -54,7 +55,8 @@ class PlanOptions(BaseModel):
     tp: PositiveInt = option(1, "tensor-parallel size")
     pp: PositiveInt = option(1, "pipeline-parallel stages")
     vpp: PositiveInt = option(1, "virtual pipeline stages per rank (Megatron-Core interleaving)")
-    cp: PositiveInt = option(1, "context-parallel size (Megatron-Core)", backends=MEGATRON)
+    cp: PositiveInt = option(1, "context-parallel size (Megatron-Core; FSDP2: torch context parallel through Accelerate's ParallelismConfig cp_size)", backends=MEGATRON + FSDP)
+    sp: PositiveInt = option(1, "Ulysses sequence-parallel degree (DeepSpeed on the HF path: Accelerate's ParallelismConfig sp_size)", backends=DEEPSPEED)
     ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
     zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise",
                                     backends=DEEPSPEED, off=0)
@@ -76,6 +78,9 @@ class PlanOptions(BaseModel):
                                               default_note="micro-batch x dp, no gradient accumulation")
     seq_len: PositiveInt = option(4096, "tokens per sequence", recipe="training.seq_len")
     recompute: Recompute = option("none", "activation recomputation")
+    tiled_mlp: StrictBool = option(False, "compute the MLP in sequence tiles (DeepSpeed's TiledMLP), never holding the whole [seq, ffn] tensor", backends=DEEPSPEED + FSDP)
+    tiled_loss: StrictBool = option(False, "compute logits and loss in sequence tiles (DeepSpeed's TiledFusedLogitsLoss), never holding the whole [seq, vocab] logits", backends=DEEPSPEED + FSDP)
+    offload_activations: ActivationOffload = option("none", "keep checkpointed activations in host memory", backends=DEEPSPEED + FSDP)
     recompute_modules: tuple[RecomputeModule, ...] | None = option(
         None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
         metavar="core_attn,mlp", backends=MEGATRON)

@@ -50,7 +50,8 @@ class Plan(PlanOptions):
 
     @property
     def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
+        """Ranks that share one data-parallel replica's batch: tensor, pipeline, context and Ulysses sequence ranks."""
+        return self.tp * self.pp * self.cp * self.sp
 
     @property
     def expert_dp(self) -> int:
@@ -110,7 +111,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     if values["zero"] is None:  # DeepSpeed's usual start; Megatron and FSDP2 shard their own way
         values["zero"] = backend.default_zero
     # dp and grad_accum as close as the sizes allow: the rules below say what does not divide
-    model_parallel = values["tp"] * values["pp"] * values["cp"]
+    model_parallel = values["tp"] * values["pp"] * values["cp"] * values["sp"]
     dp = max(1, gpus // model_parallel)
     micro = values["micro_batch"]
     global_batch = values["global_batch"] or micro * dp
@@ -158,9 +159,9 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem()):
         raise UserInputError(*problem)
     if p.gpus % p.model_parallel:
-        raise UserInputError("--gpus", f"{p.gpus} is not divisible by tp x pp x cp = {p.model_parallel}")
+        raise UserInputError("--gpus", f"{p.gpus} is not divisible by {_ranks_per_replica(p)} = {p.model_parallel}")
     if p.dp != p.gpus // p.model_parallel:
-        raise UserInputError("dp", f"{p.dp} but gpus / (tp x pp x cp) = {p.gpus // p.model_parallel}")
+        raise UserInputError("dp", f"{p.dp} but gpus / ({_ranks_per_replica(p)}) = {p.gpus // p.model_parallel}")
     _check_experts(p, model)
     if p.cp > 1 and p.seq_len % (2 * p.cp):
         raise UserInputError("--seq-len", f"{p.seq_len} must be divisible by 2 x cp = {2 * p.cp}")
@@ -170,6 +171,10 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     _check_recompute(p)
     _check_batch(p)
     check_finetune(p, model)
+
+
+def _ranks_per_replica(p: Plan) -> str:
+    return "tp x pp x cp x sp" if p.sp > 1 else "tp x pp x cp"
 
 
 def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:

@@ -155,9 +155,9 @@ def read_accelerate_yaml(path: Path, plan: Plan) -> dict:
 
 
 def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan) -> None:
-    from toolkit.validate.accelerate_fsdp import accelerate_plan_view, validate_accelerate_fsdp
+    from toolkit.validate.accelerate_fsdp import accelerate_plan_view
 
-    problems = validate_accelerate_fsdp(config, plan.gpus, trainer)
+    problems = backend_of(plan).part("validate").accelerate_launch(config, plan.gpus, trainer)
     if problems:
         raise UserInputError(str(path), str(problems[0]))
     _check_view(path, accelerate_plan_view(config), plan)

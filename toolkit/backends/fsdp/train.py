@@ -152,10 +152,6 @@ class FsdpPath(HFPath):
             raise UserInputError("--deepspeed", "is a DeepSpeed option; the fsdp backend shards with FSDP2")
         if plan.precision == "fp16":  # what Accelerate would refuse only after the model is built (its grad scaler)
             refuse_fp16_without_gpu()
-        if isinstance(args_dict.get("parallelism_config"), dict):  # HSDP / TP: Accelerate's ParallelismConfig
-            from accelerate import ParallelismConfig
-
-            args_dict["parallelism_config"] = ParallelismConfig(**args_dict["parallelism_config"])
 
     def accelerator_building(self, plan):
         """On CPU ranks an fsdp plan needs Accelerate's FSDP path opened (toolkit/compat/accelerate_seams.py)."""
