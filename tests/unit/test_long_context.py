@@ -146,3 +146,19 @@ def test_a_mismatched_trainer_parallelism_config_is_refused_when_training_reads_
     (tmp_path / "trainer_args.json").write_text(json.dumps(args))
     with pytest.raises(UserInputError, match="trainer_args.parallelism_config"):
         read_generated(tmp_path / "plan.json")
+
+
+def test_heads_that_sp_does_not_divide_are_refused_before_training(tmp_path):
+    """The tiny model has 4 heads and 2 KV heads: sp=4 divides the heads and is a multiple of the KV heads (DeepSpeed
+    replicates them), sp=8 divides no heads; the plan is written either way, training's read refuses it in one line."""
+    from toolkit.validate.generated import read_generated
+
+    for sp in (4, 8):
+        recipe = yaml.safe_load(TINY.read_text())
+        recipe["data"]["train_files"] = [str(TINY.parent / name) for name in recipe["data"]["train_files"]]
+        recipe["cluster"].update(gpus=sp, gpus_per_node=sp)
+        (tmp_path / f"sp{sp}.yaml").write_text(yaml.safe_dump(recipe))
+        _generate(tmp_path / f"sp{sp}.yaml", tmp_path / f"sp{sp}", "--sp", str(sp))
+    assert read_generated(tmp_path / "sp4" / "plan.json").plan.sp == 4
+    with pytest.raises(UserInputError, match="sp 8 must divide the 4 attention heads"):
+        read_generated(tmp_path / "sp8" / "plan.json")

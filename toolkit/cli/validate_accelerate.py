@@ -13,5 +13,8 @@ def run(args: argparse.Namespace, config: dict) -> int:
 
     trainer = read_json(args.trainer_args, "--trainer-args", what="HF TrainingArguments as JSON") \
         if args.trainer_args else None
-    check = validate_accelerate_deepspeed if config.get("distributed_type") == "DEEPSPEED" else validate_accelerate_fsdp
+    # DeepSpeed's accelerate.yaml says nothing to check but its ParallelismConfig (Ulysses); without one it is the
+    # DeepSpeed JSON it names that `dmt validate` checks, as the FSDP check's line says
+    ulysses = config.get("distributed_type") == "DEEPSPEED" and config.get("parallelism_config")
+    check = validate_accelerate_deepspeed if ulysses else validate_accelerate_fsdp
     return report(args, check(config, args.world_size, trainer))

@@ -83,6 +83,16 @@ def _check_plan_against_recipe(plan: Plan, recipe: Recipe, model: ModelSpec, rec
                                                  f"run `dmt generate` again (or change the recipe)")
 
 
+def _check_ulysses_heads(plan: Plan, model: ModelSpec, plan_path: Path) -> None:
+    """DeepSpeed's UlyssesSPAttentionHF splits the heads over the sp ranks: it refuses, once the model is built, heads
+    that sp does not divide and KV heads that neither divide nor are divided by sp (runtime/sequence_parallel/
+    ulysses_sp.py)."""
+    heads, kv_heads = model.num_attention_heads, model.num_kv_heads
+    if plan.sp > 1 and (heads % plan.sp or (kv_heads % plan.sp and plan.sp % kv_heads)):
+        raise UserInputError(f"{plan_path}: plan", f"sp {plan.sp} must divide the {heads} attention heads, and divide "
+                                                   f"or be a multiple of the {kv_heads} KV heads (DeepSpeed's Ulysses)")
+
+
 def _check_view(path: Path, view: dict, plan: Plan) -> None:
     stated = plan.as_dict()
     for name, (key, value) in view.items():
@@ -110,6 +120,7 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
     except UserInputError as exc:
         raise UserInputError(f"{plan_path}: plan", f"{exc.key}: {exc.message}") from None
     _check_plan_against_recipe(plan, recipe, model, record, plan_path)
+    _check_ulysses_heads(plan, model, plan_path)
     directory = plan_path.parent
     contents: dict = {}
     readers = backend_of(plan).part("validate").READERS  # the generated files its training reads
