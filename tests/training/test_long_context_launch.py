@@ -4,12 +4,12 @@ gives the per-step loss and gradient norm of a 1-rank run without any of them, a
 half of every sequence. (Torch context parallel on FSDP2 does not run on CPU: benchmarks/gpu_check.py runs it.)"""
 
 import json
-import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import free_port, tiny_llama_config
-from conftest import BIN, TRAIN, run_logged
+from helpers import ROOT, free_port, run_logged, tiny_llama_config
 from toolkit.backends.long_context import ATTENTION_RECORD_DIR, RECORD_ATTENTION_ENV
 
 pytestmark = pytest.mark.launch
@@ -31,9 +31,9 @@ def reference(variant, tmp_path_factory):
     recipe = variant("sp1", replace={"model": {"config": MODEL}}, training=TRAINING, plan=PLAN,
                      cluster={"gpus": 1, "gpus_per_node": 1})
     root = tmp_path_factory.mktemp("sp1")
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()), str(TRAIN),
-           "--recipe", str(recipe), "--output-dir", str(root / "run")]
-    rc = run_logged(cmd, root / "train.log", {})
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()),
+           str(ROOT / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir", str(root / "run")]
+    rc = run_logged(cmd, root / "train.log", timeout=1800)
     assert rc == 0, (root / "train.log").read_text()[-4000:]
     return root / "run"
 

@@ -175,10 +175,10 @@ def activation_offload(plan):
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
-def record_attention_inputs(model, output_dir: Path, rank: int) -> None:
+def record_attention_inputs(model, attention: str, output_dir: Path, rank: int) -> None:
     """Debug mode (DMT_RECORD_ATTENTION=1): the sequence length each decoder layer's attention receives on this rank,
-    and the attention function it calls (Ulysses puts DeepSpeed's all-to-all wrapper in transformers' registry under
-    the model's own implementation name), written at each forward to attention_inputs/rank<N>.json; what the tests
+    and the attention function it calls (`attention`, the plan's kernels the model was built with: Ulysses puts
+    DeepSpeed's all-to-all wrapper in transformers' registry under that name), written at each forward to attention_inputs/rank<N>.json; what the tests
     read to prove the sequence is split."""
     if os.environ.get(RECORD_ATTENTION_ENV) != "1":
         return
@@ -193,7 +193,7 @@ def record_attention_inputs(model, output_dir: Path, rank: int) -> None:
         if module is first:
             record["forwards"].append([])
         record["forwards"][-1].append(int(states.shape[1]))
-        function = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]  # Ulysses replaces the entry
+        function = ALL_ATTENTION_FUNCTIONS[attention]  # Ulysses replaces the entry of the model's own kernels
         record["attention_function"] = f"{function.__module__}.{function.__qualname__}"
         (directory / f"rank{rank}.json").write_text(json.dumps(record))
 
@@ -210,4 +210,4 @@ def prepare(model, plan, output_dir: Path, rank: int) -> None:
     if plan.tiled_loss:
         tile_loss(model)
         log.info("tiled loss: logits and cross-entropy through DeepSpeed's sequence_tiled_compute")
-    record_attention_inputs(model, output_dir, rank)
+    record_attention_inputs(model, plan.attention, output_dir, rank)
