@@ -85,7 +85,7 @@ def _generate(recipe, out, *flags):
             json.loads((out / "plan.json").read_text())["plan"])
 
 
-def test_ulysses_plan_states_acceleratess_sequence_parallel_config(tmp_path):
+def test_ulysses_plan_states_accelerates_sequence_parallel_config(tmp_path):
     accelerate, trainer, plan = _generate(TINY, tmp_path, "--sp", "2", "--tiled-mlp", "--tiled-loss",
                                           "--offload-activations", "cpu")
     assert plan["sp"] == 2 and plan["dp"] == 1 and plan["tiled_mlp"] and plan["offload_activations"] == "cpu"
