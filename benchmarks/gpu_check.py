@@ -26,7 +26,11 @@ TiledFusedLogitsLoss (the tile counts the estimate assumes, toolkit/estimate/lon
 `torch.cuda.max_memory_allocated()` above the weights beside the estimate's activations, transient terms and
 gradients. Without a GPU it says so and skips.
 
+With `--context-parallel` (2 GPUs or more) it trains an FSDP2 plan with torch context parallel (cp=2) against the
+same plan on one GPU without it and compares the per-step losses: context parallel does not run on CPU ranks.
+
 Usage: python benchmarks/gpu_check.py --work /tmp/gpu_check --out result.json [--cases NAME ...] [--long-context]
+       [--context-parallel]
 Only the long-context check: --cases --skip-health --skip-gemm --long-context
 benchmarks/gpu_check.md holds a run's figures with the machine named.
 """
@@ -218,6 +222,42 @@ def long_context_case(name: str) -> dict:
             "predicted_peak_above_weights": predicted, "memory_error": predicted / peak - 1}
 
 
+# torch context parallel on FSDP2 (plan cp=2) against one rank without it: it cannot run on CPU ranks (torch has no
+# context-parallel attention for CPU SDPA, toolkit/backends/fsdp/train.py), so this is where it is checked
+CONTEXT_PARALLEL_LOSS_TOLERANCE = 2e-2  # bf16 with another reduction order (ring all-gather of keys and values)
+
+
+def context_parallel_case(work: Path, corpus: Path, gpu: str, steps: int) -> dict:
+    """A small Llama trained with plan cp=2 on 2 GPUs and with cp=1 on one: per-step losses within the tolerance."""
+    if __import__("torch").cuda.device_count() < 2:
+        return {"case": "fsdp-context-parallel", "skipped": "needs 2 GPUs (cp=2)"}
+    runs = {}
+    for cp in (1, 2):
+        case_dir = work / f"fsdp-cp{cp}"
+        shutil.rmtree(case_dir, ignore_errors=True)
+        case_dir.mkdir(parents=True)
+        recipe = case_dir / "recipe.yaml"
+        recipe.write_text("\n".join([
+            f"name: fsdp-cp{cp}", "model: {source: llama-3.2-1b}",
+            f"data: {{train_files: [{corpus}], eval_fraction: 0.0, tokenizer: {{vocab_size: 512}}}}",
+            f"cluster: {{gpus: {cp}, gpus_per_node: {cp}, gpu: {gpu}, accelerator: gpu}}",
+            f"training: {{seq_len: 8192, global_batch: 1, max_steps: {steps}, learning_rate: 1.0e-4, logging_steps: 1, "
+            f"save_steps: 0}}",
+            f"plan: {{backend: fsdp, micro_batch: 1, precision: bf16, recompute: full, cp: {cp}}}"]) + "\n")
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cp), "--master_port",
+                   "29512", str(REPO / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir",
+                   str(case_dir / "run")]
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        metrics = case_dir / "run" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+        runs[cp] = {"rc": proc.returncode, "losses": [r["loss"] for r in rows if "loss" in r],
+                    "error": None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-3000:]}
+    pairs = list(zip(runs[1]["losses"], runs[2]["losses"]))
+    worst = max((abs(a - b) / abs(a) for a, b in pairs), default=None)
+    return {"case": "fsdp-context-parallel", "runs": runs, "worst_relative_loss_difference": worst,
+            "equal": worst is not None and len(pairs) == steps and worst <= CONTEXT_PARALLEL_LOSS_TOLERANCE}
+
+
 def gemm_table(gpu_name: str) -> list[dict]:
     import torch
 
@@ -257,6 +297,8 @@ def main() -> int:
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--long-context", action="store_true",
                         help="the long-context check: activation peak with and without DeepSpeed's tiles")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="also train plan cp=2 (FSDP2, torch context parallel) on 2 GPUs against cp=1 on one")
     parser.add_argument("--cross-validate", action="store_true",
                         help="re-predict every case with a calibration fitted on the other cases of its path")
     args = parser.parse_args()
@@ -285,6 +327,10 @@ def main() -> int:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     if args.long_context:
         report["long_context"] = [long_context_case(name) for name in LONG_CONTEXT_CASES]
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+    if args.context_parallel:
+        report["context_parallel"] = context_parallel_case(args.work, corpus, args.gpu, args.steps)
+        print(json.dumps({k: v for k, v in report["context_parallel"].items() if k != "runs"}), flush=True)
         args.out.write_text(json.dumps(report, indent=2, default=str))
     if args.cross_validate:
         from calibration_cpu import leave_one_out

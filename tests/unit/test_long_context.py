@@ -19,9 +19,9 @@ H100 = get_gpu("h100-80gb")
     (16, dict(sp=16), None, None),  # 16 > 8 kv heads and a multiple of them: kv heads replicated
     (8, dict(sp=2, seq_len=4097), "--seq-len", "divisible by sp = 2"),
     (8, dict(sp=2, attention="eager"), "--attention", "eager"),
-    (8, dict(sp=2, backend="fsdp"), "--sp", "needs --backend deepspeed"),
+    (8, dict(sp=2, backend="fsdp"), "--sp", "runs with --backend deepspeed"),
     (8, dict(sp=2, backend="megatron"), "--sp", "Megatron-Core splits the sequence with --cp"),
-    (8, dict(cp=2), "--cp", "with deepspeed split the sequence with --sp"),
+    (8, dict(cp=2), "--cp", "with deepspeed use --sp (Ulysses)"),
     (8, dict(cp=4, backend="fsdp", seq_len=4100), "--seq-len", "2 x cp = 8"),
     (8, dict(cp=2, backend="fsdp", attention="eager"), "--attention", "sdpa only"),
     (8, dict(offload_activations="cpu"), "--offload-activations", "needs --recompute full"),

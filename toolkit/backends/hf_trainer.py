@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from toolkit.backends import BACKENDS, backend_of
+from toolkit.backends import BACKENDS, backend_of, long_context
 from toolkit.backends.hf_callbacks import callbacks_for
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
@@ -98,6 +98,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     else:
         args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
     path.arguments(args_dict, recipe, plan, world, deepspeed_json, generated_deepspeed, resharded)
+    long_context.build_parallelism_config(args_dict)
     configure_wandb(recipe.training.report_to, output_dir)
     args = TrainingArguments(**installed_field_names(args_dict))
     resume_path = path.before_model(recipe, resume_path, output_dir, resharded)
@@ -114,6 +115,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             if args.process_index == 0:
                 tokenizer.save_pretrained(tokenizer_dir)
         train_set, eval_set, collator = training_datasets(recipe, tokenizer, plan.seq_len)
+    if plan.sp > 1:
+        collator = long_context.with_position_ids(collator)
 
     if plan.finetune.peft:  # LoRA / QLoRA adapters on a frozen base (toolkit.backends.peft_model)
         from toolkit.backends.peft_model import finetune_model
@@ -131,6 +134,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         from toolkit.backends.sft_data import keep_examples_apart
 
         keep_examples_apart(model)
+    long_context.prepare(model, plan, output_dir, args.process_index)
     fingerprints = BatchFingerprints()
     metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len))
     guard = TrainerGuard(StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)),
@@ -146,7 +150,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             watch.phase(self.state.global_step + 1, "forward")
             self._guarded = True  # compute_loss also serves evaluation, which the guard does not judge
             try:
-                return super().training_step(model, inputs, num_items_in_batch)
+                with long_context.activation_offload(plan):
+                    return super().training_step(model, inputs, num_items_in_batch)
             finally:
                 self._guarded = False
 
@@ -187,6 +192,9 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             result = super().compute_loss(model, inputs, *args, **kwargs)
             if not getattr(self, "_guarded", False):
                 return result
+            if plan.sp > 1:  # the Ulysses loss's gradient arrives sp times over (long_context.ulysses_gradient)
+                result = (long_context.ulysses_gradient(result[0], plan.sp), *result[1:]) \
+                    if isinstance(result, tuple) else long_context.ulysses_gradient(result, plan.sp)
             watch.phase(self.state.global_step + 1, "backward")  # and, under DeepSpeed, the optimizer step
             items = kwargs.get("num_items_in_batch")
             if isinstance(result, tuple):  # (loss, outputs)

@@ -17,15 +17,27 @@ from toolkit.spec.model import ModelSpec
 LOSS_TILE_BYTES = 1 * GiB
 
 
+def sequence_tiles(tokens: int, hidden_size: int) -> int:
+    """TiledMLP's shards of `tokens`: ceil(tokens / hidden size), the count DeepSpeed's TiledMLP docstring and ALST's
+    patched HF MLP use (runtime/sequence_parallel/ulysses_sp.py), so a tile's [tile, ffn] tensors are about as large
+    as [s, hidden]. Training tiles the MLPs with it (toolkit/backends/long_context.py)."""
+    return max(1, math.ceil(tokens / hidden_size))
+
+
+def loss_tile_count(tokens: int, vocab_size: int, tile_bytes: int = LOSS_TILE_BYTES) -> int:
+    """The logits+loss tiles of `tokens`: as many as keep each tile's fp32 logits near `tile_bytes`. Training tiles
+    the loss with it (toolkit/backends/long_context.py)."""
+    return max(1, math.ceil(tokens * vocab_size * FP32 / tile_bytes))
+
+
 def mlp_tiles(spec: ModelSpec, setup: ActivationSetup) -> int:
-    """TiledMLP's shards of one rank's sequence: ceil(local sequence / hidden size), the count DeepSpeed's TiledMLP
-    docstring and ALST's patched HF MLP use (so a tile's [tile, ffn] tensors are about as large as [s, hidden])."""
-    return max(1, math.ceil(setup.seq_len // (setup.cp * setup.sp) / spec.hidden_size))
+    """TiledMLP's shards of one rank's sequence (sequence_tiles of the local sequence)."""
+    return sequence_tiles(setup.seq_len // (setup.cp * setup.sp), spec.hidden_size)
 
 
 def loss_tiles(spec: ModelSpec, setup: ActivationSetup) -> int:
-    """TiledFusedLogitsLoss's shards: as many as keep each tile's fp32 logits near LOSS_TILE_BYTES."""
-    return max(1, math.ceil(setup.tokens * spec.vocab_size * FP32 / LOSS_TILE_BYTES))
+    """TiledFusedLogitsLoss's shards of one rank's tokens (loss_tile_count)."""
+    return loss_tile_count(setup.tokens, spec.vocab_size)
 
 
 def sequence_working_bytes(spec: ModelSpec, setup: ActivationSetup, last_stage: bool) -> dict[str, int]:

@@ -125,6 +125,11 @@ def deepspeed_config(plan: Plan, training: TrainingSection, options: DeepSpeedSe
         config["zero_allow_untested_optimizer"] = True
     config.update(scheduler=_scheduler(training), steps_per_print=max(1, training.logging_steps),
                   wall_clock_breakdown=False)
+    if plan.sp > 1:  # what DeepSpeedConfig divides the world by where no mpu is given (HF's zero.Init of ZeRO-3)
+        config["sequence_parallel_size"] = plan.sp
+        # HF's config check counts every rank as data-parallel (world x micro x accumulation); Accelerate then sets
+        # micro x accumulation x dp, the plan's global batch, just before deepspeed.initialize (accelerator.py)
+        config["train_batch_size"] = "auto"
     if options is not None and options.auto_values:
         _set_auto(config)
     return config

@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from toolkit.errors import UserInputError
+from toolkit.generate.parallelism import yaml_section
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
@@ -56,11 +57,20 @@ def trainer_fsdp_config(settings: dict) -> dict:
     return config
 
 
-def parallelism_sizes(plan: Plan) -> dict[str, int] | None:
-    """Accelerate's ParallelismConfig sizes where a 1-D FSDP mesh over every rank is not the plan (HSDP, TP)."""
-    if plan.dp_replicate == 1 and plan.tp == 1:
+# torch context parallel's exchange of keys and values (Accelerate's TorchContextParallelConfig default: all-gather)
+CP_COMM_STRATEGY = "allgather"
+
+
+def parallelism_sizes(plan: Plan) -> dict | None:
+    """Accelerate's ParallelismConfig arguments where a 1-D FSDP mesh over every rank is not the plan (HSDP, TP, torch
+    context parallel over cp ranks, which FSDP2 shards over together with dp_shard)."""
+    if plan.dp_replicate == 1 and plan.tp == 1 and plan.cp == 1:
         return None
-    return {"dp_replicate_size": plan.dp_replicate, "dp_shard_size": plan.dp_shard, "tp_size": plan.tp, "cp_size": 1}
+    sizes = {"dp_replicate_size": plan.dp_replicate, "dp_shard_size": plan.dp_shard, "tp_size": plan.tp,
+             "cp_size": plan.cp}
+    if plan.cp > 1:
+        sizes.update(cp_backend="torch", cp_comm_strategy=CP_COMM_STRATEGY)
+    return sizes
 
 
 def accelerate_fsdp_config(recipe: Recipe, plan: Plan, layer_classes: list[str]) -> dict:
@@ -81,7 +91,7 @@ def accelerate_fsdp_config(recipe: Recipe, plan: Plan, layer_classes: list[str])
     }
     sizes = parallelism_sizes(plan)
     if sizes:
-        config["parallelism_config"] = {f"parallelism_config_{name}": size for name, size in sizes.items()}
+        config["parallelism_config"] = yaml_section(sizes)
     return config
 
 

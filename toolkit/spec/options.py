@@ -80,6 +80,9 @@ class PlanOptions(BaseModel):
                                               default_note="micro-batch x dp, no gradient accumulation")
     seq_len: PositiveInt = option(4096, "tokens per sequence", recipe="training.seq_len")
     recompute: Recompute = option("none", "activation recomputation")
+    tiled_mlp: StrictBool = option(False, "compute the MLP in sequence tiles (DeepSpeed's TiledMLP), never holding the whole [seq, ffn] tensor", backends=DEEPSPEED + FSDP)
+    tiled_loss: StrictBool = option(False, "compute logits and loss in sequence tiles (DeepSpeed's TiledFusedLogitsLoss), never holding the whole [seq, vocab] logits", backends=DEEPSPEED + FSDP)
+    offload_activations: ActivationOffload = option("none", "keep checkpointed activations in host memory", backends=DEEPSPEED + FSDP)
     recompute_modules: tuple[RecomputeModule, ...] | None = option(
         None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
         metavar="core_attn,mlp", backends=MEGATRON)

@@ -175,7 +175,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     if p.dp != p.gpus // p.model_parallel:
         raise UserInputError("dp", f"{p.dp} but gpus / ({sizes}) = {p.gpus // p.model_parallel}")
     _check_experts(p, model)
-    _check_sequence_split(p, model)
+    check_sequence_split(p, model)
     rules = backend_of(p).part("rules")
     rules.check(p)
     _check_own_options(p, rules.FOREIGN)
@@ -208,12 +208,7 @@ def _check_experts(p: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--ep", f"{p.ep} must divide dp x cp = {p.dp * p.cp}")
 
 
-
-
-
-
-
-def _check_sequence_split(p: Plan, model: ModelSpec | None) -> None:
+def check_sequence_split(p: Plan, model: ModelSpec | None) -> None:
     """Context parallelism (Megatron-Core, torch's through Accelerate) and Ulysses (DeepSpeed's UlyssesSPAttentionHF)
     as the libraries assert them."""
     if p.cp > 1 and p.seq_len % (2 * p.cp):  # both load-balance causal attention over 2 x cp chunks

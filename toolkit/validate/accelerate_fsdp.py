@@ -82,7 +82,7 @@ def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None
     return problems
 
 
-def validate_accelerate_deepspeed(config: dict, world_size: int) -> list[Problem]:
+def validate_accelerate_deepspeed(config: dict, world_size: int, trainer: dict | None = None) -> list[Problem]:
     """An accelerate.yaml for `accelerate launch` of DeepSpeed's HF path: Accelerate's keys with distributed_type
     DEEPSPEED and the job's process count."""
     if not isinstance(config, dict):
@@ -91,7 +91,10 @@ def validate_accelerate_deepspeed(config: dict, world_size: int) -> list[Problem
     if kind != "DEEPSPEED":
         problems.append(Problem("distributed_type", f"is {kind}; the deepspeed backend launches with DEEPSPEED "
                                                     f"(regenerate it with `dmt generate`)"))
-    return problems + _sizes(config, world_size)
+    problems += _sizes(config, world_size, fsdp=False)
+    if trainer is not None:
+        problems += _parallelism_against_trainer(config, trainer)
+    return problems
 
 
 def _fsdp_keys(fsdp: dict) -> list[Problem]:
@@ -121,14 +124,14 @@ def _fsdp_keys(fsdp: dict) -> list[Problem]:
 
 
 def parallel_sizes(config: dict) -> dict[str, int]:
-    """dp_replicate / dp_shard / tp / cp sizes of parallelism_config (1 where absent; dp_shard: every process)."""
+    """dp_replicate / dp_shard / tp / cp / sp sizes of parallelism_config (1 where absent; dp_shard: every process)."""
     section = config.get("parallelism_config") or {}
-    sizes = {name: section.get(f"parallelism_config_{name}_size", 1) for name in ("dp_replicate", "tp", "cp")}
+    sizes = {name: section.get(f"parallelism_config_{name}_size", 1) for name in ("dp_replicate", "tp", "cp", "sp")}
     sizes["dp_shard"] = section.get("parallelism_config_dp_shard_size", None)
     return sizes
 
 
-def _sizes(config: dict, world_size: int) -> list[Problem]:
+def _sizes(config: dict, world_size: int, fsdp: bool = True) -> list[Problem]:
     problems = []
     processes = config.get("num_processes")
     if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int)):
@@ -149,22 +152,36 @@ def _sizes(config: dict, world_size: int) -> list[Problem]:
     if bad:
         return problems + [Problem(f"parallelism_config.parallelism_config_{bad[0]}_size", "must be a positive "
                                                                                            "integer")]
-    total = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"] * sizes["cp"]
+    total = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"] * sizes["cp"] * sizes["sp"]
     if total != world_size:
-        problems.append(Problem("parallelism_config", f"dp_replicate x dp_shard x tp x cp = {sizes['dp_replicate']} x "
-                                                      f"{sizes['dp_shard']} x {sizes['tp']} x {sizes['cp']} = {total}, "
-                                                      f"the world size is {world_size}"))
-    if sizes["dp_shard"] == 1 and sizes["cp"] == 1:  # accelerate/parallelism_config.py _validate_accelerator
+        named = "dp_replicate x dp_shard x tp x cp" + (" x sp" if sizes["sp"] > 1 else "")
+        values = " x ".join(str(sizes[name]) for name in named.split(" x "))
+        problems.append(Problem("parallelism_config", f"{named} = {values} = {total}, the world size is {world_size}"))
+    if fsdp and sizes["dp_shard"] == 1 and sizes["cp"] == 1:  # accelerate/parallelism_config.py _validate_accelerator
         problems.append(Problem("parallelism_config.parallelism_config_dp_shard_size",
                                 "is 1: FSDP has no dimension to shard across (Accelerate refuses it at launch); "
                                 "shard over at least 2 ranks"))
-    try:
-        from accelerate import ParallelismConfig
-
-        ParallelismConfig(**{f"{name}_size": size for name, size in sizes.items()})
-    except ValueError as exc:
-        problems.append(Problem("parallelism_config", str(exc).splitlines()[0]))
+    if not fsdp and sizes["cp"] > 1:  # accelerate/state.py: cp_size > 1 needs an FSDP2 plugin
+        problems.append(Problem("parallelism_config.parallelism_config_cp_size",
+                                f"is {sizes['cp']}: torch context parallel runs under FSDP2 only (Accelerate refuses "
+                                f"it without an fsdp_plugin); with DeepSpeed use parallelism_config_sp_size (Ulysses)"))
+    problems += _library_config(section)
     return problems
+
+
+def _library_config(section: dict) -> list[Problem]:
+    """Accelerate's own ParallelismConfig (and its sequence- or context-parallel handler) built from the section."""
+    from toolkit.generate.parallelism import from_yaml_section, parallelism_config
+
+    with _environment_kept():  # the classes read PARALLELISM_CONFIG_* variables for what is not given
+        for name in [n for n in os.environ if n.startswith("PARALLELISM_CONFIG_")]:
+            del os.environ[name]
+        try:
+            parallelism_config(from_yaml_section(section))
+        except (ValueError, TypeError) as exc:
+            return [Problem("parallelism_config", f"Accelerate's ParallelismConfig refuses it: "
+                                                  f"{str(exc).splitlines()[0]}")]
+    return []
 
 
 def _against_trainer(config: dict, fsdp: dict, trainer: dict) -> list[Problem]:
@@ -192,14 +209,21 @@ def _against_trainer(config: dict, fsdp: dict, trainer: dict) -> list[Problem]:
             yaml_key = next(k for k, v in SETTING_KEYS.items() if v == key)
             problems.append(Problem(f"trainer_args.fsdp_config.{key}", f"is {stated.get(key)!r} but accelerate.yaml's "
                                                                        f"{yaml_key} is {value!r}; make them the same"))
+    return problems + _parallelism_against_trainer(config, trainer)
+
+
+def _parallelism_against_trainer(config: dict, trainer: dict) -> list[Problem]:
+    """The Trainer builds its Accelerator from trainer_args' parallelism_config: it must say what accelerate.yaml says."""
+    from toolkit.generate.parallelism import from_yaml_section
+
     sizes = {f"{name}_size": size for name, size in parallel_sizes(config).items()}
+    stated = {**sizes, **from_yaml_section(config.get("parallelism_config") or {})}
     theirs = trainer.get("parallelism_config") or {}
-    if (config.get("parallelism_config") or theirs) and any(theirs.get(k, 1) != v for k, v in sizes.items()
-                                                            if v is not None):
-        problems.append(Problem("trainer_args.parallelism_config", f"is {theirs or 'absent'} but accelerate.yaml's "
-                                                                   f"parallelism_config gives {sizes}; make them "
-                                                                   f"the same"))
-    return problems
+    if (config.get("parallelism_config") or theirs) and any(theirs.get(k, 1 if k in sizes else None) != v
+                                                            for k, v in stated.items() if v is not None):
+        return [Problem("trainer_args.parallelism_config", f"is {theirs or 'absent'} but accelerate.yaml's "
+                                                           f"parallelism_config gives {stated}; make them the same")]
+    return []
 
 
 def _normal(value):
@@ -244,7 +268,8 @@ def _environment_kept():
 
 
 def accelerate_plan_view(config: dict) -> dict[str, tuple[str, object]]:
-    """The plan options an FSDP accelerate.yaml states: option -> (its key, its value)."""
+    """The plan options an accelerate.yaml (FSDP2's, or DeepSpeed's with Ulysses) states: option -> (its key, its
+    value)."""
     fsdp = {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in (config.get("fsdp_config") or {}).items()}
     precisions = {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}
     view = {"backend": ("distributed_type", "fsdp" if config.get("distributed_type") == "FSDP" else
@@ -260,6 +285,9 @@ def accelerate_plan_view(config: dict) -> dict[str, tuple[str, object]]:
             view[name] = (f"fsdp_config.{key}", convert(fsdp[key]))
     if config.get("parallelism_config"):
         sizes = parallel_sizes(config)
-        for name in ("dp_replicate", "dp_shard", "tp"):
-            view[name] = (f"parallelism_config.parallelism_config_{name}_size", sizes[name])
+        # under DeepSpeed, ZeRO's data-parallel ranks are Accelerate's dp_shard ones (no FSDP2 shard groups)
+        options = {"dp_shard": "dp", "sp": "sp"} if config.get("distributed_type") == "DEEPSPEED" else \
+            {name: name for name in ("dp_replicate", "dp_shard", "tp", "cp")}
+        for name, option in options.items():
+            view[option] = (f"parallelism_config.parallelism_config_{name}_size", sizes[name])
     return {name: (key, value) for name, (key, value) in view.items() if value is not None}

@@ -155,11 +155,19 @@ def _dtype_names(config: dict) -> list[Problem]:
     return []
 
 
-def _batch_rule(config: dict, world_size: int, pp: int) -> list[Problem]:
+def _ranks_per_replica(config: dict, pp: int) -> tuple[int, str]:
+    """(ranks sharing one data-parallel replica's batch, how they multiply): AutoTP, pipeline and Ulysses ranks."""
     tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    if world_size % (tp * pp):
-        return [Problem("--world-size", f"{world_size} is not divisible by tp x pp = {tp * pp}")]
-    dp = world_size // (tp * pp)
+    sp = config.get("sequence_parallel_size", 1)
+    sp = sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 0 else 1
+    return tp * pp * sp, ("tp x pp x sp" if sp > 1 else "tp x pp")
+
+
+def _batch_rule(config: dict, world_size: int, pp: int) -> list[Problem]:
+    replica, named = _ranks_per_replica(config, pp)
+    if world_size % replica:
+        return [Problem("--world-size", f"{world_size} is not divisible by {named} = {replica}")]
+    dp = world_size // replica
     train = config.get("train_batch_size")
     micro = config.get("train_micro_batch_size_per_gpu")
     accum = config.get("gradient_accumulation_steps", 1 if train is None or micro is None else None)
@@ -239,6 +247,7 @@ def deepspeed_plan_view(config: dict) -> dict[str, tuple[str, object]]:
         "grad_accum": ("gradient_accumulation_steps", config.get("gradient_accumulation_steps")),
         "global_batch": ("train_batch_size", config.get("train_batch_size")),
         "tp": ("tensor_parallel.autotp_size", int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)),
+        "sp": ("sequence_parallel_size", config.get("sequence_parallel_size", 1)),
         "offload_optimizer": ("zero_optimization.offload_optimizer.device",
                               offload["offload_optimizer"].get("device", "none")),
         "offload_params": ("zero_optimization.offload_param.device", offload["offload_params"].get("device", "none")),
@@ -257,7 +266,7 @@ def memory_problem(config: dict, model, gpu, world_size: int, seq_len: int, reco
 
     options = {name: value for name, (_, value) in deepspeed_plan_view(config).items() if name != "grad_accum"}
     if "micro_batch" not in options:  # DeepSpeed derives it: train_batch_size / (accumulation x dp)
-        dp = max(1, world_size // (options.get("tp", 1) * pp))
+        dp = max(1, world_size // _ranks_per_replica(config, pp)[0])
         options["micro_batch"] = max(1, config.get("train_batch_size", 1) // (config.get("gradient_accumulation_steps", 1) * dp))
     plan = resolve_plan(model, world_size, **{**options, "backend": "deepspeed"}, seq_len=seq_len, pp=pp,
                         recompute=recompute)
@@ -279,8 +288,7 @@ def validate_deepspeed_config(config: dict, world_size: int, pp: int = 1, traine
     bad_batch = _batch_values(config)
     if bad_batch:  # the batch arithmetic below needs numbers
         return problems + bad_batch
-    tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    dp = max(1, world_size // (tp * pp))
+    dp = max(1, world_size // _ranks_per_replica(config, pp)[0])
     if trainer_args is not None:
         problems += trainer_problems(config, trainer_args, dp, config_path)
         if not isinstance(trainer_args, dict):

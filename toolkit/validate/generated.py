@@ -16,7 +16,7 @@ from toolkit.errors import UserInputError
 from toolkit.generate.files import PLAN_FILE, recipe_settings
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.model import ModelSpec
-from toolkit.spec.plan import Plan, finetune_options, validated
+from toolkit.spec.plan import Plan, check_sequence_split, finetune_options, validated
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
 
 
@@ -110,6 +110,7 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
     except UserInputError as exc:
         raise UserInputError(f"{plan_path}: plan", f"{exc.key}: {exc.message}") from None
     _check_plan_against_recipe(plan, recipe, model, record, plan_path)
+    check_sequence_split(plan, model)  # DeepSpeed's Ulysses refuses these heads only once the model is built
     directory = plan_path.parent
     contents: dict = {}
     readers = backend_of(plan).part("validate").READERS  # the generated files its training reads
@@ -155,9 +156,9 @@ def read_accelerate_yaml(path: Path, plan: Plan) -> dict:
 
 
 def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan) -> None:
-    from toolkit.validate.accelerate_fsdp import accelerate_plan_view, validate_accelerate_fsdp
+    from toolkit.validate.accelerate_fsdp import accelerate_plan_view
 
-    problems = validate_accelerate_fsdp(config, plan.gpus, trainer)
+    problems = backend_of(plan).part("validate").accelerate_launch(config, plan.gpus, trainer)
     if problems:
         raise UserInputError(str(path), str(problems[0]))
     _check_view(path, accelerate_plan_view(config), plan)

@@ -11,8 +11,7 @@ if TYPE_CHECKING:
 
 # What a user who set another backend's option reads (the option's own backends are declared in spec/options.py)
 FOREIGN = {
-    "cp": "context parallelism on the HF path is FSDP2's (Accelerate's cp_backend torch); with deepspeed split the "
-          "sequence with --sp (Ulysses)",
+    "cp": "context parallelism runs with --backend megatron or fsdp; with deepspeed use --sp (Ulysses)",
     "distributed_optimizer": "is a Megatron-Core option; with DeepSpeed use --zero 1",
     "transformer_impl": "is a Megatron-Core option; DeepSpeed trains the HF modules",
 }

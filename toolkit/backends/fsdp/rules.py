@@ -17,7 +17,8 @@ _NOT_PART = "is not part of the fsdp backend (Accelerate's FSDP2 + HF Trainer); 
 # What a user who set another backend's option reads (the option's own backends are declared in spec/options.py)
 FOREIGN = {
     "zero": "is a DeepSpeed option; FSDP2 shards parameters, gradients and optimizer states over --dp-shard",
-    "sp": "Ulysses (Accelerate's sp_backend deepspeed) needs --backend deepspeed; FSDP2 splits the sequence with --cp",
+    "sp": "Ulysses sequence parallelism runs with --backend deepspeed (Accelerate's sp_backend is deepspeed); with "
+          "fsdp use --cp (torch context parallel)",
     "distributed_optimizer": _HF_MODULES,
     "sequence_parallel": _HF_MODULES,
     "transformer_impl": _HF_MODULES,

@@ -142,6 +142,18 @@ def sharding_callback(output_dir: Path, plan: Plan):
 
 
 
+def refuse_context_parallel_without_gpu() -> None:
+    """torch context parallel shards SDPA through the CUDA kernels' sharding strategies only: on CPU ranks the first
+    attention fails deep in the step (torch 2.13: "NotImplementedError: Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered")."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserInputError("plan.cp", "torch context parallel needs GPUs: torch has no context-parallel attention "
+                                        "for CPU ranks (aten._scaled_dot_product_flash_attention_for_cpu has no "
+                                        "sharding strategy); train cp > 1 on GPUs")
+
+
 class FsdpPath(HFPath):
     accelerate_variable = "ACCELERATE_USE_FSDP"
     checkpoint_format = MANIFEST_FORMAT
@@ -152,10 +164,8 @@ class FsdpPath(HFPath):
             raise UserInputError("--deepspeed", "is a DeepSpeed option; the fsdp backend shards with FSDP2")
         if plan.precision == "fp16":  # what Accelerate would refuse only after the model is built (its grad scaler)
             refuse_fp16_without_gpu()
-        if isinstance(args_dict.get("parallelism_config"), dict):  # HSDP / TP: Accelerate's ParallelismConfig
-            from accelerate import ParallelismConfig
-
-            args_dict["parallelism_config"] = ParallelismConfig(**args_dict["parallelism_config"])
+        if plan.cp > 1:
+            refuse_context_parallel_without_gpu()
 
     def accelerator_building(self, plan):
         """On CPU ranks an fsdp plan needs Accelerate's FSDP path opened (toolkit/compat/accelerate_seams.py)."""
