@@ -106,3 +106,20 @@ def environment_restored():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# Directories whose session fixtures start launches that tests in several of their files assert on (megatron's layout
+# runs, checkpoint's ZeRO saves, fsdp's accelerate run) or hold a service one process at a time may run (Slurm's
+# daemons): each is one group, so that one worker runs all of it and every shared launch still runs once.
+SHARED_BY_DIRECTORY = {"megatron", "checkpoint", "fsdp", "slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """For a launch lane on 2 pytest-xdist workers with `--dist loadgroup` (the Makefile's LAUNCH_LANE says when): a
+    launch test's group is its file, or its directory where launches are shared across files. Other `--dist` modes
+    (the fast lane's `load`) ignore the groups."""
+    for item in items:
+        if item.get_closest_marker("launch"):
+            directory, *rest = item.path.relative_to(TESTS).parts
+            group = directory if directory in SHARED_BY_DIRECTORY or not rest else "/".join((directory, *rest))
+            item.add_marker(pytest.mark.xdist_group(group))
