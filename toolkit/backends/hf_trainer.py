@@ -11,7 +11,7 @@ from toolkit.backends import BACKENDS, backend_of
 from toolkit.backends.hf_callbacks import callbacks_for
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
-from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
+from toolkit.backends.resume import consumed_samples, guard_window, resume_checkpoint, run_identity
 from toolkit.errors import UserInputError
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
@@ -55,6 +55,33 @@ def _check_world(plan: Plan) -> int:
 
 
 
+def _tokenised(recipe: Recipe, plan: Plan, args, tokenizer_dir: Path):
+    """(tokenizer, train, eval, collator) of train_files or a hub dataset: rank 0 builds and saves the tokenizer
+    first, then every rank tokenises (the datasets cache fills once)."""
+    from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
+
+    with args.main_process_first(desc="tokenizer"):
+        if tokenizer_dir.is_dir():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        else:
+            tokenizer = build_tokenizer(recipe, load_texts(recipe))
+            if args.process_index == 0:
+                tokenizer.save_pretrained(tokenizer_dir)
+        train_set, eval_set, collator = training_datasets(recipe, tokenizer, plan.seq_len)
+    return tokenizer, train_set, eval_set, collator
+
+
+def _vocab_size(recipe: Recipe) -> int:
+    """The model's vocabulary: its config's (the weights' own config for a pretrained model)."""
+    if recipe.model.pretrained:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(recipe.locate(recipe.model.pretrained)).vocab_size
+    return recipe_hf_config(recipe)["vocab_size"]
+
+
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
           resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None,
           throughput: Throughput | None = None, watch=None) -> dict:
@@ -71,7 +98,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         set_seed,
     )
 
-    from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
     from toolkit.checkpoint.manifest import read_manifest
     from toolkit.generate.trainer_args import trainer_arguments
 
@@ -84,6 +110,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
+    consumed = consumed_samples(resume_path)  # a blend reads on from there (its sampler, not the Trainer's skip)
     done = (read_manifest(resume_path) or {}).get("step", 0) if resume_path is not None else 0
     if done >= recipe.training.max_steps:  # a restart after the last save (a rank that failed on its way out):
         # nothing is left to train, and HF's Trainer would take one more step before checking
@@ -104,16 +131,17 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     set_seed(recipe.training.seed)
 
     tokenizer_dir = output_dir / "tokenizer"
-    with args.main_process_first(desc="tokenizer"):
-        if tokenizer_dir.is_dir():
-            from transformers import AutoTokenizer
+    if recipe.data.blend:  # prepared tokens through Megatron-Core's datasets (a collective: rank 0 builds the cache)
+        from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        else:
-            tokenizer = build_tokenizer(recipe, load_texts(recipe))
-            if args.process_index == 0:
-                tokenizer.save_pretrained(tokenizer_dir)
-        train_set, eval_set, collator = training_datasets(recipe, tokenizer, plan.seq_len)
+        from toolkit.data.blend import build_datasets, hf_batch
+
+        tokenizer = AutoTokenizer.from_pretrained(recipe.path(recipe.data.tokenizer.path))
+        train_set, eval_set = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
+                                             _vocab_size(recipe))
+        collator = hf_batch
+    else:
+        tokenizer, train_set, eval_set, collator = _tokenised(recipe, plan, args, tokenizer_dir)
 
     if plan.finetune.peft:  # LoRA / QLoRA adapters on a frozen base (toolkit.backends.peft_model)
         from toolkit.backends.peft_model import finetune_model
@@ -149,6 +177,13 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
                 return super().training_step(model, inputs, num_items_in_batch)
             finally:
                 self._guarded = False
+
+        def _get_train_sampler(self, *args, **kwargs):
+            if not recipe.data.blend:
+                return super()._get_train_sampler(*args, **kwargs)
+            from toolkit.data.blend import ConsumedSampler
+
+            return ConsumedSampler(len(train_set), consumed)  # the blend's global order from the checkpoint's count
 
         def get_batch_samples(self, *args, **kwargs):  # the Trainer's one wait for data: next() on its loader
             import time
