@@ -18,7 +18,7 @@ from pathlib import Path
 from toolkit.data import sidecar
 from toolkit.data.indexed import check_pair
 from toolkit.errors import UserInputError
-from toolkit.spec.recipe import Recipe, split_shares
+from toolkit.spec.recipe import Recipe, megatron_split, split_shares
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "data_cache"  # under the run's output directory, unless data.cache_dir names one
@@ -117,7 +117,7 @@ def dataset_config(recipe: Recipe, sources: list[BlendSource], seq_len: int, cac
     return GPTDatasetConfig(
         random_seed=recipe.training.seed, sequence_length=seq_len,
         blend=([source.prefix for source in sources], [source.weight for source in sources]),
-        split=",".join(f"{share:g}" for share in split_shares(data.split)), path_to_cache=str(cache),
+        split=megatron_split(data.split), path_to_cache=str(cache),
         tokenizer=megatron_tokenizer(recipe.path(data.tokenizer.path), "data.tokenizer.path"),
         reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask)

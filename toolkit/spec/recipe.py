@@ -77,6 +77,11 @@ def split_shares(split: str) -> list[float]:
     return shares + [0.0] * (SPLIT_SHARES - len(shares))
 
 
+def megatron_split(split: str) -> str:
+    """A split as Megatron-LM's --split and GPTDatasetConfig.split take it: three shares, train,valid,test."""
+    return ",".join(f"{share:g}" for share in split_shares(split))
+
+
 class DataSection(_Strict):
     train_files: list[str] = Field([], description="Local json/jsonl/text/parquet files (relative to the recipe).")
     hub_dataset: str | None = Field(None, description="A datasets hub id instead of local files (needs network).")
