@@ -73,15 +73,6 @@ def _tokenised(recipe: Recipe, plan: Plan, args, tokenizer_dir: Path):
     return tokenizer, train_set, eval_set, collator
 
 
-def _vocab_size(recipe: Recipe) -> int:
-    """The model's vocabulary: its config's (the weights' own config for a pretrained model)."""
-    if recipe.model.pretrained:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(recipe.locate(recipe.model.pretrained)).vocab_size
-    return recipe_hf_config(recipe)["vocab_size"]
-
-
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
           resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None,
           throughput: Throughput | None = None, watch=None) -> dict:
@@ -134,11 +125,11 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     if recipe.data.blend:  # prepared tokens through Megatron-Core's datasets (a collective: rank 0 builds the cache)
         from transformers import AutoTokenizer
 
-        from toolkit.data.blend import build_datasets, hf_batch
+        from toolkit.data.blend import build_datasets, hf_batch, model_vocab_size
 
         tokenizer = AutoTokenizer.from_pretrained(recipe.path(recipe.data.tokenizer.path))
         train_set, eval_set = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
-                                             _vocab_size(recipe))
+                                             model_vocab_size(recipe))
         collator = hf_batch
     else:
         tokenizer, train_set, eval_set, collator = _tokenised(recipe, plan, args, tokenizer_dir)

@@ -91,6 +91,17 @@ def check_blend(recipe: Recipe, vocab_size: int) -> list[BlendSource]:
     return sources
 
 
+def model_vocab_size(recipe: Recipe) -> int:
+    """The vocabulary of the recipe's model: its config's (the weights' own config for a pretrained model)."""
+    if recipe.model.pretrained:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(recipe.locate(recipe.model.pretrained)).vocab_size
+    from toolkit.spec.recipe import recipe_hf_config
+
+    return recipe_hf_config(recipe)["vocab_size"]
+
+
 def _largest_token_id(source: BlendSource) -> int:
     """The largest token id of a dataset: the sidecar's count, else read from its .bin (memory-mapped)."""
     for entry in ((source.record or {}).get("datasets") or {}).values():
