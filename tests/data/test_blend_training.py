@@ -43,7 +43,8 @@ def _prepare(directory: Path) -> list[Path]:
 def _recipe(directory: Path, base: str, prefixes: list[Path]) -> Path:
     recipe = yaml.safe_load((ROOT / "recipes" / base).read_text())
     recipe["data"] = {"blend": [{"prefix": str(prefixes[0]), "weight": 3}, {"prefix": str(prefixes[1]), "weight": 1}],
-                      "split": "95,5,0", "eod_mask_loss": True, "tokenizer": {"path": str(TOKENIZER)}}
+                      "split": "95,5,0", "reset_position_ids": True, "reset_attention_mask": True,
+                      "eod_mask_loss": True, "tokenizer": {"path": str(TOKENIZER)}}
     recipe["training"].update(max_steps=STEPS, save_steps=SAVE_AT, warmup_steps=1)
     path = directory / base
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

@@ -73,6 +73,17 @@ def _tokenised(recipe: Recipe, plan: Plan, args, tokenizer_dir: Path):
     return tokenizer, train_set, eval_set, collator
 
 
+def _documents_apart(recipe: Recipe) -> bool:
+    """Whether a blend's attention stays inside each document: transformers finds the documents of a packed row from
+    its position ids (masking_utils.find_packed_sequence_indices: a block-causal mask for sdpa and eager, variable
+    lengths for flash attention), so reset_attention_mask takes reset_position_ids on this path."""
+    data = recipe.data
+    if data.blend and data.reset_attention_mask and not data.reset_position_ids:
+        log.warning("data.reset_attention_mask without data.reset_position_ids: the HF Trainer's models tell "
+                    "documents apart by their position ids, so attention stays causal over the whole sequence")
+    return bool(data.blend) and data.reset_attention_mask and data.reset_position_ids
+
+
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
           resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None,
           throughput: Throughput | None = None, watch=None) -> dict:
@@ -146,7 +157,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
-    if recipe.data.format != "text":  # packed chat / prompt-completion rows: each example attends to itself only
+    if recipe.data.format != "text" or _documents_apart(recipe):  # packed rows: each attends to itself only
         from toolkit.backends.sft_data import keep_examples_apart
 
         keep_examples_apart(model)

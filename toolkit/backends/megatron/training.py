@@ -207,6 +207,11 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
 
             train_set, _ = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
                                           config["model"]["vocab_size"])
+            if recipe.data.reset_attention_mask and config["transformer_config"].get("transformer_impl") != "local":
+                # the layer specs' attention is causal; Transformer Engine's kernels take documents apart only from
+                # THD packed-sequence parameters, which this loop does not build
+                log.warning("data.reset_attention_mask: GPTDataset's document mask is applied by the local "
+                            "attention only; with Transformer Engine attention stays causal over the whole sequence")
         else:
             tokenizer, train_set = _tokenised_data(recipe, output_dir, plan.seq_len)
             if len(tokenizer) > config["model"]["vocab_size"]:
