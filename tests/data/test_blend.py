@@ -6,7 +6,7 @@ the split strings Megatron's --split takes."""
 import pytest
 
 from toolkit.data.blend import ConsumedSampler, RankSteps, rank_samples, step_samples
-from toolkit.spec.recipe import megatron_split, split_shares
+from toolkit.data.split import megatron_split, split_shares
 
 GLOBAL_BATCH, MICRO, STEPS = 16, 2, 6
 
@@ -54,8 +54,7 @@ def test_a_resume_on_another_dp_size_reads_on_from_the_global_count(saved_on, re
 
 
 def test_the_manifest_counts_consumed_samples_globally(tmp_path):
-    from toolkit.backends.resume import consumed_samples, data_position
-    from toolkit.checkpoint.manifest import write_manifest
+    from toolkit.checkpoint.manifest import consumed_samples, data_position, write_manifest
 
     identity = {"global_batch": GLOBAL_BATCH, "seq_len": 64, "seed": 7, "data": "x"}
     checkpoint = tmp_path / "checkpoint-5"

@@ -19,8 +19,7 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
     from transformers import TrainerCallback
 
     from toolkit.backends import backend_of
-    from toolkit.backends.resume import data_position
-    from toolkit.checkpoint.manifest import point_latest, write_manifest
+    from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
     path = backend_of(plan).part("train").HF_PATH  # its checkpoint format and what its manifest records
 

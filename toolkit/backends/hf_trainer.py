@@ -11,7 +11,8 @@ from toolkit.backends import BACKENDS, backend_of
 from toolkit.backends.hf_callbacks import callbacks_for
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
-from toolkit.backends.resume import consumed_samples, guard_window, resume_checkpoint, run_identity
+from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
+from toolkit.checkpoint.manifest import consumed_samples
 from toolkit.errors import UserInputError
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
@@ -136,11 +137,12 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     if recipe.data.blend:  # prepared tokens through Megatron-Core's datasets (a collective: rank 0 builds the cache)
         from transformers import AutoTokenizer
 
-        from toolkit.data.blend import build_datasets, hf_batch, model_vocab_size
+        from toolkit.data.blend import build_datasets, hf_batch
+        from toolkit.spec.recipe import recipe_vocab_size
 
         tokenizer = AutoTokenizer.from_pretrained(recipe.path(recipe.data.tokenizer.path))
         train_set, eval_set = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
-                                             model_vocab_size(recipe))
+                                             recipe_vocab_size(recipe))
         collator = hf_batch
     else:
         tokenizer, train_set, eval_set, collator = _tokenised(recipe, plan, args, tokenizer_dir)

@@ -71,24 +71,6 @@ def _sizes(prefix: Path) -> list:
     return sorted((Path(name).name, Path(name).stat().st_size) for name in names if Path(name).is_file())
 
 
-def data_position(step: int, identity: dict) -> dict:
-    """What a checkpoint records of the data stream: the samples consumed, a global count (a resume on another
-    data-parallel size reads on from the same sample)."""
-    return {"consumed_samples": step * identity["global_batch"]}
-
-
-def consumed_samples(checkpoint: Path | None) -> int:
-    """The samples a checkpoint's run had consumed (0 without one)."""
-    from toolkit.checkpoint.manifest import read_manifest
-
-    if checkpoint is None:
-        return 0
-    manifest = read_manifest(checkpoint) or {}
-    if "consumed_samples" in manifest:
-        return int(manifest["consumed_samples"])
-    return int(manifest.get("step", 0)) * int(manifest.get("run", {}).get("global_batch", 0))
-
-
 def check_resume_compatible(checkpoint: Path, identity: dict) -> None:
     """Refuse a resume that would silently become a different run (other batch, sequence length, seed or data)."""
     from toolkit.checkpoint.manifest import read_manifest

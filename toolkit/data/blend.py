@@ -3,6 +3,8 @@ it was prepared with, its largest token id against the model's vocabulary), then
 by Megatron-Core's own BlendedMegatronDatasetBuilder, GPTDatasetConfig and GPTDataset (the index cache built once by
 rank 0 while the other ranks wait at its barrier), and the global sample order every backend reads them in.
 
+Functions take the recipe (toolkit.spec.recipe.Recipe, the layer above this one, so not imported here).
+
 The order: step s (from 1) trains the global samples (s-1)*global_batch .. s*global_batch-1 of the blend, whatever
 the data-parallel size. A checkpoint records the samples consumed (a global count), so a resume starts reading at
 that sample: no skipped batch is read, and the position does not depend on the layout that wrote it.
@@ -18,7 +20,7 @@ from pathlib import Path
 from toolkit.data import sidecar
 from toolkit.data.indexed import check_pair
 from toolkit.errors import UserInputError
-from toolkit.spec.recipe import Recipe, megatron_split, split_shares
+from toolkit.data.split import megatron_split, split_shares
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "data_cache"  # under the run's output directory, unless data.cache_dir names one
@@ -35,7 +37,7 @@ class BlendSource:
     record: dict | None  # its PREFIX.dmt.json, when it has one
 
 
-def blend_sources(recipe: Recipe) -> list[BlendSource]:
+def blend_sources(recipe) -> list[BlendSource]:
     """The blend's Megatron dataset prefixes, each one's files checked (present, index and data agreeing). A prefix is
     the --output-prefix of `dmt data prepare` (its sidecar names the dataset of data.text_field) or a Megatron
     dataset prefix itself."""
@@ -63,7 +65,7 @@ def blend_sources(recipe: Recipe) -> list[BlendSource]:
     return sources
 
 
-def check_blend(recipe: Recipe, vocab_size: int) -> list[BlendSource]:
+def check_blend(recipe, vocab_size: int) -> list[BlendSource]:
     """blend_sources, each also prepared with the recipe's tokenizer (the sidecar's hash of its files) and holding no
     token id the model's vocabulary (`vocab_size`) lacks. Problems name the prefix's recipe key."""
     from toolkit.data.tokenizer import files_digest
@@ -91,17 +93,6 @@ def check_blend(recipe: Recipe, vocab_size: int) -> list[BlendSource]:
     return sources
 
 
-def model_vocab_size(recipe: Recipe) -> int:
-    """The vocabulary of the recipe's model: its config's (the weights' own config for a pretrained model)."""
-    if recipe.model.pretrained:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(recipe.locate(recipe.model.pretrained)).vocab_size
-    from toolkit.spec.recipe import recipe_hf_config
-
-    return recipe_hf_config(recipe)["vocab_size"]
-
-
 def _largest_token_id(source: BlendSource) -> int:
     """The largest token id of a dataset: the sidecar's count, else read from its .bin (memory-mapped)."""
     for entry in ((source.record or {}).get("datasets") or {}).values():
@@ -114,11 +105,11 @@ def _largest_token_id(source: BlendSource) -> int:
     return int(data.max()) if data.size else -1
 
 
-def cache_dir(recipe: Recipe, output_dir: Path) -> Path:
+def cache_dir(recipe, output_dir: Path) -> Path:
     return recipe.path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(output_dir) / CACHE_DIR
 
 
-def dataset_config(recipe: Recipe, sources: list[BlendSource], seq_len: int, cache: Path):
+def dataset_config(recipe, sources: list[BlendSource], seq_len: int, cache: Path):
     """Megatron-Core's GPTDatasetConfig of the recipe's blend (the split, the packing flags, the seed)."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
@@ -134,7 +125,7 @@ def dataset_config(recipe: Recipe, sources: list[BlendSource], seq_len: int, cac
         eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask)
 
 
-def sample_counts(recipe: Recipe, global_batch: int) -> list[int]:
+def sample_counts(recipe, global_batch: int) -> list[int]:
     """Samples to build per split (train, valid, test): the whole run's, and one global batch per evaluation (of
     training.eval_steps; one evaluation when it is 0) where the split has a valid share."""
     training, shares = recipe.training, split_shares(recipe.data.split)
@@ -142,7 +133,7 @@ def sample_counts(recipe: Recipe, global_batch: int) -> list[int]:
     return [training.max_steps * global_batch, evaluations * global_batch if shares[1] > 0 else 0, 0]
 
 
-def build_datasets(recipe: Recipe, seq_len: int, global_batch: int, output_dir: Path, vocab_size: int):
+def build_datasets(recipe, seq_len: int, global_batch: int, output_dir: Path, vocab_size: int):
     """(train, valid or None) of the recipe's blend, built with Megatron-Core's BlendedMegatronDatasetBuilder on every
     rank (a collective where a process group exists: rank 0 builds the index cache, then the others read it)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder

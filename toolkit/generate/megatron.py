@@ -146,7 +146,8 @@ def data_section(recipe: Recipe) -> dict:
     packing flags (only for a recipe with data.blend; Megatron-Core's loop reads the recipe's own). Paths as the
     recipe writes them: relative ones are relative to the recipe's directory."""
     from toolkit.data.sidecar import megatron_prefix
-    from toolkit.spec.recipe import data_workers, megatron_split
+    from toolkit.data.split import megatron_split
+    from toolkit.spec.recipe import data_workers
 
     data = recipe.data
     return {"blend": [{"prefix": megatron_prefix(entry.prefix, data.text_field), "weight": entry.weight}

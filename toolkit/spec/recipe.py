@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from toolkit.data.sidecar import megatron_prefix
+from toolkit.data.split import split_shares
 from toolkit.errors import UserInputError, named_as
 from toolkit.numeric import FINITE, SEED_MAX, Seed
 from toolkit.readers import read_json, read_yaml
@@ -56,30 +58,9 @@ class BlendEntry(_Strict):
     model_config = ConfigDict(extra="forbid", strict=False, **FINITE)  # `weight: 1` is a weight as much as 1.0
 
 
-SPLIT_SHARES = 3  # train, valid, test (Megatron-Core's Split)
 # data loader worker processes per rank unless data.num_workers says: a blend reads its samples from memory-mapped
 # files in the workers; the other sources are tokenised and packed in memory ahead of training, so workers only copy
 BLEND_WORKERS, IN_MEMORY_WORKERS = 2, 0
-
-
-def split_shares(split: str) -> list[float]:
-    """The train/valid/test shares of a Megatron split string ("969,30,1"; fewer parts are padded with 0), as
-    Megatron-Core's parse_and_normalize_split reads it; ValueError naming what is wrong."""
-    parts = [part.strip() for part in split.split(",")] if split.strip() else []
-    try:
-        shares = [float(part) for part in parts]
-    except ValueError:
-        shares = []
-    if not 1 <= len(parts) <= SPLIT_SHARES or len(shares) != len(parts) or \
-            any(not share >= 0 or share == float("inf") for share in shares) or sum(shares) <= 0:
-        raise ValueError(f"{split!r}: give 1 to {SPLIT_SHARES} comma-separated non-negative numbers, train,valid,test "
-                         f"shares with a positive sum (e.g. '969,30,1')")
-    return shares + [0.0] * (SPLIT_SHARES - len(shares))
-
-
-def megatron_split(split: str) -> str:
-    """A split as Megatron-LM's --split and GPTDatasetConfig.split take it: three shares, train,valid,test."""
-    return ",".join(f"{share:g}" for share in split_shares(split))
 
 
 class DataSection(_Strict):
@@ -357,7 +338,9 @@ def recipe_files(recipe: Recipe) -> list[Path]:
     tokenizer, calibration): inputs of every command that reads the recipe, which none of its outputs may replace."""
     named = [recipe.model.source, recipe.model.pretrained, *recipe.data.train_files, recipe.data.chat_template,
              recipe.data.tokenizer.path, recipe.cluster.calibration]
-    named += [f"{entry.prefix}{suffix}" for entry in recipe.data.blend for suffix in (".dmt.json", ".bin", ".idx")]
+    named += [f"{prefix}{suffix}" for entry in recipe.data.blend  # a prefix's sidecar, or its datasets' pair
+              for prefix in (entry.prefix, megatron_prefix(entry.prefix, recipe.data.text_field))
+              for suffix in (".dmt.json", ".bin", ".idx")]
     return [recipe.path(name) for name in named if name and _exists(recipe.path(name))]
 
 
@@ -446,3 +429,12 @@ def recipe_hf_config(recipe: Recipe) -> dict:
                                                  f"{str(exc).splitlines()[0]}") from None
     raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file, directory or "
                                          f"hub id)")
+
+
+def recipe_vocab_size(recipe: Recipe) -> int:
+    """The vocabulary of the recipe's model: its config's (the weights' own config for a pretrained model)."""
+    if recipe.model.pretrained:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(recipe.locate(recipe.model.pretrained)).vocab_size
+    return recipe_hf_config(recipe)["vocab_size"]

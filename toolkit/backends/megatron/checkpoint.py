@@ -86,8 +86,7 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from toolkit.backends.resume import data_position
-    from toolkit.checkpoint.manifest import point_latest, write_manifest
+    from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
     ckpt = output_dir / f"checkpoint-{step}"
 
