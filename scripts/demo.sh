@@ -59,8 +59,8 @@ dmt restore-test --recipe recipes/tiny-llama-cpu.yaml --steps 10 --save-at 5 --w
 echo; echo "== 8. Megatron-Core at TP=2 from prepared tokens: dmt data prepare the tiny corpus (with the tokenizer"
 echo "      step 4 trained), the Megatron recipe on that blend, dmt generate, the generated launch.sh (torchrun, gloo)"
 mkdir -p "$OUT/data"
-dmt data prepare --input recipes/data/tiny_corpus.txt --tokenizer "$OUT/run/tokenizer" --output-prefix "$OUT/data/tiny" \
-  --append-eod --workers 2
+dmt data prepare --input recipes/data/tiny_corpus.txt --tokenizer "$OUT/run/tokenizer" \
+  --output-prefix "$OUT/data/tiny" --append-eod --workers 2
 dmt data inspect "$OUT/data/tiny" | head -8
 python - "$OUT" <<'PY'
 import sys

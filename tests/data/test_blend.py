@@ -16,8 +16,9 @@ def test_megatron_ranks_share_out_each_steps_samples_at_any_dp_size(dp):
     for step in range(1, STEPS + 1):
         shares = [list(rank_samples(step, GLOBAL_BATCH, rank, dp)) for rank in range(dp)]
         assert sorted(i for share in shares for i in share) == list(step_samples(step, GLOBAL_BATCH))
-    loader = RankSteps(GLOBAL_BATCH, 1 if dp > 1 else 0, dp, 3, STEPS)
-    assert len(loader) == STEPS - 2 and next(iter(loader)) == list(rank_samples(3, GLOBAL_BATCH, 1 if dp > 1 else 0, dp))
+    last_rank = dp - 1
+    loader = RankSteps(GLOBAL_BATCH, last_rank, dp, 3, STEPS)
+    assert len(loader) == STEPS - 2 and next(iter(loader)) == list(rank_samples(3, GLOBAL_BATCH, last_rank, dp))
 
 
 def _hf_steps(processes: int, consumed: int, length: int) -> list[list[int]]:

@@ -100,7 +100,8 @@ def test_a_blend_trains_with_every_backend(runs):
 
 def test_every_backend_sees_the_same_samples_in_the_same_order(runs):
     done, _, _ = runs
-    order = {name: [_steps(out)[step]["data_sha"] for step in range(1, STEPS + 1)] for name, (out, _, _) in done.items()}
+    order = {name: [_steps(out)[step]["data_sha"] for step in range(1, STEPS + 1)]
+             for name, (out, _, _) in done.items()}
     assert order["megatron"] == order["fsdp"] == order["deepspeed"], order
     assert len(set(order["megatron"])) == STEPS  # every step its own samples
 

@@ -271,8 +271,8 @@ def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, monkeypatch, tmp_pa
     assert not list(sandbox.rglob("PWNED")) and not list(scratch.glob("dmt-restore-*"))
 
 
-BLEND_DATA = ("  train_files: [{corpus}]\n", "  blend:\n    - {prefix: {prefix}, weight: 3}\n    - {prefix: {prefix}, weight: 1}\n"
-              "  split: '90,10,0'\n")
+BLEND_DATA = ("  train_files: [{corpus}]\n",
+              "  blend:\n    - {prefix: {prefix}, weight: 3}\n    - {prefix: {prefix}, weight: 1}\n  split: '90,10,0'\n")
 # a blend recipe's line replaced -> the key the error must name, the verbs that refuse it (the prepared files are
 # checked where they are read: training, and restore-test before it launches anything)
 BLEND_VALUES = {

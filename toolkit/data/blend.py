@@ -188,7 +188,8 @@ class RankSteps:
     Core's loop, one batch a step)."""
 
     def __init__(self, global_batch: int, dp_rank: int, dp_size: int, first: int, last: int):
-        self.global_batch, self.dp_rank, self.dp_size, self.first, self.last = global_batch, dp_rank, dp_size, first, last
+        self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
+        self.first, self.last = first, last
 
     def __iter__(self):
         return (list(rank_samples(step, self.global_batch, self.dp_rank, self.dp_size))
