@@ -56,12 +56,30 @@ print('HF model loads; loss on a sentence:', round(float(model(input_ids=ids, la
 echo; echo "== 7. dmt restore-test: kill after a save, resume, compare to the bit"
 dmt restore-test --recipe recipes/tiny-llama-cpu.yaml --steps 10 --save-at 5 --workdir "$OUT/restore"
 
-echo; echo "== 8. Megatron-Core at TP=2: dmt generate, then the generated launch.sh (torchrun, 2 CPU ranks, gloo)"
-dmt generate recipes/tiny-llama-megatron-cpu.yaml --out "$OUT/megatron-config" --tp 2 > /dev/null
+echo; echo "== 8. Megatron-Core at TP=2 from prepared tokens: dmt data prepare the tiny corpus (with the tokenizer"
+echo "      step 4 trained), the Megatron recipe on that blend, dmt generate, the generated launch.sh (torchrun, gloo)"
+mkdir -p "$OUT/data"
+dmt data prepare --input recipes/data/tiny_corpus.txt --tokenizer "$OUT/run/tokenizer" \
+  --output-prefix "$OUT/data/tiny" --append-eod --workers 2
+dmt data inspect "$OUT/data/tiny" | head -8
+python - "$OUT" <<'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+out = Path(sys.argv[1]).resolve()
+recipe = yaml.safe_load(Path("recipes/tiny-llama-megatron-cpu.yaml").read_text())
+recipe["data"] = {"blend": [{"prefix": str(out / "data" / "tiny"), "weight": 1.0}], "split": "98,2,0",
+                  "tokenizer": {"path": str(out / "run" / "tokenizer")}}
+(out / "megatron-blend.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+PY
+dmt generate "$OUT/megatron-blend.yaml" --out "$OUT/megatron-config" --tp 2 > /dev/null
+grep -e "--data-path" -e "--split" "$OUT/megatron-config/megatron_args.txt"
 dmt validate "$OUT/megatron-config/megatron.yaml" --world-size 2
 OMP_NUM_THREADS=1 OUTPUT_DIR="$OUT/megatron" bash "$OUT/megatron-config/launch.sh" torchrun --save-steps 10 \
   > "$OUT/megatron.log" 2>&1 || { tail -30 "$OUT/megatron.log"; exit 1; }
-losses "$OUT/megatron" "trained {steps} steps at TP=2: loss"
+losses "$OUT/megatron" "trained {steps} steps at TP=2 from the blend: loss"
 
 echo; echo "== 9. dmt convert megatron-to-hf, then compare logits with Megatron-Core at TP=2"
 export PYTHONWARNINGS=ignore  # Megatron-Core warns at import that Apex and Transformer Engine are absent (CPU)

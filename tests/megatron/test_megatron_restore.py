@@ -1,6 +1,6 @@
-"""`dmt restore-test --backend megatron`: Megatron-Core at TP=2 on 2 gloo ranks, SIGKILLed right after its dist
-checkpoint at step 3 (written in the background) is complete, resumed from it, continues exactly as the
-uninterrupted run."""
+"""`dmt restore-test --backend megatron`: Megatron-Core at TP=2 on 2 gloo ranks, training on a prepared blend,
+SIGKILLed right after its dist checkpoint at step 3 (written in the background) is complete, resumed from it,
+continues exactly as the uninterrupted run."""
 
 import json
 from pathlib import Path
@@ -20,8 +20,27 @@ pytestmark = pytest.mark.launch
 STEPS = 12
 
 
-def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys, megatron_recipe):
-    recipe = megatron_recipe("tiny-megatron-async", training={"async_save": True})  # saved in the background
+def _on_a_blend(recipe: Path, directory: Path) -> Path:
+    """The recipe training on the tiny corpus prepared by `dmt data prepare` (a blend of one prefix), read through
+    Megatron-Core's GPTDataset by its data loader workers."""
+    import yaml
+
+    tokenizer = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
+    corpus = TINY_MEGATRON.parent / "data" / "tiny_corpus.txt"
+    assert main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer), "--output-prefix",
+                 str(directory / "tiny"), "--append-eod", "--workers", "1"]) == 0
+    text = yaml.safe_load(recipe.read_text())
+    text["data"] = {"blend": [{"prefix": str(directory / "tiny"), "weight": 1.0}], "split": "98,2,0",
+                    "tokenizer": {"path": str(tokenizer)}}
+    recipe.write_text(yaml.safe_dump(text, sort_keys=False))
+    return recipe
+
+
+def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys, megatron_recipe, tmp_path_factory):
+    """From a blend: the resumed run reads on from the checkpoint's consumed samples and stays bitwise."""
+    recipe = _on_a_blend(megatron_recipe("tiny-megatron-async", training={"async_save": True}),  # saved in the
+                         tmp_path_factory.mktemp("prepared"))  # background
+    capsys.readouterr()
     code = main(["restore-test", "--recipe", str(recipe), "--backend", "megatron", "--tp", "2", "--steps",
                  str(STEPS), "--save-at", "3", "--workdir", str(tmp_path), "--json"])
     result = json.loads(capsys.readouterr().out)

@@ -246,11 +246,12 @@ RECIPE_VALUES = {  # a recipe line replaced -> the key the error must name
 }
 
 
-def refuses_recipe_edit(sandbox, capsys, verb: str, old: str, new: str, key: str) -> None:
-    """The recipe with `old` replaced by `new`, given to `verb`: refused in one line naming `key`, nothing written."""
-    assert old in RECIPE_TEXT
+def refuses_recipe_edit(sandbox, capsys, verb: str, old: str, new: str, key: str, text: str = RECIPE_TEXT) -> None:
+    """The recipe (`text`) with `old` replaced by `new`, given to `verb`: refused in one line naming `key`, nothing
+    written."""
+    assert old in text
     recipe = sandbox / "recipe.yaml"
-    recipe.write_text(RECIPE_TEXT.replace(old, new, 1))
+    recipe.write_text(text.replace(old, new, 1))
     before = _snapshot(sandbox)
     argv = {"generate": ["generate", str(recipe), "--out", str(sandbox / "gen")],
             "slurm render": ["slurm", "render", str(recipe)],
@@ -268,6 +269,76 @@ def test_a_wrong_recipe_value_names_its_key(sandbox, capsys, monkeypatch, tmp_pa
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     refuses_recipe_edit(sandbox, capsys, verb, *RECIPE_VALUES[case])
     assert not list(sandbox.rglob("PWNED")) and not list(scratch.glob("dmt-restore-*"))
+
+
+BLEND_DATA = ("  train_files: [{corpus}]\n",
+              "  blend:\n    - {prefix: {prefix}, weight: 3}\n    - {prefix: {prefix}, weight: 1}\n  split: '90,10,0'\n")
+# a blend recipe's line replaced -> the key the error must name, the verbs that refuse it (the prepared files are
+# checked where they are read: training, and restore-test before it launches anything)
+BLEND_VALUES = {
+    "weight 0": ("weight: 3", "weight: 0", "data.blend.0.weight", "all"),
+    "weight negative": ("weight: 1}", "weight: -1}", "data.blend.1.weight", "all"),
+    "weight as text": ("weight: 3", "weight: heavy", "data.blend.0.weight", "all"),
+    "split not numbers": ("split: '90,10,0'", "split: '90,x'", "data.split", "all"),
+    "split four shares": ("split: '90,10,0'", "split: '90,5,4,1'", "data.split", "all"),
+    "split all zero": ("split: '90,10,0'", "split: '0,0'", "data.split", "all"),
+    "blend and train_files": ("  split:", "  train_files: [x.txt]\n  split:", "data", "all"),
+    "no tokenizer path": ("    path: {tokenizer}\n", "", "data", "all"),
+    "missing prefix": ("prefix: {prefix}, weight: 1", "prefix: {prefix}-gone, weight: 1", "data.blend.1.prefix",
+                       "restore-test"),
+    "other tokenizer": ("    path: {tokenizer}\n", "    path: {other}\n", "data.blend.0.prefix", "restore-test"),
+    "token beyond the vocabulary": ("vocab_size: 512\n    max_position", "vocab_size: 300\n    max_position",
+                                    "data.blend.0.prefix", "restore-test"),
+}
+
+
+def _blend_inputs(sandbox: Path) -> dict:
+    """A prepared prefix, the tokenizer it was prepared with, and a copy of that tokenizer with one file changed."""
+    other = sandbox / "other-tokenizer"
+    other.mkdir()
+    for file in Path(DATA_TOKENIZER).iterdir():
+        (other / file.name).write_bytes(file.read_bytes())
+    (other / "tokenizer_config.json").write_text((other / "tokenizer_config.json").read_text() + "\n")
+    return {"prefix": _prepared(sandbox), "tokenizer": DATA_TOKENIZER, "other": other}
+
+
+def _fill(text: str, names: dict) -> str:
+    for name, value in names.items():
+        text = text.replace(f"{{{name}}}", str(value))
+    return text
+
+
+def _blend_recipe(names: dict) -> str:
+    """The tiny recipe training on a blend of the prepared prefix with itself, with the tokenizer it was made with."""
+    text = RECIPE_TEXT.replace(_fill(BLEND_DATA[0], {"corpus": TINY.parent / "data/tiny_corpus.txt"}),
+                               _fill(BLEND_DATA[1], names))
+    return text.replace("  tokenizer:\n    vocab_size: 512\n", f"  tokenizer:\n    path: {DATA_TOKENIZER}\n")
+
+
+def test_a_sound_blend_generates_its_data_path(sandbox, capsys):
+    """The recipe the cases below break: generated whole, its prefixes in megatron_args.txt."""
+    names = _blend_inputs(sandbox)
+    recipe = sandbox / "blend.yaml"
+    recipe.write_text(_blend_recipe(names))
+    assert main(["generate", str(recipe), "--out", str(sandbox / "gen"), "--backend", "megatron", "--zero", "0"]) == 0
+    capsys.readouterr()
+    args = (sandbox / "gen" / "megatron_args.txt").read_text().splitlines()
+    dataset = f"{names['prefix']}_text_document"
+    assert f"--data-path 3.0 {dataset} 1.0 {dataset}" in args and "--split 90,10,0" in args
+
+
+@pytest.mark.parametrize("case,verb", [(case, verb) for case in sorted(BLEND_VALUES)
+                                       for verb in ("generate", "slurm render", "k8s render", "restore-test")
+                                       if BLEND_VALUES[case][3] in ("all", verb)])
+def test_a_wrong_blend_names_its_key(sandbox, capsys, monkeypatch, tmp_path_factory, case, verb):
+    """data.blend and data.split as a user gets them wrong: pydantic's rules refuse at every verb; the prepared files
+    (missing, another tokenizer's, ids beyond the model's vocabulary) before the restore test launches anything."""
+    old, new, key, _ = BLEND_VALUES[case]
+    scratch = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    names = _blend_inputs(sandbox)
+    refuses_recipe_edit(sandbox, capsys, verb, _fill(old, names), _fill(new, names), key, _blend_recipe(names))
+    assert not list(scratch.glob("dmt-restore-*"))
 
 
 def _prepared(directory: Path) -> Path:

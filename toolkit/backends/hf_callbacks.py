@@ -19,7 +19,7 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
     from transformers import TrainerCallback
 
     from toolkit.backends import backend_of
-    from toolkit.checkpoint.manifest import point_latest, write_manifest
+    from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
     path = backend_of(plan).part("train").HF_PATH  # its checkpoint format and what its manifest records
 
@@ -72,7 +72,8 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
                 layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum", "global_batch")}
                 manifest = write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout,
                                           fmt=path.checkpoint_format,
-                                          extra={"run": identity, "guard_window": guard.guard.window()})
+                                          extra={"run": identity, "guard_window": guard.guard.window(),
+                                                 **data_position(state.global_step, identity)})
                 point_latest(output_dir, ckpt)
             if dist.is_initialized():
                 dist.barrier()

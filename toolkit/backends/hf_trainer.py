@@ -12,6 +12,7 @@ from toolkit.backends.hf_callbacks import callbacks_for
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
 from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
+from toolkit.checkpoint.manifest import consumed_samples
 from toolkit.errors import UserInputError
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
@@ -55,6 +56,35 @@ def _check_world(plan: Plan) -> int:
 
 
 
+def _tokenised(recipe: Recipe, plan: Plan, args, tokenizer_dir: Path):
+    """(tokenizer, train, eval, collator) of train_files or a hub dataset: rank 0 builds and saves the tokenizer
+    first, then every rank tokenises (the datasets cache fills once)."""
+    from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
+
+    with args.main_process_first(desc="tokenizer"):
+        if tokenizer_dir.is_dir():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        else:
+            tokenizer = build_tokenizer(recipe, load_texts(recipe))
+            if args.process_index == 0:
+                tokenizer.save_pretrained(tokenizer_dir)
+        train_set, eval_set, collator = training_datasets(recipe, tokenizer, plan.seq_len)
+    return tokenizer, train_set, eval_set, collator
+
+
+def _documents_apart(recipe: Recipe) -> bool:
+    """Whether a blend's attention stays inside each document: transformers finds the documents of a packed row from
+    its position ids (masking_utils.find_packed_sequence_indices: a block-causal mask for sdpa and eager, variable
+    lengths for flash attention), so reset_attention_mask takes reset_position_ids on this path."""
+    data = recipe.data
+    if data.blend and data.reset_attention_mask and not data.reset_position_ids:
+        log.warning("data.reset_attention_mask without data.reset_position_ids: the HF Trainer's models tell "
+                    "documents apart by their position ids, so attention stays causal over the whole sequence")
+    return bool(data.blend) and data.reset_attention_mask and data.reset_position_ids
+
+
 def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, deepspeed_json: str | None,
           resume: str | None, generated_deepspeed: dict | None = None, generated_trainer_args: dict | None = None,
           throughput: Throughput | None = None, watch=None) -> dict:
@@ -71,7 +101,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         set_seed,
     )
 
-    from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
     from toolkit.checkpoint.manifest import read_manifest
     from toolkit.generate.trainer_args import trainer_arguments
 
@@ -84,6 +113,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
+    consumed = consumed_samples(resume_path)  # a blend reads on from there (its sampler, not the Trainer's skip)
     done = (read_manifest(resume_path) or {}).get("step", 0) if resume_path is not None else 0
     if done >= recipe.training.max_steps:  # a restart after the last save (a rank that failed on its way out):
         # nothing is left to train, and HF's Trainer would take one more step before checking
@@ -105,16 +135,18 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     set_seed(recipe.training.seed)
 
     tokenizer_dir = output_dir / "tokenizer"
-    with args.main_process_first(desc="tokenizer"):
-        if tokenizer_dir.is_dir():
-            from transformers import AutoTokenizer
+    if recipe.data.blend:  # prepared tokens through Megatron-Core's datasets (a collective: rank 0 builds the cache)
+        from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        else:
-            tokenizer = build_tokenizer(recipe, load_texts(recipe))
-            if args.process_index == 0:
-                tokenizer.save_pretrained(tokenizer_dir)
-        train_set, eval_set, collator = training_datasets(recipe, tokenizer, plan.seq_len)
+        from toolkit.data.blend import build_datasets, hf_batch
+        from toolkit.spec.recipe import recipe_vocab_size
+
+        tokenizer = AutoTokenizer.from_pretrained(recipe.path(recipe.data.tokenizer.path))
+        train_set, eval_set = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
+                                             recipe_vocab_size(recipe))
+        collator = hf_batch
+    else:
+        tokenizer, train_set, eval_set, collator = _tokenised(recipe, plan, args, tokenizer_dir)
     if plan.sp > 1:
         collator = long_context.with_position_ids(collator)
 
@@ -130,7 +162,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
-    if recipe.data.format != "text":  # packed chat / prompt-completion rows: each example attends to itself only
+    if recipe.data.format != "text" or _documents_apart(recipe):  # packed rows: each attends to itself only
         from toolkit.backends.sft_data import keep_examples_apart
 
         keep_examples_apart(model)
@@ -154,6 +186,13 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
                     return super().training_step(model, inputs, num_items_in_batch)
             finally:
                 self._guarded = False
+
+        def _get_train_sampler(self, *args, **kwargs):
+            if not recipe.data.blend:
+                return super()._get_train_sampler(*args, **kwargs)
+            from toolkit.data.blend import ConsumedSampler
+
+            return ConsumedSampler(len(train_set), consumed)  # the blend's global order from the checkpoint's count
 
         def get_batch_samples(self, *args, **kwargs):  # the Trainer's one wait for data: next() on its loader
             import time

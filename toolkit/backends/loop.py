@@ -79,16 +79,16 @@ class BatchFingerprints:
     def add(self, input_ids) -> None:
         self.recent += _sample_digests(input_ids)
 
-    def digest(self, clear: bool = True) -> str:
-        """Called on every rank at the same step (a collective)."""
+    def digest(self, clear: bool = True, group=None) -> str:
+        """Called on every rank (of `group`, the world by default) at the same step (a collective)."""
         import torch.distributed as dist
 
         digests = self.recent
         if clear:
             self.recent = []
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, digests)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, digests, group=group)
             digests = [digest for part in gathered for digest in part]
         return fingerprint(digests)
 

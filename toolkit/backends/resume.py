@@ -3,12 +3,17 @@ to be resumed), the checkpoint to resume from (latest verified, auto, or a path)
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
+
+# the data section's keys that choose a blend's samples (a change makes another run)
+BLEND_IDENTITY = {"blend", "split", "text_field", "reset_position_ids", "reset_attention_mask", "eod_mask_loss"}
 
 
 def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> Path | None:
@@ -52,8 +57,18 @@ def run_identity(recipe: Recipe, plan: Plan) -> dict:
     digest = hashlib.sha256()
     for file in data_files(recipe) if not recipe.data.hub_dataset else []:
         digest.update(file.read_bytes())
+    if recipe.data.blend:  # what the blend reads: its prefixes, weights, split, packing flags and files' sizes
+        digest.update(json.dumps([recipe.data.model_dump(include=BLEND_IDENTITY),
+                                  [_sizes(recipe.path(entry.prefix)) for entry in recipe.data.blend]]).encode())
     return {"global_batch": plan.global_batch, "seq_len": plan.seq_len, "seed": recipe.training.seed,
             "data": recipe.data.hub_dataset or digest.hexdigest()[:16]}
+
+
+def _sizes(prefix: Path) -> list:
+    """The sizes of a blend prefix's files (its sidecar and datasets): a prefix prepared again is another run."""
+    names = [f"{prefix}{suffix}" for suffix in (".dmt.json", ".bin", ".idx")]
+    names += [str(path) for path in prefix.parent.glob(f"{glob.escape(prefix.name)}_*_document.*")]
+    return sorted((Path(name).name, Path(name).stat().st_size) for name in names if Path(name).is_file())
 
 
 def check_resume_compatible(checkpoint: Path, identity: dict) -> None:

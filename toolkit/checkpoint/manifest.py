@@ -152,3 +152,19 @@ def resolve_latest(root: Path) -> Path | None:
         return None
     target = root / read_text(pointer, what="the name of a checkpoint directory").strip()
     return target if target.is_dir() else None
+
+
+def data_position(step: int, identity: dict) -> dict:
+    """What a checkpoint records of the data stream: the samples consumed, a global count (a resume on another
+    data-parallel size reads on from the same sample)."""
+    return {"consumed_samples": step * identity["global_batch"]}
+
+
+def consumed_samples(checkpoint: Path | None) -> int:
+    """The samples a checkpoint's run had consumed (0 without one)."""
+    if checkpoint is None:
+        return 0
+    manifest = read_manifest(checkpoint) or {}
+    if "consumed_samples" in manifest:
+        return int(manifest["consumed_samples"])
+    return int(manifest.get("step", 0)) * int(manifest.get("run", {}).get("global_batch", 0))

@@ -65,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     # the plan every launch will train, resolved here: a bad one is one line now, not a worker's log later
     with recipe_names(overrides):
         plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
+    if recipe.data.blend:  # the blend's files, tokenizer and token ids: one line now, not a rank's log later
+        from toolkit.data.blend import check_blend
+        from toolkit.spec.recipe import recipe_vocab_size
+
+        check_blend(recipe, recipe_vocab_size(recipe))
     warmup = recipe.training.warmup_steps
     backend_of(plan).part("rules").check_steps(steps, warmup, "--steps")
     launcher = _launcher(args.launcher, plan.backend)

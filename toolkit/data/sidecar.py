@@ -25,6 +25,13 @@ def dataset_prefix(prefix: str | Path, key: str) -> str:
     return f"{prefix}_{key}_{LEVEL}"
 
 
+def megatron_prefix(prefix: str | Path, key: str) -> str:
+    """The Megatron dataset prefix (what Megatron-LM's --data-path takes) of a blend's prefix: itself when it already
+    names one key's dataset (PREFIX_<key>_document, as both tools name their outputs), else that dataset of an
+    --output-prefix."""
+    return str(prefix) if str(prefix).endswith(f"_{key}_{LEVEL}") else dataset_prefix(prefix, key)
+
+
 def read_sidecar(prefix: str | Path, flag: str) -> dict:
     """The sidecar of `prefix`, checked to be one; each dataset's `prefix` resolved beside the sidecar."""
     path = sidecar_path(prefix)

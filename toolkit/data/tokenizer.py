@@ -41,15 +41,31 @@ def load_tokenizer(directory: Path, flag: str = "--tokenizer"):
                                    f"({one_line(exc)[:300]})") from None
 
 
+def megatron_tokenizer(directory: Path, flag: str):
+    """Megatron-Core's MegatronTokenizer over the same HF tokenizer (what GPTDatasetConfig takes: its end of document
+    and the identifiers its index cache is named by), as Megatron-LM's build_tokenizer makes it."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    load_tokenizer(directory, flag)  # a directory that does not load is one line naming the key
+    return MegatronTokenizer.from_pretrained(tokenizer_path=str(directory), metadata_path={"library": "huggingface"},
+                                             **REFERENCE_ARGUMENTS)
+
+
 def identity(directory: Path, tokenizer) -> dict:
     """What names this tokenizer in the sidecar: its directory, vocabulary size (as the reference counts it: what
     decides the token dtype), end-of-document id, and the sha256 of each of its files and of them all."""
     directory = Path(directory).resolve()
-    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
-             for path in sorted(directory.iterdir()) if path.is_file() and _IDENTITY_FILES.fullmatch(path.name)}
-    combined = hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in files.items()).encode()).hexdigest()
+    files, combined = files_digest(directory)
     return {"path": str(directory), "vocab_size": int(tokenizer.vocab_size), "eod": tokenizer.eod,
             "sha256": combined, "files": files}
+
+
+def files_digest(directory: Path) -> tuple[dict[str, str], str]:
+    """({file: sha256}, the sha256 of them all) of the files that make a tokenizer directory's identity (the
+    sidecar's `tokenizer.sha256`, which a blend's training compares with its recipe's tokenizer)."""
+    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+             for path in sorted(Path(directory).iterdir()) if path.is_file() and _IDENTITY_FILES.fullmatch(path.name)}
+    return files, hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in files.items()).encode()).hexdigest()
 
 
 # texts on which gigatoken must give the Rust tokenizer's ids before it stands in for it (with every added token's

@@ -25,6 +25,7 @@ from toolkit.spec.recipe import Recipe
 
 SECTIONS = ("model", "transformer_config", "gpt_model", "ddp_config", "optimizer_config", "scheduler",
             "schedule")
+OPTIONAL_SECTIONS = ("data",)  # written for some recipes only: data for a blend
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
 DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "main_params_dtype", "main_grads_dtype")
 # the torch dtypes those fields may name: a name is looked up on `torch`, where `manual_seed` is a function, not a dtype
@@ -136,14 +137,32 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
             **({"save_interval": training.save_steps} if training.save_steps else {}),
             "async_save": recipe_saves_async(recipe, plan),
         },
+        **({"data": data_section(recipe)} if recipe.data.blend else {}),
     }
+
+
+def data_section(recipe: Recipe) -> dict:
+    """megatron.yaml's `data`: a blend's Megatron dataset prefixes with their weights, the split and GPTDataset's
+    packing flags (only for a recipe with data.blend; Megatron-Core's loop reads the recipe's own). Paths as the
+    recipe writes them: relative ones are relative to the recipe's directory."""
+    from toolkit.data.sidecar import megatron_prefix
+    from toolkit.data.split import megatron_split
+    from toolkit.spec.recipe import data_workers
+
+    data = recipe.data
+    return {"blend": [{"prefix": megatron_prefix(entry.prefix, data.text_field), "weight": entry.weight}
+                      for entry in data.blend],
+            "split": megatron_split(data.split),
+            **({"cache_dir": data.cache_dir} if data.cache_dir else {}),
+            "num_workers": data_workers(recipe), "reset_position_ids": data.reset_position_ids,
+            "reset_attention_mask": data.reset_attention_mask, "eod_mask_loss": data.eod_mask_loss}
 
 
 def megatron_yaml(config: dict, recipe_name: str) -> str:
     header = (f"# Megatron-Core settings of recipe {recipe_name}, written by `dmt generate` (regenerate, do not edit).\n"
               f"# Each section holds the keyword arguments of the Megatron-Core class it names; dtypes and the\n"
               f"# activation function are stored by name.\n")
-    return header + yaml_text({k: config[k] for k in SECTIONS}, sort_keys=False)
+    return header + yaml_text({k: config[k] for k in (*SECTIONS, *OPTIONAL_SECTIONS) if k in config}, sort_keys=False)
 
 
 def library_kwargs(section: str, values: dict) -> dict:

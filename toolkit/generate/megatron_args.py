@@ -105,9 +105,23 @@ def _special(config: dict) -> list[str]:
     if config["optimizer_config"]["optimizer"] == "sgd":
         flags.append(f"--sgd-momentum {config['optimizer_config']['sgd_momentum']}")
     flags.append("--ckpt-format torch_dist")
+    flags += _data(config.get("data"))
     if config["schedule"]["async_save"]:  # dist_checkpointing's asynchronous save needs its persistent worker
         flags += ["--async-save", "--use-persistent-ckpt-worker"]
     return flags
+
+
+def _data(data: dict | None) -> list[str]:
+    """A blend's flags: --data-path W1 PREFIX1 W2 PREFIX2 ... (Megatron-LM normalises the weights; relative prefixes
+    are the recipe's, relative to its directory: run from there), --split and GPTDataset's packing switches."""
+    if not data:
+        return []
+    flags = ["--data-path " + " ".join(f"{_value(entry['weight'])} {entry['prefix']}" for entry in data["blend"]),
+             f"--split {data['split']}", f"--num-workers {data['num_workers']}"]
+    if data.get("cache_dir"):
+        flags.append(f"--data-cache-path {data['cache_dir']}")
+    return flags + [f"--{name.replace('_', '-')}" for name in ("reset_position_ids", "reset_attention_mask",
+                                                               "eod_mask_loss") if data[name]]
 
 
 def _value(value) -> str:
@@ -129,7 +143,8 @@ def megatron_args_text(config: dict, recipe_name: str) -> str:
     vocab = config["model"]
     lines = [
         f"# Megatron-LM pretrain_gpt.py arguments of recipe {recipe_name}, written by `dmt generate`.",
-        "# Usage: torchrun ... pretrain_gpt.py $(grep -v '^#' megatron_args.txt) --data-path ... --tokenizer-type ...",
+        "# Usage: torchrun ... pretrain_gpt.py $(grep -v '^#' megatron_args.txt) "
+        f"{'' if config.get('data') else '--data-path ... '}--tokenizer-type ...",
         f"# Vocabulary {vocab['vocab_size']}: Megatron-LM pads it to {vocab['padded_vocab_size']} "
         f"(multiple of {vocab['make_vocab_size_divisible_by']} x tp).",
     ]

@@ -6,16 +6,12 @@ from __future__ import annotations
 from toolkit.backends import backend_of
 from toolkit.generate.deepspeed import warmup_num_steps
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe
+from toolkit.spec.recipe import Recipe, data_workers
 
 HF_SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # HF's `optim` for each plan optimizer: used as is for adamw8bit (DeepSpeed has none), and states the optimizer the
 # DeepSpeed JSON configures otherwise, so the file means the same when read without DeepSpeed
 HF_OPTIMIZERS = {"adamw": "adamw_torch", "sgd": "sgd", "adamw8bit": "adamw_bnb_8bit"}
-
-# data-loading processes per rank (the batches are packed in memory ahead of training); the Kubernetes manifests size
-# /dev/shm for them (toolkit/k8s/shm.py)
-DATALOADER_WORKERS = 0
 
 
 def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_json: str | None) -> dict:
@@ -49,7 +45,8 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         "report_to": [r for r in training.report_to if r != "none"] or "none",
         "run_name": recipe.name,
         "use_cpu": recipe.cluster.accelerator == "cpu",
-        "dataloader_num_workers": DATALOADER_WORKERS,
+        "dataloader_num_workers": data_workers(recipe),  # the Kubernetes manifests size /dev/shm for them
+        "dataloader_pin_memory": recipe.data.pin_memory,
         "remove_unused_columns": False,
         "save_only_model": False,
     }
@@ -57,6 +54,8 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         # a frozen base: non-reentrant checkpointing passes gradients to the adapters inside checkpointed layers
         # whatever the inputs (the reentrant one needs inputs that require grad, or the adapters get none)
         args["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+    if recipe.data.blend:  # its sampler starts at the checkpoint's consumed samples: the Trainer skips nothing
+        args["ignore_data_skip"] = True
     if training.lr_scheduler == "cosine":
         args["lr_scheduler_kwargs"] = {"min_lr_rate": training.min_lr_ratio}
     if training.eval_steps:

@@ -23,7 +23,7 @@ from toolkit.k8s.shm import quantity, shm_bytes
 from toolkit.k8s.vendored import stock_runtime
 from toolkit.numeric import yaml_text
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe
+from toolkit.spec.recipe import Recipe, data_workers
 
 KINDS = ("trainjob", "jobset", "pytorchjob")
 WORKDIR = "/workspace"  # where the image holds the directory `dmt k8s render` ran in (its recipe, plan, data)
@@ -133,7 +133,7 @@ def _mounts() -> list[dict]:
 
 
 def _volumes(job: K8sJob) -> list[dict]:
-    size = quantity(shm_bytes(job.plan, job.per_node))
+    size = quantity(shm_bytes(job.plan, job.per_node, data_workers(job.recipe)))
     return [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}},
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.pvc}}]
 

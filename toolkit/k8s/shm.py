@@ -24,13 +24,14 @@ def communicators(plan: Plan) -> dict[str, int]:
     return {name: size for name, size in groups.items() if size > 1 or name == "world"}
 
 
-def shm_bytes(plan: Plan, ranks_per_node: int) -> int:
-    """The /dev/shm a node of ranks_per_node ranks needs, rounded up to whole MiB."""
-    from toolkit.generate.trainer_args import DATALOADER_WORKERS
+def shm_bytes(plan: Plan, ranks_per_node: int, loader_workers: int | None = None) -> int:
+    """The /dev/shm a node of ranks_per_node ranks needs, rounded up to whole MiB; `loader_workers`: the recipe's data
+    loader workers per rank (toolkit.spec.recipe.data_workers), the in-memory sources' default when not known."""
+    from toolkit.spec.recipe import IN_MEMORY_WORKERS
 
     nccl = len(communicators(plan)) * NCCL_SHM_PER_COMMUNICATOR
     batch = plan.micro_batch * plan.seq_len * TOKEN_TENSORS * 8
-    workers = DATALOADER_WORKERS * PREFETCH_FACTOR * batch
+    workers = (IN_MEMORY_WORKERS if loader_workers is None else loader_workers) * PREFETCH_FACTOR * batch
     return math.ceil(ranks_per_node * (nccl + workers) / MIB) * MIB
 
 

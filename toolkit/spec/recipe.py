@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from toolkit.data.sidecar import megatron_prefix
+from toolkit.data.split import split_shares
 from toolkit.errors import UserInputError, named_as
 from toolkit.numeric import FINITE, SEED_MAX, Seed
 from toolkit.readers import read_json, read_yaml
@@ -47,9 +49,43 @@ class TokenizerSection(_Strict):
     vocab_size: int = Field(512, gt=256, description="Vocabulary of the locally trained byte-level BPE.")
 
 
+class BlendEntry(_Strict):
+    prefix: str = Field(min_length=1, description="A prepared dataset: the --output-prefix of `dmt data prepare` "
+                                                  "(its PREFIX.dmt.json names the dataset of data.text_field), or a "
+                                                  "Megatron dataset prefix (PREFIX.bin/.idx), relative to the recipe.")
+    weight: float = Field(gt=0, description="Its share of the samples, relative to the others' (normalised to sum "
+                                            "to 1, as Megatron-LM's --data-path weights are).")
+    model_config = ConfigDict(extra="forbid", strict=False, **FINITE)  # `weight: 1` is a weight as much as 1.0
+
+
+# data loader worker processes per rank unless data.num_workers says: a blend reads its samples from memory-mapped
+# files in the workers; the other sources are tokenised and packed in memory ahead of training, so workers only copy
+BLEND_WORKERS, IN_MEMORY_WORKERS = 2, 0
+
+
 class DataSection(_Strict):
     train_files: list[str] = Field([], description="Local json/jsonl/text/parquet files (relative to the recipe).")
     hub_dataset: str | None = Field(None, description="A datasets hub id instead of local files (needs network).")
+    blend: list[BlendEntry] = Field([], description="Prepared token datasets (`dmt data prepare`) mixed by weight, "
+                                                    "read through Megatron-Core's BlendedMegatronDatasetBuilder and "
+                                                    "GPTDataset by every backend; needs data.tokenizer.path (the "
+                                                    "tokenizer they were prepared with).")
+    split: str = Field("969,30,1", description="A blend's train,valid,test shares of each dataset's documents "
+                                               "(Megatron-LM's --split).")
+    cache_dir: str | None = Field(None, description="Where GPTDataset keeps a blend's index cache (relative to the "
+                                                    "recipe); default: OUTPUT/data_cache. Built once, by rank 0.")
+    num_workers: int | None = Field(None, ge=0, description=f"Data loader worker processes per rank; default "
+                                                            f"{BLEND_WORKERS} with a blend, {IN_MEMORY_WORKERS} "
+                                                            f"otherwise (those rows are packed in memory).")
+    pin_memory: bool = Field(True, description="Pinned host memory for the batches (the data loader's pin_memory; "
+                                               "nothing to pin on CPU ranks).")
+    reset_position_ids: bool = Field(False, description="A blend's position ids restart at each end-of-document "
+                                                        "token (GPTDataset's option).")
+    reset_attention_mask: bool = Field(False, description="A blend's attention does not cross an end-of-document "
+                                                          "token (GPTDataset's option; see the README's Data section "
+                                                          "for where this is exact).")
+    eod_mask_loss: bool = Field(False, description="No loss on a blend's end-of-document tokens (GPTDataset's "
+                                                   "option).")
     format: Literal["text", "chat", "prompt_completion"] = Field(
         "text", description="text: plain text, every token trained, packed into blocks; chat: `messages` lists "
                             "(role/content) rendered with the chat template, loss on the assistant tokens only; "
@@ -68,10 +104,20 @@ class DataSection(_Strict):
     eval_fraction: float = Field(0.05, ge=0, lt=0.5, description="Share of packed sequences held out for eval.")
     tokenizer: TokenizerSection = Field(TokenizerSection(), description="Which tokenizer, or how to train one.")
 
+    @field_validator("split")
+    @classmethod
+    def _split(cls, split: str) -> str:
+        split_shares(split)
+        return split
+
     @model_validator(mode="after")
     def _one_source(self) -> "DataSection":
-        if bool(self.train_files) == bool(self.hub_dataset):
-            raise ValueError("set exactly one of data.train_files and data.hub_dataset")
+        if [bool(self.train_files), bool(self.hub_dataset), bool(self.blend)].count(True) != 1:
+            raise ValueError("set exactly one of data.train_files, data.hub_dataset and data.blend")
+        if self.blend and self.format != "text":
+            raise ValueError("data.blend holds prepared text tokens: format must be text")
+        if self.blend and not self.tokenizer.path:
+            raise ValueError("data.blend needs data.tokenizer.path: the tokenizer its prefixes were prepared with")
         if self.chat_template is not None and self.format != "chat":
             raise ValueError("data.chat_template applies to format: chat")
         return self
@@ -294,7 +340,17 @@ def recipe_files(recipe: Recipe) -> list[Path]:
     tokenizer, calibration): inputs of every command that reads the recipe, which none of its outputs may replace."""
     named = [recipe.model.source, recipe.model.pretrained, *recipe.data.train_files, recipe.data.chat_template,
              recipe.data.tokenizer.path, recipe.cluster.calibration]
+    named += [f"{prefix}{suffix}" for entry in recipe.data.blend  # a prefix's sidecar, or its datasets' pair
+              for prefix in (entry.prefix, megatron_prefix(entry.prefix, recipe.data.text_field))
+              for suffix in (".dmt.json", ".bin", ".idx")]
     return [recipe.path(name) for name in named if name and _exists(recipe.path(name))]
+
+
+def data_workers(recipe: Recipe) -> int:
+    """Data loader worker processes per rank: data.num_workers, else the default of the recipe's data source."""
+    if recipe.data.num_workers is not None:
+        return recipe.data.num_workers
+    return BLEND_WORKERS if recipe.data.blend else IN_MEMORY_WORKERS
 
 
 def _exists(path: Path) -> bool:
@@ -375,3 +431,12 @@ def recipe_hf_config(recipe: Recipe) -> dict:
                                                  f"{str(exc).splitlines()[0]}") from None
     raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file, directory or "
                                          f"hub id)")
+
+
+def recipe_vocab_size(recipe: Recipe) -> int:
+    """The vocabulary of the recipe's model: its config's (the weights' own config for a pretrained model)."""
+    if recipe.model.pretrained:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(recipe.locate(recipe.model.pretrained)).vocab_size
+    return recipe_hf_config(recipe)["vocab_size"]

@@ -12,11 +12,11 @@ from pathlib import Path
 from toolkit.errors import UserInputError
 from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
 from toolkit.families.activations import MEGATRON_ACTIVATIONS
-from toolkit.generate.megatron import OPTIMIZERS
+from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS
 from toolkit.numeric import SEED_MAX
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
-from toolkit.validate.megatron_fields import MODEL_TYPES, SCHEDULE_KEYS, SCHEDULE_OPTIONAL, field_problems
+from toolkit.validate.megatron_fields import DATA_KEYS, MODEL_TYPES, SCHEDULE_KEYS, SCHEDULE_OPTIONAL, field_problems
 
 TC = "transformer_config"
 # resolve_plan's flags -> the megatron.yaml key holding that number
@@ -61,6 +61,7 @@ def _section_fields() -> dict[str, tuple[str, set[str]]]:
         "scheduler": ("OptimizerParamScheduler", params(OptimizerParamScheduler.__init__, {"self", "optimizer"})),
         "schedule": ("the toolkit's schedule", set(SCHEDULE_KEYS) | set(SCHEDULE_OPTIONAL)),
         "model": ("the toolkit's model", set(MODEL_TYPES)),
+        "data": ("the toolkit's data blend", set(DATA_KEYS)),
     }
 
 
@@ -68,7 +69,8 @@ def _structure(config: dict) -> list[Problem]:
     if not isinstance(config, dict):
         return [Problem("megatron.yaml", "must hold a mapping of sections")]
     fields = _section_fields()
-    problems = [Problem(s, "section missing; regenerate with `dmt generate`") for s in fields if s not in config]
+    problems = [Problem(s, "section missing; regenerate with `dmt generate`") for s in fields
+                if s not in config and s not in OPTIONAL_SECTIONS]
     for section, values in config.items():
         if section not in fields:
             close = difflib.get_close_matches(section, list(fields), n=1)

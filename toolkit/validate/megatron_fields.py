@@ -18,6 +18,9 @@ SCHEDULE_KEYS = ("world_size", "data_parallel_size", "micro_batch_size", "num_mi
                  "seq_length", "train_iters", "seed", "async_save")
 SCHEDULE_OPTIONAL = ("save_interval",)  # checkpoint every N steps (the recipe's save_steps), absent: only at the end
 SCHEDULE_TYPES = {**{key: int for key in SCHEDULE_KEYS + SCHEDULE_OPTIONAL}, "async_save": bool}  # training.async_save
+# megatron.yaml's optional `data` section (a blend: toolkit.generate.megatron.data_section)
+DATA_KEYS = ("blend", "split", "cache_dir", "num_workers", "reset_position_ids", "reset_attention_mask",
+             "eod_mask_loss")
 MODEL_TYPES = {"family": str, "vocab_size": int, "make_vocab_size_divisible_by": int, "padded_vocab_size": int}
 # what training and the rules below read without a default of their own
 TOOLKIT_REQUIRED = {TC: ("num_layers", "hidden_size", "num_attention_heads"), "schedule": SCHEDULE_KEYS,

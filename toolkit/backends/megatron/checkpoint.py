@@ -86,7 +86,7 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from toolkit.checkpoint.manifest import point_latest, write_manifest
+    from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
     ckpt = output_dir / f"checkpoint-{step}"
 
@@ -107,7 +107,8 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
             if hf_config is not None:
                 (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             manifest = write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan),
-                                      fmt=MANIFEST_FORMAT, extra={"run": identity, "guard_window": guard_window or []})
+                                      fmt=MANIFEST_FORMAT, extra={"run": identity, "guard_window": guard_window or [],
+                                                                  **data_position(step, identity)})
             point_latest(output_dir, ckpt)
         dist.barrier()
         log.info("saved %s", ckpt)

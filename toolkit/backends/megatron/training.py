@@ -74,19 +74,70 @@ class GlobalBatches:
         return self.dataset[indices]["input_ids"]
 
 
-def _micro_batches(tokens, micro: int, config: dict) -> list[dict]:
-    """Megatron-Core's inputs: labels are the next token (the last position has none and is masked), so the loss
-    averages the same seq_len - 1 predictions per block that HF's causal-LM loss does."""
+    def rank_batch(self, step: int, dp_rank: int, per_rank: int) -> dict:
+        """This DP rank's samples of the step as Megatron-Core's inputs: labels are the next token (the last position
+        has none and is masked), so the loss averages the same seq_len - 1 predictions per block that HF's
+        causal-LM loss does."""
+        import torch
+
+        tokens = self.tokens(self.indices(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank])
+        mask = torch.ones_like(tokens, dtype=torch.float)
+        mask[:, -1] = 0.0
+        return {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1), "loss_mask": mask,
+                "position_ids": torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)}
+
+    def fingerprint(self, step: int, rank_batch: dict) -> str:
+        from toolkit.backends.loop import global_batch_fingerprint
+
+        return global_batch_fingerprint(self.tokens(self.indices(step)))
+
+
+class BlendBatches:
+    """A blend's samples (toolkit.data.blend: GPTDataset's tokens, labels, loss mask, position ids and, with
+    reset_attention_mask, its attention mask) in the global order: step s trains samples (s-1)*global_batch on,
+    each DP rank its contiguous share, read ahead by the recipe's data loader workers from the first step to train
+    on. Nothing before that step is read, so a resume starts in constant time."""
+
+    def __init__(self, dataset, recipe: Recipe, plan: Plan, dp_rank: int, first_step: int, last_step: int):
+        import torch
+        from torch.utils.data import DataLoader
+
+        from toolkit.data.blend import RankSteps, stack_samples
+        from toolkit.spec.recipe import data_workers
+
+        steps = RankSteps(plan.global_batch, dp_rank, plan.dp, first_step, last_step)
+        workers = data_workers(recipe)
+        loader = DataLoader(dataset, batch_sampler=steps, num_workers=workers, collate_fn=stack_samples,
+                            pin_memory=recipe.data.pin_memory and torch.cuda.is_available(),
+                            persistent_workers=False)
+        self.step, self.batches = first_step - 1, iter(loader)
+
+    def rank_batch(self, step: int, dp_rank: int, per_rank: int) -> dict:
+        if step != self.step + 1:
+            raise RuntimeError(f"the blend's batches are read in order: step {step} after {self.step}")
+        self.step = step
+        batch = next(self.batches)
+        batch.pop("dataset_id", None)
+        return batch
+
+    def fingerprint(self, step: int, rank_batch: dict) -> str:
+        """The global batch's data fingerprint from every DP rank's share (a collective over the DP group)."""
+        from megatron.core import parallel_state
+
+        from toolkit.backends.loop import BatchFingerprints
+
+        samples = BatchFingerprints()
+        samples.add(rank_batch["tokens"])
+        return samples.digest(group=parallel_state.get_data_parallel_group())
+
+
+def _micro_batches(rank_batch: dict, micro: int, config: dict) -> list[dict]:
+    """A rank's batch cut into Megatron-Core's micro-batches (on this rank's CP share and device)."""
     import torch
 
-    labels = torch.roll(tokens, -1, dims=1)
-    mask = torch.ones_like(tokens, dtype=torch.float)
-    mask[:, -1] = 0.0
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     batches = []
-    for start in range(0, tokens.shape[0], micro):
-        batch = {"tokens": tokens[start:start + micro], "labels": labels[start:start + micro],
-                 "loss_mask": mask[start:start + micro], "position_ids": positions[start:start + micro]}
+    for start in range(0, rank_batch["tokens"].shape[0], micro):
+        batch = {key: value[start:start + micro] for key, value in rank_batch.items()}
         if config["transformer_config"]["context_parallel_size"] > 1:
             from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -103,7 +154,7 @@ def forward_step(data_iterator, model, loss_factor: float | None = None):
     import torch
 
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
 
     def loss_func(per_token_loss):
         mask = batch["loss_mask"].view(-1).float()
@@ -151,10 +202,21 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     output_dir.mkdir(parents=True, exist_ok=True)
     init_distributed()
     with device_context():
-        tokenizer, train_set = _tokenised_data(recipe, output_dir, plan.seq_len)
-        if len(tokenizer) > config["model"]["vocab_size"]:
-            raise UserInputError("model.config.vocab_size", f"{config['model']['vocab_size']} < tokenizer size "
-                                                             f"{len(tokenizer)}")
+        if recipe.data.blend:  # Megatron-Core's own datasets (rank 0 builds the index cache, the others wait)
+            from toolkit.data.blend import build_datasets
+
+            train_set, _ = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
+                                          config["model"]["vocab_size"])
+            if recipe.data.reset_attention_mask and config["transformer_config"].get("transformer_impl") != "local":
+                # the layer specs' attention is causal; Transformer Engine's kernels take documents apart only from
+                # THD packed-sequence parameters, which this loop does not build
+                log.warning("data.reset_attention_mask: GPTDataset's document mask is applied by the local "
+                            "attention only; with Transformer Engine attention stays causal over the whole sequence")
+        else:
+            tokenizer, train_set = _tokenised_data(recipe, output_dir, plan.seq_len)
+            if len(tokenizer) > config["model"]["vocab_size"]:
+                raise UserInputError("model.config.vocab_size", f"{config['model']['vocab_size']} < tokenizer size "
+                                                                 f"{len(tokenizer)}")
         hf_config = recipe_hf_config(recipe)
         return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput,
                            watch)
@@ -209,7 +271,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from toolkit.backends.loop import StepGuard, global_batch_fingerprint, save_and_exit_requested, write_step_record
+    from toolkit.backends.loop import StepGuard, save_and_exit_requested, write_step_record
     from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
     from toolkit.backends.megatron.saves import CheckpointSaves
     from toolkit.backends.resume import guard_window
@@ -230,7 +292,9 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     guard = StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)), output_dir,
                       dist.get_rank())
     watch.start()
-    batches = GlobalBatches(train_set, plan.global_batch, recipe.training.seed)
+    last = config["schedule"]["train_iters"]
+    batches = BlendBatches(train_set, recipe, plan, parallel_state.get_data_parallel_rank(), step + 1, last) \
+        if recipe.data.blend else GlobalBatches(train_set, plan.global_batch, recipe.training.seed)
     metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len)) if rank0 else None
     wandb = None
     if rank0 and "wandb" in recipe.training.report_to:
@@ -247,9 +311,8 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         step += 1
         watch.phase(step, "train")
         fetching = time.perf_counter()
-        indices = batches.indices(step)
-        tokens = batches.tokens(indices[dp_rank * per_rank:(dp_rank + 1) * per_rank])
-        micro = _micro_batches(tokens, plan.micro_batch, config)
+        rank_batch = batches.rank_batch(step, dp_rank, per_rank)
+        micro = _micro_batches(rank_batch, plan.micro_batch, config)
         if metrics:
             metrics.add_data_wait(time.perf_counter() - fetching)
         learning_rate = setup.optimizer.param_groups[0]["lr"]
@@ -263,7 +326,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
                                   seq_length=plan.seq_len, micro_batch_size=plan.micro_batch, forward_only=False)
         watch.phase(step, "optimizer")
         loss = _global_loss(losses)
-        digest = global_batch_fingerprint(batches.tokens(indices))
+        digest = batches.fingerprint(step, rank_batch)
         guard.begin_step()
         grad_norm = _optimizer_step(setup, guard, saves, step, loss, digest)
         guard.end_step(step, loss)

@@ -1,0 +1,233 @@
+"""A recipe's `data.blend` as Megatron-Core datasets, for every backend: each prefix checked (its files, the tokenizer
+it was prepared with, its largest token id against the model's vocabulary), then the train and valid datasets built
+by Megatron-Core's own BlendedMegatronDatasetBuilder, GPTDatasetConfig and GPTDataset (the index cache built once by
+rank 0 while the other ranks wait at its barrier), and the global sample order every backend reads them in.
+
+Functions take the recipe (toolkit.spec.recipe.Recipe, the layer above this one, so not imported here).
+
+The order: step s (from 1) trains the global samples (s-1)*global_batch .. s*global_batch-1 of the blend, whatever
+the data-parallel size. A checkpoint records the samples consumed (a global count), so a resume starts reading at
+that sample: no skipped batch is read, and the position does not depend on the layout that wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.data import sidecar
+from toolkit.data.indexed import check_pair
+from toolkit.errors import UserInputError
+from toolkit.data.split import megatron_split, split_shares
+
+log = logging.getLogger(__name__)
+CACHE_DIR = "data_cache"  # under the run's output directory, unless data.cache_dir names one
+# test-only: a directory where every process reading a blend appends the global sample indices it reads
+# (<pid>.txt, one a line), so a test can see exactly what a resumed run read
+READS_ENV = "DMT_DATA_READS"
+
+
+@dataclass(frozen=True)
+class BlendSource:
+    key: str  # the recipe key it came from (data.blend.<i>.prefix)
+    prefix: str  # the Megatron dataset prefix (PREFIX.bin / PREFIX.idx)
+    weight: float
+    record: dict | None  # its PREFIX.dmt.json, when it has one
+
+
+def blend_sources(recipe) -> list[BlendSource]:
+    """The blend's Megatron dataset prefixes, each one's files checked (present, index and data agreeing). A prefix is
+    the --output-prefix of `dmt data prepare` (its sidecar names the dataset of data.text_field) or a Megatron
+    dataset prefix itself."""
+    field = recipe.data.text_field
+    sources = []
+    for number, entry in enumerate(recipe.data.blend):
+        key, path = f"data.blend.{number}.prefix", recipe.path(entry.prefix)
+        if sidecar.sidecar_path(path).is_file():
+            record = sidecar.read_sidecar(path, key)
+            if field not in record["datasets"]:
+                raise UserInputError(key, f"{sidecar.sidecar_path(path)} holds the keys "
+                                          f"{', '.join(sorted(record['datasets']))}, not data.text_field '{field}'")
+            dataset = record["datasets"][field]["prefix"]
+        elif Path(f"{path}.idx").exists() or Path(f"{path}.bin").exists():
+            dataset = str(path)
+            owner = str(path).removesuffix(f"_{field}_{sidecar.LEVEL}")  # the --output-prefix it was prepared as
+            record = sidecar.read_sidecar(owner, key) if owner != str(path) and \
+                sidecar.sidecar_path(owner).is_file() else None
+        else:
+            raise UserInputError(key, f"{path}: no {path.name}{sidecar.SUFFIX}, {path.name}.bin or {path.name}.idx "
+                                      f"there; give the --output-prefix of `dmt data prepare` or a Megatron dataset "
+                                      f"prefix")
+        check_pair(dataset, key)
+        sources.append(BlendSource(key, dataset, entry.weight, record))
+    return sources
+
+
+def check_blend(recipe, vocab_size: int) -> list[BlendSource]:
+    """blend_sources, each also prepared with the recipe's tokenizer (the sidecar's hash of its files) and holding no
+    token id the model's vocabulary (`vocab_size`) lacks. Problems name the prefix's recipe key."""
+    from toolkit.data.tokenizer import files_digest
+
+    tokenizer = recipe.path(recipe.data.tokenizer.path)
+    if not tokenizer.is_dir():
+        raise UserInputError("data.tokenizer.path", f"{tokenizer} is not a directory; a blend needs the local "
+                                                    f"tokenizer directory its prefixes were prepared with")
+    _, digest = files_digest(tokenizer)
+    sources = blend_sources(recipe)
+    for source in sources:
+        named = (source.record or {}).get("tokenizer")
+        if named is None:
+            log.warning("%s (%s) has no %s: its tokenizer is not checked against data.tokenizer.path", source.key,
+                        source.prefix, sidecar.SUFFIX)
+        elif named.get("sha256") != digest:
+            raise UserInputError(source.key, f"{source.prefix} was prepared with the tokenizer {named.get('path')} "
+                                             f"(files sha256 {str(named.get('sha256'))[:12]}), not data.tokenizer.path "
+                                             f"{tokenizer} (sha256 {digest[:12]}); prepare it again with this one")
+        largest = _largest_token_id(source)
+        if largest >= vocab_size:
+            raise UserInputError(source.key, f"{source.prefix} holds token id {largest}, beyond the model's "
+                                             f"vocabulary of {vocab_size} (model.config.vocab_size); ids must be "
+                                             f"below it")
+    return sources
+
+
+def _largest_token_id(source: BlendSource) -> int:
+    """The largest token id of a dataset: the sidecar's count, else read from its .bin (memory-mapped)."""
+    for entry in ((source.record or {}).get("datasets") or {}).values():
+        if entry.get("prefix") == source.prefix and isinstance(entry.get("max_token_id"), int):
+            return entry["max_token_id"]
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    data = numpy.memmap(f"{source.prefix}.bin", dtype=IndexedDataset(source.prefix).index.dtype, mode="r")
+    return int(data.max()) if data.size else -1
+
+
+def cache_dir(recipe, output_dir: Path) -> Path:
+    return recipe.path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(output_dir) / CACHE_DIR
+
+
+def dataset_config(recipe, sources: list[BlendSource], seq_len: int, cache: Path):
+    """Megatron-Core's GPTDatasetConfig of the recipe's blend (the split, the packing flags, the seed)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    from toolkit.data.tokenizer import megatron_tokenizer
+
+    data = recipe.data
+    return GPTDatasetConfig(
+        random_seed=recipe.training.seed, sequence_length=seq_len,
+        blend=([source.prefix for source in sources], [source.weight for source in sources]),
+        split=megatron_split(data.split), path_to_cache=str(cache),
+        tokenizer=megatron_tokenizer(recipe.path(data.tokenizer.path), "data.tokenizer.path"),
+        reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask)
+
+
+def sample_counts(recipe, global_batch: int) -> list[int]:
+    """Samples to build per split (train, valid, test): the whole run's, and one global batch per evaluation (of
+    training.eval_steps; one evaluation when it is 0) where the split has a valid share."""
+    training, shares = recipe.training, split_shares(recipe.data.split)
+    evaluations = training.max_steps // training.eval_steps + 1 if training.eval_steps else 1
+    return [training.max_steps * global_batch, evaluations * global_batch if shares[1] > 0 else 0, 0]
+
+
+def build_datasets(recipe, seq_len: int, global_batch: int, output_dir: Path, vocab_size: int):
+    """(train, valid or None) of the recipe's blend, built with Megatron-Core's BlendedMegatronDatasetBuilder on every
+    rank (a collective where a process group exists: rank 0 builds the index cache, then the others read it)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    sources = check_blend(recipe, vocab_size)
+    cache = cache_dir(recipe, output_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    config = dataset_config(recipe, sources, seq_len, cache)
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sample_counts(recipe, global_batch), lambda: True,
+                                                    config).build()
+    if train is None or len(train) < recipe.training.max_steps * global_batch:
+        raise UserInputError("data.split", f"the blend's train share ({recipe.data.split}) yields no training "
+                                           f"samples; give train a positive share")
+    log.info("blend of %d prefixes: %d training and %d valid samples of %d tokens (index cache %s)", len(sources),
+             len(train), len(valid) if valid is not None else 0, seq_len, cache)
+    return ReadSamples(train), (ReadSamples(valid) if valid is not None and len(valid) else None)
+
+
+class ReadSamples:
+    """A Megatron-Core dataset (BlendedDataset or GPTDataset) as a torch map-style dataset of its sample dicts;
+    with READS_ENV set, each read is recorded (test-only)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.reads = os.environ.get(READS_ENV)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        if self.reads:
+            with open(Path(self.reads) / f"{os.getpid()}.txt", "a") as handle:
+                handle.write(f"{int(index)}\n")
+        return self.dataset[int(index)]
+
+
+def step_samples(step: int, global_batch: int) -> range:
+    """The global sample indices step `step` (from 1) trains on, at any data-parallel size."""
+    return range((step - 1) * global_batch, step * global_batch)
+
+
+def rank_samples(step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
+    """This data-parallel rank's contiguous share of step_samples (Megatron-Core's loop)."""
+    share = global_batch // dp_size
+    first = (step - 1) * global_batch + dp_rank * share
+    return range(first, first + share)
+
+
+class RankSteps:
+    """A data loader's batch sampler: this data-parallel rank's share of each step from `first` to `last` (Megatron-
+    Core's loop, one batch a step)."""
+
+    def __init__(self, global_batch: int, dp_rank: int, dp_size: int, first: int, last: int):
+        self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
+        self.first, self.last = first, last
+
+    def __iter__(self):
+        return (list(rank_samples(step, self.global_batch, self.dp_rank, self.dp_size))
+                for step in range(self.first, self.last + 1))
+
+    def __len__(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+
+class ConsumedSampler:
+    """The HF Trainer's sampler over a blend: the global sample order from `consumed` on (the checkpoint's count),
+    so a resume reads no skipped sample. Accelerate deals its micro-batches out to the ranks in turn, so each step's
+    global batch is step_samples'."""
+
+    def __init__(self, length: int, consumed: int = 0):
+        self.length, self.consumed = length, consumed
+
+    def __iter__(self):
+        return iter(range(self.consumed, self.length))
+
+    def __len__(self) -> int:
+        return self.length - self.consumed
+
+
+def stack_samples(samples: list[dict]) -> dict:
+    """GPTDataset's sample dicts stacked into a batch (Megatron-Core's forward step reads it as it is)."""
+    import torch
+
+    return {key: torch.stack([torch.as_tensor(sample[key]) for sample in samples]) for key in samples[0]}
+
+
+def hf_batch(samples: list[dict]) -> dict:
+    """The HF Trainer's batch of GPTDataset samples: input_ids are the sample's tokens, position_ids its (with
+    reset_position_ids, per document: transformers then keeps documents apart in attention), and the labels
+    already shifted (shift_labels: the next token of every position, the sample's extra token included), with -100
+    where GPTDataset's loss mask is 0 (eod_mask_loss)."""
+    batch = stack_samples(samples)
+    shifted = batch["labels"].clone()
+    shifted[batch["loss_mask"] == 0] = -100
+    return {"input_ids": batch["tokens"], "labels": batch["tokens"], "shift_labels": shifted,
+            "position_ids": batch["position_ids"]}
