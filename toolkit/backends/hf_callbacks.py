@@ -36,6 +36,8 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
             watch.start()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if saves is not None:  # a background write finished on every rank: its manifest and `latest` now, so
+                saves.poll()  # a save completes a whole step after it was made at the earliest
             watch.phase(state.global_step + 1, "train")
             guard.begin_step()
 
@@ -47,8 +49,6 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
             if save_and_exit_requested(output_dir):
                 control.should_save = True
                 control.should_training_stop = True
-            if saves is not None:
-                saves.poll()  # a background write finished on every rank: its manifest and `latest` now
             watch.phase(state.global_step, "save" if control.should_save else "log")
             if control.should_save:  # the Trainer logs (on_log) and evaluates, then saves
                 self.save_started = time.perf_counter()

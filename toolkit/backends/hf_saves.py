@@ -4,7 +4,7 @@ the toolkit's rules around them (toolkit.backends.background_saves).
 
 The Trainer's save runs as ever (trainer state, RNG, scheduler, the model's config: small files, written before it
 returns); only the DCP directories are written by a thread of each rank after the state is copied. The manifest and
-`latest` follow at the end of the first step at which every rank's writes have finished.
+`latest` follow at the start of the first step at which every rank's writes have finished.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class TrainerSaves(BackgroundSaves):
         log.info("%s: written in the background (%d DCP directories)", checkpoint.name, len(self.writes))
 
     def poll(self) -> None:
-        """Every rank at the end of every step: a save whose writes have finished on every rank is completed."""
+        """Every rank at the start of every step: a save whose writes have finished on every rank is completed."""
         from toolkit.backends.loop import reduced_flag
 
         save = self.in_flight
