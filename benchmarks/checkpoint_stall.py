@@ -57,6 +57,8 @@ def recipe(backend: str, asynchronous: bool, config: dict, steps: int, directory
     data["training"].update(max_steps=steps, save_steps=steps // 2, seq_len=32, global_batch=2, logging_steps=1,
                             warmup_steps=1, async_save=asynchronous, hang_timeout_s=900)
     data["plan"]["micro_batch"] = 1
+    if backend == "megatron":  # Adam's states sharded over the 2 ranks, as ZeRO-2 and FSDP2 shard them
+        data["plan"]["distributed_optimizer"] = True
     path = directory / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

@@ -31,7 +31,8 @@ class TrainerSaves(BackgroundSaves):
         self.rank = rank
         self.groups = GroupPool()
         self.writes: list = []  # the futures of the save in flight (one per DCP directory)
-        self.exit_hook = False
+        self.complete: Callable | None = None  # its manifest and `latest`, once every rank's writes are done
+        watch.before_exit(self.abandon)
 
     @contextlib.contextmanager
     def writing(self, step: int):
@@ -39,9 +40,6 @@ class TrainerSaves(BackgroundSaves):
         first; its DCP directories then written in the background."""
         from toolkit.compat.dcp_async import dcp_saves_in_background
 
-        if not self.exit_hook:
-            self.watch.before_exit(self.abandon)
-            self.exit_hook = True
         self.wait(step)
         self.watch.phase(step, "save")
         self.writes = []

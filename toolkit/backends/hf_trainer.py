@@ -143,7 +143,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
                              args.process_index)
         log.info("checkpoints are written in the background (training.async_save)")
     guard = TrainerGuard(StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)),
-                                   output_dir, args.process_index), fingerprints)
+                                   output_dir, args.process_index), fingerprints, saves)
 
     class ToolkitTrainer(Trainer):
         """HF's Trainer, plus: which samples each step trains on, how long it waits for them, and what each logged
