@@ -72,7 +72,7 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
             path.on_save(model, ckpt, state.is_world_process_zero)
             step, started, self.save_started = state.global_step, self.save_started, None
 
-            def complete():  # every rank, once its files of the checkpoint are written
+            def complete(files=None):  # every rank, once its files are written; `files`: hashed already
                 watch.phase(step, "manifest")
                 if dist.is_initialized():
                     dist.barrier()  # every rank arrived: none stopped before its files were complete
@@ -82,7 +82,8 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
                                                             "global_batch")}
                     manifest = write_manifest(ckpt, step=step, world_size=world, layout=layout,
                                               fmt=path.checkpoint_format,
-                                              extra={"run": identity, "guard_window": guard.guard.window()})
+                                              extra={"run": identity, "guard_window": guard.guard.window()},
+                                              files=files)
                     point_latest(output_dir, ckpt)
                 if dist.is_initialized():
                     dist.barrier()

@@ -3,8 +3,9 @@ whose model and optimizer state go through torch.distributed.checkpoint.async_sa
 the toolkit's rules around them (toolkit.backends.background_saves).
 
 The Trainer's save runs as ever (trainer state, RNG, scheduler, the model's config: small files, written before it
-returns); only the DCP directories are written by a thread of each rank after the state is copied. The manifest and
-`latest` follow at the start of the first step at which every rank's writes have finished.
+returns); only the DCP directories are written by a thread of each rank after the state is copied. Once every rank's
+writes have finished, rank 0 hashes the checkpoint's files in a thread as well; the manifest and `latest` follow at the
+start of the first step after that.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit.backends.background_saves import BackgroundSaves, InFlight
@@ -32,6 +34,7 @@ class TrainerSaves(BackgroundSaves):
         self.groups = GroupPool()
         self.writes: list = []  # the futures of the save in flight (one per DCP directory)
         self.complete: Callable | None = None  # its manifest and `latest`, once every rank's writes are done
+        self.hashing: Future | None = None  # rank 0's hashing of its files (a finished None elsewhere)
         watch.before_exit(self.abandon)
 
     @contextlib.contextmanager
@@ -58,20 +61,37 @@ class TrainerSaves(BackgroundSaves):
         log.info("%s: written in the background (%d DCP directories)", checkpoint.name, len(self.writes))
 
     def poll(self) -> None:
-        """Every rank at the start of every step: a save whose writes have finished on every rank is completed."""
+        """Every rank at the start of every step: once every rank's writes have finished, rank 0 hashes the files in
+        a thread; once that is done, the manifest and `latest` (from this, the training thread)."""
         from toolkit.backends.loop import reduced_flag
 
         save = self.in_flight
         if save is None:
             return
         save.poll_started = time.perf_counter()
-        if reduced_flag(all(write.done() for write in self.writes), "MIN"):
+        if self.hashing is None and reduced_flag(all(write.done() for write in self.writes), "MIN"):
             for write in self.writes:
                 write.result()  # a write that failed fails the run here, on its rank
             self.writes = []
-            self._complete(save, self.complete)
+            self.hashing = self._hash(save.checkpoint)
+        if self.hashing is not None and reduced_flag(self.hashing.done(), "MIN"):
+            files, self.hashing = self.hashing.result(), None
+            self._complete(save, functools.partial(self.complete, files))
         else:
             save.blocked_s += time.perf_counter() - save.poll_started
+
+    def _hash(self, checkpoint: Path) -> Future:
+        """Rank 0: the manifest's hashes, taken in a thread (hashlib and file reads release the GIL)."""
+        if self.metrics is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        from toolkit.checkpoint.manifest import hash_files
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-manifest-hash")
+        hashed = pool.submit(hash_files, checkpoint)
+        pool.shutdown(wait=False)
+        return hashed
 
     def close(self, step: int) -> None:
         """Every rank at the end of training (after a scheduler's save-and-exit too): the save in flight completed."""

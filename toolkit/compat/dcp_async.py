@@ -58,27 +58,30 @@ class GroupPool:
 
 @contextlib.contextmanager
 def dcp_saves_in_background(groups: GroupPool, started: list, before_write: Callable[[], None]):
-    """While active, each `torch.distributed.checkpoint.save(...)` becomes an `async_save` on its own group of
-    `groups`: its future is appended to `started`; `before_write()` runs in the writing thread before its first
-    byte."""
+    """While active, each `torch.distributed.checkpoint.save(...)` is held; when the context ends (every state dict
+    built: nothing has changed the tensors since), each becomes an `async_save` on its own group of `groups`, its
+    future appended to `started`, and `before_write()` runs in its writing thread before the first byte. Held until
+    then, no write competes with the building of the next state dict (the optimizer's: Python work, under the GIL)."""
     import torch.distributed.checkpoint as dcp
 
-    original = dcp.save
+    original, held = dcp.save, []
 
     def save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, no_dist=False,
              use_collectives=True):
         if process_group is not None or no_dist or not use_collectives or storage_writer is None:
             raise RuntimeError("the asynchronous FSDP2 save expects Accelerate's dist_cp.save(state_dict, "
                                "storage_writer, planner); it was called otherwise")
-        storage_writer.write_data = functools.partial(_after, before_write, storage_writer.write_data)
-        started.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-                                      planner=planner, process_group=groups.get(len(started))))
+        held.append((state_dict, checkpoint_id, storage_writer, planner))
 
     dcp.save = save
     try:
         yield
     finally:
         dcp.save = original
+    for state_dict, checkpoint_id, storage_writer, planner in held:
+        storage_writer.write_data = functools.partial(_after, before_write, storage_writer.write_data)
+        started.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                                      planner=planner, process_group=groups.get(len(started))))
 
 
 def _after(first: Callable[[], None], write, *args, **kwargs):
