@@ -37,7 +37,16 @@ def accelerate_run(fsdp_generated, tmp_path_factory) -> Launch:
 @pytest.fixture(scope="session")
 def torchrun_restore(tmp_path_factory) -> tuple[Path, dict]:
     """`dmt restore-test --recipe tiny-llama-cpu.yaml --backend fsdp`: its reference run is the torchrun launch of
-    `toolkit/train.py --recipe R --backend fsdp` (the DeepSpeed tiny recipe switched to FSDP2 on the command line)."""
-    workdir = tmp_path_factory.mktemp("fsdp-restore") / "work"
-    return workdir, restore_test(workdir, "--recipe", str(TINY), "--backend", "fsdp", "--steps", str(STEPS),
-                                 "--save-at", str(STEPS // 2))
+    `toolkit/train.py --recipe R --backend fsdp` (the DeepSpeed tiny recipe switched to FSDP2 on the command line),
+    with training.async_save: true (a copy of the recipe): the checkpoint the run is killed after was written in the
+    background, `latest` naming it a step or more after its save."""
+    import yaml
+
+    root = tmp_path_factory.mktemp("fsdp-restore")
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["data"]["train_files"] = [str(TINY.parent / f) for f in recipe["data"]["train_files"]]
+    recipe["training"]["async_save"] = True
+    (root / "tiny-async.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    workdir = root / "work"
+    return workdir, restore_test(workdir, "--recipe", str(root / "tiny-async.yaml"), "--backend", "fsdp", "--steps",
+                                 str(STEPS), "--save-at", str(STEPS // 2))

@@ -1,10 +1,15 @@
 """Faults in an FSDP2 run (HF Trainer + Accelerate's FSDP2 plugin, fully_shard over 2 CPU ranks, DCP checkpoints)
 through the generated launch.sh: a rank SIGKILLed after a save (torchrun restarts the job from the checkpoint and it
-ends as the uninterrupted run does, to the bit), a rank frozen while a checkpoint is written (named, the job fails,
-`latest` stays on the verified checkpoint before), the guard's skip (no parameter shard or Adam moment moves)
-and its rollback (the DCP shards of the last verified checkpoint reloaded in place).
+ends as the uninterrupted run does, to the bit), a rank SIGKILLed while a checkpoint is written in the background
+(training.async_save: `latest` stays on the checkpoint before, the restarted job ends as the uninterrupted run), a
+rank frozen while a checkpoint is written (named, the job fails, `latest` stays on the verified checkpoint before),
+the guard's skip (no parameter shard or Adam moment moves) and its rollback (the DCP shards of the last verified
+checkpoint reloaded in place). The uninterrupted run saves in the background (async_save), the others as CPU ranks
+do by default (synchronously): each compares with the other to the bit.
 The DeepSpeed and Megatron-Core versions: tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
 
+
+import json
 
 import pytest
 import torch
@@ -14,7 +19,7 @@ from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 from toolkit.runtime.incident import read_incidents
-from toolkit.runtime.metrics import read_metrics
+from toolkit.runtime.metrics import METRICS_FILE, read_checkpoint_records, read_metrics
 
 pytestmark = pytest.mark.launch
 STEPS, HANG_TIMEOUT_S = 6, 10
@@ -41,15 +46,34 @@ def fsdp_launch(variant, tmp_path_factory):
         return rc, out, root / f"{name}.log"
 
     run.probe = lambda name: root / f"{name}.probe"  # the guard's looks at the gradients (helpers.guard_looks)
+    run.log = lambda name: root / f"{name}.log"
+    run.out = lambda name: root / name
     return run
 
 
 @pytest.fixture(scope="module")
 def reference(fsdp_launch):
-    rc, out, log = fsdp_launch("reference")
+    rc, out, log = fsdp_launch("reference", async_save=True)
     assert rc == 0 and [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1)), log.read_text()[-3000:]
     assert (out / "sharding.json").is_file()  # trained sharded: the post-preparation check wrote what each rank held
     return read_metrics(out)
+
+
+def test_the_uninterrupted_run_wrote_its_checkpoints_in_the_background_while_it_trained(fsdp_launch, reference):
+    """metrics.jsonl in the order it was written: each checkpoint's record (written once every rank's DCP files are
+    complete) comes after the record of the step after it, which trained while the files were written; a synchronous
+    save's record comes right after its own step. The checkpoint at the last step completes at the end of training."""
+    out = fsdp_launch.out("reference")
+    lines = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+    order = [f"checkpoint-{r['step']}" if r.get("kind") == "checkpoint" else r["step"] for r in lines]
+    assert [o for o in order if isinstance(o, int)] == list(range(1, STEPS + 1)), order
+    assert [o for o in order if isinstance(o, str)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"], order
+    for step in (2, 4):  # completed at the start of step + 2 at the earliest (each step polls once, at its start)
+        assert order.index(f"checkpoint-{step}") > order.index(step + 1), order
+    saves = read_checkpoint_records(out)
+    assert all(r["async"] and r["blocking_s"] <= r["persist_s"] for r in saves), saves
+    for step in (2, 4, 6):
+        assert verify(out / f"checkpoint-{step}").ok
 
 
 def _dcp(ckpt, tmp_path) -> dict:
@@ -103,6 +127,47 @@ def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_ru
     assert failure["event"] == "failure" and [d["rank"] for d in failure["died"]] == [1]
     assert restart["event"] == "restart" and restart["resume_from"] == "checkpoint-2"
     assert verify(resolve_latest(out)).ok
+
+
+def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_restart_ends_as_the_reference(
+        fsdp_launch, reference):
+    """checkpoint-4's DCP directories are written in the background (training.async_save), each rank's writing threads
+    held back 60 s before their first byte; rank 0 is SIGKILLed in step 5 while they wait: training went on without a
+    byte of checkpoint-4's model or optimizer state on disk (a synchronous save would have finished them, and moved
+    `latest`, before step 5), `latest` stays on checkpoint-2 and `dmt ckpt verify` rejects checkpoint-4. Rank 1, ended
+    by the launcher, waits the bounded time for its writes and says so; torchrun restarts the job from checkpoint-2,
+    which saves in the background again and ends as the uninterrupted run does, to the bit."""
+    seen = {}
+
+    def look_when_the_kill_comes(process, out):
+        # the fault's log line comes 0.5 s before its SIGKILL; latest and checkpoint-4's files can only change once
+        # torchrun has restarted the job and it trained steps 3 and 4 again, or once the held writes go on after 60 s
+        if "fault injection: kill" in log.read_text() and not seen:
+            partial = out / "checkpoint-4"
+            seen.update(latest=resolve_latest(out).name, manifest=(partial / MANIFEST).exists(),
+                        written=sorted(p.name for p in partial.glob("*/*.distcp")),
+                        verify=main(["ckpt", "verify", str(partial)]))
+        return bool(seen)
+
+    log = fsdp_launch.log("kill-in-save")
+    rc, out, _ = fsdp_launch("kill-in-save", look_when_the_kill_comes,
+                             "slow=60@step=4,phase=persist;kill@rank=0,step=5,phase=train", async_save=True)
+    assert rc == 0, log.read_text()[-3000:]
+    assert {k: seen[k] for k in ("latest", "manifest", "written")} == {"latest": "checkpoint-2", "manifest": False,
+                                                                       "written": []}
+    assert seen["verify"] != 0
+    assert (f"checkpoint-4: this rank's background write did not finish within {HANG_TIMEOUT_S} s and is "
+            f"abandoned") in log.read_text()
+    restart = next(e for e in read_incidents(out) if e["event"] == "restart")
+    assert restart["resume_from"] == "checkpoint-2"
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for step in range(3, STEPS + 1):  # trained again from checkpoint-2, saved in the background mid-training
+        assert {k: records[step - 1][k] for k in COMPARED} == {k: reference[step - 1][k] for k in COMPARED}, step
+    saves = read_checkpoint_records(out)
+    assert [(r["checkpoint"], r["async"]) for r in saves] == [(f"checkpoint-{s}", True) for s in (2, 4, 6)]
+    for step in (2, 4, 6):
+        assert verify(out / f"checkpoint-{step}").ok
 
 
 def test_a_frozen_fsdp_rank_in_a_save_is_named_and_latest_stays_on_the_checkpoint_before(fsdp_launch):

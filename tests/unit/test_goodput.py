@@ -91,7 +91,7 @@ def test_a_save_holds_the_trained_weights_and_optimizer_states_as_the_backend_ke
     assert report["training_time"]["checkpoint"]["bytes"] == report["params"]["total"] * bytes_per_param
 
 
-@pytest.mark.parametrize("backend, saves_async", [("deepspeed", False), ("fsdp", False), ("megatron", True)])
+@pytest.mark.parametrize("backend, saves_async", [("deepspeed", False), ("fsdp", True), ("megatron", True)])
 def test_without_the_flag_a_save_blocks_as_the_backend_saves_today(capsys, backend, saves_async):
     checkpoint = _training_time(capsys, "--backend", backend)["training_time"]["checkpoint"]
     assert checkpoint["async_save"] is saves_async

@@ -41,7 +41,8 @@ class Backend:
         can; unset, on GPUs only. On CPU ranks (gloo: the tests and the demo) Megatron-Core's asynchronous path does
         not run as the library ships it (the toolkit copies the tensors while training waits, then writes in a
         spawned writer process), and for the small models trained there the writer costs more than it saves
-        (measured: +6 s per launch of the tiny recipe, 17 s against 11 s): a recipe asks for it there explicitly."""
+        (measured: +6 s per launch of the tiny recipe, 17 s against 11 s; FSDP2's writing threads share the same 2
+        cores with training): a recipe asks for it there explicitly."""
         if not self.async_save:
             return False
         return asked if asked is not None else accelerator != "cpu"

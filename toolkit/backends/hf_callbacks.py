@@ -1,7 +1,7 @@
 """The toolkit's hooks in HF Trainer's loop, for every HF Trainer backend (DeepSpeed, FSDP2 through Accelerate):
 which samples each step trained on (data_sha), metrics.jsonl, the watchdog's phases, the guard, a scheduler's
 save-and-exit request (toolkit.backends.loop), and a manifest with the `latest` pointer after
-every complete save."""
+every complete save (after a background write, once every rank's is done: toolkit.backends.hf_saves)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from toolkit.runtime.metrics import MetricsWriter
 from toolkit.spec.plan import Plan
 
 def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: int, identity: dict,
-               fingerprints: BatchFingerprints, watch, guard):
-    """The toolkit's hooks in HF Trainer's loop (any HF Trainer backend: DeepSpeed, FSDP2 through Accelerate)."""
+               fingerprints: BatchFingerprints, watch, guard, saves=None):
+    """The toolkit's hooks in HF Trainer's loop (any HF Trainer backend: DeepSpeed, FSDP2 through Accelerate);
+    `saves`, a toolkit.backends.hf_saves.TrainerSaves, when checkpoints are written in the background."""
     from transformers import TrainerCallback
 
     from toolkit.backends import backend_of
@@ -35,6 +36,8 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
             watch.start()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if saves is not None:  # a background write finished on every rank: its manifest and `latest` now, so
+                saves.poll()  # a save completes a whole step after it was made at the earliest
             watch.phase(state.global_step + 1, "train")
             guard.begin_step()
 
@@ -63,23 +66,40 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
         def on_save(self, args, state, control, model=None, **kwargs):
             import torch.distributed as dist
 
-            watch.phase(state.global_step, "manifest")
             ckpt = output_dir / f"checkpoint-{state.global_step}"
             if dist.is_initialized():
                 dist.barrier()  # every rank's files are on disk before they are hashed
             path.on_save(model, ckpt, state.is_world_process_zero)
-            if state.is_world_process_zero:
-                layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum", "global_batch")}
-                manifest = write_manifest(ckpt, step=state.global_step, world_size=world, layout=layout,
-                                          fmt=path.checkpoint_format,
-                                          extra={"run": identity, "guard_window": guard.guard.window(),
-                                                 **data_position(state.global_step, identity)})
-                point_latest(output_dir, ckpt)
-            if dist.is_initialized():
-                dist.barrier()
-            if state.is_world_process_zero and self.save_started is not None:  # synchronous: complete when resumed
-                paused = time.perf_counter() - self.save_started
+            step, started, self.save_started = state.global_step, self.save_started, None
+
+            def complete(files=None):  # every rank, once its files are written; `files`: hashed already
+                watch.phase(step, "manifest")
+                if dist.is_initialized():
+                    dist.barrier()  # every rank arrived: none stopped before its files were complete
+                manifest = None
+                if state.is_world_process_zero:
+                    layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum",
+                                                            "global_batch")}
+                    manifest = write_manifest(ckpt, step=step, world_size=world, layout=layout,
+                                              fmt=path.checkpoint_format,
+                                              extra={"run": identity, "guard_window": guard.guard.window(),
+                                                     **data_position(step, identity)},
+                                              files=files)
+                    point_latest(output_dir, ckpt)
+                if dist.is_initialized():
+                    dist.barrier()
+                return manifest
+
+            if saves is not None:
+                saves.saved(step, ckpt, started or time.perf_counter(), complete)
+                return
+            manifest = complete()
+            if state.is_world_process_zero and started is not None:  # synchronous: complete when resumed
+                paused = time.perf_counter() - started
                 write_checkpoint_record(metrics, manifest, ckpt, paused, paused, asynchronous=False)
-            self.save_started = None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if saves is not None:
+                saves.close(state.global_step)  # the save in flight (the last one, a save-and-exit's) completed
 
     return [ToolkitCallback()]

@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 class TrainerGuard:
     """One per rank: the shared StepGuard, and the step in flight as the Trainer runs it."""
 
-    def __init__(self, guard: StepGuard, fingerprints: BatchFingerprints):
+    def __init__(self, guard: StepGuard, fingerprints: BatchFingerprints, saves=None):
         self.guard, self.fingerprints = guard, fingerprints
+        self.saves = saves  # toolkit.backends.hf_saves.TrainerSaves when checkpoints are written in the background
         self.micro: list = []
         self.loss: float | None = None
         self.norm_read = False
@@ -116,6 +117,8 @@ class TrainerGuard:
             reload_checkpoint(trainer, target)
 
     def _act(self, step: int, verdict: Verdict) -> Verdict:
+        if verdict.action == "rollback" and self.saves is not None:  # every rank: the verdict is on reduced figures
+            self.saves.wait(step)  # the save in flight, once complete, is the checkpoint to go back to
         return self.guard.act(step, verdict, self.fingerprints.digest(clear=False))
 
 

@@ -106,10 +106,11 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
 
     world = _check_world(plan)
     path = backend_of(plan).part("train").HF_PATH  # what DeepSpeed or FSDP2 adds to the HF Trainer's path
-    if recipe.training.async_save is not False and not recipe_saves_async(recipe, plan):
-        (log.warning if recipe.training.async_save else log.info)(
-            "training.async_save: %s checkpoints are written synchronously under the HF Trainer (the toolkit has no "
-            "asynchronous save for it yet); each save's pause is in metrics.jsonl", backend_of(plan).label)
+    asynchronous = recipe_saves_async(recipe, plan)
+    if recipe.training.async_save and not asynchronous:
+        log.warning("training.async_save: %s checkpoints are written synchronously under the HF Trainer (none of "
+                    "its checkpoint engines runs there; README, 'Asynchronous checkpoints'); each save's pause is in "
+                    "metrics.jsonl", backend_of(plan).label)
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     identity = run_identity(recipe, plan)
     resume_path = resume_checkpoint(output_dir, resume, identity)
@@ -169,8 +170,16 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     long_context.prepare(model, plan, output_dir, args.process_index)
     fingerprints = BatchFingerprints()
     metrics = MetricsWriter(output_dir, throughput or Throughput(plan.global_batch * plan.seq_len))
+    saves = None
+    if asynchronous:  # FSDP2's DCP directories written in the background (toolkit.backends.hf_saves)
+        from toolkit.backends.background_saves import save_wait_s
+        from toolkit.backends.hf_saves import TrainerSaves
+
+        saves = TrainerSaves(metrics if args.process_index == 0 else None, watch, save_wait_s(recipe),
+                             args.process_index)
+        log.info("checkpoints are written in the background (training.async_save)")
     guard = TrainerGuard(StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)),
-                                   output_dir, args.process_index), fingerprints)
+                                   output_dir, args.process_index), fingerprints, saves)
 
     class ToolkitTrainer(Trainer):
         """HF's Trainer, plus: which samples each step trains on, how long it waits for them, and what each logged
@@ -223,6 +232,14 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
                 self.lr_scheduler = HeldSchedule(schedule, guard.holds_schedule)
             return self.lr_scheduler
 
+        def _save_optimizer_and_scheduler(self, output_dir):
+            # the one part of the Trainer's save that writes the model and optimizer state (FSDP2: Accelerate's DCP
+            # save); in the background when asked (toolkit.compat.transformers_seams names this override)
+            if saves is None:
+                return super()._save_optimizer_and_scheduler(output_dir)
+            with saves.writing(self.state.global_step):
+                return super()._save_optimizer_and_scheduler(output_dir)
+
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
             path.on_accelerator(self.accelerator, plan)  # before preparation (FSDP2: fully_shard's precision)
@@ -240,7 +257,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
                 return (guard.on_loss(self, result[0], items), *result[1:])
             return guard.on_loss(self, result, items)
 
-    callbacks = callbacks_for(output_dir, plan, metrics, world, identity, fingerprints, watch, guard)
+    callbacks = callbacks_for(output_dir, plan, metrics, world, identity, fingerprints, watch, guard, saves)
     toolkit_callback = callbacks[0]  # the guard acts through it on the Trainer
     if plan.finetune.peft:
         from toolkit.backends.peft_model import adapter_callback

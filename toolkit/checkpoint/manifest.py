@@ -55,11 +55,19 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.close(directory)
 
 
-def write_manifest(ckpt_dir: Path, *, step: int, world_size: int, layout: dict, fmt: str, extra: dict | None = None) -> dict:
-    """Hash every file under `ckpt_dir` (the manifest itself excepted) and write the manifest atomically."""
+def hash_files(ckpt_dir: Path) -> dict:
+    """Size and sha256 of every file under `ckpt_dir` (the manifest itself excepted): the manifest's `files`."""
     files = {}
     for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST and ".tmp-" not in p.name):
         files[path.relative_to(ckpt_dir).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return files
+
+
+def write_manifest(ckpt_dir: Path, *, step: int, world_size: int, layout: dict, fmt: str, extra: dict | None = None,
+                   files: dict | None = None) -> dict:
+    """Hash every file under `ckpt_dir` (unless `files`, hash_files' answer, was taken once they were complete) and
+    write the manifest atomically."""
+    files = hash_files(ckpt_dir) if files is None else files
     manifest = {
         "format": fmt,
         "step": step,

@@ -18,6 +18,11 @@ SEAMS = [
          "computes, once per step, before the optimizer steps; the Trainer has no public hook between the two. "
          "Overridden in place by ToolkitTrainer (an override, which the in-place check does not see); hf_guard.py "
          "refuses a step whose norm it did not see, so a rename stops training instead of switching the guard off"),
+    Seam("transformers", "transformers.Trainer._save_optimizer_and_scheduler",
+         "overridden (toolkit/backends/hf_trainer.py) with the same call inside toolkit.compat.dcp_async's context when "
+         "checkpoints are written in the background (training.async_save): the one method of the Trainer's save that "
+         "writes FSDP2's model and optimizer state (through Accelerate's DCP save); no public hook wraps it. A rename "
+         "fails the run (TrainerSaves.writing refuses a save that wrote nothing in the background)"),
     Seam("transformers", "transformers.PreTrainedModel._no_split_modules",
          "the decoder layer classes FSDP2 wraps one by one: what Accelerate itself falls back to when the config "
          "names none; transformers has no public accessor"),

@@ -12,8 +12,8 @@ backends act out at a given step and phase, on the first launch of a job only (a
     DMT_FAULT="slow=60@step=4,phase=persist"        the background write of checkpoint-4 (training.async_save)
                                                     waits 60 s in its writer process before writing a byte
 Several faults are separated by ';'. Phases: train (the step's forward, backward and optimizer), save (a checkpoint
-is about to be written), persist (its background write, in the writer process of each rank, Megatron-Core's
-asynchronous save), manifest (its files are written; the manifest and `latest` are next), save-wait (a save or the
+is about to be written), persist (its background write: in the writer process of each rank, Megatron-Core's
+asynchronous save; in each writing thread of each rank, FSDP2's, before its first byte), manifest (its files are written; the manifest and `latest` are next), save-wait (a save or the
 end of training waits for the background write in flight), log.
 """
 

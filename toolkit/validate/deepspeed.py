@@ -224,6 +224,21 @@ def _zero_rules(config: dict, world_size: int, pp: int) -> list[Problem]:
     return problems
 
 
+def _checkpoint_writer_rules(config: dict) -> list[Problem]:
+    """DeepSpeed's decoupled checkpoint engine (checkpoint.writer.decoupled) writes a save's files in a process of its
+    own after save_checkpoint returns and commits them at the next step: the manifest the toolkit writes when the
+    HF Trainer's save returns would list files not yet written, and `latest` would move to them. On CPU ranks its
+    writer process also fails as it starts (DeepSpeed 0.19.8: pin_memory, "Cannot access accelerator device when none
+    is available"), after which each save writes nothing until the next step's commit fails."""
+    writer = (config.get("checkpoint") or {}).get("writer")
+    if isinstance(writer, dict) and writer.get("decoupled"):
+        return [Problem("checkpoint.writer.decoupled", "is true: DeepSpeed's decoupled engine writes a checkpoint "
+                                                       "after the HF Trainer's save returns, when the toolkit has "
+                                                       "already written its manifest and moved `latest`; remove it "
+                                                       "(the HF Trainer's DeepSpeed saves are synchronous)")]
+    return []
+
+
 def _scheduler_rules(config: dict) -> list[Problem]:
     params = (config.get("scheduler") or {}).get("params") or {}
     warmup = params.get("warmup_num_steps")
@@ -299,7 +314,7 @@ def validate_deepspeed_config(config: dict, world_size: int, pp: int = 1, traine
     problems += library + [p for p in _batch_rule(filled, world_size, pp) if p.key not in reported]
     if not library:  # the launch-time ZeRO rules need the types DeepSpeed's classes just accepted
         problems += _zero_rules(filled, world_size, pp)
-    problems += _scheduler_rules(filled)
+    problems += _scheduler_rules(filled) + _checkpoint_writer_rules(filled)
     if memory_check is not None and not problems:
         found = memory_check(filled)
         if found is not None:

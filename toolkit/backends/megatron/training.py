@@ -222,14 +222,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
                            watch)
 
 
-def _save_wait_s(recipe: Recipe) -> float:
-    """How long a save waits for the one in flight: the hang timeout, which every save must fit in anyway (its
-    default where the watchdog is off)."""
-    from toolkit.spec.recipe import TrainingSection
-
-    return recipe.training.hang_timeout_s or TrainingSection.model_fields["hang_timeout_s"].default
-
-
 def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) -> float:
     """Megatron-Core's optimizer step with the guard's verdict between the gradient norm and the update; returns the
     norm. The step is ChainedOptimizer.step of megatron-core 0.16.1 through its public parts (prepare_grads,
@@ -273,6 +265,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
 
     from toolkit.backends.loop import StepGuard, save_and_exit_requested, write_step_record
     from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.backends.background_saves import save_wait_s
     from toolkit.backends.megatron.saves import CheckpointSaves
     from toolkit.backends.resume import guard_window
     from toolkit.runtime import faults
@@ -300,7 +293,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     if rank0 and "wandb" in recipe.training.report_to:
         configure_wandb(recipe.training.report_to, output_dir)
         wandb = WandbRun(recipe.name, output_dir, {"plan": plan.as_dict(), "recipe": recipe.name})
-    saves = CheckpointSaves(config["schedule"]["async_save"], metrics, watch, _save_wait_s(recipe))
+    saves = CheckpointSaves(config["schedule"]["async_save"], metrics, watch, save_wait_s(recipe))
     saves.start()
     forward_backward = get_forward_backward_func()
     dp_rank, per_rank = parallel_state.get_data_parallel_rank(), plan.micro_batch * plan.grad_accum

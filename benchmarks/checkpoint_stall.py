@@ -1,0 +1,160 @@
+"""How long a checkpoint stalls training, synchronous against asynchronous (training.async_save), per backend: a
+~260M-parameter random-init Llama trained by toolkit/train.py on 2 CPU ranks (torchrun, gloo) for a few steps with a
+save in the middle and at the end, read back from each run's metrics.jsonl checkpoint records (`blocking_s`: the time
+training was paused; `persist_s`: until the files and manifest were complete; `bytes`).
+
+Run: python benchmarks/checkpoint_stall.py [--out benchmarks/checkpoint_stall.md] [--steps 6] [--layers 22]
+(a launch each: under the launch lock on a shared machine, `flock /tmp/dmt-launch.lock python ...`). Each run's output
+directory (a few GB of checkpoints) is removed once its records are read.
+Target: an asynchronous save blocks at most a quarter of the synchronous save's time, on every backend that has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+BIN = Path(sys.executable).parent
+TARGET = 0.25  # async blocking / sync blocking
+RECIPES = {"deepspeed": "tiny-llama-cpu.yaml", "fsdp": "tiny-llama-fsdp-cpu.yaml",
+           "megatron": "tiny-llama-megatron-cpu.yaml"}  # each backend's tiny recipe: its plan and precision
+PLAN_CHANGES = {"megatron": {"distributed_optimizer": True}}  # Adam's states sharded over the 2 ranks, as ZeRO-2 and
+# FSDP2 shard them
+
+
+def model_config(layers: int) -> dict:
+    """Llama with hidden 1024 and GQA 16/8: ~11.8M parameters a layer; the tokenizer's 512-token vocabulary keeps the
+    embeddings small, so the parameters are the layers'."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+            "intermediate_size": 2816, "num_hidden_layers": layers, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "vocab_size": 512, "max_position_embeddings": 128, "tie_word_embeddings": False,
+            "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 0}
+
+
+def parameters(config: dict) -> int:
+    from toolkit.estimate.params import count_params
+    from toolkit.spec.model import spec_from_hf_dict
+
+    return count_params(spec_from_hf_dict(config, name="bench")).total
+
+
+def recipe(backend: str, asynchronous: bool, config: dict, steps: int, directory: Path) -> Path:
+    base = ROOT / "recipes" / RECIPES[backend]
+    data = yaml.safe_load(base.read_text())
+    data["name"] = f"stall-{backend}-{'async' if asynchronous else 'sync'}"
+    data["model"]["config"] = config
+    data["data"]["train_files"] = [str(base.parent / f) for f in data["data"]["train_files"]]
+    data["training"].update(max_steps=steps, save_steps=steps // 2, seq_len=32, global_batch=2, logging_steps=1,
+                            warmup_steps=1, async_save=asynchronous, hang_timeout_s=900)
+    data["plan"]["micro_batch"] = 1
+    data["plan"].update(PLAN_CHANGES.get(backend, {}))
+    path = directory / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def run(backend: str, asynchronous: bool, config: dict, steps: int, work: Path) -> dict:
+    from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
+
+    out, log = work / f"{backend}-{asynchronous}", work / f"{backend}-{asynchronous}.log"
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(29400 + os.getpid() % 500),
+           str(ROOT / "toolkit" / "train.py"), "--recipe", str(recipe(backend, asynchronous, config, steps, work)),
+           "--output-dir", str(out)]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+               OMP_NUM_THREADS="1")
+    with open(log, "w") as handle:
+        rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=3600).returncode
+    saves, step_records = read_checkpoint_records(out), read_metrics(out)
+    shutil.rmtree(out, ignore_errors=True)
+    if rc != 0 or len(saves) != 2:  # kept in the table with what the launcher said (an OOM kill shows as -9)
+        killed = sorted({line.strip() for line in log.read_text().splitlines() if "exitcode" in line})
+        return {"backend": backend, "async": asynchronous, "failed": f"exit {rc}, {len(saves)} of 2 checkpoint "
+                                                                     f"records; ranks: {'; '.join(killed)}"}
+    middle, last = saves
+    return {"backend": backend, "async": all(s["async"] for s in saves), "bytes": middle["bytes"],
+            "blocking_s": middle["blocking_s"], "persist_s": middle["persist_s"],
+            "last_blocking_s": last["blocking_s"], "last_persist_s": last["persist_s"],
+            "step_s": statistics.median(r["step_time_s"] for r in step_records[1:] if r.get("step_time_s"))}
+
+
+def machine() -> str:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
+    return (f"{model}, {os.cpu_count()} cores, python {platform.python_version()}, load average before the runs "
+            f"{os.getloadavg()[0]:.1f}")
+
+
+def table(results: list[dict], params: int, steps: int) -> str:
+    from toolkit.backends import BACKENDS
+
+    lines = [f"machine: {machine()}",
+             f"model: random-init Llama, {params / 1e6:.0f}M parameters (hidden 1024, {results[0]['layers']} layers), "
+             f"2 CPU ranks (torchrun, gloo), seq_len 32, global batch 2, {steps} steps, a save at step {steps // 2} "
+             f"(mid-run: training goes on while an async one is written) and at step {steps} (the end of training "
+             f"waits for it)", "",
+             "| backend | save | checkpoint GiB | step s | blocking s | persist s | blocking at the end s | "
+             "persist at the end s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "failed" in r:
+            lines.append(f"| {BACKENDS[r['backend']].label} | {'async' if r['async'] else 'sync'} | failed: "
+                         f"{r['failed']} | | | | | |")
+            continue
+        lines.append(f"| {BACKENDS[r['backend']].label} | {'async' if r['async'] else 'sync'} | "
+                     f"{r['bytes'] / 2**30:.2f} | {r['step_s']:.2f} | {r['blocking_s']:.2f} | {r['persist_s']:.2f} | "
+                     f"{r['last_blocking_s']:.2f} | {r['last_persist_s']:.2f} |")
+    lines.append("")
+    for backend in BACKENDS:
+        sync = next((r for r in results if r["backend"] == backend and not r["async"] and "failed" not in r), None)
+        fast = next((r for r in results if r["backend"] == backend and r["async"] and "failed" not in r), None)
+        if sync and fast:
+            ratio = fast["blocking_s"] / sync["blocking_s"]
+            lines.append(f"{BACKENDS[backend].label}: async blocking / sync blocking {ratio:.2f} (target <= {TARGET}: "
+                         f"{'met' if ratio <= TARGET else 'missed'})")
+        elif sync and BACKENDS[backend].async_save:
+            lines.append(f"{BACKENDS[backend].label}: no ratio (the asynchronous run failed, above)")
+        elif sync:
+            lines.append(f"{BACKENDS[backend].label}: synchronous only (no asynchronous save runs under the HF "
+                         f"Trainer here; README, 'Checkpoints that do not stall')")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".md"))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--backends", nargs="+", default=list(RECIPES))
+    args = parser.parse_args()
+
+    from toolkit.backends import backend_of
+
+    config = model_config(args.layers)
+    params = parameters(config)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="checkpoint-stall-") as tmp:
+        for backend in args.backends:
+            modes = (False, True) if backend_of(backend).async_save else (False,)
+            for asynchronous in modes:
+                result = {**run(backend, asynchronous, config, args.steps, Path(tmp)), "layers": args.layers}
+                print(json.dumps(result), flush=True)
+                results.append(result)
+    text = (f"# Checkpoint stall: synchronous vs asynchronous saves\n\nGenerated by `benchmarks/checkpoint_stall.py`."
+            f"\n\n{table(results, params, args.steps)}")
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

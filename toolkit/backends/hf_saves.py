@@ -1,0 +1,110 @@
+"""The HF Trainer's checkpoints written in the background (training.async_save, on a backend that saves so: FSDP2,
+whose model and optimizer state go through torch.distributed.checkpoint.async_save, toolkit.compat.dcp_async), with
+the toolkit's rules around them (toolkit.backends.background_saves).
+
+The Trainer's save runs as ever (trainer state, RNG, scheduler, the model's config: small files, written before it
+returns); only the DCP directories are written by a thread of each rank after the state is copied. Once every rank's
+writes have finished, rank 0 hashes the checkpoint's files in a thread as well; the manifest and `latest` follow at the
+start of the first step after that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from toolkit.backends.background_saves import BackgroundSaves, InFlight
+
+log = logging.getLogger(__name__)
+
+
+class TrainerSaves(BackgroundSaves):
+    """One per rank (every rank of an HF Trainer run whose checkpoints are written in the background)."""
+
+    def __init__(self, metrics, watch, wait_s: float, rank: int):
+        from toolkit.compat.dcp_async import GroupPool
+
+        super().__init__(metrics, watch, wait_s)
+        self.rank = rank
+        self.groups = GroupPool()
+        self.writes: list = []  # the futures of the save in flight (one per DCP directory)
+        self.complete: Callable | None = None  # its manifest and `latest`, once every rank's writes are done
+        self.hashing: Future | None = None  # rank 0's hashing of its files (a finished None elsewhere)
+        watch.before_exit(self.abandon)
+
+    @contextlib.contextmanager
+    def writing(self, step: int):
+        """Around the Trainer's save of the model and optimizer state (every rank): the save before it complete
+        first; its DCP directories then written in the background."""
+        from toolkit.compat.dcp_async import dcp_saves_in_background
+
+        self.wait(step)
+        self.watch.phase(step, "save")
+        self.writes = []
+        with dcp_saves_in_background(self.groups, self.writes, functools.partial(_persist, step, self.rank)):
+            yield
+
+    def saved(self, step: int, checkpoint: Path, started: float, complete: Callable) -> None:
+        """The Trainer's save returned (every rank); `started` is when training paused for it; `complete()` writes
+        the manifest and `latest` once every rank's writes are done (rank 0 returns the manifest)."""
+        if not self.writes:  # the Trainer's save did not go through writing() and Accelerate's DCP save
+            raise RuntimeError(f"training.async_save: the HF Trainer's save of {checkpoint.name} wrote nothing in the "
+                               f"background (its files were written synchronously)")
+        now = time.perf_counter()
+        self.in_flight = InFlight(step, checkpoint, started, blocked_s=now - started)
+        self.complete = complete
+        log.info("%s: written in the background (%d DCP directories)", checkpoint.name, len(self.writes))
+
+    def poll(self) -> None:
+        """Every rank at the start of every step: once every rank's writes have finished, rank 0 hashes the files in
+        a thread; once that is done, the manifest and `latest` (from this, the training thread)."""
+        from toolkit.backends.loop import reduced_flag
+
+        save = self.in_flight
+        if save is None:
+            return
+        save.poll_started = time.perf_counter()
+        if self.hashing is None and reduced_flag(all(write.done() for write in self.writes), "MIN"):
+            for write in self.writes:
+                write.result()  # a write that failed fails the run here, on its rank
+            self.writes = []
+            self.hashing = self._hash(save.checkpoint)
+        if self.hashing is not None and reduced_flag(self.hashing.done(), "MIN"):
+            files, self.hashing = self.hashing.result(), None
+            self._complete(save, functools.partial(self.complete, files))
+        else:
+            save.blocked_s += time.perf_counter() - save.poll_started
+
+    def _hash(self, checkpoint: Path) -> Future:
+        """Rank 0: the manifest's hashes, taken in a thread (hashlib and file reads release the GIL)."""
+        if self.metrics is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        from toolkit.checkpoint.manifest import hash_files
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-manifest-hash")
+        hashed = pool.submit(hash_files, checkpoint)
+        pool.shutdown(wait=False)
+        return hashed
+
+    def close(self, step: int) -> None:
+        """Every rank at the end of training (after a scheduler's save-and-exit too): the save in flight completed."""
+        self.wait(step)
+
+    def abandon(self) -> None:
+        """This rank is ended by the watchdog: its writes may finish (at most `wait_s`); no manifest either way (the
+        writing threads end with the process)."""
+        self.wait_here(lambda: all(write.done() for write in self.writes))
+
+
+def _persist(step: int, rank: int) -> None:
+    """In a writing thread, before its first byte: the test faults of the `persist` phase."""
+    from toolkit.runtime import faults
+
+    faults.at_phase(step, "persist", rank)
