@@ -129,3 +129,33 @@ def test_explain_names_the_ranks_the_states_are_sharded_over_with_the_sequence_s
         LLAMA_8B, plan, H100, Network(H100.intra_node_bw_gbps, H100.inter_node_bw_gbps, 8), None))}
     assert over in entries["gradients"]["difference"] + entries["optimizer"]["rule"]
     assert entries["optimizer"]["saving_vs_unsharded"] == pytest.approx(1 - 1 / 8)
+
+
+def test_tiled_loss_keeps_what_training_tiled_loss_saves():
+    """The logits+loss term with and without tiles against the bytes the model saves for backward on CPU, with the
+    loss tiled by training's own function (toolkit/backends/long_context.tile_loss over DeepSpeed's
+    sequence_tiled_compute): without tiles the fp32 [s, vocab] logits stay, with them only the head's input."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.backends.long_context import tile_loss
+    from toolkit.estimate.measure import saved_activation_bytes
+    from toolkit.spec.model import spec_from_hf_dict
+
+    config = AutoConfig.for_model("llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=512, vocab_size=8000, pad_token_id=0)
+    spec = spec_from_hf_dict(config.to_dict(), "llama", filled=True)
+    seq = 512
+    ids = torch.randint(0, 8000, (1, seq))
+    measured = {}
+    for tiled in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.bfloat16).train()
+        if tiled:
+            tile_loss(model, tile_bytes=4 * 8000 * 64)  # tiles of 64 tokens' fp32 logits
+        measured[tiled] = saved_activation_bytes(model, input_ids=ids, labels=ids)
+    estimated = {t: estimate_memory(spec, resolve_plan(spec, 1, zero=0, seq_len=seq, tiled_loss=t)).activations
+                 for t in (False, True)}
+    assert measured[False] - measured[True] > seq * 8000 * 4  # the fp32 logits really went
+    assert estimated[False] - estimated[True] == pytest.approx(measured[False] - measured[True], rel=0.10)
+    assert estimated[True] == pytest.approx(measured[True], rel=0.10), (estimated, measured)
