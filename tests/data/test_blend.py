@@ -76,3 +76,25 @@ def test_a_split_is_megatrons_three_shares(split, shares):
 def test_a_malformed_split_is_refused(split):
     with pytest.raises(ValueError, match="comma-separated non-negative numbers"):
         split_shares(split)
+
+
+def test_an_index_cache_holding_pickled_objects_is_refused_before_megatron_loads_it(tmp_path):
+    """Megatron-Core reads its index cache with numpy.load(allow_pickle=True); a cache someone else filled must hold
+    plain arrays only: an object array (a pickle, which could run code when loaded) is refused in one line, unread."""
+    import numpy
+
+    from toolkit.data.indexed import check_plain_arrays
+    from toolkit.errors import UserInputError
+
+    cache = tmp_path / "cache" / "GPTDataset_indices"
+    cache.mkdir(parents=True)
+    numpy.save(cache / "abc-GPTDataset-train-document_index.npy", numpy.arange(10, dtype=numpy.int32))
+    check_plain_arrays(tmp_path / "cache", "data.cache_dir")  # what Megatron-Core writes passes
+    planted = cache / "abc-GPTDataset-train-sample_index.npy"
+    numpy.save(planted, numpy.array([{"not": "an index"}], dtype=object), allow_pickle=True)
+    with pytest.raises(UserInputError, match="holds pickled Python objects") as refused:
+        check_plain_arrays(tmp_path / "cache", "data.cache_dir")
+    assert refused.value.key == "data.cache_dir" and str(planted) in str(refused.value)
+    planted.write_bytes(b"not numpy")
+    with pytest.raises(UserInputError, match="not a readable numpy index"):
+        check_plain_arrays(tmp_path / "cache", "data.cache_dir")

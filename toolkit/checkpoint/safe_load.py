@@ -14,7 +14,10 @@ os.system as easily as torch.Size. Every pickle the toolkit opens passes through
 - a directory handed to a library's loader that unpickles unrestricted (DCP's FileSystemReader and load_bytes under
   Megatron-Core's dist_checkpointing.load and Accelerate's FSDP resume, DeepSpeed's torch.load(weights_only=False)
   and ds_to_universal under a resume): check_checkpoint, every one of those pickles first, here (and `dmt ckpt
-  verify` reports each one pickle_faults finds refused).
+  verify` reports each one pickle_faults finds refused);
+- Megatron-Core's dataset index cache, which GPTDataset and BlendedDataset read with numpy.load(allow_pickle=True):
+  toolkit/data/indexed.check_plain_arrays refuses an object array from numpy's header, unread (it sits in the data
+  layer, below this package, as training's data path must not import checkpoint code).
 
 The allow-lists are what the real libraries write (found with torch's get_unsafe_globals_in_checkpoint and the
 globals of checkpoints saved by DeepSpeed 0.19, Megatron-Core 0.16 (its converter's and its training's) and torch
@@ -204,3 +207,4 @@ def pickle_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
             index_torch_file(file, region, allowed, key)
         except UserInputError as exc:
             yield exc
+

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.data import sidecar
-from toolkit.data.indexed import check_pair
+from toolkit.data.indexed import check_pair, check_plain_arrays
 from toolkit.errors import UserInputError
 from toolkit.data.split import megatron_split, split_shares
 
@@ -142,6 +142,8 @@ def build_datasets(recipe, seq_len: int, global_batch: int, output_dir: Path, vo
     sources = check_blend(recipe, vocab_size)
     cache = cache_dir(recipe, output_dir)
     cache.mkdir(parents=True, exist_ok=True)
+    # Megatron-Core unpickles its index cache (numpy.load(allow_pickle=True)): only plain arrays may be there
+    check_plain_arrays(cache, "data.cache_dir")
     config = dataset_config(recipe, sources, seq_len, cache)
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sample_counts(recipe, global_batch), lambda: True,
                                                     config).build()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import not_a_file
+from toolkit.readers import not_a_file, one_line
 
 # the index layout of megatron.core.datasets.indexed_dataset (_IndexWriter): magic (9 bytes), version (<Q, 1),
 # dtype code (<B), sequence count (<Q), document count (<Q); then int32 sequence lengths, int64 sequence pointers,
@@ -103,3 +103,27 @@ def document_tokens(dataset, document: int):
     first, last = dataset.document_indices[document], dataset.document_indices[document + 1]
     parts = [dataset[int(i)] for i in range(first, last)]
     return numpy.concatenate(parts) if parts else numpy.zeros(0, dtype=numpy.int64)
+
+
+def check_plain_arrays(directory: Path, key: str) -> None:
+    """Refuse, in one line naming `key` and the file, a `.npy` under `directory` that holds pickled objects.
+
+    Megatron-Core's GPTDataset and BlendedDataset read their index cache with numpy.load(allow_pickle=True): a cache
+    directory someone else filled (a recipe's `data.cache_dir`, shared between jobs) could run code through an object
+    array. The indices Megatron-Core writes are plain integer arrays, so an array whose dtype holds objects is never
+    one of them; numpy's header reader tells without unpickling anything."""
+    from numpy.lib import format as npy
+
+    for path in sorted(Path(directory).rglob("*.npy")):
+        try:
+            with path.open("rb") as handle:
+                version = npy.read_magic(handle)
+                header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+                _, _, dtype = header(handle)
+        except (OSError, ValueError) as exc:
+            raise UserInputError(key, f"{path} is not a readable numpy index ({one_line(str(exc))}); delete it and "
+                                      f"the cache is built again") from None
+        if dtype.hasobject:
+            raise UserInputError(key, f"{path} holds pickled Python objects (dtype {dtype}), not an index "
+                                      f"Megatron-Core writes; refusing to load it (delete it and the cache is built "
+                                      f"again)")
