@@ -80,15 +80,6 @@ class PlanOptions(BaseModel):
                                               default_note="micro-batch x dp, no gradient accumulation")
     seq_len: PositiveInt = option(4096, "tokens per sequence", recipe="training.seq_len")
     recompute: Recompute = option("none", "activation recomputation")
-    tiled_mlp: StrictBool = option(False, "compute the MLP in sequence tiles (DeepSpeed's TiledMLP), never holding the whole [seq, ffn] tensor", backends=DEEPSPEED + FSDP)
-    tiled_loss: StrictBool = option(False, "compute logits and loss in sequence tiles (DeepSpeed's TiledFusedLogitsLoss), never holding the whole [seq, vocab] logits", backends=DEEPSPEED + FSDP)
-    offload_activations: ActivationOffload = option("none", "keep checkpointed activations in host memory", backends=DEEPSPEED + FSDP)
-    recompute_modules: tuple[RecomputeModule, ...] | None = option(
-        None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
-        metavar="core_attn,mlp", backends=MEGATRON)
-    recompute_num_layers: PositiveInt | None = option(
-        None, "Megatron-Core full recompute, block method: the first N layers of every model chunk",
-        default_note="every layer", metavar="N", backends=MEGATRON)
     tiled_mlp: StrictBool = option(False, "compute the MLP in sequence tiles (DeepSpeed's TiledMLP), never holding the "
                                           "whole [seq, ffn] tensor", backends=DEEPSPEED + FSDP)
     tiled_loss: StrictBool = option(False, "compute logits and loss in sequence tiles (DeepSpeed's TiledFusedLogitsLoss), "
@@ -97,6 +88,12 @@ class PlanOptions(BaseModel):
     # cpu_offloading moves whole layers' activations and refuses recomputation (TransformerConfig.__post_init__)
     offload_activations: ActivationOffload = option("none", "keep checkpointed activations in host memory",
                                                     backends=DEEPSPEED + FSDP)
+    recompute_modules: tuple[RecomputeModule, ...] | None = option(
+        None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
+        metavar="core_attn,mlp", backends=MEGATRON)
+    recompute_num_layers: PositiveInt | None = option(
+        None, "Megatron-Core full recompute, block method: the first N layers of every model chunk",
+        default_note="every layer", metavar="N", backends=MEGATRON)
     transformer_impl: TransformerImpl | None = option(
         None, "Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused "
               "attention and SwiGLU: more activation memory)",
