@@ -281,9 +281,10 @@ def exposed_after_cooldown(chunk_comm_s: list[float], chunk_backward_s: float, p
     training backend install under overlap_grad_reduce) launches chunk c's reduction once its last micro-batch's
     backward is done, and c x pp chunk backwards still follow it on that rank (the last group of pp micro-batches of
     each chunk below; tests/unit/test_pipeline_schedule.py counts them in schedules.py's own order); the first
-    chunk's, launched after the very last backward, is hidden by nothing. The reductions queue on one link.
+    chunk's, launched after the very last backward, is hidden by nothing. The reductions queue on one link, and a
+    backward hides DP_OVERLAP of its time, as under 1F1B.
     `chunk_comm_s`: each chunk's reduction; `chunk_backward_s`: one chunk's backward of one micro-batch."""
     finished = float("-inf")  # seconds after the rank's last backward
     for chunk in reversed(range(len(chunk_comm_s))):
-        finished = max(finished, -chunk * pp * chunk_backward_s) + chunk_comm_s[chunk]
+        finished = max(finished, -chunk * pp * chunk_backward_s * DP_OVERLAP) + chunk_comm_s[chunk]
     return max(0.0, finished)
