@@ -14,7 +14,7 @@ from typing import Literal
 
 # the seam modules, by library (named so that none shadows the library it wraps)
 MODULES = ("torch_seams", "transformers_seams", "accelerate_seams", "megatron_seams", "megatron_cpu", "megatron_async",
-           "megatron_datasets_seams", "stdlib_seams", "dcp_async")
+           "megatron_datasets_seams", "stdlib_seams", "dcp_async", "megatron_schedule_trace")
 
 
 @dataclass(frozen=True)

@@ -88,13 +88,20 @@ def stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
     return PipelineSplit.of(num_layers, plan).stage_layers(stage)
 
 
+def layer_params(counts: ParamCounts, plan: Plan, index: int) -> tuple[int, int]:
+    """(dense, expert) parameters of layer `index` on one rank of its tensor- and expert-parallel groups."""
+    layer = counts.layers[index]
+    dense = (layer.attention_sharded + layer.mlp_sharded) // plan.tp + layer.replicated + layer.router
+    return dense, layer.experts // (plan.ep * plan.tp)
+
+
 def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:
     tp = plan.tp
     dense = expert = 0
     for index in stage_layers(spec.num_layers, plan, stage):
-        layer = counts.layers[index]
-        dense += (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router
-        expert += layer.experts // (plan.ep * tp)
+        layer_dense, layer_expert = layer_params(counts, plan, index)
+        dense += layer_dense
+        expert += layer_expert
     emb_dim = counts.token_embedding // spec.vocab_size
     vocab = backend_of(plan).part("memory").padded_vocab(spec.vocab_size, tp)
     vocab_shard = vocab * emb_dim // tp

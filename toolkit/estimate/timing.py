@@ -273,3 +273,18 @@ def exposed_after_backward(comm_s: float, compute_micro: float) -> float:
     """What of a gradient reduction the last micro-batch's backward (2/3 of its compute) does not hide."""
     backward_window = compute_micro * 2 / 3
     return max(0.0, comm_s - DP_OVERLAP * backward_window)
+
+
+def exposed_after_cooldown(chunk_comm_s: list[float], chunk_backward_s: float, pp: int) -> float:
+    """What of the gradient reductions of an interleaved pipeline's first rank (the last to finish) outlasts its
+    last backward. Megatron-Core's interleaved schedule with per-chunk grad_sync_func (what Megatron-LM and the
+    training backend install under overlap_grad_reduce) launches chunk c's reduction once its last micro-batch's
+    backward is done, and c x pp chunk backwards still follow it on that rank (the last group of pp micro-batches of
+    each chunk below; tests/unit/test_pipeline_schedule.py counts them in schedules.py's own order); the first
+    chunk's, launched after the very last backward, is hidden by nothing. The reductions queue on one link, and a
+    backward hides DP_OVERLAP of its time, as under 1F1B.
+    `chunk_comm_s`: each chunk's reduction; `chunk_backward_s`: one chunk's backward of one micro-batch."""
+    finished = float("-inf")  # seconds after the rank's last backward
+    for chunk in reversed(range(len(chunk_comm_s))):
+        finished = max(finished, -chunk * pp * chunk_backward_s * DP_OVERLAP) + chunk_comm_s[chunk]
+    return max(0.0, finished)

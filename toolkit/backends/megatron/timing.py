@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import MEGATRON_LOCAL, MEGATRON_TE, ExecutionPath
-from toolkit.estimate.memory import FP32
-from toolkit.estimate.timing import exposed_after_backward, optimizer_step_s
+from toolkit.estimate.memory import FP32, layer_params
+from toolkit.estimate.params import count_params
+from toolkit.estimate.timing import exposed_after_backward, exposed_after_cooldown, optimizer_step_s
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
 
@@ -30,4 +32,19 @@ def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: 
     else:
         comm = collective_time("all_reduce", grad_bytes, dp_group, link)
     partition = params_total / (dp_group if plan.distributed_optimizer else 1)
-    return exposed_after_backward(comm, compute_micro), optimizer_step_s(partition, gpu), 0.0
+    if plan.vpp == 1:  # the first rank turns its gradient hooks on for its last backward (schedules.py, 1F1B)
+        exposed = exposed_after_backward(comm, compute_micro)
+    else:
+        shares = first_rank_chunk_params(spec, plan, params_total)
+        exposed = exposed_after_cooldown([comm * share / params_total for share in shares],
+                                         compute_micro * 2 / 3 / plan.vpp, plan.pp)
+    return exposed, optimizer_step_s(partition, gpu), 0.0
+
+
+def first_rank_chunk_params(spec: ModelSpec, plan: Plan, params_total: int) -> list[int]:
+    """The first pipeline rank's parameters by model chunk: each chunk's layers, and the embedding (all that is not
+    a layer) on the first chunk."""
+    counts = count_params(spec)
+    chunks = [sum(sum(layer_params(counts, plan, i)) for i in chunk) for chunk in PipelineSplit.of(spec.num_layers,
+                                                                                                    plan).chunks()[0]]
+    return [params_total - sum(chunks[1:]), *chunks[1:]]
