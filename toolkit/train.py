@@ -82,6 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     recipe = run.recipe
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
+    check_attention_device(run.plan, recipe.cluster.accelerator)
     output_dir = args.output_dir or Path("runs") / recipe.name
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
     watch = _watched(output_dir, recipe.training.hang_timeout_s)
@@ -106,6 +107,26 @@ def _run(args: argparse.Namespace) -> int:
     _record_end(output_dir, "completed")
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
+
+
+def check_attention_device(plan, accelerator: str) -> None:
+    """flash-attn is a CUDA extension: ranks that train on the CPU (a CPU recipe, or CUDA missing) refuse a CUDA-only
+    plan.attention before anything is built, as does a GPU host without the flash-attn package."""
+    import importlib.util
+
+    from toolkit.runtime.metrics import trains_on_cuda
+    from toolkit.spec.options import CPU_ATTENTION
+
+    if plan.attention in CPU_ATTENTION:
+        return
+    if not trains_on_cuda(accelerator):
+        raise UserInputError("plan.attention", f"{plan.attention} needs CUDA (flash-attn is a CUDA extension) and "
+                                               f"these ranks train on the CPU; valid on CPU ranks: "
+                                               f"{', '.join(CPU_ATTENTION)}")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise UserInputError("plan.attention", f"{plan.attention} needs the flash-attn package, which is not "
+                                               f"installed here (pip install flash-attn); or use "
+                                               f"{' or '.join(CPU_ATTENTION)}")
 
 
 def _rank_zero() -> bool:

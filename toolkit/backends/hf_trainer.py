@@ -19,6 +19,7 @@ from toolkit.runtime.guard import LossGuard
 from toolkit.runtime.metrics import MetricsWriter, Throughput, configure_wandb
 from toolkit.runtime.supervision import TrainingWatchdog
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
 
@@ -136,16 +137,19 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     set_seed(recipe.training.seed)
 
     tokenizer_dir = output_dir / "tokenizer"
+    documents_apart = _documents_apart(recipe)
+    # flash attention's variable-length kernel sees documents only in a batch of one row: the micro-batch flattened
+    flat = documents_apart and plan.attention in VARIABLE_LENGTH_ATTENTION
     if recipe.data.blend:  # prepared tokens through Megatron-Core's datasets (a collective: rank 0 builds the cache)
         from transformers import AutoTokenizer
 
-        from toolkit.data.blend import build_datasets, hf_batch
+        from toolkit.data.blend import build_datasets, hf_batch, hf_flat_batch
         from toolkit.spec.recipe import recipe_vocab_size
 
         tokenizer = AutoTokenizer.from_pretrained(recipe.path(recipe.data.tokenizer.path))
         train_set, eval_set = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
                                              recipe_vocab_size(recipe))
-        collator = hf_batch
+        collator = hf_flat_batch if flat else hf_batch
     else:
         tokenizer, train_set, eval_set, collator = _tokenised(recipe, plan, args, tokenizer_dir)
     if plan.sp > 1:
@@ -163,7 +167,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
             raise UserInputError("model.config.vocab_size", f"{config.vocab_size} < tokenizer size {len(tokenizer)}")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
-    if recipe.data.format != "text" or _documents_apart(recipe):  # packed rows: each attends to itself only
+    if recipe.data.format != "text" or documents_apart:  # packed rows: each attends to itself only
         from toolkit.backends.sft_data import keep_examples_apart
 
         keep_examples_apart(model)
@@ -187,7 +191,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         every micro-batch's loss before backward."""
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            fingerprints.add(inputs["input_ids"])
+            ids = inputs["input_ids"]  # per sample, whether the micro-batch came flattened or not
+            fingerprints.add(ids.reshape(-1, plan.seq_len) if flat and ids.shape[-1] % plan.seq_len == 0 else ids)
             watch.phase(self.state.global_step + 1, "forward")
             self._guarded = True  # compute_loss also serves evaluation, which the guard does not judge
             try:

@@ -17,6 +17,7 @@ from toolkit.cli.common import (
 )
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
+from toolkit.cli.paths import path_arg
 from toolkit.numeric import GiB, json_text
 
 if TYPE_CHECKING:
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
     add_network_arguments(parser)
+    parser.add_argument("--data-recipe", type=path_arg, default=None, metavar="RECIPE",
+                        help="a recipe whose data section packs documents (data.blend with reset_position_ids and "
+                             "reset_attention_mask): with --attention flash_attention_2 the attention FLOPs counted "
+                             "are its documents', from the blend's .idx files (the whole sequence's where they are "
+                             "not there yet; --explain says which)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_explain_arguments(parser)
 
@@ -47,9 +53,22 @@ def result(args: argparse.Namespace) -> Prediction | Longest:
     calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
     plan = resolve_plan(model, args.gpus, **plan_overrides(args))
-    report = predicted_record(model, plan, gpu, network, calibration)
+    report = predicted_record(model, plan, gpu, network, calibration, packed=packing(args, plan))
     add_extras(report, model, args)
     return report
+
+
+def packing(args: argparse.Namespace, plan):
+    """What --data-recipe's packed documents cost in attention under `plan` (None: no recipe given)."""
+    if args.data_recipe is None:
+        return None
+    from toolkit.errors import named_as
+    from toolkit.planner.recipe import packed_attention
+    from toolkit.spec.recipe import load_recipe
+
+    with named_as(lambda key: "--data-recipe" if key in ("--recipe", "recipe") else None):
+        recipe = load_recipe(args.data_recipe)
+    return packed_attention(recipe, plan)
 
 
 def longest(args: argparse.Namespace) -> Longest:

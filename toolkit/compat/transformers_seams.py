@@ -1,5 +1,6 @@
 """transformers' private API the toolkit reaches into: the Trainer's own resume functions (the guard's rollback),
-the model classes' FSDP wrap list, and the module-global DeepSpeed config that decides ZeRO-3 construction."""
+the model classes' FSDP wrap list, the module-global DeepSpeed config that decides ZeRO-3 construction, and the test
+its flash-attention path makes of a batch before it takes packed documents apart."""
 
 from __future__ import annotations
 
@@ -30,7 +31,20 @@ SEAMS = [
          "set aside while one process builds a random base whole (no zero.Init, whose collectives would wait for "
          "ranks that build nothing) and put back after: unset_hf_deepspeed_config() is public, but nothing public "
          "returns the config object to set back"),
+    Seam("transformers", "transformers.modeling_flash_attention_utils._is_packed_sequence",
+         "whether flash attention (plan.attention flash_attention_2) takes a batch's packed documents apart: only a "
+         "one-row batch whose position ids restart, which is why a blend's micro-batch is flattened "
+         "(toolkit/data/blend.py hf_flat_batch); tests/data/test_packed_attention.py asks it of the collator's "
+         "batches, as _flash_attention_forward does; nothing public tells"),
 ]
+
+
+def flash_takes_documents_apart(position_ids) -> bool:
+    """Whether transformers' flash-attention forward runs the variable-length kernel over the documents the position
+    ids of this batch mark (its own test, made of every batch without an attention mask)."""
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    return bool(_is_packed_sequence(position_ids, position_ids.shape[0]))
 
 
 def no_split_modules(model_class) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.data import sidecar
-from toolkit.data.indexed import check_pair, check_plain_arrays
+from toolkit.data.indexed import check_pair, check_plain_arrays, prefix_document_lengths
 from toolkit.errors import UserInputError
 from toolkit.data.split import megatron_split, split_shares
 
@@ -91,6 +91,20 @@ def check_blend(recipe, vocab_size: int) -> list[BlendSource]:
                                              f"vocabulary of {vocab_size} (model.config.vocab_size); ids must be "
                                              f"below it")
     return sources
+
+
+def blend_document_lengths(recipe) -> list[tuple[float, object]]:
+    """Each blend prefix's weight and its documents' lengths (tokens, the end-of-document token included), from its
+    .idx: what GPTDataset's samples are cut from. A prefix whose sidecar says it was prepared without --append-eod
+    holds no end-of-document token for reset_position_ids to restart at: refused, naming its key."""
+    found = []
+    for source in blend_sources(recipe):
+        if source.record is not None and source.record.get("append_eod") is False:
+            raise UserInputError(source.key, f"{source.prefix} was prepared without --append-eod: its documents end "
+                                             f"in no end-of-document token, so position ids never restart inside a "
+                                             f"sample")
+        found.append((source.weight, prefix_document_lengths(source.prefix, source.key)))
+    return found
 
 
 def _largest_token_id(source: BlendSource) -> int:
@@ -233,3 +247,11 @@ def hf_batch(samples: list[dict]) -> dict:
     shifted[batch["loss_mask"] == 0] = -100
     return {"input_ids": batch["tokens"], "labels": batch["tokens"], "shift_labels": shifted,
             "position_ids": batch["position_ids"]}
+
+
+def hf_flat_batch(samples: list[dict]) -> dict:
+    """hf_batch as one row of micro_batch x seq_len tokens (transformers' padding-free layout, as its
+    DataCollatorWithFlattening makes it): the flash path takes packed documents apart from the position ids only in a
+    batch of one row (modeling_flash_attention_utils._is_packed_sequence), and every sample's position ids start at
+    0, so the samples stay apart too."""
+    return {key: value.reshape(1, -1) for key, value in hf_batch(samples).items()}

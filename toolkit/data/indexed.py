@@ -63,10 +63,7 @@ def check_pair(prefix: str, flag: str) -> IndexedFiles:
     if idx_size != expected:
         raise UserInputError(flag, f"{idx} holds {idx_size} bytes; its header ({sequences} sequences, {documents} "
                                    f"document indices) makes {expected}: truncated or damaged")
-    lengths = numpy.memmap(idx, dtype=numpy.int32, mode="r", offset=_FIXED.size, shape=(sequences,)) \
-        if sequences else numpy.zeros(0, dtype=numpy.int32)
-    ends = numpy.memmap(idx, dtype=numpy.int64, mode="r", offset=_FIXED.size + sequences * 12, shape=(documents,)) \
-        if documents else numpy.zeros(0, dtype=numpy.int64)
+    lengths, ends = _index_arrays(idx, sequences, documents)
     if documents == 0 or ends[0] != 0 or ends[-1] != sequences or (numpy.diff(ends) < 0).any() or (lengths < 0).any():
         raise UserInputError(flag, f"{idx}: its document index does not run from 0 up to its {sequences} sequences; "
                                    f"damaged")
@@ -79,6 +76,25 @@ def check_pair(prefix: str, flag: str) -> IndexedFiles:
     return IndexedFiles(str(prefix), numpy.dtype(dtype).name, int(sequences), int(documents) - 1, tokens)
 
 
+def _index_arrays(idx: Path, sequences: int, documents: int):
+    """(sequence lengths, document indices) of an index, memory-mapped (empty arrays for none)."""
+    import numpy
+
+    lengths = numpy.memmap(idx, dtype=numpy.int32, mode="r", offset=_FIXED.size, shape=(sequences,)) \
+        if sequences else numpy.zeros(0, dtype=numpy.int32)
+    ends = numpy.memmap(idx, dtype=numpy.int64, mode="r", offset=_FIXED.size + sequences * 12, shape=(documents,)) \
+        if documents else numpy.zeros(0, dtype=numpy.int64)
+    return lengths, ends
+
+
+def prefix_document_lengths(prefix: str, flag: str):
+    """Tokens per document of the dataset at `prefix` (after check_pair), read from its .idx alone: no .bin read and
+    no Megatron-Core reader built, so an estimate can afford it for a corpus of any size."""
+    files = check_pair(prefix, flag)
+    lengths, ends = _index_arrays(Path(f"{prefix}.idx"), files.sequences, files.documents + 1)
+    return _document_totals(lengths, ends)
+
+
 def open_indexed(prefix: str, flag: str):
     """Megatron-Core's IndexedDataset of `prefix`, after check_pair."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -89,11 +105,15 @@ def open_indexed(prefix: str, flag: str):
 
 def document_lengths(dataset):
     """Tokens per document of an IndexedDataset (an empty document counts 0)."""
+    return _document_totals(dataset.sequence_lengths, dataset.document_indices)
+
+
+def _document_totals(sequence_lengths, document_indices):
+    """Tokens per document from an index's sequence lengths and document indices (the sequences each ends at)."""
     import numpy
 
-    totals = numpy.concatenate([[0], numpy.cumsum(dataset.sequence_lengths, dtype=numpy.int64)])
-    ends = dataset.document_indices
-    return totals[ends[1:]] - totals[ends[:-1]]
+    totals = numpy.concatenate([[0], numpy.cumsum(sequence_lengths, dtype=numpy.int64)])
+    return totals[document_indices[1:]] - totals[document_indices[:-1]]
 
 
 def document_tokens(dataset, document: int):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import FUSED_ATTENTION
 
 FP32 = 4
 MASK = 1  # dropout masks are bool tensors
@@ -107,7 +108,7 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
         probs = FP32 * heads * s + (a * heads * s if a != FP32 else 0)
         mask = MASK * s / setup.micro_batch
         return a * 3 * q + probs + mask + out
-    if setup.attention == "sdpa" or core_attn:
+    if setup.attention in FUSED_ATTENTION or core_attn:  # flash attention keeps what sdpa's fused kernel keeps
         if core_attn:
             # Megatron recomputes core attention; its checkpoint keeps the inputs: rotated q and k, and v, a view of
             # the fused QKV projection's output, which so stays whole (measured on the local spec)

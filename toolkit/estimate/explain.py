@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from toolkit.backends import backend_of
 from toolkit.estimate.activations import head_bytes_per_token
-from toolkit.estimate.flops import model_flops_per_token, six_n_flops_per_token
+from toolkit.estimate.flops import layer_forward_flops, model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
+from toolkit.estimate.packed_attention import attended_tokens
 from toolkit.estimate.training_time import SECONDS_PER_DAY
 from toolkit.numeric import GiB
 from toolkit.spec.model import ModelSpec
@@ -45,6 +46,10 @@ SOURCES = {
                 "DeepSpeed bucket defaults (deepspeed/runtime/zero/config.py)",
     "step_time": "toolkit/estimate/timing.py (per-layer FLOPs, GEMM efficiency, exposed communication, bubble); "
                  "accuracy against published runs: benchmarks/step_time_accuracy.md; Megatron-LM arXiv:2104.04473 Eq. 3",
+    "attention_flops": "PaLM (Chowdhery et al., arXiv:2204.02311) Appendix B: 12·L·q·s per token over the full score "
+                       "matrix; per document: toolkit/estimate/packed_attention.py (checked against GPTDataset's "
+                       "samples, tests/data/test_packed_attention.py); transformers' flash path: "
+                       "modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids",
     "goodput": "Daly, FGCS 22 (2006) 303-312 (optimum interval, expected wall time); Young, CACM 17(9) 1974; failure "
                "rate: Llama 3 arXiv:2407.21783 Sec. 3.3.4; toolkit/estimate/goodput.py, checkpoint_cost.py",
 }
@@ -58,9 +63,12 @@ def _bpp(n: float) -> str:
     return f"{n:.3g} B/param"
 
 
+UNITS = {"step_time": "seconds", "attention_flops": "flops_per_token"}  # the rest are bytes
+
+
 def _entry(component: str, value: float, rule: str, thumb: str, thumb_value: float | None, difference: str,
            **numbers) -> dict:
-    return {"component": component, "bytes" if component != "step_time" else "seconds": value, "rule": rule,
+    return {"component": component, UNITS.get(component, "bytes"): value, "rule": rule,
             "source": SOURCES.get(component, SOURCES["step_time"]), "rule_of_thumb": thumb,
             "rule_of_thumb_value": thumb_value, "difference": difference, **numbers}
 
@@ -89,7 +97,8 @@ def explain_estimate(model: ModelSpec, report: Prediction) -> list[dict]:
     unsharded = {k: getattr(replica, k) / replica.params_on_gpu for k in ("weights", "gradients", "optimizer")}
     entries = [_weights(plan, mem, params, per, unsharded), _gradients(plan, mem, params, per, unsharded),
                _optimizer(plan, mem, params, per, unsharded), _model_states(plan, mem, params, per, unsharded),
-               _activations(model, plan, report), _overhead(report), _step_time(model, report)]
+               _activations(model, plan, report), _overhead(report), _attention_flops(model, report),
+               _step_time(model, report)]
     if report.training_time is not None:
         entries += [_training_time(model, report), _goodput(report)]
     return entries
@@ -203,7 +212,8 @@ def _step_time(model: ModelSpec, report: Prediction) -> dict:
     peak = report.tflops_per_gpu * 1e12 / report.mfu if report.mfu else 0.0
     six_n = six_n_flops_per_token(model)
     ideal = six_n * tokens_per_step / (plan.gpus * peak) if peak else 0.0
-    flops_ratio = model_flops_per_token(model, plan.seq_len) / six_n
+    attended = attended_tokens(plan.seq_len, report.packed_attention)
+    flops_ratio = model_flops_per_token(model, attended) / six_n
     breakdown = report.step_time_breakdown_s
     total = report.step_time_s
     shares = ", ".join(f"{k[:-2]} {v / total:.0%}" for k, v in breakdown.items() if v > 0)
@@ -212,9 +222,28 @@ def _step_time(model: ModelSpec, report: Prediction) -> dict:
                    f"calibrate)")
     return _entry("step_time", total, f"{total:.3g} s per step: {shares}",
                   f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,
-                  f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {plan.seq_len} tokens adds to 6·N); "
+                  f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {attended:,.0f} tokens per token adds to 6·N); "
                   f"GEMMs reach a size-dependent share of peak; communication, pipeline bubble, recomputation and "
                   f"the optimizer step add time: MFU {report.mfu:.1%}", seconds_at_peak=ideal, flops_vs_6n=flops_ratio)
+
+
+def _attention_flops(model: ModelSpec, report: Prediction) -> dict:
+    """Which attention FLOPs the step time and MFU count: the whole sequence's, or a packed blend's documents'."""
+    plan, packed = report.plan, report.packed_attention
+    whole = 3 * sum(layer_forward_flops(model, i, plan.seq_len).attention for i in range(model.num_layers))
+    attended = attended_tokens(plan.seq_len, packed)
+    counted = whole * attended / plan.seq_len
+    if packed is None:
+        rule = f"the whole sequence: {plan.seq_len} tokens attended per token"
+        why = ("no packed documents given (a recipe's data.blend with reset_position_ids and reset_attention_mask, "
+               "`dmt estimate --data-recipe`): every sample's attention is counted over its whole sequence")
+    else:
+        rule = f"{'per document' if packed.squared_pieces is not None else 'the whole sequence'}: " \
+               f"{attended:,.0f} tokens attended per token"
+        why = packed.note
+    return _entry("attention_flops", counted, f"{rule}, forward and backward: {counted:.3g} FLOPs per token",
+                  f"12·L·q·s over the whole sequence (s = {plan.seq_len}): {whole:.3g} FLOPs per token", whole, why,
+                  attended_tokens=attended, counts_documents=packed is not None and packed.squared_pieces is not None)
 
 
 def _training_time(model: ModelSpec, report: Prediction) -> dict:

@@ -28,13 +28,14 @@ class LayerFlops:
         return self.matmul + self.attention
 
 
-def layer_forward_flops(spec: ModelSpec, index: int, seq_len: int) -> LayerFlops:
-    """2 FLOPs per multiply-add: linear layers 2 x weights; QK^T and PV 2 x 2 x s x (heads x head_dim)."""
+def layer_forward_flops(spec: ModelSpec, index: int, seq_len: float) -> LayerFlops:
+    """2 FLOPs per multiply-add: linear layers 2 x weights; QK^T and PV 2 x 2 x s x (heads x head_dim), s the tokens
+    each token attends to: the sequence, or over packed documents estimate/packed_attention.py's attended_tokens."""
     return _block_flops(spec, spec.is_moe_layer(index), seq_len)
 
 
 @lru_cache(maxsize=4096)
-def _block_flops(spec: ModelSpec, moe: bool, seq_len: int) -> LayerFlops:
+def _block_flops(spec: ModelSpec, moe: bool, seq_len: float) -> LayerFlops:
     h, hd = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * hd, spec.num_kv_heads * hd
     attn_linear = h * (q + 2 * kv) + q * h
@@ -51,7 +52,7 @@ def head_forward_flops(spec: ModelSpec) -> float:
 
 
 @lru_cache(maxsize=256)
-def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+def model_flops_per_token(spec: ModelSpec, seq_len: float) -> float:
     """Forward + backward FLOPs of one token with no recomputation (the MFU numerator)."""
     forward = sum(layer_forward_flops(spec, i, seq_len).total for i in range(spec.num_layers))
     return 3.0 * (forward + head_forward_flops(spec))

@@ -27,12 +27,14 @@ from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, mode
 from toolkit.estimate.activations import ulysses_kv_copies
 from toolkit.estimate.long_context import tile_recompute_forwards
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
+from toolkit.estimate.packed_attention import attended_tokens
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
+from toolkit.spec.prediction import PackedAttention
 
 DP_OVERLAP = 0.8
 # Adam over a parameter partition touches ~28 B/param of HBM (read master, m, v, grad; write master, m, v, bf16 copy)
@@ -89,10 +91,11 @@ def calibrated(gpu: GPU, network: Network, calibration: Calibration | None) -> t
 
 
 def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: ExecutionPath | None = None,
-              calibration: Calibration | None = None) -> StepTime:
+              calibration: Calibration | None = None, packed: PackedAttention | None = None) -> StepTime:
     """`path`: the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's own. `calibration`
     (`dmt calibrate`): its compute scale and fixed per-step cost for the path and its measured hardware figures (see
-    `calibrated`) replace the published ones; this is the one place a calibration enters a prediction."""
+    `calibrated`) replace the published ones; this is the one place a calibration enters a prediction. `packed`: the
+    attention a recipe's packed documents cost (toolkit/estimate/packed_attention.py; None: the whole sequence)."""
     gpu, network = calibrated(gpu, network, calibration)
     a = PRECISION_BYTES[plan.precision]
     peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
@@ -128,6 +131,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
 
     stages = []
     rate = peak * efficiency
+    attended = attended_tokens(plan.seq_len, packed)
     # backward runs the input-gradient GEMM of every linear layer, and the weight-gradient one only where the weight
     # trains: a frozen base (LoRA) skips the latter, a third of its matmul work; its adapters train in full
     ft = plan.finetune
@@ -139,7 +143,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         collectives = 0
         sp_exchanges = 0.0
         for i in layers:
-            f = layer_forward_flops(spec, i, plan.seq_len)
+            f = layer_forward_flops(spec, i, attended)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
             work += matmul_passes * f.matmul + 3 * (f.attention * attention_work + adapter_forward_flops(spec, ft, i))
@@ -169,7 +173,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     offload_s += m * activation_offload_s(spec, plan, gpu, tokens)
     total = m * micro + bubble + dp_comm + optimizer_s + offload_s + path.fixed_step_s
     step_tokens = plan.global_batch * plan.seq_len
-    model_flops = useful_flops_per_token(spec, plan) * step_tokens
+    model_flops = useful_flops_per_token(spec, plan, packed) * step_tokens
     tflops = model_flops / total / plan.gpus
     return StepTime(
         compute_s=m * compute_micro,
@@ -220,20 +224,26 @@ def pipeline_bubble_s(plan: Plan, stage_micro_s: dict[int, float]) -> float:
     return max(others) * (plan.pp - 1) / plan.vpp
 
 
-def useful_flops_per_token(spec: ModelSpec, plan: Plan) -> float:
+def useful_flops_per_token(spec: ModelSpec, plan: Plan, packed: PackedAttention | None = None) -> float:
     """The model FLOPs per token MFU counts for this plan (no recomputation, PaLM convention): the whole model's
-    forward and backward, or, fine-tuning with adapters, the work that needs (what a run's measured MFU counts too)."""
+    forward and backward, or, fine-tuning with adapters, the work that needs (what a run's measured MFU counts too).
+    Attention follows the convention of the published rows MFU is compared with (Megatron-LM arXiv:2104.04473, Llama 3
+    arXiv:2407.21783, benchmarks/step_time_accuracy.md): the full, not causally halved, score matrix of what attention
+    attends, which is the whole sequence, or with `packed` documents under a variable-length kernel each document
+    piece's own square (the attention it needs; Megatron-LM's num_floating_point_operations counts seq_len even there,
+    so its logged MFU of such a run reads higher)."""
+    attended = attended_tokens(plan.seq_len, packed)
     if plan.finetune.peft:  # no weight gradients of the base, the adapters' three passes
-        return _finetune_model_flops(spec, plan)
-    return model_flops_per_token(spec, plan.seq_len)
+        return _finetune_model_flops(spec, plan, attended)
+    return model_flops_per_token(spec, attended)
 
 
-def _finetune_model_flops(spec: ModelSpec, plan: Plan) -> float:
+def _finetune_model_flops(spec: ModelSpec, plan: Plan, attended: float) -> float:
     """Model FLOPs per token of LoRA training (no recomputation): forward and input gradients of the base's matmuls,
     attention's three passes, and the adapters' forward, input and weight gradients."""
-    matmul = sum(layer_forward_flops(spec, i, plan.seq_len).matmul for i in range(spec.num_layers))
+    matmul = sum(layer_forward_flops(spec, i, attended).matmul for i in range(spec.num_layers))
     matmul += head_forward_flops(spec)
-    attention = sum(layer_forward_flops(spec, i, plan.seq_len).attention for i in range(spec.num_layers))
+    attention = sum(layer_forward_flops(spec, i, attended).attention for i in range(spec.num_layers))
     adapters = sum(adapter_forward_flops(spec, plan.finetune, i) for i in range(spec.num_layers))
     return 2 * matmul + 3 * (attention + adapters)
 

@@ -6,9 +6,9 @@ from toolkit.errors import UserInputError
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.backends import backend_of
-from toolkit.spec.options import for_backend
+from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION, for_backend, option_backends
 from toolkit.spec.plan import Plan, resolve_plan
-from toolkit.spec.prediction import RecipePrediction
+from toolkit.spec.prediction import PackedAttention, RecipePrediction
 from toolkit.spec.recipe import Recipe, megatron_layers, recipe_calibration, recipe_names
 
 
@@ -66,5 +66,40 @@ def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration:
 
     gpu = with_host_memory(get_gpu(recipe.cluster.gpu), recipe.cluster.host_memory_gb)
     network = Network.from_catalogue(gpu, recipe.cluster.gpus_per_node)
-    return predicted_record(model, plan, gpu, network, calibration, record,
+    return predicted_record(model, plan, gpu, network, calibration, record, packed_attention(recipe, plan),
                             model_spec=model.model_dump(mode="json"), **extra)
+
+
+def packed_attention(recipe: Recipe, plan: Plan) -> PackedAttention | None:
+    """The attention FLOPs a recipe's samples cost under a plan: None where its data packs no documents apart (no
+    data.blend with reset_position_ids and reset_attention_mask); per document where the kernel is variable-length
+    and the blend's .idx files are readable (their document lengths, toolkit/estimate/packed_attention.py); else the
+    whole sequence, with the reason. Reading the .idx files is the only I/O of a prediction."""
+    from toolkit.data.blend import blend_document_lengths
+    from toolkit.estimate.packed_attention import blend_squared_pieces
+
+    data = recipe.data
+    if not (data.blend and data.reset_position_ids and data.reset_attention_mask):
+        return None
+    square = plan.seq_len ** 2
+    if plan.attention not in VARIABLE_LENGTH_ATTENTION:
+        kernels = ", ".join(VARIABLE_LENGTH_ATTENTION)
+        hf = " or ".join(option_backends("attention"))
+        how = (f"plan.attention {plan.attention} masks the documents apart over the whole score matrix"
+               if for_backend("attention", plan.backend) else
+               f"{backend_of(plan).label}'s attention runs over the whole score matrix (the local layers' document "
+               f"mask; Transformer Engine's kernel stays causal)")
+        return PackedAttention(squared_pieces=None, note=f"the whole sequence ({square:,} tokens^2 per sample): {how}; "
+                                                         f"plan.attention {kernels} on {hf} counts the documents")
+    try:
+        datasets = blend_document_lengths(recipe)
+    except UserInputError as exc:
+        return PackedAttention(squared_pieces=None, note=f"the whole sequence ({square:,} tokens^2 per sample): the "
+                                                         f"blend's document lengths are not readable here ({exc}); "
+                                                         f"prepare the data and estimate again to count the documents")
+    squares = blend_squared_pieces(datasets, plan.seq_len)
+    documents = sum(len(lengths) for _, lengths in datasets)
+    return PackedAttention(squared_pieces=squares, note=(
+        f"per document: E[sum of squared document pieces] = {squares:,.0f} tokens^2 per sample of {plan.seq_len} "
+        f"tokens, {squares / square:.1%} of the whole sequence's {square:,}, from the {documents:,} document lengths "
+        f"of the blend's {len(datasets)} .idx file(s), weighted by the blend"))

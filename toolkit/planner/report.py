@@ -14,7 +14,7 @@ from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
-from toolkit.spec.prediction import Prediction
+from toolkit.spec.prediction import PackedAttention, Prediction
 
 MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x GPUs x dense peak)"
 # LoRA's useful work: the frozen base's forward and input gradients, attention's three passes, the adapters' three
@@ -24,10 +24,12 @@ FINETUNE_MFU_NOTE = ("fine-tuning FLOPs without recomputation (2 x base matmuls,
 
 def predicted_record(model: ModelSpec, plan: Plan, gpu: GPU, network: Network,
                      calibration: Calibration | None = None, record: type[Prediction] = Prediction,
-                     **extra) -> Prediction:
-    """The prediction of one plan, as every output that states one records it (see plan_record)."""
-    time = step_time(model, plan, gpu, network, calibration=calibration)
-    return plan_record(model, plan, estimate_memory(model, plan), time, gpu, calibration, record, **extra)
+                     packed: PackedAttention | None = None, **extra) -> Prediction:
+    """The prediction of one plan, as every output that states one records it (see plan_record); `packed`: the
+    attention a recipe's packed documents cost (toolkit/planner/recipe.py packed_attention), kept in the record."""
+    time = step_time(model, plan, gpu, network, calibration=calibration, packed=packed)
+    return plan_record(model, plan, estimate_memory(model, plan), time, gpu, calibration, record,
+                       packed_attention=packed, **extra)
 
 
 def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: StepTime, gpu: GPU,

@@ -262,13 +262,15 @@ def repredict(report: RunReport, calibration) -> None:
     predicted MFU keep one denominator."""
     from toolkit.estimate.comm import Network
     from toolkit.planner.report import predicted_record
+    from toolkit.spec.prediction import PackedAttention
 
     if report.status == "damaged":  # nothing sound to re-predict; its status says why
         return
     model, plan, gpu, record = run_subject(report.run_dir, "to re-predict (written by an older toolkit); report it "
                                                            "without --calibration", "--calibration")
     calibration.check_hardware(gpu.name, "--calibration")
-    prediction = predicted_record(model, plan, gpu, Network.from_catalogue(gpu, plan.gpus_per_node), calibration)
+    prediction = predicted_record(model, plan, gpu, Network.from_catalogue(gpu, plan.gpus_per_node), calibration,
+                                  packed=PackedAttention.of(record))
     report.predicted = predicted_figures(prediction)
     report.calibration = prediction.calibration
     before, after = record.get("peak_tflops"), prediction.peak_tflops

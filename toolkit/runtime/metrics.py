@@ -62,8 +62,11 @@ def run_throughput(model, plan, prediction: dict, accelerator: str) -> Throughpu
     from toolkit.estimate.timing import useful_flops_per_token
     from toolkit.spec.cluster import get_gpu
 
+    from toolkit.spec.prediction import PackedAttention
+
     tokens = plan.global_batch * plan.seq_len
-    flops = useful_flops_per_token(model, plan) * tokens
+    # the attention the prediction counted (a packed blend's documents), so measured and predicted MFU count alike
+    flops = useful_flops_per_token(model, plan, PackedAttention.of(prediction)) * tokens
     on_cuda = trains_on_cuda(accelerator)
     peak = prediction.get("peak_tflops")
     same_kind = get_gpu(prediction["gpu"]).host != on_cuda

@@ -27,13 +27,22 @@ Recompute = Literal["none", "selective", "full"]
 RecomputeModule = Literal["core_attn", "mlp"]
 # Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused attention and SwiGLU)
 TransformerImpl = Literal["transformer_engine", "local"]
-Attention = Literal["sdpa", "eager"]
+# transformers' attn_implementation names, passed to the HF models as they are (hf_trainer.py, peft_model.py)
+Attention = Literal["sdpa", "eager", "flash_attention_2"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
 ActivationOffload = Literal["none", "cpu"]
 
 # the backends an option belongs to (an option without is every backend's), by their registry names
 DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
+# attention kernels that keep no s x s matrix (eager keeps the probabilities)
+FUSED_ATTENTION: tuple[str, ...] = ("sdpa", "flash_attention_2")
+# attention kernels that take packed documents apart in a variable-length kernel: transformers' flash path turns
+# position ids that restart into cu_seqlens (modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids),
+# so attention costs the documents' squares, not the sequence's (sdpa and eager mask the whole score matrix)
+VARIABLE_LENGTH_ATTENTION: tuple[str, ...] = ("flash_attention_2",)
+# what the CUDA-only kernels leave to CPU ranks (flash-attn is a CUDA extension)
+CPU_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
 
 
 def option(default: Any, description: str, *, recipe: str | None = None, default_note: str | None = None,
@@ -99,7 +108,10 @@ class PlanOptions(BaseModel):
               "attention and SwiGLU: more activation memory)",
         default_note="transformer_engine on GPUs, local in CPU recipes", backends=MEGATRON)
     precision: Precision = option("bf16", "training precision (fp8: Transformer Engine)")
-    attention: Attention = option("sdpa", "attention kernels: sdpa keeps no s x s matrix, eager keeps the probabilities")
+    attention: Attention = option(
+        "sdpa", "the HF models' attention kernels (transformers' attn_implementation): sdpa keeps no s x s matrix, "
+                "eager keeps the probabilities, flash_attention_2 (flash-attn, CUDA) keeps packed documents apart in "
+                "a variable-length kernel", backends=DEEPSPEED + FSDP)
     optimizer: Optimizer = option("adamw", "optimizer")
     offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload", backends=DEEPSPEED)
     offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload; with fsdp, cpu is FSDP2's "

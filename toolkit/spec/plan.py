@@ -17,11 +17,13 @@ from toolkit.errors import UserInputError
 from toolkit.spec.finetune import FinetuneOptions, check_finetune, finetune_flag
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import (
+    FUSED_ATTENTION,
     OPTION_NAMES,
     RECOMPUTE_MODULES,
     PlanOptions,
     PositiveInt,
     RecomputeModule,
+    VARIABLE_LENGTH_ATTENTION,
     ZeroStage,
     choices,
     flag,
@@ -180,6 +182,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     rules.check(p)
     _check_own_options(p, rules.FOREIGN)
     _check_recompute(p)
+    _check_attention(p)
     _check_batch(p)
     check_finetune(p, model)
 
@@ -225,8 +228,10 @@ def check_sequence_split(p: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--sp", f"{p.sp} must divide the kv heads ({kv}) or be a multiple of them")
     if p.seq_len % p.sp:  # UlyssesSPDataLoaderAdapter: "batch's seqlen isn't divisible by sp-size"
         raise UserInputError("--seq-len", f"{p.seq_len} must be divisible by sp = {p.sp}")
-    if p.attention == "eager":  # register_with_transformers refuses eager (it needs a 4D mask, which Ulysses drops)
-        raise UserInputError("--attention", "Ulysses (--sp) runs sdpa or flash kernels; eager needs the whole 4D mask")
+    if p.attention not in FUSED_ATTENTION:  # register_with_transformers refuses eager (it needs a 4D mask, which
+        # Ulysses drops); flash attention and sdpa it runs
+        raise UserInputError("--attention", f"Ulysses (--sp) runs {' or '.join(FUSED_ATTENTION)}; {p.attention} needs "
+                                            f"the whole 4D mask")
 
 
 def _check_recompute(p: Plan) -> None:
@@ -241,6 +246,14 @@ def _check_recompute(p: Plan) -> None:
     if p.recompute_num_layers is not None and p.recompute != "full":  # a Megatron-Core option (spec/options.py)
         raise UserInputError("--recompute-num-layers", "applies to --recompute full with --backend megatron "
                                                        "(Megatron-Core's block method)")
+
+
+def _check_attention(p: Plan) -> None:
+    """flash-attn computes in 16 bits only ("FlashAttention only supports fp16 and bf16 data type"): with fp32
+    training transformers hands it the fp32 projections (no autocast to cast them down)."""
+    if p.attention in VARIABLE_LENGTH_ATTENTION and p.precision == "fp32":
+        raise UserInputError("--attention", f"{p.attention} computes in bf16 or fp16 only; use --precision bf16 or "
+                                            f"fp16, or --attention sdpa with fp32")
 
 
 def _check_batch(p: Plan) -> None:

@@ -106,10 +106,27 @@ class TrainingTime(_Record):
     cost: float | None = None  # gpu_hours x --gpu-hour-price
 
 
+class PackedAttention(BaseModel):
+    """The attention FLOPs a recipe's packed samples cost (toolkit/planner/recipe.py packed_attention): the expected
+    sum of a sample's squared document pieces where a variable-length kernel keeps documents apart, else the whole
+    sequence's square; `note` says which and why (`dmt estimate --explain` prints it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    squared_pieces: float | None  # E[sum over a sample's document pieces of length^2] (tokens^2); None: seq_len^2
+    note: str
+
+    @classmethod
+    def of(cls, record: dict) -> PackedAttention | None:
+        """The one a prediction record (plan.json's, run_plan.json's) holds; None where it has none."""
+        value = record.get("packed_attention")
+        return cls.model_validate(value) if value else None
+
+
 class Prediction(_Record):
     """One plan of one model on one GPU type: its memory, step time, tokens/s and MFU."""
 
-    only_when_given = ("training_time", "explain")
+    only_when_given = ("training_time", "explain", "packed_attention")
 
     model: str
     family: str
@@ -134,6 +151,7 @@ class Prediction(_Record):
     step_time_breakdown_s: dict[str, float]
     training_time: TrainingTime | None = None
     explain: list[dict] | None = None  # `--explain`: toolkit/estimate/explain.py's entries
+    packed_attention: PackedAttention | None = None  # a recipe's blend packs documents apart (None: it does not)
 
 
 class RecipePrediction(Prediction):

@@ -67,8 +67,8 @@ def check(p: Plan) -> None:
     if p.dp_replicate * p.dp_shard != p.dp:
         raise UserInputError("--dp-shard", f"dp_replicate x dp_shard = {p.dp_replicate} x {p.dp_shard} must equal the "
                                            f"data-parallel ranks gpus / {'(tp x cp)' if p.cp > 1 else 'tp'} = {p.dp}")
-    if p.cp > 1 and p.attention == "eager":  # torch's context_parallel dispatches scaled_dot_product_attention only
-        raise UserInputError("--attention", "torch's context parallelism (--cp) runs sdpa only")
+    if p.cp > 1 and p.attention != "sdpa":  # torch's context_parallel dispatches scaled_dot_product_attention only
+        raise UserInputError("--attention", f"torch's context parallelism (--cp) runs sdpa only, not {p.attention}")
     if p.dp_shard == 1 and p.dp_replicate > 1:  # accelerate/parallelism_config.py: FSDP needs a dp_shard dimension
         raise UserInputError("--dp-replicate", f"{p.dp_replicate} leaves one rank per shard group: FSDP2 has nothing to "
                                                f"shard over (Accelerate refuses dp_shard_size 1 here); lower it so that "

@@ -19,6 +19,8 @@ FOREIGN = {
     "sp": "Ulysses is DeepSpeed's; Megatron-Core splits the sequence with --cp",
     "offload_activations": "Megatron-Core's cpu_offloading refuses recomputation (TransformerConfig); use --recompute "
                            "full alone, or --backend deepspeed/fsdp",
+    "attention": "names the HF models' attention kernels; Megatron-Core's attention is Transformer Engine's fused one "
+                 "or its own unfused one: choose with --transformer-impl (transformer_engine or local)",
 }
 
 
