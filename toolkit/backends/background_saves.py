@@ -67,22 +67,25 @@ class BackgroundSaves:
         save = self.in_flight
         if save is None:
             return
+        waited_from, blocked_before = time.monotonic(), save.blocked_s
         from toolkit.backends.loop import reduced_flag
 
         self.watch.phase(step, "save-wait")
-        deadline = time.perf_counter() + self.wait_s
+        deadline = waited_from + self.wait_s
         while True:
             self.poll()
             if self.in_flight is None:
                 return
-            if reduced_flag(time.perf_counter() > deadline, "MAX"):  # every rank gives up at the same poll
+            if reduced_flag(time.monotonic() > deadline, "MAX"):  # every rank gives up at the same poll
                 log.error("%s: its background write did not finish within %.0f s; abandoned (latest stays on the "
                           "checkpoint before)", save.checkpoint.name, self.wait_s)
                 self._give_up()
                 self.in_flight = None
                 raise CheckpointNotWritten(f"{save.checkpoint.name} was not written within {self.wait_s:.0f} s")
             time.sleep(POLL_S)
-            save.blocked_s += POLL_S
+            # the whole wait so far, as measured: a sleep lasts longer than asked on a loaded machine, and the polls
+            # and their collective take time too (each poll's own addition is included here, not added twice)
+            save.blocked_s = blocked_before + time.monotonic() - waited_from
 
     def wait_here(self, finished: Callable[[], bool]) -> None:
         """The watchdog ends this rank: its write in progress may finish (at most `wait_s`, no collective); the
