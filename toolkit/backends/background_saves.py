@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,21 @@ class BackgroundSaves:
                 "%s: %s; it stays without a manifest", save.checkpoint.name,
                 "this rank's background write finished" if done else
                 f"this rank's background write did not finish within {self.wait_s:.0f} s and is abandoned")
+
+    def _hash(self, checkpoint: Path) -> Future:
+        """Rank 0 (the one with `metrics`), once every rank's files are written: the manifest's hashes, taken in a
+        thread (hashlib and file reads release the GIL), so that training goes on meanwhile; a finished None
+        elsewhere."""
+        if self.metrics is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        from toolkit.checkpoint.manifest import hash_files
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-manifest-hash")
+        hashed = pool.submit(hash_files, checkpoint)
+        pool.shutdown(wait=False)
+        return hashed
 
     def _complete(self, save: InFlight, complete: Callable, asynchronous: bool = True) -> None:
         """Every rank, once every rank's files of `save` are written: `complete()` writes the manifest and moves
