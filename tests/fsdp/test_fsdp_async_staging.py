@@ -4,23 +4,10 @@ optimizer does afterwards. One process (a gloo group of one), a real fully_shard
 
 import threading
 
-import pytest
 import torch
-import torch.distributed as dist
-
-from helpers import free_port
 
 
-@pytest.fixture()
-def one_rank_group(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_a_background_save_holds_the_step_it_was_saved_at(tmp_path, one_rank_group):
+def test_a_background_save_holds_the_step_it_was_saved_at(tmp_path, gloo_group_of_one):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard

@@ -3,23 +3,10 @@ copy of the state it writes, in shared memory (the worker's queue then passes ha
 the tensors in the writer's own write buckets (the clones Megatron made of views go as the copies come), and dropped by
 the rank once the worker has the request. A real dist_checkpointing async request on a gloo group of one process."""
 
-import pytest
 import torch
-import torch.distributed as dist
-
-from helpers import free_port
 
 
-@pytest.fixture()
-def one_rank_group(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_a_save_copies_the_state_once_into_shared_memory_and_the_rank_lets_it_go(tmp_path, one_rank_group):
+def test_a_save_copies_the_state_once_into_shared_memory_and_the_rank_lets_it_go(tmp_path, gloo_group_of_one):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
