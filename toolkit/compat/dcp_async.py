@@ -18,8 +18,8 @@ Mode: `AsyncCheckpointerType.THREAD` (the default). The PROCESS mode spawns a da
 per rank that opens a gloo group of its own (a TCPStore on a port rank 0 picks) and receives the staged copy through
 a pipe; a SIGKILLed rank leaves that daemon behind, finishing files of a checkpoint a restart may be writing again
 (what the toolkit had to end by hand for Megatron-Core's writer), and on CPU ranks it buys nothing a thread does not:
-the write releases the GIL in its file I/O, and the copy is made before either mode returns. A thread dies with its
-rank.
+the write releases the GIL in its file I/O, and the copy is made by the staging thread in either mode. A thread dies
+with its rank.
 
 Each DCP directory of a checkpoint plans over a gloo group of its own (`groups`, made once by every rank): the
 threads of one checkpoint run at the same time, and a group's collectives must never interleave with another
