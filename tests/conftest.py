@@ -40,6 +40,19 @@ def launch_ds_save(out: Path, stage: int, tied: bool = False, steps: int = 2) ->
     return out
 
 
+@pytest.fixture
+def gloo_group_of_one(monkeypatch):
+    """A default process group of this one process (gloo): what torch.distributed.checkpoint and Megatron-Core's
+    dist_checkpointing need to run in-process, no launch."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """ZeRO-1 (tied embeddings), ZeRO-2 and ZeRO-3 checkpoints of a tiny Llama, each saved by 2 ranks."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,22 +68,25 @@ class BackgroundSaves:
         save = self.in_flight
         if save is None:
             return
+        waited_from, blocked_before = time.monotonic(), save.blocked_s
         from toolkit.backends.loop import reduced_flag
 
         self.watch.phase(step, "save-wait")
-        deadline = time.perf_counter() + self.wait_s
+        deadline = waited_from + self.wait_s
         while True:
             self.poll()
             if self.in_flight is None:
                 return
-            if reduced_flag(time.perf_counter() > deadline, "MAX"):  # every rank gives up at the same poll
+            if reduced_flag(time.monotonic() > deadline, "MAX"):  # every rank gives up at the same poll
                 log.error("%s: its background write did not finish within %.0f s; abandoned (latest stays on the "
                           "checkpoint before)", save.checkpoint.name, self.wait_s)
                 self._give_up()
                 self.in_flight = None
                 raise CheckpointNotWritten(f"{save.checkpoint.name} was not written within {self.wait_s:.0f} s")
             time.sleep(POLL_S)
-            save.blocked_s += POLL_S
+            # the whole wait so far, as measured: a sleep lasts longer than asked on a loaded machine, and the polls
+            # and their collective take time too (each poll's own addition is included here, not added twice)
+            save.blocked_s = blocked_before + time.monotonic() - waited_from
 
     def wait_here(self, finished: Callable[[], bool]) -> None:
         """The watchdog ends this rank: its write in progress may finish (at most `wait_s`, no collective); the
@@ -96,6 +100,21 @@ class BackgroundSaves:
                 "%s: %s; it stays without a manifest", save.checkpoint.name,
                 "this rank's background write finished" if done else
                 f"this rank's background write did not finish within {self.wait_s:.0f} s and is abandoned")
+
+    def _hash(self, checkpoint: Path) -> Future:
+        """Rank 0 (the one with `metrics`), once every rank's files are written: the manifest's hashes, taken in a
+        thread (hashlib and file reads release the GIL), so that training goes on meanwhile; a finished None
+        elsewhere."""
+        if self.metrics is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        from toolkit.checkpoint.manifest import hash_files
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-manifest-hash")
+        hashed = pool.submit(hash_files, checkpoint)
+        pool.shutdown(wait=False)
+        return hashed
 
     def _complete(self, save: InFlight, complete: Callable, asynchronous: bool = True) -> None:
         """Every rank, once every rank's files of `save` are written: `complete()` writes the manifest and moves

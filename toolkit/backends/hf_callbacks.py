@@ -42,6 +42,8 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
             guard.begin_step()
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if saves is not None:  # the save in flight has copied the state it writes
+                saves.before_optimizer_step()
             guard.before_optimizer_step(self.trainer, kwargs["model"])
 
         def on_step_end(self, args, state, control, **kwargs):

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 from toolkit.backends.background_saves import BackgroundSaves, InFlight
@@ -33,6 +33,7 @@ class TrainerSaves(BackgroundSaves):
         self.rank = rank
         self.groups = GroupPool()
         self.writes: list = []  # the futures of the save in flight (one per DCP directory)
+        self.staging: list = []  # their staging futures: the state may change once these are done
         self.complete: Callable | None = None  # its manifest and `latest`, once every rank's writes are done
         self.hashing: Future | None = None  # rank 0's hashing of its files (a finished None elsewhere)
         watch.before_exit(self.abandon)
@@ -45,9 +46,22 @@ class TrainerSaves(BackgroundSaves):
 
         self.wait(step)
         self.watch.phase(step, "save")
-        self.writes = []
-        with dcp_saves_in_background(self.groups, self.writes, functools.partial(_persist, step, self.rank)):
+        self.writes, self.staging = [], []
+        with dcp_saves_in_background(self.groups, self.writes, self.staging,
+                                     functools.partial(_persist, step, self.rank)):
             yield
+
+    def before_optimizer_step(self) -> None:
+        """Every rank, before the optimizer changes the parameters and its state: the save's copy of them finished
+        (made in the background while this step's forward and backward ran); the wait is a pause of training."""
+        if not self.staging:
+            return
+        started = time.perf_counter()
+        for staged in self.staging:
+            staged.result()
+        self.staging = []
+        if self.in_flight is not None:
+            self.in_flight.blocked_s += time.perf_counter() - started
 
     def saved(self, step: int, checkpoint: Path, started: float, complete: Callable) -> None:
         """The Trainer's save returned (every rank); `started` is when training paused for it; `complete()` writes
@@ -79,19 +93,6 @@ class TrainerSaves(BackgroundSaves):
             self._complete(save, functools.partial(self.complete, files))
         else:
             save.blocked_s += time.perf_counter() - save.poll_started
-
-    def _hash(self, checkpoint: Path) -> Future:
-        """Rank 0: the manifest's hashes, taken in a thread (hashlib and file reads release the GIL)."""
-        if self.metrics is None:
-            done: Future = Future()
-            done.set_result(None)
-            return done
-        from toolkit.checkpoint.manifest import hash_files
-
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-manifest-hash")
-        hashed = pool.submit(hash_files, checkpoint)
-        pool.shutdown(wait=False)
-        return hashed
 
     def close(self, step: int) -> None:
         """Every rank at the end of training (after a scheduler's save-and-exit too): the save in flight completed."""

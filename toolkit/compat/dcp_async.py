@@ -6,14 +6,20 @@ FileSystemWriter(dir), planner=DefaultSavePlanner())`. Neither has a hook for th
 `torch.distributed.checkpoint.save` answers with `async_save` on the same state dict, writer and planner: the
 checkpoint keeps Accelerate's layout (`pytorch_model_fsdp_0/`, `optimizer_0/`, read back by its loader unchanged).
 
-Mode: `AsyncCheckpointerType.THREAD` (the default). `async_save` first stages the state dict into a CPU copy while
-training waits (the writer's own `BlockingAsyncStager`; on CPU ranks too: checked, the write holds the values of the
-step it was saved at), then plans and writes it in a thread of this rank. The PROCESS mode spawns a daemon process
+Staging: each save gets its own `DefaultStager(StagingOptions(use_async_staging=True))`: the CPU copy of the state
+dict (on CPU ranks too: `StateDictStager` copies every storage) is made by the stager's thread while training goes on
+with the next step's forward and backward, and the write (planned and written in a thread of this rank) starts from
+that copy. Training must not change the tensors before they are copied: `staged` holds each save's staging future,
+which the caller waits for before the next optimizer step (and counts that wait as a pause). The stager is closed once
+its write is done, so that its copy (the stager caches it for a next save otherwise) is freed: one copy per save, for
+as long as it is written. No pinned or shared memory: pinning is for device copies, sharing for the PROCESS mode.
+
+Mode: `AsyncCheckpointerType.THREAD` (the default). The PROCESS mode spawns a daemon process
 per rank that opens a gloo group of its own (a TCPStore on a port rank 0 picks) and receives the staged copy through
 a pipe; a SIGKILLed rank leaves that daemon behind, finishing files of a checkpoint a restart may be writing again
 (what the toolkit had to end by hand for Megatron-Core's writer), and on CPU ranks it buys nothing a thread does not:
-the write releases the GIL in its file I/O, and the copy is made before either mode returns. A thread dies with its
-rank.
+the write releases the GIL in its file I/O, and the copy is made by the staging thread in either mode. A thread dies
+with its rank.
 
 Each DCP directory of a checkpoint plans over a gloo group of its own (`groups`, made once by every rank): the
 threads of one checkpoint run at the same time, and a group's collectives must never interleave with another
@@ -57,11 +63,13 @@ class GroupPool:
 
 
 @contextlib.contextmanager
-def dcp_saves_in_background(groups: GroupPool, started: list, before_write: Callable[[], None]):
+def dcp_saves_in_background(groups: GroupPool, started: list, staged: list, before_write: Callable[[], None]):
     """While active, each `torch.distributed.checkpoint.save(...)` is held; when the context ends (every state dict
-    built: nothing has changed the tensors since), each becomes an `async_save` on its own group of `groups`, its
-    future appended to `started`, and `before_write()` runs in its writing thread before the first byte. Held until
-    then, no write competes with the building of the next state dict (the optimizer's: Python work, under the GIL)."""
+    built: nothing has changed the tensors since), each becomes an `async_save` on its own group of `groups`, staged
+    by a thread of its own (its staging future appended to `staged`: the tensors may change once it is done) and
+    written by another (its future appended to `started`), and `before_write()` runs in its writing thread before the
+    first byte. Held until then, no copy or write competes with the building of the next state dict (the optimizer's:
+    Python work, under the GIL)."""
     import torch.distributed.checkpoint as dcp
 
     original, held = dcp.save, []
@@ -78,10 +86,17 @@ def dcp_saves_in_background(groups: GroupPool, started: list, before_write: Call
         yield
     finally:
         dcp.save = original
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
     for state_dict, checkpoint_id, storage_writer, planner in held:
         storage_writer.write_data = functools.partial(_after, before_write, storage_writer.write_data)
-        started.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-                                      planner=planner, process_group=groups.get(len(started))))
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=True, use_non_blocking_copy=False))
+        response = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                                  planner=planner, process_group=groups.get(len(started)), async_stager=stager)
+        response.upload_completion.add_done_callback(lambda _, stager=stager: stager.close())  # its copy freed
+        staged.append(response.staging_completion)
+        started.append(response.upload_completion)
 
 
 def _after(first: Callable[[], None], write, *args, **kwargs):

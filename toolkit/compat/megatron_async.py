@@ -5,7 +5,13 @@
 - run on CPU ranks: 0.16.1's worker loop sets its CUDA device by `rank % torch.cuda.device_count()`, a division by
   zero without a GPU, and its staging copy (`preload_fn`) only copies device tensors: a CPU tensor would be written
   by the worker from the live training state while the optimizer changes it. On CPU the request's tensors are
-  copied here instead, while training waits, as the GPU's device-to-host copy is;
+  copied here instead, while training waits, as the GPU's device-to-host copy is, once, straight into shared memory
+  (what Megatron's own `_clone_if_needed` leaves as a TODO for the persistent worker): the request's pickling into
+  the worker's queue then passes a handle, not a second copy, and the copies replace the writer's tensors in its own
+  write buckets, so that the clones `prepare_write_data` made of views are freed as they are copied. Once the worker
+  has the request (Megatron's preload handshake: `schedule_async_call` returns after the worker ran the request's
+  `preload_fn`) the rank lets go of its references (`released`): the shared memory is the worker's alone and is freed
+  when its write ends, not at the finalization of the next step. A save costs one copy of the state it writes;
 - die with its rank: a rank killed mid-write must not leave a writer finishing the files of a checkpoint that a
   restart is writing again. The worker leads a process group of its own (its writer processes inherit it) and ends
   that group when its rank's process is gone;
@@ -42,7 +48,15 @@ SEAMS = [
     Seam("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync."
                           "get_save_function_and_args", kind="in_source",
          why="the layout of the request's arguments, [rank, write_buckets, results_queue] with write buckets of "
-             "(path, name, (bytes items, tensor items)): the CPU copy replaces the tensors"),
+             "(path, name, (bytes items, tensor items)), the writer's own list (its preload_fn's too): the CPU copy "
+             "replaces the tensors in place, and the rank empties the tensor items once the worker has them "
+             "(retrieve_write_results counts only the buckets)"),
+    Seam("megatron-core", f"{_ASYNC}.PersistentAsyncCaller.schedule_async_call", kind="in_source",
+         why="returns only once the worker ran the request's preload_fn (preload_q.join): the request is unpickled "
+             "there, so the rank may release its tensors"),
+    Seam("torch", "torch.UntypedStorage._new_shared",
+         "a storage made in shared memory (the sharing strategy's), so that the CPU copy is made there once instead "
+         "of in private memory and moved by the queue's pickling (Tensor.share_memory_ copies)"),
 ]
 _written = None  # in the worker process: its count of finished writes (a shared integer the rank reads)
 
@@ -138,19 +152,36 @@ def _counted(write, *args, **kwargs) -> None:
 
 def prepared(request, around):
     """The AsyncRequest to schedule: its write called as `around(write, *args)` in the worker and counted, and, on
-    CPU, its tensors copied now, while training waits, so that the worker writes the state of this step whatever
-    training does next."""
+    CPU, its tensors copied now into shared memory, while training waits, so that the worker writes the state of this
+    step whatever training does next."""
     import torch
 
     if request.async_fn is None:  # nothing for this rank to write
         return request
-    args, preload = list(request.async_fn_args), request.preload_fn
     if not torch.cuda.is_available():
-        args[1] = [(path, name, (items, [(item, tensor.detach().clone()) for item, tensor in tensors]))
-                   for path, name, (items, tensors) in args[1]]
-        preload = None
-    return request._replace(async_fn=functools.partial(_counted, functools.partial(around, request.async_fn)),
-                            async_fn_args=args, preload_fn=preload)
+        for _path, _name, (_items, tensors) in request.async_fn_args[1]:
+            for index, (item, tensor) in enumerate(tensors):  # one at a time: a view's clone goes as its copy comes
+                tensors[index] = (item, _shared_copy(tensor))
+    return request._replace(async_fn=functools.partial(_counted, functools.partial(around, request.async_fn)))
+
+
+def _shared_copy(tensor):
+    import torch
+
+    storage = torch.UntypedStorage._new_shared(tensor.numel() * tensor.element_size())
+    return torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape).copy_(tensor.detach())
+
+
+def released(request) -> None:
+    """After `schedule_async_request(request)` returned (the worker holds its own handles of the tensors): the rank's
+    references to the copies dropped, so that the worker's write frees them. The bucket list keeps its length, which
+    the finalization checks the write results against."""
+    import torch
+
+    if request.async_fn is None or torch.cuda.is_available():  # on a GPU the worker made the host copy itself
+        return
+    for _path, _name, (_items, tensors) in request.async_fn_args[1]:
+        tensors.clear()
 
 
 def stop_writer(calls) -> None:

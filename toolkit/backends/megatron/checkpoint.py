@@ -95,20 +95,23 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
             shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete save of the same step (no manifest) is replaced
             ckpt.mkdir(parents=True)
         dist.barrier()
-        return dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True), str(ckpt),
-                                       async_sharded_save=asynchronous)
+        request = dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True), str(ckpt),
+                                          async_sharded_save=asynchronous)
+        if dist.get_rank() == 0 and hf_config is not None:  # (into an empty directory Megatron's save does not warn
+            # about) before any hashing: a background save's starts once its shards are written
+            (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        return request
 
-    def complete() -> dict | None:
+    def complete(files: dict | None = None) -> dict | None:
+        """`files`: the hashes taken once every file was written (a background save's), else taken here."""
         if watch is not None:
             watch.phase(step, "manifest")
         dist.barrier()  # every rank's shards are on disk before they are hashed
         manifest = None
         if dist.get_rank() == 0:
-            if hf_config is not None:
-                (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             manifest = write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan),
                                       fmt=MANIFEST_FORMAT, extra={"run": identity, "guard_window": guard_window or [],
-                                                                  **data_position(step, identity)})
+                                                                  **data_position(step, identity)}, files=files)
             point_latest(output_dir, ckpt)
         dist.barrier()
         log.info("saved %s", ckpt)

@@ -1,8 +1,9 @@
 """The checkpoints of a Megatron-Core run as its loop takes them: synchronously, or (training.async_save, as
 megatron.yaml's schedule.async_save says) in the background through dist_checkpointing's asynchronous save on its
 persistent writer process (toolkit.compat.megatron_async), with the toolkit's rules around it
-(toolkit.backends.background_saves): Megatron-Core's finalization (the metadata) runs before the toolkit's (manifest,
-`latest`), once every rank's write has finished; a save abandoned after the bounded wait ends the writer.
+(toolkit.backends.background_saves): Megatron-Core's finalization (the metadata) runs once every rank's write has
+finished, then rank 0 hashes the files in a thread while training goes on, and the toolkit's completion (manifest,
+`latest`) follows at the first poll after that; a save abandoned after the bounded wait ends the writer.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 from toolkit.backends.background_saves import BackgroundSaves, InFlight
@@ -27,6 +29,8 @@ class CheckpointSaves(BackgroundSaves):
         self.calls = None  # the AsyncCallsQueue
         self.written = None  # the writer's count of finished writes
         self.scheduled = 0
+        self.hashing: Future | None = None  # rank 0's hashing of the finalized save's files (a finished None elsewhere)
+        self.complete: Callable | None = None  # its manifest and `latest`, once hashed
 
     def start(self) -> None:
         """Every rank, once the process group exists: the writer process starts now, not inside the first save."""
@@ -53,24 +57,38 @@ class CheckpointSaves(BackgroundSaves):
             return
         import torch.distributed as dist
 
-        from toolkit.compat.megatron_async import prepared
+        from toolkit.compat.megatron_async import prepared, released
 
         request = write(True)
         save = InFlight(step, checkpoint, started)
-        request.add_finalize_fn(functools.partial(self._complete, save, complete))
-        self.calls.schedule_async_request(prepared(request, functools.partial(_persist, step, dist.get_rank())))
+        request.add_finalize_fn(functools.partial(self._written, save, complete))
+        request = prepared(request, functools.partial(_persist, step, dist.get_rank()))
+        self.calls.schedule_async_request(request)
+        released(request)
         self.scheduled += 1
         self.in_flight = save
         save.blocked_s = time.perf_counter() - started
 
+    def _written(self, save: InFlight, complete: Callable) -> None:
+        """Every rank, after Megatron-Core's finalization of a background write (its metadata): rank 0 hashes the
+        files in a thread; the manifest and `latest` follow at the first poll after that."""
+        self.hashing, self.complete = self._hash(save.checkpoint), complete
+
     def poll(self) -> None:
-        """Every rank at the same point of every step: a finished background write is completed now."""
+        """Every rank at the same point of every step: a finished background write is finalized now (Megatron-Core's
+        metadata), and once rank 0 has hashed its files, completed (the manifest, `latest`)."""
+        from toolkit.backends.loop import reduced_flag
+
         save = self.in_flight
         if save is None:
             return
         save.poll_started = time.perf_counter()
-        self.calls.maybe_finalize_async_calls(blocking=False)
-        if self.in_flight is save:
+        if self.hashing is None:
+            self.calls.maybe_finalize_async_calls(blocking=False)
+        if self.hashing is not None and reduced_flag(self.hashing.done(), "MIN"):
+            files, self.hashing = self.hashing.result(), None
+            self._complete(save, functools.partial(self.complete, files))
+        else:
             save.blocked_s += time.perf_counter() - save.poll_started
 
     def _give_up(self) -> None:
