@@ -20,15 +20,19 @@ Megatron-Core's own GPTDataset builds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy
+from typing import TYPE_CHECKING
 
 from toolkit.spec.prediction import PackedAttention
+
+if TYPE_CHECKING:
+    import numpy
 
 
 def squared_pieces_per_sample(lengths: Sequence[int] | numpy.ndarray, seq_len: int) -> float:
     """E[sum of squared piece lengths] of a sample of `seq_len` tokens cut from documents of these lengths (tokens,
     end-of-document token included). Every document's share is closed-form, so this is one pass over the index."""
+    import numpy  # only where document lengths are given: every estimate imports this module
+
     length = numpy.asarray(lengths, dtype=numpy.float64)
     tokens = float(length.sum())
     if tokens == 0:  # no document: nothing to tell the sequence apart
