@@ -90,6 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         train = backend_of(run.plan).part("train").train  # toolkit/backends/<name>/train.py
         summary = train(run, recipe, output_dir, args.resume, args.deepspeed, updates, throughput, watch)
     except BaseException as exc:
+        watch.shield()  # first: a SIGTERM from here on would replace this failure and skip its report
         detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
         def ended() -> None:  # rank 0's run_plan.json says how the launch ended

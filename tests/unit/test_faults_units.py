@@ -242,3 +242,58 @@ def test_a_stopped_process_is_killed_after_the_delay_by_a_helper_that_outlives_t
         if victim.poll() is None:
             victim.kill()
             victim.wait()
+
+
+def test_a_launcher_sigterm_during_a_failure_report_does_not_cut_it_short(tmp_path, monkeypatch):
+    """torchrun SIGTERMs the surviving ranks as soon as it sees one die, about when the survivor's collective raises:
+    the SIGTERM arriving while the failure is printed must not replace the failure (no report, no exit hooks: a
+    background write's bounded wait never ran, CI 2026-11-26). Here the print itself brings the SIGTERM."""
+    import signal
+    import threading
+    import traceback
+    from types import SimpleNamespace
+
+    from toolkit.runtime import supervision
+    from toolkit.runtime.supervision import TrainingWatchdog
+    from toolkit.runtime.watchdog import LauncherTerminated, raise_terminated
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code):
+        raise Exited(code)
+
+    def sigterm_while_printing(exc):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode of this thread
+
+    watch = TrainingWatchdog(tmp_path, hang_timeout_s=10)
+    watch.env = SimpleNamespace(host="node-0", rank=1, world_size=2)
+    watch.watchdog = SimpleNamespace(
+        tripped=threading.Event(), claim_report=lambda: True, silent_ranks=lambda within: [0], store=None,
+        read_beats=lambda store: {}, hosts=lambda store: ["node-0", "node-0"], world=2, step_name="step 5 train",
+        report_written=lambda: None, mark_exit=lambda: None)
+    hooks = []
+    watch.before_exit(lambda: hooks.append("abandon"))
+    monkeypatch.setattr(supervision, "exit_now", exit_now)
+    monkeypatch.setattr(traceback, "print_exception", sigterm_while_printing)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        with pytest.raises(Exited) as exited:
+            watch.fail(RuntimeError("Connection closed by peer"), before_exit=lambda: hooks.append("ended"))
+        # and the same SIGTERM at the first line of the caller's handler (toolkit/train.py shields first)
+        signal.signal(signal.SIGTERM, raise_terminated)
+        try:
+            raise RuntimeError("gloo: Connection reset by peer")
+        except RuntimeError:
+            watch.shield()
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(10))  # bytecodes after the signal: an unshielded handler would raise here
+    except LauncherTerminated:
+        pytest.fail("the launcher's SIGTERM replaced the failure being reported")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.args == (supervision.EXIT_FAILURE,)
+    [failure] = read_incidents(tmp_path)
+    assert failure["event"] == "failure" and "Connection closed by peer" in failure["reason"]
+    assert [d["rank"] for d in failure["died"]] == [0]
+    assert hooks == ["ended", "abandon"]

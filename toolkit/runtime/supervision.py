@@ -114,11 +114,11 @@ class TrainingWatchdog:
         watchdog = self.watchdog
         if watchdog is None:  # no peers to end: the caller raises as usual
             return
+        self.shield()
         if line is not None:
             print(line, file=sys.stderr)
         else:
             traceback.print_exception(exc)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish the report; the launcher kills us later if it must
         if watchdog.tripped.is_set():  # the monitor is already reporting a hang and will end this process
             time.sleep(self.timeout + 30)
         elif watchdog.claim_report():
@@ -143,6 +143,14 @@ class TrainingWatchdog:
         watchdog.mark_exit()
         self._last_words()
         exit_now(code)
+
+    def shield(self) -> None:
+        """This rank is failing: from now on the launcher's SIGTERM (torchrun's, once it sees a peer die) no longer
+        raises, so it cannot cut short the failure report, the exit hooks (a background write's bounded wait) or the
+        last words; the launcher's SIGKILL after its grace period still ends the process. The first thing a
+        failure handler does: a SIGTERM arriving while the traceback is printed lost the report before."""
+        if self.watchdog is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def _ranks(self, ranks: list[int], store, reasons: dict[int, dict] | None = None) -> list[dict]:
         """Who they are: host, pid and where their last heartbeat said they were."""
