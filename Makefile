@@ -23,18 +23,15 @@ demo: $(STAMP)
 	$(RUN_ENV) bash scripts/demo.sh
 
 # The fast lane: every test that starts no launcher, server, browser or Slurm (marker `launch`), in under 3 minutes,
-# on one pytest-xdist worker per core of the 2-core machines it must fit. The launch tests run one at a time after
-# it: each starts 2 ranks, some time a hang, and runs are shared between tests through session fixtures.
+# on one pytest-xdist worker per core of the 2-core machines it must fit.
 FAST_LANE := -m "not launch" -n 2
-# The launch lane, serial by default. Measured per test (children's CPU against wall time) a launch keeps only ~1-1.5
-# of the 2 cores busy and a fault test ~0.6 (a held rank, a hang timeout), so two workers are faster: the fault,
-# health and Slurm files took 376 s on `-n 2 --dist loadgroup` against 570 s serially (load 3-5 from other sessions).
-# tests/conftest.py already gives each launch test an xdist group (its file, or its directory where launches are
-# shared across files), so `make test LAUNCH_LANE='-m launch -n 2 --dist loadgroup'` runs every shared launch once.
-# Not the default yet: in 2 such runs of those files 3 tests failed, each once (the first run beside a fast lane, load
-# ~7): the FSDP killed-rank test found 1 incident of 2, and two Slurm jobs' torchrun lost its c10d store ("Failed to
-# recv") on the job's MASTER_PORT, the port the preflight's store had just used; cause not found yet.
-LAUNCH_LANE ?= -m launch
+# The launch lane: each test starts 2 ranks (some a server, a browser or Slurm), on 2 pytest-xdist workers. Measured
+# per test (children's CPU against wall time) a launch keeps only ~1-1.5 of the 2 cores busy and a fault test ~0.6 (a
+# held rank, a hang timeout), so two at a time are faster than one: the whole lane took 27 min on 2 workers against
+# 37 min serially on the same loaded machine. tests/conftest.py gives each launch test an xdist group (its file, or
+# its directory where launches are shared across files), so `--dist loadgroup` runs every shared launch once and a
+# file's tests in their order. Serially: `make test LAUNCH_LANE='-m launch'`.
+LAUNCH_LANE ?= -m launch -n 2 --dist loadgroup
 TEST_ENV := $(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline
 
 test: $(STAMP)

@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, k8s_training_pod
+from helpers import ROOT, free_port, k8s_training_pod
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 from toolkit.k8s.render import CHECKPOINT_MOUNT, CONTAINER, PREFLIGHT
 from toolkit.runtime.metrics import read_metrics
-from toolkit.runtime.ports import free_port
 
 pytestmark = pytest.mark.launch
 IMAGE = "registry.example.com/team/dmt:1.0"
