@@ -127,12 +127,28 @@ def environment_restored():
 SHARED_BY_DIRECTORY = {"megatron", "checkpoint", "fsdp", "slurm"}
 
 
-def pytest_collection_modifyitems(config, items):
-    """For a launch lane on 2 pytest-xdist workers with `--dist loadgroup` (the Makefile's LAUNCH_LANE says when): a
-    launch test's group is its file, or its directory where launches are shared across files. Other `--dist` modes
-    (the fast lane's `load`) ignore the groups."""
-    for item in items:
-        if item.get_closest_marker("launch"):
-            directory, *rest = item.path.relative_to(TESTS).parts
-            group = directory if directory in SHARED_BY_DIRECTORY or not rest else "/".join((directory, *rest))
-            item.add_marker(pytest.mark.xdist_group(group))
+def launch_group(nodeid: str) -> str:
+    """The group a test runs in on the 2-worker launch lane: its file, or its directory where launches are shared
+    across files ('tests/megatron/test_x.py::test_y' -> 'megatron')."""
+    directory, *rest = nodeid.split("::", 1)[0].split("/")[1:]  # below tests/
+    return directory if directory in SHARED_BY_DIRECTORY or not rest else "/".join((directory, *rest))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (the Makefile's LAUNCH_LANE) schedules by launch_group: every test of a group on one worker,
+    in file order, the groups with the most tests first (xdist's loadscope scheduling with these scopes).
+
+    Not by `xdist_group` markers: pytest-xdist 3.8 writes a marked test's group into `item._nodeid`, which pytest 9.2
+    no longer reads (Node.nodeid is `_id` now), so marked tests were spread test by test: two Slurm clusters at once,
+    whose first jobs took the same MASTER_PORT, and a browser test on another worker than the one that set its page
+    up. tests/unit/test_launch_groups.py fails if a group is split again."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaunchGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return launch_group(nodeid)
+
+    return LaunchGroups(config, log)
