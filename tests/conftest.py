@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, remove_segments_since, tiny_llama_config
+from helpers import free_port, launch_scheduler, remove_segments_since, tiny_llama_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -121,34 +121,7 @@ def environment_restored():
         os.environ.update(saved)
 
 
-# Directories whose session fixtures start launches that tests in several of their files assert on (megatron's layout
-# runs, checkpoint's ZeRO saves, fsdp's accelerate run) or hold a service one process at a time may run (Slurm's
-# daemons): each is one group, so that one worker runs all of it and every shared launch still runs once.
-SHARED_BY_DIRECTORY = {"megatron", "checkpoint", "fsdp", "slurm"}
-
-
-def launch_group(nodeid: str) -> str:
-    """The group a test runs in on the 2-worker launch lane: its file, or its directory where launches are shared
-    across files ('tests/megatron/test_x.py::test_y' -> 'megatron')."""
-    directory, *rest = nodeid.split("::", 1)[0].split("/")[1:]  # below tests/
-    return directory if directory in SHARED_BY_DIRECTORY or not rest else "/".join((directory, *rest))
-
-
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` (the Makefile's LAUNCH_LANE) schedules by launch_group: every test of a group on one worker,
-    in file order, the groups with the most tests first (xdist's loadscope scheduling with these scopes).
-
-    Not by `xdist_group` markers: pytest-xdist 3.8 writes a marked test's group into `item._nodeid`, which pytest 9.2
-    no longer reads (Node.nodeid is `_id` now), so marked tests were spread test by test: two Slurm clusters at once,
-    whose first jobs took the same MASTER_PORT, and a browser test on another worker than the one that set its page
-    up. tests/unit/test_launch_groups.py fails if a group is split again."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class LaunchGroups(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return launch_group(nodeid)
-
-    return LaunchGroups(config, log)
+    """`--dist loadgroup` (the Makefile's LAUNCH_LANE): helpers.launch_scheduler, which keeps each group whole."""
+    return launch_scheduler(config, log)

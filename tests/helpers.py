@@ -309,3 +309,36 @@ def k8s_training_pod(kind: str, documents: list[dict]) -> dict:
     if kind == "jobset":
         return documents[0]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     return documents[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+
+
+# Directories whose session fixtures start launches that tests in several of their files assert on (megatron's layout
+# runs, checkpoint's ZeRO saves, fsdp's accelerate run) or hold a service one process at a time may run (Slurm's
+# daemons): each is one group, so that one worker runs all of it and every shared launch still runs once.
+SHARED_BY_DIRECTORY = {"megatron", "checkpoint", "fsdp", "slurm"}
+
+
+def launch_group(nodeid: str) -> str:
+    """The group a test runs in on the 2-worker launch lane: its file, or its directory where launches are shared
+    across files ('tests/megatron/test_x.py::test_y' -> 'megatron')."""
+    directory, *rest = nodeid.split("::", 1)[0].split("/")[1:]  # below tests/
+    return directory if directory in SHARED_BY_DIRECTORY or not rest else "/".join((directory, *rest))
+
+
+def launch_scheduler(config, log):
+    """For `--dist loadgroup` (tests/conftest.py's pytest_xdist_make_scheduler): xdist's own loadscope scheduler with
+    launch_group as the scope: every test of a group on one worker, in file order, the groups with the most tests
+    first. None (xdist's choice) for any other `--dist`.
+
+    Not by `xdist_group` markers: pytest-xdist 3.8 writes a marked test's group into `item._nodeid`, which pytest 9.2
+    no longer reads (Node.nodeid is `_id` now), so marked tests were spread test by test: two Slurm clusters at once,
+    whose first jobs took the same MASTER_PORT, and a browser test on another worker than the one that set its page
+    up. tests/unit/test_launch_groups.py fails if a group is split again."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaunchGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return launch_group(nodeid)
+
+    return LaunchGroups(config, log)

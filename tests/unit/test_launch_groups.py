@@ -1,8 +1,8 @@
-"""The 2-worker launch lane's scheduling (tests/conftest.py): xdist's own loadscope scheduler, driven here with two
+"""The 2-worker launch lane's scheduling (tests/helpers.py launch_scheduler): xdist's own loadscope scheduler, driven here with two
 stand-in workers, never splits a group: a directory whose session fixtures several files share (one Slurm cluster,
 one set of Megatron launches) runs on one worker, and a file's tests run on one worker in their order."""
 
-import conftest
+from helpers import launch_group, launch_scheduler
 
 
 class Worker:
@@ -40,11 +40,11 @@ def test_every_group_of_the_launch_lane_runs_whole_on_one_worker_in_file_order(r
         "checkpoint/test_restore.py", "checkpoint/test_verify.py", "explore/test_explore_browser.py",
         "megatron/test_megatron_train.py", "megatron/test_megatron_faults.py", "slurm/test_slurm.py",
         "training/test_faults.py", "training/test_train_launch.py") for i in range(3)]
-    assert conftest.launch_group(collection[0]) == "checkpoint"
-    assert conftest.launch_group("tests/training/test_faults.py::test_0") == "training/test_faults.py"
+    assert launch_group(collection[0]) == "checkpoint"
+    assert launch_group("tests/training/test_faults.py::test_0") == "training/test_faults.py"
     config = LoadGroupConfig(request.config)
-    assert conftest.pytest_xdist_make_scheduler(LoadGroupConfig(request.config, "load"), None) is None
-    scheduler = conftest.pytest_xdist_make_scheduler(config, None)
+    assert launch_scheduler(LoadGroupConfig(request.config, "load"), None) is None
+    scheduler = launch_scheduler(config, None)
     workers = [Worker("gw0"), Worker("gw1")]
     for worker in workers:
         scheduler.add_node(worker)
@@ -59,11 +59,11 @@ def test_every_group_of_the_launch_lane_runs_whole_on_one_worker_in_file_order(r
                 done[worker.name] += 1
     ran = {w.name: [collection[i] for i in w.given] for w in workers}
     assert sorted(sum(ran.values(), [])) == sorted(collection)
-    for group in {conftest.launch_group(n) for n in collection}:
-        where = {name for name, ids in ran.items() if any(conftest.launch_group(n) == group for n in ids)}
+    for group in {launch_group(n) for n in collection}:
+        where = {name for name, ids in ran.items() if any(launch_group(n) == group for n in ids)}
         assert len(where) == 1, (group, ran)
         [name] = where
-        mine = [n for n in ran[name] if conftest.launch_group(n) == group]
-        assert mine == [n for n in collection if conftest.launch_group(n) == group]
+        mine = [n for n in ran[name] if launch_group(n) == group]
+        assert mine == [n for n in collection if launch_group(n) == group]
     assert all(ran.values())  # both workers got work
 
