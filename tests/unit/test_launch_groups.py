@@ -1,6 +1,7 @@
-"""The 2-worker launch lane's scheduling (tests/helpers.py launch_scheduler): xdist's own loadscope scheduler, driven here with two
-stand-in workers, never splits a group: a directory whose session fixtures several files share (one Slurm cluster,
-one set of Megatron launches) runs on one worker, and a file's tests run on one worker in their order."""
+"""The 2-worker launch lane's scheduling (tests/helpers.py launch_scheduler): xdist's own loadscope scheduler,
+driven here with two stand-in workers, never splits a group: a directory whose session fixtures several files share
+(one Slurm cluster, one set of Megatron launches) runs on one worker, and a file's tests run on one worker in their
+order."""
 
 from helpers import launch_group, launch_scheduler
 
@@ -66,4 +67,3 @@ def test_every_group_of_the_launch_lane_runs_whole_on_one_worker_in_file_order(r
         mine = [n for n in ran[name] if launch_group(n) == group]
         assert mine == [n for n in collection if launch_group(n) == group]
     assert all(ran.values())  # both workers got work
-

@@ -191,8 +191,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
         every micro-batch's loss before backward."""
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            ids = inputs["input_ids"]  # per sample, whether the micro-batch came flattened or not
-            fingerprints.add(ids.reshape(-1, plan.seq_len) if flat and ids.shape[-1] % plan.seq_len == 0 else ids)
+            ids = inputs["input_ids"]  # per sample: a flattened micro-batch is micro_batch x seq_len tokens in one row
+            fingerprints.add(ids.reshape(-1, plan.seq_len) if flat else ids)
             watch.phase(self.state.global_step + 1, "forward")
             self._guarded = True  # compute_loss also serves evaluation, which the guard does not judge
             try:

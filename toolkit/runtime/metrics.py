@@ -61,7 +61,6 @@ def run_throughput(model, plan, prediction: dict, accelerator: str) -> Throughpu
     (a CPU run of a recipe naming an H100 has no catalogue peak: its MFU is null)."""
     from toolkit.estimate.timing import useful_flops_per_token
     from toolkit.spec.cluster import get_gpu
-
     from toolkit.spec.prediction import PackedAttention
 
     tokens = plan.global_batch * plan.seq_len
