@@ -59,6 +59,20 @@ def distopt_recipe(megatron_recipe):
                            training={"report_to": ["wandb"], **ASYNC})
 
 
+@pytest.fixture(scope="session")
+def distopt_sync_recipe(megatron_recipe):
+    return megatron_recipe("tiny-megatron-distopt-sync", plan={"distributed_optimizer": True},
+                           training={"async_save": False})
+
+
+@pytest.fixture(scope="session")
+def dp2_resumed(torchrun, layout_run, distopt_sync_recipe):
+    """The dp2 run resumed from its background save at SAVE_AT (dp_reshardable), saving synchronously every 2 steps
+    (fully_reshardable, loadable at any layout: the move to TP=2 and the TP=1/TP=2 logits read RESAVE_AT and STEPS)."""
+    return torchrun("dp2-resume", "--recipe", str(distopt_sync_recipe), "--max-steps", str(STEPS), "--save-steps", "2",
+                    "--resume", str(layout_run("dp2").out / f"checkpoint-{SAVE_AT}"))
+
+
 # The layout runs save in the background (asked for: on CPU ranks training.async_save is off unless a recipe says
 # so, Backend.saves_async): each layout's checkpoints are async dist_checkpointing saves, with their records.
 ASYNC = {"async_save": True}

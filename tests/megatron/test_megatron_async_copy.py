@@ -1,4 +1,4 @@
-"""What a Megatron-Core background save holds on a CPU rank (toolkit.compat.megatron_async.prepared / released): one
+"""What a Megatron-Core background save holds on a CPU rank (toolkit.compat.megatron_async.copied / released): one
 copy of the state it writes, in shared memory (the worker's queue then passes handles, not a second copy), replacing
 the tensors in the writer's own write buckets (the clones Megatron made of views go as the copies come), and dropped by
 the rank once the worker has the request. A real dist_checkpointing async request on a gloo group of one process."""
@@ -11,7 +11,7 @@ def test_a_save_copies_the_state_once_into_shared_memory_and_the_rank_lets_it_go
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from toolkit.compat.megatron_async import _results_queue, prepared, released
+    from toolkit.compat.megatron_async import _results_queue, copied, needs_copy, prepared, released
 
     _results_queue(filesystem_async)  # the toolkit's manager, as start_writer makes it
     flat = torch.arange(48, dtype=torch.float32)  # a buffer whose views are the parameters (Megatron's DDP keeps so)
@@ -22,6 +22,8 @@ def test_a_save_copies_the_state_once_into_shared_memory_and_the_rank_lets_it_go
     count = len(buckets)
 
     ready = prepared(request, lambda write, *args: write(*args))
+    assert needs_copy(ready)  # a CPU rank: the worker's preload_fn would not copy these
+    ready = copied(ready)
     written = [tensor for _path, _name, (_items, tensors) in ready.async_fn_args[1] for _item, tensor in tensors]
     assert ready.async_fn_args[1] is buckets and ready.preload_fn is not None  # the writer's own list, Megatron's
     assert len(written) == 2 and all(t.is_shared() for t in written)  # handshake kept

@@ -85,7 +85,9 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
 def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_job_restarts_from_there(
         megatron_recipe, tmp_path, capsys):
     """checkpoint-4 is written in the background (training.async_save: true), each rank's write
-    held back 60 s in its writer process; rank 0 is SIGKILLed in step 5, while that write runs: training went on
+    held back 60 s in its writer process; rank 0 is SIGKILLed in step 6, while that write runs (it started at step
+    5's optimizer update, once the copy of the state made during step 5's forward and backward was handed over to the
+    writer): training went on
     without a shard of checkpoint-4 on disk (the save did not wait for its files), `latest` stays on checkpoint-2 and
     `dmt ckpt verify` rejects checkpoint-4. Rank 1, ended by the launcher, waits the bounded time for its write and
     says so; launch.sh's torchrun restarts the job (training.max_restarts), which resumes from checkpoint-2 and
@@ -110,7 +112,7 @@ def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_
     log = tmp_path / "kill.log"
     rc = launch_watched(["bash", str(generated / "launch.sh"), "torchrun"], log, look_when_the_kill_comes,
                         {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-                         "DMT_FAULT": "slow=60@step=4,phase=persist;kill@rank=0,step=5,phase=train"})
+                         "DMT_FAULT": "slow=60@step=4,phase=persist;kill@rank=0,step=6,phase=train"})
     assert rc == 0, log.read_text()[-3000:]
     # the killed rank's writer and its results-queue manager (a process Megatron-Core spawns) end with it
     assert processes_with_env("OUTPUT_DIR", str(out)) == []

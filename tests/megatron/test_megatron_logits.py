@@ -1,5 +1,6 @@
-"""TP=2 and TP=1 give the same logits for the same weights: the DP=2 run's dist checkpoint loaded at both layouts
-by real Megatron-Core on 2 gloo ranks (fp32; only the order of the row-parallel sums differs)."""
+"""TP=2 and TP=1 give the same logits for the same weights: the DP=2 run's dist checkpoint (its resumed run's
+synchronous save, which any layout loads) loaded at both layouts by real Megatron-Core on 2 gloo ranks (fp32; only the
+order of the row-parallel sums differs)."""
 
 from pathlib import Path
 
@@ -12,11 +13,11 @@ SCRIPT = Path(__file__).resolve().parent / "mcore_logits.py"
 
 
 @pytest.fixture(scope="module")
-def logits(layout_run, torchrun, distopt_recipe):
+def logits(dp2_resumed, torchrun, distopt_sync_recipe):
     import torch
 
-    checkpoint = layout_run("dp2").out / f"checkpoint-{STEPS}"
-    run = torchrun("logits", "--recipe", str(distopt_recipe), "--checkpoint", str(checkpoint), script=SCRIPT)
+    checkpoint = dp2_resumed.out / f"checkpoint-{STEPS}"
+    run = torchrun("logits", "--recipe", str(distopt_sync_recipe), "--checkpoint", str(checkpoint), script=SCRIPT)
     path = run.out / "logits.pt"
     assert path.is_file(), run.tail()
     return torch.load(path)

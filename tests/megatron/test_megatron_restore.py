@@ -9,6 +9,7 @@ import pytest
 
 from megatron_helpers import TINY_MEGATRON
 from toolkit.runtime.metrics import read_metrics
+from toolkit.checkpoint.manifest import read_manifest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 
@@ -61,10 +62,14 @@ def test_zero_is_refused_for_megatron(capsys):
     assert code == 2 and "--zero" in capsys.readouterr().err
 
 
-def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, capsys):
-    """Saved by 2 data-parallel ranks, resumed by 1 (the dist checkpoint reshards, gradient accumulation doubles):
-    the same samples per step, the loss within the stated tolerance, the drift reported."""
-    code = main(["restore-test", "--recipe", str(TINY_MEGATRON), "--steps", "6", "--save-at", "3",
+def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, capsys, megatron_recipe):
+    """Saved by 2 data-parallel ranks with the distributed optimizer, in the background (its state dp_reshardable),
+    resumed by 1 (the dist checkpoint reshards in data parallelism, gradient accumulation doubles): the same samples
+    per step, the loss within the stated tolerance, the drift reported."""
+    recipe = megatron_recipe("tiny-megatron-distopt-async", plan={"distributed_optimizer": True},
+                             training={"async_save": True})
+    capsys.readouterr()
+    code = main(["restore-test", "--recipe", str(recipe), "--steps", "6", "--save-at", "3",
                  "--resume-world-size", "1", "--workdir", str(tmp_path), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["passed"], result["mismatches"]
@@ -72,4 +77,5 @@ def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, caps
     assert len(result["resumed_losses"]) == 3 and all(loss is not None for loss in result["resumed_losses"])
     resumed_log = (tmp_path / "resumed.log").read_text()
     assert "layout changed" in resumed_log  # really resharded, not a same-layout reload
+    assert read_manifest(Path(result["checkpoint"]))["optimizer_sharding"] == "dp_reshardable"
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from helpers import wandb_history
-from megatron_helpers import SAVE_AT, STEPS, TINY_MEGATRON
+from megatron_helpers import RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON
 from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
@@ -89,34 +89,47 @@ def test_every_layout_sees_the_same_global_batches(layout_run):
     assert len(set(shas["tp2"])) == STEPS
 
 
-def _resumed(torchrun, name, recipe, source, *flags):
+def _resumed(torchrun, name, recipe, source, *flags, at: int = SAVE_AT):
     run = torchrun(name, "--recipe", str(recipe), *flags, "--max-steps", str(STEPS),
-                   "--resume", str(source.out / f"checkpoint-{SAVE_AT}"))
+                   "--resume", str(source.out / f"checkpoint-{at}"))
     records = read_metrics(run.out)
-    assert [r["step"] for r in records] == list(range(SAVE_AT + 1, STEPS + 1)), run.tail()
+    assert [r["step"] for r in records] == list(range(at + 1, STEPS + 1)), run.tail()
     return run, records
 
 
-def test_resume_with_the_distributed_optimizer_reproduces_the_run_exactly(layout_run, torchrun, distopt_recipe):
-    """Model, optimizer (sharded Adam moments and step), scheduler and RNG come back: every resumed step equals the
-    uninterrupted run's, bit for bit."""
+def test_resume_with_the_distributed_optimizer_reproduces_the_run_exactly(layout_run, dp2_resumed):
+    """Model, optimizer (sharded Adam moments and step), scheduler and RNG come back from a background save
+    (dp_reshardable): every resumed step equals the uninterrupted run's, bit for bit."""
     reference = read_metrics(layout_run("dp2").out)[SAVE_AT:]
-    run, records = _resumed(torchrun, "dp2-resume", distopt_recipe, layout_run("dp2"))
+    run = dp2_resumed
+    records = read_metrics(run.out)
+    assert [r["step"] for r in records] == list(range(SAVE_AT + 1, STEPS + 1)), run.tail()
     for got, want in zip(records, reference):
         assert {k: got[k] for k in ("step", "loss", "grad_norm", "learning_rate", "data_sha")} == \
                {k: want[k] for k in ("step", "loss", "grad_norm", "learning_rate", "data_sha")}
     assert_checkpoint(run, STEPS, tp=1, pp=1, dp=2)
+    # the distributed optimizer's format follows the kind of save: a background one keeps its pause free of the
+    # gather onto rank 0, a synchronous one stays loadable at any layout
+    assert read_manifest(layout_run("dp2").out / f"checkpoint-{SAVE_AT}")["optimizer_sharding"] == "dp_reshardable"
+    assert read_manifest(run.out / f"checkpoint-{RESAVE_AT}")["optimizer_sharding"] == "fully_reshardable"
+    assert [r["async"] for r in read_checkpoint_records(run.out)] == [False, False]
     assert run.rc == 0, run.tail()
 
 
 @pytest.mark.parametrize("source, target", [("dp2", "tp2"), ("tp2", "pp2")])
-def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, distopt_recipe, source, target):
+def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, dp2_resumed, distopt_sync_recipe,
+                                                         source, target):
     """A checkpoint saved at one TP/PP/DP layout loads at another (dist_checkpointing reshards model and optimizer
-    state): the first step after the reload has the loss of the uninterrupted run, and the run stays on it."""
-    recipe = distopt_recipe if source == "dp2" else TINY_MEGATRON
+    state): the first step after the reload has the loss of the uninterrupted run, and the run stays on it. The
+    distributed optimizer's state moves to TP=2 from a synchronous save (fully_reshardable); a background save's
+    (dp_reshardable) is refused there (tests/unit/test_megatron_sharding.py)."""
     flags = {"tp2": ("--tp", "2"), "pp2": ("--pp", "2")}[target]
-    reference = read_metrics(layout_run(source).out)[SAVE_AT:]
-    run, records = _resumed(torchrun, f"{source}-to-{target}", recipe, layout_run(source), *flags)
+    if source == "dp2":
+        at, origin, recipe = RESAVE_AT, dp2_resumed, distopt_sync_recipe
+    else:
+        at, origin, recipe = SAVE_AT, layout_run(source), TINY_MEGATRON
+    reference = read_metrics(layout_run(source).out)[at:]
+    run, records = _resumed(torchrun, f"{source}-to-{target}", recipe, origin, *flags, at=at)
     assert records[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-6)
     for got, want in zip(records, reference):
         assert got["data_sha"] == want["data_sha"] and got["learning_rate"] == pytest.approx(want["learning_rate"])

@@ -5,10 +5,12 @@
 - run on CPU ranks: 0.16.1's worker loop sets its CUDA device by `rank % torch.cuda.device_count()`, a division by
   zero without a GPU, and its staging copy (`preload_fn`) only copies device tensors: a CPU tensor would be written
   by the worker from the live training state while the optimizer changes it. On CPU the request's tensors are
-  copied here instead, while training waits, as the GPU's device-to-host copy is, once, straight into shared memory
+  copied here instead, once, straight into shared memory
   (what Megatron's own `_clone_if_needed` leaves as a TODO for the persistent worker): the request's pickling into
   the worker's queue then passes a handle, not a second copy, and the copies replace the writer's tensors in its own
-  write buckets, so that the clones `prepare_write_data` made of views are freed as they are copied. Once the worker
+  write buckets, so that the clones `prepare_write_data` made of views are freed as they are copied. The copy runs in
+  a thread of the rank (toolkit.backends.megatron.saves) while the next step's forward and backward run, which change
+  nothing a save holds; training waits for what is left of it before the optimizer's update. Once the worker
   has the request (Megatron's preload handshake: `schedule_async_call` returns after the worker ran the request's
   `preload_fn`) the rank lets go of its references (`released`): the shared memory is the worker's alone and is freed
   when its write ends, not at the finalization of the next step. A save costs one copy of the state it writes;
@@ -151,18 +153,28 @@ def _counted(write, *args, **kwargs) -> None:
 
 
 def prepared(request, around):
-    """The AsyncRequest to schedule: its write called as `around(write, *args)` in the worker and counted, and, on
-    CPU, its tensors copied now into shared memory, while training waits, so that the worker writes the state of this
-    step whatever training does next."""
-    import torch
-
+    """The AsyncRequest to schedule: its write called as `around(write, *args)` in the worker and counted."""
     if request.async_fn is None:  # nothing for this rank to write
         return request
-    if not torch.cuda.is_available():
-        for _path, _name, (_items, tensors) in request.async_fn_args[1]:
-            for index, (item, tensor) in enumerate(tensors):  # one at a time: a view's clone goes as its copy comes
-                tensors[index] = (item, _shared_copy(tensor))
     return request._replace(async_fn=functools.partial(_counted, functools.partial(around, request.async_fn)))
+
+
+def needs_copy(request) -> bool:
+    """Whether this rank must copy the request's tensors itself before the worker gets them (CPU ranks: the worker's
+    preload_fn only copies device tensors)."""
+    import torch
+
+    return request.async_fn is not None and not torch.cuda.is_available()
+
+
+def copied(request):
+    """On CPU, the request's tensors copied into shared memory (in place in its write buckets), so that the worker
+    writes the state as it was when the save was taken whatever training does after the copy. Safe to run in a
+    thread while training computes, as long as nothing the save holds changes meanwhile (the optimizer's update)."""
+    for _path, _name, (_items, tensors) in request.async_fn_args[1]:
+        for index, (item, tensor) in enumerate(tensors):  # one at a time: a view's clone goes as its copy comes
+            tensors[index] = (item, _shared_copy(tensor))
+    return request
 
 
 def _shared_copy(tensor):
@@ -176,9 +188,7 @@ def released(request) -> None:
     """After `schedule_async_request(request)` returned (the worker holds its own handles of the tensors): the rank's
     references to the copies dropped, so that the worker's write frees them. The bucket list keeps its length, which
     the finalization checks the write results against."""
-    import torch
-
-    if request.async_fn is None or torch.cuda.is_available():  # on a GPU the worker made the host copy itself
+    if not needs_copy(request):  # on a GPU the worker made the host copy itself
         return
     for _path, _name, (_items, tensors) in request.async_fn_args[1]:
         tensors.clear()

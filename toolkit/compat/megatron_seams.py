@@ -18,8 +18,9 @@ SEAMS = [
     Seam("megatron-core", f"{_DISTRIB}.HAVE_APEX_OR_TE",
          "the distributed optimizer runs torch's AdamW (the load fix below) only without Apex and Transformer Engine"),
     Seam("megatron-core", f"{_DISTRIB}.DistributedOptimizer._set_main_param_and_optimizer_states",
-         "wrapped on the optimizer instance during a load, to hand through the Adam `step` a fully_reshardable "
-         "checkpoint leaves out (torch_adam_distributed_load); no public hook runs per parameter there"),
+         "wrapped on the optimizer instance during a load, to hand through the Adam `step` restored from the param "
+         "groups, which a fully_reshardable checkpoint leaves out and a dp_reshardable one gives as the fresh "
+         "optimizer's 0 (torch_adam_distributed_load); no public hook runs per parameter there"),
 ]
 
 
@@ -48,7 +49,9 @@ def torch_adam_distributed_load(optimizer):
     fully_reshardable state correctly as shipped: (1) building the loading state dict reads Adam's per-parameter
     `step`, which a fresh optimizer does not have yet, so it is initialised here the way torch's first step would
     (zero moments, step 0) before the checkpoint overwrites it; (2) the copy into each parameter's state expects a
-    `step` the checkpoint leaves out (it is restored from the param groups), so the restored step is handed through;
+    `step` the checkpoint leaves out (it is restored from the param groups), so the restored step is handed through
+    (a dp_reshardable checkpoint hands it the loading state dict's own step instead, a LocalNonpersistentObject: the
+    fresh optimizer's 0, which would overwrite the restored step; the restored one is handed through there too);
     (3) that restored step is one tensor shared by every parameter, which torch's foreach AdamW would then advance
     once per parameter per step: each parameter gets its own copy after loading. The wrapper is removed whether the
     load succeeds or not; the per-parameter copies only follow a load that finished."""
@@ -65,11 +68,10 @@ def torch_adam_distributed_load(optimizer):
             original = inner._set_main_param_and_optimizer_states
 
             def with_step(model_param, tensors, inner=inner, original=original):
-                if "step" not in tensors:
-                    group, order = inner.model_param_group_index_map[model_param]
-                    state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
-                    if "step" in state:
-                        tensors = {**tensors, "step": state["step"]}
+                group, order = inner.model_param_group_index_map[model_param]
+                state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"]}
                 return original(model_param, tensors)
 
             inner._set_main_param_and_optimizer_states = with_step

@@ -2,9 +2,15 @@
 the format as `dmt ckpt` and `dmt convert megatron-to-hf` see it (the conversions are convert.py).
 
 Model and optimizer state are saved as ShardedTensors in the reshardable formats, so a checkpoint loads at another
-TP/PP/DP layout; the distributed optimizer uses `fully_reshardable`. The iteration and the scheduler go into the
-common state; each rank's RNG states are a ShardedObject, restored only when the layout is the same. On disk it is
-torch DCP (toolkit/checkpoint/dcp.py) beside Megatron's metadata.json.
+TP/PP/DP layout. The distributed optimizer's state is saved `fully_reshardable` by a synchronous save (any layout) and
+`dp_reshardable` by a background one (training.async_save): `fully_reshardable` gathers every optimizer buffer onto
+data-parallel rank 0 while the state dict is built, inside the pause an asynchronous save exists to avoid (and it
+holds the gathered copy there), while `dp_reshardable`, Megatron-LM's own default, saves each rank's partition with no
+communication and no copy, and reshards in data parallelism only. The manifest records which (`optimizer_sharding`); a
+load asks for that one, and a `dp_reshardable` checkpoint resumed at another model-parallel layout is refused in one
+line. The iteration and the scheduler go into the common state; each rank's RNG states are a ShardedObject, restored
+only when the layout is the same. On disk it is torch DCP (toolkit/checkpoint/dcp.py) beside Megatron's
+metadata.json.
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ TO_HF = HFConversion(
     description="Read a Megatron-Core dist checkpoint (converted or saved by training, any layout) back into HF "
                 "safetensors.",
     metavar="MEGATRON_DIR", source_help=None, line="{source} -> {out_dir}: {tensors} tensors, {parameters:,} parameters")
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# the distributed optimizer's checkpoint format (Megatron-Core's distrib_optim_sharding_type) per kind of save: a
+# synchronous save any layout can load, a background one with nothing in its pause but this rank's own partition
+SYNC_SHARDING, ASYNC_SHARDING = "fully_reshardable", "dp_reshardable"
+# what a dp_reshardable checkpoint cannot change: its optimizer buffers are laid out per model-parallel rank
+MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep")
 LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp", "ep", "distributed_optimizer", "micro_batch", "grad_accum",
                "global_batch")
 
@@ -60,9 +70,10 @@ def _rng_object(state):
     return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
-def _sharded_state(setup: MegatronSetup, step: int, is_loading: bool, with_rng: bool) -> dict:
+def _sharded_state(setup: MegatronSetup, step: int, is_loading: bool, with_rng: bool, sharding: str) -> dict:
     state = _model_state(setup)
-    state["optimizer"] = setup.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
+    state["optimizer"] = setup.optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                            metadata={"distrib_optim_sharding_type": sharding})
     state["iteration"] = step
     state["scheduler"] = setup.scheduler.state_dict()
     if with_rng:
@@ -89,14 +100,15 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
     ckpt = output_dir / f"checkpoint-{step}"
+    sharding = ASYNC_SHARDING if saves.asynchronous else SYNC_SHARDING
 
     def write(asynchronous: bool):
         if dist.get_rank() == 0:
             shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete save of the same step (no manifest) is replaced
             ckpt.mkdir(parents=True)
         dist.barrier()
-        request = dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True), str(ckpt),
-                                          async_sharded_save=asynchronous)
+        request = dist_checkpointing.save(_sharded_state(setup, step, is_loading=False, with_rng=True,
+                                                         sharding=sharding), str(ckpt), async_sharded_save=asynchronous)
         if dist.get_rank() == 0 and hf_config is not None:  # (into an empty directory Megatron's save does not warn
             # about) before any hashing: a background save's starts once its shards are written
             (ckpt / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -110,8 +122,9 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
         manifest = None
         if dist.get_rank() == 0:
             manifest = write_manifest(ckpt, step=step, world_size=dist.get_world_size(), layout=layout(plan),
-                                      fmt=MANIFEST_FORMAT, extra={"run": identity, "guard_window": guard_window or [],
-                                                                  **data_position(step, identity)}, files=files)
+                                      fmt=MANIFEST_FORMAT, files=files,
+                                      extra={"run": identity, "guard_window": guard_window or [],
+                                             "optimizer_sharding": sharding, **data_position(step, identity)})
             point_latest(output_dir, ckpt)
         dist.barrier()
         log.info("saved %s", ckpt)
@@ -139,13 +152,17 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
     if saved_layout.get("distributed_optimizer") != plan.distributed_optimizer:
         raise UserInputError("--resume", f"{ckpt.name} was saved with distributed_optimizer="
                                          f"{saved_layout.get('distributed_optimizer')}; resume with the same setting")
+    sharding = optimizer_sharding(manifest, ckpt, plan)
     same_layout = saved_layout == layout(plan)
     with torch_adam_distributed_load(setup.optimizer):
-        state = dist_checkpointing.load(_sharded_state(setup, 0, is_loading=True, with_rng=same_layout), str(ckpt))
+        state = dist_checkpointing.load(_sharded_state(setup, 0, is_loading=True, with_rng=same_layout,
+                                                       sharding=sharding), str(ckpt))
         chunks = unwrapped(setup)
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
-        setup.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # 0.16.1's dp_reshardable load copies into the fp32 main parameters (leaves that
+            # require grad) without the no_grad its fully_reshardable load has
+            setup.optimizer.load_state_dict(state["optimizer"])
     setup.scheduler.load_state_dict(state["scheduler"])
     if same_layout:
         rng = state["rng_state"]
@@ -157,6 +174,22 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
         log.info("layout changed (%s -> %s): model and optimizer resharded, RNG streams reseeded",
                  saved_layout, layout(plan))
     return int(state["iteration"])
+
+
+def optimizer_sharding(manifest: dict, ckpt: Path, plan) -> str:
+    """The distributed optimizer's format `ckpt` was saved in (a checkpoint from before the manifest recorded it is
+    fully_reshardable, the only one then); a dp_reshardable one loads at another data-parallel size only."""
+    sharding = manifest.get("optimizer_sharding", SYNC_SHARDING)
+    saved = manifest.get("layout", {})
+    changed = [f"{key} {saved.get(key)} -> {getattr(plan, key)}" for key in MODEL_PARALLEL_KEYS
+               if saved.get(key) != getattr(plan, key)]
+    if sharding == ASYNC_SHARDING and plan.distributed_optimizer and changed:
+        raise UserInputError("--resume", f"{ckpt.name} was saved in the background (training.async_save), its "
+                                         f"distributed optimizer state {ASYNC_SHARDING}, which reshards in data "
+                                         f"parallelism only ({', '.join(changed)}): resume at its "
+                                         f"{'/'.join(MODEL_PARALLEL_KEYS)} and save once with training.async_save: "
+                                         f"false ({SYNC_SHARDING}) to change them")
+    return sharding
 
 
 def detect(path: Path) -> str | None:

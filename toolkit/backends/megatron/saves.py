@@ -1,9 +1,12 @@
 """The checkpoints of a Megatron-Core run as its loop takes them: synchronously, or (training.async_save, as
 megatron.yaml's schedule.async_save says) in the background through dist_checkpointing's asynchronous save on its
 persistent writer process (toolkit.compat.megatron_async), with the toolkit's rules around it
-(toolkit.backends.background_saves): Megatron-Core's finalization (the metadata) runs once every rank's write has
-finished, then rank 0 hashes the files in a thread while training goes on, and the toolkit's completion (manifest,
-`latest`) follows at the first poll after that; a save abandoned after the bounded wait ends the writer.
+(toolkit.backends.background_saves). On CPU ranks the state the writer gets is copied into shared memory by a thread
+of the rank while the next step's forward and backward run (they change nothing the save holds); the optimizer's
+update waits for what is left of that copy (`handed_over`), and the request goes to the writer then. Megatron-Core's
+finalization (the metadata) runs once every rank's write has finished, then rank 0 hashes the files in a thread while
+training goes on, and the toolkit's completion (manifest, `latest`) follows at the first poll after that; a save
+abandoned after the bounded wait ends the writer.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit.backends.background_saves import BackgroundSaves, InFlight
@@ -31,6 +34,7 @@ class CheckpointSaves(BackgroundSaves):
         self.scheduled = 0
         self.hashing: Future | None = None  # rank 0's hashing of the finalized save's files (a finished None elsewhere)
         self.complete: Callable | None = None  # its manifest and `latest`, once hashed
+        self.copying: Future | None = None  # a CPU save's copy into shared memory (the request, once copied)
 
     def start(self) -> None:
         """Every rank, once the process group exists: the writer process starts now, not inside the first save."""
@@ -57,17 +61,38 @@ class CheckpointSaves(BackgroundSaves):
             return
         import torch.distributed as dist
 
-        from toolkit.compat.megatron_async import prepared, released
+        from toolkit.compat.megatron_async import copied, needs_copy, prepared
 
         request = write(True)
         save = InFlight(step, checkpoint, started)
         request.add_finalize_fn(functools.partial(self._written, save, complete))
         request = prepared(request, functools.partial(_persist, step, dist.get_rank()))
+        self.in_flight = save
+        if needs_copy(request):
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-checkpoint-copy")
+            self.copying = pool.submit(copied, request)
+            pool.shutdown(wait=False)
+        else:
+            self._schedule(request)
+        save.blocked_s = time.perf_counter() - started
+
+    def _schedule(self, request) -> None:
+        from toolkit.compat.megatron_async import released
+
         self.calls.schedule_async_request(request)
         released(request)
         self.scheduled += 1
-        self.in_flight = save
-        save.blocked_s = time.perf_counter() - started
+
+    def handed_over(self) -> None:
+        """Every rank, before anything changes what a save in flight holds (the optimizer's update, a reload, the
+        next save): its copy finished (training waits for what is left of it, counted as paused) and its request
+        given to the writer."""
+        copying, self.copying = self.copying, None
+        if copying is None:
+            return
+        waited = time.perf_counter()
+        self._schedule(copying.result())
+        self.in_flight.blocked_s += time.perf_counter() - waited
 
     def _written(self, save: InFlight, complete: Callable) -> None:
         """Every rank, after Megatron-Core's finalization of a background write (its metadata): rank 0 hashes the
@@ -79,6 +104,7 @@ class CheckpointSaves(BackgroundSaves):
         metadata), and once rank 0 has hashed its files, completed (the manifest, `latest`)."""
         from toolkit.backends.loop import reduced_flag
 
+        self.handed_over()
         save = self.in_flight
         if save is None:
             return
@@ -111,7 +137,12 @@ class CheckpointSaves(BackgroundSaves):
 
         if self.calls is None:
             return
-        self.wait_here(lambda: self.written.value >= self.scheduled)
+        if self.copying is not None:  # its copy never reached the writer: nothing of it is being written
+            self.copying = None
+            log.warning("%s: this rank's copy of it was not handed to the writer; it stays without a manifest",
+                        self.in_flight.checkpoint.name)
+        else:
+            self.wait_here(lambda: self.written.value >= self.scheduled)
         stop_writer(self.calls)
 
 

@@ -228,7 +228,7 @@ def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) 
     get_grad_norm, clip_grad_by_total_norm_fp32, step_with_ready_grads): its one global norm, which clipping needs
     anyway (a non-finite gradient anywhere makes it inf or nan), is the guard's one look at the gradients. A verdict
     leaves the update and the scheduler step out (`stop` raises first; a rollback waits for the save in flight, then
-    reloads)."""
+    reloads); an update first waits for a background save's copy of the state (`saves.handed_over`)."""
     import math
 
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -249,6 +249,7 @@ def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) 
         if parameters and inner.config.clip_grad > 0.0:
             clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
                                          use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    saves.handed_over()  # a background save's copy of the state finished before the update changes it
     optimizer.step_with_ready_grads()
     setup.scheduler.step(increment=1)
     return grad_norm
