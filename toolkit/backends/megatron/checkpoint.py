@@ -81,6 +81,17 @@ def _sharded_state(setup: MegatronSetup, step: int, is_loading: bool, with_rng: 
     return state
 
 
+def _gathered_params(setup: MegatronSetup) -> None:
+    """Every rank's model parameters complete before they are saved: with the distributed optimizer and
+    overlap_param_gather, the all-gather of the update is left to the next forward's pre-hooks, so after the optimizer
+    step each rank's copy of the parameters it does not own is one update behind (what the save would write, and a
+    resume would train on). Megatron-LM forces the same synchronous gather before its saves
+    (`disable_forward_pre_hook(model)`, param_sync=True, in training.py's save_checkpoint_and_time)."""
+    if setup.config["ddp_config"].get("overlap_param_gather"):
+        for chunk in setup.model:
+            chunk.start_param_sync(force_sync=True)
+
+
 def layout(plan) -> dict:
     return {k: getattr(plan, k) for k in LAYOUT_KEYS}
 
@@ -103,6 +114,7 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     sharding = ASYNC_SHARDING if saves.asynchronous else SYNC_SHARDING
 
     def write(asynchronous: bool):
+        _gathered_params(setup)
         if dist.get_rank() == 0:
             shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete save of the same step (no manifest) is replaced
             ckpt.mkdir(parents=True)
