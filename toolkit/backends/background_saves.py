@@ -35,6 +35,15 @@ def save_wait_s(recipe) -> float:
     return recipe.training.hang_timeout_s or TrainingSection.model_fields["hang_timeout_s"].default
 
 
+def in_thread(name: str, function: Callable, *args) -> Future:
+    """`function(*args)` in a thread of its own (named `name`) while training goes on: its result or its exception
+    comes back through the Future."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    done = pool.submit(function, *args)
+    pool.shutdown(wait=False)
+    return done
+
+
 class CheckpointNotWritten(RuntimeError):
     """A background write did not finish within the wait."""
 
@@ -111,10 +120,7 @@ class BackgroundSaves:
             return done
         from toolkit.checkpoint.manifest import hash_files
 
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-manifest-hash")
-        hashed = pool.submit(hash_files, checkpoint)
-        pool.shutdown(wait=False)
-        return hashed
+        return in_thread("dmt-manifest-hash", hash_files, checkpoint)
 
     def _complete(self, save: InFlight, complete: Callable, asynchronous: bool = True) -> None:
         """Every rank, once every rank's files of `save` are written: `complete()` writes the manifest and moves

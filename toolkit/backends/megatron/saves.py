@@ -15,10 +15,10 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
-from toolkit.backends.background_saves import BackgroundSaves, InFlight
+from toolkit.backends.background_saves import BackgroundSaves, InFlight, in_thread
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,7 @@ class CheckpointSaves(BackgroundSaves):
         request = prepared(request, functools.partial(_persist, step, dist.get_rank()))
         self.in_flight = save
         if needs_copy(request):
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmt-checkpoint-copy")
-            self.copying = pool.submit(copied, request)
-            pool.shutdown(wait=False)
+            self.copying = in_thread("dmt-checkpoint-copy", copied, request)
         else:
             self._schedule(request)
         save.blocked_s = time.perf_counter() - started
