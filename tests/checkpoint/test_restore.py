@@ -1,4 +1,5 @@
-"""`dmt restore-test` on the tiny recipe with ZeRO 2 and 3, and a save killed midway never becoming `latest`."""
+"""`dmt restore-test` on the tiny recipe with ZeRO 3, and at another world size with ZeRO 2, and a save killed midway
+never becoming `latest`."""
 
 import json
 import os
@@ -19,9 +20,11 @@ from toolkit.cli.main import main
 pytestmark = pytest.mark.launch
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_restore_is_identical_to_the_bit(tmp_path, capsys, zero):
-    code = main(["restore-test", "--recipe", str(TINY), "--steps", "10", "--save-at", "5", "--zero", str(zero),
+def test_restore_is_identical_to_the_bit(tmp_path, capsys):
+    """ZeRO-3 (the recipe's ZeRO-2 resumes bitwise after a SIGKILL in tests/training/test_faults.py's automatic
+    restart, and through this command at another world size below, which is why it has no restore-test of its own
+    here: three DeepSpeed launches, ~70 s of the launch lane, for what those two already show)."""
+    code = main(["restore-test", "--recipe", str(TINY), "--steps", "10", "--save-at", "5", "--zero", "3",
                  "--workdir", str(tmp_path), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["passed"] and result["identical"], result["mismatches"]
