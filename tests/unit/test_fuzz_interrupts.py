@@ -72,6 +72,31 @@ def test_ctrl_c_ends_a_childs_whole_tree_even_the_part_in_a_session_of_its_own(t
     assert not _gone(tree + [worker]), "processes of the interrupted job still run"
 
 
+def test_ctrl_c_while_a_child_starts_ends_it_too(tmp_path, monkeypatch):
+    """The Ctrl-C lands inside Popen, after the fork and before Popen returns (Popen waits for the exec there): the
+    interrupt is raised once the child is tracked, and the block's end ends it. Raised where it landed, it left the
+    child running in a session of its own, out of the terminal's reach."""
+    from toolkit.runtime import children as module
+
+    started, popen = [], subprocess.Popen
+
+    def popen_interrupted_inside(*args, **kwargs):
+        process = popen(*args, **kwargs)
+        started.append(process)
+        os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, before Popen has returned
+        time.sleep(0.5)  # Python runs the handler here, at the next bytecode
+        return process
+
+    monkeypatch.setattr(module.subprocess, "Popen", popen_interrupted_inside)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with module.Children("the test job", grace_s=0.5) as children:
+            children.start(["sleep", "60"], cwd=tmp_path)
+            time.sleep(5)
+            pytest.fail("the Ctrl-C was lost")
+    assert isinstance(caught.value, Interrupted) and caught.value.undone == ["ended the test job (1 process)"]
+    assert started and started[0].poll() is not None, "the child started during the Ctrl-C still runs"
+
+
 def test_an_interrupted_run_directory_goes_and_the_users_files_stay(tmp_path):
     from toolkit.outputs import removed_if_interrupted
 

@@ -61,6 +61,26 @@ def _no_second_interrupt():
         signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def _interrupt_held():
+    """A Ctrl-C (SIGINT) inside the block takes effect when it ends, through the handler that was there before. The
+    handler is swapped, not the signal mask blocked: a blocked SIGINT would be inherited by the processes started
+    inside (an exec resets handlers, not the mask)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])  # Python's default_int_handler raises KeyboardInterrupt here
+        elif caught and previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 def end_tree(process: subprocess.Popen, grace_s: float = GRACE_S) -> int:
     """End `process` (started in a session of its own) and every process below it: SIGTERM, then SIGKILL to those
     left after `grace_s` (0: SIGKILL at once, a crash); reaped. The number of processes that were still running."""
@@ -98,8 +118,12 @@ class Children:
         self.processes: list[subprocess.Popen] = []
 
     def start(self, cmd: list[str], **popen) -> subprocess.Popen:
-        process = subprocess.Popen(cmd, start_new_session=True, **popen)
-        self.processes.append(process)
+        """The child started and tracked. A Ctrl-C while it starts is raised once it is tracked, so that the block's
+        end ends it: raised inside Popen (which waits for the exec) or before the append, it left a child running in
+        a session of its own that nothing would end."""
+        with _interrupt_held():
+            process = subprocess.Popen(cmd, start_new_session=True, **popen)
+            self.processes.append(process)
         return process
 
     def __enter__(self) -> Children:
