@@ -174,6 +174,22 @@ def implied_mfu(model: str, phases: list[Phase], gpu: str, published_gpu_hours: 
     return flops / (published_gpu_hours * 3600 * peak_flops(get_gpu(gpu), "bf16"))
 
 
+def spread(implied: dict[str, dict[str, float]]) -> list[str]:
+    """How far apart the runs on one GPU type are in their own MFU, and what that costs any prediction that gives
+    them one MFU: with MFU m predicted for a run that reached a, the GPU-hours err by a / m - 1, so the best single m
+    for runs between lo and hi, (lo + hi) / 2, still misses the extremes by (hi - lo) / (hi + lo)."""
+    lines = []
+    for gpu, runs in implied.items():
+        if len(runs) < 2:
+            continue
+        (low, lo), (high, hi) = min(runs.items(), key=lambda r: r[1]), max(runs.items(), key=lambda r: r[1])
+        lines.append(f"The published runs on {gpu} reached {lo:.1%} ({low}) to {hi:.1%} ({high}) MFU by their own "
+                     f"GPU-hours: a prediction that gave them all one MFU would miss the two ends by at least "
+                     f"{(hi - lo) / (hi + lo):.1%} each; within 10% of both takes predicting {high} at least "
+                     f"{hi / lo * 0.9 / 1.1 - 1:.0%} more efficient per FLOP than {low}.")
+    return lines
+
+
 def table() -> str:
     lines = [f"python {platform.python_version()}; defaults: --failure-rate, --restart-s, --checkpoint-write-bw, "
              f"async checkpoints", "",
@@ -181,7 +197,7 @@ def table() -> str:
              "GPU-h | published GPU-h | counts | predicted GPU-h (failure-free) | predicted GPU-h (with failures) "
              "| error | goodput | source |",
              "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
-    errors = []
+    errors, implied = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, model, phases, gpu, published, counts, source in ROWS:
             model = model_file(model, Path(tmp))
@@ -195,13 +211,14 @@ def table() -> str:
             mfu = "; ".join(f"{r['mfu']:.1%}" for r in records)
             tokens = " + ".join(f"{t} at {s // 1024}K" for t, s, _, _ in phases)
             gpus = " / ".join(f"{g:,}" for g in dict.fromkeys(p[3] for p in phases))
+            implied.setdefault(gpu, {})[label] = implied_mfu(model, phases, gpu, published)
             lines.append(f"| {label} | {tokens} | {gpus} x {gpu} | {plans} | {mfu} "
-                         f"| {implied_mfu(model, phases, gpu, published):.1%} | {published:,} | {counts} | {free:,.0f} "
+                         f"| {implied[gpu][label]:.1%} | {published:,} | {counts} | {free:,.0f} "
                          f"| {hours:,.0f} | {error:+.1%} | {free / hours:.1%} | {source} |")
     absolute = [abs(e) for e in errors]
     lines += ["", f"median |error| {statistics.median(absolute):.1%}, largest {max(absolute):.1%}, within 10%: "
                   f"{sum(a <= 0.10 for a in absolute)} of {len(absolute)} (target: all within 10%, median within 5%)",
-              "", "Published runs not compared:", "", "| run | why |", "|---|---|"]
+              "", *spread(implied), "", "Published runs not compared:", "", "| run | why |", "|---|---|"]
     lines += [f"| {run} | {why} |" for run, why in NOT_REACHED]
     return "\n".join(lines) + "\n" + NOTES
 
