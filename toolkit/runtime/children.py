@@ -65,8 +65,10 @@ def _no_second_interrupt():
 def _interrupt_held():
     """A Ctrl-C (SIGINT) inside the block takes effect when it ends, through the handler that was there before. The
     handler is swapped, not the signal mask blocked: a blocked SIGINT would be inherited by the processes started
-    inside (an exec resets handlers, not the mask)."""
-    if threading.current_thread() is not threading.main_thread():
+    inside (an exec resets handlers, not the mask). An ignored SIGINT stays ignored, and so inherited as before; one
+    whose handler Python did not set is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) in (
+            signal.SIG_IGN, None):
         yield
         return
     caught: list[tuple] = []
