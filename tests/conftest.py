@@ -26,18 +26,17 @@ TESTS = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 
 
-def launch_ds_save(out: Path, stage: int, tied: bool = False, steps: int = 2) -> Path:
-    """Run tests/distributed/ds_save_tiny.py under `deepspeed --num_gpus 2` and return the save directory."""
+def launch_ds_saves(saves: dict[Path, tuple[int, bool]], steps: int = 2) -> None:
+    """Run tests/distributed/ds_save_tiny.py under `deepspeed --num_gpus 2` once, saving into each directory of
+    `saves` at its (ZeRO stage, tied embeddings)."""
+    specs = [f"--save={stage}:{out}" + (":tied" if tied else "") for out, (stage, tied) in saves.items()]
     cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(TESTS / "distributed" / "ds_save_tiny.py"), "--stage", str(stage), "--out", str(out), "--steps", str(steps)]
-    if tied:
-        cmd.append("--tied")
+           str(TESTS / "distributed" / "ds_save_tiny.py"), *specs, "--steps", str(steps)]
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     # judge by what was written as well as the exit code (gloo may abort at interpreter exit)
-    if not (out / "latest").is_file():
+    if not all((out / "latest").is_file() for out in saves):
         raise AssertionError(f"deepspeed save failed (rc={result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return out
 
 
 @pytest.fixture
@@ -57,11 +56,9 @@ def gloo_group_of_one(monkeypatch):
 def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """ZeRO-1 (tied embeddings), ZeRO-2 and ZeRO-3 checkpoints of a tiny Llama, each saved by 2 ranks."""
     root = tmp_path_factory.mktemp("zero")
-    return {
-        "zero1-tied": launch_ds_save(root / "zero1-tied", 1, tied=True),
-        "zero2": launch_ds_save(root / "zero2", 2),
-        "zero3": launch_ds_save(root / "zero3", 3),
-    }
+    saves = {"zero1-tied": (1, True), "zero2": (2, False), "zero3": (3, False)}
+    launch_ds_saves({root / name: spec for name, spec in saves.items()})  # one launch, three engines in turn
+    return {name: root / name for name in saves}
 
 
 @pytest.fixture(scope="session", autouse=True)

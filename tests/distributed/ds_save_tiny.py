@@ -1,6 +1,8 @@
-"""Train a tiny random-init HF Llama for a few steps with bare DeepSpeed ZeRO on CPU ranks and save a checkpoint.
+"""Train a tiny random-init HF Llama for a few steps with bare DeepSpeed ZeRO on CPU ranks and save a checkpoint, once
+per --save, one engine after the other in the same launch (a launch's start costs more than a tiny model's steps).
 
-Run as: deepspeed --num_gpus 2 tests/distributed/ds_save_tiny.py --stage 3 --out DIR [--tied] [--hidden H --layers L]
+Run as: deepspeed --num_gpus 2 tests/distributed/ds_save_tiny.py --save STAGE:DIR[:tied] [--save ...]
+[--hidden H --layers L]
 Writes DIR/<tag>/ (DeepSpeed's own layout, `latest` pointer), DIR/config.json (the HF config) and
 DIR/model_states_rank<r>.json: the bytes of model state each rank holds after the step, read from DeepSpeed's live
 objects, which tests compare with the memory model.
@@ -52,31 +54,21 @@ def model_state_bytes(engine, stage: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--tied", action="store_true")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=301)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-
+def save(stage: int, out: str, tied: bool, args: argparse.Namespace) -> None:
+    """One model, seeded alike whatever came before it in the launch, trained args.steps steps at `stage` and saved
+    into `out`."""
     torch.manual_seed(0)
     heads = max(4, args.hidden // 64)
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
                          num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=args.vocab,
                          max_position_embeddings=max(64, args.seq),
-                         tie_word_embeddings=args.tied, bos_token_id=0, eos_token_id=0)
+                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     model = LlamaForCausalLM(config)
     ds_config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": args.stage},
+        "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -86,13 +78,29 @@ def main() -> None:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"model_states_rank{dist.get_rank()}.json"), "w") as handle:
-        json.dump(model_state_bytes(engine, args.stage), handle)
-    engine.save_checkpoint(args.out)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"model_states_rank{dist.get_rank()}.json"), "w") as handle:
+        json.dump(model_state_bytes(engine, stage), handle)
+    engine.save_checkpoint(out)
     if dist.get_rank() == 0:
-        config.save_pretrained(args.out)
+        config.save_pretrained(out)
     dist.barrier()
+    engine.destroy()  # its hooks and buffers go before the next engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--save", action="append", required=True, metavar="STAGE:DIR[:tied]")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=301)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    for spec in args.save:
+        stage, out, *tied = spec.split(":")
+        save(int(stage), out, tied == ["tied"], args)
     dist.destroy_process_group()
     os._exit(0)  # gloo can abort at interpreter exit after all work is done
 
