@@ -1,7 +1,8 @@
 """The memory model's `weights` and `optimizer` against what real 2-rank DeepSpeed ZeRO 1/2/3 runs hold per rank.
 
-tests/distributed/zero_probe.py is launched once per stage under `deepspeed --num_gpus 2` (CPU accelerator, gloo),
-trains a random-init bf16 Llama for one step and reads the bytes each rank holds from DeepSpeed's live objects.
+tests/distributed/zero_probe.py is launched once for the three stages under `deepspeed --num_gpus 2` (CPU accelerator,
+gloo), trains a random-init bf16 Llama for one step per stage and reads the bytes each rank holds from DeepSpeed's
+live objects.
 
 The model is sized so that every weight matrix has more than 1e5 elements: ZeRO-3 keeps parameters at or below
 stage3_param_persistence_threshold (default 1e5) gathered in full on every rank, so with smaller matrices the
@@ -34,11 +35,13 @@ SEQ_LEN = 32
 MODEL_CONFIG = tiny_llama_config(hidden_size=512, intermediate_size=1376)  # 12,653,056 parameters
 
 
-def _launch(stage: int, config_json: Path, out_dir: Path) -> dict:
-    out = out_dir / f"zero{stage}.json"
-    log = out_dir / f"zero{stage}.log"
+def _launch(config_json: Path, out_dir: Path) -> dict:
+    """{stage: [rank0's record, rank1's]}: one 2-rank launch runs every stage in turn (its start costs more than the
+    steps), each on a model built and seeded afresh."""
+    log = out_dir / "zero.log"
     cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD), "--master_port", str(free_port()), str(PROBE),
-           "--stage", str(stage), "--config-json", str(config_json), "--out", str(out)]
+           *(f"--stage={stage}" for stage in STAGES), "--config-json", str(config_json),
+           "--out", str(out_dir / "zero{stage}.json")]
     # torch extensions (DeepSpeed's shm comm op, compiled on first use) stay in the default persistent cache
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     start = time.monotonic()
@@ -49,20 +52,20 @@ def _launch(stage: int, config_json: Path, out_dir: Path) -> dict:
             rc = "timeout"
     wall = time.monotonic() - start
     # judge by what was written as well as the exit code (gloo may abort at interpreter exit)
-    if not out.is_file():
-        raise AssertionError(f"zero_probe stage {stage} wrote nothing (rc={rc}, {wall:.0f}s):\n"
+    missing = [stage for stage in STAGES if not (out_dir / f"zero{stage}.json").is_file()]
+    if missing:
+        raise AssertionError(f"zero_probe wrote nothing for stages {missing} (rc={rc}, {wall:.0f}s):\n"
                              f"{log.read_text()[-4000:]}")
-    records = json.loads(out.read_text())
-    return {"records": records, "wall_s": wall, "rc": rc}
+    return {stage: json.loads((out_dir / f"zero{stage}.json").read_text()) for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict:
-    """{stage: {"records": [rank0, rank1], "wall_s", "rc"}}, one 2-rank launch per stage."""
+    """{stage: {"records": [rank0, rank1]}}, all stages from one 2-rank launch."""
     root = tmp_path_factory.mktemp("zero_probe")
     config_json = root / "config.json"
     config_json.write_text(json.dumps(MODEL_CONFIG))
-    results = {stage: _launch(stage, config_json, root) for stage in STAGES}
+    results = {stage: {"records": records} for stage, records in _launch(config_json, root).items()}
     results["config_json"] = config_json
     return results
 

@@ -2,7 +2,10 @@
 
 Run as:
     deepspeed --num_gpus 2 --master_port PORT tests/distributed/zero_probe.py \
-        --stage S --config-json MODEL_CONFIG.json --out OUT.json [--zero-extra '{"overlap_comm": true}']
+        --stage S [--stage S2 ...] --config-json MODEL_CONFIG.json --out OUT.json \
+        [--zero-extra '{"overlap_comm": true}']
+Several stages run one after the other in the one launch (its start costs more than the step), each on a model
+built and seeded afresh, each engine destroyed before the next; OUT may then hold `{stage}`.
 
 On a machine without GPUs DeepSpeed picks its CPU accelerator and a gloo process group; `--num_gpus 2` then means
 2 CPU ranks. The model is a random-init HF `LlamaForCausalLM` built from the LlamaConfig in MODEL_CONFIG.json (an HF
@@ -45,6 +48,7 @@ within a field. Fields:
                          the same holders after step() (what stays allocated across steps).
   padding                alignment / partition padding in elements, per group
   optimizer_class, inner_optimizer_class, state_keys, state_dtypes, zero_config_effective, timings_s, rss_bytes
+                         (the process's, so after an earlier stage of the same launch it includes what that left)
 
 The process exits with os._exit(0) after destroy_process_group(): gloo can abort at interpreter exit after all the
 work is done, so callers should judge by OUT.json as well as the exit code.
@@ -273,14 +277,21 @@ def model_state_snapshot(engine, stage: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", type=int, required=True, choices=(1, 2, 3))
+    parser.add_argument("--stage", type=int, required=True, choices=(1, 2, 3), action="append")
     parser.add_argument("--config-json", required=True, help="HF config.json of a Llama model")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="OUT.json; with several --stage, `{stage}` in it is the stage")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--zero-extra", default="{}", help="JSON merged into zero_optimization")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
+    for stage in args.stage:
+        probe(stage, args.out.replace("{stage}", str(stage)), args)
+    dist.destroy_process_group()
+    os._exit(0)  # gloo can abort at interpreter exit after all the work is done
 
+
+def probe(stage: int, out: str, args: argparse.Namespace) -> None:
+    """One ZeRO stage: a model built and seeded afresh, one step, the records of every rank into `out`."""
     timings = {}
     t0 = time.perf_counter()
     with open(args.config_json) as handle:
@@ -289,7 +300,7 @@ def main() -> None:
     model = LlamaForCausalLM(config)
     timings["build_model"] = time.perf_counter() - t0
 
-    zero_config = {"stage": args.stage, **json.loads(args.zero_extra)}
+    zero_config = {"stage": stage, **json.loads(args.zero_extra)}
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -318,11 +329,11 @@ def main() -> None:
 
     zero_effective = engine.zero_optimization() and engine._config.zero_config
     record = dict(
-        stage=args.stage,
+        stage=stage,
         rank=rank,
         world_size=world,
         loss=float(loss.detach().float()),
-        **model_state_snapshot(engine, args.stage),
+        **model_state_snapshot(engine, stage),
         gradient_bytes=grads["gradient_bytes"],
         gradient_detail=grads["gradient_detail"],
         grad_bucket_bytes=grads["grad_bucket_bytes"],
@@ -347,13 +358,12 @@ def main() -> None:
     records = [None] * world
     dist.all_gather_object(records, record)
     if rank == 0:
-        tmp = args.out + ".tmp"
+        tmp = out + ".tmp"
         with open(tmp, "w") as handle:
             json.dump(sorted(records, key=lambda r: r["rank"]), handle, indent=1, default=str)
-        os.replace(tmp, args.out)
+        os.replace(tmp, out)
     dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # gloo can abort at interpreter exit after all the work is done
+    engine.destroy()  # its hooks and buffers go before the next stage's engine
 
 
 if __name__ == "__main__":
