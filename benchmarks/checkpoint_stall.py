@@ -6,16 +6,21 @@ training was paused; `persist_s`: until the files and manifest were complete; `b
 Run: python benchmarks/checkpoint_stall.py [--out benchmarks/checkpoint_stall.md] [--steps 12] [--layers 22]
 (a launch each: under the launch lock on a shared machine, `flock /tmp/dmt-launch.lock python ...`). Each run's output
 directory (a few GB of checkpoints) is removed once its records are read.
+On a GPU machine: `--gpu` trains on the GPUs there (NCCL, one rank per GPU, bf16, Megatron-Core's `local` layer spec
+where Transformer Engine is missing) with a longer sequence and batch (GPU_SHAPE) and `--steps 400` or so, so that
+the steps between the two saves outlast a background write as they do on CPU; `--log-dir` keeps each run's log.
 Target: an asynchronous save blocks at most a quarter of the synchronous save's time, on every backend that has one.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,37 +67,63 @@ def parameters(config: dict) -> int:
     return count_params(spec_from_hf_dict(config, name="bench")).total
 
 
-def recipe(backend: str, asynchronous: bool, config: dict, steps: int, directory: Path) -> Path:
+CPU_SHAPE = {"seq_len": 32, "global_batch": 2, "micro_batch": 1}
+GPU_SHAPE = {"seq_len": 2048, "global_batch": 8, "micro_batch": 2}  # a step of ~0.1-0.2 s on one H100/H200 (bf16)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def recipe(backend: str, asynchronous: bool, config: dict, steps: int, directory: Path, gpus: int = 0) -> Path:
     base = ROOT / "recipes" / RECIPES[backend]
     data = yaml.safe_load(base.read_text())
     data["name"] = f"stall-{backend}-{'async' if asynchronous else 'sync'}"
     data["model"]["config"] = config
     data["data"]["train_files"] = [str(base.parent / f) for f in data["data"]["train_files"]]
-    data["training"].update(max_steps=steps, save_steps=steps // 2, seq_len=32, global_batch=2, logging_steps=1,
-                            warmup_steps=1, async_save=asynchronous, hang_timeout_s=900)
-    data["plan"]["micro_batch"] = 1
+    shape = GPU_SHAPE if gpus else CPU_SHAPE
+    data["training"].update(max_steps=steps, save_steps=steps // 2, logging_steps=1, warmup_steps=1,
+                            async_save=asynchronous, hang_timeout_s=900, report_to=["none"],
+                            seq_len=shape["seq_len"], global_batch=shape["global_batch"])
+    data["model"]["config"]["max_position_embeddings"] = max(config["max_position_embeddings"], shape["seq_len"])
+    data["plan"]["micro_batch"] = shape["micro_batch"]
     data["plan"].update(PLAN_CHANGES.get(backend, {}))
+    if gpus:
+        data["cluster"].update(gpus=gpus, gpus_per_node=gpus, gpu="h100-80gb", accelerator="gpu")
+        data["plan"]["precision"] = "bf16"
+        if backend == "megatron" and importlib.util.find_spec("transformer_engine") is None:
+            data["plan"]["transformer_impl"] = "local"
     path = directory / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
-def run(backend: str, asynchronous: bool, config: dict, steps: int, work: Path, same_format: bool = False) -> dict:
+def run(backend: str, asynchronous: bool, config: dict, steps: int, work: Path, same_format: bool = False,
+        gpus: int = 0, log_dir: Path | None = None, timeout: float = 3600) -> dict:
     from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 
     name = f"{backend}-{asynchronous}{'-same-format' if same_format else ''}"
-    out, log = work / name, work / f"{name}.log"
+    out, log = work / name, (log_dir or work) / f"{name}.log"
     script = ROOT / "toolkit" / "train.py"
     if same_format:
         script = work / "train_same_format.py"
         script.write_text(SAME_FORMAT_TRAIN)
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(29400 + os.getpid() % 500),
-           str(script), "--recipe", str(recipe(backend, asynchronous, config, steps, work)),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus or 2), "--master_port",
+           str(29400 + os.getpid() % 500), str(script), "--recipe",
+           str(recipe(backend, asynchronous, config, steps, work, gpus)),
            "--output-dir", str(out)]
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
                OMP_NUM_THREADS="1")
     with open(log, "w") as handle:
-        rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=3600).returncode
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # the launcher and its ranks, all of them
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = f"killed after {timeout:.0f} s"
+            proc.wait()
     saves, step_records = read_checkpoint_records(out), read_metrics(out)
     shutil.rmtree(out, ignore_errors=True)
     if rc != 0 or len(saves) != 2:  # kept in the table with what the launcher said (an OOM kill shows as -9)
@@ -104,22 +135,31 @@ def run(backend: str, asynchronous: bool, config: dict, steps: int, work: Path, 
             "bytes": middle["bytes"],
             "blocking_s": middle["blocking_s"], "persist_s": middle["persist_s"],
             "last_blocking_s": last["blocking_s"], "last_persist_s": last["persist_s"],
-            "step_s": statistics.median(r["step_time_s"] for r in step_records[1:] if r.get("step_time_s"))}
+            "step_s": statistics.median(r["step_time_s"] for r in step_records[1:] if r.get("step_time_s")),
+            "gpu_max_allocated_bytes": max((r.get("gpu_max_allocated_bytes", 0) for r in step_records), default=0)}
 
 
-def machine() -> str:
+def machine(gpus: int = 0) -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    return (f"{model}, {os.cpu_count()} cores, python {platform.python_version()}, load average before the runs "
+    text = (f"{model}, {os.cpu_count()} cores, python {platform.python_version()}, load average before the runs "
             f"{os.getloadavg()[0]:.1f}")
+    if gpus:
+        import torch
+
+        text += f"; {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return text
 
 
-def table(results: list[dict], params: int, steps: int) -> str:
+def table(results: list[dict], params: int, steps: int, gpus: int = 0) -> str:
     from toolkit.backends import BACKENDS
 
-    lines = [f"machine: {machine()}",
+    shape = GPU_SHAPE if gpus else CPU_SHAPE
+    ranks = f"{gpus} GPU rank{'s' if gpus > 1 else ''} (torchrun, NCCL, bf16)" if gpus else "2 CPU ranks (torchrun, gloo)"
+    lines = [f"machine: {machine(gpus)}",
              f"model: random-init Llama, {params / 1e6:.0f}M parameters (hidden 1024, {results[0]['layers']} layers), "
-             f"2 CPU ranks (torchrun, gloo), seq_len 32, global batch 2, {steps} steps, a save at step {steps // 2} "
+             f"{ranks}, seq_len {shape['seq_len']}, global batch {shape['global_batch']}, {steps} steps, a save at "
+             f"step {steps // 2} "
              f"(mid-run: training goes on while an async one is written) and at step {steps} (the end of training "
              f"waits for it)", "",
              "| backend | save | checkpoint GiB | step s | blocking s | persist s | blocking at the end s | "
@@ -167,7 +207,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--backends", nargs="+", default=list(RECIPES))
+    parser.add_argument("--gpu", action="store_true", help="train on this machine's GPUs, one rank each")
+    parser.add_argument("--log-dir", type=Path, help="keep each run's log here")
+    parser.add_argument("--run-timeout", type=float, default=3600, help="seconds a run may take")
     args = parser.parse_args()
+    gpus = gpu_count() if args.gpu else 0
+    if args.gpu and not gpus:
+        sys.exit("checkpoint_stall.py: --gpu: no CUDA GPU on this machine")
 
     from toolkit.backends import backend_of
 
@@ -177,15 +223,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="checkpoint-stall-") as tmp:
         for backend in args.backends:
             modes = [(False, False), (True, False)] if backend_of(backend).async_save else [(False, False)]
-            if backend == "megatron":
+            if backend == "megatron" and gpus != 1:  # on one rank there is no data-parallel gather to compare
                 modes.insert(1, (False, True))
             for asynchronous, same_format in modes:
-                result = {**run(backend, asynchronous, config, args.steps, Path(tmp), same_format),
+                result = {**run(backend, asynchronous, config, args.steps, Path(tmp), same_format, gpus, args.log_dir,
+                                      args.run_timeout),
                           "layers": args.layers}
                 print(json.dumps(result), flush=True)
                 results.append(result)
     text = (f"# Checkpoint stall: synchronous vs asynchronous saves\n\nGenerated by `benchmarks/checkpoint_stall.py`."
-            f"\n\n{table(results, params, args.steps)}")
+            f"\n\n{table(results, params, args.steps, gpus)}")
     args.out.write_text(text)
     print(text)
 
