@@ -120,10 +120,14 @@ def run(backend: str, asynchronous: bool, config: dict, steps: int, work: Path, 
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:  # the launcher and its ranks, all of them
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = f"killed after {timeout:.0f} s"
-            proc.wait()
+        except subprocess.TimeoutExpired:  # torchrun ends its ranks on SIGTERM (each in a session of its own)
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = f"stopped after {timeout:.0f} s"
     saves, step_records = read_checkpoint_records(out), read_metrics(out)
     shutil.rmtree(out, ignore_errors=True)
     if rc != 0 or len(saves) != 2:  # kept in the table with what the launcher said (an OOM kill shows as -9)
@@ -209,6 +213,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=list(RECIPES))
     parser.add_argument("--gpu", action="store_true", help="train on this machine's GPUs, one rank each")
     parser.add_argument("--log-dir", type=Path, help="keep each run's log here")
+    parser.add_argument("--modes", nargs="+", choices=("sync", "async", "same-format"), help="only these runs")
     parser.add_argument("--run-timeout", type=float, default=3600, help="seconds a run may take")
     args = parser.parse_args()
     gpus = gpu_count() if args.gpu else 0
@@ -226,6 +231,9 @@ def main() -> None:
             if backend == "megatron" and gpus != 1:  # on one rank there is no data-parallel gather to compare
                 modes.insert(1, (False, True))
             for asynchronous, same_format in modes:
+                if args.modes and ("async" if asynchronous else "same-format" if same_format else "sync") \
+                        not in args.modes:
+                    continue
                 result = {**run(backend, asynchronous, config, args.steps, Path(tmp), same_format, gpus, args.log_dir,
                                       args.run_timeout),
                           "layers": args.layers}

@@ -1,5 +1,5 @@
 """What the first real GPU launches (benchmarks/gpu_check.md) showed must hold on other library versions and images:
-older transformers 5.x names, a zero warm-up, Megatron-Core without Transformer Engine, peak GPU memory in metrics."""
+older transformers 5.x names and attributes, a zero warm-up, Megatron-Core without Transformer Engine, peak GPU memory in metrics."""
 
 import json
 
@@ -81,3 +81,19 @@ def test_metrics_carry_gpu_memory_only_where_cuda_runs(tmp_path):
         assert record["gpu_max_reserved_bytes"] >= record["gpu_max_allocated_bytes"]
     else:
         assert gpu_memory() == {} and "gpu_max_allocated_bytes" not in record
+
+
+def test_logged_loss_share_on_transformers_without_the_scaling_override():
+    """transformers 5.17 (the GPU image's) has no `Trainer.loss_is_scaled_for_ga` (the FSDP2 run of
+    benchmarks/checkpoint_stall.py --gpu stopped at its first step on it); its test alone decides, as HF's does."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    from toolkit.backends.hf_guard import _as_logged
+
+    assert hasattr(Trainer, "loss_is_scaled_for_ga")  # this venv's transformers has the override
+    old = dict(model_accepts_loss_kwargs=True, compute_loss_func=None, current_gradient_accumulation_steps=4)
+    assert _as_logged(SimpleNamespace(**old), 8.0, num_items_in_batch=100) == 8.0  # normalized by the model
+    assert _as_logged(SimpleNamespace(**old), 8.0, num_items_in_batch=None) == 2.0
+    assert _as_logged(SimpleNamespace(**old, loss_is_scaled_for_ga=False), 8.0, num_items_in_batch=100) == 2.0

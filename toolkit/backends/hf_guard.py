@@ -149,8 +149,9 @@ def _deepspeed_overflow(loss):
 
 def _as_logged(trainer, loss, num_items_in_batch):
     """A micro-batch's share of the step's loss as HF Trainer's training_step returns it (and then sums for its
-    log): divided by the accumulation steps unless the loss already is (HF's own test, transformers 5)."""
-    scaled = trainer.loss_is_scaled_for_ga
+    log): divided by the accumulation steps unless the loss already is (HF's own test, transformers 5; the
+    `loss_is_scaled_for_ga` override is newer than 5.17, which has the test alone)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
     if scaled is None:
         scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) \
             or trainer.compute_loss_func is not None
