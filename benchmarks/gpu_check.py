@@ -162,7 +162,9 @@ def long_context_case(name: str) -> dict:
     from transformers.models.llama import modeling_llama
 
     from toolkit.estimate.long_context import loss_tiles, mlp_tiles
-    from toolkit.estimate.memory import activation_setup, estimate_memory
+    from toolkit.estimate.long_context import sequence_working_bytes
+    from toolkit.estimate.memory import (activation_setup, alive_forwards, estimate_memory, head_backward_bytes,
+                                         recomputed_layers)
     from toolkit.spec.model import PRESET_DIR, load_model_spec
     from toolkit.spec.plan import resolve_plan
 
@@ -211,14 +213,21 @@ def long_context_case(name: str) -> dict:
     finally:
         modeling_llama.LlamaMLP.forward = original
     gradients = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    transients = {k: v for k, v in memory.overhead_detail.items() if k not in OUTSIDE_ALLOCATED}
-    predicted = memory.activations + sum(transients.values()) + gradients
+    # the estimate's two peaks for this bare run (no optimizer, no DeepSpeed buffers, its own bf16 gradients): the
+    # loss's (toolkit/estimate/memory.py head_backward_bytes: before any gradient exists) and the layers' backward
+    transients = {k: v for k, v in memory.overhead_detail.items() if k not in OUTSIDE_ALLOCATED + ("head_backward",)}
+    loss_tile = sequence_working_bytes(spec, setup, True).get("tiled_loss_tile", 0)
+    alive, _ = alive_forwards(spec, plan, 0)
+    head = head_backward_bytes(spec, setup, alive, recomputed_layers(spec, plan, 0), memory.activations, loss_tile)
+    layers = memory.activations + sum(transients.values()) + gradients
+    predicted = max(head, layers)
     del model, loss
     torch.cuda.empty_cache()
     return {"case": name, "preset": preset, "seq_len": seq_len, "tiled_mlp": tiled, "tiled_loss": tiled,
             "mlp_tiles": mlp_shards if tiled else None, "loss_tiles": loss_tiles(spec, setup) if tiled else None,
             "wall_s": round(wall_s, 2), "measured_peak_above_weights": peak, "run_gradients": gradients,
             "predicted_activations": memory.activations, "predicted_transients": transients,
+            "predicted_loss_peak": head, "predicted_layers_peak": layers,
             "predicted_peak_above_weights": predicted, "memory_error": predicted / peak - 1}
 
 

@@ -5,9 +5,9 @@ benchmarks/gpu_check.md's long-context check measured Llama 3.2 1B at 32K tokens
 a gap about the size of the logits' terms. This script finds the same moment on CPU, where it can run in a test's
 time: a small Llama (hidden 64, 2 layers, full recompute) with Llama 3's 128,256-token vocabulary, so that the
 logits outweigh everything else, trained one forward and backward under a dispatch mode that adds up the storage of
-every tensor an op returns until it is freed (the parameters, made before, are left out). The estimate counts two
-fp32 logits in the head (the log-softmax output kept for backward, toolkit/estimate/activations.py
-`head_bytes_per_token`, and its gradient, toolkit/estimate/memory.py `logits_grad`).
+every tensor an op returns until it is freed (the parameters, made before, are left out:
+toolkit/estimate/measure.py `peak_live_bytes`), against the estimate's peak of the loss (toolkit/estimate/memory.py
+`head_backward_bytes`).
 
 Run: python benchmarks/loss_memory_cpu.py [--seq 1024 2048] (a few GB of memory; under a minute on 2 cores)
 benchmarks/loss_memory_cpu.md holds a run's table and what it says.
@@ -17,43 +17,16 @@ from __future__ import annotations
 
 import argparse
 import platform
-import weakref
+import sys
+from pathlib import Path
 
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from toolkit.estimate.measure import peak_live_bytes  # noqa: E402
 
 VOCAB = 128256  # Llama 3's
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages ops have returned and that are still alive; the peak and the op that reached it."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.at = ""
-        self.held: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if not isinstance(tensor, torch.Tensor) or tensor._is_view():
-                continue
-            storage = tensor.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-            if size == 0 or key in self.held:
-                continue
-            self.held.add(key)
-            self.live += size
-            weakref.finalize(storage, self._freed, key, size)
-            if self.live > self.peak:
-                self.peak, self.at = self.live, func.__name__
-        return out
-
-    def _freed(self, key: int, size: int) -> None:
-        self.held.discard(key)
-        self.live -= size
 
 
 def measure(seq: int, tied: bool) -> dict:
@@ -70,13 +43,28 @@ def measure(seq: int, tied: bool) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(0, VOCAB, (1, seq))
-    with LiveBytes() as live:
-        loss = model(input_ids=ids, labels=ids).loss
-        forward, forward_at = live.peak, live.at
-        loss.backward()
+    forward, forward_at = peak_live_bytes(lambda: model(input_ids=ids, labels=ids))
+    peak, peak_at = peak_live_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward())
     logits = seq * VOCAB * 4
     return {"seq": seq, "tied": tied, "fp32_logits": logits, "forward_peak": forward, "forward_at": forward_at,
-            "peak": live.peak, "peak_at": live.at}
+            "peak": peak, "peak_at": peak_at, "estimate": estimated_loss_peak(config, seq)}
+
+
+def estimated_loss_peak(config, seq: int) -> int:
+    """The estimate's peak of the loss (toolkit/estimate/memory.py head_backward_bytes) for this model and run."""
+    from toolkit.estimate.long_context import sequence_working_bytes
+    from toolkit.estimate.memory import (activation_setup, alive_forwards, estimate_memory, head_backward_bytes,
+                                         recomputed_layers)
+    from toolkit.spec.model import spec_from_hf_dict
+    from toolkit.spec.plan import resolve_plan
+
+    spec = spec_from_hf_dict(config.to_dict(), "llama", filled=True)
+    plan = resolve_plan(spec, 1, zero=0, micro_batch=1, seq_len=seq, recompute="full", gpus_per_node=1)
+    setup = activation_setup(spec, plan)
+    alive, _ = alive_forwards(spec, plan, 0)
+    return head_backward_bytes(spec, setup, alive, recomputed_layers(spec, plan, 0),
+                               estimate_memory(spec, plan).activations,
+                               sequence_working_bytes(spec, setup, True).get("tiled_loss_tile", 0))
 
 
 def main() -> None:
@@ -87,7 +75,7 @@ def main() -> None:
           f"{transformers.__version__}; model: Llama, hidden 64, 2 layers, vocabulary {VOCAB}, bf16, full recompute, "
           f"sdpa, micro-batch 1")
     print("| seq | tied | fp32 logits MiB | forward peak (x logits) | peak (x logits) | op at the peak | estimate's "
-          "logits terms |")
+          "loss peak (error) |")
     print("|---:|---|---:|---:|---:|---|---:|")
     for seq in args.seq:
         for tied in (True, False):
@@ -95,7 +83,8 @@ def main() -> None:
             unit = r["fp32_logits"]
             print(f"| {seq} | {'yes' if tied else 'no'} | {unit / 2**20:.0f} | {r['forward_peak'] / 2**20:.0f} MiB "
                   f"({r['forward_peak'] / unit:.2f}) | {r['peak'] / 2**20:.0f} MiB ({r['peak'] / unit:.2f}) | "
-                  f"`{r['peak_at']}` | 2.00 |", flush=True)
+                  f"`{r['peak_at']}` | {r['estimate'] / 2**20:.0f} MiB ({r['estimate'] / r['peak'] - 1:+.1%}) |",
+                  flush=True)
 
 
 if __name__ == "__main__":

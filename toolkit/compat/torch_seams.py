@@ -1,5 +1,6 @@
 """torch's private API the toolkit reaches into: DCP's storage entry, FSDP2's parameter groups, c10d's collective
-counter and NCCL flight recorder, and the autograd engine's Python entry point (for Megatron-Core's CPU layer)."""
+counter and NCCL flight recorder, the autograd engine's Python entry point (for Megatron-Core's CPU layer), and the
+dispatch mode that counts live tensor bytes (toolkit/estimate/measure.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ SEAMS = [
     Seam("torch", "torch.autograd._engine_run_backward",
          "the same function as torch.autograd.graph._engine_run_backward, imported by torch.autograd under its own "
          "name (backward() calls it from there): both names are wrapped"),
+    Seam("torch", "torch.utils._python_dispatch.TorchDispatchMode",
+         "a mode that sees every aten op's outputs (toolkit/estimate/measure.py's peak of live tensor bytes on CPU, "
+         "where no allocator keeps a peak); torch has no public dispatch-level mode"),
+    Seam("torch", "torch.Tensor._is_view",
+         "whether an op's output is a view (of a parameter, say), which allocates nothing; Tensor has no public "
+         "predicate"),
     Seam("torch", "torch.overrides._get_current_function_mode_stack",
          "whether a torch function mode is already on (the backward wrapper must not push it twice); torch.overrides "
          "has no public query of the active modes"),
@@ -76,3 +83,42 @@ def function_mode_active(mode) -> bool:
     import torch.overrides
 
     return mode in torch.overrides._get_current_function_mode_stack()
+
+
+def live_storage_mode():
+    """A dispatch mode that adds up the storages the ops under it return, until each is freed: `.live`, `.peak` and
+    `.at` (the op that reached the peak). Storages made before it (parameters) are not counted, nor views (a
+    transposed weight, a reshaped activation), which allocate nothing."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LiveStorage(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.at = ""
+            self.held: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if not isinstance(tensor, torch.Tensor) or tensor._is_view():  # a view allocates nothing
+                    continue
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size == 0 or key in self.held:
+                    continue
+                self.held.add(key)
+                self.live += size
+                weakref.finalize(storage, self.freed, key, size)
+                if self.live > self.peak:
+                    self.peak, self.at = self.live, func.__name__
+            return out
+
+        def freed(self, key: int, size: int) -> None:
+            self.held.discard(key)
+            self.live -= size
+
+    return LiveStorage()

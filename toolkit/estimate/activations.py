@@ -212,7 +212,23 @@ def stage_activation_bytes(
     passes that went through the embedding. Under full recompute `recomputed` names the layers checkpointed
     (Megatron-Core's block method); None means all of them.
     """
-    tokens = setup.tokens
+    kept, working = _kept_and_working(spec, setup, alive_layers, embedding_forwards, recomputed)
+    total = (kept + working) * setup.tokens
+    if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch
+        total += head_bytes_per_token(spec, setup) * setup.tokens
+    return int(total)
+
+
+def recompute_working_bytes(spec: ModelSpec, setup: ActivationSetup, alive_layers: Sequence[int],
+                            recomputed: Collection[int] | None = None) -> int:
+    """The part of stage_activation_bytes that lives only in the layers' backward: the one block full recompute runs
+    again at a time (0 without full recompute)."""
+    return int(_kept_and_working(spec, setup, alive_layers, 0, recomputed)[1] * setup.tokens)
+
+
+def _kept_and_working(spec: ModelSpec, setup: ActivationSetup, alive_layers: Sequence[int], embedding_forwards: int,
+                      recomputed: Collection[int] | None) -> tuple[float, float]:
+    """Bytes per token kept through the step, and of the block backward recomputes (stage_activation_bytes)."""
     by_layer = Counter(alive_layers)
     full = setup.recompute == "full"
     checkpointed = {i for i in by_layer if full and (recomputed is None or i in recomputed)}
@@ -233,10 +249,7 @@ def stage_activation_bytes(
         # the checkpointed inputs live in host memory (offloaded_activation_bytes); the one being copied stays
         kept -= checkpointed_layer_bytes_per_token(spec, setup) * (sum(by_layer[i] for i in checkpointed) - 1)
     kept += embedding_bytes_per_token(spec, setup) * embedding_forwards
-    total = (kept + working) * tokens
-    if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch
-        total += head_bytes_per_token(spec, setup) * tokens
-    return int(total)
+    return kept, working
 
 
 def offloaded_activation_bytes(spec: ModelSpec, setup: ActivationSetup, alive_layers: Sequence[int],

@@ -203,7 +203,9 @@ def _overhead(report: Prediction) -> dict:
     return _entry("overhead", report.memory_bytes.overhead, items,
                   "usually left out", 0,
                   f"{report.memory_bytes.overhead / total:.0%} of this GPU's total: memory outside the "
-                  f"tensors (CUDA context, communication buckets, the allocator's fragmentation) still has to fit")
+                  f"tensors (CUDA context, communication buckets, the allocator's fragmentation) and transient "
+                  f"tensors (gradients of the logits; head_backward: the loss's own peak above the layers') still "
+                  f"has to fit")
 
 
 def _step_time(model: ModelSpec, report: Prediction) -> dict:

@@ -1,8 +1,9 @@
 """Per-GPU training memory (weights, gradients, optimizer, activations, overhead) of a model under a plan.
 
 Pure arithmetic: no process group, no GPU. What every plan shares lives here: the parameters each pipeline stage
-holds, the activations alive at its peak (activations.py), the optimizer's bytes per parameter and the overhead
-outside the tensors. Each backend's own model states (what it shards, the buffers it keeps), its vocabulary padding
+holds, the activations alive at its peak (activations.py), the optimizer's bytes per parameter, the transient
+tensors (on the HF path's last stage the loss has a peak of its own, before the layers' backward: head_backward_bytes)
+and the overhead outside the tensors. Each backend's own model states (what it shards, the buffers it keeps), its vocabulary padding
 and what exists only inside its optimizer step are its memory part, toolkit/backends/<name>/memory.py, reached
 through `backend_of(plan).part("memory")`.
 """
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from toolkit.backends import backend_of
-from toolkit.estimate.activations import ActivationSetup, offloaded_activation_bytes, stage_activation_bytes
+from toolkit.estimate.activations import (ActivationSetup, offloaded_activation_bytes, recompute_working_bytes,
+                                          stage_activation_bytes)
 from toolkit.estimate.long_context import sequence_working_bytes
 from toolkit.estimate.lora import NF4_BYTES, FinetuneCounts, adapter_activation_bytes, finetune_counts
 from toolkit.estimate.params import ParamCounts, count_params
@@ -203,12 +205,20 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
                                               for i in alive))
     detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
     if last and not plan.tiled_loss:  # gradient of the fp32 logits exists next to the saved ones in the head's backward
-        detail["logits_grad"] = FP32 * spec.vocab_size * setup.tokens // plan.tp
-    detail.update(sequence_working_bytes(spec, setup, last))
+        detail["logits_grad"] = _fp32_logits(spec, setup)
+    working = sequence_working_bytes(spec, setup, last)
+    loss_tile = working.pop("tiled_loss_tile", 0) if setup.hf_modules else 0  # the head's peak (below)
+    detail.update(working)
     step_grads = memory.step_fp32_grads(spec, plan, params)
     if step_grads > activations:  # inside step() activations are freed: only the larger of the two peaks counts
         detail["step_fp32_grads"] = step_grads - activations
     detail["allocator_margin"] = int(ALLOCATOR_MARGIN * (weights + gradients + optimizer + activations))
+    if last and setup.hf_modules:  # the stage's two peaks: the loss's (here) and the layers' backward (the sum above)
+        head = head_backward_bytes(spec, setup, alive, recomputed, activations, loss_tile)
+        before = weights + optimizer + memory.alive_at_backward_start(plan, gradients, buffers)
+        rest = weights + gradients + optimizer + activations + sum(detail.values())
+        if before + head + detail["cuda_context"] + detail["allocator_margin"] > rest:
+            detail["head_backward"] = before + head + detail["cuda_context"] + detail["allocator_margin"] - rest
     return MemoryBreakdown(
         weights=weights,
         gradients=gradients,
@@ -220,6 +230,23 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
         stage=stage,
         params_on_gpu=params.total,
     )
+
+
+def head_backward_bytes(spec: ModelSpec, setup: ActivationSetup, alive, recomputed, activations: int,
+                        loss_tile: int) -> int:
+    """Activation bytes at the HF loss's peak, beside the activations the layers keep. Untiled, its log-softmax's
+    backward (benchmarks/loss_memory_cpu.md): three fp32 logits alive (the log-softmax output kept for backward, the
+    gradient arriving at it from the NLL's backward, the gradient it returns). With TiledFusedLogitsLoss, one tile's
+    forward and backward, run inside forward (`loss_tile`, sequence_working_bytes). Either comes before the layers'
+    backward, so neither the block full recompute runs again nor the layers' transients exist yet; the stage's other
+    peak, the layers' backward, is what the rest of the estimate sums (untiled, with one fp32 logits gradient,
+    `logits_grad`)."""
+    kept = activations - recompute_working_bytes(spec, setup, alive, recomputed)
+    return kept + (loss_tile if setup.tiled_loss else 2 * _fp32_logits(spec, setup))
+
+
+def _fp32_logits(spec: ModelSpec, setup: ActivationSetup) -> int:
+    return FP32 * spec.vocab_size * setup.tokens // setup.tp
 
 
 def exceeded(memory: MemoryBreakdown, gpu: GPU, gpus_per_node: int) -> tuple[str, int] | None:

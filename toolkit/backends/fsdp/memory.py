@@ -116,3 +116,11 @@ def _frozen_base_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_
 def step_fp32_grads(spec: ModelSpec, plan: Plan, params: StageParams) -> int:
     """Nothing: FSDP2's gradient shards are fp32 already, counted by model_states for the whole run."""
     return 0
+
+
+def alive_at_backward_start(plan: Plan, gradients: int, buffers: dict[str, int]) -> int:
+    """Bytes of model_states' gradients and buffers that exist when a micro-batch's backward starts, before any
+    parameter's gradient (the loss's backward): the gathered parameters; not the gradient shards (the Trainer's
+    zero_grad sets them to None after each step) unless earlier micro-batches of the step accumulated them, nor the
+    reduce-scatter of a layer's gradient."""
+    return buffers.get("fsdp_gathered_params", 0) + (gradients if plan.grad_accum > 1 else 0)
