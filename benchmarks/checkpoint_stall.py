@@ -159,7 +159,8 @@ def table(results: list[dict], params: int, steps: int, gpus: int = 0) -> str:
     from toolkit.backends import BACKENDS
 
     shape = GPU_SHAPE if gpus else CPU_SHAPE
-    ranks = f"{gpus} GPU rank{'s' if gpus > 1 else ''} (torchrun, NCCL, bf16)" if gpus else "2 CPU ranks (torchrun, gloo)"
+    ranks = (f"{gpus} GPU rank{'s' if gpus > 1 else ''} (torchrun, NCCL, bf16)" if gpus
+             else "2 CPU ranks (torchrun, gloo)")
     lines = [f"machine: {machine(gpus)}",
              f"model: random-init Llama, {params / 1e6:.0f}M parameters (hidden 1024, {results[0]['layers']} layers), "
              f"{ranks}, seq_len {shape['seq_len']}, global batch {shape['global_batch']}, {steps} steps, a save at "

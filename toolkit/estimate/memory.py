@@ -3,9 +3,9 @@
 Pure arithmetic: no process group, no GPU. What every plan shares lives here: the parameters each pipeline stage
 holds, the activations alive at its peak (activations.py), the optimizer's bytes per parameter, the transient
 tensors (on the HF path's last stage the loss has a peak of its own, before the layers' backward: head_backward_bytes)
-and the overhead outside the tensors. Each backend's own model states (what it shards, the buffers it keeps), its vocabulary padding
-and what exists only inside its optimizer step are its memory part, toolkit/backends/<name>/memory.py, reached
-through `backend_of(plan).part("memory")`.
+and the overhead outside the tensors. Each backend's own model states (what it shards, the buffers it keeps, which of
+them exist when backward starts), its vocabulary padding and what exists only inside its optimizer step are its
+memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan).part("memory")`.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def head_backward_bytes(spec: ModelSpec, setup: ActivationSetup, alive, recomput
                         loss_tile: int) -> int:
     """Activation bytes at the HF loss's peak, beside the activations the layers keep. Untiled, its log-softmax's
     backward (benchmarks/loss_memory_cpu.md): three fp32 logits alive (the log-softmax output kept for backward, the
-    gradient arriving at it from the NLL's backward, the gradient it returns). With TiledFusedLogitsLoss, one tile's
+    gradient arriving at it from the NLL's backward, the gradient it returns). With the tiled loss, one tile's
     forward and backward, run inside forward (`loss_tile`, sequence_working_bytes). Either comes before the layers'
     backward, so neither the block full recompute runs again nor the layers' transients exist yet; the stage's other
     peak, the layers' backward, is what the rest of the estimate sums (untiled, with one fp32 logits gradient,

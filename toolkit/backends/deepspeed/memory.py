@@ -140,6 +140,7 @@ def alive_at_backward_start(plan: Plan, gradients: int, buffers: dict[str, int])
     parameter's gradient (the loss's backward): ZeRO-1/2 allocate their reduce buckets and gradient partition at the
     first gradient hook (stage_1_and_2.py `setup_buckets`, from `process_gradients`) and free them after the step
     (`_release_ipg_buffers`); ZeRO-0's bf16 optimizer and ZeRO-3 keep their gradient buffers and (ZeRO-3) their
-    buckets from initialisation on. Gradients accumulated over earlier micro-batches of the step exist on every stage."""
+    buckets from initialisation on. Gradients accumulated over earlier micro-batches of the step exist on every
+    stage."""
     kept_gradients = plan.grad_accum > 1 or plan.zero == 3 or (plan.zero == 0 and plan.precision == "bf16")
     return (gradients if kept_gradients else 0) + (sum(buffers.values()) if plan.zero == 3 else 0)
