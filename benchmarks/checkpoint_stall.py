@@ -81,13 +81,13 @@ def recipe(backend: str, asynchronous: bool, config: dict, steps: int, directory
     base = ROOT / "recipes" / RECIPES[backend]
     data = yaml.safe_load(base.read_text())
     data["name"] = f"stall-{backend}-{'async' if asynchronous else 'sync'}"
-    data["model"]["config"] = config
     data["data"]["train_files"] = [str(base.parent / f) for f in data["data"]["train_files"]]
     shape = GPU_SHAPE if gpus else CPU_SHAPE
     data["training"].update(max_steps=steps, save_steps=steps // 2, logging_steps=1, warmup_steps=1,
                             async_save=asynchronous, hang_timeout_s=900, report_to=["none"],
                             seq_len=shape["seq_len"], global_batch=shape["global_batch"])
-    data["model"]["config"]["max_position_embeddings"] = max(config["max_position_embeddings"], shape["seq_len"])
+    data["model"]["config"] = {**config, "max_position_embeddings": max(config["max_position_embeddings"],
+                                                                         shape["seq_len"])}
     data["plan"]["micro_batch"] = shape["micro_batch"]
     data["plan"].update(PLAN_CHANGES.get(backend, {}))
     if gpus:

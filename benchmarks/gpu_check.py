@@ -162,9 +162,7 @@ def long_context_case(name: str) -> dict:
     from transformers.models.llama import modeling_llama
 
     from toolkit.estimate.long_context import loss_tiles, mlp_tiles
-    from toolkit.estimate.long_context import sequence_working_bytes
-    from toolkit.estimate.memory import (activation_setup, alive_forwards, estimate_memory, head_backward_bytes,
-                                         recomputed_layers)
+    from toolkit.estimate.memory import activation_setup, estimate_memory, loss_peak_bytes
     from toolkit.spec.model import PRESET_DIR, load_model_spec
     from toolkit.spec.plan import resolve_plan
 
@@ -214,11 +212,9 @@ def long_context_case(name: str) -> dict:
         modeling_llama.LlamaMLP.forward = original
     gradients = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     # the estimate's two peaks for this bare run (no optimizer, no DeepSpeed buffers, its own bf16 gradients): the
-    # loss's (toolkit/estimate/memory.py head_backward_bytes: before any gradient exists) and the layers' backward
+    # loss's (toolkit/estimate/memory.py loss_peak_bytes: before any gradient exists) and the layers' backward
     transients = {k: v for k, v in memory.overhead_detail.items() if k not in OUTSIDE_ALLOCATED + ("head_backward",)}
-    loss_tile = sequence_working_bytes(spec, setup, True).get("tiled_loss_tile", 0)
-    alive, _ = alive_forwards(spec, plan, 0)
-    head = head_backward_bytes(spec, setup, alive, recomputed_layers(spec, plan, 0), memory.activations, loss_tile)
+    head = loss_peak_bytes(spec, plan)
     layers = memory.activations + sum(transients.values()) + gradients
     predicted = max(head, layers)
     del model, loss

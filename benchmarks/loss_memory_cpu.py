@@ -7,7 +7,7 @@ time: a small Llama (hidden 64, 2 layers, full recompute) with Llama 3's 128,256
 logits outweigh everything else, trained one forward and backward under a dispatch mode that adds up the storage of
 every tensor an op returns until it is freed (the parameters, made before, are left out:
 toolkit/estimate/measure.py `peak_live_bytes`), against the estimate's peak of the loss (toolkit/estimate/memory.py
-`head_backward_bytes`).
+`loss_peak_bytes`).
 
 Run: python benchmarks/loss_memory_cpu.py [--seq 1024 2048] (a few GB of memory; under a minute on 2 cores)
 benchmarks/loss_memory_cpu.md holds a run's table and what it says.
@@ -51,20 +51,14 @@ def measure(seq: int, tied: bool) -> dict:
 
 
 def estimated_loss_peak(config, seq: int) -> int:
-    """The estimate's peak of the loss (toolkit/estimate/memory.py head_backward_bytes) for this model and run."""
-    from toolkit.estimate.long_context import sequence_working_bytes
-    from toolkit.estimate.memory import (activation_setup, alive_forwards, estimate_memory, head_backward_bytes,
-                                         recomputed_layers)
+    """The estimate's peak of the loss (toolkit/estimate/memory.py loss_peak_bytes) for this model and run."""
+    from toolkit.estimate.memory import loss_peak_bytes
     from toolkit.spec.model import spec_from_hf_dict
     from toolkit.spec.plan import resolve_plan
 
     spec = spec_from_hf_dict(config.to_dict(), "llama", filled=True)
-    plan = resolve_plan(spec, 1, zero=0, micro_batch=1, seq_len=seq, recompute="full", gpus_per_node=1)
-    setup = activation_setup(spec, plan)
-    alive, _ = alive_forwards(spec, plan, 0)
-    return head_backward_bytes(spec, setup, alive, recomputed_layers(spec, plan, 0),
-                               estimate_memory(spec, plan).activations,
-                               sequence_working_bytes(spec, setup, True).get("tiled_loss_tile", 0))
+    return loss_peak_bytes(spec, resolve_plan(spec, 1, zero=0, micro_batch=1, seq_len=seq, recompute="full",
+                                              gpus_per_node=1))
 
 
 def main() -> None:

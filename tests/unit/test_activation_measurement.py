@@ -56,9 +56,8 @@ def test_the_loss_peak_is_three_fp32_logits_as_the_estimate_counts():
     """HF's loss peaks in the log-softmax's backward with three fp32 logits alive (output, incoming and outgoing
     gradient): on an H200 it was Llama 3.2 1B's peak at 32K tokens, 20% above an estimate that counted two
     (benchmarks/gpu_check.md, benchmarks/loss_memory_cpu.md)."""
-    from toolkit.estimate.long_context import sequence_working_bytes
     from toolkit.estimate.measure import peak_live_bytes
-    from toolkit.estimate.memory import activation_setup, alive_forwards, head_backward_bytes, recomputed_layers
+    from toolkit.estimate.memory import loss_peak_bytes
 
     config = _config("llama", 64, 4, 2, 256, 32000)
     torch.manual_seed(0)
@@ -69,10 +68,7 @@ def test_the_loss_peak_is_three_fp32_logits_as_the_estimate_counts():
     assert at.startswith("_log_softmax_backward_data")
     spec = spec_from_hf_dict(config.to_dict(), "llama", filled=True)
     plan = resolve_plan(spec, 1, zero=0, seq_len=512, recompute="full")
-    memory, setup = estimate_memory(spec, plan), activation_setup(spec, plan)
-    alive, _ = alive_forwards(spec, plan, 0)
-    head = head_backward_bytes(spec, setup, alive, recomputed_layers(spec, plan, 0), memory.activations,
-                               sequence_working_bytes(spec, setup, True).get("tiled_loss_tile", 0))
+    memory, head = estimate_memory(spec, plan), loss_peak_bytes(spec, plan)
     assert head == pytest.approx(peak, rel=0.03), f"estimated {head}, measured {peak}"
     logits = 4 * 32000 * 512
     assert head > memory.activations + memory.overhead_detail["logits_grad"] + 0.9 * logits  # one more than before

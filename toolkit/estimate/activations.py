@@ -182,8 +182,12 @@ def head_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
         # TiledFusedLogitsLoss runs backward tile by tile inside forward and keeps the input's gradient (compute dtype)
         # in place of the norm output lm_head would keep; no logits stay
         return norm + INDEX
-    logits = FP32 * spec.vocab_size / setup.tp  # softmax / log-softmax output in fp32
-    return norm + logits + INDEX
+    return norm + fp32_logits_bytes_per_token(spec, setup) + INDEX  # the softmax / log-softmax output
+
+
+def fp32_logits_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
+    """One fp32 copy of a token's logits (its vocabulary shard under TP): the unit of the loss's memory terms."""
+    return FP32 * spec.vocab_size / setup.tp
 
 
 def embedding_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:

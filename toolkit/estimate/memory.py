@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from toolkit.backends import backend_of
-from toolkit.estimate.activations import (ActivationSetup, offloaded_activation_bytes, recompute_working_bytes,
-                                          stage_activation_bytes)
+from toolkit.estimate.activations import (ActivationSetup, fp32_logits_bytes_per_token, offloaded_activation_bytes,
+                                          recompute_working_bytes, stage_activation_bytes)
 from toolkit.estimate.long_context import sequence_working_bytes
 from toolkit.estimate.lora import NF4_BYTES, FinetuneCounts, adapter_activation_bytes, finetune_counts
 from toolkit.estimate.params import ParamCounts, count_params
@@ -245,8 +245,18 @@ def head_backward_bytes(spec: ModelSpec, setup: ActivationSetup, alive, recomput
     return kept + (loss_tile if setup.tiled_loss else 2 * _fp32_logits(spec, setup))
 
 
+def loss_peak_bytes(spec: ModelSpec, plan: Plan) -> int:
+    """head_backward_bytes of the plan's last stage: its activation bytes at the loss's peak (HF path)."""
+    stage = plan.pp - 1
+    setup = activation_setup(spec, plan)
+    alive, _ = alive_forwards(spec, plan, stage)
+    return head_backward_bytes(spec, setup, alive, recomputed_layers(spec, plan, stage),
+                               estimate_stage_memory(spec, plan, stage).activations,
+                               sequence_working_bytes(spec, setup, True).get("tiled_loss_tile", 0))
+
+
 def _fp32_logits(spec: ModelSpec, setup: ActivationSetup) -> int:
-    return FP32 * spec.vocab_size * setup.tokens // setup.tp
+    return int(fp32_logits_bytes_per_token(spec, setup) * setup.tokens)
 
 
 def exceeded(memory: MemoryBreakdown, gpu: GPU, gpus_per_node: int) -> tuple[str, int] | None:
