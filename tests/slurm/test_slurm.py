@@ -97,6 +97,29 @@ def test_multi_node_rendezvous_as_slurm_would_set_it(tmp_path, capsys, launcher,
     assert lines[-1] == f"MASTER=gpu001:{port}"
 
 
+@pytest.mark.parametrize("scontrol, nodelist", [('echo "scontrol: error: bad hostlist" >&2; exit 1', "gpu[001-"),
+                                                ("exit 0", "gpu[001-002]"), (None, "")])
+def test_the_script_stops_when_the_node_list_gives_no_rendezvous_host(tmp_path, capsys, scontrol, nodelist):
+    """scontrol failing, printing nothing, or an empty SLURM_JOB_NODELIST: the job stops before any launch with one
+    line naming the node list, instead of starting every node's launcher at an empty MASTER_ADDR."""
+    assert main(["slurm", "render", str(_recipe(tmp_path, 16, global_batch=64)), "--partition", "gpu",
+                 "--launcher", "deepspeed"]) == 0
+    script = capsys.readouterr().out
+    head = script.split("set -euo pipefail", 1)[1].split("# NCCL / torch.distributed defaults", 1)[0]
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    if scontrol is not None:  # the tool failing as it can on a node: its own stand-in ahead of the real one
+        (fake / "scontrol").write_text(f"#!/usr/bin/env bash\n{scontrol}\n")
+        (fake / "scontrol").chmod(0o755)
+    harness = tmp_path / "head.sh"
+    harness.write_text("set -euo pipefail\n" + head.replace("export PATH=", f"export PATH={fake}:", 1)
+                       + 'echo "MASTER=$MASTER_ADDR"\n')
+    env = dict(os.environ, SLURM_JOB_ID="7", SLURM_JOB_NODELIST=nodelist, SLURM_NNODES="2")
+    out = subprocess.run(["bash", str(harness)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 1 and "MASTER=" not in out.stdout, (out.stdout, out.stderr)
+    assert f"[dmt] scontrol gave no hosts for SLURM_JOB_NODELIST='{nodelist}': not starting" in out.stderr
+
+
 def test_render_rejects_an_allocation_that_does_not_match_the_plan(capsys):
     assert main(["slurm", "render", str(TINY), "--nodes", "3"]) == 2
     assert "--nodes" in capsys.readouterr().err

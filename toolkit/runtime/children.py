@@ -49,16 +49,24 @@ def _leads_group(process) -> bool:
 
 
 @contextlib.contextmanager
-def _no_second_interrupt():
-    """A second Ctrl-C while children are being ended would leave them half-ended: held off until they are."""
+def _sigint_handled_by(handler):
+    """SIGINT goes to `handler` inside the block and to the handler before it (yielded) once the block ends. Only the
+    main thread may set handlers: elsewhere nothing is swapped and None is yielded."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield None
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.signal(signal.SIGINT, handler)
     try:
-        yield
+        yield previous
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _no_second_interrupt():
+    """A second Ctrl-C while children are being ended would leave them half-ended: held off until they are."""
+    with _sigint_handled_by(signal.SIG_IGN):
+        yield
 
 
 @contextlib.contextmanager
@@ -67,16 +75,15 @@ def _interrupt_held():
     handler is swapped, not the signal mask blocked: a blocked SIGINT would be inherited by the processes started
     inside (an exec resets handlers, not the mask). An ignored SIGINT stays ignored, and so inherited as before; one
     whose handler Python did not set is left alone."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) in (
-            signal.SIG_IGN, None):
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
         yield
         return
     caught: list[tuple] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    previous = None
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        with _sigint_handled_by(lambda signum, frame: caught.append((signum, frame))) as previous:
+            yield
+    finally:  # the handler before is back: the interrupt the block held goes to it now
         if caught and callable(previous):
             previous(*caught[0])  # Python's default_int_handler raises KeyboardInterrupt here
         elif caught and previous == signal.SIG_DFL:
