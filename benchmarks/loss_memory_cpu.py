@@ -9,21 +9,29 @@ every tensor an op returns until it is freed (the parameters, made before, are l
 toolkit/estimate/measure.py `peak_live_bytes`), against the estimate's peak of the loss (toolkit/estimate/memory.py
 `loss_peak_bytes`).
 
-Run: python benchmarks/loss_memory_cpu.py [--seq 1024 2048] (a few GB of memory; under a minute on 2 cores)
+The same for Megatron-Core (its `local` layer spec, the one that runs on CPU, built from the generated megatron.yaml
+of the tiny Megatron recipe with this vocabulary, in this process as a world of one gloo rank), whose loss is its
+own vocab-parallel cross-entropy.
+
+Run: python benchmarks/loss_memory_cpu.py [--seq 1024 2048] (a few GB of memory; about a minute on 2 cores)
 benchmarks/loss_memory_cpu.md holds a run's table and what it says.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 from toolkit.estimate.measure import peak_live_bytes  # noqa: E402
 
 VOCAB = 128256  # Llama 3's
@@ -46,7 +54,7 @@ def measure(seq: int, tied: bool) -> dict:
     forward, forward_at = peak_live_bytes(lambda: model(input_ids=ids, labels=ids))
     peak, peak_at = peak_live_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward())
     logits = seq * VOCAB * 4
-    return {"seq": seq, "tied": tied, "fp32_logits": logits, "forward_peak": forward, "forward_at": forward_at,
+    return {"seq": seq, "model": f"HF Llama, {'tied' if tied else 'untied'}", "fp32_logits": logits, "forward_peak": forward, "forward_at": forward_at,
             "peak": peak, "peak_at": peak_at, "estimate": estimated_loss_peak(config, seq)}
 
 
@@ -61,21 +69,63 @@ def estimated_loss_peak(config, seq: int) -> int:
                                               gpus_per_node=1))
 
 
+def measure_megatron(seq: int) -> dict:
+    """One forward and backward of Megatron-Core's GPT (local spec) as toolkit/train.py builds it, after a first one
+    (which makes Megatron-Core's global memory buffer), in bf16 with full recompute."""
+    from toolkit.backends.megatron.build import build, destroy, init_distributed, unwrapped
+    from toolkit.backends.megatron.training import megatron_yaml_for
+    from toolkit.compat.megatron_cpu import cuda_on_cpu
+    from toolkit.estimate.memory import loss_peak_bytes
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
+
+    if "MASTER_PORT" not in os.environ:  # a world of one gloo rank in this process
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_distributed()
+    tiny = REPO / "recipes" / "tiny-llama-megatron-cpu.yaml"
+    text = (tiny.read_text().replace("vocab_size: 512", f"vocab_size: {VOCAB}")
+            .replace("max_position_embeddings: 128", f"max_position_embeddings: {seq}")
+            .replace("seq_len: 64", f"seq_len: {seq}").replace("global_batch: 16", "global_batch: 2")
+            .replace("micro_batch: 4", "micro_batch: 1").replace("precision: fp32", "precision: bf16")
+            .replace("data/tiny_corpus.txt", str(tiny.parent / "data" / "tiny_corpus.txt")))
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "recipe.yaml").write_text(text)
+        recipe = load_recipe(Path(tmp) / "recipe.yaml")
+    model = recipe_model(recipe)
+    plan = recipe_plan(recipe, model, recompute="full")
+    torch.manual_seed(0)
+    with cuda_on_cpu():
+        gpt = unwrapped(build(megatron_yaml_for(recipe, model, plan)))[0]
+        gpt.train()
+        ids = torch.randint(0, VOCAB, (1, seq))
+        positions = torch.arange(seq).unsqueeze(0)
+        gpt(ids, positions, None, labels=ids).float().mean().backward()
+        forward, forward_at = peak_live_bytes(lambda: gpt(ids, positions, None, labels=ids))
+        peak, peak_at = peak_live_bytes(lambda: gpt(ids, positions, None, labels=ids).float().mean().backward())
+        destroy()
+    return {"seq": seq, "model": "Megatron-Core local", "fp32_logits": seq * VOCAB * 4, "forward_peak": forward,
+            "forward_at": forward_at, "peak": peak, "peak_at": peak_at, "estimate": loss_peak_bytes(model, plan)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048])
     args = parser.parse_args()
+    import megatron.core
+
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}; model: Llama, hidden 64, 2 layers, vocabulary {VOCAB}, bf16, full recompute, "
-          f"sdpa, micro-batch 1")
-    print("| seq | tied | fp32 logits MiB | forward peak (x logits) | peak (x logits) | op at the peak | estimate's "
+          f"{transformers.__version__}, megatron-core {megatron.core.__version__}; model: Llama, hidden 64, 2 layers, "
+          f"vocabulary {VOCAB}, bf16, full recompute, sdpa (HF), micro-batch 1")
+    print("| seq | model | fp32 logits MiB | forward peak (x logits) | peak (x logits) | op at the peak | estimate's "
           "loss peak (error) |")
     print("|---:|---|---:|---:|---:|---|---:|")
     for seq in args.seq:
-        for tied in (True, False):
-            r = measure(seq, tied)
+        for r in (measure(seq, True), measure(seq, False), measure_megatron(seq)):
             unit = r["fp32_logits"]
-            print(f"| {seq} | {'yes' if tied else 'no'} | {unit / 2**20:.0f} | {r['forward_peak'] / 2**20:.0f} MiB "
+            print(f"| {seq} | {r['model']} | {unit / 2**20:.0f} | {r['forward_peak'] / 2**20:.0f} MiB "
                   f"({r['forward_peak'] / unit:.2f}) | {r['peak'] / 2**20:.0f} MiB ({r['peak'] / unit:.2f}) | "
                   f"`{r['peak_at']}` | {r['estimate'] / 2**20:.0f} MiB ({r['estimate'] / r['peak'] - 1:+.1%}) |",
                   flush=True)

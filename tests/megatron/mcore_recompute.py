@@ -1,7 +1,8 @@
 """Launched by test_megatron_recompute.py under torchrun on 2 CPU ranks: one forward and backward of the same batch
 and weights through Megatron-Core built from the generated megatron.yaml of each recompute plan (fp32, the recipe's
 precision, and no recomputation in bf16 too); rank 0 saves the bytes autograd kept during the forward
-(saved_tensors_hooks) and the gradients."""
+(saved_tensors_hooks) and the gradients, and the most bytes alive at once in a forward and backward whose logits
+outweigh the layers (the loss's peak)."""
 
 import argparse
 import sys
@@ -19,6 +20,8 @@ PLANS = {  # name: recipe plan overrides
 
 
 BF16 = dict(recompute="none", precision="bf16")
+LOSS_PEAK = dict(recompute="full", precision="bf16")  # the loss's peak, on a vocabulary whose logits outweigh the rest
+LOSS_VOCAB = 32000
 
 
 def run_plan(recipe, model, overrides: dict, tokens, weights):
@@ -65,10 +68,34 @@ def run_plan(recipe, model, overrides: dict, tokens, weights):
     return measured, grads, recompute, weights
 
 
+def loss_peak(recipe, model, tokens) -> tuple[int, str]:
+    """(the most bytes alive at once in a forward and backward, the op at that moment) of a build whose logits
+    outweigh its layers, after a first forward and backward (which makes Megatron-Core's global memory buffer)."""
+    import torch
+
+    from toolkit.backends.megatron.build import build, destroy, unwrapped
+    from toolkit.backends.megatron.training import megatron_yaml_for
+    from toolkit.estimate.measure import peak_live_bytes
+    from toolkit.planner.recipe import recipe_plan
+
+    gpt = unwrapped(build(megatron_yaml_for(recipe, model, recipe_plan(recipe, model, **LOSS_PEAK))))[0]
+    gpt.train()
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+
+    def step():
+        gpt(tokens, positions, None, labels=tokens).float().mean().backward()
+
+    step()
+    measured = peak_live_bytes(step)
+    destroy()
+    return measured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", type=Path, required=True)
     parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--loss-recipe", type=Path, required=True, help="the recipe with a LOSS_VOCAB vocabulary")
     args = parser.parse_args()
 
     import torch
@@ -90,9 +117,12 @@ def main() -> None:
             measured, grads, recompute, weights = run_plan(recipe, model, overrides, tokens, weights)
             results[name] = dict(saved_bytes=measured, grads=grads, megatron=recompute)
         bf16_saved = run_plan(recipe, model, BF16, tokens, weights)[0]
+        loss_recipe = load_recipe(args.loss_recipe)
+        peak = loss_peak(loss_recipe, recipe_model(loss_recipe), torch.randint(0, LOSS_VOCAB, tuple(tokens.shape)))
     if dist.get_rank() == 0:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"plans": results, "bf16_none_saved_bytes": bf16_saved}, args.output_dir / "recompute.pt")
+        torch.save({"plans": results, "bf16_none_saved_bytes": bf16_saved, "loss_peak": peak},
+                   args.output_dir / "recompute.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,14 +13,25 @@ pytestmark = pytest.mark.launch
 SCRIPT = Path(__file__).resolve().parent / "mcore_recompute.py"
 
 
+def _loss_recipe(directory: Path) -> Path:
+    """TINY_MEGATRON with a vocabulary whose fp32 logits outweigh everything else its layers keep."""
+    from mcore_recompute import LOSS_VOCAB
+
+    path = directory / "loss-recipe.yaml"
+    path.write_text(TINY_MEGATRON.read_text().replace("vocab_size: 512", f"vocab_size: {LOSS_VOCAB}")
+                    .replace("data/tiny_corpus.txt", str(TINY_MEGATRON.parent / "data/tiny_corpus.txt")))
+    return path
+
+
 @pytest.fixture(scope="module")
-def runs(torchrun):
+def runs(torchrun, tmp_path_factory):
     import torch
 
-    run = torchrun("recompute", "--recipe", str(TINY_MEGATRON), script=SCRIPT)
+    loss_recipe = _loss_recipe(tmp_path_factory.mktemp("loss"))
+    run = torchrun("recompute", "--recipe", str(TINY_MEGATRON), "--loss-recipe", str(loss_recipe), script=SCRIPT)
     path = run.out / "recompute.pt"
     assert path.is_file(), run.tail()
-    return torch.load(path), TINY_MEGATRON
+    return torch.load(path), loss_recipe
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +100,24 @@ def test_block_method_checkpoints_the_first_layer_of_the_chunk_only(results):
     one = saved["none"] - saved["full:block1"]
     both = saved["none"] - saved["full"]
     assert one == pytest.approx(both / 2, rel=0.02)
+
+
+def test_the_loss_peak_is_the_fp32_softmax_and_a_bf16_copy_as_the_estimate_counts(runs):
+    """Megatron-Core's vocab-parallel cross-entropy turns its fp32 copy of the logits into the softmax and then the
+    gradient in place; beside it only the bf16 logits (forward) or their gradient (backward): 1.5 fp32 logits over
+    what the layers keep, where the estimate used to count two on top of the layers' peak (the HF loss's terms)."""
+    from mcore_recompute import LOSS_PEAK, LOSS_VOCAB
+    from toolkit.estimate.memory import estimate_memory, loss_peak_bytes
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
+
+    measured, at = runs[0]["loss_peak"]
+    recipe = load_recipe(runs[1])
+    model = recipe_model(recipe)
+    assert model.vocab_size == LOSS_VOCAB
+    plan = recipe_plan(recipe, model, **LOSS_PEAK)
+    assert loss_peak_bytes(model, plan) == pytest.approx(measured, rel=0.03), at
+    logits = 4 * LOSS_VOCAB * plan.micro_batch * plan.seq_len
+    assert 1.45 * logits < measured < 1.7 * logits  # the loss's, not the layers' (hidden 64): 1.5 logits and a little
+    memory = estimate_memory(model, plan)
+    assert "logits_grad" not in memory.overhead_detail and "head_backward" in memory.overhead_detail

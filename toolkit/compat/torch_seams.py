@@ -37,6 +37,10 @@ SEAMS = [
     Seam("torch", "torch.Tensor._is_view",
          "whether an op's output is a view (of a parameter, say), which allocates nothing; Tensor has no public "
          "predicate"),
+    Seam("torch", "torch.utils._pytree.tree_leaves",
+         "the tensors among a dispatched op's nested arguments, so that an output aliasing one of them (aten.t of a "
+         "weight, which dispatch does not mark a view; an in-place op's result) is not counted as allocated; torch "
+         "has no public flattening of an op's arguments"),
     Seam("torch", "torch.overrides._get_current_function_mode_stack",
          "whether a torch function mode is already on (the backward wrapper must not push it twice); torch.overrides "
          "has no public query of the active modes"),
@@ -87,12 +91,14 @@ def function_mode_active(mode) -> bool:
 
 def live_storage_mode():
     """A dispatch mode that adds up the storages the ops under it return, until each is freed: `.live`, `.peak` and
-    `.at` (the op that reached the peak). Storages made before it (parameters) are not counted, nor views (a
-    transposed weight, a reshaped activation), which allocate nothing."""
+    `.at` (the op that reached the peak). Storages made before it (parameters) are not counted, nor views and other
+    aliases of an op's inputs (a transposed weight, a reshaped activation, an in-place result), which allocate
+    nothing."""
     import weakref
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     class LiveStorage(TorchDispatchMode):
         def __init__(self):
@@ -103,12 +109,14 @@ def live_storage_mode():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor)}
             for tensor in out if isinstance(out, (tuple, list)) else [out]:
                 if not isinstance(tensor, torch.Tensor) or tensor._is_view():  # a view allocates nothing
                     continue
                 storage = tensor.untyped_storage()
                 key, size = storage.data_ptr(), storage.nbytes()
-                if size == 0 or key in self.held:
+                if size == 0 or key in self.held or key in inputs:  # nor does an alias of an input
                     continue
                 self.held.add(key)
                 self.live += size

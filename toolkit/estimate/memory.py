@@ -204,7 +204,7 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
         activations += int(setup.tokens * sum(adapter_activation_bytes(spec, plan.finetune, i, setup.act_bytes)
                                               for i in alive))
     detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
-    if last and not plan.tiled_loss:  # gradient of the fp32 logits exists next to the saved ones in the head's backward
+    if last and not plan.tiled_loss and setup.hf_modules:  # HF: the fp32 logits' gradient beside the saved output
         detail["logits_grad"] = _fp32_logits(spec, setup)
     working = sequence_working_bytes(spec, setup, last)
     loss_tile = working.pop("tiled_loss_tile", 0) if setup.hf_modules else 0  # the head's peak (below)
@@ -213,7 +213,7 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
     if step_grads > activations:  # inside step() activations are freed: only the larger of the two peaks counts
         detail["step_fp32_grads"] = step_grads - activations
     detail["allocator_margin"] = int(ALLOCATOR_MARGIN * (weights + gradients + optimizer + activations))
-    if last and setup.hf_modules:  # the stage's two peaks: the loss's (here) and the layers' backward (the sum above)
+    if last:  # the stage's two peaks: the loss's (here) and the layers' backward (the sum above)
         head = head_backward_bytes(spec, setup, alive, recomputed, activations, loss_tile)
         before = weights + optimizer + memory.alive_at_backward_start(plan, gradients, buffers)
         rest = weights + gradients + optimizer + activations + sum(detail.values())
@@ -234,19 +234,26 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
 
 def head_backward_bytes(spec: ModelSpec, setup: ActivationSetup, alive, recomputed, activations: int,
                         loss_tile: int) -> int:
-    """Activation bytes at the HF loss's peak, beside the activations the layers keep. Untiled, its log-softmax's
-    backward (benchmarks/loss_memory_cpu.md): three fp32 logits alive (the log-softmax output kept for backward, the
-    gradient arriving at it from the NLL's backward, the gradient it returns). With the tiled loss, one tile's
-    forward and backward, run inside forward (`loss_tile`, sequence_working_bytes). Either comes before the layers'
-    backward, so neither the block full recompute runs again nor the layers' transients exist yet; the stage's other
-    peak, the layers' backward, is what the rest of the estimate sums (untiled, with one fp32 logits gradient,
-    `logits_grad`)."""
+    """Activation bytes at the loss's peak: the activations the layers keep (the loss's saved fp32 output among
+    them) and what the loss adds to them (benchmarks/loss_memory_cpu.md):
+    - HF, untiled: its log-softmax's backward, three fp32 logits alive (the log-softmax output kept for backward, the
+      gradient arriving at it from the NLL's backward, the gradient it returns): two beyond the kept one.
+    - HF, tiled: one tile's forward and backward, run inside forward (`loss_tile`, sequence_working_bytes).
+    - Megatron-Core (tensor_parallel.vocab_parallel_cross_entropy, an autograd Function): its fp32 copy of the 16-bit
+      logits becomes the softmax in place and is kept; backward turns it into the gradient in place, which autograd
+      casts to the logits' dtype: the kept fp32 logits and a 16-bit copy, in backward as in forward (the 16-bit
+      logits beside the fp32 copy).
+    Each comes before the layers' backward, so neither the block full recompute runs again nor the layers'
+    transients exist yet; the stage's other peak, the layers' backward, is what the rest of the estimate sums (on the
+    HF path with one fp32 logits gradient, `logits_grad`)."""
     kept = activations - recompute_working_bytes(spec, setup, alive, recomputed)
+    if not setup.hf_modules:  # (in fp32, .float() returns the logits themselves and no cast follows)
+        return kept + (_fp32_logits(spec, setup) * setup.act_bytes // FP32 if setup.act_bytes < FP32 else 0)
     return kept + (loss_tile if setup.tiled_loss else 2 * _fp32_logits(spec, setup))
 
 
 def loss_peak_bytes(spec: ModelSpec, plan: Plan) -> int:
-    """head_backward_bytes of the plan's last stage: its activation bytes at the loss's peak (HF path)."""
+    """head_backward_bytes of the plan's last stage: its activation bytes at the loss's peak."""
     stage = plan.pp - 1
     setup = activation_setup(spec, plan)
     alive, _ = alive_forwards(spec, plan, stage)

@@ -45,6 +45,13 @@ def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params:
     return weights, gradients, int(optimizer), {}, 0
 
 
+def alive_at_backward_start(plan: Plan, gradients: int, buffers: dict[str, int]) -> int:
+    """Bytes of model_states' gradients and buffers that exist when a micro-batch's backward starts: all of them,
+    since DistributedDataParallel allocates its fp32 main-grad buffers when it wraps the model
+    (distributed/param_and_grad_buffer.py) and keeps them for the run."""
+    return gradients + sum(buffers.values())
+
+
 def step_fp32_grads(spec: ModelSpec, plan: Plan, params: StageParams) -> int:
     """Nothing beyond the main-grad buffers, which model_states counts for the whole run."""
     return 0
