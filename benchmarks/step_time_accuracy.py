@@ -78,8 +78,9 @@ Notes on the misses and on the Llama 3 layout:
   all-gather, chunk by chunk under the cooldown).
 - The 1.7B row (TP 1: its data-parallel group of 32 spans 4 nodes with all 8 GPUs of each) moved from -2% to -18%
   when rings across nodes began to use every NIC of a node (toolkit/estimate/comm.py: 8 x 25 GB/s HDR per DGX A100
-  instead of one): its gradient all-reduce is now ~0.1 s, and what is left of the gap is its narrow GEMMs (hidden
-  2304) running faster in the paper than the width curve allows.
+  instead of one): its gradient all-reduce is now ~0.1 s. The model is faster than the paper's run: its narrow
+  GEMMs (hidden 2304) ran below the width curve, or its all-reduce across 4 nodes took longer than the NICs allow;
+  the paper does not break the step down.
 - Execution paths (toolkit/estimate/efficiency.py). megatron-te: the Megatron-LM, Llama 3 and Megatron-Bridge rows.
   The Bridge rows use Transformer Engine's TP communication overlap (userbuffers), which the toolkit's generated
   configs do not enable and the model does not credit; FP8 runs every GEMM and the attention at the fp8 peak times
