@@ -71,5 +71,5 @@ def test_the_loss_peak_is_three_fp32_logits_as_the_estimate_counts():
     memory, head = estimate_memory(spec, plan), loss_peak_bytes(spec, plan)
     assert head == pytest.approx(peak, rel=0.03), f"estimated {head}, measured {peak}"
     logits = 4 * 32000 * 512
-    assert head > memory.activations + memory.overhead_detail["logits_grad"] + 0.9 * logits  # one more than before
+    assert head > memory.activations + 1.9 * logits  # two beside the one the activations keep
     assert "head_backward" in memory.overhead_detail  # the loss's peak sets the estimate's total here

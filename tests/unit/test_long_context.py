@@ -53,7 +53,8 @@ def test_each_option_removes_its_own_term():
     assert split.activations == pytest.approx(plain.activations / 8, rel=0.05)
     assert "ulysses_all_to_all" in split.overhead_detail and "ulysses_all_to_all" not in plain.overhead_detail
     tiled = estimate_memory(LLAMA_8B, resolve_plan(LLAMA_8B, 8, tiled_loss=True, tiled_mlp=True, **base))
-    assert "logits_grad" in plain.overhead_detail and "logits_grad" not in tiled.overhead_detail
+    # untiled, the loss's three fp32 logits set the peak; tiled, one tile of them does not
+    assert plain.overhead_detail["head_backward"] > tiled.overhead_detail.get("head_backward", 0)
     assert tiled.activations < plain.activations and tiled.total < plain.total
     offloaded = estimate_memory(LLAMA_8B, resolve_plan(LLAMA_8B, 8, offload_activations="cpu", **base))
     moved = plain.activations - offloaded.activations

@@ -204,7 +204,7 @@ def _overhead(report: Prediction) -> dict:
                   "usually left out", 0,
                   f"{report.memory_bytes.overhead / total:.0%} of this GPU's total: memory outside the "
                   f"tensors (CUDA context, communication buckets, the allocator's fragmentation) and transient "
-                  f"tensors (gradients of the logits; head_backward: the loss's own peak above the layers') still "
+                  f"tensors (head_backward: the loss's own peak above the layers' backward) still "
                   f"has to fit")
 
 

@@ -204,8 +204,6 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
         activations += int(setup.tokens * sum(adapter_activation_bytes(spec, plan.finetune, i, setup.act_bytes)
                                               for i in alive))
     detail = dict(cuda_context=CUDA_CONTEXT_BYTES, **buffers)
-    if last and not plan.tiled_loss and setup.hf_modules:  # HF: the fp32 logits' gradient beside the saved output
-        detail["logits_grad"] = _fp32_logits(spec, setup)
     working = sequence_working_bytes(spec, setup, last)
     loss_tile = working.pop("tiled_loss_tile", 0) if setup.hf_modules else 0  # the head's peak (below)
     detail.update(working)
@@ -244,8 +242,9 @@ def head_backward_bytes(spec: ModelSpec, setup: ActivationSetup, alive, recomput
       casts to the logits' dtype: the kept fp32 logits and a 16-bit copy, in backward as in forward (the 16-bit
       logits beside the fp32 copy).
     Each comes before the layers' backward, so neither the block full recompute runs again nor the layers'
-    transients exist yet; the stage's other peak, the layers' backward, is what the rest of the estimate sums (on the
-    HF path with one fp32 logits gradient, `logits_grad`)."""
+    transients exist yet; the stage's other peak, the layers' backward, is what the rest of the estimate sums: by
+    then the loss's tensors are freed, and only the kept output, which the activations count, is left in that sum
+    (an over-count of one fp32 logits where that peak is the larger)."""
     kept = activations - recompute_working_bytes(spec, setup, alive, recomputed)
     if not setup.hf_modules:  # (in fp32, .float() returns the logits themselves and no cast follows)
         return kept + (_fp32_logits(spec, setup) * setup.act_bytes // FP32 if setup.act_bytes < FP32 else 0)
