@@ -168,6 +168,46 @@ def test_a_bad_line_is_one_line_naming_file_and_line_and_nothing_is_left(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.jsonl"]
 
 
+def test_a_run_stopped_early_lets_its_workers_finish_instead_of_killing_them(tmp_path, monkeypatch):
+    """A bad line in the first of many blocks stops the run while the workers still encode later blocks (slowed down
+    here, so that they surely are). Ending the pool with Pool.terminate() SIGTERMed them, and one killed between
+    sending its result and releasing the result queue's lock left terminate() waiting on that lock forever (about
+    one early stop in 300 on a 2-core machine: a CI run hung in the bad-line test above). The workers must finish
+    their blocks and exit by themselves, exit code 0."""
+    import multiprocessing.pool
+    import time
+
+    import toolkit.data.prepare as prepare_module
+    from toolkit.errors import UserInputError
+
+    encode = prepare_module._encode_chunk
+
+    def slow_after_the_first(chunk):
+        if b'{"text": 7}' not in chunk.payload:
+            time.sleep(0.5)
+        return encode(chunk)
+
+    # pickled by name, so the forked workers look it up where the parent put it
+    slow_after_the_first.__module__, slow_after_the_first.__qualname__ = encode.__module__, encode.__qualname__
+    monkeypatch.setattr(prepare_module, "_encode_chunk", slow_after_the_first)
+    ended = []
+    join = multiprocessing.pool.Pool.join
+
+    def recording_join(pool):
+        join(pool)
+        ended.append([worker.exitcode for worker in pool._pool])
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "join", recording_join)
+    lines = CORPUS.read_bytes().split(b"\n")
+    lines[1] = b'{"text": 7}'
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b"\n".join(lines * 4))
+    with pytest.raises(UserInputError, match="line 2 has int under 'text'"):
+        prepare_module.prepare([corpus], TOKENIZER, tmp_path / "out", ["text"], False, 2, block_bytes=4096)
+    assert ended == [[0, 0]]
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.jsonl"]
+
+
 def test_invalid_utf8_names_its_line(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')

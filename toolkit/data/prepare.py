@@ -24,6 +24,7 @@ from toolkit.data import sidecar, sources
 from toolkit.errors import UserInputError, interrupted
 
 TASKS_PER_WORKER = 2  # blocks in flight per worker: one being encoded, one waiting
+END_WAIT_S = 60.0  # how long a run stopped early waits for the blocks its workers hold (each takes well under 1 s)
 
 
 @dataclass
@@ -141,11 +142,11 @@ def _write(found, keys, loaded, append_eod, workers, temporary, progress, block_
     # the pool first: an interrupt while it forks is lost (CPython ignores exceptions in its at-fork hooks), so the
     # files appear only once the workers are there, and Ctrl-C from then on removes them
     pool = multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_interrupts)
-    builders = {}
+    builders, pending = {}, deque()  # pending: (block, its result) handed to the workers and not yet written
     try:
         builders.update({key: indexed_dataset_builder(str(temporary[key][0]), dtype) for key in keys})
         for source in found:
-            pending, lines = deque(), 0
+            lines = 0
             for chunk in sources.chunks(source, keys, block_bytes=block_bytes):
                 pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
                 while len(pending) >= TASKS_PER_WORKER * workers:
@@ -155,11 +156,29 @@ def _write(found, keys, loaded, append_eod, workers, temporary, progress, block_
         for key, builder in builders.items():
             builder.finalize(str(temporary[key][1]))
     finally:
-        pool.terminate()
-        pool.join()
+        _end_pool(pool, pending)
         for builder in builders.values():
             builder.data_file.close()
     return counts, read.lines, read.text_bytes
+
+
+def _end_pool(pool, pending: deque) -> None:
+    """End the workers by letting them finish what they were handed (at most TASKS_PER_WORKER blocks each, when a
+    bad line or Ctrl-C stops the run early), then take their sentinels and exit. Not Pool.terminate() while they
+    work: a worker SIGTERMed between sending its result and releasing the result queue's lock leaves that lock held,
+    and the pool's task handler, putting its own sentinel on that queue, then waits forever inside terminate()
+    (CPython 3.11's multiprocessing.Pool; tests/data/test_data_prepare.py stops runs early many times over)."""
+    pool.close()
+    deadline = time.monotonic() + END_WAIT_S
+    try:
+        for _, result in pending:
+            result.wait(max(0.0, deadline - time.monotonic()))
+        finished = all(result.ready() for _, result in pending)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+        finished = False
+    if not finished:  # a worker that is gone (killed from outside) never returns its block: the pool's own end
+        pool.terminate()
+    pool.join()
 
 
 def _take(entry, lines_before, builders, counts, read, progress) -> int:
