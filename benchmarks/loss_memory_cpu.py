@@ -54,8 +54,9 @@ def measure(seq: int, tied: bool) -> dict:
     forward, forward_at = peak_live_bytes(lambda: model(input_ids=ids, labels=ids))
     peak, peak_at = peak_live_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward())
     logits = seq * VOCAB * 4
-    return {"seq": seq, "model": f"HF Llama, {'tied' if tied else 'untied'}", "fp32_logits": logits, "forward_peak": forward, "forward_at": forward_at,
-            "peak": peak, "peak_at": peak_at, "estimate": estimated_loss_peak(config, seq)}
+    return {"seq": seq, "model": f"HF Llama, {'tied' if tied else 'untied'}", "fp32_logits": logits,
+            "forward_peak": forward, "forward_at": forward_at, "peak": peak, "peak_at": peak_at,
+            "estimate": estimated_loss_peak(config, seq)}
 
 
 def estimated_loss_peak(config, seq: int) -> int:
@@ -70,11 +71,11 @@ def estimated_loss_peak(config, seq: int) -> int:
 
 
 def measure_megatron(seq: int) -> dict:
-    """One forward and backward of Megatron-Core's GPT (local spec) as toolkit/train.py builds it, after a first one
-    (which makes Megatron-Core's global memory buffer), in bf16 with full recompute."""
-    from toolkit.backends.megatron.build import build, destroy, init_distributed, unwrapped
-    from toolkit.backends.megatron.training import megatron_yaml_for
+    """One forward and backward of Megatron-Core's GPT (local spec) as toolkit/train.py builds it, in bf16 with full
+    recompute (toolkit/estimate/measure.py `megatron_step_peaks`)."""
+    from toolkit.backends.megatron.build import init_distributed
     from toolkit.compat.megatron_cpu import cuda_on_cpu
+    from toolkit.estimate.measure import megatron_step_peaks
     from toolkit.estimate.memory import loss_peak_bytes
     from toolkit.planner.recipe import recipe_plan
     from toolkit.spec.recipe import load_recipe, recipe_model
@@ -98,14 +99,8 @@ def measure_megatron(seq: int) -> dict:
     plan = recipe_plan(recipe, model, recompute="full")
     torch.manual_seed(0)
     with cuda_on_cpu():
-        gpt = unwrapped(build(megatron_yaml_for(recipe, model, plan)))[0]
-        gpt.train()
-        ids = torch.randint(0, VOCAB, (1, seq))
-        positions = torch.arange(seq).unsqueeze(0)
-        gpt(ids, positions, None, labels=ids).float().mean().backward()
-        forward, forward_at = peak_live_bytes(lambda: gpt(ids, positions, None, labels=ids))
-        peak, peak_at = peak_live_bytes(lambda: gpt(ids, positions, None, labels=ids).float().mean().backward())
-        destroy()
+        peaks = megatron_step_peaks(recipe, model, plan, torch.randint(0, VOCAB, (1, seq)))
+    (forward, forward_at), (peak, peak_at) = peaks["forward"], peaks["step"]
     return {"seq": seq, "model": "Megatron-Core local", "fp32_logits": seq * VOCAB * 4, "forward_peak": forward,
             "forward_at": forward_at, "peak": peak, "peak_at": peak_at, "estimate": loss_peak_bytes(model, plan)}
 

@@ -70,25 +70,11 @@ def run_plan(recipe, model, overrides: dict, tokens, weights):
 
 def loss_peak(recipe, model, tokens) -> tuple[int, str]:
     """(the most bytes alive at once in a forward and backward, the op at that moment) of a build whose logits
-    outweigh its layers, after a first forward and backward (which makes Megatron-Core's global memory buffer)."""
-    import torch
-
-    from toolkit.backends.megatron.build import build, destroy, unwrapped
-    from toolkit.backends.megatron.training import megatron_yaml_for
-    from toolkit.estimate.measure import peak_live_bytes
+    outweigh its layers."""
+    from toolkit.estimate.measure import megatron_step_peaks
     from toolkit.planner.recipe import recipe_plan
 
-    gpt = unwrapped(build(megatron_yaml_for(recipe, model, recipe_plan(recipe, model, **LOSS_PEAK))))[0]
-    gpt.train()
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-
-    def step():
-        gpt(tokens, positions, None, labels=tokens).float().mean().backward()
-
-    step()
-    measured = peak_live_bytes(step)
-    destroy()
-    return measured
+    return megatron_step_peaks(recipe, model, recipe_plan(recipe, model, **LOSS_PEAK), tokens)["step"]
 
 
 def main() -> None:
