@@ -71,7 +71,7 @@ def run_plan(recipe, model, overrides: dict, tokens, weights):
 def loss_peak(recipe, model, tokens) -> tuple[int, str]:
     """(the most bytes alive at once in a forward and backward, the op at that moment) of a build whose logits
     outweigh its layers."""
-    from toolkit.estimate.measure import megatron_step_peaks
+    from toolkit.backends.megatron.training import megatron_step_peaks
     from toolkit.planner.recipe import recipe_plan
 
     return megatron_step_peaks(recipe, model, recipe_plan(recipe, model, **LOSS_PEAK), tokens)["step"]

@@ -37,29 +37,3 @@ def peak_live_bytes(run) -> tuple[int, str]:
     with live_storage_mode() as live:
         run()
     return live.peak, live.at
-
-
-def megatron_step_peaks(recipe, model, plan, tokens) -> dict[str, tuple[int, str]]:
-    """peak_live_bytes of Megatron-Core's GPT as toolkit/train.py builds it for `plan` (the generated megatron.yaml;
-    its process groups must not exist yet, torch.distributed must): `forward` (one forward with labels) and `step`
-    (forward and backward), each after a first forward and backward, which makes Megatron-Core's global memory
-    buffer once. Run inside toolkit.compat.megatron_cpu.cuda_on_cpu() on CPU ranks."""
-    import torch
-
-    from toolkit.backends.megatron.build import build, destroy, unwrapped
-    from toolkit.backends.megatron.training import megatron_yaml_for
-
-    gpt = unwrapped(build(megatron_yaml_for(recipe, model, plan)))[0]
-    gpt.train()
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-
-    def forward():
-        return gpt(tokens, positions, None, labels=tokens)
-
-    def step():
-        forward().float().mean().backward()
-
-    step()
-    peaks = {"forward": peak_live_bytes(forward), "step": peak_live_bytes(step)}
-    destroy()
-    return peaks
