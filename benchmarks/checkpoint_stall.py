@@ -156,7 +156,7 @@ def machine(gpus: int = 0) -> str:
 
 
 def table(results: list[dict], params: int, steps: int, gpus: int = 0) -> str:
-    from toolkit.backends import BACKENDS
+    from toolkit.spec.backends import BACKENDS
 
     shape = GPU_SHAPE if gpus else CPU_SHAPE
     ranks = (f"{gpus} GPU rank{'s' if gpus > 1 else ''} (torchrun, NCCL, bf16)" if gpus
@@ -221,7 +221,7 @@ def main() -> None:
     if args.gpu and not gpus:
         sys.exit("checkpoint_stall.py: --gpu: no CUDA GPU on this machine")
 
-    from toolkit.backends import backend_of
+    from toolkit.spec.backends import backend_of
 
     config = model_config(args.layers)
     params = parameters(config)

@@ -13,7 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` importable from the repo checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from toolkit.backends import backend_of  # noqa: E402
+from toolkit.spec.backends import backend_of  # noqa: E402
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
 from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
 from toolkit.errors import UserInputError, error_line  # noqa: E402
@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
     watch = _watched(output_dir, recipe.training.hang_timeout_s)
     try:
-        train = backend_of(run.plan).part("train").train  # toolkit/backends/<name>/train.py
+        train = backend_of(run.plan).train.train  # toolkit/backends/<name>/train.py
         summary = train(run, recipe, output_dir, args.resume, args.deepspeed, updates, throughput, watch)
     except BaseException as exc:
         watch.shield()  # first: a SIGTERM from here on would replace this failure and skip its report

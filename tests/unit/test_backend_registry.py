@@ -1,15 +1,18 @@
 """Backends as one concept (issue 24): outside its own package (toolkit/backends/<name>/) no code compares a backend's
 name or keys a table by it, and every backend answers the same hooks in the same part modules, so that the estimate
-reaches them through `backend_of(plan).part(...)` without ever branching on a name or on a module's presence."""
+reaches them as typed attributes (`backend_of(plan).memory`, the Protocols of toolkit/spec/backend.py) without ever
+branching on a name or on a module's presence."""
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 
 import pytest
 
 from helpers import ROOT
-from toolkit.backends import BACKENDS, NAMES
+from toolkit.spec.backend import PARTS
+from toolkit.spec.backends import BACKENDS, NAMES
 
 PACKAGE = ROOT / "toolkit"
 # Top-level packages (and modules) of toolkit/ already free of backend names; the rest are being cleared by the other
@@ -17,23 +20,6 @@ PACKAGE = ROOT / "toolkit"
 CLEARED = ("estimate", "errors", "explore", "families", "health", "numeric", "outputs", "readers", "report",
            "runtime", "__init__", "__main__", "spec", "planner", "generate", "validate", "cli", "train", "checkpoint",
            "compat", "backends", "k8s", "data")
-# What the toolkit asks each backend's part (toolkit/backends/<name>/<part>.py)
-HOOKS = {
-    "rules": ("check", "fill", "check_steps", "FOREIGN", "FINETUNE_REFUSED"),
-    "search": ("layouts", "recompute_options", "label", "sharding_text"),
-    "generate": ("WRITERS", "launch_variables"),
-    "validate": ("READERS", "accelerate_launch"),
-    "train": ("train",),
-    "memory": ("padded_vocab", "model_states", "step_fp32_grads", "saved_bytes_per_param"),
-    "timing": ("execution_path", "data_parallel_and_optimizer"),
-    "explain": ("one_replica", "sharding", "weights", "gradients", "optimizer_offloaded", "master_copy",
-                "fp32_gradients"),
-    # its checkpoint format: the names `dmt ckpt` prints (FORMATS) and the manifest records, `dmt convert
-    # <conversion>`'s declaration (TO_HF) and run (to_hf), and `dmt ckpt verify|inspect`'s detect, verify, inspect
-    "checkpoint": ("FORMATS", "MANIFEST_FORMAT", "TO_HF", "detect", "verify", "inspect", "to_hf"),
-}
-
-
 def _is_name(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value in NAMES
 
@@ -111,16 +97,57 @@ def test_every_cleared_package_exists():
     assert set(CLEARED) <= set(_top_level()), sorted(set(CLEARED) - set(_top_level()))
 
 
+def _members(protocol: type) -> dict[str, object]:
+    """A part Protocol's members: its annotated attributes (None for their value) and its methods."""
+    annotated = {name: None for name in protocol.__annotations__}
+    methods = {name: value for name, value in vars(protocol).items()
+               if inspect.isfunction(value) and not name.startswith("_")}
+    return {**annotated, **methods}
+
+
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("part", sorted(HOOKS))
-def test_every_backend_answers_every_hook_of_a_part(name, part):
-    """A backend with nothing to say in a part still has the module, its hooks returning the neutral value."""
-    module = BACKENDS[name].part(part)
-    # a function hook is callable (or None where the backend has no such step); a table (upper case) exists
-    missing = [hook for hook in HOOKS[part] if not hasattr(module, hook) or (
-        hook.islower() and not (callable(getattr(module, hook)) or getattr(module, hook) is None))]
-    assert not missing, f"toolkit/backends/{name}/{part}.py lacks {missing}"
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_every_backend_follows_the_protocol_of_every_part(name, part):
+    """Each part module has every member of its Protocol (toolkit/spec/backend.py): a table exists, a function hook
+    is callable (or None where the backend has no such step) and takes the Protocol's parameters by the same names;
+    the attribute the toolkit reads is that module."""
+    protocol = PARTS[part]
+    module = getattr(BACKENDS[name], part)
     assert module is importlib.import_module(f"toolkit.backends.{name}.{part}")
+    assert isinstance(module, protocol), f"toolkit/backends/{name}/{part}.py lacks a member of {protocol.__name__}"
+    for member, declared in _members(protocol).items():
+        value = getattr(module, member)
+        if member.isupper() or value is None:
+            continue
+        assert callable(value), f"toolkit/backends/{name}/{part}.py: {member} is neither callable nor None"
+        if declared is not None:  # a method: the same parameters, by name (less `self`)
+            expected = list(inspect.signature(declared).parameters)[1:]
+            got = list(inspect.signature(value).parameters)[:len(expected)]
+            assert got == expected, f"toolkit/backends/{name}/{part}.py {member}{got} != {protocol.__name__} {expected}"
+
+
+def test_the_protocol_check_sees_a_missing_hook_and_a_renamed_parameter():
+    """The check above fails on a part that lacks a hook or names a parameter otherwise."""
+    import types
+
+    memory = types.SimpleNamespace(padded_vocab=lambda vocab_size, tp: 0, step_fp32_grads=lambda spec, plan, params: 0,
+                                   saved_bytes_per_param=lambda plan: 0,
+                                   alive_at_backward_start=lambda plan, gradients, buffers: 0)
+    assert not isinstance(memory, PARTS["memory"])  # model_states is missing
+    memory.model_states = lambda spec, plan, params, layer_params: None
+    assert isinstance(memory, PARTS["memory"])
+    renamed = list(inspect.signature(lambda vocab, tp: 0).parameters)
+    assert renamed != list(inspect.signature(_members(PARTS["memory"])["padded_vocab"]).parameters)[1:]
+
+
+def test_no_module_reaches_a_part_by_string():
+    """Parts are attributes an editor can follow: no `.part("memory")` or import of a part's module by a computed
+    name outside the registry's one loader (toolkit/spec/backend.py Backend._part)."""
+    found = [f"{path.relative_to(ROOT)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if ('.part("' in line or 'import_module(f"toolkit.backends' in line)
+             and path != PACKAGE / "spec" / "backend.py"]
+    assert not found, found
 
 
 def test_dmt_ckpt_asks_each_backend_for_its_format(tmp_path):
@@ -144,7 +171,7 @@ def test_dmt_ckpt_asks_each_backend_for_its_format(tmp_path):
         layout("dcp", ".metadata", "__0_0.distcp"): ("dcp", None),
         layout("trainer", "trainer_state.json", "model.safetensors"): ("hf-trainer", None),
     }
-    parts = {BACKENDS[name].part("checkpoint"): name for name in NAMES}
+    parts = {BACKENDS[name].checkpoint: name for name in NAMES}
     for path, (fmt, owner) in cases.items():
         found, part = detect(path)
         assert (found, parts.get(part)) == (fmt, owner), path.name
@@ -154,7 +181,7 @@ def test_dmt_ckpt_asks_each_backend_for_its_format(tmp_path):
 @pytest.fixture(scope="module")
 def fourth_backend(tmp_path_factory):
     """A copy of the toolkit with a fourth backend added the way the registry says: one package (tests/unit/
-    toy_backend/: plain DDP, its parts borrowing ZeRO-0's terms) and one line in toolkit/backends/__init__.py."""
+    toy_backend/: plain DDP, its parts borrowing ZeRO-0's terms) and its declaration in toolkit/spec/backends.py."""
     import shutil
 
     root = tmp_path_factory.mktemp("fourth")
@@ -163,12 +190,13 @@ def fourth_backend(tmp_path_factory):
     package.mkdir()
     for source in (Path(__file__).parent / "toy_backend").iterdir():
         shutil.copy(source, package / source.name.removesuffix(".txt"))
-    registry = root / "toolkit" / "backends" / "__init__.py"
+    registry = root / "toolkit" / "spec" / "backends.py"
     text = registry.read_text()
-    line = "BACKENDS: dict[str, Backend] = {package.BACKEND.name: package.BACKEND for package in (deepspeed, megatron, fsdp)}"
+    line = "BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (DEEPSPEED, MEGATRON, FSDP)}"
     assert line in text
-    registry.write_text(text.replace(line, line.replace("fsdp)}", "fsdp, ddp)}"))
-                        .replace("from toolkit.backends import deepspeed,", "from toolkit.backends import ddp, deepspeed,"))
+    declaration = ('DDP = Backend(name="ddp", label="DDP", hf_modules=True, default_zero=0, launchers=("torchrun",), '
+                   'conversion=None, files=("trainer_args.json",))\n')
+    registry.write_text(text.replace(line, declaration + line.replace("FSDP)}", "FSDP, DDP)}")))
     return root
 
 

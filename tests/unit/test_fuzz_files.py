@@ -108,7 +108,7 @@ def test_a_generated_file_the_user_edited_is_kept_when_the_backend_changes(sandb
 
 
 def test_the_names_a_record_may_remove_are_the_generators_own():
-    from toolkit.backends import BACKENDS
+    from toolkit.spec.backends import BACKENDS
     from toolkit.generate.files import COMMON, files_of
 
     assert GENERATED == {name for backend in BACKENDS for name in files_of(backend)}

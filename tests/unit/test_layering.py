@@ -37,18 +37,6 @@ LAYERS = (
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 
-# A backend's package (toolkit/backends/<name>/) is one backend's slice through the layers: each of its modules sits
-# in the layer its name says, and the registry with the declarations (toolkit/backends/__init__.py, backend.py and each
-# <name>/__init__.py) in the spec layer, which resolves plans against it. Its other modules run at training time.
-BACKEND_PARTS = {"__init__": "spec", "backend": "spec", "rules": "spec", "memory": "estimate", "timing": "estimate",
-                 "explain": "estimate", "search": "planner", "generate": "generate", "validate": "validate",
-                 "build": "runtime",  # build: Megatron-Core's model and parallel state from megatron.yaml (conversion too)
-                 # its checkpoint format (what toolkit/checkpoint/verify.py walks) and the conversions and readers
-                 # behind it
-                 "checkpoint": "checkpoint", "convert": "checkpoint", "zero_checkpoint": "checkpoint",
-                 "dist_writer": "checkpoint", "logit_check": "checkpoint"}
-
-
 # The Kubernetes package (toolkit/k8s/) is the same kind of slice: what renders manifests beside the generators (dmt
 # generate writes one), what checks them against the CRDs beside the validators.
 K8S_PARTS = {"__init__": "generate", "names": "generate", "shm": "generate", "vendored": "generate",
@@ -57,21 +45,12 @@ K8S_PARTS = {"__init__": "generate", "names": "generate", "shm": "generate", "ve
 
 def _package(module: str) -> str:
     """The layer name of a dotted module of toolkit: its top-level package (or module; toolkit/__init__.py is
-    `toolkit`), or for a backend's module the layer of its part (BACKEND_PARTS)."""
+    `toolkit`), or for a module of toolkit/k8s/ the layer of its part (K8S_PARTS). A backend's modules all sit in
+    `backends`: the layers below reach them only through the registry's typed attributes (toolkit/spec/backend.py)."""
     parts = module.split(".")
     if parts[:2] == ["toolkit", "k8s"]:
         return K8S_PARTS.get(parts[2] if len(parts) > 2 else "__init__", "k8s")
-    if parts[:2] == ["toolkit", "backends"] and len(parts) <= 3 and parts[2:] in ([], ["__init__"], ["backend"]):
-        return "spec"
-    if parts[:2] == ["toolkit", "backends"] and len(parts) >= 4 and (parts[2], parts[3]) and _is_backend(parts[2]):
-        return BACKEND_PARTS.get(parts[3], "backends")
-    if parts[:2] == ["toolkit", "backends"] and len(parts) == 3 and _is_backend(parts[2]):
-        return "spec"  # a backend's declaration (its __init__.py)
     return parts[1] if len(parts) > 1 and parts[1] != "__init__" else parts[0]
-
-
-def _is_backend(name: str) -> bool:
-    return (PACKAGE / "backends" / name / "__init__.py").is_file()
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

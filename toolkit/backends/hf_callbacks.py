@@ -19,10 +19,10 @@ def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: i
     `saves`, a toolkit.backends.hf_saves.TrainerSaves, when checkpoints are written in the background."""
     from transformers import TrainerCallback
 
-    from toolkit.backends import backend_of
+    from toolkit.spec.backends import backend_of
     from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
-    path = backend_of(plan).part("train").HF_PATH  # its checkpoint format and what its manifest records
+    path = backend_of(plan).train.HF_PATH  # its checkpoint format and what its manifest records
 
     class ToolkitCallback(TrainerCallback):
         """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save; the watchdog's

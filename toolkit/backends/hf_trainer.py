@@ -7,7 +7,8 @@ import logging
 import os
 from pathlib import Path
 
-from toolkit.backends import BACKENDS, backend_of, long_context
+from toolkit.backends import long_context
+from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.backends.hf_callbacks import callbacks_for
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.loop import BatchFingerprints, StepGuard, check_world
@@ -47,7 +48,7 @@ def _check_world(plan: Plan) -> int:
     # `accelerate launch` with an accelerate.yaml of the other backend would mix the two (the Trainer takes its
     # plugin from the launcher's environment)
     for backend in (b for b in BACKENDS.values() if b.hf_modules):
-        variable = backend.part("train").HF_PATH.accelerate_variable
+        variable = backend.train.HF_PATH.accelerate_variable
         if os.environ.get(variable, "false").lower() == "true" and backend is not backend_of(plan):
             raise UserInputError("plan.backend", f"accelerate launch was given a {backend.name} accelerate.yaml but "
                                                  f"the plan trains with {plan.backend}; launch with the plan's own "
@@ -106,7 +107,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, d
     from toolkit.generate.trainer_args import trainer_arguments
 
     world = _check_world(plan)
-    path = backend_of(plan).part("train").HF_PATH  # what DeepSpeed or FSDP2 adds to the HF Trainer's path
+    path = backend_of(plan).train.HF_PATH  # what DeepSpeed or FSDP2 adds to the HF Trainer's path
     asynchronous = recipe_saves_async(recipe, plan)
     if recipe.training.async_save and not asynchronous:
         log.warning("training.async_save: %s checkpoints are written synchronously under the HF Trainer (none of "

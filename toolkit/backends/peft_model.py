@@ -149,10 +149,10 @@ def adapter_callback(plan: Plan):
     checkpoint holds is whole (or training stops here, rather than after hours of saving nothing)."""
     from transformers import TrainerCallback
 
-    from toolkit.backends import backend_of
+    from toolkit.spec.backends import backend_of
 
     finetune = plan.finetune
-    path = backend_of(plan).part("train").HF_PATH
+    path = backend_of(plan).train.HF_PATH
 
     class AdapterCheck(TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):

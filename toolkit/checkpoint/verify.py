@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from toolkit.backends import BACKENDS
+from toolkit.spec.backends import BACKENDS
 from toolkit.checkpoint.dcp import check_dcp, dcp_contents
 from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
@@ -57,7 +57,7 @@ HF_SAFETENSORS, HF_TRAINER, DCP = "hf-safetensors", "hf-trainer", "dcp"  # the f
 
 def checkpoint_parts() -> list[ModuleType]:
     """Each backend's checkpoint part that knows a format (a backend whose checkpoints are HF's own has none)."""
-    return [part for part in (backend.part("checkpoint") for backend in BACKENDS.values()) if part.detect is not None]
+    return [part for part in (backend.checkpoint for backend in BACKENDS.values()) if part.detect is not None]
 
 
 def detect(path: Path) -> tuple[str, ModuleType | None]:

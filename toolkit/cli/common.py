@@ -147,9 +147,9 @@ def host_peak_text(calibration: dict) -> str:
 
 def sharding_text(plan) -> str:
     """How a plan (a Plan) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
-    from toolkit.backends import backend_of
+    from toolkit.spec.backends import backend_of
 
-    return backend_of(plan).part("search").sharding_text(plan)
+    return backend_of(plan).search.sharding_text(plan)
 
 
 def rendered_from(args: argparse.Namespace) -> list:

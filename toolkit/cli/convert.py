@@ -13,7 +13,7 @@ from toolkit.numeric import bounded_int, finite_float, json_text
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True, parser_class=type(parser))
     for backend in _converting():  # each backend's checkpoint -> HF, as its checkpoint part declares it
-        _add_to_hf(sub, backend.conversion, backend.part("checkpoint").TO_HF)
+        _add_to_hf(sub, backend.conversion, backend.checkpoint.TO_HF)
 
     to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron-Core dist checkpoint",
                               description="Write a Megatron-Core dist checkpoint (torch_dist) of an HF model that a "
@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _converting():
     """The backends whose checkpoints `dmt convert` turns into HF models (a backend whose checkpoints are HF's own has
     no conversion)."""
-    from toolkit.backends import BACKENDS
+    from toolkit.spec.backends import BACKENDS
 
-    return [backend for backend in BACKENDS.values() if backend.part("checkpoint").to_hf is not None]
+    return [backend for backend in BACKENDS.values() if backend.checkpoint.to_hf is not None]
 
 
 def _add_to_hf(sub, name: str, conversion) -> None:
@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _to_hf(args: argparse.Namespace) -> int:
     """A backend's checkpoint -> HF safetensors + config, through its checkpoint part."""
-    from toolkit.backends import BACKENDS
+    from toolkit.spec.backends import BACKENDS
 
-    part = next(b for b in BACKENDS.values() if b.conversion == args.to_hf).part("checkpoint")
+    part = next(b for b in BACKENDS.values() if b.conversion == args.to_hf).checkpoint
     summary = part.to_hf(args.ckpt_dir, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          config=args.config, progress=_interactive(), **{dest: getattr(args, dest) for dest in args.extra})
     _print(args, summary, part.TO_HF.line.format(**summary, source=args.ckpt_dir, mib=summary.get("bytes", 0) / 2**20))

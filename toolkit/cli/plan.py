@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolkit.backends import NAMES
+from toolkit.spec.backends import NAMES
 from toolkit.cli.common import add_network_arguments, add_plan_arguments
 from toolkit.cli.paths import output_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, failure_inputs

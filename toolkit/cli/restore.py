@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.checkpoint.restore import LAUNCHERS
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_blend(recipe, recipe_vocab_size(recipe))
     warmup = recipe.training.warmup_steps
-    backend_of(plan).part("rules").check_steps(steps, warmup, "--steps")
+    backend_of(plan).rules.check_steps(steps, warmup, "--steps")
     launcher = _launcher(args.launcher, plan.backend)
     fresh = workdir is None or not workdir.exists()  # interrupted, a directory this command made goes whole
     scratch = workdir is None  # no --workdir: a temp dir of the command's own, removed if the test passes

@@ -81,11 +81,11 @@ def _check_launch_files(args: argparse.Namespace, plan) -> None:
         if problems:
             raise UserInputError("--deepspeed", f"{args.deepspeed}: {problems[0]}")
     if args.accelerate_config is not None:
-        from toolkit.backends import backend_of
+        from toolkit.spec.backends import backend_of
 
         if args.launcher != "accelerate":
             raise UserInputError("--accelerate-config", f"only --launcher accelerate reads it, not {args.launcher}")
-        check = backend_of(plan).part("validate").accelerate_launch
+        check = backend_of(plan).validate.accelerate_launch
         if check is None:
             raise UserInputError("--launcher", f"the {plan.backend} backend does not run under accelerate")
         config = read_yaml(args.accelerate_config, "--accelerate-config", what="an Accelerate config (accelerate.yaml)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.estimate.goodput import LLAMA3_GPUS
 from toolkit.spec.plan import Plan
 
@@ -45,7 +45,7 @@ class CheckpointCost:
 
 def checkpoint_bytes(trained_params: int, plan: Plan) -> int:
     """Bytes of one save: the trained parameters with their optimizer states, as the backend saves them."""
-    return trained_params * backend_of(plan).part("memory").saved_bytes_per_param(plan)
+    return trained_params * backend_of(plan).memory.saved_bytes_per_param(plan)
 
 
 def checkpoint_cost(trained_params: int, plan: Plan, local_bytes: int, host_link_gbps: float, async_save: bool,

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.plan import Plan
 
@@ -91,7 +91,7 @@ UNFUSED_ATTENTION_BACKWARD_BYTES = 41
 def execution_path(plan: Plan) -> ExecutionPath:
     """The path a plan trains on, as its backend says (its timing part's `execution_path`): the HF modules, or
     Megatron-Core's Transformer Engine or local layers."""
-    return backend_of(plan).part("timing").execution_path(plan)
+    return backend_of(plan).timing.execution_path(plan)
 
 
 def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:

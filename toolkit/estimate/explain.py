@@ -10,10 +10,10 @@ gradients and master copy read as are its explain part, toolkit/backends/<name>/
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import TYPE_CHECKING
 
-from toolkit.backends import backend_of
+from toolkit.spec.backend import ExplainPart
+from toolkit.spec.backends import backend_of
 from toolkit.estimate.activations import head_bytes_per_token
 from toolkit.estimate.flops import layer_forward_flops, model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
@@ -73,9 +73,9 @@ def _entry(component: str, value: float, rule: str, thumb: str, thumb_value: flo
             "rule_of_thumb_value": thumb_value, "difference": difference, **numbers}
 
 
-def _explain(plan: Plan) -> ModuleType:
+def _explain(plan: Plan) -> ExplainPart:
     """The plan's backend's own sentences (toolkit/backends/<name>/explain.py)."""
-    return backend_of(plan).part("explain")
+    return backend_of(plan).explain
 
 
 def replica_plan(plan: Plan) -> Plan:

@@ -5,7 +5,7 @@ holds, the activations alive at its peak (activations.py), the optimizer's bytes
 tensors (on the HF path's last stage the loss has a peak of its own, before the layers' backward: head_backward_bytes)
 and the overhead outside the tensors. Each backend's own model states (what it shards, the buffers it keeps, which of
 them exist when backward starts), its vocabulary padding and what exists only inside its optimizer step are its
-memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan).part("memory")`.
+memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan).memory`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.estimate.activations import (ActivationSetup, fp32_logits_bytes_per_token, offloaded_activation_bytes,
                                           recompute_working_bytes, stage_activation_bytes)
 from toolkit.estimate.long_context import sequence_working_bytes
@@ -105,7 +105,7 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
         dense += layer_dense
         expert += layer_expert
     emb_dim = counts.token_embedding // spec.vocab_size
-    vocab = backend_of(plan).part("memory").padded_vocab(spec.vocab_size, tp)
+    vocab = backend_of(plan).memory.padded_vocab(spec.vocab_size, tp)
     vocab_shard = vocab * emb_dim // tp
     first, last = stage == 0, stage == plan.pp - 1
     if first:
@@ -192,7 +192,7 @@ def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: Param
     params = stage_params(spec, counts, plan, stage)
     layers = stage_layers(spec.num_layers, plan, stage)
     largest_layer = max((counts.layers[i].total for i in layers), default=0) // plan.tp
-    memory = backend_of(plan).part("memory")
+    memory = backend_of(plan).memory
     weights, gradients, optimizer, buffers, host = memory.model_states(spec, plan, params, largest_layer)
     setup = activation_setup(spec, plan)
     last = stage == plan.pp - 1

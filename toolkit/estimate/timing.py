@@ -5,14 +5,14 @@ Overlap is explicit, not assumed perfect: tensor-parallel and expert all-to-all 
 with the last micro-batch's backward up to DP_OVERLAP of it; context-parallel KV exchange hides behind attention
 compute. What each backend sends for its data-parallel ranks, how its optimizer steps and what it offloads (ZeRO's
 gathers and buckets, FSDP2's, Megatron-Core's distributed optimizer) are its timing part,
-toolkit/backends/<name>/timing.py, reached through `backend_of(plan).part("timing")`.
+toolkit/backends/<name>/timing.py, reached through `backend_of(plan).timing`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.device_peak import peak_flops
 from toolkit.estimate.efficiency import (
@@ -256,7 +256,7 @@ def _data_parallel_and_optimizer(
     params = stage_params(spec, count_params(spec), plan, 0)
     # gradients are reduced and the optimizer steps over the trainable parameters only (LoRA: the adapters)
     trainable = finetune_counts(spec, plan.finetune).adapters if plan.finetune.peft else params.total
-    return backend_of(plan).part("timing").data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro,
+    return backend_of(plan).timing.data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro,
                                                                       params.total, trainable)
 
 

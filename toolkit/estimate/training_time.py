@@ -68,7 +68,7 @@ def expected_training_time(tokens: int, plan: Plan, step_time_s: float, trained_
                            host_link_gbps: float, inputs: FailureInputs = FailureInputs()) -> dict:
     """Failure-free, and expected with the plan's checkpoints and the failures `inputs` assume; `local_bytes` the
     busiest GPU's weights and optimizer states (the memory estimate's)."""
-    from toolkit.backends import backend_of
+    from toolkit.spec.backends import backend_of
 
     base = training_time(tokens, step_time_s, plan.global_batch * plan.seq_len, plan.gpus)
     async_save = backend_of(plan).saves_async(None) if inputs.async_save is None else inputs.async_save

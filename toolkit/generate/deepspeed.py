@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolkit.backends.deepspeed.memory import (  # the bucket sizes the memory model counts
+from toolkit.spec.engine_settings import (  # the bucket sizes the memory model counts
     DS_ALLGATHER_BUCKET_ELEMENTS,
     DS_OVERLAP_COMM,
     DS_REDUCE_BUCKET_ELEMENTS,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.backends import BACKENDS, backend_of
+from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.numeric import json_text
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
 from toolkit.planner.save_interval import AUTO, auto_save_interval, is_auto, recipe_saves_async, with_save_steps
@@ -105,7 +105,7 @@ GENERATED = frozenset(COMMON) | {name for backend in BACKENDS.values() for name 
 def writers_of(backend: str) -> dict[str, Callable[[GenerationContext], str]]:
     """The files `dmt generate` writes for a plan of this backend, each with its writer, plan.json first."""
     first, *rest = COMMON.items()  # plan.json, the backend's files, then the launchers'
-    return dict([first, *backend_of(backend).part("generate").WRITERS.items(), *rest])
+    return dict([first, *backend_of(backend).generate.WRITERS.items(), *rest])
 
 
 def written(ctx: GenerationContext, name: str) -> bool:

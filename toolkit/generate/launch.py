@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
@@ -111,7 +111,7 @@ def job_variables(recipe: Recipe) -> list[LaunchVariable]:
 def plan_variables(plan: Plan) -> list[LaunchVariable]:
     """The variables the plan needs at launch (Megatron-Core's with TP or CP: toolkit/backends/megatron/generate.py)."""
     return [LaunchVariable(name, value, reason)
-            for name, (value, reason) in backend_of(plan).part("generate").launch_variables(plan).items()]
+            for name, (value, reason) in backend_of(plan).generate.launch_variables(plan).items()]
 
 
 def export_lines(variables: list[LaunchVariable]) -> str:

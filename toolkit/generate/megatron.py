@@ -13,9 +13,8 @@ as names and turned back into objects by `library_kwargs`.
 
 from __future__ import annotations
 
-from toolkit.backends import backend_of
-from toolkit.backends.megatron.memory import MEGATRON_VOCAB_DIVISIBLE_BY
-from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
+from toolkit.spec.backends import backend_of
+from toolkit.spec.engine_settings import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
 from toolkit.families import megatron_fields
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.numeric import yaml_text

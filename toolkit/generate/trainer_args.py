@@ -3,7 +3,7 @@ both name."""
 
 from __future__ import annotations
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.generate.deepspeed import warmup_num_steps
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, data_workers
@@ -62,5 +62,5 @@ def trainer_arguments(recipe: Recipe, plan: Plan, output_dir: str, deepspeed_jso
         args["eval_steps"] = training.eval_steps
     if deepspeed_json is not None:
         args["deepspeed"] = deepspeed_json
-    args.update(backend_of(plan).part("generate").trainer_extras(recipe, plan))  # FSDP2's plugin arguments
+    args.update(backend_of(plan).generate.trainer_extras(recipe, plan))  # FSDP2's plugin arguments
     return args

@@ -94,7 +94,7 @@ def longest_plans(model: ModelSpec, gpus: int, gpu: GPU, network: Network, backe
     ranked by that length, then by its step time there; and how many were considered."""
     from toolkit.estimate.timing import step_time
     from toolkit.planner.search import RECOMPUTE_KEYS, enumerate_layouts
-    from toolkit.backends import backend_of
+    from toolkit.spec.backends import backend_of
 
     fixed = {k: v for k, v in fixed.items() if v is not None and k != "seq_len"}
     gpus_per_node = fixed.setdefault("gpus_per_node", network.gpus_per_node)
@@ -102,7 +102,7 @@ def longest_plans(model: ModelSpec, gpus: int, gpu: GPU, network: Network, backe
     pinned = {k: fixed.pop(k) for k in RECOMPUTE_KEYS if k in fixed}
     found, considered = [], 0
     for backend in backends:
-        options = [pinned] if pinned else [o for o in backend_of(backend).part("search").recompute_options()
+        options = [pinned] if pinned else [o for o in backend_of(backend).search.recompute_options()
                                            if not o.get("block")]
         for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
             for option in options:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from toolkit.errors import UserInputError
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION, for_backend, option_backends
 from toolkit.spec.plan import Plan, resolve_plan
 from toolkit.spec.prediction import PackedAttention, RecipePrediction

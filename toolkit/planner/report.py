@@ -4,7 +4,7 @@ time, tokens/s and MFU; and the short names the tables give a plan."""
 
 from __future__ import annotations
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
@@ -75,7 +75,7 @@ def plan_label(plan: Plan) -> str:
         parts.append("+emb/loss-split")
     parts += [f"cp{plan.cp}"] if plan.cp > 1 else []
     parts += [f"ep{plan.ep}"] if plan.ep > 1 else []
-    parts += backend_of(plan).part("search").label(plan)  # z2 +off-opt; shard8 rep2; +sp +dopt
+    parts += backend_of(plan).search.label(plan)  # z2 +off-opt; shard8 rep2; +sp +dopt
     parts += [f"mb{plan.micro_batch}", f"rc={recompute_label(plan)}"]
     parts += [name for name, on in (("+tiled-mlp", plan.tiled_mlp), ("+tiled-loss", plan.tiled_loss),
                                     ("+off-act", plan.offload_activations != "none")) if on]

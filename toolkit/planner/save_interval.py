@@ -52,7 +52,7 @@ def run_save_steps(recipe: Recipe, model, plan, record: dict | None) -> int:
 
 def recipe_saves_async(recipe: Recipe, plan) -> bool:
     """Whether this recipe's run writes its checkpoints in the background (what megatron.yaml's async_save says)."""
-    from toolkit.backends import backend_of
+    from toolkit.spec.backends import backend_of
 
     return backend_of(plan).saves_async(recipe.training.async_save, recipe.cluster.accelerator)
 

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from toolkit.backends import NAMES, backend_of
+from toolkit.spec.backends import NAMES, backend_of
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
@@ -83,7 +83,7 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: 
     def axis(name: str, values) -> list:
         return [fixed[name]] if fixed.get(name) is not None else list(values)
 
-    for layout in backend_of(backend).part("search").layouts(model, gpus, gpus_per_node, fixed, axis):
+    for layout in backend_of(backend).search.layouts(model, gpus, gpus_per_node, fixed, axis):
         yield dict(fixed, backend=backend, **layout)
 
 
@@ -140,7 +140,7 @@ def search(
     micro_batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else list(MICRO_BATCHES)
     recompute_fixed = {k: fixed.pop(k) for k in RECOMPUTE_KEYS if k in fixed}
     for backend in backends:
-        options = [recompute_fixed] if recompute_fixed else backend_of(backend).part("search").recompute_options()
+        options = [recompute_fixed] if recompute_fixed else backend_of(backend).search.recompute_options()
         for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
             pointless: set[int] = set()  # options with nothing to choose for this layout

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.families.linears import LINEARS, MOE, Linear
 from toolkit.numeric import FINITE, FiniteNumber
@@ -122,7 +122,7 @@ def check_finetune(plan, model) -> None:
     ft = plan.finetune
     if not ft.peft:
         return
-    refused = backend_of(plan).part("rules").FINETUNE_REFUSED.get(ft.method)  # what the backend cannot train
+    refused = backend_of(plan).rules.FINETUNE_REFUSED.get(ft.method)  # what the backend cannot train
     if refused:
         raise UserInputError("--finetune", refused)
     if plan.precision == "fp8":

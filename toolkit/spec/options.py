@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic.fields import FieldInfo
 
-from toolkit.backends import NAMES
+from toolkit.spec.backends import NAMES
 from toolkit.numeric import FINITE, PositiveInt
 
 Backend = Literal[NAMES]  # the registry's backends (toolkit/backends/__init__.py)

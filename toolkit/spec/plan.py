@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.spec.finetune import FinetuneOptions, check_finetune, finetune_flag
 from toolkit.spec.model import ModelSpec
@@ -130,7 +130,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     global_batch = values["global_batch"] or micro * dp
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
-    backend.part("rules").fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
+    backend.rules.fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
     values["finetune"] = finetune_options(finetune)
     return validated(Plan, values, context={"model": model})
 
@@ -178,7 +178,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("dp", f"{p.dp} but gpus / ({sizes}) = {p.gpus // p.model_parallel}")
     _check_experts(p, model)
     check_sequence_split(p, model)
-    rules = backend_of(p).part("rules")
+    rules = backend_of(p).rules
     rules.check(p)
     _check_own_options(p, rules.FOREIGN)
     _check_recompute(p)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.backends import backend_of
+from toolkit.spec.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.generate.files import PLAN_FILE, recipe_settings
 from toolkit.readers import read_json, read_yaml
@@ -113,7 +113,7 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
     check_sequence_split(plan, model)  # DeepSpeed's Ulysses refuses these heads only once the model is built
     directory = plan_path.parent
     contents: dict = {}
-    readers = backend_of(plan).part("validate").READERS  # the generated files its training reads
+    readers = backend_of(plan).validate.READERS  # the generated files its training reads
     for name in record["files"]:
         if name in readers:
             field, read = readers[name]
@@ -158,7 +158,7 @@ def read_accelerate_yaml(path: Path, plan: Plan) -> dict:
 def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan) -> None:
     from toolkit.validate.accelerate_fsdp import accelerate_plan_view
 
-    problems = backend_of(plan).part("validate").accelerate_launch(config, plan.gpus, trainer)
+    problems = backend_of(plan).validate.accelerate_launch(config, plan.gpus, trainer)
     if problems:
         raise UserInputError(str(path), str(problems[0]))
     _check_view(path, accelerate_plan_view(config), plan)

@@ -10,7 +10,7 @@ import inspect
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
+from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.families.activations import MEGATRON_ACTIVATIONS
 from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS
 from toolkit.numeric import SEED_MAX

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-from toolkit.backends.backend import HFConversion
+from toolkit.spec.backend import HFConversion
 from toolkit.backends.deepspeed.zero_checkpoint import MASTER_KEYS, OPTIM_SUFFIX, open_zero_checkpoint, rank_files
 from toolkit.errors import UserInputError
 

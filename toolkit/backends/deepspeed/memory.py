@@ -11,19 +11,19 @@ from __future__ import annotations
 
 from toolkit.estimate.lora import finetune_counts
 from toolkit.estimate.memory import FP32, ModelStates, StageParams, frozen_base, optimizer_bytes
+from toolkit.spec.engine_settings import (  # the buckets the generated deepspeed.json sets
+    DS_ALLGATHER_BUCKET_ELEMENTS,
+    DS_OVERLAP_COMM,
+    DS_REDUCE_BUCKET_ELEMENTS,
+    DS_STAGE3_MAX_LIVE_PARAMETERS,
+    DS_STAGE3_PREFETCH_ELEMENTS,
+)
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
-DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
-DS_ALLGATHER_BUCKET_ELEMENTS = 500_000_000
-DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
-DS_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
 # ZeRO-3 keeps a parameter of at most this many elements gathered on every rank, next to its partition
 # (stage3_param_persistence_threshold, deepspeed/runtime/zero/config.py): LoRA's A and B matrices mostly are
 DS_STAGE3_PERSISTENCE_THRESHOLD = 100_000
-# ZeRO-1/2 allocate their gradient buckets at full reduce_bucket_size, twice with overlap_comm (double buffering,
-# stage_1_and_2.py setup_buckets); the generated configs turn overlap_comm on.
-DS_OVERLAP_COMM = True
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.backends.backend import HFConversion
+from toolkit.spec.backend import HFConversion
 from toolkit.checkpoint.dcp import check_dcp, dcp_contents
 from toolkit.compat.megatron_seams import torch_adam_distributed_load
 from toolkit.errors import UserInputError

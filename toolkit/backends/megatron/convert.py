@@ -54,7 +54,7 @@ def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int) -> None:
 def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                           padded_vocab: int | None = None) -> dict:
     """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec)."""
-    from toolkit.backends.megatron.memory import padded_vocab as megatron_padded_vocab
+    from toolkit.spec.engine_settings import megatron_padded_vocab
     from toolkit.families import megatron_fields
 
     sections = megatron_fields(hf_config)

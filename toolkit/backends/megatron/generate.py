@@ -30,6 +30,7 @@ def _megatron_args(ctx: GenerationContext) -> str:
 
 
 WRITERS = {"megatron.yaml": _megatron_yaml, "megatron_args.txt": _megatron_args}
+trainer_extras = None  # it trains no HF Trainer: no trainer_args.json
 
 
 def launch_variables(plan: Plan) -> dict[str, tuple[str, str]]:

@@ -8,6 +8,7 @@ docs/source/api-guide/dist_optimizer.md, "bf16 param, fp32 grads").
 from __future__ import annotations
 
 from toolkit.estimate.memory import FP32, ModelStates, StageParams, optimizer_bytes
+from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 
@@ -15,14 +16,7 @@ from toolkit.spec.plan import PRECISION_BYTES, Plan
 FP8_WEIGHT_CACHE_BYTES = 1
 
 
-# Megatron pads the vocabulary so each tensor-parallel shard is a multiple of this (--make-vocab-size-divisible-by).
-MEGATRON_VOCAB_DIVISIBLE_BY = 128
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Megatron pads the embedding and output layer's vocabulary to a multiple of 128 x tp."""
-    multiple = MEGATRON_VOCAB_DIVISIBLE_BY * tp
-    return -(-vocab_size // multiple) * multiple
+padded_vocab = megatron_padded_vocab  # the memory part's hook: Megatron pads to 128 x tp
 
 
 def saved_bytes_per_param(plan: Plan) -> int:

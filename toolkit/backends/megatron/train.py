@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+HF_PATH = None  # it trains Megatron-Core's modules in its own loop, not the HF Trainer's
+
 
 def train(run, recipe, output_dir, resume, deepspeed_json, updates, throughput, watch) -> dict:
     """train.py's entry (the same for every backend): the generated megatron.yaml trains."""
