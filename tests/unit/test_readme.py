@@ -77,13 +77,23 @@ def test_the_readme_links_one_page_per_area_and_every_page():
     assert pages <= linked, f"pages the README does not link: {sorted(pages - linked)}"
 
 
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 @pytest.mark.parametrize("page", [README, ROOT / "CONTRIBUTING.md", *sorted(DOCS.glob("*.md"))],
                          ids=lambda path: path.relative_to(ROOT).as_posix())
 def test_every_relative_link_of_a_page_resolves(page):
     for target in LINK.findall(page.read_text()):
-        if "://" in target or target.startswith("#"):
+        if "://" in target:
             continue
-        assert (page.parent / target.split("#")[0]).exists(), f"{page.name} links to a missing {target}"
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path) if path else page
+        assert linked.exists(), f"{page.name} links to a missing {target}"
+        if anchor:
+            assert anchor in anchors(linked), f"{page.name} links to {target}, a heading {linked.name} does not have"
 
 
 def toolkit_layout() -> str:
