@@ -199,7 +199,7 @@ def table(results: list[dict], params: int, steps: int, gpus: int = 0) -> str:
             lines.append(f"{BACKENDS[backend].label}: no ratio (the asynchronous run failed, above)")
         elif sync:
             lines.append(f"{BACKENDS[backend].label}: synchronous only (no asynchronous save runs under the HF "
-                         f"Trainer here; README, 'Checkpoints that do not stall')")
+                         f"Trainer here; docs/checkpoints.md, 'Checkpoints that do not stall')")
     return "\n".join(lines) + "\n"
 
 

@@ -82,7 +82,7 @@ class DataSection(_Strict):
     reset_position_ids: bool = Field(False, description="A blend's position ids restart at each end-of-document "
                                                         "token (GPTDataset's option).")
     reset_attention_mask: bool = Field(False, description="A blend's attention does not cross an end-of-document "
-                                                          "token (GPTDataset's option; see the README's Data section "
+                                                          "token (GPTDataset's option; see docs/data.md, 'Blends', "
                                                           "for where this is exact).")
     eod_mask_loss: bool = Field(False, description="No loss on a blend's end-of-document tokens (GPTDataset's "
                                                    "option).")
