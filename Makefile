@@ -38,7 +38,11 @@ test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -rfE $(LAUNCH_LANE) --durations=40 tests; launch=$$?; \
 	exit $$(( fast || launch ))
 
+# ruff's small rule set (pyproject.toml [tool.ruff]: unused imports, undefined names, import order), then the fast lane
+LINTED := toolkit tests benchmarks scripts
+
 check: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
 	$(TEST_ENV) $(PY) -m pytest -q -rfE $(FAST_LANE) --durations=5 tests
 
 clean:

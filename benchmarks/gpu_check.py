@@ -189,8 +189,9 @@ def long_context_case(name: str) -> dict:
             logits = owner.lm_head(x).float()
             return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
 
-        return TiledFusedLogitsLoss.apply(loss_fn, model, hidden[:, :-1], labels[:, 1:], None,
-                                          loss_tiles(spec, setup), [model.lm_head.weight], "mean")
+        # `model` is the enclosing function's, deleted below only after this has run
+        return TiledFusedLogitsLoss.apply(loss_fn, model, hidden[:, :-1], labels[:, 1:], None,  # noqa: F821
+                                          loss_tiles(spec, setup), [model.lm_head.weight], "mean")  # noqa: F821
 
     original = modeling_llama.LlamaMLP.forward
     if tiled:
