@@ -1,6 +1,6 @@
 """`dmt validate FILE --world-size N [--model M] [--trainer-args FILE]`: check a DeepSpeed JSON, an Accelerate FSDP
-config (accelerate.yaml, through `toolkit.cli.validate_accelerate`), a megatron.yaml (`toolkit.cli.validate_megatron`)
-or a Kubernetes manifest (`toolkit.cli.validate_k8s`) before launching."""
+config (accelerate.yaml), a megatron.yaml (`toolkit.cli.validate_megatron`) or a Kubernetes manifest before
+launching."""
 
 from __future__ import annotations
 
@@ -63,20 +63,16 @@ def run(args: argparse.Namespace) -> int:
         what = "an accelerate.yaml, a megatron.yaml or a Kubernetes manifest"
         documents = parse_yaml_documents(read_text(args.file, "FILE", what, "yaml"), args.file, "FILE", what)
         if is_manifest(documents):  # apiVersion and kind: a TrainJob, a JobSet, a PyTorchJob
-            from toolkit.cli import validate_k8s
-
-            return validate_k8s.run(args, documents)
+            return _manifest(args, documents)
         if len(documents) > 1:
             raise UserInputError("FILE", f"{args.file} holds {len(documents)} YAML documents, not all with apiVersion "
                                          f"and kind; expected {what}")
         _require_world_size(args)
         config = documents[0]
         if "distributed_type" in config:  # Accelerate's own config: its plugin classes and launch-time rules
-            from toolkit.cli import validate_accelerate
-
             if args.world_size < 1:
                 raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
-            return validate_accelerate.run(args, config)
+            return _accelerate(args, config)
         from toolkit.cli import validate_megatron
 
         return validate_megatron.run(args)
@@ -131,3 +127,33 @@ def report(args: argparse.Namespace, problems: list) -> int:
     else:
         print(f"{args.file}: valid for world size {args.world_size}")
     return 2 if problems else 0
+
+
+def _accelerate(args: argparse.Namespace, config: dict) -> int:
+    """An Accelerate config (accelerate.yaml: FSDP2's, or DeepSpeed's with its ParallelismConfig): `FILE: key:
+    message` per problem, exit 2 when any."""
+    from toolkit.readers import read_json
+    from toolkit.validate.accelerate_fsdp import validate_accelerate_deepspeed, validate_accelerate_fsdp
+
+    trainer = read_json(args.trainer_args, "--trainer-args", what="HF TrainingArguments as JSON") \
+        if args.trainer_args else None
+    # DeepSpeed's accelerate.yaml says nothing to check but its ParallelismConfig (Ulysses); without one it is the
+    # DeepSpeed JSON it names that `dmt validate` checks, as the FSDP check's line says
+    ulysses = config.get("distributed_type") == "DEEPSPEED" and config.get("parallelism_config")
+    check = validate_accelerate_deepspeed if ulysses else validate_accelerate_fsdp
+    return report(args, check(config, args.world_size, trainer))
+
+
+def _manifest(args: argparse.Namespace, documents: list[dict]) -> int:
+    """A Kubernetes manifest (a TrainJob, a JobSet or a PyTorchJob, as `dmt k8s render` writes them or by hand),
+    offline: `FILE: kind name: key: message` per problem, exit 2 when any."""
+    from toolkit.k8s.validate import validate_manifest
+    from toolkit.k8s.vendored import SCHEMAS, release
+
+    problems = validate_manifest(documents, args.world_size)
+    if problems or args.json:
+        return report(args, problems)
+    checked = {SCHEMAS[(d["apiVersion"], d["kind"])]: d["kind"] for d in documents}
+    against = "; ".join(f"{kind} of {release(file_name)}" for file_name, kind in checked.items())
+    print(f"{args.file}: valid ({against}); submit it with `kubectl apply -f {args.file}`")
+    return 0
