@@ -25,7 +25,7 @@ from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
 from toolkit.estimate.flops import model_flops_per_token
 from toolkit.estimate.memory import estimate_memory
 from toolkit.estimate.timing import step_time
-from toolkit.planner.report import recompute_label
+from toolkit.planner.predict import recompute_label
 from toolkit.planner.search import pipeline_splits, search
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import ModelSpec, load_model_spec

@@ -24,7 +24,7 @@ from toolkit.cli.main import main
 from toolkit.cli.train_tokens import parse_token_count
 from toolkit.estimate.device_peak import peak_flops
 from toolkit.estimate.flops import model_flops_per_token
-from toolkit.planner.report import plan_label
+from toolkit.planner.predict import plan_label
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import Plan

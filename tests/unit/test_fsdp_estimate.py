@@ -13,7 +13,7 @@ from toolkit.cli.main import main
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.params import count_params
-from toolkit.planner.report import plan_label
+from toolkit.planner.predict import plan_label
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan

@@ -123,7 +123,7 @@ def test_explain_names_the_ranks_the_states_are_sharded_over_with_the_sequence_s
     not over the 4 of dp_shard or dp, and the saving against one unsplit replica is 1 - 1/8."""
     from toolkit.estimate.comm import Network
     from toolkit.estimate.explain import explain_estimate
-    from toolkit.planner.report import predicted_record
+    from toolkit.planner.predict import predicted_record
 
     plan = resolve_plan(LLAMA_8B, 8, **options)
     entries = {e["component"]: e for e in explain_estimate(LLAMA_8B, predicted_record(

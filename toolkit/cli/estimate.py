@@ -41,7 +41,7 @@ def result(args: argparse.Namespace) -> Prediction | Longest:
     """What `dmt estimate` says of the model and plan its arguments name (what `--json` prints, and what `dmt explore`
     answers): the prediction, with training_time and explain when asked for; with --max-seq-len, the longest
     sequence the plan fits."""
-    from toolkit.planner.report import predicted_record
+    from toolkit.planner.predict import predicted_record
 
     if args.max_seq_len:
         return longest(args)
@@ -102,7 +102,7 @@ def print_report(report: Prediction) -> None:
 
     from toolkit.cli.console import console as make_console
     from toolkit.estimate.efficiency import EXECUTION_PATHS
-    from toolkit.planner.report import recompute_label
+    from toolkit.planner.predict import recompute_label
 
     plan, mem, params = report.plan, report.memory_bytes, report.params
     console = make_console()

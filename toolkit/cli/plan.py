@@ -48,7 +48,7 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     """The search `dmt plan`'s arguments ask for, its --top plans and why the other layouts were left out."""
     from toolkit.cli.common import build_network, calibration_for
     from toolkit.cli.options import FINETUNE, plan_overrides
-    from toolkit.planner.report import plan_record
+    from toolkit.planner.predict import plan_record
     from toolkit.planner.search import search
     from toolkit.spec.cluster import get_gpu
     from toolkit.spec.model import load_model_spec
@@ -109,7 +109,7 @@ def longest_results(args: argparse.Namespace) -> LongestPlans:
     from toolkit.cli.common import build_network, calibration_for, check_max_seq_len, plan_gpu
     from toolkit.cli.options import FINETUNE, plan_overrides
     from toolkit.planner.max_seq_len import longest_plans
-    from toolkit.planner.report import plan_label
+    from toolkit.planner.predict import plan_label
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.options import PlanOptions
     from toolkit.spec.plan import validated
@@ -232,7 +232,7 @@ def _print_table(model, args, gpu, record: RankedPlans) -> None:
 
     from toolkit.cli.common import calibration_line
     from toolkit.cli.console import console as make_console
-    from toolkit.planner.report import MFU_NOTE, plan_label
+    from toolkit.planner.predict import MFU_NOTE, plan_label
 
     console = make_console()
     console.print(f"[bold]{model.name}[/] on {args.gpus} x {gpu.name}, seq {args.seq_len}, global batch {args.global_batch}: "

@@ -76,7 +76,7 @@ def _print_table(reports, warmup: int) -> None:
 
     from toolkit.cli.common import calibration_line
     from toolkit.cli.console import console as make_console
-    from toolkit.planner.report import plan_label
+    from toolkit.planner.predict import plan_label
     from toolkit.spec.plan import Plan
 
     console = make_console()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from toolkit.estimate.memory import MemoryBreakdown
 from toolkit.outputs import save_figure
-from toolkit.planner.report import plan_label
+from toolkit.planner.predict import plan_label
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan

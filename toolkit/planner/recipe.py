@@ -61,7 +61,7 @@ def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration:
     (catalogue links, or a calibration's), and the model spec it was made for (so a run can be re-predicted);
     `record` one with more fields (`extra`: plan.json's PlanFile)."""
     from toolkit.estimate.comm import Network
-    from toolkit.planner.report import predicted_record
+    from toolkit.planner.predict import predicted_record
     from toolkit.spec.cluster import get_gpu, with_host_memory
 
     gpu = with_host_memory(get_gpu(recipe.cluster.gpu), recipe.cluster.host_memory_gb)

@@ -235,7 +235,7 @@ def calibration_runs(reports: list[RunReport], warmup: int, key: str = "RUN_DIR"
     """(the runs as `dmt calibrate` fits them, estimate.calibrate.MeasuredRun; the catalogue entry they trained on) of
     finished runs on one hardware; any other run, or runs on different hardware, is one line naming `key`."""
     from toolkit.estimate.calibrate import MeasuredRun, Observation
-    from toolkit.planner.report import plan_label
+    from toolkit.planner.predict import plan_label
 
     runs, hardware = [], {}
     for report in reports:
@@ -261,7 +261,7 @@ def repredict(report: RunReport, calibration) -> None:
     On the host entry the calibration brings its own peak: the measured MFU is restated against it, so measured and
     predicted MFU keep one denominator."""
     from toolkit.estimate.comm import Network
-    from toolkit.planner.report import predicted_record
+    from toolkit.planner.predict import predicted_record
     from toolkit.spec.prediction import PackedAttention
 
     if report.status == "damaged":  # nothing sound to re-predict; its status says why

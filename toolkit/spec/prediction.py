@@ -3,7 +3,7 @@
 plan came from. The JSON field names are contracts (scripts, the explorer's page, tests read them): a field is added
 here, never renamed.
 
-Typed here, below every layer that handles one; built by toolkit/planner/report.py; printed by the CLI, answered by `dmt explore`, written by `dmt generate`, all as
+Typed here, below every layer that handles one; built by toolkit/planner/predict.py; printed by the CLI, answered by `dmt explore`, written by `dmt generate`, all as
 `as_json()` of one of these, so every output of a prediction holds the same keys.
 """
 

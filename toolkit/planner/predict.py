@@ -1,4 +1,4 @@
-"""The one record of a model under a plan (toolkit/spec/prediction.py's Prediction), shared by `dmt estimate --json`,
+"""The prediction of a model under a plan (toolkit/spec/prediction.py's Prediction), shared by `dmt estimate --json`,
 `dmt plan --json`, plan.json and the prediction a run keeps (run_plan.json): the plan, its predicted memory, step
 time, tokens/s and MFU; and the short names the tables give a plan."""
 
