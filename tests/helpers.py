@@ -342,3 +342,9 @@ def launch_scheduler(config, log):
             return launch_group(nodeid)
 
     return LaunchGroups(config, log)
+
+
+# A hang guard of the fuzz files (test_fuzz_*.py), never a verdict on speed: it only ends a case that would otherwise
+# hang (a read without end, a blocked FIFO, a lost signal, a worker that never starts). A refusal of bad input takes
+# ~0.1-0.5 s in-process and ~3-5 s as a fresh `python -m toolkit` at load ~15 on 2 cores; 120 s is 24x the slowest.
+FUZZ_HANG_GUARD_S = 120

@@ -29,6 +29,11 @@ GRACE_S = 3.0  # after a hang or failure report: time for the ranks to exit by t
 # exit the interpreter, which took over 3 s at load ~20 on 2 cores (a healthy run then exited 1, its ranks killed);
 # the wait ends as soon as they have exited
 HEALTHY_EXIT_S = 60.0
+# A rank not started this long after the first one never started. Its interpreter and torch import come before its
+# first heartbeat and are no part of the check the deadline bounds: they took 22 s at load ~17 on 2 cores, the second
+# rank 1.5 s after the first (a healthy start with --deadline-s 4 was then reported as 'never started'). The ranks wait
+# for each other (at most this long) before their monitors start; `--nproc N` waits as long for every rank's first beat.
+START_S = 120.0
 Emit = Callable[[dict, object], None]  # (the report as JSON, a store client the calling thread may use)
 
 
@@ -64,6 +69,7 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
         report = incomplete(env.world_size, hosts, "hang", unresponsive, [], [], _snapshot(partial))
         emit(report.model_copy(update={"reported_by": env.rank}).as_json(), store)
 
+    _await_every_rank(job_store, env.world_size)
     watchdog = Watchdog(factory, env.rank, env.world_size, env.host, options.deadline_s, options.heartbeat_s,
                         report_hang, store_host_rank=None if env.agent_store else 0)
     watchdog.start()
@@ -117,6 +123,15 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
     watchdog.finish()
     dist.destroy_process_group()
     return verdict
+
+
+def _await_every_rank(store, world: int) -> None:
+    """Until every rank has come this far, or START_S has passed (then the monitors name the ranks missing)."""
+    key = f"{STORE_PREFIX}/started"
+    arrived, deadline = store.add(key, 1), time.monotonic() + START_S
+    while arrived < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+        arrived = store.add(key, 0)
 
 
 def _write_whole(path: Path, text: str) -> None:
@@ -235,7 +250,7 @@ def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
 
     nproc = len(procs)
     started = time.monotonic()
-    tracker = LivenessTracker(nproc, started)
+    tracker = None  # judged once every rank has started (or START_S has passed)
     # the ranks' own monitors report first; this one only when none of them could (every monitor rank stopped)
     backstop_s = options.deadline_s * 1.5 + 5
     reported_at = first_death = None
@@ -263,7 +278,12 @@ def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
             break  # a rank died and nobody reported it: the ranks left are stuck somewhere
         if reported_at is None:
             hosts = read_hosts(store, nproc) if None in hosts else hosts
-            own_hang = find_unresponsive(tracker.observe(read_beats(store, nproc), hosts, now), backstop_s)
+            beats = read_beats(store, nproc)
+            if tracker is None and (len(beats) == nproc or now - started > START_S):
+                # from now on, from the start for a rank never heard from
+                tracker = LivenessTracker(nproc, now if len(beats) == nproc else started)
+            if tracker is not None:
+                own_hang = find_unresponsive(tracker.observe(beats, hosts, now), backstop_s)
             if own_hang:
                 break
         time.sleep(0.1)
