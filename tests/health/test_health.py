@@ -19,7 +19,7 @@ from toolkit.health.analysis import find_slow_links, find_stragglers, find_suspe
 from toolkit.health.checks import match_gpu, parse_cpulist
 from toolkit.health.collectives import OPS, bandwidths, element_count, ring_pair_phases
 from toolkit.health.options import HealthOptions, rank_env
-from toolkit.health.report import judge, thresholds_for
+from toolkit.health.report import HealthReport, incomplete, judge, thresholds_for
 from toolkit.runtime.watchdog import Beat, LivenessTracker, Observation, find_unresponsive, parse_beat
 
 DMT = [sys.executable, "-m", "toolkit"]
@@ -199,6 +199,20 @@ def test_judge_holds_gpus_to_the_catalogue():
     one_each = [r | {"visible_devices": 1, "gpu_uuid": f"GPU-{i}", "matmul_gflops": 700e3} for i, r in enumerate(ranks)]
     bandwidth = {"intra_node_busbw_gbps": 400.0, "inter_node_busbw_gbps": None}
     assert judge(one_each, {}, bandwidth, [], HealthOptions()).ok  # srun --gpus-per-task=1: one GPU each is right
+
+
+def test_the_report_reads_back_as_it_was_written():
+    """Every report has the same keys in the same order (a rank's report ends with who wrote it); only a GPU rank's
+    facts name its GPU; JSON read back and written again is unchanged."""
+    ranks = [{"host": "a", "pid": 7, "device": "cpu", "matmul_ms": 1.0, "matmul_gflops": 1.0, "env": {},
+              "memory_check": None}] * 2
+    complete = judge(ranks, {}, {"intra_node_busbw_gbps": None}, [], HealthOptions()).model_copy(
+        update={"reported_by": 0}).as_json()
+    cut = incomplete(2, ["a", None], "failure", [], [{"rank": 1, "host": None, "how": "exited with code 1"}], []).as_json()
+    assert list(complete) == [*cut, "reported_by"] and cut["thresholds"] == {} and complete["thresholds"]["source"]
+    assert complete["ranks"][1] == {"rank": 1, **ranks[1]}  # nothing added, a null measured kept
+    for report in (complete, cut):
+        assert HealthReport.model_validate_json(json.dumps(report)).as_json() == report
 
 
 def test_sizes_read_like_nccl_tests():
