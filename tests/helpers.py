@@ -342,3 +342,10 @@ def launch_scheduler(config, log):
             return launch_group(nodeid)
 
     return LaunchGroups(config, log)
+
+
+# A hang guard of the fuzz files (test_fuzz_*.py), never a verdict on speed: it only ends a case that would otherwise
+# hang (a read without end, a blocked FIFO, a lost signal, a worker that never starts). A refusal of bad input takes
+# under 1 s in-process, ~3-5 s as a fresh `python -m toolkit`, and the slowest case (YAML nested 100000 deep) took
+# 10.6 s at load ~16 on 2 cores, past the former 10 s assert: 120 s is 11x that.
+FUZZ_HANG_GUARD_S = 120

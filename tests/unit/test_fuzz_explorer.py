@@ -12,7 +12,7 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from helpers import calibration_data
+from helpers import FUZZ_HANG_GUARD_S, calibration_data
 from toolkit.cli.main import main
 from toolkit.explore.form import options
 from toolkit.explore.launch_files import REQUEST_KEYS
@@ -114,7 +114,7 @@ def test_a_calibration_path_in_the_request_is_never_opened(client, ranked, tmp_p
             done: list = []
             worker = threading.Thread(target=lambda: done.append(client.post(endpoint.split()[0], json=request(path))))
             worker.start()
-            worker.join(timeout=30)
+            worker.join(timeout=FUZZ_HANG_GUARD_S)
             if worker.is_alive():  # it opened the FIFO: let it go, then fail
                 with open(fifo, "w"):
                     pass

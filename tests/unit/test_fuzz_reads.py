@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from helpers import FUZZ_HANG_GUARD_S
 from test_fuzz_verbs import RECIPE_TEXT
 from toolkit.cli.main import main
 from toolkit.readers import MAX_DEPTH, SIZE_LIMITS, read_yaml
 
-SECONDS = 20  # a refusal takes well under one; the child is killed past this
+SECONDS = FUZZ_HANG_GUARD_S  # the child is killed past this: a hang guard, no verdict on speed
 HEADROOM = 2 * 2**30  # address space the child may add to what it forked with (importing torch maps 0.6 GiB)
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
@@ -63,12 +64,11 @@ def _dmt(argv: list[str]) -> tuple[int, list[str], float]:
 
 
 def _refused(argv: list[str], *names: str) -> str:
-    """Run dmt and check it refused in one line naming `names`, quickly; that line."""
+    """Run dmt and check it refused in one line naming `names` (within SECONDS, or the child is killed); that line."""
     code, err, seconds = _dmt(argv)
     text = "\n".join(err)
     assert code == 2 and len(err) == 1 and "Traceback" not in text, (code, text)
     assert all(str(name) in text for name in names), (names, text)
-    assert seconds < 10, (seconds, text)
     return text
 
 

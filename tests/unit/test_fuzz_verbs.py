@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY
+from helpers import FUZZ_HANG_GUARD_S, TINY
 from toolkit.cli.main import main
 
 DATA_TOKENIZER = str(TINY.parents[1] / "tests" / "data" / "tokenizer")
@@ -467,7 +467,8 @@ def test_tables_read_through_a_pipe_keep_every_value_whole(tmp_path):
     for argv in (["estimate", "--model", str(deep), "--gpus", "2", "--seq-len", "128"],
                  ["plan", "--model", str(deep), "--gpus", "16", "--seq-len", "128", "--global-batch", "16",
                   "--top", "20"]):
-        result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True,
+                                timeout=FUZZ_HANG_GUARD_S)
         assert result.returncode == 0, result.stderr
         assert deep.name in result.stdout and "…" not in result.stdout, result.stdout
 
@@ -486,7 +487,8 @@ def test_validate_and_generate_read_through_a_pipe_keep_every_path_whole(tmp_pat
     for argv, says in ((["generate", str(recipe), "--out", str(deep / "gen")], f"wrote {deep / 'gen' / 'launch.sh'}"),
                        (["validate", str(deep / "gen" / "deepspeed.json"), "--world-size", "2"],
                         f"{deep / 'gen' / 'deepspeed.json'}: valid for world size 2")):
-        result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True,
+                                timeout=FUZZ_HANG_GUARD_S)
         assert result.returncode == 0, result.stderr
         assert says in result.stdout.splitlines() or any(line.strip() == says for line in result.stdout.splitlines()), \
             result.stdout

@@ -39,7 +39,8 @@ class HealthOptions:
     gpu: str | None = None
     """Catalogue GPU for the default thresholds; None: recognised from the device name."""
     pid_dir: str | None = None
-    """Each rank writes rank<N>.pid here (operators attaching a debugger; tests stopping a rank)."""
+    """Each rank writes rank<N>.pid here once its heartbeat runs, and rank<N>.step naming each step as it enters it
+    (operators attaching a debugger; tests stopping a rank at a known point)."""
     heartbeat_s: float = 0.25
     """Heartbeat period of every rank; the monitors read at the same rate."""
 

@@ -1,35 +1,15 @@
-"""The `dmt health` report: thresholds (catalogue defaults, flags on top), the verdict, and its JSON schema.
+"""The `dmt health` report: thresholds (catalogue defaults, flags on top), the verdict, and the report as typed models.
 
-JSON schema (`dmt health --json`; `dmt plan --measured-bw` reads `bandwidth`):
-  ok             bool: healthy against every threshold; the exit code is 0 only then
-  phase          "complete" | "hang" (a rank stopped moving) | "failure" (a rank died or a collective raised)
-  world_size     int;  hosts: [str] distinct node names in rank order;  reported_by: rank that wrote it
-  gpu            catalogue GPU the default thresholds came from, or null (CPU, or an unknown device)
-  ranks          [{rank, host, pid, device, local_world_size, cpu_affinity ("0-3,8"), cpu_count, numa_nodes,
-                   numa_node_count, env {NCCL_*, TORCH_NCCL_*, GLOO_*, ...}, matmul_ms, matmul_gflops, matmul_size,
-                   matmul_dtype, memory_check (null = passed or not applicable), on GPUs also gpu_name, gpu_uuid,
-                   gpu_serial, gpu_pci, gpu_numa_node, visible_devices, memory_bytes, matmul_fraction_of_peak}]
-  collectives    {op: {size: {bytes, time_s, algbw_gbps, busbw_gbps, correct}}} for op in all_reduce, all_gather,
-                   reduce_scatter, broadcast, sendrecv; size = the requested bytes as a string; bytes = S as
-                   nccl-tests counts it; time_s = mean of one op; GB/s = 1e9 bytes/s
-  bandwidth      {intra_node_busbw_gbps, inter_node_busbw_gbps, size_bytes, per_host_intra_node_busbw_gbps {host: v}}:
-                   all_reduce busbw at the largest size, intra = the slowest node; null where not measured
-                   (one rank per node, one node, one rank)
-  links          [{src, dst, src_host, dst_host, tier ("intra"|"inter"), gbps, correct}]: ring links r <-> r+1
-  slow_links     links judged slow, with median_gbps and why;  slow_nodes [{host, busbw_gbps, others_median_gbps}]
-  suspects       [{rank (or null), host, why}]: what explains the slow links
-  stragglers     [{rank, host, matmul_ms, others_median_ms, ratio}]
-  unresponsive   [{rank, host, step, silent_s, reason}]: stopped, never started, or never arrived at a collective
-  died           [{rank, host, how}]: exited or killed before the check finished
-  problems       [str]: one line per failed check (empty when ok);  warnings [str]: worth a look, not failures
-  thresholds     {straggler_factor, min_intra_busbw_gbps, min_inter_busbw_gbps, min_matmul_fraction, peak_gflops,
-                   expected_devices (GPUs every rank must see: --expect-devices, else the ranks per node unless each
-                   rank sees exactly one), deadline_s, source}
+`dmt health --json` prints HealthReport.as_json(); `dmt plan --measured-bw` reads its `bandwidth`. The JSON keys are a
+contract (scripts and `dmt plan` read them): a field is added here, never renamed.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_serializer
 
 from toolkit.health import analysis
 
@@ -47,8 +27,188 @@ class Thresholds:
     min_matmul_fraction: float | None
     peak_gflops: float | None
     expected_devices: int | None
+    """GPUs every rank must see: --expect-devices, else the ranks per node unless each rank sees exactly one."""
     deadline_s: float
     source: str
+
+
+class _Part(BaseModel):
+    """A part of the report. Keys in `only_when_given` are written only when the code that built it set them (a
+    GPU's facts on a GPU rank, `reported_by` on a rank's report), so a null written is a null measured."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    only_when_given: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _leave_out_what_was_not_given(self, handler):
+        data = handler(self)
+        for name in self.only_when_given:
+            if name not in self.model_fields_set:
+                data.pop(name, None)
+        return self._written(data)
+
+    def _written(self, data: dict) -> dict:
+        return data
+
+    def as_json(self) -> dict:
+        """The report as JSON types, keys in the order of the fields."""
+        return self.model_dump(mode="json")
+
+
+class RankFacts(_Part):
+    """What one rank measured and saw (toolkit/health/checks.py host_facts, memory_check; matmul_benchmark)."""
+
+    only_when_given = ("gpu_name", "gpu_uuid", "visible_devices", "memory_bytes", "gpu_serial", "gpu_pci",
+                       "gpu_numa_node", "matmul_fraction_of_peak", "pid", "cpu_affinity", "cpu_count", "numa_nodes",
+                       "numa_node_count", "local_world_size", "memory_check", "matmul_size", "matmul_dtype")
+
+    rank: int
+    host: str
+    pid: int | None = None
+    device: str
+    cpu_affinity: str | None = None
+    """The CPUs this rank may run on, as taskset prints them: "0-3,8"."""
+    cpu_count: int | None = None
+    numa_nodes: list[int] | None = None
+    numa_node_count: int | None = None
+    env: dict[str, str] = {}
+    """NCCL_*, TORCH_NCCL_*, GLOO_*, ... as this rank saw them."""
+    gpu_name: str | None = None
+    gpu_uuid: str | None = None
+    visible_devices: int | None = None
+    memory_bytes: int | None = None
+    gpu_serial: str | None = None
+    gpu_pci: str | None = None
+    gpu_numa_node: int | None = None
+    local_world_size: int | None = None
+    memory_check: str | None = None
+    """The failed allocation in one line; null: passed, or not applicable (CPU)."""
+    matmul_ms: float
+    matmul_gflops: float
+    matmul_size: int | None = None
+    matmul_dtype: str | None = None
+    matmul_fraction_of_peak: float | None = None
+
+
+class Collective(_Part):
+    """One op at one size: `bytes` is S as nccl-tests counts it; time_s the mean of one op; GB/s = 1e9 bytes/s."""
+
+    bytes: int
+    time_s: float
+    algbw_gbps: float
+    busbw_gbps: float
+    correct: bool
+
+
+class Bandwidth(_Part):
+    """all_reduce busbw at the largest size, intra = the slowest node; null where not measured (one rank per node,
+    one node, one rank)."""
+
+    intra_node_busbw_gbps: float | None = None
+    inter_node_busbw_gbps: float | None = None
+    size_bytes: int | None = None
+    per_host_intra_node_busbw_gbps: dict[str, float] = {}
+
+
+class Link(_Part):
+    """A ring link r <-> r+1 (collectives.measure_links); a slow one also says why (analysis.find_slow_links)."""
+
+    only_when_given = ("median_gbps", "why")
+
+    src: int
+    dst: int
+    gbps: float
+    correct: bool = True
+    src_host: str
+    dst_host: str
+    tier: Literal["intra", "inter"]
+    median_gbps: float | None = None
+    why: str | None = None
+
+
+class SlowNode(_Part):
+    host: str
+    busbw_gbps: float
+    others_median_gbps: float | None
+    floor_gbps: float | None
+
+
+class Suspect(_Part):
+    """What explains the slow links: a rank (both its ring links slow) or a node (rank null)."""
+
+    rank: int | None
+    host: str
+    why: str
+
+
+class Straggler(_Part):
+    rank: int
+    host: str
+    matmul_ms: float
+    others_median_ms: float
+    ratio: float
+
+
+class Unresponsive(_Part):
+    """Stopped, never started, or never arrived at a collective (toolkit/runtime/watchdog.py find_unresponsive)."""
+
+    rank: int
+    host: str | None
+    step: str | None = None
+    silent_s: float
+    reason: str
+
+
+class Died(_Part):
+    """Exited or killed before the check finished."""
+
+    rank: int
+    host: str | None
+    how: str
+
+
+class HealthReport(_Part):
+    """The report of one `dmt health` run (`--json`, `--output`); `ok` decides the exit code (0 only when ok)."""
+
+    only_when_given = ("reported_by",)
+
+    ok: bool
+    phase: Literal["complete", "hang", "failure"]
+    """complete; hang: a rank stopped moving; failure: a rank died or a collective raised."""
+    world_size: int
+    hosts: list[str]
+    """Distinct node names in rank order."""
+    gpu: str | None = None
+    """The catalogue GPU the default thresholds came from; null on CPU or for an unknown device."""
+    ranks: list[RankFacts] = []
+    collectives: dict[str, dict[str, Collective]] = {}
+    """{op: {requested size in bytes as a string: the op at that size}} for op in collectives.OPS."""
+    bandwidth: Bandwidth = Bandwidth()
+    links: list[Link] = []
+    slow_links: list[Link] = []
+    slow_nodes: list[SlowNode] = []
+    suspects: list[Suspect] = []
+    stragglers: list[Straggler] = []
+    unresponsive: list[Unresponsive] = []
+    died: list[Died] = []
+    problems: list[str] = []
+    """One line per failed check (empty when ok)."""
+    warnings: list[str] = []
+    """Worth a look, not failures."""
+    thresholds: Thresholds | None = None
+    """What healthy meant for this run; {} in the JSON of a run that could not finish."""
+    reported_by: int | None = None
+    """The rank that wrote it; absent when the spawning `dmt health --nproc` wrote it (no rank could)."""
+
+    @field_validator("thresholds", mode="before")
+    @classmethod
+    def _none_when_empty(cls, value: Any) -> Any:
+        return None if value == {} else value
+
+    def _written(self, data: dict) -> dict:
+        if data.get("thresholds") is None:
+            data["thresholds"] = {}
+        return data
 
 
 def thresholds_for(options, gpu, cuda: bool, local_world_size: int | None) -> Thresholds:
@@ -112,7 +272,7 @@ def _rank_problems(ranks: list[dict], limits: Thresholds, options) -> tuple[list
     return problems, warnings + analysis.env_differences(ranks)
 
 
-def judge(ranks: list[dict], collectives: dict, bandwidth: dict, links: list[dict], options) -> dict:
+def judge(ranks: list[dict], collectives: dict, bandwidth: dict, links: list[dict], options) -> HealthReport:
     """The full report of a run that completed on every rank."""
     cuda = any(facts["device"].startswith("cuda") for facts in ranks)
     gpu = resolve_gpu(options, ranks)
@@ -144,40 +304,29 @@ def judge(ranks: list[dict], collectives: dict, bandwidth: dict, links: list[dic
         problems.append(f"intra-node all_reduce busbw {intra:.2f} GB/s below the floor {limits.min_intra_busbw_gbps:g}")
     if limits.min_inter_busbw_gbps is not None and inter is not None and inter < limits.min_inter_busbw_gbps:
         problems.append(f"inter-node all_reduce busbw {inter:.2f} GB/s below the floor {limits.min_inter_busbw_gbps:g}")
-    return {
-        "ok": not problems, "phase": "complete", "world_size": len(ranks), "hosts": list(dict.fromkeys(hosts)),
-        "gpu": gpu.name if gpu is not None else None,
-        "ranks": [{"rank": rank, **facts} for rank, facts in enumerate(ranks)],
-        "collectives": collectives, "bandwidth": bandwidth, "links": links, "slow_links": slow_links,
-        "slow_nodes": slow_nodes, "suspects": suspects, "stragglers": stragglers, "unresponsive": [], "died": [],
-        "problems": problems, "warnings": warnings, "thresholds": asdict(limits),
-    }
+    return HealthReport(
+        ok=not problems, phase="complete", world_size=len(ranks), hosts=list(dict.fromkeys(hosts)),
+        gpu=gpu.name if gpu is not None else None, ranks=[{"rank": rank, **facts} for rank, facts in enumerate(ranks)],
+        collectives=collectives, bandwidth=bandwidth, links=links, slow_links=slow_links, slow_nodes=slow_nodes,
+        suspects=suspects, stragglers=stragglers, problems=problems, warnings=warnings, thresholds=limits)
 
 
 def incomplete(world: int, hosts: list[str | None], phase: str, unresponsive: list[dict], died: list[dict],
-               problems: list[str], collectives: dict | None = None) -> dict:
+               problems: list[str], collectives: dict | None = None) -> HealthReport:
     """The report of a run that could not finish: who stopped, who died, and what was measured until then."""
-    names = [h for h in dict.fromkeys(hosts) if h]
     lines = [f"rank {u['rank']} ({u.get('host') or '?'}) unresponsive for {u['silent_s']} s: {u['reason']} "
              f"(step '{u.get('step')}')" for u in unresponsive]
     lines += [f"rank {d['rank']} ({d.get('host') or '?'}) died: {d['how']}" for d in died]
-    return {"ok": False, "phase": phase, "world_size": world, "hosts": names, "gpu": None, "ranks": [],
-            "collectives": collectives or {},
-            "bandwidth": {"intra_node_busbw_gbps": None, "inter_node_busbw_gbps": None, "size_bytes": None,
-                          "per_host_intra_node_busbw_gbps": {}},
-            "links": [], "slow_links": [], "slow_nodes": [], "suspects": [], "stragglers": [],
-            "unresponsive": unresponsive, "died": died, "problems": lines + problems, "warnings": [], "thresholds": {}}
+    return HealthReport(ok=False, phase=phase, world_size=world, hosts=[h for h in dict.fromkeys(hosts) if h],
+                        collectives=collectives or {}, unresponsive=unresponsive, died=died, problems=lines + problems)
 
 
-def add_deaths(report: dict, died: list[dict]) -> dict:
+def add_deaths(report: HealthReport, died: list[dict]) -> HealthReport:
     """Fold in ranks a launcher saw exit (it knows the signal); they are no longer 'unresponsive'."""
-    known = {d["rank"]: d for d in report.get("died", [])}
-    for death in died:
-        known[death["rank"]] = death
+    known = {d.rank: d for d in report.died} | {d["rank"]: Died(**d) for d in died}
     dead = set(known)
-    report["died"] = [known[rank] for rank in sorted(known)]
-    report["unresponsive"] = [u for u in report.get("unresponsive", []) if u["rank"] not in dead]
-    lines = [line for line in report.get("problems", []) if not any(line.startswith(f"rank {r} ") for r in dead)]
-    report["problems"] = [f"rank {d['rank']} ({d.get('host') or '?'}) died: {d['how']}" for d in report["died"]] + lines
-    report["ok"] = False
-    return report
+    lines = [line for line in report.problems if not any(line.startswith(f"rank {r} ") for r in dead)]
+    deaths = [known[rank] for rank in sorted(known)]
+    return report.model_copy(update={
+        "ok": False, "died": deaths, "unresponsive": [u for u in report.unresponsive if u.rank not in dead],
+        "problems": [f"rank {d.rank} ({d.host or '?'}) died: {d.how}" for d in deaths] + lines})

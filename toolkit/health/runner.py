@@ -29,7 +29,12 @@ GRACE_S = 3.0  # after a hang or failure report: time for the ranks to exit by t
 # exit the interpreter, which took over 3 s at load ~20 on 2 cores (a healthy run then exited 1, its ranks killed);
 # the wait ends as soon as they have exited
 HEALTHY_EXIT_S = 60.0
-Emit = Callable[[dict, object], None]  # (report, a store client the calling thread may use)
+# A rank not started this long after the first one never started. Its interpreter and torch import come before its
+# first heartbeat and are no part of the check the deadline bounds: they took 22 s at load ~17 on 2 cores, the second
+# rank 1.5 s after the first (a healthy start with --deadline-s 4 was then reported as 'never started'). The ranks wait
+# for each other (at most this long) before their monitors start; `--nproc N` waits as long for every rank's first beat.
+START_S = 120.0
+Emit = Callable[[dict, object], None]  # (the report as JSON, a store client the calling thread may use)
 
 
 def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
@@ -62,44 +67,53 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
         for entry in unresponsive:
             entry["host"] = entry["host"] or hosts[entry["rank"]]
         report = incomplete(env.world_size, hosts, "hang", unresponsive, [], [], _snapshot(partial))
-        emit(report | {"reported_by": env.rank}, store)
+        emit(report.model_copy(update={"reported_by": env.rank}).as_json(), store)
 
+    _await_every_rank(job_store, env.world_size)
     watchdog = Watchdog(factory, env.rank, env.world_size, env.host, options.deadline_s, options.heartbeat_s,
                         report_hang, store_host_rank=None if env.agent_store else 0)
     watchdog.start()
     if options.pid_dir:  # written once the heartbeat runs: whoever reads it may stop or kill a rank that is being watched
-        Path(options.pid_dir, f"rank{env.rank}.pid").write_text(str(os.getpid()))
+        _write_whole(Path(options.pid_dir, f"rank{env.rank}.pid"), str(os.getpid()))
+
+    def step(name: str, uniform: bool = True) -> None:
+        """Enter the next step: the heartbeat names it, and so does rank<N>.step in --pid-dir (whoever stops or kills
+        a rank there knows where it is)."""
+        watchdog.step(name, uniform)
+        if options.pid_dir:
+            _write_whole(Path(options.pid_dir, f"rank{env.rank}.step"), name)
+
     previous_term = signal.signal(signal.SIGTERM, raise_terminated)
     sizes, iters = options.sizes_for(cuda), options.iters_for(cuda)
     try:
-        watchdog.step("init_process_group")
+        step("init_process_group")
         dist.init_process_group("nccl" if cuda else "gloo", store=PrefixStore("pg", job_store), rank=env.rank,
                                 world_size=env.world_size)  # the default timeout: the watchdog, not it, names hangs
-        watchdog.step("host facts and memory")
+        step("host facts and memory")
         facts = checks.host_facts(env.host, device) | {"local_world_size": env.local_world_size}
         facts["memory_check"] = checks.memory_check(device, options.mem_fraction)
-        watchdog.step("matmul benchmark")
+        step("matmul benchmark")
         facts.update(matmul_benchmark(device, options.matmul_seconds))
         bandwidth: dict = {"intra_node_busbw_gbps": None, "inter_node_busbw_gbps": None, "size_bytes": max(sizes),
                            "per_host_intra_node_busbw_gbps": {}}
         links: list[dict] = []
         if env.world_size > 1:
-            collectives.sweep(sizes, iters, env.world_size, env.rank, device, watchdog.step, partial)
-            watchdog.step("hosts")
+            collectives.sweep(sizes, iters, env.world_size, env.rank, device, step, partial)
+            step("hosts")
             hosts: list = [None] * env.world_size
             dist.all_gather_object(hosts, env.host)
-            links = collectives.measure_links(env.world_size, env.rank, device, max(sizes), iters, watchdog.step)
-            bandwidth.update(_bandwidth(partial, hosts, env.rank, device, max(sizes), iters, watchdog.step))
-        watchdog.step("gather facts")
+            links = collectives.measure_links(env.world_size, env.rank, device, max(sizes), iters, step)
+            bandwidth.update(_bandwidth(partial, hosts, env.rank, device, max(sizes), iters, step))
+        step("gather facts")
         watchdog.store.set(f"facts/{env.rank}", json.dumps(facts))
         dist.barrier()
         if env.rank == 0:
             per_rank = [json.loads(watchdog.store.get(f"facts/{r}")) for r in range(env.world_size)]
-            report = judge(per_rank, partial, bandwidth, links, options) | {"reported_by": 0}
+            report = judge(per_rank, partial, bandwidth, links, options).model_copy(update={"reported_by": 0})
             if watchdog.claim_report():  # a monitor may have claimed it first (a hang at the last moment)
-                emit(report, watchdog.store)
-            watchdog.store.set("verdict", "0" if report["ok"] else "1")
-        watchdog.step("final barrier")
+                emit(report.as_json(), watchdog.store)
+            watchdog.store.set("verdict", "0" if report.ok else "1")
+        step("final barrier")
         dist.barrier()
         verdict = int(watchdog.store.get("verdict"))
     except Exception as exc:  # a peer died, the launcher is ending the job, or a collective failed
@@ -109,6 +123,22 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
     watchdog.finish()
     dist.destroy_process_group()
     return verdict
+
+
+def _await_every_rank(store, world: int) -> None:
+    """Until every rank has come this far, or START_S has passed (then the monitors name the ranks missing)."""
+    key = f"{STORE_PREFIX}/started"
+    arrived, deadline = store.add(key, 1), time.monotonic() + START_S
+    while arrived < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+        arrived = store.add(key, 0)
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Replace `path` at once: a reader sees the old text or the new, never an empty or half-written file."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def _device_index(local_rank: int, visible: int) -> int:
@@ -154,7 +184,7 @@ def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, em
         reason = f"rank {env.rank} ({env.host}) in step '{watchdog.step_name}': {type(exc).__name__}: " \
                  f"{(str(exc).splitlines() or [''])[0][:200]}"
         report = incomplete(env.world_size, hosts, "failure", [], died, [reason], _snapshot(partial))
-        emit(report | {"reported_by": env.rank}, watchdog.store)
+        emit(report.model_copy(update={"reported_by": env.rank}).as_json(), watchdog.store)
         watchdog.report_written()
     else:
         watchdog.wait_for_report()
@@ -167,7 +197,7 @@ def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, em
 
 
 def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
-    """Run the check on `nproc` local ranks; (report, exit code). Ranks that die are reported, never waited on.
+    """Run the check on `nproc` local ranks; (report as JSON, exit code). Ranks that die are reported, never waited on.
 
     This process hosts the TCPStore (not rank 0), so any rank, rank 0 included, can be stopped or die and the others
     still report; it sees every exit and its signal; and its own reading of the heartbeats is the last resort when
@@ -207,19 +237,20 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
                             [] if own_hang or died else ["no rank produced a report"])
     if died:
         report = add_deaths(report, died)
-    healthy = report.get("ok") and all(code == 0 or rank in done for rank, code in exits.items())
-    return report, 0 if healthy and len(exits) == nproc else 1
+    healthy = report.ok and all(code == 0 or rank in done for rank, code in exits.items())
+    return report.as_json(), 0 if healthy and len(exits) == nproc else 1
 
 
 def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
     """Until every rank has exited, or a report is in and the ranks that can exit have, or nobody reports a rank's
     death or a hang the ranks' monitors cannot see: (beats, the ranks' report or None, hosts, this process's own
     reading of a hang). `exits` fills with each rank's exit code as it is seen."""
+    from toolkit.health.report import HealthReport
     from toolkit.runtime.watchdog import LivenessTracker, find_unresponsive, read_beats, read_hosts
 
     nproc = len(procs)
     started = time.monotonic()
-    tracker = LivenessTracker(nproc, started)
+    tracker = None  # judged once every rank has started (or START_S has passed)
     # the ranks' own monitors report first; this one only when none of them could (every monitor rank stopped)
     backstop_s = options.deadline_s * 1.5 + 5
     reported_at = first_death = None
@@ -236,9 +267,9 @@ def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
                     first_death = now
         if reported_at is None and store.check([REPORT_KEY]):
             reported_at = now
-            written = json.loads(store.get(REPORT_KEY))
-            stuck = {u["rank"] for u in written.get("unresponsive", [])}
-            grace_s = HEALTHY_EXIT_S if written.get("ok") else GRACE_S
+            written = HealthReport.model_validate_json(store.get(REPORT_KEY))
+            stuck = {u.rank for u in written.unresponsive}
+            grace_s = HEALTHY_EXIT_S if written.ok else GRACE_S
         if len(exits) == nproc or (reported_at is not None and now - reported_at > grace_s):
             break
         if reported_at is not None and set(range(nproc)) <= set(exits) | stuck:
@@ -247,12 +278,17 @@ def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
             break  # a rank died and nobody reported it: the ranks left are stuck somewhere
         if reported_at is None:
             hosts = read_hosts(store, nproc) if None in hosts else hosts
-            own_hang = find_unresponsive(tracker.observe(read_beats(store, nproc), hosts, now), backstop_s)
+            beats = read_beats(store, nproc)
+            if tracker is None and (len(beats) == nproc or now - started > START_S):
+                # from now on, from the start for a rank never heard from
+                tracker = LivenessTracker(nproc, now if len(beats) == nproc else started)
+            if tracker is not None:
+                own_hang = find_unresponsive(tracker.observe(beats, hosts, now), backstop_s)
             if own_hang:
                 break
         time.sleep(0.1)
     beats = read_beats(store, nproc)
-    report = json.loads(store.get(REPORT_KEY)) if store.check([REPORT_KEY]) else None
+    report = HealthReport.model_validate_json(store.get(REPORT_KEY)) if store.check([REPORT_KEY]) else None
     hosts = read_hosts(store, nproc)
     return beats, report, hosts, own_hang
 
