@@ -119,9 +119,10 @@ def launch_watched(cmd: list[str], log: Path, act, changes: dict | None = None, 
     return process.returncode
 
 
-def processes_with_env(name: str, value: str, grace_s: float = 5.0) -> list[int]:
+def processes_with_env(name: str, value: str, grace_s: float = 60.0) -> list[int]:
     """The pids still alive, after at most `grace_s`, whose environment has name=value (what a launch gave its ranks
-    and everything they started: nothing of a finished job may outlive it)."""
+    and everything they started: nothing of a finished job may outlive it). It returns as soon as none is left, so
+    the bound only decides a process that never exits (a loaded machine can take seconds to reap one)."""
     import time
 
     needle = f"{name}={value}".encode()

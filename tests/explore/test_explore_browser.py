@@ -67,8 +67,9 @@ def page(server, tmp_path_factory):
 
 
 def settle(driver, timeout=30):
-    """Wait until no change is scheduled and no request is in flight."""
-    time.sleep(0.05)
+    """Wait until no change is scheduled and no request is in flight. No sleep first: the page counts a change as
+    scheduled in the input event's own handler (app.js `window.explorer.scheduled`), which WebDriver has run before
+    its call returns, so `busy()` is already true for it here."""
     WebDriverWait(driver, timeout, poll_frequency=0.05).until(
         lambda d: d.execute_script("return window.explorer !== undefined && !window.explorer.busy()"))
 
