@@ -98,16 +98,18 @@ def torch_adam_distributed_load(optimizer):
             inner.__dict__.pop("_set_main_param_and_optimizer_states", None)
 
 
-def chained_step(optimizer, proceed: Callable[[float], bool], before_update: Callable[[], None]) -> tuple[float, bool]:
+def chained_step(optimizer, read_norm: Callable[[object], float], proceed: Callable[[float], bool],
+                 before_update: Callable[[], None]) -> tuple[float, bool]:
     """Megatron-Core's optimizer step as ChainedOptimizer.step of 0.16.1 runs it (main gradients prepared, one global
     norm, each optimizer's gradients clipped by it, the update), with `proceed(grad_norm)` asked between the norm and
-    the clipping: the update runs only if it says so, after `before_update()`. The norm is inf where prepare_grads
-    found a non-finite gradient (fp16's grad scaler; step() returns before the norm there). Left out of step(): the
-    count of zero gradients (log_num_zeros_in_grad), which the toolkit does not log. Returns (norm, updated)."""
+    the clipping: the update runs only if it says so, after `before_update()`. The norm is get_grad_norm's as
+    `read_norm` reads it on the host, or inf where prepare_grads found a non-finite gradient (fp16's grad scaler;
+    step() returns before the norm there). Left out of step(): the count of zero gradients (log_num_zeros_in_grad),
+    which the toolkit does not log. Returns (norm, updated)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     found_inf = optimizer.prepare_grads()
-    grad_norm = float("inf") if found_inf else float(optimizer.get_grad_norm())  # a host float in 0.16 already
+    grad_norm = float("inf") if found_inf else read_norm(optimizer.get_grad_norm())
     if not proceed(grad_norm):
         return grad_norm, False
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):

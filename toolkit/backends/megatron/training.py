@@ -256,6 +256,7 @@ def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) 
     the save in flight, then reloads); an update first waits for a background save's copy of the state
     (`saves.handed_over`)."""
     from toolkit.compat.megatron_seams import chained_step
+    from toolkit.runtime.guard import read_grad_norm
 
     def proceed(grad_norm: float) -> bool:
         verdict = guard.judge(step, loss, grad_norm)
@@ -266,7 +267,7 @@ def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) 
         guard.act(step, verdict, data_sha)
         return False
 
-    grad_norm, updated = chained_step(setup.optimizer, proceed, saves.handed_over)
+    grad_norm, updated = chained_step(setup.optimizer, read_grad_norm, proceed, saves.handed_over)
     if updated:
         setup.scheduler.step(increment=1)
     return grad_norm
