@@ -18,6 +18,8 @@ SEAMS = [
          "the engine's step, which reads the ZeRO optimizer's `overflow` after its step and counts the step as "
          "skipped (was_step_applied() false, no scheduler step): drop_zero_step makes that check see non-finite "
          "gradients; DeepSpeed has no API to drop a step whose gradients are finite"),
+    Seam("deepspeed", "deepspeed.runtime.engine.DeepSpeedEngine._take_model_step.overflow", kind="in_source",
+         why="the optimizer's `overflow` that _take_model_step reads to decide that a step was not applied"),
     Seam("deepspeed", f"{_ZERO12}.overflow", kind="in_source",
          why="ZeRO 1/2's verdict on the step's gradients, which _take_model_step reads (drop_zero_step)"),
     Seam("deepspeed", f"{_ZERO12}.check_grad_overflow", kind="in_source",
