@@ -9,8 +9,8 @@ import types
 
 from toolkit.compat import Seam
 
-# the private torch functions and tables pickles name that checkpoint/safe_load.py's allow-lists let through: torch.save's
-# tensor and parameter rebuilders, and DCP metadata's memory-format table and layout lookup
+# the private torch functions and tables pickles name that checkpoint/safe_load.py's allow-lists let through:
+# torch.save's tensor and parameter rebuilders, and DCP metadata's memory-format table and layout lookup
 PICKLED_TENSOR_REBUILDERS = ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
                              "torch._tensor._rebuild_from_type_v2")
 PICKLED_DCP_METADATA = ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", "torch.serialization._get_layout")
