@@ -90,10 +90,10 @@ def test_logged_loss_share_on_transformers_without_the_scaling_override():
 
     from transformers import Trainer
 
-    from toolkit.backends.hf_guard import _as_logged
+    from toolkit.compat.transformers_seams import loss_as_logged
 
     assert hasattr(Trainer, "loss_is_scaled_for_ga")  # this venv's transformers has the override
     old = dict(model_accepts_loss_kwargs=True, compute_loss_func=None, current_gradient_accumulation_steps=4)
-    assert _as_logged(SimpleNamespace(**old), 8.0, num_items_in_batch=100) == 8.0  # normalized by the model
-    assert _as_logged(SimpleNamespace(**old), 8.0, num_items_in_batch=None) == 2.0
-    assert _as_logged(SimpleNamespace(**old, loss_is_scaled_for_ga=False), 8.0, num_items_in_batch=100) == 2.0
+    assert loss_as_logged(SimpleNamespace(**old), 8.0, num_items_in_batch=100) == 8.0  # normalized by the model
+    assert loss_as_logged(SimpleNamespace(**old), 8.0, num_items_in_batch=None) == 2.0
+    assert loss_as_logged(SimpleNamespace(**old, loss_is_scaled_for_ga=False), 8.0, num_items_in_batch=100) == 2.0

@@ -160,3 +160,39 @@ def test_tiled_loss_keeps_what_training_tiled_loss_saves():
     assert measured[False] - measured[True] > seq * 8000 * 4  # the fp32 logits really went
     assert estimated[False] - estimated[True] == pytest.approx(measured[False] - measured[True], rel=0.10)
     assert estimated[True] == pytest.approx(measured[True], rel=0.10), (estimated, measured)
+
+
+def test_tiled_mlps_train_as_the_untiled_ones_and_refuse_a_forward_they_cannot_tile():
+    """Training's tile_mlps (through toolkit.compat.deepspeed_seams.tile_forward, DeepSpeed's TiledMLP): the same loss
+    and gradients as the untiled model, in 4 tiles of a 512-token sequence at hidden size 128; an MLP whose forward
+    takes more than x is refused naming the plan key."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.backends.long_context import tile_mlps
+
+    config = AutoConfig.for_model("llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=512, vocab_size=1000, pad_token_id=0)
+    ids = torch.randint(0, 1000, (1, 512))
+    runs = []
+    for tiled in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+        if tiled:
+            assert tile_mlps(model) == 2
+            assert all("forward" in vars(layer.mlp) for layer in model.get_decoder().layers)  # the instances' own
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, plain_grads), (tiled, tiled_grads) = runs
+    torch.testing.assert_close(tiled, plain)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(tiled_grads[name], grad, msg=name)
+
+    class TwoInputs(torch.nn.Module):
+        def forward(self, x, mask):
+            return x
+
+    model.get_decoder().layers[0].mlp = TwoInputs()
+    with pytest.raises(UserInputError, match="plan.tiled_mlp"):
+        tile_mlps(model)

@@ -15,7 +15,8 @@ A skipped step is dropped the way each engine supports:
 - under DeepSpeed the optimizer step runs inside that backward (Accelerate's DeepSpeedEngineWrapper), and DeepSpeed
   drops a step whose gradients are not finite by itself (its overflow check, on for ZeRO 1-3 with bf16 and fp16): no
   parameter, optimizer state or learning-rate step, `was_step_applied()` false. A NaN loss gets there on its own; a
-  spike has finite gradients, and DeepSpeed has no API to drop such a step: the one seam, _deepspeed_overflow.
+  spike has finite gradients, and DeepSpeed has no API to drop such a step: the one seam,
+  toolkit.compat.deepspeed_seams.drop_zero_step.
 A rollback's step is applied (or dropped) as the engine decides; the reload that follows replaces it: HF Trainer's own
 resume functions load the latest verified checkpoint in place, HF's step counter and its data loader go on, so the
 steps since that checkpoint, and their data, are dropped. DeepSpeed's engine gets its counters back from the checkpoint
@@ -29,6 +30,8 @@ import math
 from pathlib import Path
 
 from toolkit.backends.loop import BatchFingerprints, StepGuard
+from toolkit.compat.deepspeed_seams import drop_zero_step
+from toolkit.compat.transformers_seams import loss_as_logged
 from toolkit.runtime import faults
 from toolkit.runtime.guard import Verdict, read_grad_norm
 
@@ -60,7 +63,7 @@ class TrainerGuard:
         factor = faults.loss_factor(step)
         if factor is not None:
             loss = loss * factor
-        self.micro.append(_as_logged(trainer, loss.detach().float().reshape(()), num_items_in_batch))
+        self.micro.append(loss_as_logged(trainer, loss.detach().float().reshape(()), num_items_in_batch))
         if len(self.micro) < trainer.current_gradient_accumulation_steps:
             return loss
         values = torch.stack(self.micro).cpu().double().tolist()
@@ -76,7 +79,7 @@ class TrainerGuard:
             return loss
         verdict = self._act(step, verdict)  # `stop` raises here, before the backward
         if verdict.action == "skip" and _engine(trainer) is not None and math.isfinite(self.loss):
-            return _deepspeed_overflow(loss)
+            return drop_zero_step(loss)  # a skipped spike: DeepSpeed drops it as it drops an overflow
         return loss
 
     def on_grad_norm(self, trainer, norm):
@@ -136,26 +139,6 @@ class HeldSchedule:
 
     def __getattr__(self, name):
         return getattr(self.schedule, name)
-
-
-def _deepspeed_overflow(loss):
-    """The one seam: DeepSpeed (0.19) has no API to drop an optimizer step whose gradients are finite; its only drop
-    is the overflow check inside engine.step() (the ZeRO optimizer's `overflow`, then `skipped_steps` and
-    `was_step_applied()`), which Accelerate's DeepSpeedEngineWrapper.backward runs right after this backward. A
-    skipped loss spike therefore back-propagates a non-finite loss, so that DeepSpeed's check sees non-finite
-    gradients and drops the step its own way (only for on_nan: skip; a NaN loss needs nothing, a rollback reloads)."""
-    return loss * float("nan")
-
-
-def _as_logged(trainer, loss, num_items_in_batch):
-    """A micro-batch's share of the step's loss as HF Trainer's training_step returns it (and then sums for its
-    log): divided by the accumulation steps unless the loss already is (HF's own test, transformers 5; the
-    `loss_is_scaled_for_ga` override is newer than 5.17, which has the test alone)."""
-    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
-    if scaled is None:
-        scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) \
-            or trainer.compute_loss_func is not None
-    return loss if scaled else loss / trainer.current_gradient_accumulation_steps
 
 
 def _engine(trainer):

@@ -9,9 +9,10 @@ import contextlib
 import json
 import logging
 import os
-import types
 from pathlib import Path
 
+from toolkit.compat.deepspeed_seams import tile_forward
+from toolkit.compat.torch_seams import replace_forward
 from toolkit.estimate.long_context import LOSS_TILE_BYTES, loss_tile_count, sequence_tiles
 
 log = logging.getLogger(__name__)
@@ -63,20 +64,10 @@ def _decoder_layers(model):
 def tile_mlps(model) -> int:
     """Every decoder layer's MLP computed by DeepSpeed's TiledMLP: the sequence in sequence_tiles() tiles, each MLP
     forward recomputed in backward tile by tile, so no [seq, ffn] intermediate is held. Returns the layers tiled."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
     hidden = model.config.get_text_config().hidden_size
     tiled = 0
     for layer in _decoder_layers(model):
-        mlp = layer.mlp
-        untiled = type(mlp).forward
-
-        def forward(self, x, _untiled=untiled):
-            tiles = _agreed(sequence_tiles(x.shape[-2], hidden), x.device)
-            params = [p for p in self.parameters() if p.requires_grad]
-            return TiledMLP.apply(_untiled, self, x, tiles, params)
-
-        mlp.forward = types.MethodType(forward, mlp)
+        tile_forward(layer.mlp, lambda x: _agreed(sequence_tiles(x.shape[-2], hidden), x.device))
         tiled += 1
     return tiled
 
@@ -101,7 +92,9 @@ def tile_loss(model, tile_bytes: int = LOSS_TILE_BYTES) -> None:
     otherwise), so the Trainer's gradient accumulation and Ulysses' per-rank weighting apply unchanged.
 
     Not TiledFusedLogitsLoss: it runs lm_head's backward inside forward with an incoming gradient of 1, so whatever
-    multiplies the loss afterwards (1/accumulation steps, Ulysses' token weighting) never reaches lm_head's gradient."""
+    multiplies the loss afterwards (1/accumulation steps, Ulysses' token weighting) never reaches lm_head's gradient.
+    The model's forward and HF's loss it stands in for are seams (toolkit.compat.transformers_seams): checked against
+    the installed transformers, the loss by a digest of its code."""
     import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -133,7 +126,7 @@ def tile_loss(model, tile_bytes: int = LOSS_TILE_BYTES) -> None:
             items = items.to(total.device)
         return CausalLMOutputWithPast(loss=total / items, logits=None, past_key_values=outputs.past_key_values)
 
-    model.forward = types.MethodType(forward, model)
+    replace_forward(model, forward)
 
 
 def ulysses_gradient(loss, sp: int):

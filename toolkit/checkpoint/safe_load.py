@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from toolkit.compat.stdlib_seams import python3_name
+from toolkit.compat.torch_seams import PICKLED_DCP_METADATA, PICKLED_TENSOR_REBUILDERS
 from toolkit.errors import UserInputError
 from toolkit.readers import one_line, problem
 
@@ -44,19 +45,17 @@ _TORCH_VALUES = frozenset({f"torch.{name}" for name in STORAGES + DTYPES} | {"to
 
 # a torch.save archive of tensors in containers: torch's tensor and parameter rebuilders, Python's containers and the
 # bytes encoding of pickle protocol 2 (what torch.save writes)
-TENSORS = _TORCH_VALUES | {
-    "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "torch._tensor._rebuild_from_type_v2",
+TENSORS = _TORCH_VALUES | set(PICKLED_TENSOR_REBUILDERS) | {
     "torch.Tensor", "collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode",
 }
-DCP_METADATA = _TORCH_VALUES | {
+DCP_METADATA = _TORCH_VALUES | set(PICKLED_DCP_METADATA) | {
     *(f"torch.distributed.checkpoint.metadata.{name}" for name in (
         "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+        "TensorProperties", "StorageMeta")),
     "torch.distributed.checkpoint.filesystem._StorageInfo",
     # Megatron-Core's save planner keeps each rank's plan in the metadata (to reuse it on the next save)
     *(f"torch.distributed.checkpoint.planner.{name}" for name in (
         "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")),
-    "torch.serialization._get_layout",  # TensorProperties' layout, by name
     "pathlib.PosixPath",  # StorageMeta.checkpoint_id
     "collections.OrderedDict",
 }

@@ -22,7 +22,9 @@ SEAMS = [
     Seam("megatron-core", "megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator._communicate",
          "the one transport method of the schedules' send/receive helpers: overridden to record the transfers a rank "
          "posts and waits for, so that the schedule's own order can be replayed with transfer times; no public hook "
-         "observes a schedule's point-to-point calls"),
+         "observes a schedule's point-to-point calls",
+         parameters=("self", "tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape",
+                     "wait_on_reqs")),
 ]
 
 # (source rank, destination rank, "act" | "grad", n-th such tensor between the two): both ends name it alike

@@ -1,10 +1,12 @@
 """Megatron-Core's seams outside the CPU layer: two fixes of 0.16 as shipped, each applied only where it is needed
 (the MoE router without Transformer Engine; the distributed optimizer's load with torch's AdamW), each undone or
-harmless on the path that does not need it."""
+harmless on the path that does not need it; and ChainedOptimizer.step's order, replicated with the guard's verdict
+between the gradient norm and the update."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from toolkit.compat import Seam
 
@@ -21,6 +23,17 @@ SEAMS = [
          "wrapped on the optimizer instance during a load, to hand through the Adam `step` restored from the param "
          "groups, which a fully_reshardable checkpoint leaves out and a dp_reshardable one gives as the fresh "
          "optimizer's 0 (torch_adam_distributed_load); no public hook runs per parameter there"),
+    Seam("megatron-core", "megatron.core.optimizer.optimizer.ChainedOptimizer.step",
+         "replicated by chained_step (from megatron-core 0.16.1) through its public parts, with the guard's verdict "
+         "between the gradient norm and the update: step() has no hook there. A change of its code (the digest) "
+         "means the replica must be compared with it again",
+         source_sha256="db95dd373681606be09ac0d5e0fae651a668ef3aa3923705035051b3ce2348bb"),
+    *(Seam("megatron-core", f"megatron.core.optimizer.optimizer.MegatronOptimizer.{name}",
+           "a public part of ChainedOptimizer.step that chained_step calls as step() does") for name in (
+        "prepare_grads", "get_grad_norm", "get_parameters", "step_with_ready_grads")),
+    Seam("megatron-core", "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+         "the clipping ChainedOptimizer.step applies per optimizer, called by chained_step with its keywords",
+         parameters=("parameters", "max_norm", "total_norm", "use_decoupled_grad")),
 ]
 
 
@@ -83,3 +96,27 @@ def torch_adam_distributed_load(optimizer):
     finally:
         for inner in inners:  # back to the class's method
             inner.__dict__.pop("_set_main_param_and_optimizer_states", None)
+
+
+def chained_step(optimizer, read_norm: Callable[[object], float], proceed: Callable[[float], bool],
+                 before_update: Callable[[], None]) -> tuple[float, bool]:
+    """Megatron-Core's optimizer step as ChainedOptimizer.step of 0.16.1 runs it (main gradients prepared, one global
+    norm, each optimizer's gradients clipped by it, the update), with `proceed(grad_norm)` asked between the norm and
+    the clipping: the update runs only if it says so, after `before_update()`. The norm is get_grad_norm's as
+    `read_norm` reads it on the host, or inf where prepare_grads found a non-finite gradient (fp16's grad scaler;
+    step() returns before the norm there). Left out of step(): the count of zero gradients (log_num_zeros_in_grad),
+    which the toolkit does not log. Returns (norm, updated)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float("inf") if found_inf else read_norm(optimizer.get_grad_norm())
+    if not proceed(grad_norm):
+        return grad_norm, False
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        parameters = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+        if parameters and inner.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    before_update()
+    optimizer.step_with_ready_grads()
+    return grad_norm, True

@@ -1,12 +1,29 @@
 """torch's private API the toolkit reaches into: DCP's storage entry, FSDP2's parameter groups, c10d's collective
-counter and NCCL flight recorder, the autograd engine's Python entry point (for Megatron-Core's CPU layer), and the
-dispatch mode that counts live tensor bytes (toolkit/estimate/measure.py)."""
+counter and NCCL flight recorder, the autograd engine's Python entry point (for Megatron-Core's CPU layer), the
+dispatch mode that counts live tensor bytes (toolkit/estimate/measure.py), a module's forward replaced on the instance,
+and the private functions a torch.save archive or a DCP .metadata names (checkpoint/safe_load.py allows them)."""
 
 from __future__ import annotations
 
+import types
+
 from toolkit.compat import Seam
 
+# the private torch functions and tables pickles name that checkpoint/safe_load.py's allow-lists let through:
+# torch.save's tensor and parameter rebuilders, and DCP metadata's memory-format table and layout lookup
+PICKLED_TENSOR_REBUILDERS = ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
+                             "torch._tensor._rebuild_from_type_v2")
+PICKLED_DCP_METADATA = ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", "torch.serialization._get_layout")
 SEAMS = [
+    *(Seam("torch", name, "named by the pickles torch.save writes (every tensor, every parameter); "
+                          "checkpoint/safe_load.py allows the name, so a torch that drops it reads no checkpoint")
+      for name in PICKLED_TENSOR_REBUILDERS),
+    *(Seam("torch", name, "named by the pickle of DCP's .metadata (TensorProperties' memory format and layout); "
+                          "checkpoint/safe_load.py allows the name") for name in PICKLED_DCP_METADATA),
+    Seam("torch", "torch.nn.modules.module.Module._call_impl.forward", kind="in_source",
+         why="a module call looks its forward up on the instance at every call: replace_forward's forward, set on the "
+             "instance, is what runs (the class, shared by every model, is left alone), also under the engines' "
+             "wrappers, which call the module"),
     Seam("torch", "torch.distributed.checkpoint.filesystem._StorageInfo",
          "the storage entry (file, offset, length) of each chunk in DCP's .metadata: Megatron's dist_writer.py writes "
          "one chunk at a time itself (torch's keeps a file's chunks in memory), and DCP's FileSystemReader and "
@@ -45,6 +62,11 @@ SEAMS = [
          "whether a torch function mode is already on (the backward wrapper must not push it twice); torch.overrides "
          "has no public query of the active modes"),
 ]
+
+
+def replace_forward(module, forward) -> None:
+    """`forward(self, ...)` runs for this module instead of its class's forward (what its calls reach)."""
+    module.forward = types.MethodType(forward, module)
 
 
 def storage_entry(file_name: str, offset: int, length: int):

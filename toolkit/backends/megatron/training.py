@@ -250,34 +250,26 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
 
 def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) -> float:
     """Megatron-Core's optimizer step with the guard's verdict between the gradient norm and the update; returns the
-    norm. The step is ChainedOptimizer.step of megatron-core 0.16.1 through its public parts (prepare_grads,
-    get_grad_norm, clip_grad_by_total_norm_fp32, step_with_ready_grads): its one global norm, which clipping needs
-    anyway (a non-finite gradient anywhere makes it inf or nan), is the guard's one look at the gradients. A verdict
-    leaves the update and the scheduler step out (`stop` raises first; a rollback waits for the save in flight, then
-    reloads); an update first waits for a background save's copy of the state (`saves.handed_over`)."""
-    import math
-
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
+    norm. The step is ChainedOptimizer.step's own order (toolkit.compat.megatron_seams.chained_step): its one global
+    norm, which clipping needs anyway (a non-finite gradient anywhere makes it inf or nan), is the guard's one look at
+    the gradients. A verdict leaves the update and the scheduler step out (`stop` raises first; a rollback waits for
+    the save in flight, then reloads); an update first waits for a background save's copy of the state
+    (`saves.handed_over`)."""
+    from toolkit.compat.megatron_seams import chained_step
     from toolkit.runtime.guard import read_grad_norm
 
-    optimizer = setup.optimizer
-    found_inf = optimizer.prepare_grads()  # main gradients ready; with fp16's grad scaler, its overflow check
-    grad_norm = math.inf if found_inf else read_grad_norm(optimizer.get_grad_norm())
-    verdict = guard.judge(step, loss, grad_norm)
-    if verdict.action is not None:
+    def proceed(grad_norm: float) -> bool:
+        verdict = guard.judge(step, loss, grad_norm)
+        if verdict.action is None:
+            return True
         if verdict.action == "rollback":  # the save in flight, once complete, is the checkpoint to go back to
             saves.wait(step)
         guard.act(step, verdict, data_sha)
-        return grad_norm
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        parameters = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
-        if parameters and inner.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
-                                         use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-    saves.handed_over()  # a background save's copy of the state finished before the update changes it
-    optimizer.step_with_ready_grads()
-    setup.scheduler.step(increment=1)
+        return False
+
+    grad_norm, updated = chained_step(setup.optimizer, read_grad_norm, proceed, saves.handed_over)
+    if updated:
+        setup.scheduler.step(increment=1)
     return grad_norm
 
 
