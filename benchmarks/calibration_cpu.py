@@ -146,7 +146,7 @@ def one_run_loop(runs: dict[str, Path], work: Path) -> dict[str, dict] | None:
     return report(others, calibration)
 
 
-def one_run_markdown(loop: dict[str, dict]) -> list[str]:
+def one_run_markdown(loop: dict[str, dict], machine: dict) -> list[str]:
     lines = ["", f"## The demo's loop: a calibration fitted on one run ({DEMO_FIT}), the other runs predicted with it",
              "", f"`make demo` calibrates on its first run (the tiny recipe as it stands: micro-batch 4, ZeRO-2) and "
              f"predicts its next launch of that plan with it. Here `dmt calibrate` on {DEMO_FIT} alone (one run: the "
@@ -166,10 +166,13 @@ def one_run_markdown(loop: dict[str, dict]) -> list[str]:
     if DEMO_NEXT in loop:
         demo = loop[DEMO_NEXT]
         worst = max((abs(loop[n]["error"]["step_time"]) for n in others), default=None)
-        lines.append(f"{HELD_OUT_LINE} (one run's, as `make demo` fits it; this table, a 2-core VM): "
+        worst_text = "-" if worst is None else f"{worst:.0%}"
+        lines.append(f"{HELD_OUT_LINE} (one run's, as `make demo` fits it; benchmarks/calibration_cpu.md, "
+                     f"{machine['cores']} cores at load {machine['load_before'].split()[0]}-"
+                     f"{machine['load_after'].split()[0]}): "
                      f"{_pct(demo['error']['step_time'])} on the next launch of the plan it was fitted on "
                      f"(uncalibrated {_pct(demo['launch_prediction']['step_time_error'])}); on the other plans of "
-                     f"its path median |error| {_median_abs(loop, others)}, worst {'-' if worst is None else f'{worst:.0%}'}.")
+                     f"its path median |error| {_median_abs(loop, others)}, worst {worst_text}.")
     return lines
 
 
@@ -258,7 +261,7 @@ def markdown(machine: dict, predictions: dict[str, dict], loo: dict[str, dict], 
                      f"{_pct(o['error']['step_time'])} | {_num(r['predicted']['step_time_s'])} | "
                      f"{_pct(r['error']['step_time'])} |")
     if one_run:
-        lines += one_run_markdown(one_run)
+        lines += one_run_markdown(one_run, machine)
     return "\n".join(lines) + "\n"
 
 

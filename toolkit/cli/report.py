@@ -117,7 +117,8 @@ def _against_launch(r) -> str:
     """One line: how close the re-prediction came, beside what the run's launch predicted (dmt report --calibration)."""
     launch = r.launch_prediction
     how = "uncalibrated" if not launch["calibration"] else f"calibrated by {launch['calibration']['file']}"
-    return (f"step time {_number(r.measured['step_time_s'], '.3g')} s measured; predicted "
-            f"{_with_error(r.predicted['step_time_s'], '.3g', r.error['step_time'], ' s')} with the calibration, "
+    measured = r.measured["step_time_s"]
+    head = "step time predicted " if measured is None else f"step time {measured:.3g} s measured; predicted "
+    return (f"{head}{_with_error(r.predicted['step_time_s'], '.3g', r.error['step_time'], ' s')} with the calibration, "
             f"{_with_error(launch['step_time_s'], '.3g', launch['step_time_error'], ' s')} at its launch ({how}, "
             f"run_plan.json)")
