@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job end to end on CPU: estimate, plan, generate, train on 2 ranks and report the run against its
-# prediction, verify, convert, restore-test; then
+# prediction, calibrate on that run, verify, convert, restore-test and predict its reference run with the calibration;
+# then
 # the same recipe shape on Megatron-Core at TP=2 and its checkpoint back to HF; then QLoRA fine-tuning and merge-lora.
 # Run through `make demo` (which creates .venv first). Everything goes under runs/demo.
 set -euo pipefail
@@ -39,6 +40,9 @@ deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/config/plan.json" --output-
   || { tail -30 "$OUT/train.log"; exit 1; }
 losses "$OUT/run" "trained {steps} steps: loss"
 dmt report "$OUT/run"
+echo "   dmt calibrate: the step-time model fitted to this run (one run: the compute scale alone); step 7 predicts the"
+echo "   next launch of this plan with it"
+dmt calibrate "$OUT/run" --out "$OUT/calibration.yaml"
 
 echo; echo "== 5. dmt ckpt verify / inspect the latest checkpoint"
 LATEST="$OUT/run/$(cat "$OUT/run/latest")"
@@ -55,6 +59,10 @@ print('HF model loads; loss on a sentence:', round(float(model(input_ids=ids, la
 
 echo; echo "== 7. dmt restore-test: kill after a save, resume, compare to the bit"
 dmt restore-test --recipe recipes/tiny-llama-cpu.yaml --steps 10 --save-at 5 --workdir "$OUT/restore"
+echo "   dmt report --calibration: the restore test's reference run (step 4's plan, launched again) predicted with the"
+echo "   calibration fitted on step 4's run, beside what its launch predicted uncalibrated; how close to expect:"
+sed -n 's/^Held-out error of the CPU calibration/   &/p' benchmarks/calibration_cpu.md
+dmt report "$OUT/restore/reference" --calibration "$OUT/calibration.yaml"
 
 echo; echo "== 8. Megatron-Core at TP=2 from prepared tokens: dmt data prepare the tiny corpus (with the tokenizer"
 echo "      step 4 trained), the Megatron recipe on that blend, dmt generate, the generated launch.sh (torchrun, gloo)"

@@ -10,7 +10,15 @@ import yaml
 
 from helpers import TINY
 from toolkit.cli.main import main
-from toolkit.estimate.calibrate import Observation, PathFit, best_fixed_cost, fit_compute_scales, fit_paths, provisional
+from toolkit.estimate.calibrate import (
+    STRADDLE,
+    Observation,
+    PathFit,
+    best_fixed_cost,
+    fit_compute_scales,
+    fit_paths,
+    provisional,
+)
 from toolkit.estimate.comm import ACHIEVABLE_BUS_FRACTION, Network
 from toolkit.estimate.device_peak import host_matmul_tflops, peak_flops
 from toolkit.estimate.efficiency import EXECUTION_PATHS, HF
@@ -139,6 +147,39 @@ def test_a_calibration_books_every_run_and_each_paths_residuals():
     assert calibration.residuals["hf"].runs == 3 and calibration.residuals["megatron-te"].runs == 1
     assert calibration.residuals["hf"].max_abs_error < 1e-3
     assert calibration.created and calibration.machine["host"] and calibration.machine["python"]
+
+
+def straddle_zero(errors: list[float]) -> bool:
+    """The bound the fit guarantees on the runs it was fitted on (toolkit/estimate/calibrate.py STRADDLE)."""
+    return min(errors) <= STRADDLE and max(errors) >= -STRADDLE
+
+
+@pytest.mark.parametrize("distortion, exact", [
+    ((1.0, 1.0), True),  # two runs the model makes: scale and fixed cost fit both
+    ((1.03, 0.98), True),  # two runs, another rate and a smaller fixed cost fit both
+    ((1.6, 0.7), False),  # the smaller micro-batch far slower: a negative fixed cost would fit; 0 and the scale alone
+    ((1.1, 0.85, 1.3), False),  # three runs no two figures fit
+])
+def test_the_fitted_runs_errors_straddle_zero_and_two_runs_fit_exactly(distortion, exact):
+    """Step times the model made at known figures, distorted as a real machine's might be: what `dmt calibrate`
+    records of the runs it saw (fit_calibration) is held to the bound the least-squares fit guarantees, not to how
+    close the uncalibrated model happened to be."""
+    from toolkit.estimate.calibrate import MeasuredRun, fit_calibration
+
+    plans = [_plan(zero=2, micro_batch=m, seq_len=256, global_batch=32) for m in (1, 2, 4)][:len(distortion)]
+    made = _made_by({"hf": PathFit(0.42, fixed_step_s=0.35)}, plans)
+    runs = [MeasuredRun(Observation(o.model, o.plan, o.measured_step_time_s * factor), f"runs/{i}", f"label {i}", 7)
+            for i, (o, factor) in enumerate(zip(made, distortion))]
+    calibration = fit_calibration(runs, H100, None, warmup=3)
+    errors = [run.error_after for run in calibration.runs]
+    assert straddle_zero(errors), errors
+    if exact:
+        assert max(abs(e) for e in errors) <= STRADDLE, errors
+    else:
+        assert max(abs(e) for e in errors) > 0.01  # the bound holds where no fit is exact, too
+    assert calibration.residuals["hf"].max_abs_error == max(abs(e) for e in errors)
+    fixed = calibration.efficiency["hf"].fixed_step_s
+    assert (fixed == pytest.approx(0, abs=1e-6)) == (distortion == (1.6, 0.7))  # clamped at 0 exactly there
 
 
 def test_the_best_fixed_cost_is_never_negative():
@@ -318,6 +359,10 @@ def test_a_host_peak_measured_under_load_does_not_cap_the_fit():
         1.5 * observations[2].measured_step_time_s
     fits, peak, raised = fit_host_paths(observations, cpu, measured)
     assert raised > 1 and peak == {"bf16": pytest.approx(0.1 * raised)}
+    # the figures that made the runs, recovered: the fixed cost, and the rate as the scale times the peak it
+    # multiplies (the runs tell only the product apart; the peak is raised and the scale lowered by one factor)
+    assert fits["hf"].compute_scale * peak["bf16"] == pytest.approx(1.5 * 0.8, rel=1e-6)
+    assert fits["hf"].fixed_step_s == pytest.approx(0.01, abs=1e-9 * observations[0].measured_step_time_s * 100)
     fitted = provisional("cpu", fits, peak, None)
     for o in observations:
         assert step_time(LLAMA_1B, o.plan, cpu, network, calibration=fitted).total_s == pytest.approx(

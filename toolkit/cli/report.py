@@ -58,9 +58,12 @@ def _number(value, form: str) -> str:
     return "-" if value is None else format(value, form)
 
 
+def _with_error(value, form: str, error=None, unit: str = "") -> str:
+    return _number(value, form) + unit + (f" ({error:+.0%})" if error is not None else "")
+
+
 def _pair(measured, predicted, form: str, error=None) -> str:
-    text = f"{_number(measured, form)} / {_number(predicted, form)}"
-    return text + (f" ({error:+.0%})" if error is not None else "")
+    return f"{_number(measured, form)} / {_with_error(predicted, form, error)}"
 
 
 def _checkpoints(summary: dict) -> str:
@@ -106,3 +109,16 @@ def _print_table(reports, warmup: int) -> None:
         if r.measured["mfu"] is None and r.status == "completed":
             notes.append("MFU not measured: the device that ran has no catalogue peak (a CPU run of a GPU recipe)")
         console.print(f"{r.run_dir}: " + "; ".join(notes))
+        if r.launch_prediction is not None:
+            console.print(f"{r.run_dir}: {_against_launch(r)}")
+
+
+def _against_launch(r) -> str:
+    """One line: how close the re-prediction came, beside what the run's launch predicted (dmt report --calibration)."""
+    launch = r.launch_prediction
+    how = "uncalibrated" if not launch["calibration"] else f"calibrated by {launch['calibration']['file']}"
+    measured = r.measured["step_time_s"]
+    head = "step time predicted " if measured is None else f"step time {measured:.3g} s measured; predicted "
+    return (f"{head}{_with_error(r.predicted['step_time_s'], '.3g', r.error['step_time'], ' s')} with the calibration, "
+            f"{_with_error(launch['step_time_s'], '.3g', launch['step_time_error'], ' s')} at its launch ({how}, "
+            f"run_plan.json)")

@@ -111,6 +111,16 @@ def _ceiling(runs: list[Observation]) -> float:
                for o in runs)
 
 
+# where the search for a path's compute scale stops: log(scale) known to this.
+LOG_SCALE_TOLERANCE = 1e-7
+# What the fit guarantees on the runs it saw, whatever their step times: their errors straddle 0, none all of one sign
+# by more than this. At the least-squares optimum a positively weighted sum of the log errors is 0 (a larger scale
+# shortens every prediction, so were all of one sign a nearer scale would fit better); stopping LOG_SCALE_TOLERANCE
+# from it moves each log error by at most that times the share of the step the scale acts on (at most 1); 10x for the
+# nested search of the fixed cost and rounding. Two runs and two free figures, where a fixed cost of 0 or more fits
+# both, leave no error beyond it at all. tests/unit/test_calibration.py and tests/training/test_report_calibrate.py
+# hold fits to it.
+STRADDLE = 10 * LOG_SCALE_TOLERANCE
 # each parameter is searched on a coarse grid first (the loss need not be unimodal: once some runs' GEMMs reach the
 # peak, a larger scale changes only the others), then by golden-section search between the best point's neighbours
 GRID_POINTS = 48
@@ -168,7 +178,8 @@ def fit_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[
                 return best_fixed_cost(variable, measured)
             return 0.0, sum(math.log(t / m) ** 2 for t, m in zip(variable, measured))
 
-        log_scale, _ = minimise(lambda x: fit_at(x)[1], math.log(lowest), math.log(_ceiling(runs)), 1e-7)
+        log_scale, _ = minimise(lambda x: fit_at(x)[1], math.log(lowest), math.log(_ceiling(runs)),
+                                LOG_SCALE_TOLERANCE)
         fitted[path] = PathFit(math.exp(log_scale), fit_at(log_scale)[0], len(runs), with_fixed)
     return fitted
 

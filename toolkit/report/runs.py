@@ -47,6 +47,9 @@ class RunReport:
     calibration: dict | None = None  # the calibration the prediction used (Calibration.describe())
     measured_per_rank: dict = field(default_factory=dict)  # GPUs: peak_allocated_bytes per rank, in rank order
     checkpoints: dict = field(default_factory=lambda: dict.fromkeys(CHECKPOINT_KEYS))
+    # set where `dmt report --calibration` re-predicted the run: what its launch predicted (run_plan.json), the
+    # prediction the calibration replaced, kept beside it: {step_time_s, step_time_error, calibration}
+    launch_prediction: dict | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -257,9 +260,10 @@ def calibration_runs(reports: list[RunReport], warmup: int, key: str = "RUN_DIR"
 
 
 def repredict(report: RunReport, calibration) -> None:
-    """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration).
-    On the host entry the calibration brings its own peak: the measured MFU is restated against it, so measured and
-    predicted MFU keep one denominator."""
+    """Replace a report's prediction with the same plan's re-predicted with `calibration` (dmt report --calibration),
+    keeping the launch's step time prediction and its error beside it (launch_prediction). On the host entry the
+    calibration brings its own peak: the measured MFU is restated against it, so measured and predicted MFU keep one
+    denominator."""
     from toolkit.estimate.comm import Network
     from toolkit.planner.predict import predicted_record
     from toolkit.spec.prediction import PackedAttention
@@ -271,6 +275,8 @@ def repredict(report: RunReport, calibration) -> None:
     calibration.check_hardware(gpu.name, "--calibration")
     prediction = predicted_record(model, plan, gpu, Network.from_catalogue(gpu, plan.gpus_per_node), calibration,
                                   packed=PackedAttention.of(record))
+    report.launch_prediction = {"step_time_s": report.predicted["step_time_s"],
+                                "step_time_error": report.error["step_time"], "calibration": report.calibration}
     report.predicted = predicted_figures(prediction)
     report.calibration = prediction.calibration
     before, after = record.get("peak_tflops"), prediction.peak_tflops
