@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from transformers import Trainer, set_seed
 
 from toolkit.backends import backend_of, long_context
+from toolkit.backends.background_saves import save_wait_s
 from toolkit.backends.context import TrainContext
 from toolkit.backends.hf_callbacks import ToolkitCallback
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
@@ -163,8 +164,6 @@ def train(context: TrainContext) -> dict:
     metrics = MetricsWriter(output_dir, context.throughput)
     saves = None
     if asynchronous:  # FSDP2's DCP directories written in the background (toolkit.backends.hf_saves)
-        from toolkit.backends.background_saves import save_wait_s
-
         saves = TrainerSaves(metrics if args.process_index == 0 else None, watch, save_wait_s(recipe),
                              args.process_index)
         log.info("checkpoints are written in the background (training.async_save)")
