@@ -14,6 +14,7 @@ if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from toolkit.spec.backends import backend_of  # noqa: E402
+from toolkit.backends.context import TrainContext  # noqa: E402
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
 from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
 from toolkit.errors import UserInputError, error_line  # noqa: E402
@@ -88,7 +89,9 @@ def _run(args: argparse.Namespace) -> int:
     watch = _watched(output_dir, recipe.training.hang_timeout_s)
     try:
         train = backend_of(run.plan).train.train  # toolkit/backends/<name>/train.py
-        summary = train(run, recipe, output_dir, args.resume, args.deepspeed, updates, throughput, watch)
+        summary = train(TrainContext(run=run, recipe=recipe, output_dir=output_dir, resume=args.resume,
+                                     deepspeed_json=args.deepspeed, updates=updates, throughput=throughput,
+                                     watch=watch))
     except BaseException as exc:
         watch.shield()  # first: a SIGTERM from here on would replace this failure and skip its report
         detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -92,7 +92,7 @@ def test_train_refuses_an_accelerate_yaml_that_contradicts_the_plan(tmp_path):
 
 
 def test_an_accelerate_yaml_of_the_other_backend_is_refused_at_launch(monkeypatch):
-    from toolkit.backends.hf_trainer import _check_world
+    from toolkit.backends.hf_inputs import check_launch
     from toolkit.spec.model import load_model_spec
     from toolkit.spec.plan import resolve_plan
 
@@ -100,7 +100,7 @@ def test_an_accelerate_yaml_of_the_other_backend_is_refused_at_launch(monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(UserInputError, match="a deepspeed accelerate.yaml but the plan trains with fsdp"):
-        _check_world(plan)
+        check_launch(plan)
 
 
 def test_every_ranked_fsdp_plan_generates_files_that_validate(tmp_path, capsys):

@@ -32,7 +32,7 @@ def test_zero_warmup_reaches_hf_and_deepspeed_as_the_same_count():
 def test_activation_checkpointing_takes_the_installed_transformers_name(monkeypatch):
     from transformers import TrainingArguments
 
-    from toolkit.backends.hf_trainer import installed_field_names
+    from toolkit.backends.hf_inputs import installed_field_names
 
     args = {"activation_checkpointing": True, "bf16": True}
     assert installed_field_names(args) == args  # this venv's transformers knows the new name

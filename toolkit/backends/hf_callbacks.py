@@ -6,102 +6,99 @@ every complete save (after a background write, once every rank's is done: toolki
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from toolkit.backends.loop import (BatchFingerprints, save_and_exit_requested, write_checkpoint_record,
-                                   write_step_record)
-from toolkit.runtime.metrics import MetricsWriter
-from toolkit.spec.plan import Plan
+from transformers import TrainerCallback
 
-def callbacks_for(output_dir: Path, plan: Plan, metrics: MetricsWriter, world: int, identity: dict,
-               fingerprints: BatchFingerprints, watch, guard, saves=None):
-    """The toolkit's hooks in HF Trainer's loop (any HF Trainer backend: DeepSpeed, FSDP2 through Accelerate);
-    `saves`, a toolkit.backends.hf_saves.TrainerSaves, when checkpoints are written in the background."""
-    from transformers import TrainerCallback
+from toolkit.backends.loop import save_and_exit_requested, write_checkpoint_record, write_step_record
+from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
-    from toolkit.spec.backends import backend_of
-    from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
+if TYPE_CHECKING:
+    from toolkit.backends.hf_trainer import HFLaunch
 
-    path = backend_of(plan).train.HF_PATH  # its checkpoint format and what its manifest records
 
-    class ToolkitCallback(TrainerCallback):
-        """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save; the watchdog's
-        phases and the guard's verdicts around every step."""
+class ToolkitCallback(TrainerCallback):
+    """metrics.jsonl on every log; a manifest and the `latest` pointer after every complete save; the watchdog's
+    phases and the guard's verdicts around every step; a scheduler's save-and-exit request. With the launch's
+    `saves` (a toolkit.backends.hf_saves.TrainerSaves) a save completes once its background write has."""
 
-        trainer = None  # set once the Trainer exists: the guard acts on it
-        save_started: float | None = None  # when training paused for the checkpoint the Trainer is about to save
+    def __init__(self, launch: HFLaunch):
+        self.launch = launch
+        self.trainer = None  # set once the Trainer exists: the guard acts on it
+        self.save_started: float | None = None  # when training paused for the checkpoint the Trainer is about to save
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            metrics.mark(state.global_step)  # on every rank: each measures, rank 0 writes
-            watch.start()
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.launch.metrics.mark(state.global_step)  # on every rank: each measures, rank 0 writes
+        self.launch.context.watch.start()
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            if saves is not None:  # a background write finished on every rank: its manifest and `latest` now, so
-                saves.poll()  # a save completes a whole step after it was made at the earliest
-            watch.phase(state.global_step + 1, "train")
-            guard.begin_step()
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.launch.saves is not None:  # a background write finished on every rank: its manifest and `latest`
+            self.launch.saves.poll()  # now, so a save completes a whole step after it was made at the earliest
+        self.launch.context.watch.phase(state.global_step + 1, "train")
+        self.launch.guard.begin_step()
 
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            if saves is not None:  # the save in flight has copied the state it writes
-                saves.before_optimizer_step()
-            guard.before_optimizer_step(self.trainer, kwargs["model"])
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.launch.saves is not None:  # the save in flight has copied the state it writes
+            self.launch.saves.before_optimizer_step()
+        self.launch.guard.before_optimizer_step(self.trainer, kwargs["model"])
 
-        def on_step_end(self, args, state, control, **kwargs):
-            guard.end_step(self.trainer)
-            if save_and_exit_requested(output_dir):
-                control.should_save = True
-                control.should_training_stop = True
-            watch.phase(state.global_step, "save" if control.should_save else "log")
-            if control.should_save:  # the Trainer logs (on_log) and evaluates, then saves
-                self.save_started = time.perf_counter()
+    def on_step_end(self, args, state, control, **kwargs):
+        self.launch.guard.end_step(self.trainer)
+        if save_and_exit_requested(self.launch.context.output_dir):
+            control.should_save = True
+            control.should_training_stop = True
+        self.launch.context.watch.phase(state.global_step, "save" if control.should_save else "log")
+        if control.should_save:  # the Trainer logs (on_log) and evaluates, then saves
+            self.save_started = time.perf_counter()
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                data_sha = fingerprints.digest()  # a collective: every rank logs the same steps
-                if state.is_world_process_zero:  # the step's figures: measured in ToolkitTrainer.log, before wandb
-                    # a step the guard judged logs the loss it measured (not HF's NaN filter's stand-in)
-                    write_step_record(metrics, guard.guard, state.global_step, logs["loss"], logs.get("grad_norm"),
-                                      logs.get("learning_rate"), metrics.pending, data_sha, epoch=logs.get("epoch"))
-            if self.save_started is not None:  # the save comes next: its pause starts after the log
-                self.save_started = time.perf_counter()
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics, guard = self.launch.metrics, self.launch.guard
+        if logs and "loss" in logs:
+            data_sha = self.launch.fingerprints.digest()  # a collective: every rank logs the same steps
+            if state.is_world_process_zero:  # the step's figures: measured in ToolkitTrainer.log, before wandb
+                # a step the guard judged logs the loss it measured (not HF's NaN filter's stand-in)
+                write_step_record(metrics, guard.guard, state.global_step, logs["loss"], logs.get("grad_norm"),
+                                  logs.get("learning_rate"), metrics.pending, data_sha, epoch=logs.get("epoch"))
+        if self.save_started is not None:  # the save comes next: its pause starts after the log
+            self.save_started = time.perf_counter()
 
-        def on_save(self, args, state, control, model=None, **kwargs):
-            import torch.distributed as dist
+    def on_save(self, args, state, control, model=None, **kwargs):
+        import torch.distributed as dist
 
-            ckpt = output_dir / f"checkpoint-{state.global_step}"
+        launch, context = self.launch, self.launch.context
+        output_dir, plan, path, watch = context.output_dir, context.plan, launch.path, context.watch
+        ckpt = output_dir / f"checkpoint-{state.global_step}"
+        if dist.is_initialized():
+            dist.barrier()  # every rank's files are on disk before they are hashed
+        path.on_save(model, ckpt, state.is_world_process_zero)
+        step, started, self.save_started = state.global_step, self.save_started, None
+
+        def complete(files=None):  # every rank, once its files are written; `files`: hashed already
+            watch.phase(step, "manifest")
             if dist.is_initialized():
-                dist.barrier()  # every rank's files are on disk before they are hashed
-            path.on_save(model, ckpt, state.is_world_process_zero)
-            step, started, self.save_started = state.global_step, self.save_started, None
+                dist.barrier()  # every rank arrived: none stopped before its files were complete
+            manifest = None
+            if state.is_world_process_zero:
+                layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum",
+                                                        "global_batch")}
+                manifest = write_manifest(ckpt, step=step, world_size=launch.world, layout=layout,
+                                          fmt=path.checkpoint_format,
+                                          extra={"run": launch.identity, "guard_window": launch.guard.guard.window(),
+                                                 **data_position(step, launch.identity)},
+                                          files=files)
+                point_latest(output_dir, ckpt)
+            if dist.is_initialized():
+                dist.barrier()
+            return manifest
 
-            def complete(files=None):  # every rank, once its files are written; `files`: hashed already
-                watch.phase(step, "manifest")
-                if dist.is_initialized():
-                    dist.barrier()  # every rank arrived: none stopped before its files were complete
-                manifest = None
-                if state.is_world_process_zero:
-                    layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum",
-                                                            "global_batch")}
-                    manifest = write_manifest(ckpt, step=step, world_size=world, layout=layout,
-                                              fmt=path.checkpoint_format,
-                                              extra={"run": identity, "guard_window": guard.guard.window(),
-                                                     **data_position(step, identity)},
-                                              files=files)
-                    point_latest(output_dir, ckpt)
-                if dist.is_initialized():
-                    dist.barrier()
-                return manifest
+        if launch.saves is not None:
+            launch.saves.saved(step, ckpt, started or time.perf_counter(), complete)
+            return
+        manifest = complete()
+        if state.is_world_process_zero and started is not None:  # synchronous: complete when resumed
+            paused = time.perf_counter() - started
+            write_checkpoint_record(launch.metrics, manifest, ckpt, paused, paused, asynchronous=False)
 
-            if saves is not None:
-                saves.saved(step, ckpt, started or time.perf_counter(), complete)
-                return
-            manifest = complete()
-            if state.is_world_process_zero and started is not None:  # synchronous: complete when resumed
-                paused = time.perf_counter() - started
-                write_checkpoint_record(metrics, manifest, ckpt, paused, paused, asynchronous=False)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if saves is not None:
-                saves.close(state.global_step)  # the save in flight (the last one, a save-and-exit's) completed
-
-    return [ToolkitCallback()]
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.launch.saves is not None:
+            self.launch.saves.close(state.global_step)  # the save in flight (the last one, a save-and-exit's) completed

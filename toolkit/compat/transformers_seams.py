@@ -70,7 +70,7 @@ SEAMS = [
       for name in ("model_accepts_loss_kwargs", "compute_loss_func")),
     *(Seam("transformers", f"transformers.TrainingArguments.{name}",
            "the name trainer_args.json gives activation checkpointing (transformers 5's current one); "
-           "toolkit/backends/hf_trainer.py installed_field_names renames it to gradient_checkpointing* only where the "
+           "toolkit/backends/hf_inputs.py installed_field_names renames it to gradient_checkpointing* only where the "
            "installed TrainingArguments lacks it (5.17)")
       for name in ("activation_checkpointing", "activation_checkpointing_kwargs")),
 ]

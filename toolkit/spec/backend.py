@@ -40,6 +40,7 @@ GenerationContext = Any  # toolkit.generate.files.GenerationContext: what every 
 CheckReport = Any  # toolkit.checkpoint.verify's report, which a checkpoint part adds its findings to
 HFPath = Any  # toolkit.backends.hf_path.HFPath: what DeepSpeed or FSDP2 adds to the HF Trainer's path
 Problem = Any  # toolkit.validate.Problem: one finding of `dmt validate`
+TrainContext = Any  # toolkit.backends.context.TrainContext: what train.py hands a backend's training
 
 
 @runtime_checkable
@@ -113,7 +114,9 @@ class ValidatePart(Protocol):
 @runtime_checkable
 class TrainPart(Protocol):
     HF_PATH: HFPath | None  # what it adds to the HF Trainer's path; None where it trains Megatron-Core's modules
-    train: Callable[..., dict]  # train.py's entry: trains the generated files, returns the run's summary
+
+    def train(self, context: TrainContext) -> dict:
+        """train.py's entry: trains the generated files of the launch `context` names; the run's summary."""
 
 
 @runtime_checkable

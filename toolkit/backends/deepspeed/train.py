@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.backends.deepspeed.checkpoint import MANIFEST_FORMAT
 from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
-from toolkit.backends.hf_trainer import train_generated as train  # noqa: F401 (the backend's entry, train.py calls it)
+from toolkit.backends.hf_trainer import train  # noqa: F401 (the backend's entry, train.py calls it)
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json
 

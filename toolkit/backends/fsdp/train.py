@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT
 from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
 from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
+
+if TYPE_CHECKING:
+    from toolkit.backends.context import TrainContext
 
 log = logging.getLogger(__name__)
 SHARDING_FILE = "sharding.json"
@@ -196,8 +200,8 @@ class FsdpPath(HFPath):
 HF_PATH = FsdpPath()
 
 
-def train(run, recipe, output_dir: Path, resume, deepspeed_json, updates: dict, throughput, watch) -> dict:
+def train(context: TrainContext) -> dict:
     """train.py's entry: the HF Trainer with Accelerate's FSDP2 plugin from the generated trainer arguments."""
-    from toolkit.backends.hf_trainer import train_generated
+    from toolkit.backends.hf_trainer import train as train_hf
 
-    return train_generated(run, recipe, output_dir, resume, deepspeed_json, updates, throughput, watch)
+    return train_hf(context)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-HF_PATH = None  # it trains Megatron-Core's modules in its own loop, not the HF Trainer's
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.backends.context import TrainContext
 
 
-def train(run, recipe, output_dir, resume, deepspeed_json, updates, throughput, watch) -> dict:
+def train(context: TrainContext) -> dict:
     """train.py's entry (the same for every backend): the generated megatron.yaml trains."""
     from toolkit.backends.megatron.training import train as train_megatron
 
-    return train_megatron(recipe, run.model, run.plan, output_dir, resume, run.megatron, throughput, watch)
+    return train_megatron(context.recipe, context.model, context.plan, context.output_dir, context.resume,
+                          context.run.megatron, context.throughput, context.watch)

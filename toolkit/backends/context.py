@@ -1,0 +1,41 @@
+"""TrainContext: what toolkit/train.py hands every backend's `train` (toolkit/backends/<name>/train.py) for a launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.runtime.metrics import Throughput
+    from toolkit.runtime.supervision import TrainingWatchdog
+    from toolkit.spec.model import ModelSpec
+    from toolkit.spec.plan import Plan
+    from toolkit.spec.recipe import Recipe
+    from toolkit.validate.generated import GeneratedRun
+
+
+@dataclass(frozen=True)
+class TrainContext:
+    # the plan and the generated files' contents (plan.json's directory); the quick path's run has the plan only, and
+    # the backend's generators make its files in memory
+    run: GeneratedRun
+    # the run's recipe with the command line's step overrides applied (its schedule, the generated DeepSpeed config
+    # and trainer arguments all see them)
+    recipe: Recipe
+    output_dir: Path  # checkpoints, metrics.jsonl, run_plan.json
+    resume: str | None  # --resume: "latest", "auto", a checkpoint's path, or None (a fresh start)
+    deepspeed_json: str | None  # --deepspeed: a DeepSpeed JSON for the quick path
+    # the command line's step overrides (max_steps, save_steps) under the trainer arguments' names: what
+    # trainer_args.json takes over its own values
+    updates: dict
+    throughput: Throughput  # turns this rank's step times into tokens/s and MFU (train.py's _record_launch)
+    watch: TrainingWatchdog  # this rank's watchdog: the phases of each step, a hang's report
+
+    @property
+    def plan(self) -> Plan:
+        return self.run.plan
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.run.model
