@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from toolkit.backends.context import TrainContext
 
+HF_PATH = None  # it trains Megatron-Core's modules in its own loop, not the HF Trainer's
+
 
 def train(context: TrainContext) -> dict:
     """train.py's entry (the same for every backend): the generated megatron.yaml trains."""
