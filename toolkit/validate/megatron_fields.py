@@ -1,7 +1,7 @@
 """megatron.yaml's fields against what their owners declare: the type Megatron-Core's classes annotate for each field
 (TransformerConfig, GPTModel, DistributedDataParallelConfig, OptimizerConfig, OptimizerParamScheduler), the fields
-they cannot do without, and the toolkit's own schedule and model sections. A wrong or missing value is named before
-any arithmetic or library class trips over it."""
+they cannot do without, and the toolkit's own schedule and model sections; pydantic's TypeAdapter checks each value
+against its annotation. A wrong or missing value is named before any arithmetic or library class trips over it."""
 
 from __future__ import annotations
 
@@ -95,7 +95,10 @@ def _type_problem(value, hint) -> str | None:
     """Why `value`, as YAML gives it, is not of the annotated type; None where it is or the annotation says too
     little. Validated as JSON in strict mode: YAML's values are JSON's (a list may fill a tuple, an integer a float),
     and nothing is coerced (no "2" for 2, no true for 1)."""
-    adapter = _adapter(hint)
+    try:
+        adapter = _adapter(hint)
+    except TypeError:  # an annotation that cannot be a cache key (unhashable metadata): built for this call alone
+        adapter = _adapter.__wrapped__(hint)
     if adapter is None:
         return None
     try:
