@@ -29,7 +29,6 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 TINY = REPO / "recipes" / "tiny-llama-cpu.yaml"
 TINY_MEGATRON = REPO / "recipes" / "tiny-llama-megatron-cpu.yaml"
 WARMUP = 3

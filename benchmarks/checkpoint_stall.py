@@ -30,7 +30,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 BIN = Path(sys.executable).parent
 TARGET = 0.25  # async blocking / sync blocking
 RECIPES = {"deepspeed": "tiny-llama-cpu.yaml", "fsdp": "tiny-llama-fsdp-cpu.yaml",
@@ -40,14 +39,12 @@ PLAN_CHANGES = {"megatron": {"distributed_optimizer": True}}  # Adam's states sh
 # Megatron-Core's synchronous save writes the distributed optimizer fully_reshardable (gathered onto rank 0), its
 # background save dp_reshardable (each rank's partition): a third run saves synchronously in the background save's
 # format, so that the pause of the same format's two saves is compared too. Set here only (not a toolkit setting):
-# train.py runs with toolkit.backends.megatron.checkpoint.SYNC_SHARDING replaced.
+# train.py runs (as `python -m toolkit.train`) with toolkit.backends.megatron.checkpoint.SYNC_SHARDING replaced.
 SAME_FORMAT = "dp_reshardable"
-SAME_FORMAT_TRAIN = f"""import runpy, sys
-sys.path.insert(0, {str(ROOT)!r})
+SAME_FORMAT_TRAIN = f"""import runpy
 import toolkit.backends.megatron.checkpoint as checkpoint
 checkpoint.SYNC_SHARDING = {SAME_FORMAT!r}
-sys.argv[0] = {str(ROOT / "toolkit" / "train.py")!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
+runpy.run_module("toolkit.train", run_name="__main__", alter_sys=True)
 """
 
 

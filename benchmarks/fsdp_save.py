@@ -8,10 +8,7 @@ Run: torchrun --nproc_per_node 2 benchmarks/fsdp_save.py OUT_DIR [--hidden 1024 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:

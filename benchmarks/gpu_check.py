@@ -48,7 +48,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 GiB = 1024**3
 WARMUP_STEPS = 3

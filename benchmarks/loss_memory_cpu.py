@@ -23,16 +23,15 @@ import argparse
 import os
 import platform
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 
+from toolkit.estimate.measure import peak_live_bytes
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from toolkit.estimate.measure import peak_live_bytes  # noqa: E402
 
 VOCAB = 128256  # Llama 3's
 

@@ -16,10 +16,7 @@ Rank 0 writes OUT.json, one object per rank.
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import deepspeed  # noqa: E402

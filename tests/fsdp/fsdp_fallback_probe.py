@@ -11,8 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 def main(plan_json: str, out: str) -> None:
     import torch.distributed as dist

@@ -4,13 +4,9 @@ functions; writes, per family and layout, whether every tensor came back bit for
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mcore_vs_hf import FAMILIES  # noqa: E402
+from mcore_vs_hf import FAMILIES
 
 
 def bitwise_equal(a: dict, b: dict) -> list[str]:

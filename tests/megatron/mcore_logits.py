@@ -2,10 +2,7 @@
 of one dist checkpoint loaded at TP=2 and at TP=1 (DP=2), and of a fresh TP=1 model; rank 0 saves them."""
 
 import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def logits_at(recipe, model, tp: int, checkpoint: Path | None, tokens):

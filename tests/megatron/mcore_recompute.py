@@ -5,10 +5,7 @@ precision, and no recomputation in bf16 too); rank 0 saves the bytes autograd ke
 outweigh the layers (the loss's peak)."""
 
 import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PLANS = {  # name: recipe plan overrides
     "none": dict(recompute="none"),

@@ -4,10 +4,7 @@ loaded from that checkpoint through the family's weight table; writes how far th
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5,

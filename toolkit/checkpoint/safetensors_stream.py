@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
 from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json, read_safetensors_header
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 # torch dtype name -> (safetensors dtype, bytes per element)
 DTYPES = {
     "float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2), "float64": ("F64", 8),
@@ -105,68 +103,78 @@ class StreamingSafetensorsWriter:
         return self._next == len(self.layout)
 
 
-def parse_size(text: str, flag: str = "--max-shard-size") -> int:
-    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2^20, as HF's max_shard_size reads them."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UserInputError(flag, f"'{text}' is not a size; use e.g. 5GB, 500MB, 2GiB")
-    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
-    power = "KMGT".index(unit) + 1 if unit else 0
-    size = int(number * (1024 if binary else 1000) ** power)
-    if size <= 0:
-        raise UserInputError(flag, f"must be positive, got {text}")
-    return size
+def parse_size(text: str, flag: str = "--max-shard-size") -> int | str:
+    """The largest shard as huggingface_hub's shard splitter takes it (what `save_pretrained`'s max_shard_size
+    reads: 5GB, 500MB, 100KB, or a number of bytes), refused before any work starts if the splitter cannot read it."""
+    value: int | str = int(text) if str(text).strip().isdigit() else str(text)
+    try:
+        _split({}, value)  # the splitter reads the size before it looks at any tensor
+    except ValueError as exc:
+        raise UserInputError(flag, f"{' '.join(str(exc).split())} A number of bytes works too.") from None
+    return value
 
 
-def plan_shards(layout: list[tuple[str, tuple, object]], max_bytes: int) -> list[list[tuple[str, tuple, object]]]:
-    """Greedy split in layout order; a tensor larger than the limit gets a shard of its own (as HF does)."""
-    shards: list[list] = [[]]
-    size = 0
-    for entry in layout:
-        nbytes = tensor_bytes(entry[1], entry[2])
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
-    return shards
+def _split(layout: dict[str, tuple], max_shard_size: int | str):
+    """huggingface_hub's plan for `layout` (name -> (shape, dtype)), as `save_pretrained` plans a state dict: in
+    order, a new shard when the next tensor would pass the limit, a tensor larger than the limit alone in a shard
+    of its own; one file `model.safetensors`, else `model-0000i-of-0000n.safetensors`."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    return split_state_dict_into_shards_factory(layout, get_storage_size=lambda entry: tensor_bytes(*entry),
+                                                filename_pattern="model{suffix}.safetensors",
+                                                max_shard_size=max_shard_size)
 
 
 class ShardedSafetensorsWriter:
-    """HF's sharded layout, written tensor by tensor in `layout` order: model.safetensors when one shard holds
-    everything, else model-0000i-of-0000n.safetensors and model.safetensors.index.json (as `save_pretrained`)."""
+    """HF's sharded layout, written tensor by tensor in `layout` order: the files and index `save_pretrained` writes
+    for the same tensors (model.safetensors, or its shards and model.safetensors.index.json). A shard's file is
+    opened at its first tensor and closed at its last; a shard of one oversized tensor is planned out of layout
+    order (as huggingface_hub does), so two files may be open at once."""
 
-    def __init__(self, out_dir: Path, layout: list[tuple[str, tuple, object]], max_bytes: int):
+    def __init__(self, out_dir: Path, layout: list[tuple[str, tuple, object]], max_shard_size: int | str):
         self.out_dir = out_dir
-        self.shards = plan_shards(layout, max_bytes)
-        count = len(self.shards)
-        self.names = (["model.safetensors"] if count == 1 else
-                      [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)])
-        self.total = sum(tensor_bytes(shape, dtype) for _, shape, dtype in layout)
-        self._shard, self._writer = -1, None
+        entries = {name: (shape, dtype) for name, shape, dtype in layout}
+        if len(entries) != len(layout):
+            raise ValueError(f"{out_dir}: the layout names a tensor twice")
+        self.split = _split(entries, max_shard_size)
+        self.names = list(self.split.filename_to_tensors)
+        self.shards = [[(name, *entries[name]) for name in names] for names in self.split.filename_to_tensors.values()]
+        self.total = self.split.metadata["total_size"]
+        self._open: dict[str, StreamingSafetensorsWriter] = {}
+        self._closed = 0
 
-    def _current(self) -> StreamingSafetensorsWriter:
-        if self._writer is None or self._writer.complete:
-            if self._writer is not None:
-                self._writer.close()
-            self._shard += 1
-            self._writer = StreamingSafetensorsWriter(self.out_dir / self.names[self._shard], self.shards[self._shard])
-        return self._writer
+    def _writer(self, name: str) -> StreamingSafetensorsWriter:
+        file = self.split.tensor_to_filename.get(name)
+        if file is None:
+            raise ValueError(f"{self.out_dir}: {name} is not in the layout")
+        if file not in self._open:
+            self._open[file] = StreamingSafetensorsWriter(self.out_dir / file, self.shards[self.names.index(file)])
+        return self._open[file]
+
+    def _done(self, writer: StreamingSafetensorsWriter, count: int) -> int:
+        if writer.complete:
+            writer.close()
+            del self._open[writer.path.name]
+            self._closed += 1
+        return count
 
     def write(self, name: str, tensor) -> int:
-        return self._current().write(name, tensor)
+        writer = self._writer(name)
+        return self._done(writer, writer.write(name, tensor))
 
     def copy_ranges(self, name: str, shape, dtype, ranges: list[tuple[Path, int, int]]) -> int:
-        return self._current().copy_ranges(name, shape, dtype, ranges)
+        writer = self._writer(name)
+        return self._done(writer, writer.copy_ranges(name, shape, dtype, ranges))
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        if self._shard != len(self.shards) - 1:
-            raise ValueError(f"{self.out_dir}: {len(self.shards) - 1 - self._shard} shard(s) were never written")
-        if len(self.shards) > 1:
-            weight_map = {name: file for file, shard in zip(self.names, self.shards) for name, _, _ in shard}
-            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        for writer in list(self._open.values()):
+            writer.close()  # raises: a shard still open was never finished
+        if self._closed != len(self.shards):
+            raise ValueError(f"{self.out_dir}: {len(self.shards) - self._closed} shard(s) were never written")
+        if self.split.is_sharded:
+            parameters = sum(math.prod(shape) for shard in self.shards for _, shape, _ in shard)
+            index = {"metadata": {"total_parameters": parameters, **self.split.metadata},
+                     "weight_map": self.split.tensor_to_filename}
             (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 

@@ -1,14 +1,17 @@
 """megatron.yaml's fields against what their owners declare: the type Megatron-Core's classes annotate for each field
 (TransformerConfig, GPTModel, DistributedDataParallelConfig, OptimizerConfig, OptimizerParamScheduler), the fields
-they cannot do without, and the toolkit's own schedule and model sections. A wrong or missing value is named before
-any arithmetic or library class trips over it."""
+they cannot do without, and the toolkit's own schedule and model sections; pydantic's TypeAdapter checks each value
+against its annotation. A wrong or missing value is named before any arithmetic or library class trips over it."""
 
 from __future__ import annotations
 
-import sys
-import types
+import functools
+import json
+import re
 import typing
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from toolkit.generate.megatron import DTYPE_FIELDS, DTYPE_NAMES
 from toolkit.validate import Problem
@@ -43,17 +46,18 @@ def _owners() -> dict[str, tuple[dict[str, Any], set[str]]]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     def hints(owner) -> dict[str, Any]:
-        try:
-            return typing.get_type_hints(owner)
-        except Exception:  # one forward reference (MegatronOptimizer) must not hide the other annotations
-            pass
-        namespace = {**vars(typing), **vars(sys.modules[owner.__module__])}
-        found = {}
-        for name, annotation in getattr(owner, "__annotations__", {}).items():
+        # a name the owner imports only for type checkers (MegatronOptimizer) stands for Any, so that one forward
+        # reference does not hide the other annotations; that field is left to the class itself
+        unresolved: dict[str, Any] = {}
+        while True:
             try:
-                found[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
-            except Exception:  # that field is left to the class itself
-                continue
+                found = typing.get_type_hints(owner, localns=unresolved)
+                break
+            except NameError as exc:
+                if not exc.name or exc.name in unresolved:
+                    raise
+                unresolved[exc.name] = Any
+        found.pop("return", None)
         return found
 
     def of_dataclass(cls):
@@ -77,42 +81,41 @@ def _owners() -> dict[str, tuple[dict[str, Any], set[str]]]:
     }
 
 
-def _accepts(value, hint) -> bool | None:
-    """Whether `value`, as YAML gives it, is of the annotated type; None where the annotation says too little."""
-    origin = get_origin(hint)
-    if hint is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        verdicts = [_accepts(value, arg) for arg in get_args(hint)]
-        return True if True in verdicts else None if None in verdicts else False
-    if hint is type(None):
-        return value is None
-    if origin is Literal:
-        return value in get_args(hint)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint in (list, tuple) or origin in (list, tuple):
-        return isinstance(value, (list, tuple))
-    if hint is dict or origin is dict:
-        return isinstance(value, dict)
+@functools.lru_cache(maxsize=None)
+def _adapter(hint) -> TypeAdapter | None:
+    """pydantic's validator of the annotation; None where pydantic cannot build one (that field is left to the
+    class itself)."""
+    try:
+        return TypeAdapter(hint, config=ConfigDict(arbitrary_types_allowed=True))
+    except Exception:  # pydantic's schema errors and unhashable or odd annotations alike
+        return None
+
+
+def _type_problem(value, hint) -> str | None:
+    """Why `value`, as YAML gives it, is not of the annotated type; None where it is or the annotation says too
+    little. Validated as JSON in strict mode: YAML's values are JSON's (a list may fill a tuple, an integer a float),
+    and nothing is coerced (no "2" for 2, no true for 1)."""
+    try:
+        adapter = _adapter(hint)
+    except TypeError:  # an annotation that cannot be a cache key (unhashable metadata): built for this call alone
+        adapter = _adapter.__wrapped__(hint)
+    if adapter is None:
+        return None
+    try:
+        adapter.validate_json(json.dumps(value, default=str), strict=True)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if any(e["type"] == "needs_python_object" for e in errors):  # a class only Python code can pass
+            return None
+        said = "; ".join(dict.fromkeys(e["msg"][0].lower() + e["msg"][1:] for e in errors))
+        return f"{value!r} is not {_type_name(hint)}: {said}"
     return None
 
 
-def _describe(hint) -> str:
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in get_args(hint))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(v) for v in get_args(hint))
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null",
-             list: "a list", tuple: "a list", dict: "a mapping"}
-    return names.get(hint, names.get(origin, getattr(hint, "__name__", str(hint))))
+def _type_name(hint) -> str:
+    if isinstance(hint, type):
+        return hint.__name__
+    return re.sub(r"\b(?:\w+\.)+(?=\w)", "", str(hint))  # typing.Optional[typing.List[str]] -> Optional[List[str]]
 
 
 def field_problems(config: dict) -> list[Problem]:
@@ -131,6 +134,7 @@ def field_problems(config: dict) -> list[Problem]:
                 continue
             if key in BY_NAME or hint is None:
                 continue
-            if _accepts(value, hint) is False:
-                problems.append(Problem(f"{section}.{key}", f"{value!r} is not {_describe(hint)}"))
+            said = _type_problem(value, hint)
+            if said:
+                problems.append(Problem(f"{section}.{key}", said))
     return problems
