@@ -9,6 +9,9 @@ from pathlib import Path
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.numeric import bounded_int, finite_float, json_text
 
+# the sizes huggingface_hub's shard splitter parses, as save_pretrained takes them (not KiB/MiB/GiB)
+SHARD_SIZE_HELP = "largest safetensors shard: KB, MB, GB or TB, or a number of bytes (default %(default)s)"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True, parser_class=type(parser))
@@ -32,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     merge.add_argument("base_dir", type=path_arg, metavar="BASE", help="the HF base model directory (safetensors)")
     merge.add_argument("adapter_dir", type=path_arg, metavar="ADAPTER", help="the adapter directory (or checkpoint-N)")
     merge.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the merged model")
-    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
+    merge.add_argument("--max-shard-size", default="5GB", help=SHARD_SIZE_HELP)
     merge.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     check = sub.add_parser("check", help="max logit difference of an HF model and a Megatron-Core checkpoint",
@@ -62,7 +65,7 @@ def _add_to_hf(sub, name: str, conversion) -> None:
     parser.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the HF model")
     extra = tuple(parser.add_argument(flag, **keywords).dest for flag, keywords in conversion.flags)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default %(default)s)")
+    parser.add_argument("--max-shard-size", default="5GB", help=SHARD_SIZE_HELP)
     parser.add_argument("--config", type=path_arg, default=None,
                         help="HF config.json when the checkpoint has none beside it")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
