@@ -128,7 +128,7 @@ def row_ranges(source: Path, meta, storage: dict, key: str) -> list[tuple[Path, 
         info = storage.get(MetadataIndex(key, chunk.offsets))
         if info is None or info.transform_descriptors:
             return None
-        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length), TENSORS, KEY)
+        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length), TENSORS, KEY, source)
         stored = str(meta.properties.dtype).removeprefix("torch.")
         if getattr(lazy, "shape", None) != sizes or lazy.dtype != stored:
             return None
