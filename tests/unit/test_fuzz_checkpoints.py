@@ -212,6 +212,19 @@ def test_a_latest_pointer_leading_out_of_the_checkpoint_is_refused(tmp_path, ver
     _run_verb(verb, ckpt, tmp_path / "hf", "latest", "leads outside")
 
 
+@pytest.mark.parametrize("verb", ["convert zero-to-hf", "convert fsdp-to-hf"])
+def test_a_side_file_linked_outside_the_checkpoint_is_not_carried_into_the_output(fsdp_checkpoint, tmp_path, verb):
+    """A converter copies tokenizer.json and its kind beside the weights: one linked to a file elsewhere (a key, a
+    password file) would travel into a directory that is then shared. (megatron-to-hf copies through the same
+    copy_side_file once its weights are written: tens of seconds of a loaded host, past this test's bound.)"""
+    ckpt = {"convert zero-to-hf": lambda: _zero_checkpoint(tmp_path / "zero", "none", tmp_path / "MARK"),
+            "convert fsdp-to-hf": lambda: fsdp_checkpoint}[verb]()
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"not": "the checkpoint\'s"}')
+    (ckpt / "tokenizer.json").symlink_to(secret)
+    _run_verb(verb, ckpt, tmp_path / "hf", ckpt / "tokenizer.json", "outside")
+
+
 def test_the_tiny_checkpoints_without_the_damage_open_under_every_verb(fsdp_checkpoint, tmp_path):
     """The layouts the cases damage are ones the verbs read: the refusals above are the damage's."""
     ckpt = _zero_checkpoint(tmp_path / "run" / "checkpoint-2", "none", tmp_path / "MARK")
