@@ -68,8 +68,10 @@ class LazyTensor:
 
         count = self.numel() - start if count is None else count
         itemsize = ITEMSIZE[self.dtype]
-        with open_regular(self.path, None, "a torch.save file") as handle:
-            data = os.pread(handle.fileno(), count * itemsize, self.offset + start * itemsize)
+        first = self.offset + start * itemsize
+        # the shape comes from the pickle: the file must hold what it claims before a buffer that size is allocated
+        with open_regular(self.path, None, "a torch.save file", end=first + count * itemsize) as handle:
+            data = os.pread(handle.fileno(), count * itemsize, first)
         if len(data) != count * itemsize:
             raise UserInputError(str(self.path), f"ends early: {len(data)} of {count * itemsize} bytes (truncated)")
         return torch.frombuffer(bytearray(data), dtype=getattr(torch, self.dtype))
