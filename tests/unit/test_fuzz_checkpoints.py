@@ -277,6 +277,21 @@ def test_a_compressed_record_that_inflates_to_a_gigabyte_is_refused_unread(bombe
     _run_verb(verb, ckpt, tmp_path / "hf", file, "compressed record", "refused unread")
 
 
+def test_a_compressed_chunk_is_refused_before_torch_inflates_it(bombed_zero, tmp_path):
+    """A DCP chunk or stored object is loaded by torch.load itself (safe_load.torch_load), whose zip reader inflates a
+    record whole: the same check refuses it first."""
+    from toolkit.checkpoint.safe_load import torch_load
+
+    file = bombed_zero / ZERO_FILES["an optimizer rank file"]
+
+    def load() -> int:
+        with open(file, "rb") as handle:
+            torch_load(handle, file, "CKPT")
+        return 0
+
+    _refused(_bounded(load), "CKPT", file, "compressed record", "refused unread")
+
+
 # --- HF Trainer's own pickles ---------------------------------------------------------------------------------------
 
 def _trainer_checkpoint(ckpt: Path, crafted: str | None, mark: Path) -> Path:
@@ -314,6 +329,15 @@ def test_a_crafted_hf_trainer_state_file_runs_nothing(tmp_path, verb, crafted):
     ckpt = _trainer_checkpoint(tmp_path / "run" / "checkpoint-2", crafted, mark)
     _run_verb(verb, ckpt, tmp_path / "hf", ckpt / crafted, "asks for builtins.exec", "refused without running it")
     assert not mark.exists()
+
+
+@pytest.mark.parametrize("verb", ["ckpt verify", "resume"])
+def test_a_compressed_hf_trainer_state_file_is_refused_unread(tmp_path, verb):
+    """transformers' resume torch.loads rng_state.pth whole: a deflated one inflating to a gigabyte is refused by the
+    pre-check before it."""
+    ckpt = _trainer_checkpoint(tmp_path / "run" / "checkpoint-2", None, tmp_path / "MARK")
+    _bomb(ckpt / "rng_state.pth")
+    _run_verb(verb, ckpt, tmp_path / "hf", ckpt / "rng_state.pth", "compressed record", "refused unread")
 
 
 def test_a_real_hf_trainer_checkpoint_passes_the_allow_list(tmp_path):

@@ -120,7 +120,7 @@ def _check_pickles(path: Path, report: VerifyReport) -> None:
     """Every entry a loader would open that blocks, reads without end or leads outside the checkpoint (path_faults),
     and every pickle a library's loader would unpickle (DCP metadata and objects, DeepSpeed rank files, Megatron's
     common.pt, HF Trainer's state files) against its format's allow-list: each that asks for anything else is a
-    problem (damaged ones are the format checks' to report)."""
+    problem, and so is one damaged (or compressed) that no format's own check has named."""
     from toolkit.checkpoint.safe_load import REFUSED, path_faults, pickle_faults
 
     named = {p["file"] for p in report.problems}
@@ -130,9 +130,10 @@ def _check_pickles(path: Path, report: VerifyReport) -> None:
             named.add(fault.key)
     said = {p["file"] for p in report.problems if REFUSED in p["problem"]}
     for fault in pickle_faults(path, None):
-        if REFUSED in fault.message and fault.key not in said:  # not already refused by a format's own check
+        if fault.key not in (said if REFUSED in fault.message else named):  # not already said by a format's check
             report.problem(fault.key, fault.message)
             said.add(fault.key)
+            named.add(fault.key)
 
 
 def _check_trainer_state(path: Path, report: VerifyReport) -> None:
