@@ -57,28 +57,71 @@ def not_a_file(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+def inside(root: Path, name: str | Path, key: str | None, what: str, follow: bool = True) -> Path:
+    """`root / name` for a `name` that a file inside `root` gave (a checkpoint's metadata, its `latest` pointer): a
+    relative path without `..` that, symlinks resolved (unless `follow=False`: an HF model directory in the hub's
+    cache links every file to ../../blobs), stays inside `root`. Anything else is one line naming `key` (or the path)
+    and where it leads; nothing is opened."""
+    root, text = Path(root), str(name)
+    path = root / text
+    if not text or "\0" in text or Path(text).is_absolute() or ".." in Path(text).parts:
+        raise UserInputError(key or str(root), f"{text!r} leads outside {root} (only paths inside it are read); "
+                                               f"expected {what}")
+    if follow:
+        try:
+            outside = not path.resolve().is_relative_to(root.resolve())
+        except (OSError, RuntimeError):  # a symlink loop: nothing there to read
+            outside = False
+        if outside:
+            raise problem(path, key, f"resolves to {path.resolve()}, outside {root} (only files inside it are read); "
+                                     f"expected {what}")
+    return path
+
+
+def open_regular(path: Path, key: str | None = None, what: str = "a file", root: Path | None = None,
+                 end: int | None = None):
+    """The one way a file named by something from elsewhere is opened: a binary file object over a regular file (a
+    symlink judged by its target), inside `root` after resolving symlinks when `root` is given, at least `end` bytes
+    long when the caller's format records how far it reads. A FIFO, a device, a socket is refused before it is opened
+    for reading, and the open itself never waits (O_NONBLOCK); callers read no more than the sizes their format
+    records (read_bytes: its kind's limit; a checkpoint's reader: the offset and length its metadata gives)."""
+    path = Path(path)
+    name = path.relative_to(root) if root is not None and path.is_relative_to(root) else path
+    if root is not None:
+        inside(root, name, key, what, follow=False)
+    if not_a_file(path) is not None:  # what it is says more than where it leads
+        raise problem(path, key, f"is {not_a_file(path)}, not a regular file; expected {what}")
+    if root is not None:
+        inside(root, name, key, what)
+    try:
+        # O_NONBLOCK: should a FIFO replace the file between the stat and the open, the open does not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise problem(path, key, f"does not exist; expected {what}") from None
+    except OSError as exc:
+        raise problem(path, key, f"cannot be read ({exc.strerror or one_line(exc)}); expected {what}") from None
+    handle = os.fdopen(fd, "rb")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        handle.close()
+        raise problem(path, key, f"is {_FILE_KINDS.get(stat.S_IFMT(info.st_mode), 'not a regular file')}, "
+                                 f"not a regular file; expected {what}")
+    if end is not None and info.st_size < end:
+        handle.close()
+        raise problem(path, key, f"holds {info.st_size} bytes, fewer than the {end} its checkpoint records "
+                                 f"(truncated); expected {what}")
+    return handle
+
+
 def read_bytes(path: Path, key: str | None = None, what: str = "a file", kind: str = "text") -> bytes:
     """The bytes of a regular file of at most SIZE_LIMITS[kind] bytes, read once. A FIFO, a device, a socket (a
     symlink judged by its target) is refused before it is opened for reading, so that nothing blocks or reads for
     ever; `key` names the flag or setting that gave the path (the path itself names it otherwise)."""
     path, limit = Path(path), SIZE_LIMITS[kind]
-    try:
-        # O_NONBLOCK: should a FIFO replace the file between the stat and the open, the open does not wait for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC) \
-            if not_a_file(path) is None else None
-    except FileNotFoundError:
-        raise problem(path, key, f"does not exist; expected {what}") from None
-    except OSError as exc:
-        raise problem(path, key, f"cannot be read ({exc.strerror or one_line(exc)}); expected {what}") from None
-    if fd is None:
-        raise problem(path, key, f"is {not_a_file(path)}, not a regular file; expected {what}")
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise problem(path, key, f"is {_FILE_KINDS.get(stat.S_IFMT(info.st_mode), 'not a regular file')}, "
-                                     f"not a regular file; expected {what}")
-        if info.st_size > limit:
-            raise problem(path, key, f"holds {info.st_size} bytes, more than the {_size(limit)} {kind} files may "
+    with open_regular(path, key, what) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise problem(path, key, f"holds {size} bytes, more than the {_size(limit)} {kind} files may "
                                      f"hold; expected {what}")
         try:
             data = handle.read(limit + 1)
@@ -273,6 +316,22 @@ def _load_yaml(text: str, source: Path | str, key: str | None, what: str, read) 
         if loader is not None:
             loader.dispose()
 
+def hf_tokenizer(directory: Path | str, key: str):
+    """transformers' AutoTokenizer over a local tokenizer directory, with trust_remote_code=False: a directory whose
+    tokenizer is its own Python code (an `auto_map` in its tokenizer_config.json) is one line naming `key`, never
+    run, and never the question "run the custom code? [y/N]" transformers otherwise asks (on every rank)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise UserInputError(key, f"{directory} holds a tokenizer that is its own Python code (an auto_map in its "
+                                  f"tokenizer_config.json); the toolkit never runs a checkpoint's code: use a "
+                                  f"tokenizer transformers' own classes load (tokenizer.json)") from None
+
+
 # safetensors (its docs, "Format"): an 8-byte little-endian header length, a JSON header mapping each tensor name to
 # dtype, shape and [begin, end) offsets into the data that follows; safetensors itself refuses headers over 100 MB
 SAFETENSORS_HEADER_LIMIT = 100_000_000
@@ -286,10 +345,8 @@ def read_safetensors_header(path: Path, key: str | None = None) -> dict[str, dic
     path = Path(path)
     what = "a safetensors file (8-byte header length, JSON header, tensor data)"
     fault = key or str(path)
-    if not_a_file(path):  # opening a FIFO would wait for a writer
-        raise UserInputError(fault, f"{path} is {not_a_file(path)}, not a regular file; expected {what}")
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path, fault, what) as handle:
             size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(8)
             length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1

@@ -61,10 +61,12 @@ def load_texts(recipe: Recipe):
 def build_tokenizer(recipe: Recipe, texts):
     """The recipe's tokenizer, or a byte-level BPE trained on the training texts."""
     from tokenizers import Tokenizer
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from toolkit.readers import hf_tokenizer
 
     if recipe.data.tokenizer.path:
-        return AutoTokenizer.from_pretrained(recipe.locate(recipe.data.tokenizer.path))
+        return hf_tokenizer(recipe.locate(recipe.data.tokenizer.path), "data.tokenizer.path")
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from toolkit.checkpoint.safe_load import read_dcp_metadata, torch_load
 from toolkit.errors import UserInputError
+from toolkit.readers import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +106,17 @@ class DistCheckpointReader:
                                            f"{tuple(index.offset)}")
         return info
 
+    def _open(self, path: Path, info):
+        """The storage file of a chunk or object, through the one opener: a regular file inside the checkpoint that
+        holds the bytes the metadata records for it (they alone are read)."""
+        return open_regular(path, self.key, "a storage file of this checkpoint", self.ckpt, info.offset + info.length)
+
     def object_bytes(self, index) -> tuple[Path, bytes]:
         """The file and the stored bytes of one object (a ShardedObject's torch.save archive)."""
         info = self._storage(index)
         path = self.ckpt / info.relative_path
         try:
-            with open(path, "rb") as handle:
+            with self._open(path, info) as handle:
                 data = os.pread(handle.fileno(), info.length, info.offset)
         except OSError as exc:
             raise UserInputError(self.key, f"cannot read {path} ({exc.strerror})") from None
@@ -126,9 +132,7 @@ class DistCheckpointReader:
                                            f"{info.transform_descriptors}, which this reader does not undo")
         path = self.ckpt / info.relative_path
         try:
-            with open(path, "rb") as handle:
-                if os.fstat(handle.fileno()).st_size < info.offset + info.length:
-                    raise EOFError(f"the file ends before byte {info.offset + info.length}")
+            with self._open(path, info) as handle:
                 tensor = torch_load(FileSlice(handle, info.offset, info.length), path, self.key)
         except UserInputError:  # a global outside the allow-list, named (a ValueError too)
             raise
@@ -175,9 +179,9 @@ def check_dcp(path: Path, report, deep: bool) -> None:
     """A DCP directory (Megatron-Core's, FSDP2's) into a VerifyReport: metadata readable, every storage file it names
     present and long enough; with `deep`, every tensor read chunk by chunk."""
     try:
-        metadata = read_dcp_metadata(path)
+        metadata = read_dcp_metadata(path)  # every storage path inside the checkpoint, a regular file or missing
     except UserInputError as exc:
-        report.problem(path / ".metadata", exc.message)
+        report.problem(exc.key, exc.message)
         return
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():

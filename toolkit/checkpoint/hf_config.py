@@ -12,12 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import one_line, read_json
+from toolkit.readers import one_line, open_regular, read_json
 
 # Files next to an HF Trainer checkpoint that from_pretrained users expect to travel with the weights.
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 WHAT = "an HF config.json (a JSON object whose model_type names the architecture, e.g. llama)"
+
+
+def copy_side_file(path: Path, target: Path, checkpoint: Path, key: str) -> None:
+    """Copy a side file found in a checkpoint into the conversion's output, through the one opener: a regular file
+    inside the checkpoint (a tokenizer.json linked to a file elsewhere would carry that file into the output)."""
+    import shutil
+
+    with open_regular(path, key, "a side file of the checkpoint", checkpoint) as handle, open(target, "wb") as out:
+        shutil.copyfileobj(handle, out)
 
 
 def config_file(path: Path) -> Path:

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import read_json, read_text
+from toolkit.readers import inside, not_a_file, open_regular, read_json, read_text
 from toolkit.runtime.supervision import LATEST_POINTER as LATEST  # OUTPUT/latest: one name for the watchdog and here
 
 MANIFEST = "dmt_manifest.json"
@@ -23,10 +23,13 @@ CHUNK = 8 * 2**20
 
 
 def sha256_file(path: Path) -> str:
+    """The sha256 of a regular file's bytes, as many as it held when opened (one that grows is not read on)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(CHUNK):
+    with open_regular(path, None, "a checkpoint file") as handle:
+        left = os.fstat(handle.fileno()).st_size
+        while left > 0 and (block := handle.read(min(CHUNK, left))):
             digest.update(block)
+            left -= len(block)
     return digest.hexdigest()
 
 
@@ -110,6 +113,12 @@ def manifest_problems(root: Path, manifest: dict, only: set[Path] | None = None,
         file = root / rel
         if wanted is not None and file.resolve() not in wanted:
             continue
+        if not file.resolve().is_relative_to(root.resolve()):
+            problems.append((file, f"resolves to {file.resolve()}, outside the checkpoint"))
+            continue
+        if not_a_file(file):
+            problems.append((file, f"is {not_a_file(file)}, not a regular file"))
+            continue
         if not file.is_file():
             problems.append((file, "listed in the manifest but missing"))
             continue
@@ -158,7 +167,8 @@ def resolve_latest(root: Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    target = root / read_text(pointer, what="the name of a checkpoint directory").strip()
+    what = "the name of a checkpoint directory beside it"
+    target = inside(root, read_text(pointer, what=what).strip(), str(pointer), what)
     return target if target.is_dir() else None
 
 

@@ -13,8 +13,9 @@ os.system as easily as torch.Size. Every pickle the toolkit opens passes through
   i.e. torch.load(weights_only=True), torch's own restricted unpickler;
 - a directory handed to a library's loader that unpickles unrestricted (DCP's FileSystemReader and load_bytes under
   Megatron-Core's dist_checkpointing.load and Accelerate's FSDP resume, DeepSpeed's torch.load(weights_only=False)
-  and ds_to_universal under a resume): check_checkpoint, every one of those pickles first, here (and `dmt ckpt
-  verify` reports each one pickle_faults finds refused);
+  and ds_to_universal under a resume) or with torch's weights_only, whose refusal is a traceback (HF Trainer's
+  rng_state, scheduler, optimizer): check_checkpoint, every one of those pickles first, here, after every file the
+  loaders open is known to be a regular file inside the checkpoint (and `dmt ckpt verify` reports each fault);
 - Megatron-Core's dataset index cache, which GPTDataset and BlendedDataset read with numpy.load(allow_pickle=True):
   toolkit/data/indexed.check_plain_arrays refuses an object array from numpy's header, unread (it sits in the data
   layer, below this package, as training's data path must not import checkpoint code).
@@ -34,7 +35,7 @@ from pathlib import Path
 from toolkit.compat.stdlib_seams import python3_name
 from toolkit.compat.torch_seams import PICKLED_DCP_METADATA, PICKLED_TENSOR_REBUILDERS
 from toolkit.errors import UserInputError
-from toolkit.readers import one_line, problem
+from toolkit.readers import inside, not_a_file, one_line, open_regular, problem
 
 # torch's legacy typed storage classes: what torch.save pickles as a storage's type
 STORAGES = ("FloatStorage", "DoubleStorage", "HalfStorage", "BFloat16Storage", "LongStorage", "IntStorage",
@@ -73,8 +74,17 @@ STORED_OBJECT = TENSORS | {
     "megatron.core.rerun_state_machine.RerunState", "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphScope",
 }
+# HF Trainer's own files of a checkpoint-N (rng_state*.pth, scheduler.pt, optimizer.pt, scaler.pt, pytorch_model.bin),
+# which its resume torch.loads: tensors, and the numpy arrays of numpy's RNG state (transformers' safe_globals)
+HF_TRAINER = TENSORS | {"numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
+                        "numpy._core.multiarray._reconstruct", "numpy.dtypes.UInt32DType"}
 FORMATS = {DCP_METADATA: "torch.distributed.checkpoint metadata", DEEPSPEED: "a DeepSpeed checkpoint",
-           STORED_OBJECT: "a Megatron-Core or DCP stored object", TENSORS: "a tensor file"}
+           STORED_OBJECT: "a Megatron-Core or DCP stored object", TENSORS: "a tensor file",
+           HF_TRAINER: "an HF Trainer checkpoint's state file"}
+# where each torch.save file a library's loader opens lies in a checkpoint, and its allow-list
+TORCH_FILES = {"*_optim_states.pt": DEEPSPEED, "*_model_states.pt": DEEPSPEED, "common.pt": STORED_OBJECT,
+               "rng_state*.pth": HF_TRAINER, "scheduler.pt": HF_TRAINER, "optimizer.pt": HF_TRAINER,
+               "optimizer.bin": HF_TRAINER, "scaler.pt": HF_TRAINER, "pytorch_model*.bin": HF_TRAINER}
 
 
 REFUSED = "refused without running it"  # how every refusal ends (verify tells refusals from damage by it)
@@ -120,15 +130,13 @@ def read_dcp_metadata(checkpoint: Path, key: str | None = None):
     pickle); a damaged or foreign file is a UserInputError naming it."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from toolkit.readers import not_a_file
-
     path = Path(checkpoint) / ".metadata"
     what = "torch.distributed.checkpoint metadata (a pickled Metadata, as dcp.save writes it)"
-    if not_a_file(path):  # opening a FIFO would wait for a writer; /dev/zero would be read for ever
-        raise UserInputError(key or str(path), f"{path} is {not_a_file(path)}, not a regular file; expected {what}")
     try:
-        with open(path, "rb") as handle:  # not a pickle at all: refused without unpickling (random bytes can make
-            head = handle.read(2)  # pickle allocate wildly and CPython print errors of its own on the way out)
+        with open_regular(path, key or str(path), what) as handle:
+            # not a pickle at all: refused without unpickling (random bytes can make pickle allocate wildly and
+            # CPython print errors of its own on the way out)
+            head = handle.read(2)
             if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
                 raise UserInputError(key or str(path), f"{path} does not start as a pickle (protocol 2-5) does; "
                                                        f"expected {what}")
@@ -146,7 +154,33 @@ def read_dcp_metadata(checkpoint: Path, key: str | None = None):
     if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
             and isinstance(metadata.storage_data, dict)):
         raise UserInputError(key or str(path), f"{path} holds a {type(metadata).__name__}; expected {what}")
+    check_storage_paths(Path(checkpoint), metadata, key)
     return metadata
+
+
+def check_storage_paths(checkpoint: Path, metadata, key: str | None) -> None:
+    """Every file a DCP `.metadata` names for its chunks, checked before anything reads one (torch's FileSystemReader
+    opens `checkpoint / relative_path` as given and reads `length` bytes at `offset`): a relative path that stays
+    inside the checkpoint, symlinks resolved, to a regular file or to nothing (a missing file is the format checks'
+    to report), with a plain offset and length. A FIFO there would block every reader, /dev/zero would be read for
+    as long as the metadata says, `../` would read another directory's files."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    what = "a storage file of this checkpoint (a path inside it, as dcp.save writes __<rank>_<n>.distcp)"
+    named = set()
+    for index, info in metadata.storage_data.items():
+        if not (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length))):
+            raise problem(checkpoint / ".metadata", key, f"stores {getattr(index, 'fqn', index)!r} at "
+                                                         f"{str(info)[:200]}; expected a relative path, an offset and "
+                                                         f"a length of {what}")
+        if info.relative_path in named:
+            continue
+        named.add(info.relative_path)
+        file = inside(checkpoint, info.relative_path, key, what, follow=False)
+        if not_a_file(file) is not None:
+            raise problem(file, key, f"is {not_a_file(file)}, not a regular file; expected {what}")
+        inside(checkpoint, info.relative_path, key, what)
 
 
 # how torch.load(weights_only=True) names the global it refused (torch/_weights_only_unpickler.py)
@@ -156,9 +190,19 @@ _TORCH_REFUSAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
 def torch_load(source, path: Path, key: str | None = None):
     """torch.load of a torch.save archive (a file or a file-like slice of one) with torch's restricted unpickler
     (weights_only=True: tensors, containers, plain values); a global it refuses is this module's refusal."""
+    import zipfile
+
     import torch
 
+    from toolkit.checkpoint.torch_zip import check_stored
+
     try:
+        try:
+            with zipfile.ZipFile(source) as archive:  # torch's reader would inflate a compressed record whole
+                check_stored(archive, path, key)
+        except zipfile.BadZipFile as exc:  # as torch's own reader says it
+            raise RuntimeError(f"not a torch.save archive ({exc})") from None
+        source.seek(0)
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         asked = _TORCH_REFUSAL.search(str(exc))
@@ -168,22 +212,47 @@ def torch_load(source, path: Path, key: str | None = None):
         raise
 
 
-def rank_file_format(path: Path) -> frozenset:
-    """The allow-list of one torch.save file of a checkpoint: DeepSpeed's rank files, or a stored object."""
-    return DEEPSPEED if path.name.endswith(("_optim_states.pt", "_model_states.pt")) else STORED_OBJECT
-
-
 def check_checkpoint(ckpt: Path, key: str | None) -> None:
-    """Every pickle of checkpoint directory `ckpt` that a library's own loader unpickles without restriction, passed
-    through the allow-lists here first (nothing in it is run): the first refused or unreadable one is raised."""
+    """Checkpoint directory `ckpt` made safe to hand to a library's loader: every file in it regular and inside it
+    (path_faults), and every pickle a loader unpickles (without restriction, or torch's weights_only that ends in a
+    traceback) passed through the allow-lists here first (nothing in it is run). The first fault is raised."""
+    for fault in path_faults(ckpt, key):
+        raise fault
     for fault in pickle_faults(ckpt, key):
         raise fault
 
 
+def path_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
+    """Each entry of `ckpt` a loader could open that would block it, read without end or lead outside: a FIFO, a
+    device or a socket (a symlink judged by its target), a symlink resolving outside `ckpt`, a `latest` pointer
+    naming anything but a directory beside it. The libraries' loaders (DeepSpeed's, Accelerate's, Megatron-Core's,
+    HF Trainer's json and torch.load) open what they find as given."""
+    import os
+
+    from toolkit.readers import read_text
+
+    ckpt = Path(ckpt)
+    what = "a regular file inside the checkpoint"
+    for folder, dirs, files in os.walk(ckpt):  # symlinked directories are listed, not entered
+        for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]):
+            path = Path(folder) / name
+            try:
+                kind = not_a_file(path)
+                if kind is not None and not path.is_dir():
+                    raise problem(path, key, f"is {kind}, not a regular file; expected {what}")
+                inside(ckpt, path.relative_to(ckpt), key, what)
+                if name == "latest" and kind is None:
+                    inside(path.parent, read_text(path, key, "the name of a tag directory beside it").strip(), key,
+                           "the name of a tag directory beside it")
+            except UserInputError as exc:
+                yield exc
+
+
 def pickle_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
     """The pickles check_checkpoint reads, each refused or unreadable one as the UserInputError naming it: the DCP
-    directories' (Megatron-Core's, FSDP2's model and optimizer) `.metadata` and every object they store, DeepSpeed's
-    rank files, Megatron-Core's common.pt. Only the pickles are read, never the tensor data."""
+    directories' (Megatron-Core's, FSDP2's model and optimizer) `.metadata` and every object they store, and the
+    TORCH_FILES (DeepSpeed's rank files, Megatron-Core's common.pt, HF Trainer's state files). Only the pickles are
+    read, never the tensor data."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from toolkit.checkpoint.torch_zip import index_torch_file
@@ -196,14 +265,14 @@ def pickle_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
         except UserInputError as exc:
             yield exc
             continue
-        archives += [(marker.parent / info.relative_path, (info.offset, info.length), STORED_OBJECT)
+        archives += [(marker.parent / info.relative_path, (info.offset, info.length), STORED_OBJECT, marker.parent)
                      for index, info in metadata.storage_data.items()
                      if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)]
-    for pattern in ("*_optim_states.pt", "*_model_states.pt", "common.pt"):
-        archives += [(file, None, rank_file_format(file)) for file in sorted(ckpt.rglob(pattern))]
-    for file, region, allowed in archives:
+    for pattern, allowed in TORCH_FILES.items():
+        archives += [(file, None, allowed, ckpt) for file in sorted(ckpt.rglob(pattern))]
+    for file, region, allowed, root in archives:
         try:
-            index_torch_file(file, region, allowed, key)
+            index_torch_file(file, region, allowed, key, root)
         except UserInputError as exc:
             yield exc
 

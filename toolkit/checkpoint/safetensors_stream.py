@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import read_json, read_safetensors_header
+from toolkit.readers import open_regular, read_json, read_safetensors_header
 
 # torch dtype name -> (safetensors dtype, bytes per element)
 DTYPES = {
@@ -76,16 +76,13 @@ class StreamingSafetensorsWriter:
         self._expect(name, shape, dtype)
         total = 0
         for path, offset, count in ranges:
-            source = os.open(path, os.O_RDONLY)
-            try:
+            with open_regular(path, None, "a checkpoint file", end=offset + count) as handle:
                 done = 0
                 while done < count:
-                    copied = _copy_range(source, self._fd, count - done, offset + done)
+                    copied = _copy_range(handle.fileno(), self._fd, count - done, offset + done)
                     if copied == 0:
                         raise ValueError(f"{path} ends before byte {offset + count} (truncated)")
                     done += copied
-            finally:
-                os.close(source)
             total += count
         if total != tensor_bytes(shape, dtype):
             raise ValueError(f"{name}: pieces hold {total} bytes, the tensor needs {tensor_bytes(shape, dtype)}")

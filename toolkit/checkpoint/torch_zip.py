@@ -23,6 +23,7 @@ from pathlib import Path
 
 from toolkit.checkpoint.safe_load import DEEPSPEED, Refused, RestrictedUnpickler, refusal
 from toolkit.errors import UserInputError
+from toolkit.readers import open_regular, problem
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
@@ -67,11 +68,10 @@ class LazyTensor:
 
         count = self.numel() - start if count is None else count
         itemsize = ITEMSIZE[self.dtype]
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            data = os.pread(fd, count * itemsize, self.offset + start * itemsize)
-        finally:
-            os.close(fd)
+        first = self.offset + start * itemsize
+        # the shape comes from the pickle: the file must hold what it claims before a buffer that size is allocated
+        with open_regular(self.path, None, "a torch.save file", end=first + count * itemsize) as handle:
+            data = os.pread(handle.fileno(), count * itemsize, first)
         if len(data) != count * itemsize:
             raise UserInputError(str(self.path), f"ends early: {len(data)} of {count * itemsize} bytes (truncated)")
         return torch.frombuffer(bytearray(data), dtype=getattr(torch, self.dtype))
@@ -159,18 +159,32 @@ def _contiguous_strides(size: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
+def check_stored(archive: zipfile.ZipFile, path: Path, key: str | None) -> None:
+    """Every record of a torch.save archive stored, as torch.save writes them (its zip writer never compresses): a
+    compressed record (a kilobyte can inflate to gigabytes, which torch's reader and zipfile would both allocate) is
+    refused unread, in one line. A stored record's bytes are its own, bounded by the file."""
+    for info in archive.infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise problem(Path(path), key, f"holds the compressed record {info.filename} ({info.compress_size} bytes "
+                                           f"said to inflate to {info.file_size}); torch.save stores every record "
+                                           f"uncompressed: refused unread")
+        if info.file_size != info.compress_size:
+            raise problem(Path(path), key, f"holds the record {info.filename} of {info.compress_size} bytes said to "
+                                           f"hold {info.file_size} (corrupt): refused unread")
+
+
 def index_torch_file(path: Path, region: tuple[int, int] | None = None, allowed: frozenset = DEEPSPEED,
-                     key: str | None = None):
+                     key: str | None = None, root: Path | None = None):
     """The object saved in `path` (or in its bytes [offset, offset + length) when `region` is given: one torch.save
     archive inside a DCP .distcp file), with every tensor replaced by a LazyTensor, unpickled with the `allowed`
-    globals only (safe_load.py). Damaged files, and globals outside `allowed`, raise UserInputError (naming `key`, or
-    the file)."""
+    globals only (safe_load.py). `path` must be a regular file (inside `root`, symlinks resolved, when given).
+    Damaged files, compressed records, and globals outside `allowed`, raise UserInputError (naming `key`, or the
+    file)."""
     start, length = region or (0, None)
     try:
-        with open(path, "rb") as handle:
-            if region is not None and os.fstat(handle.fileno()).st_size < start + length:
-                raise ValueError(f"the file ends before byte {start + length}")
-            return _index(path, handle, start, length, allowed)
+        end = None if region is None else start + length
+        with open_regular(path, key, "a torch.save file", root, end) as handle:
+            return _index(path, handle, start, length, allowed, key)
     except UserInputError:
         raise
     except Refused as exc:
@@ -181,20 +195,19 @@ def index_torch_file(path: Path, region: tuple[int, int] | None = None, allowed:
                                                f"{exc})") from None
 
 
-def _index(path: Path, handle, start: int, length: int | None, allowed: frozenset):
+def _index(path: Path, handle, start: int, length: int | None, allowed: frozenset, key: str | None):
     from toolkit.checkpoint.dcp import FileSlice
 
     raw = handle if length is None else FileSlice(handle, start, length)
     end = start + (length if length is not None else os.fstat(handle.fileno()).st_size)
     with zipfile.ZipFile(raw) as archive:
+        check_stored(archive, path, key)
         names = archive.namelist()
         pickle_name = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
         prefix = pickle_name[: -len("data.pkl")]
         offsets = {}
         for info in archive.infolist():
             if info.filename.startswith(prefix + "data/"):
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise ValueError(f"storage {info.filename} is compressed")
                 raw.seek(info.header_offset)
                 header = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
                 if header[0] != _LOCAL_HEADER_SIGNATURE:

@@ -117,16 +117,23 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
 
 
 def _check_pickles(path: Path, report: VerifyReport) -> None:
-    """Every pickle a library's loader would unpickle (DCP metadata and objects, DeepSpeed rank files, Megatron's
-    common.pt), against its format's allow-list: each that asks for anything else is a problem (damaged ones are
-    the format checks' to report)."""
-    from toolkit.checkpoint.safe_load import REFUSED, pickle_faults
+    """Every entry a loader would open that blocks, reads without end or leads outside the checkpoint (path_faults),
+    and every pickle a library's loader would unpickle (DCP metadata and objects, DeepSpeed rank files, Megatron's
+    common.pt, HF Trainer's state files) against its format's allow-list: each that asks for anything else is a
+    problem, and so is one damaged (or compressed) that no format's own check has named."""
+    from toolkit.checkpoint.safe_load import REFUSED, path_faults, pickle_faults
 
+    named = {p["file"] for p in report.problems}
+    for fault in path_faults(path, None):
+        if fault.key not in named:  # not already said by a format's own check
+            report.problem(fault.key, fault.message)
+            named.add(fault.key)
     said = {p["file"] for p in report.problems if REFUSED in p["problem"]}
     for fault in pickle_faults(path, None):
-        if REFUSED in fault.message and fault.key not in said:  # not already refused by a format's own check
+        if fault.key not in (said if REFUSED in fault.message else named):  # not already said by a format's check
             report.problem(fault.key, fault.message)
             said.add(fault.key)
+            named.add(fault.key)
 
 
 def _check_trainer_state(path: Path, report: VerifyReport) -> None:

@@ -75,7 +75,7 @@ def _findings(checkpoint) -> Iterator:
     for name, tensor in checkpoint.tensors():
         yield finding(checkpoint.tag_dir, f"tensor {name}", nonfinite(tensor))
     for file in rank_files(checkpoint.tag_dir):
-        for key, lazy in lazy_tensors(index_torch_file(file), ""):
+        for key, lazy in lazy_tensors(index_torch_file(file, root=checkpoint.tag_dir), ""):
             if not lazy.is_floating_point or any(part in MASTER_KEYS for part in key.split(".")):
                 continue  # the fp32 masters were scanned above, by parameter name
             yield finding(file, key, lazy_nonfinite(lazy))

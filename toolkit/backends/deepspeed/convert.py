@@ -9,7 +9,7 @@ from pathlib import Path
 
 from toolkit.backends.deepspeed.zero_checkpoint import open_zero_checkpoint, rank_files, resolve_tag_dir
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, find_config, read_hf_config
+from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, copy_side_file, find_config, read_hf_config
 from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.errors import UserInputError
@@ -113,7 +113,7 @@ def convert_zero_to_hf(
         writer.close()
         shutil.copyfile(config_path, tmp / "config.json")
         for side, path in sides.items():
-            shutil.copyfile(path, tmp / side)
+            copy_side_file(path, tmp / side, ckpt_dir, "CKPT_DIR")
     shards = len(writer.shards)
     log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, shards, out_dir)
     return ConversionResult(out_dir, len(layout), written, shards, checkpoint.stage, checkpoint.world_size)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import read_text
+from toolkit.readers import inside, read_text
 
 OPTIM_SUFFIX = "_optim_states.pt"
 MODEL_SUFFIX = "_model_states.pt"
@@ -35,7 +35,7 @@ def rank_files(tag_dir: Path) -> list[Path]:
 def _load(path: Path):
     from toolkit.checkpoint.torch_zip import index_torch_file
 
-    return index_torch_file(path)
+    return index_torch_file(path, root=path.parent)  # a rank file linked to elsewhere is refused
 
 
 def _field(value, path: Path, *keys: str):
@@ -58,7 +58,8 @@ def resolve_tag_dir(path: Path, tag: str | None) -> Path:
             raise UserInputError("--tag", f"no tag '{tag}' in {path}; tags present: {', '.join(tags) or 'none'}")
         return tag_dir
     if (path / "latest").is_file():
-        tag_dir = path / read_text(path / "latest", what="the name of the checkpoint's tag directory").strip()
+        what = "the name of the checkpoint's tag directory"
+        tag_dir = inside(path, read_text(path / "latest", what=what).strip(), str(path / "latest"), what)
         if not tag_dir.is_dir():
             raise UserInputError(str(path / "latest"), f"points to {tag_dir.name}, which does not exist")
         return tag_dir

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
-from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, find_config, read_hf_config
+from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, copy_side_file, find_config, read_hf_config
 from toolkit.checkpoint.safe_load import TENSORS, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
@@ -102,7 +102,7 @@ def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard
         for side in SIDE_FILES:
             for folder in (source, ckpt):
                 if (folder / side).is_file():
-                    shutil.copyfile(folder / side, tmp / side)
+                    copy_side_file(folder / side, tmp / side, ckpt, KEY)
                     break
     ranks = len({info.relative_path for info in metadata.storage_data.values()})
     log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, len(writer.shards), out_dir)
@@ -128,7 +128,7 @@ def row_ranges(source: Path, meta, storage: dict, key: str) -> list[tuple[Path, 
         info = storage.get(MetadataIndex(key, chunk.offsets))
         if info is None or info.transform_descriptors:
             return None
-        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length), TENSORS, KEY)
+        lazy = index_torch_file(source / info.relative_path, (info.offset, info.length), TENSORS, KEY, source)
         stored = str(meta.properties.dtype).removeprefix("torch.")
         if getattr(lazy, "shape", None) != sizes or lazy.dtype != stored:
             return None

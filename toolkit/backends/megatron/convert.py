@@ -20,7 +20,7 @@ from pathlib import Path
 
 from toolkit.backends.megatron.dist_writer import chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.hf_config import config_file, read_hf_config
+from toolkit.checkpoint.hf_config import config_file, copy_side_file, read_hf_config
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
@@ -271,7 +271,6 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     config.json. Streamed: each model tensor is assembled from its checkpoint chunks, split into its HF tensors,
     written and dropped (`live` counts what is held)."""
     import math
-    import shutil
 
     import torch
     from tqdm import tqdm
@@ -313,6 +312,6 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             for side in HF_SIDE_FILES:
                 if (ckpt / side).is_file():
-                    shutil.copyfile(ckpt / side, tmp / side)
+                    copy_side_file(ckpt / side, tmp / side, ckpt, "MEGATRON_DIR")
     return {"out_dir": str(out_dir), "tensors": len(layout), "parameters": sum(math.prod(s) for _, s, _ in layout),
             "shards": len(writer.shards)}

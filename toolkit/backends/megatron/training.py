@@ -60,15 +60,15 @@ def megatron_step_peaks(recipe, model, plan, tokens) -> dict[str, tuple[int, str
 def _tokenised_data(recipe: Recipe, output_dir: Path, seq_len: int):
     """The HF backend's tokenizer and packed blocks (rank 0 builds and saves the tokenizer, the others load it)."""
     import torch.distributed as dist
-    from transformers import AutoTokenizer
 
     from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
+    from toolkit.readers import hf_tokenizer
 
     tokenizer_dir = output_dir / "tokenizer"
     for turn in (0, 1):  # rank 0 first (it also fills the datasets cache), then everyone else
         if (dist.get_rank() == 0) == (turn == 0):
             if tokenizer_dir.is_dir():
-                tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+                tokenizer = hf_tokenizer(tokenizer_dir, "data.tokenizer.path")
             else:
                 tokenizer = build_tokenizer(recipe, load_texts(recipe))
                 tokenizer.save_pretrained(tokenizer_dir)

@@ -1,0 +1,385 @@
+"""A checkpoint from elsewhere names files, and each name is read through one bounded, confined opener: a storage
+path, a rank file or a `latest` pointer that is a FIFO, a link to /dev/zero, or leads outside the checkpoint; a
+torch.save record compressed to inflate a kilobyte into a gigabyte; HF Trainer's own pickles (rng_state, scheduler,
+optimizer) carrying a payload; a tokenizer that is its own code. Each is refused in one line by every verb that
+reads it (`dmt ckpt verify` reports it as the checkpoint's problem, exit 1), within seconds and without growing
+memory: each verb runs in a forked child under a time and an address-space limit, so a read that blocks or inflates
+fails the case instead of hanging the test; nothing is written, and no payload runs."""
+
+import json
+import os
+import pickle
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from test_fuzz_pickles import Payload, _zero_checkpoint, fsdp_checkpoint, megatron_copy, megatron_pair  # noqa: F401
+from test_fuzz_reads import HEADROOM, SECONDS, _vm_bytes
+
+from helpers import tiny_llama_config
+from toolkit.cli.main import main
+from toolkit.errors import UserInputError, error_line
+
+BOMB = 2**30  # what the compressed record inflates to: past HEADROOM with the copies a reader makes of it
+
+
+def _bounded(call) -> tuple[int, list[str], list[str], float]:
+    """(exit code, stdout lines, stderr lines, seconds) of `call()` (an exit code; a UserInputError it raises is exit
+    2 and its one line, as the CLI prints it) in a forked child that SIGALRM kills after SECONDS and that may not map
+    more than HEADROOM bytes beyond what it forked with; a child killed so fails the case."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            code = 99  # anything that escapes is a traceback and this code
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout, sys.stderr = os.fdopen(1, "w", closefd=False), os.fdopen(2, "w", closefd=False)
+                resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + HEADROOM, resource.RLIM_INFINITY))
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(SECONDS)
+                try:
+                    code = call()
+                except UserInputError as exc:
+                    print(error_line("dmt", exc), file=sys.stderr)
+                    code = 2
+            except BaseException:  # noqa: BLE001 (a MemoryError too: it is what the test is for)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        seconds = time.monotonic() - start
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if os.WIFSIGNALED(status):
+        pytest.fail(f"killed by signal {os.WTERMSIG(status)} after {seconds:.1f} s (blocked or read without end); "
+                    f"stderr: {stderr[-2000:]}")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return os.WEXITSTATUS(status), stdout.splitlines(), lines, seconds
+
+
+def _dmt(argv: list) -> tuple[int, list[str], list[str], float]:
+    return _bounded(lambda: main([str(a) for a in argv]))
+
+
+def _resume(ckpt: Path) -> tuple[int, list[str], list[str], float]:
+    """A resume from `ckpt` (a run directory's checkpoint with its manifest): what `--resume PATH` checks before any
+    library's loader sees the directory."""
+    from toolkit.backends.resume import resume_checkpoint
+    from toolkit.checkpoint.manifest import write_manifest
+
+    identity = {"seed": 1}
+    write_manifest(ckpt, step=2, world_size=1, layout={}, fmt="test", extra={"run": identity},
+                   files={})  # no hashing: the hostile files are what the check must meet, unread
+    return _bounded(lambda: resume_checkpoint(ckpt.parent, str(ckpt), identity) and 0)
+
+
+def _refused(result, *says: str) -> str:
+    code, _, err, seconds = result
+    text = "\n".join(err)
+    assert code == 2 and len(err) == 1 and "Traceback" not in text, (code, text)
+    assert all(str(s) in text for s in says), (says, text)
+    assert seconds < SECONDS / 2, (seconds, text)  # a refusal takes well under a second; the margin is the host's
+    return text
+
+
+def _reported(result, *says: str) -> str:
+    """`dmt ckpt verify`'s documented answer: exit 1, the problem on stdout naming `says`, nothing on stderr."""
+    code, out, err, seconds = result
+    assert code == 1 and not err, (code, err)
+    line = next((line for line in out if all(str(s) in line for s in says)), None)
+    assert line is not None, (says, out)
+    assert seconds < SECONDS / 2, (seconds, out)
+    return line
+
+
+def _run_verb(verb: str, ckpt: Path, out: Path, *says: str, hf: Path | None = None) -> str:
+    argv = {"ckpt verify": ["ckpt", "verify", ckpt], "ckpt verify --deep": ["ckpt", "verify", ckpt, "--deep"],
+            "ckpt inspect": ["ckpt", "inspect", ckpt], "convert zero-to-hf": ["convert", "zero-to-hf", ckpt, out],
+            "convert fsdp-to-hf": ["convert", "fsdp-to-hf", ckpt, out],
+            "convert megatron-to-hf": ["convert", "megatron-to-hf", ckpt, out],
+            "convert check": ["convert", "check", hf, ckpt]}
+    if verb == "resume":
+        return _refused(_resume(ckpt), "--resume", *says)
+    result = _dmt(argv[verb])
+    line = _reported(result, *says) if verb.startswith("ckpt verify") else _refused(result, *says)
+    assert not out.exists()
+    assert not [p for p in out.parent.rglob("*") if ".tmp-" in p.name]
+    return line
+
+
+# --- what a checkpoint names: a FIFO, /dev/zero, a way out --------------------------------------------------------
+
+def _fifo(file: Path, outside: Path) -> str:
+    file.unlink()
+    os.mkfifo(file)
+    return "FIFO"
+
+
+def _dev_zero(file: Path, outside: Path) -> str:
+    file.unlink()
+    file.symlink_to("/dev/zero")
+    return "character device"
+
+
+def _link_outside(file: Path, outside: Path) -> str:
+    shutil.move(file, outside)
+    file.symlink_to(outside)
+    return "outside"
+
+
+POINTED = {"a FIFO": _fifo, "a link to /dev/zero": _dev_zero, "a link leading outside": _link_outside}
+
+
+def _dcp_path_out(dcp_dir: Path, outside: Path) -> Path:
+    """The metadata rewritten so that every chunk lies in `../<outside>` (a copy of the real file there: unconfined,
+    it would read)."""
+    from toolkit.checkpoint.safe_load import read_dcp_metadata
+
+    metadata = read_dcp_metadata(dcp_dir)
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    for name in names:
+        shutil.copy(dcp_dir / name, outside.parent / f"{outside.name}-{name}")
+    for info in metadata.storage_data.values():
+        info.relative_path = os.path.relpath(outside.parent / f"{outside.name}-{info.relative_path}", dcp_dir)
+    with open(dcp_dir / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle, protocol=2)
+    return dcp_dir / ".metadata"
+
+
+@pytest.mark.parametrize("kind", [*sorted(POINTED), "a path with ../"])
+@pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "ckpt inspect", "convert fsdp-to-hf",
+                                  "resume"])
+def test_a_dcp_storage_path_that_blocks_or_leads_out_is_refused(fsdp_checkpoint, tmp_path, verb, kind):
+    dcp_dir = fsdp_checkpoint / "pytorch_model_fsdp_0"
+    outside = tmp_path / "outside"
+    if kind == "a path with ../":
+        _dcp_path_out(dcp_dir, outside)
+        says = ["leads outside"]
+    else:
+        says = [dcp_dir / "__0_0.distcp", POINTED[kind](dcp_dir / "__0_0.distcp", outside)]
+    _run_verb(verb, fsdp_checkpoint, tmp_path / "hf", *says)
+
+
+@pytest.mark.parametrize("kind", [*sorted(POINTED), "a path with ../"])
+@pytest.mark.parametrize("verb", ["ckpt verify --deep", "ckpt inspect", "convert megatron-to-hf", "convert check"])
+def test_a_megatron_storage_path_that_blocks_or_leads_out_is_refused(megatron_copy, tmp_path, verb, kind):
+    hf, ckpt = megatron_copy
+    outside = tmp_path / "outside"
+    if kind == "a path with ../":
+        _dcp_path_out(ckpt, outside)
+        says = ["leads outside"]
+    else:
+        says = [ckpt / "__0_0.distcp", POINTED[kind](ckpt / "__0_0.distcp", outside)]
+    _run_verb(verb, ckpt, tmp_path / "out", *says, hf=hf)
+
+
+ZERO_FILES = {"an optimizer rank file": "global_step2/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+              "a model-state file": "global_step2/mp_rank_00_model_states.pt"}
+
+
+@pytest.mark.parametrize("kind", sorted(POINTED))
+@pytest.mark.parametrize("which", sorted(ZERO_FILES))
+@pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "ckpt inspect", "convert zero-to-hf",
+                                  "resume"])
+def test_a_zero_rank_file_that_blocks_or_leads_out_is_refused(tmp_path, verb, which, kind):
+    ckpt = _zero_checkpoint(tmp_path / "run" / "checkpoint-2", "none", tmp_path / "MARK")
+    file = ckpt / ZERO_FILES[which]
+    _run_verb(verb, ckpt, tmp_path / "hf", file, POINTED[kind](file, tmp_path / "outside"))
+
+
+@pytest.mark.parametrize("verb", ["ckpt verify", "ckpt inspect", "convert zero-to-hf", "resume"])
+def test_a_latest_pointer_leading_out_of_the_checkpoint_is_refused(tmp_path, verb):
+    """DeepSpeed's `latest` names the tag directory: `../elsewhere/global_step2` (a real one) is not followed."""
+    ckpt = _zero_checkpoint(tmp_path / "run" / "checkpoint-2", "none", tmp_path / "MARK")
+    shutil.move(ckpt / "global_step2", tmp_path / "global_step2")
+    (ckpt / "latest").write_text("../../global_step2")
+    (ckpt / "global_step2").mkdir()  # the glob that finds a layout still finds a tag directory beside `latest`
+    shutil.copy(tmp_path / "global_step2" / "mp_rank_00_model_states.pt", ckpt / "global_step2")
+    shutil.copy(tmp_path / "global_step2" / ZERO_FILES["an optimizer rank file"].split("/")[1], ckpt / "global_step2")
+    _run_verb(verb, ckpt, tmp_path / "hf", "latest", "leads outside")
+
+
+@pytest.mark.parametrize("verb", ["convert zero-to-hf", "convert fsdp-to-hf"])
+def test_a_side_file_linked_outside_the_checkpoint_is_not_carried_into_the_output(fsdp_checkpoint, tmp_path, verb):
+    """A converter copies tokenizer.json and its kind beside the weights: one linked to a file elsewhere (a key, a
+    password file) would travel into a directory that is then shared. (megatron-to-hf copies through the same
+    copy_side_file once its weights are written: tens of seconds of a loaded host, past this test's bound.)"""
+    ckpt = {"convert zero-to-hf": lambda: _zero_checkpoint(tmp_path / "zero", "none", tmp_path / "MARK"),
+            "convert fsdp-to-hf": lambda: fsdp_checkpoint}[verb]()
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"not": "the checkpoint\'s"}')
+    (ckpt / "tokenizer.json").symlink_to(secret)
+    _run_verb(verb, ckpt, tmp_path / "hf", ckpt / "tokenizer.json", "outside")
+
+
+def test_the_tiny_checkpoints_without_the_damage_open_under_every_verb(fsdp_checkpoint, tmp_path):
+    """The layouts the cases damage are ones the verbs read: the refusals above are the damage's."""
+    ckpt = _zero_checkpoint(tmp_path / "run" / "checkpoint-2", "none", tmp_path / "MARK")
+    for argv in (["ckpt", "verify", ckpt, "--deep"], ["ckpt", "verify", fsdp_checkpoint, "--deep"],
+                 ["convert", "zero-to-hf", ckpt, tmp_path / "zero-hf"],
+                 ["convert", "fsdp-to-hf", fsdp_checkpoint, tmp_path / "fsdp-hf"]):
+        code, out, err, _ = _dmt(argv)
+        assert code == 0 and not [line for line in err if "Traceback" in line], (argv, out, err)
+    code, _, err, _ = _resume(ckpt)
+    assert code == 0, err
+
+
+# --- compression bombs ----------------------------------------------------------------------------------------------
+
+def _bomb(file: Path) -> None:
+    """Rewrite torch.save archive `file` with its data.pkl deflated and inflating to BOMB bytes: a bytes object of
+    zeros the unpickler would build (then drop) before the real object, which follows unchanged. The archive grows by
+    about a megabyte; written a piece at a time, so the test itself never holds the gigabyte."""
+    with zipfile.ZipFile(file) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(file, "w") as archive:
+        for info, data in records:
+            if not info.filename.endswith("data.pkl"):
+                archive.writestr(info, data)  # stored, as torch.save wrote it
+                continue
+            deflated = zipfile.ZipInfo(info.filename)
+            deflated.compress_type = zipfile.ZIP_DEFLATED
+            with archive.open(deflated, "w", force_zip64=True) as record:
+                record.write(b"\x80\x04\x8e" + BOMB.to_bytes(8, "little"))  # PROTO 4, BINBYTES8 of BOMB bytes
+                zeros = bytes(2**24)
+                for _ in range(BOMB // len(zeros)):
+                    record.write(zeros)
+                record.write(b"0" + data[2:])  # POP, then the real pickle after its own PROTO
+
+
+@pytest.fixture(scope="module")
+def bombed_zero(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bomb")
+    ckpt = _zero_checkpoint(root / "run" / "checkpoint-2", "none", root / "MARK")
+    _bomb(ckpt / ZERO_FILES["an optimizer rank file"])
+    return ckpt
+
+
+@pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "ckpt inspect", "convert zero-to-hf",
+                                  "resume"])
+def test_a_compressed_record_that_inflates_to_a_gigabyte_is_refused_unread(bombed_zero, tmp_path, verb):
+    ckpt = Path(shutil.copytree(bombed_zero, tmp_path / "run" / "checkpoint-2"))
+    file = ckpt / ZERO_FILES["an optimizer rank file"]
+    assert file.stat().st_size < 16 * 2**20 < BOMB
+    _run_verb(verb, ckpt, tmp_path / "hf", file, "compressed record", "refused unread")
+
+
+def test_a_compressed_chunk_is_refused_before_torch_inflates_it(bombed_zero, tmp_path):
+    """A DCP chunk or stored object is loaded by torch.load itself (safe_load.torch_load), whose zip reader inflates a
+    record whole: the same check refuses it first."""
+    from toolkit.checkpoint.safe_load import torch_load
+
+    file = bombed_zero / ZERO_FILES["an optimizer rank file"]
+
+    def load() -> int:
+        with open(file, "rb") as handle:
+            torch_load(handle, file, "CKPT")
+        return 0
+
+    _refused(_bounded(load), "CKPT", file, "compressed record", "refused unread")
+
+
+# --- HF Trainer's own pickles ---------------------------------------------------------------------------------------
+
+def _trainer_checkpoint(ckpt: Path, crafted: str | None, mark: Path) -> Path:
+    """An HF Trainer checkpoint-N as its _save_checkpoint writes one without DeepSpeed or FSDP: weights as
+    safetensors, trainer_state.json, and its own torch.save files with what they really hold (numpy's and torch's RNG
+    states, a LambdaLR's state, AdamW's); `crafted` names the file that also carries the payload."""
+    import random
+
+    import numpy as np
+    from safetensors.torch import save_file
+
+    ckpt.mkdir(parents=True)
+    weight = torch.nn.Parameter(torch.ones(4, 4))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    weight.sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    save_file({"w": weight.detach()}, ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text(json.dumps(tiny_llama_config()))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 2, "log_history": []}))
+    files = {"rng_state.pth": {"python": random.getstate(), "numpy": np.random.get_state(),
+                               "cpu": torch.random.get_rng_state()},
+             "scheduler.pt": scheduler.state_dict(), "optimizer.pt": optimizer.state_dict()}
+    for name, value in files.items():
+        if name == crafted:
+            value["payload"] = Payload(mark)
+        torch.save(value, ckpt / name)
+    return ckpt
+
+
+@pytest.mark.parametrize("crafted", ["rng_state.pth", "scheduler.pt", "optimizer.pt"])
+@pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "resume"])
+def test_a_crafted_hf_trainer_state_file_runs_nothing(tmp_path, verb, crafted):
+    mark = tmp_path / "MARK"
+    ckpt = _trainer_checkpoint(tmp_path / "run" / "checkpoint-2", crafted, mark)
+    _run_verb(verb, ckpt, tmp_path / "hf", ckpt / crafted, "asks for builtins.exec", "refused without running it")
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize("verb", ["ckpt verify", "resume"])
+def test_a_compressed_hf_trainer_state_file_is_refused_unread(tmp_path, verb):
+    """transformers' resume torch.loads rng_state.pth whole: a deflated one inflating to a gigabyte is refused by the
+    pre-check before it."""
+    ckpt = _trainer_checkpoint(tmp_path / "run" / "checkpoint-2", None, tmp_path / "MARK")
+    _bomb(ckpt / "rng_state.pth")
+    _run_verb(verb, ckpt, tmp_path / "hf", ckpt / "rng_state.pth", "compressed record", "refused unread")
+
+
+def test_a_real_hf_trainer_checkpoint_passes_the_allow_list(tmp_path):
+    """What the Trainer really saves opens through the allow-list: a transformers or numpy that pickles another
+    class into its RNG state fails here, not on a user's resume."""
+    ckpt = _trainer_checkpoint(tmp_path / "run" / "checkpoint-2", None, tmp_path / "MARK")
+    code, out, err, _ = _dmt(["ckpt", "verify", ckpt, "--deep"])
+    assert code == 0 and not err, (out, err)
+    code, _, err, _ = _resume(ckpt)
+    assert code == 0, err
+
+
+# --- a tokenizer that is its own code -------------------------------------------------------------------------------
+
+def test_a_tokenizer_that_needs_its_own_code_is_refused_without_a_question(tmp_path):
+    """transformers asks "run the custom code? [y/N]" (on every rank) for a tokenizer_config.json with an auto_map;
+    the toolkit answers no itself, in one line naming the recipe key, and the code never runs."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from toolkit.backends.data import build_tokenizer
+    from toolkit.spec.recipe import load_recipe
+
+    from test_fuzz_verbs import RECIPE_TEXT
+
+    directory, mark = tmp_path / "tok", tmp_path / "MARK"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": [None, "tokenization_own.OwnTokenizer"]}, tokenizer_class="OwnTokenizer")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "tokenization_own.py").write_text(
+        f"open({str(mark)!r}, 'w').close()\nfrom transformers import PreTrainedTokenizerFast as OwnTokenizer\n")
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(RECIPE_TEXT.replace("  tokenizer:\n", f"  tokenizer:\n    path: {directory}\n", 1))
+    recipe = load_recipe(recipe_path)
+    assert recipe.data.tokenizer.path
+
+    def load() -> int:
+        sys.stdin = open(os.devnull)  # a question would read here: none may be asked
+        build_tokenizer(recipe, None)
+        return 0
+
+    _refused(_bounded(load), "data.tokenizer.path", directory, "its own Python code")
+    assert not mark.exists()
