@@ -16,6 +16,7 @@ from toolkit.runtime.metrics import configure_wandb
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
+from toolkit.readers import hf_tokenizer
 
 if TYPE_CHECKING:
     from toolkit.backends.context import TrainContext
@@ -97,10 +98,8 @@ def _tokenised(recipe: Recipe, plan: Plan, args, tokenizer_dir: Path):
     from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
 
     with args.main_process_first(desc="tokenizer"):
-        if tokenizer_dir.is_dir():
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if tokenizer_dir.is_dir():  # the run's own, saved at its first launch
+            tokenizer = hf_tokenizer(tokenizer_dir, "--output-dir")
         else:
             tokenizer = build_tokenizer(recipe, load_texts(recipe))
             if args.process_index == 0:
@@ -115,12 +114,10 @@ def training_data(recipe: Recipe, plan: Plan, args, output_dir: Path) -> Trainer
     apart = documents_apart(recipe)
     flat = apart and plan.attention in VARIABLE_LENGTH_ATTENTION
     if recipe.data.blend:  # prepared tokens through Megatron-Core's datasets (a collective: rank 0 builds the cache)
-        from transformers import AutoTokenizer
-
         from toolkit.data.blend import build_datasets, hf_batch, hf_flat_batch
         from toolkit.spec.recipe import recipe_vocab_size
 
-        tokenizer = AutoTokenizer.from_pretrained(recipe.path(recipe.data.tokenizer.path))
+        tokenizer = hf_tokenizer(recipe.path(recipe.data.tokenizer.path), "data.tokenizer.path")
         train_set, eval_set = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
                                              recipe_vocab_size(recipe))
         collator = hf_flat_batch if flat else hf_batch
