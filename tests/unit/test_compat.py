@@ -122,7 +122,7 @@ def test_the_digest_sees_code_not_layout(tmp_path):
 
 
 def test_every_private_torch_name_the_pickle_allow_lists_let_through_is_a_seam():
-    from toolkit.checkpoint.safe_load import FORMATS
+    from toolkit.checkpoint.allow_lists import FORMATS
 
     names = {seam.name for seam in SEAMS}
     allowed = {name for allow_list in FORMATS for name in allow_list

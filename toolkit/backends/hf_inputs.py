@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.backends import long_context
-from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.backends.loop import check_world
 from toolkit.errors import UserInputError
+from toolkit.readers import hf_tokenizer
 from toolkit.runtime.metrics import configure_wandb
+from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
-from toolkit.readers import hf_tokenizer
 
 if TYPE_CHECKING:
     from toolkit.backends.context import TrainContext

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from transformers import Trainer, set_seed
 
 from toolkit.backends import long_context
-from toolkit.spec.backends import backend_of
 from toolkit.backends.background_saves import save_wait_s
 from toolkit.backends.context import TrainContext
 from toolkit.backends.hf_callbacks import ToolkitCallback
@@ -23,6 +22,7 @@ from toolkit.checkpoint.manifest import consumed_samples, read_manifest
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
 from toolkit.runtime.metrics import MetricsWriter
+from toolkit.spec.backends import backend_of
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ checkpoints is toolkit/backends/megatron/dist_writer.py.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import pickle
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.checkpoint.safe_load import read_dcp_metadata, torch_load
+from toolkit.checkpoint.torch_zip import FileSlice
 from toolkit.errors import UserInputError
 from toolkit.readers import open_regular
 
@@ -142,74 +142,3 @@ class DistCheckpointReader:
             raise UserInputError(self.key, f"{path}: {index.fqn} holds {tuple(tensor.shape)}, the metadata "
                                            f"says {tuple(sizes)}")
         return self.track(tensor)
-
-
-class FileSlice(io.RawIOBase):
-    """Bytes [offset, offset + length) of an open file as a file of their own: torch.load reads one chunk's
-    torch.save archive from it straight into the tensor's storage (no copy of the chunk's bytes first)."""
-
-    def __init__(self, handle, offset: int, length: int):
-        super().__init__()
-        self.handle, self.start, self.length, self.position = handle, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        self.position = position + {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        return self.position
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")[: max(0, self.length - self.position)]
-        self.handle.seek(self.start + self.position)
-        count = self.handle.readinto(view) or 0
-        self.position += count
-        return count
-
-
-# -- checking and describing (`dmt ckpt verify|inspect`) -------------------------------------------------------
-
-def check_dcp(path: Path, report, deep: bool) -> None:
-    """A DCP directory (Megatron-Core's, FSDP2's) into a VerifyReport: metadata readable, every storage file it names
-    present and long enough; with `deep`, every tensor read chunk by chunk."""
-    try:
-        metadata = read_dcp_metadata(path)  # every storage path inside the checkpoint, a regular file or missing
-    except UserInputError as exc:
-        report.problem(exc.key, exc.message)
-        return
-    ends: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for rel, end in sorted(ends.items()):
-        file = path / rel
-        if not file.is_file():
-            report.problem(file, "storage file named by the checkpoint metadata is missing")
-            continue
-        report.files_checked += 1
-        if file.stat().st_size < end:
-            report.problem(file, f"{file.stat().st_size} bytes, metadata needs {end} (truncated)")
-    if deep:  # a damaged file too: the scan reports what it reads, and the first read that fails
-        from toolkit.checkpoint.finite import dcp_findings
-
-        report.scan(dcp_findings(path, metadata))
-
-
-def dcp_contents(path: Path) -> dict:
-    """Parameters (tensors not under an `optimizer` key), whether optimizer state is there, dtypes, and how many rank
-    files hold the chunks."""
-    import math
-
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = read_dcp_metadata(path)
-    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    return {"parameters": sum(math.prod(v.size) for k, v in tensors.items() if "optimizer" not in k),
-            "optimizer_state": any("optimizer" in k for k in tensors),
-            "dtypes": sorted({str(v.properties.dtype).removeprefix("torch.") for v in tensors.values()}),
-            "rank_files": len({info.relative_path for info in metadata.storage_data.values()})}

@@ -13,6 +13,9 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
+from toolkit.checkpoint.dcp import DistCheckpointReader
+from toolkit.checkpoint.safe_load import torch_load
+from toolkit.checkpoint.torch_zip import LazyTensor
 from toolkit.errors import UserInputError
 
 PIECE = 1 << 22  # elements read at a time from a DeepSpeed rank file (16 MiB of fp32)
@@ -30,8 +33,6 @@ def nonfinite(tensor) -> int:
 
 def lazy_tensors(value, key: str) -> Iterator[tuple[str, object]]:
     """(dotted key, LazyTensor) for every tensor in an indexed torch.save object."""
-    from toolkit.checkpoint.torch_zip import LazyTensor
-
     if isinstance(value, LazyTensor):
         yield key, value
     elif isinstance(value, dict):
@@ -58,8 +59,6 @@ def dcp_findings(path: Path, metadata) -> Iterator[Finding]:
     tensor, model and optimizer alike, one chunk in memory at a time, and the tensors inside stored objects."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-    from toolkit.checkpoint.dcp import DistCheckpointReader
-
     reader = DistCheckpointReader(path, metadata=metadata, key=str(path))
     for key, meta in metadata.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata) and meta.properties.dtype.is_floating_point:
@@ -75,8 +74,6 @@ def _object_findings(reader, index) -> Iterator[Finding]:
     import pickle
 
     import torch
-
-    from toolkit.checkpoint.safe_load import torch_load
 
     file, data = reader.object_bytes(index)
     try:

@@ -20,9 +20,7 @@ os.system as easily as torch.Size. Every pickle the toolkit opens passes through
   toolkit/data/indexed.check_plain_arrays refuses an object array from numpy's header, unread (it sits in the data
   layer, below this package, as training's data path must not import checkpoint code).
 
-The allow-lists are what the real libraries write (found with torch's get_unsafe_globals_in_checkpoint and the
-globals of checkpoints saved by DeepSpeed 0.19, Megatron-Core 0.16 (its converter's and its training's) and torch
-2.13's DCP, FSDP2 through Accelerate).
+The allow-lists and the restricted unpickler are in toolkit/checkpoint/allow_lists.py.
 """
 
 from __future__ import annotations
@@ -32,96 +30,19 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from toolkit.compat.stdlib_seams import python3_name
-from toolkit.compat.torch_seams import PICKLED_DCP_METADATA, PICKLED_TENSOR_REBUILDERS
+from toolkit.checkpoint.allow_lists import (
+    DCP_METADATA,
+    STORED_OBJECT,
+    TENSORS,
+    TORCH_FILES,
+    Refused,
+    RestrictedUnpickler,
+    refusal,
+)
+from toolkit.checkpoint.torch_zip import check_stored, index_torch_file
+from toolkit.compat.torch_seams import is_storage_entry
 from toolkit.errors import UserInputError
 from toolkit.readers import inside, not_a_file, one_line, open_regular, problem
-
-# torch's legacy typed storage classes: what torch.save pickles as a storage's type
-STORAGES = ("FloatStorage", "DoubleStorage", "HalfStorage", "BFloat16Storage", "LongStorage", "IntStorage",
-            "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage")
-DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-          "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
-_TORCH_VALUES = frozenset({f"torch.{name}" for name in STORAGES + DTYPES} | {"torch.Size", "torch.device"})
-
-# a torch.save archive of tensors in containers: torch's tensor and parameter rebuilders, Python's containers and the
-# bytes encoding of pickle protocol 2 (what torch.save writes)
-TENSORS = _TORCH_VALUES | set(PICKLED_TENSOR_REBUILDERS) | {
-    "torch.Tensor", "collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode",
-}
-DCP_METADATA = _TORCH_VALUES | set(PICKLED_DCP_METADATA) | {
-    *(f"torch.distributed.checkpoint.metadata.{name}" for name in (
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta")),
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    # Megatron-Core's save planner keeps each rank's plan in the metadata (to reuse it on the next save)
-    *(f"torch.distributed.checkpoint.planner.{name}" for name in (
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")),
-    "pathlib.PosixPath",  # StorageMeta.checkpoint_id
-    "collections.OrderedDict",
-}
-DEEPSPEED = TENSORS | {
-    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "deepspeed.utils.tensor_fragment.fragment_address",
-}
-# Megatron-Core's common.pt and the objects a DCP checkpoint stores (RNG states, optimizer pieces): tensors, and the
-# classes Megatron-Core itself allows torch.load (megatron/core/safe_globals.py)
-STORED_OBJECT = TENSORS | {
-    "argparse.Namespace", "types.SimpleNamespace", "pathlib.PosixPath", "io.BytesIO", "signal.Signals",
-    "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-    "numpy.dtypes.UInt32DType", "megatron.core.enums.ModelType", "megatron.core.optimizer.OptimizerConfig",
-    "megatron.core.rerun_state_machine.RerunDiagnostic", "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState", "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphScope",
-}
-# HF Trainer's own files of a checkpoint-N (rng_state*.pth, scheduler.pt, optimizer.pt, scaler.pt, pytorch_model.bin),
-# which its resume torch.loads: tensors, and the numpy arrays of numpy's RNG state (transformers' safe_globals)
-HF_TRAINER = TENSORS | {"numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
-                        "numpy._core.multiarray._reconstruct", "numpy.dtypes.UInt32DType"}
-FORMATS = {DCP_METADATA: "torch.distributed.checkpoint metadata", DEEPSPEED: "a DeepSpeed checkpoint",
-           STORED_OBJECT: "a Megatron-Core or DCP stored object", TENSORS: "a tensor file",
-           HF_TRAINER: "an HF Trainer checkpoint's state file"}
-# where each torch.save file a library's loader opens lies in a checkpoint, and its allow-list
-TORCH_FILES = {"*_optim_states.pt": DEEPSPEED, "*_model_states.pt": DEEPSPEED, "common.pt": STORED_OBJECT,
-               "rng_state*.pth": HF_TRAINER, "scheduler.pt": HF_TRAINER, "optimizer.pt": HF_TRAINER,
-               "optimizer.bin": HF_TRAINER, "scaler.pt": HF_TRAINER, "pytorch_model*.bin": HF_TRAINER}
-
-
-REFUSED = "refused without running it"  # how every refusal ends (verify tells refusals from damage by it)
-
-
-class Refused(pickle.UnpicklingError):
-    """A pickle asked for a global outside its format's allow-list; nothing it named was called."""
-
-    def __init__(self, name: str, allowed: frozenset):
-        self.name, self.allowed = name, allowed
-        super().__init__(f"asks for {name}")
-
-
-def refusal(path: Path, key: str | None, name: str, allowed: frozenset) -> UserInputError:
-    """The one line: which file asked for which global, and that nothing ran."""
-    return problem(Path(path), key, f"asks for {name} (not allowed in {FORMATS[allowed]}); {REFUSED}")
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """pickle's Unpickler whose find_class (every global a pickle names passes through it, Python's documented way to
-    restrict unpickling) resolves only the names of `allowed`."""
-
-    def __init__(self, handle, allowed: frozenset):
-        super().__init__(handle)
-        self.allowed = allowed
-
-    def check(self, module: str, name: str) -> tuple[str, str]:
-        """(module, name) as Python 3 names it, when allowed; Refused otherwise."""
-        # Python 2 names (__builtin__.exec: protocol 2, torch.save's) are checked as the Python 3 names pickle maps
-        # them to (a protocol 3+ pickle naming one fails to import it)
-        module, name = python3_name(module, name)
-        if f"{module}.{name}" not in self.allowed:
-            raise Refused(f"{module}.{name}", self.allowed)
-        return module, name
-
-    def find_class(self, module: str, name: str):
-        return super().find_class(*self.check(module, name))
 
 
 def read_dcp_metadata(checkpoint: Path, key: str | None = None):
@@ -164,12 +85,10 @@ def check_storage_paths(checkpoint: Path, metadata, key: str | None) -> None:
     inside the checkpoint, symlinks resolved, to a regular file or to nothing (a missing file is the format checks'
     to report), with a plain offset and length. A FIFO there would block every reader, /dev/zero would be read for
     as long as the metadata says, `../` would read another directory's files."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     what = "a storage file of this checkpoint (a path inside it, as dcp.save writes __<rank>_<n>.distcp)"
     named = set()
     for index, info in metadata.storage_data.items():
-        if not (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+        if not (is_storage_entry(info) and isinstance(info.relative_path, str)
                 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length))):
             raise problem(checkpoint / ".metadata", key, f"stores {getattr(index, 'fqn', index)!r} at "
                                                          f"{str(info)[:200]}; expected a relative path, an offset and "
@@ -193,8 +112,6 @@ def torch_load(source, path: Path, key: str | None = None):
     import zipfile
 
     import torch
-
-    from toolkit.checkpoint.torch_zip import check_stored
 
     try:
         try:
@@ -254,8 +171,6 @@ def pickle_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
     TORCH_FILES (DeepSpeed's rank files, Megatron-Core's common.pt, HF Trainer's state files). Only the pickles are
     read, never the tensor data."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from toolkit.checkpoint.torch_zip import index_torch_file
 
     ckpt = Path(ckpt)
     archives = []  # (file, its region or None for the whole file, allow-list) of every torch.save archive

@@ -12,6 +12,7 @@ stood in for, and dtypes are names ("float32"), so a converter that only copies 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -21,7 +22,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.checkpoint.safe_load import DEEPSPEED, Refused, RestrictedUnpickler, refusal
+from toolkit.checkpoint.allow_lists import DEEPSPEED, Refused, RestrictedUnpickler, refusal
 from toolkit.errors import UserInputError
 from toolkit.readers import open_regular, problem
 
@@ -196,8 +197,6 @@ def index_torch_file(path: Path, region: tuple[int, int] | None = None, allowed:
 
 
 def _index(path: Path, handle, start: int, length: int | None, allowed: frozenset, key: str | None):
-    from toolkit.checkpoint.dcp import FileSlice
-
     raw = handle if length is None else FileSlice(handle, start, length)
     end = start + (length if length is not None else os.fstat(handle.fileno()).st_size)
     with zipfile.ZipFile(raw) as archive:
@@ -218,3 +217,32 @@ def _index(path: Path, handle, start: int, length: int | None, allowed: frozense
                 offsets[info.filename[len(prefix) + len("data/"):]] = data_offset
         with archive.open(pickle_name) as pickled:
             return _IndexUnpickler(pickled, path, offsets, allowed).load()
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a file of their own: torch.load reads one chunk's
+    torch.save archive from it straight into the tensor's storage (no copy of the chunk's bytes first)."""
+
+    def __init__(self, handle, offset: int, length: int):
+        super().__init__()
+        self.handle, self.start, self.length, self.position = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        self.position = position + {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self.length - self.position)]
+        self.handle.seek(self.start + self.position)
+        count = self.handle.readinto(view) or 0
+        self.position += count
+        return count

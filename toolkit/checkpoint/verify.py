@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from toolkit.spec.backends import BACKENDS
-from toolkit.checkpoint.dcp import check_dcp, dcp_contents
+from toolkit.checkpoint.allow_lists import REFUSED
+from toolkit.checkpoint.dcp_check import check_dcp, dcp_contents
 from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
+from toolkit.checkpoint.safe_load import path_faults, pickle_faults
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
 from toolkit.readers import read_json, read_safetensors_header
+from toolkit.spec.backends import BACKENDS
 
 
 @dataclass
@@ -121,8 +123,6 @@ def _check_pickles(path: Path, report: VerifyReport) -> None:
     and every pickle a library's loader would unpickle (DCP metadata and objects, DeepSpeed rank files, Megatron's
     common.pt, HF Trainer's state files) against its format's allow-list: each that asks for anything else is a
     problem, and so is one damaged (or compressed) that no format's own check has named."""
-    from toolkit.checkpoint.safe_load import REFUSED, path_faults, pickle_faults
-
     named = {p["file"] for p in report.problems}
     for fault in path_faults(path, None):
         if fault.key not in named:  # not already said by a format's own check

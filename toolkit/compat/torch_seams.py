@@ -27,7 +27,7 @@ SEAMS = [
     Seam("torch", "torch.distributed.checkpoint.filesystem._StorageInfo",
          "the storage entry (file, offset, length) of each chunk in DCP's .metadata: Megatron's dist_writer.py writes "
          "one chunk at a time itself (torch's keeps a file's chunks in memory), and DCP's FileSystemReader and "
-         "checkpoint/safe_load.py's allow-list read back exactly this class; DCP has no public constructor for it"),
+         "checkpoint/safe_load.py's allow-list and check_storage_paths (is_storage_entry) read back exactly this class; DCP has no public constructor for it"),
     Seam("torch", "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
          "the offload policy fully_shard really applied (backends/fsdp.py checks it against the plan): FSDP2 has no "
          "public getter for a module's parameter groups"),
@@ -74,6 +74,13 @@ def storage_entry(file_name: str, offset: int, length: int):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(file_name, offset, length)
+
+
+def is_storage_entry(value) -> bool:
+    """Whether a value of DCP's .metadata storage_data is such a record (checkpoint/safe_load.py checks each)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return isinstance(value, _StorageInfo)
 
 
 def fsdp_param_groups(module) -> list:

@@ -8,9 +8,9 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-from toolkit.spec.backend import HFConversion
 from toolkit.backends.deepspeed.zero_checkpoint import MASTER_KEYS, OPTIM_SUFFIX, open_zero_checkpoint, rank_files
 from toolkit.errors import UserInputError
+from toolkit.spec.backend import HFConversion
 
 FORMATS = ("deepspeed-zero", "hf-trainer")  # a bare DeepSpeed layout; HF's Trainer checkpoint with a tag inside
 MANIFEST_FORMAT = "hf-trainer+deepspeed"  # the manifest's `format`: HF Trainer's checkpoint-N with global_stepN inside

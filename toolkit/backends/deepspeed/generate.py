@@ -21,7 +21,6 @@ def _deepspeed(ctx: GenerationContext) -> str:
 
 def _accelerate(ctx: GenerationContext) -> str:
     from toolkit.generate.accelerate import accelerate_config
-
     from toolkit.generate.parallelism import yaml_section
 
     config = accelerate_config(ctx.recipe, ctx.plan, str(ctx.out_dir / "deepspeed.json"))

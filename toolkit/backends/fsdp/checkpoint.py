@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from toolkit.checkpoint.dcp_check import check_dcp, dcp_contents
 from toolkit.spec.backend import HFConversion
-from toolkit.checkpoint.dcp import check_dcp, dcp_contents
 
 FORMAT = "hf-trainer+fsdp"  # HF Trainer's checkpoint-N with Accelerate's FSDP2 DCP dirs (pytorch_model_fsdp_0/)
 FORMATS = (FORMAT,)

@@ -18,10 +18,11 @@ import logging
 import shutil
 from pathlib import Path
 
+from toolkit.checkpoint.allow_lists import TENSORS
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
 from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, copy_side_file, find_config, read_hf_config
-from toolkit.checkpoint.safe_load import TENSORS, read_dcp_metadata
+from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
 from toolkit.errors import UserInputError

@@ -19,17 +19,18 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.spec.backend import HFConversion
-from toolkit.checkpoint.dcp import check_dcp, dcp_contents
+from toolkit.backends.megatron.convert import megatron_to_hf
+from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT  # the part's hook: the format's name
+from toolkit.checkpoint.dcp_check import check_dcp, dcp_contents
 from toolkit.compat.megatron_seams import torch_adam_distributed_load
 from toolkit.errors import UserInputError
+from toolkit.spec.backend import HFConversion
 
 if TYPE_CHECKING:  # building a model is training's business: `dmt ckpt` and `dmt convert` read this module too
     from toolkit.backends.megatron.build import MegatronSetup
 
 log = logging.getLogger(__name__)
 FORMATS = ("megatron-dist",)
-MANIFEST_FORMAT = "megatron-core-dist"  # the manifest's `format`: Megatron-Core dist_checkpointing (torch_dist)
 TO_HF = HFConversion(
     help="Megatron-Core dist checkpoint -> HF safetensors + config",
     description="Read a Megatron-Core dist checkpoint (converted or saved by training, any layout) back into HF "
@@ -218,7 +219,5 @@ def inspect(path: Path) -> dict:
 
 def to_hf(ckpt_dir: Path, out_dir: Path, dtype: str, max_shard_size: str, config: Path | None,
           progress: bool) -> dict:
-    from toolkit.backends.megatron.convert import megatron_to_hf
-
     return megatron_to_hf(ckpt_dir, out_dir, config=config, dtype=dtype, progress=progress,
                           max_shard_size=max_shard_size)

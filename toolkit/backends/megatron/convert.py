@@ -18,10 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.backends.megatron.dist_writer import chunk_shape, write_dist_checkpoint
+from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT, chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.hf_config import config_file, copy_side_file, read_hf_config
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
+from toolkit.checkpoint.hf_config import config_file, copy_side_file, read_hf_config
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
@@ -54,8 +54,8 @@ def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int) -> None:
 def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                           padded_vocab: int | None = None) -> dict:
     """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec)."""
-    from toolkit.spec.engine_settings import megatron_padded_vocab
     from toolkit.families import megatron_fields
+    from toolkit.spec.engine_settings import megatron_padded_vocab
 
     sections = megatron_fields(hf_config)
     vocab = sections["model"]["vocab_size"]
@@ -182,7 +182,6 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     import torch
     from tqdm import tqdm
 
-    from toolkit.backends.megatron.checkpoint import MANIFEST_FORMAT
     from toolkit.checkpoint.manifest import write_manifest
     from toolkit.families import megatron_mapping
 

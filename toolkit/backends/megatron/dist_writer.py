@@ -19,6 +19,10 @@ from pathlib import Path
 
 from toolkit.checkpoint.dcp import LiveBytes, tracker
 
+# the manifest's `format` of a Megatron-Core dist_checkpointing (torch_dist) checkpoint, as training saves it and this
+# writer writes it (the checkpoint part's MANIFEST_FORMAT)
+MANIFEST_FORMAT = "megatron-core-dist"
+
 log = logging.getLogger(__name__)
 
 
@@ -111,11 +115,11 @@ def one_item_at_a_time_writer(out_dir: Path):
     import torch
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-
-    from toolkit.compat.torch_seams import storage_entry
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
+
+    from toolkit.compat.torch_seams import storage_entry
 
     class OneItemAtATimeWriter(FileSystemWriter):
         def write_data(self, plan, planner):

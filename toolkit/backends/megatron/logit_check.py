@@ -118,8 +118,8 @@ def _writer(tp: int, pp: int) -> bool:
 
 def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: float = 1e-4) -> LogitCheck:
     """Compare in this process (TP x PP = 1) or in a torchrun launch of TP x PP processes."""
-    from toolkit.checkpoint.hf_config import read_hf_config
     from toolkit.backends.megatron.convert import check_layout, hf_weight_map, single_process_group
+    from toolkit.checkpoint.hf_config import read_hf_config
     from toolkit.checkpoint.safe_load import check_checkpoint
     from toolkit.runtime.children import Children
     from toolkit.runtime.ports import free_port

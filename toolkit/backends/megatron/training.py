@@ -217,8 +217,8 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     `throughput` (toolkit.runtime.metrics.Throughput, from train.py) turns step times into tokens/s and MFU; `watch`
     is this rank's toolkit.runtime.supervision.TrainingWatchdog."""
     from toolkit.backends.loop import check_world
-    from toolkit.backends.resume import resume_checkpoint, run_identity
     from toolkit.backends.megatron.build import device_context, init_distributed
+    from toolkit.backends.resume import resume_checkpoint, run_identity
 
     check_world(plan)
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
@@ -282,14 +282,14 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from toolkit.backends.loop import StepGuard, save_and_exit_requested, write_step_record
-    from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
     from toolkit.backends.background_saves import save_wait_s
+    from toolkit.backends.loop import StepGuard, save_and_exit_requested, write_step_record
+    from toolkit.backends.megatron.build import build, destroy
+    from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
     from toolkit.backends.megatron.saves import CheckpointSaves
     from toolkit.backends.resume import guard_window
     from toolkit.runtime import faults
     from toolkit.runtime.guard import LossGuard
-    from toolkit.backends.megatron.build import build, destroy
     from toolkit.runtime.metrics import (
         MetricsWriter,
         Throughput,
