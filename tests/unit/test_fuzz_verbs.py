@@ -289,6 +289,18 @@ BLEND_VALUES = {
     "other tokenizer": ("    path: {tokenizer}\n", "    path: {other}\n", "data.blend.0.prefix", "restore-test"),
     "token beyond the vocabulary": ("vocab_size: 512\n    max_position", "vocab_size: 300\n    max_position",
                                     "data.blend.0.prefix", "restore-test"),
+    # values megatron_args.txt would carry as words of a shell's splitting: a line break, a blank, a flag, a pattern
+    "prefix with a line break": ("prefix: {prefix}, weight: 1", 'prefix: "{prefix}\\n--load /tmp/x", weight: 1',
+                                 "data.blend.1.prefix", "all"),
+    "prefix with a blank": ("prefix: {prefix}, weight: 1", "prefix: '{prefix} /etc', weight: 1",
+                            "data.blend.1.prefix", "all"),
+    "prefix a flag": ("prefix: {prefix}, weight: 1", "prefix: --save, weight: 1", "data.blend.1.prefix", "all"),
+    "prefix a pattern": ("prefix: {prefix}, weight: 1", "prefix: '/*', weight: 1", "data.blend.1.prefix", "all"),
+    "cache_dir with a blank": ("split: '90,10,0'", "split: '90,10,0'\n  cache_dir: 'cache /etc'", "data.cache_dir",
+                               "all"),
+    # finite, but a sum of such weights overflows to inf and every share to nan
+    "weight 1e300": ("weight: 3", "weight: 1e300", "data.blend.0.weight", "all"),
+    "weight 1e-300": ("weight: 3", "weight: 1e-300", "data.blend.0.weight", "all"),
 }
 
 
@@ -339,6 +351,45 @@ def test_a_wrong_blend_names_its_key(sandbox, capsys, monkeypatch, tmp_path_fact
     names = _blend_inputs(sandbox)
     refuses_recipe_edit(sandbox, capsys, verb, _fill(old, names), _fill(new, names), key, _blend_recipe(names))
     assert not list(scratch.glob("dmt-restore-*"))
+
+
+# megatron.yaml of the sound blend recipe edited by hand: (section, key, value) -> the key `dmt validate` names
+MEGATRON_YAML_EDITS = {
+    "prefix with a line break": (("data", "blend", 0, "prefix"), "corpus\n--load /tmp/x", "data.blend[0].prefix"),
+    "prefix with a blank": (("data", "blend", 1, "prefix"), "corpus /etc", "data.blend[1].prefix"),
+    "weight a flag": (("data", "blend", 0, "weight"), "--save", "data.blend[0].weight"),
+    "weight 1e300": (("data", "blend", 0, "weight"), 1e300, "data.blend[0].weight"),
+    "cache_dir a pattern": (("data", "cache_dir"), "/*", "data.cache_dir"),
+    "split with a line break": (("data", "split"), "90,10,0\n--load /tmp/x", "data.split"),
+    "normalization with a blank": (("transformer_config", "normalization"), "RMSNorm --load /tmp/x",
+                                   "transformer_config.normalization"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEGATRON_YAML_EDITS))
+def test_a_hand_edited_megatron_yaml_that_would_inject_flags_is_refused(sandbox, capsys, case):
+    """`dmt validate` of a megatron.yaml whose value would add a line, a flag or a word to megatron_args.txt."""
+    import yaml
+
+    where, value, key = MEGATRON_YAML_EDITS[case]
+    recipe = sandbox / "blend.yaml"
+    recipe.write_text(_blend_recipe(_blend_inputs(sandbox)))
+    assert main(["generate", str(recipe), "--out", str(sandbox / "gen"), "--backend", "megatron", "--zero", "0"]) == 0
+    capsys.readouterr()
+    path = sandbox / "gen" / "megatron.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert main(["validate", str(path), "--world-size", str(config["schedule"]["world_size"])]) == 0
+    capsys.readouterr()
+    *parents, last = where
+    target = config
+    for part in parents:
+        target = target[part]
+    target[last] = value
+    path.write_text(yaml.safe_dump(config))
+    before = _snapshot(sandbox)
+    code, err = _run(capsys, ["validate", str(path), "--world-size", str(config["schedule"]["world_size"])])
+    _assert_refused(code, err, key)
+    assert _snapshot(sandbox) == before
 
 
 def _prepared(directory: Path) -> Path:
