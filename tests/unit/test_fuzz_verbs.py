@@ -421,7 +421,23 @@ DAMAGED_DATASETS = {  # how a prepared dataset is damaged -> the file and the wo
     "missing .bin": (lambda p: Path(f"{p}.bin").unlink(), ".bin", "is missing"),
     "sidecar damaged": (lambda p: Path(str(p).rsplit("_text_document", 1)[0] + ".dmt.json").write_text("{"),
                         ".dmt.json", "not valid JSON"),
+    "a pointer past the .bin": (lambda p: _damage(Path(f"{p}.idx"), _pointer_offset(p, 1), (10**9).to_bytes(8, "little")),
+                                ".idx", "sequence 1's pointer is byte 1000000000"),
+    "zero documents": (lambda p: _empty_dataset(p), ".idx", "holds no documents"),
 }
+
+
+def _pointer_offset(prefix: Path, sequence: int) -> int:
+    """Where sequence `sequence`'s pointer lies in the .idx (after the 34-byte header and the int32 lengths)."""
+    sequences = int.from_bytes(Path(f"{prefix}.idx").read_bytes()[18:26], "little")
+    return 34 + sequences * 4 + sequence * 8
+
+
+def _empty_dataset(prefix: Path) -> None:
+    """A sound pair of no documents: the header with 0 sequences and the document index's leading 0 alone."""
+    head = Path(f"{prefix}.idx").read_bytes()[:18]  # magic, version, dtype code
+    Path(f"{prefix}.idx").write_bytes(head + (0).to_bytes(8, "little") + (1).to_bytes(8, "little") + bytes(8))
+    Path(f"{prefix}.bin").write_bytes(b"")
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGED_DATASETS))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.data import sidecar
-from toolkit.data.indexed import check_pair, check_plain_arrays, prefix_document_lengths
+from toolkit.data.indexed import check_index_values, check_pair, check_plain_arrays, prefix_document_lengths
 from toolkit.errors import UserInputError
 from toolkit.data.split import megatron_split, split_shares
 
@@ -161,6 +161,9 @@ def build_datasets(recipe, seq_len: int, global_batch: int, output_dir: Path, vo
     config = dataset_config(recipe, sources, seq_len, cache)
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sample_counts(recipe, global_batch), lambda: True,
                                                     config).build()
+    for built in (train, valid):
+        if built is not None:
+            check_index_values(built, "data.cache_dir")
     if train is None or len(train) < recipe.training.max_steps * global_batch:
         raise UserInputError("data.split", f"the blend's train share ({recipe.data.split}) yields no training "
                                            f"samples; give train a positive share")
