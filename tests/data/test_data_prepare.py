@@ -321,3 +321,32 @@ def test_an_interrupted_run_leaves_nothing_that_looks_complete(tmp_path):
     assert code == -9
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != "big.jsonl")
     assert left and all(name.startswith(".killed_") and ".tmp-" in name for name in left), left
+
+
+def test_a_compressed_line_past_the_bound_is_refused_in_bounded_memory(tmp_path):
+    """A 100 KB .gz holding one 100 MB JSON line cost 4.2 GB: the line is refused once LINE_BYTES_MAX of it is read,
+    in one line naming the file and the line, nothing left, the whole run (its imports included, about 0.5 GB) well
+    under 2 GiB: the bound is 16 MiB of text, and a worker never sees the line."""
+    import os
+    import subprocess
+    import sys
+
+    from toolkit.data.sources import LINE_BYTES_MAX
+
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wt") as handle:
+        handle.write('{"text": "fine"}\n' * 3 + json.dumps({"text": "a" * (6 * LINE_BYTES_MAX)}) + "\n")
+    assert bomb.stat().st_size < LINE_BYTES_MAX // 50
+    # a fresh parent measures the run alone: the largest of the command and its workers (RUSAGE_CHILDREN, KiB)
+    measure = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "toolkit", "data", "prepare",
+                             "--input", str(bomb), "--tokenizer", str(TOKENIZER), "--output-prefix",
+                             str(tmp_path / "out"), "--workers", "2"],
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=str(HERE.parents[1])))
+    err = [line for line in result.stderr.splitlines() if line.strip() and "arning" not in line]
+    assert result.returncode == 2 and len(err) == 1, result.stderr
+    assert f"{bomb} line 4 is longer than 16 MiB" in err[0]
+    assert int(result.stdout.split()[-1]) < 2 * 2**20  # KiB: 2 GiB
+    assert [p.name for p in tmp_path.iterdir()] == ["bomb.jsonl.gz"]
