@@ -140,17 +140,20 @@ def token_count(value: float, text: str) -> int:
 # float range overflows to inf, and every share to nan)
 WEIGHT_MIN, WEIGHT_MAX = 1e-15, 1e15
 
-FLOAT_FLAGS = (finite_float, positive_float)  # the argparse types of float flags (the explore form: number fields)
+# the plausible range of each failure and checkpoint assumption of --train-tokens (toolkit/cli/train_tokens.py): a
+# failure per GPU-hour at most (Llama 3's was 2e-5), a week's restart, 1 MB/s to 1 PB/s of storage per node, a
+# millisecond to a week per checkpoint write
+WEEK_S = 7 * 24 * 3600.0
+FAILURE_RATE = FloatRange(0, 1, "interruptions per GPU-hour")
+RESTART = FloatRange(0, WEEK_S, "seconds")
+WRITE_BW = FloatRange(1e-3, 1e6, "GB/s per node")
+WRITE_TIME = FloatRange(1e-3, WEEK_S, "seconds")
+PRICE = FloatRange(1e-6, 1e6, "a price per GPU-hour")
+RANGES = (FAILURE_RATE, RESTART, WRITE_BW, WRITE_TIME, PRICE)
+
+# the argparse types of float flags (the explore form: number fields; the fuzz tests: every one refuses nan)
+FLOAT_FLAGS = (finite_float, positive_float, *RANGES)
 INT_FLAGS = (bounded_int,)
-
-
-def flag_kind(kind) -> type | None:
-    """int or float for an argparse type that takes a number (the explore form's number fields), else None."""
-    if kind in (int, *INT_FLAGS):
-        return int
-    if kind in (float, *FLOAT_FLAGS) or isinstance(kind, FloatRange):
-        return float
-    return None
 
 
 def _check_finite(data: Any, what: str) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.estimate.checkpoint_cost import WRITE_BW_GBPS_PER_NODE
 from toolkit.estimate.goodput import FAILURE_RATE_PER_GPU_HOUR, RESTART_S
-from toolkit.numeric import FloatRange, token_count
+from toolkit.numeric import FAILURE_RATE, PRICE, RESTART, WRITE_BW, WRITE_TIME, token_count
 
 if TYPE_CHECKING:
     from toolkit.estimate.training_time import FailureInputs
@@ -29,15 +29,6 @@ def parse_token_count(text: str) -> int:
     return token_count(float(match.group(1)) * MULTIPLIERS[match.group(2).upper()] if match else math.nan, str(text))
 
 
-# the plausible range of each failure and checkpoint assumption (numeric.FloatRange): a week's restart, a failure
-# per GPU-hour (Llama 3's was 2e-5), 1 MB/s to 1 PB/s of storage per node, a millisecond to a week per write
-FAILURE_RATE = FloatRange(0, 1, "interruptions per GPU-hour")
-RESTART = FloatRange(0, 7 * 24 * 3600, "seconds")
-WRITE_BW = FloatRange(1e-3, 1e6, "GB/s per node")
-WRITE_S = FloatRange(1e-3, 7 * 24 * 3600, "seconds")
-PRICE = FloatRange(1e-6, 1e6, "a price per GPU-hour")
-
-
 def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-tokens", type=parse_token_count, default=None, metavar="N",
                         help="training budget in tokens (15T, 300B, 1.5e12): adds wall-clock days and GPU-hours, "
@@ -51,7 +42,7 @@ def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-write-bw", type=WRITE_BW, default=WRITE_BW_GBPS_PER_NODE, metavar="GBPS",
                         help="checkpoint storage GB/s per node, writing and reading (default %(default).3g: Llama 3's "
                              "2 TB/s sustained over 2,048 nodes, arXiv:2407.21783 Sec. 3.3.1)")
-    parser.add_argument("--checkpoint-write-s", type=WRITE_S, default=None, metavar="S",
+    parser.add_argument("--checkpoint-write-s", type=WRITE_TIME, default=None, metavar="S",
                         help="a measured write time of one checkpoint, instead of its bytes over the bandwidth")
     parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=None,
                         help="asynchronous saves block training only for the copy of each GPU's states to host "

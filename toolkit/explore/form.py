@@ -16,7 +16,7 @@ from pathlib import Path
 
 from toolkit.compat.stdlib_seams import is_help_or_version, parser_actions
 from toolkit.errors import UsageError, UserInputError
-from toolkit.numeric import flag_kind
+from toolkit.numeric import FLOAT_FLAGS, INT_FLAGS
 
 ALWAYS = "json"  # the API answers with what `--json` prints, so it is always on and not a field
 PASTED_MODEL_DIR = "pasted-config"  # the model name a pasted config.json gets (its directory's name)
@@ -77,7 +77,7 @@ def _kind(action: argparse.Action) -> str:
         return "checkbox"
     if action.choices is not None or isinstance(action, argparse.BooleanOptionalAction):
         return "select"
-    if flag_kind(action.type) is not None:
+    if action.type in (int, float, *INT_FLAGS, *FLOAT_FLAGS):
         return "number"
     return "text"
 
@@ -98,7 +98,7 @@ def form_fields(verb: str) -> list[dict]:
             "kind": kind,
             "choices": list(action.choices) if action.choices is not None else
             SWITCH_CHOICES if isinstance(action, argparse.BooleanOptionalAction) else None,
-            "step": {int: 1, float: "any"}.get(flag_kind(action.type)),
+            "step": 1 if action.type in (int, *INT_FLAGS) else "any" if action.type in (float, *FLOAT_FLAGS) else None,
             "default": action.default if kind == "checkbox" or action.default is None
             or isinstance(action.default, (int, float, str)) else str(action.default),
             "required": bool(action.required),

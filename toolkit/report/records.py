@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import WEEK_S
 from toolkit.readers import parse_json, read_text
 from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE, is_checkpoint_record
 
@@ -50,7 +51,7 @@ def _at_most(high: float, what: str) -> AfterValidator:
 
 
 # a step slower than a week is no training step (a suspended job restarts, and its records start again after it)
-STEP_S_MAX = 7 * 24 * 3600.0
+STEP_S_MAX = WEEK_S
 Mfu = Annotated[NonNegative, _at_most(1.0, "a model FLOPs utilisation (the share of the devices' dense peak)")]
 StepSeconds = Annotated[Positive, _at_most(STEP_S_MAX, "seconds a step")]
 WaitSeconds = Annotated[NonNegative, _at_most(STEP_S_MAX, "seconds a step")]
