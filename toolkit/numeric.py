@@ -151,6 +151,10 @@ WRITE_TIME = FloatRange(1e-3, WEEK_S, "seconds")
 PRICE = FloatRange(1e-6, 1e6, "a price per GPU-hour")
 RANGES = (FAILURE_RATE, RESTART, WRITE_BW, WRITE_TIME, PRICE)
 
+# a calibration's fitted compute_scale (toolkit/spec/calibration.py): a rate relative to the published curve, so a
+# factor of a million either way is no measurement
+SCALE_MIN, SCALE_MAX = 1e-6, 1e6
+
 # the argparse types of float flags (the explore form: number fields; the fuzz tests: every one refuses nan)
 FLOAT_FLAGS = (finite_float, positive_float, *RANGES)
 INT_FLAGS = (bounded_int,)

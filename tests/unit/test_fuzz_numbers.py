@@ -353,3 +353,18 @@ def test_failures_faster_than_restarts_are_one_line_not_an_overflow(capsys):
 def test_a_token_budget_past_a_count_is_refused(capsys, text):
     code, err = _run(capsys, ["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", text])
     _assert_refused(code, err, "--train-tokens", "at most")
+
+
+@pytest.mark.parametrize("where, value", [("efficiency.hf.fixed_step_s", 1e300), ("efficiency.hf.compute_scale", 1e300),
+                                          ("efficiency.hf.compute_scale", 1e-300)])
+@pytest.mark.parametrize("verb", ["estimate", "plan"])
+def test_a_calibration_number_past_any_fit_is_refused(tmp_path, capsys, where, value, verb):
+    """Finite, but no fit of a run: a fixed cost of 1e300 s a step overflowed Daly's formula (an OverflowError, or a
+    line blaming --failure-rate); a scale of 1e-300 likewise. Refused naming --calibration and the key."""
+    path = _calibration_file(tmp_path / "cal.yaml", "h100-80gb", fixed_step_s=0.01)
+    data = yaml.safe_load(path.read_text())
+    data["efficiency"]["hf"][where.rsplit(".", 1)[1]] = value
+    path.write_text(yaml.safe_dump(data))
+    argv = [verb, "--model", "llama-3.2-1b", "--gpus", "8", "--calibration", str(path), "--train-tokens", "1T"]
+    code, err = _run(capsys, argv + (["--seq-len", "512", "--global-batch", "8"] if verb == "plan" else []))
+    _assert_refused(code, err, "--calibration", where)

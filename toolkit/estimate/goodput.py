@@ -70,9 +70,10 @@ def expected_wall_s(compute_s: float, interval_s: float, checkpoint_s: float, re
     except OverflowError:
         wall = math.inf
     if not math.isfinite(wall):  # each restart takes longer than failures come: the run never completes
-        raise UserInputError("--failure-rate", f"a failure every {mtbf_s:.3g} s and {restart_s:.3g} s to recover "
-                                               f"from each: the expected run never completes; give a lower "
-                                               f"--failure-rate or --restart-s")
+        raise UserInputError("--failure-rate", f"a failure every {mtbf_s:.3g} s, {restart_s:.3g} s to recover "
+                                               f"from each and {interval_s + checkpoint_s:.3g} s from one "
+                                               f"checkpoint to the next: the expected run never completes; give a "
+                                               f"lower --failure-rate or --restart-s")
     return wall
 
 
