@@ -353,6 +353,23 @@ def test_a_wrong_blend_names_its_key(sandbox, capsys, monkeypatch, tmp_path_fact
     assert not list(scratch.glob("dmt-restore-*"))
 
 
+def test_a_sidecar_that_does_not_describe_its_files_is_not_trusted_for_token_ids(sandbox, capsys, monkeypatch,
+                                                                                   tmp_path_factory):
+    """The sidecar's max_token_id spares reading the .bin, but only where its counts are the .idx's: a sidecar
+    edited (or left beside other files) saying max_token_id 0 does not let ids beyond the vocabulary through to an
+    embedding's IndexError; the .bin is read and the prefix refused before the restore test launches anything."""
+    scratch = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    names = _blend_inputs(sandbox)
+    record = Path(f"{names['prefix']}.dmt.json")
+    data = json.loads(record.read_text())
+    data["datasets"]["text"].update(max_token_id=0, documents=data["datasets"]["text"]["documents"] + 1)
+    record.write_text(json.dumps(data))
+    refuses_recipe_edit(sandbox, capsys, "restore-test", "vocab_size: 512\n    max_position",
+                        "vocab_size: 300\n    max_position", "data.blend.0.prefix", _blend_recipe(names))
+    assert not list(scratch.glob("dmt-restore-*"))
+
+
 # megatron.yaml of the sound blend recipe edited by hand: (section, key, value) -> the key `dmt validate` names
 MEGATRON_YAML_EDITS = {
     "prefix with a line break": (("data", "blend", 0, "prefix"), "corpus\n--load /tmp/x", "data.blend[0].prefix"),
