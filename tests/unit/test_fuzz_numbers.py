@@ -326,14 +326,15 @@ RANGED_FLAGS = [(path, flag, kind) for path, flag, kind in FLOAT_FLAG_LIST if is
 
 def test_the_walk_finds_the_flags_of_a_plausible_range():
     assert {flag for _, flag, _ in RANGED_FLAGS} >= {"--failure-rate", "--restart-s", "--checkpoint-write-bw",
-                                                     "--checkpoint-write-s", "--gpu-hour-price"}
+                                                     "--checkpoint-write-s", "--gpu-hour-price", "--deadline-s"}
 
 
 @pytest.mark.parametrize("path, flag, kind", RANGED_FLAGS, ids=[f"{' '.join(p)} {f}" for p, f, _ in RANGED_FLAGS])
 def test_a_finite_number_past_a_flags_plausible_range_is_refused(capsys, path, flag, kind):
     """Finite, but huge or tiny: 1e300 overflowed Daly's exponentials (OverflowError) or printed a 300-digit cost
     with exit code 0; 1e-300 a checkpoint written in no time. Each is refused at the flag, naming its range."""
-    argv = [*path, "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", "1T"]
+    argv = [*path, "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", "1T"] \
+        if path in (("estimate",), ("plan",)) else [*path]
     if path == ("plan",):
         argv += ["--seq-len", "512", "--global-batch", "8"]
     for value in ("1e300", "-1e300", repr(kind.high * 10 + 1), "-1" if kind.low == 0 else repr(kind.low / 10)):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from toolkit.cli.paths import output_arg
 from toolkit.errors import UserInputError
-from toolkit.numeric import bounded_int, finite_float, json_text
+from toolkit.numeric import DEADLINE, bounded_int, finite_float, json_text
 
 SIZE_MAX = 2**40
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (to attach a debugger)")
     limits = parser.add_argument_group("thresholds (GPU defaults from the catalogue; on CPU only liveness, "
                                        "correctness, stragglers and outlier links count unless given)")
-    limits.add_argument("--deadline-s", type=finite_float, default=60.0,
+    limits.add_argument("--deadline-s", type=DEADLINE, default=60.0,
                         help="a rank silent this long, or a collective waiting this long, is unresponsive (default 60)")
     limits.add_argument("--straggler-factor", type=finite_float, default=2.0,
                         help="a rank (or link) this many times slower than the others' median is named (default 2)")
