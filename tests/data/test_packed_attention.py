@@ -193,7 +193,7 @@ def test_a_damaged_index_cache_is_one_line_naming_it_not_a_hang_or_a_traceback(p
     root, _ = prepared
     recipe_path = _recipe(tmp_path, [(root / "short", 3.0), (root / "long", 1.0)])
     _samples(recipe_path, tmp_path / "run")  # builds the cache
-    path = sorted((tmp_path / "run" / "data_cache").rglob(f"*{name}.npy"))[0]  # the first of the blend's
+    path = min((tmp_path / "run" / "data_cache").rglob(f"*{name}.npy"))  # the first of the blend's
     if damage is None:
         path.unlink()
         os.mkfifo(path)

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 
 from toolkit.estimate.checkpoint_cost import WRITE_BW_GBPS_PER_NODE
 from toolkit.estimate.goodput import FAILURE_RATE_PER_GPU_HOUR, RESTART_S
-from toolkit.numeric import FAILURE_RATE, PRICE, RESTART, WRITE_BW, WRITE_TIME, token_count
+from toolkit.numeric import (
+    FAILURE_RATE,
+    PRICE,
+    RESTART,
+    WRITE_BW,
+    WRITE_TIME,
+    token_count,
+)
 
 if TYPE_CHECKING:
     from toolkit.estimate.training_time import FailureInputs

@@ -190,7 +190,7 @@ class _Workers:
     def hand(self, chunk: sources.Chunk) -> int:
         """Send a block to the next worker in turn; that worker's number."""
         number, self.turn = self.turn % len(self.workers), self.turn + 1
-        process, tasks, _ = self.workers[number]
+        tasks = self.workers[number][1]
         try:
             tasks.send(chunk)
         except OSError:  # BrokenPipeError: it is gone
