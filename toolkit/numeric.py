@@ -106,7 +106,60 @@ def positive_float(text: str) -> float:
     return _float_flag(text, positive=True)
 
 
-FLOAT_FLAGS = (finite_float, positive_float)  # the argparse types of float flags (the explore form: number fields)
+class FloatRange:
+    """argparse type of a float flag whose plausible values lie from `low` to `high` (`unit` names what it counts):
+    finite, and refused in one line naming the flag beyond either end. Values past a plausible range are not
+    wrong only in degree: the estimates raise them to powers and exponentials, where they overflow (OverflowError)
+    or print as inf, nan or a 300-digit number with exit code 0."""
+
+    def __init__(self, low: float, high: float, unit: str):
+        self.low, self.high, self.unit = low, high, unit
+        self.__name__ = "number"  # argparse's wording of a type it cannot name otherwise
+
+    def __call__(self, text: str) -> float:
+        value = _float_flag(text, positive=False)
+        if not self.low <= value <= self.high:
+            raise argparse.ArgumentTypeError(f"expects {self.unit} from {self.low:g} to {self.high:g}, got "
+                                             f"{text[:40]!r}")
+        return value
+
+    def __repr__(self) -> str:
+        return f"FloatRange({self.low:g}, {self.high:g}, {self.unit!r})"
+
+
+def token_count(value: float, text: str) -> int:
+    """A token budget (already a float: 15T, 1.5e12) as an int, at most COUNT_MAX."""
+    if not (math.isfinite(value) and 1 <= value <= COUNT_MAX):
+        raise argparse.ArgumentTypeError(f"expected a positive token count such as 15T, 300B or 1.5e12, at most "
+                                         f"{COUNT_MAX:.3g}, got {text[:40]!r}")
+    return round(value)
+
+
+# blend weights (a recipe's data.blend, megatron.yaml's data section): relative shares, normalised by their sum; a
+# token count (1e12) is a plausible weight, one past 1e15 or below 1e-15 is a slip (and a sum of weights near the
+# float range overflows to inf, and every share to nan)
+WEIGHT_MIN, WEIGHT_MAX = 1e-15, 1e15
+
+# the plausible range of each failure and checkpoint assumption of --train-tokens (toolkit/cli/train_tokens.py): a
+# failure per GPU-hour at most (Llama 3's was 2e-5), a week's restart, 1 MB/s to 1 PB/s of storage per node, a
+# millisecond to a week per checkpoint write
+WEEK_S = 7 * 24 * 3600.0
+FAILURE_RATE = FloatRange(0, 1, "interruptions per GPU-hour")
+RESTART = FloatRange(0, WEEK_S, "seconds")
+WRITE_BW = FloatRange(1e-3, 1e6, "GB/s per node")
+WRITE_TIME = FloatRange(1e-3, WEEK_S, "seconds")
+PRICE = FloatRange(1e-6, 1e6, "a price per GPU-hour")
+# how long `dmt health` waits for a silent rank or a collective: past a week it is no deadline (and past what a
+# timedelta holds, its ranks died of an OverflowError)
+DEADLINE = FloatRange(0, WEEK_S, "seconds")
+RANGES = (FAILURE_RATE, RESTART, WRITE_BW, WRITE_TIME, PRICE, DEADLINE)
+
+# a calibration's fitted compute_scale (toolkit/spec/calibration.py): a rate relative to the published curve, so a
+# factor of a million either way is no measurement
+SCALE_MIN, SCALE_MAX = 1e-6, 1e6
+
+# the argparse types of float flags (the explore form: number fields; the fuzz tests: every one refuses nan)
+FLOAT_FLAGS = (finite_float, positive_float, *RANGES)
 INT_FLAGS = (bounded_int,)
 
 

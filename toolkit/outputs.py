@@ -287,3 +287,33 @@ def write_generated(directory: Path, contents: dict[str, str], flag: str, names:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return [directory / name for name in contents]
+
+
+# The writer rule of generated files: a value becomes one word of a file, never a line, a flag or several words of its
+# own. JSON and YAML are written by their dumpers and shell scripts with shlex.quote, which carry any value; a file
+# read by a shell's word splitting (megatron_args.txt, used as `$(grep -v '^#' megatron_args.txt)`) has no quoting at
+# all: blanks and line breaks split it into words and * ? [ expand as file-name patterns there, and a word starting
+# with `-` (other than a negative number) reads as a flag. Such values are refused, naming their key.
+_PATTERN_CHARACTERS = frozenset("*?[")
+
+
+def word_problem(text: str) -> str | None:
+    """Why `text` cannot be one word of a generated file that a shell splits into words, or None."""
+    bad = next((c for c in text if c.isspace() or not c.isprintable() or c in _PATTERN_CHARACTERS), None)
+    if bad is not None:
+        return (f"{text[:80]!r} holds {bad!r}, which would split or expand the line of a generated file it is "
+                f"written on (megatron_args.txt): no blanks, line breaks, control characters or * ? [ in it")
+    if not text:
+        return "is empty, which would be no word of the generated file (megatron_args.txt) it is written into"
+    if text.startswith("-") and not text[1:2].isdigit():
+        return (f"{text[:80]!r} would read as a flag of its own in a generated file (megatron_args.txt): a value "
+                f"may not be empty or start with '-' (write ./{text[:80]} for a path)")
+    return None
+
+
+def one_word(text: str, key: str) -> str:
+    """`text` when it can be one word of a generated file (word_problem), else one line naming `key`."""
+    problem = word_problem(text)
+    if problem is not None:
+        raise UserInputError(key, problem)
+    return text

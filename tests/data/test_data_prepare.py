@@ -168,36 +168,39 @@ def test_a_bad_line_is_one_line_naming_file_and_line_and_nothing_is_left(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.jsonl"]
 
 
-def test_a_run_stopped_early_lets_its_workers_finish_instead_of_killing_them(tmp_path, monkeypatch):
-    """A bad line in the first of many blocks stops the run while the workers still encode later blocks (slowed down
-    here, so that they surely are). Ending the pool with Pool.terminate() SIGTERMed them, and one killed between
-    sending its result and releasing the result queue's lock left terminate() waiting on that lock forever (about
-    one early stop in 300 on a 2-core machine: a CI run hung in the bad-line test above). The workers must finish
-    their blocks and exit by themselves, exit code 0."""
-    import multiprocessing.pool
+def _slowed(monkeypatch, prepare_module, seconds: float, unless: bytes = b"\0"):
+    """The workers' encoding slowed down by `seconds` a block (but for blocks holding `unless`), so that a test surely
+    stops or kills them while they hold blocks. Set before the workers fork: they inherit it."""
     import time
-
-    import toolkit.data.prepare as prepare_module
-    from toolkit.errors import UserInputError
 
     encode = prepare_module._encode_chunk
 
-    def slow_after_the_first(chunk):
-        if b'{"text": 7}' not in chunk.payload:
-            time.sleep(0.5)
+    def slow(chunk):
+        if unless not in chunk.payload:
+            time.sleep(seconds)
         return encode(chunk)
 
-    # pickled by name, so the forked workers look it up where the parent put it
-    slow_after_the_first.__module__, slow_after_the_first.__qualname__ = encode.__module__, encode.__qualname__
-    monkeypatch.setattr(prepare_module, "_encode_chunk", slow_after_the_first)
+    monkeypatch.setattr(prepare_module, "_encode_chunk", slow)
+
+
+def test_a_run_stopped_early_lets_its_workers_finish_instead_of_killing_them(tmp_path, monkeypatch):
+    """A bad line in the first of many blocks stops the run while the workers still encode later blocks (slowed down
+    here, so that they surely are). Ending multiprocessing.Pool with terminate() SIGTERMed them, and one killed
+    between sending its result and releasing the result queue's lock left terminate() waiting on that lock forever
+    (about one early stop in 300 on a 2-core machine: a CI run hung in the bad-line test above). The workers must
+    finish their blocks and exit by themselves, exit code 0."""
+    import toolkit.data.prepare as prepare_module
+    from toolkit.errors import UserInputError
+
+    _slowed(monkeypatch, prepare_module, 0.5, unless=b'{"text": 7}')
     ended = []
-    join = multiprocessing.pool.Pool.join
+    close = prepare_module._Workers.close
 
-    def recording_join(pool):
-        join(pool)
-        ended.append([worker.exitcode for worker in pool._pool])
+    def recording_close(pool):
+        close(pool)
+        ended.append(pool.exitcodes)
 
-    monkeypatch.setattr(multiprocessing.pool.Pool, "join", recording_join)
+    monkeypatch.setattr(prepare_module._Workers, "close", recording_close)
     lines = CORPUS.read_bytes().split(b"\n")
     lines[1] = b'{"text": 7}'
     corpus = tmp_path / "corpus.jsonl"
@@ -206,6 +209,46 @@ def test_a_run_stopped_early_lets_its_workers_finish_instead_of_killing_them(tmp
         prepare_module.prepare([corpus], TOKENIZER, tmp_path / "out", ["text"], False, 2, block_bytes=4096)
     assert ended == [[0, 0]]
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.jsonl"]
+
+
+def test_a_worker_killed_from_outside_ends_the_run_in_one_line(tmp_path, monkeypatch):
+    """SIGKILL to a worker while it encodes (the out-of-memory killer's signal): multiprocessing.Pool replaced the
+    worker and the main process waited for its block for ever. Now the run ends at once with one line naming
+    --workers and the signal, the other worker exits, and nothing is left. The block it held is slowed down to 30 s
+    so that it surely dies holding it; the run must end long before that block would have come back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import toolkit.data.prepare as prepare_module
+    from toolkit.errors import UserInputError
+
+    _slowed(monkeypatch, prepare_module, 30.0)
+    started = []
+    init = prepare_module._Workers.__init__
+
+    def recording_init(pool, count):
+        init(pool, count)
+        started.append(pool)
+
+    monkeypatch.setattr(prepare_module._Workers, "__init__", recording_init)
+
+    def kill_the_first_worker():
+        while not started:
+            time.sleep(0.01)
+        os.kill(started[0].workers[0][0].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_first_worker, daemon=True)
+    killer.start()
+    began = time.monotonic()
+    with pytest.raises(UserInputError, match="was killed by signal 9") as refused:
+        prepare_module.prepare([CORPUS], TOKENIZER, tmp_path / "out", ["text"], False, 2, block_bytes=4096)
+    # the other worker, holding 30 s blocks, is killed by the end of the run, not waited for (END_WAIT_S is 60 s)
+    assert refused.value.key == "--workers" and "\n" not in str(refused.value)
+    assert time.monotonic() - began < 30, "the run waited for a block of the killed worker or of its sibling"
+    assert not any(process.is_alive() for process, _, _ in started[0].workers)
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 def test_invalid_utf8_names_its_line(tmp_path, capsys):
@@ -278,3 +321,32 @@ def test_an_interrupted_run_leaves_nothing_that_looks_complete(tmp_path):
     assert code == -9
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != "big.jsonl")
     assert left and all(name.startswith(".killed_") and ".tmp-" in name for name in left), left
+
+
+def test_a_compressed_line_past_the_bound_is_refused_in_bounded_memory(tmp_path):
+    """A 100 KB .gz holding one 100 MB JSON line cost 4.2 GB: the line is refused once LINE_BYTES_MAX of it is read,
+    in one line naming the file and the line, nothing left, the whole run (its imports included, about 0.5 GB) well
+    under 2 GiB: the bound is 16 MiB of text, and a worker never sees the line."""
+    import os
+    import subprocess
+    import sys
+
+    from toolkit.data.sources import LINE_BYTES_MAX
+
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wt") as handle:
+        handle.write('{"text": "fine"}\n' * 3 + json.dumps({"text": "a" * (6 * LINE_BYTES_MAX)}) + "\n")
+    assert bomb.stat().st_size < LINE_BYTES_MAX // 50
+    # a fresh parent measures the run alone: the largest of the command and its workers (RUSAGE_CHILDREN, KiB)
+    measure = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "toolkit", "data", "prepare",
+                             "--input", str(bomb), "--tokenizer", str(TOKENIZER), "--output-prefix",
+                             str(tmp_path / "out"), "--workers", "2"],
+                            capture_output=True, text=True, timeout=300, check=False,
+                            env=dict(os.environ, PYTHONPATH=str(HERE.parents[1])))
+    err = [line for line in result.stderr.splitlines() if line.strip() and "arning" not in line]
+    assert result.returncode == 2 and len(err) == 1, result.stderr
+    assert f"{bomb} line 4 is longer than 16 MiB" in err[0]
+    assert int(result.stdout.split()[-1]) < 2 * 2**20  # KiB: 2 GiB
+    assert [p.name for p in tmp_path.iterdir()] == ["bomb.jsonl.gz"]

@@ -168,3 +168,40 @@ def test_estimate_counts_the_documents_with_flash_attention_and_says_which_count
     throughput = run_throughput(load_model_spec("llama-3.1-8b"), plan, flash, "gpu")
     assert throughput.flops_per_step == pytest.approx(
         flash["tflops_per_gpu"] * 1e12 * flash["step_time_s"] * plan.gpus, rel=1e-9)
+
+
+CACHE_DAMAGE = {  # what a shared or copied index cache may hold -> the words of the one line
+    "shuffled samples out of range": ("GPTDataset-train-shuffle_index", lambda a: a + 10**6, "outside"),
+    "documents out of range": ("GPTDataset-train-document_index", lambda a: a - 5, "outside"),
+    "blended datasets out of range": ("BlendedDataset-train-dataset_index", lambda a: a + 7, "outside"),
+    "floats for indices": ("GPTDataset-train-sample_index", lambda a: a.astype(numpy.float64), "float64"),
+    "a FIFO for an index": ("GPTDataset-train-shuffle_index", None, "a FIFO"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CACHE_DAMAGE))
+def test_a_damaged_index_cache_is_one_line_naming_it_not_a_hang_or_a_traceback(prepared, tmp_path, case):
+    """Megatron-Core trusts its index cache: a FIFO under a cache file's name blocked every rank (before any
+    watchdog), and an index out of range ended in an IndexError inside a data loader worker. Each is refused in one
+    line naming data.cache_dir and the file; deleting the cache builds it again."""
+    import os
+    import shutil
+
+    from toolkit.errors import UserInputError
+
+    name, damage, says = CACHE_DAMAGE[case]
+    root, _ = prepared
+    recipe_path = _recipe(tmp_path, [(root / "short", 3.0), (root / "long", 1.0)])
+    _samples(recipe_path, tmp_path / "run")  # builds the cache
+    path = min((tmp_path / "run" / "data_cache").rglob(f"*{name}.npy"))  # the first of the blend's
+    if damage is None:
+        path.unlink()
+        os.mkfifo(path)
+    else:
+        numpy.save(path, damage(numpy.load(path)))
+    with pytest.raises(UserInputError) as refused:
+        _samples(recipe_path, tmp_path / "run")
+    assert refused.value.key == "data.cache_dir" and path.name in str(refused.value), refused.value
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+    shutil.rmtree(tmp_path / "run" / "data_cache")
+    assert len(_samples(recipe_path, tmp_path / "run")[1]) >= SAMPLES

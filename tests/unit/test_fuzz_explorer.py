@@ -241,3 +241,25 @@ def test_a_bug_still_answers_500_in_one_line_and_is_logged(client, ranked, monke
     assert response.status_code == 500
     assert response.json() == {"error": "/api/generate: internal error: ZeroDivisionError", "key": None}
     assert any("ZeroDivisionError" in str(record.exc_info) for record in caplog.records)
+
+
+RANGED = ["failure_rate", "restart_s", "checkpoint_write_bw", "checkpoint_write_s", "gpu_hour_price"]
+
+
+@pytest.mark.parametrize("verb", ["estimate", "plan"])
+@pytest.mark.parametrize("key", RANGED)
+def test_a_finite_number_past_a_plausible_range_is_400_naming_it(client, verb, key):
+    """With a token budget the failure and checkpoint figures reach Daly's exponentials: 1e300 answered 500 (an
+    OverflowError) and 1e-300 a checkpoint written in no time. Each is refused naming its flag."""
+    body = {**{"estimate": ESTIMATE, "plan": PLAN}[verb], "train_tokens": "1T"}
+    assert client.post(f"/api/{verb}", json=body).status_code == 200
+    for value in (1e300, 1e-300, -1e300):
+        if value == 1e-300 and key in ("failure_rate", "restart_s"):
+            continue  # 0 is in their range: a tiny rate or restart is a plausible one
+        error = assert_refused(client.post(f"/api/{verb}", json={**body, key: value}))["error"]
+        assert "--" + key.replace("_", "-") in error, error
+
+
+def test_failures_faster_than_restarts_are_400_not_500(client):
+    body = {**ESTIMATE, "gpus": 16384, "train_tokens": "1T", "failure_rate": 1, "restart_s": 600000}
+    assert "never completes" in assert_refused(client.post("/api/estimate", json=body))["error"]

@@ -280,3 +280,34 @@ def test_every_path_flag_says_whether_it_is_read_or_written():
                 elif action.type is Path or isinstance(action.type, argparse.FileType):
                     bare.append(f"{verb} {'/'.join(action.option_strings) or action.dest}")
     assert not bare, bare
+
+
+# trainer_args.json edited by hand where it sends something elsewhere -> the key the one line names
+OUTWARD_EDITS = {
+    "push to the hub": ({"push_to_hub": True}, "push_to_hub"),
+    "a hub model id": ({"hub_model_id": "someone/weights"}, "hub_model_id"),
+    "report to wandb": ({"report_to": ["wandb"]}, "report_to"),
+    "report to everything": ({"report_to": "all"}, "report_to"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTWARD_EDITS))
+def test_a_hand_edit_that_sends_the_run_elsewhere_is_refused_before_training(sandbox, capsys, case):
+    """training reads a generated directory through read_generated, as `dmt slurm render --plan` does: an edit of
+    trainer_args.json that would upload the weights or report the metrics to a service the recipe does not name is
+    one line naming the file and the key, at the verb and before any training starts."""
+    from toolkit.errors import UserInputError
+    from toolkit.validate.generated import read_generated
+
+    edit, key = OUTWARD_EDITS[case]
+    out = _generated(sandbox, capsys)
+    read_generated(out / "plan.json")  # as generated: accepted, report_to "none" as the recipe says
+    path = out / "trainer_args.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(UserInputError, match=key) as refused:
+        read_generated(out / "plan.json")
+    assert refused.value.key == str(path) and "\n" not in str(refused.value)
+    before = _snapshot(sandbox)
+    code, err = _run(capsys, ["slurm", "render", str(sandbox / "recipe.yaml"), "--plan", str(out)])
+    _assert_refused(code, err, "trainer_args.json", key)
+    assert _snapshot(sandbox) == before

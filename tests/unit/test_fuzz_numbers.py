@@ -20,7 +20,7 @@ from test_fuzz_verbs import (  # noqa: F401 (sandbox: a fixture)
 )
 
 from toolkit.cli.main import VERBS, build_parser, main
-from toolkit.numeric import COUNT_MAX, FLOAT_FLAGS, INT_FLAGS, SEED_MAX, json_text, non_finite
+from toolkit.numeric import COUNT_MAX, FLOAT_FLAGS, INT_FLAGS, SEED_MAX, FloatRange, json_text, non_finite
 
 NOT_NUMBERS = ("nan", "inf", "-inf", "1e999", "NaN", "-Infinity")
 
@@ -319,3 +319,53 @@ def test_merge_lora_of_a_finite_adapter_writes_finite_weights(lora_pair, tmp_pat
     weights = load_file(tmp_path / "out" / "model.safetensors")
     assert all(bool(t.isfinite().all()) for t in weights.values())
     capsys.readouterr()
+
+
+RANGED_FLAGS = [(path, flag, kind) for path, flag, kind in FLOAT_FLAG_LIST if isinstance(kind, FloatRange)]
+
+
+def test_the_walk_finds_the_flags_of_a_plausible_range():
+    assert {flag for _, flag, _ in RANGED_FLAGS} >= {"--failure-rate", "--restart-s", "--checkpoint-write-bw",
+                                                     "--checkpoint-write-s", "--gpu-hour-price", "--deadline-s"}
+
+
+@pytest.mark.parametrize("path, flag, kind", RANGED_FLAGS, ids=[f"{' '.join(p)} {f}" for p, f, _ in RANGED_FLAGS])
+def test_a_finite_number_past_a_flags_plausible_range_is_refused(capsys, path, flag, kind):
+    """Finite, but huge or tiny: 1e300 overflowed Daly's exponentials (OverflowError) or printed a 300-digit cost
+    with exit code 0; 1e-300 a checkpoint written in no time. Each is refused at the flag, naming its range."""
+    argv = [*path, "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", "1T"] \
+        if path in (("estimate",), ("plan",)) else [*path]
+    if path == ("plan",):
+        argv += ["--seq-len", "512", "--global-batch", "8"]
+    for value in ("1e300", "-1e300", repr(kind.high * 10 + 1), "-1" if kind.low == 0 else repr(kind.low / 10)):
+        code, err = _run(capsys, [*argv, f"{flag}={value}"])
+        _assert_refused(code, err, flag, f"from {kind.low:g} to {kind.high:g}")
+
+
+def test_failures_faster_than_restarts_are_one_line_not_an_overflow(capsys):
+    """Within every flag's range, a run whose restarts take longer than failures come never completes: one line
+    naming --failure-rate, not an OverflowError in Daly's formula, nor inf days with exit code 0."""
+    code, err = _run(capsys, ["estimate", "--model", "llama-3.1-8b", "--gpus", "16384", "--train-tokens", "1T",
+                              "--failure-rate", "1", "--restart-s", "600000"])
+    _assert_refused(code, err, "--failure-rate", "never completes")
+
+
+@pytest.mark.parametrize("text", ["1e300", "9e15T", "99999999999999999999P"])
+def test_a_token_budget_past_a_count_is_refused(capsys, text):
+    code, err = _run(capsys, ["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", text])
+    _assert_refused(code, err, "--train-tokens", "at most")
+
+
+@pytest.mark.parametrize("where, value", [("efficiency.hf.fixed_step_s", 1e300), ("efficiency.hf.compute_scale", 1e300),
+                                          ("efficiency.hf.compute_scale", 1e-300)])
+@pytest.mark.parametrize("verb", ["estimate", "plan"])
+def test_a_calibration_number_past_any_fit_is_refused(tmp_path, capsys, where, value, verb):
+    """Finite, but no fit of a run: a fixed cost of 1e300 s a step overflowed Daly's formula (an OverflowError, or a
+    line blaming --failure-rate); a scale of 1e-300 likewise. Refused naming --calibration and the key."""
+    path = _calibration_file(tmp_path / "cal.yaml", "h100-80gb", fixed_step_s=0.01)
+    data = yaml.safe_load(path.read_text())
+    data["efficiency"]["hf"][where.rsplit(".", 1)[1]] = value
+    path.write_text(yaml.safe_dump(data))
+    argv = [verb, "--model", "llama-3.2-1b", "--gpus", "8", "--calibration", str(path), "--train-tokens", "1T"]
+    code, err = _run(capsys, argv + (["--seq-len", "512", "--global-batch", "8"] if verb == "plan" else []))
+    _assert_refused(code, err, "--calibration", where)

@@ -68,6 +68,12 @@ DAMAGE = {
     "step time as text": (_edit_line(5, step_time_s="0.5"), "metrics.jsonl line 5: step_time_s"),
     "NaN MFU": (_edit_line(8, mfu=math.nan), "metrics.jsonl line 8 holds nan at mfu"),
     "negative data wait": (_edit_line(8, data_wait_s=-1.0), "metrics.jsonl line 8: data_wait_s"),
+    # finite and of the right sign, but no run shows them: implausible, never a completed run's figures
+    "MFU of 500%": (_edit_line(8, mfu=5.0), "metrics.jsonl line 8: mfu: implausible"),
+    "step time of 1e308 s": (_edit_line(5, step_time_s=1e308), "metrics.jsonl line 5: step_time_s: implausible"),
+    "data wait of 1e300 s": (_edit_line(8, data_wait_s=1e300), "metrics.jsonl line 8: data_wait_s: implausible"),
+    "predicted MFU of 500%": (_edit_record(mfu=5.0), "run_plan.json: mfu: implausible"),
+    "predicted step time of 1e308 s": (_edit_record(step_time_s=1e308), "run_plan.json: step_time_s: implausible"),
     "negative per-rank bytes": (_edit_line(8, gpu_max_allocated_bytes_per_rank=[2**30, -5]),
                                 "metrics.jsonl line 8: gpu_max_allocated_bytes_per_rank.1"),
     "repeated step": (_edit_line(6, step=5), "metrics.jsonl line 6: step 5 after step 5"),

@@ -289,6 +289,18 @@ BLEND_VALUES = {
     "other tokenizer": ("    path: {tokenizer}\n", "    path: {other}\n", "data.blend.0.prefix", "restore-test"),
     "token beyond the vocabulary": ("vocab_size: 512\n    max_position", "vocab_size: 300\n    max_position",
                                     "data.blend.0.prefix", "restore-test"),
+    # values megatron_args.txt would carry as words of a shell's splitting: a line break, a blank, a flag, a pattern
+    "prefix with a line break": ("prefix: {prefix}, weight: 1", 'prefix: "{prefix}\\n--load /tmp/x", weight: 1',
+                                 "data.blend.1.prefix", "all"),
+    "prefix with a blank": ("prefix: {prefix}, weight: 1", "prefix: '{prefix} /etc', weight: 1",
+                            "data.blend.1.prefix", "all"),
+    "prefix a flag": ("prefix: {prefix}, weight: 1", "prefix: --save, weight: 1", "data.blend.1.prefix", "all"),
+    "prefix a pattern": ("prefix: {prefix}, weight: 1", "prefix: '/*', weight: 1", "data.blend.1.prefix", "all"),
+    "cache_dir with a blank": ("split: '90,10,0'", "split: '90,10,0'\n  cache_dir: 'cache /etc'", "data.cache_dir",
+                               "all"),
+    # finite, but a sum of such weights overflows to inf and every share to nan
+    "weight 1e300": ("weight: 3", "weight: 1e300", "data.blend.0.weight", "all"),
+    "weight 1e-300": ("weight: 3", "weight: 1e-300", "data.blend.0.weight", "all"),
 }
 
 
@@ -341,6 +353,62 @@ def test_a_wrong_blend_names_its_key(sandbox, capsys, monkeypatch, tmp_path_fact
     assert not list(scratch.glob("dmt-restore-*"))
 
 
+def test_a_sidecar_that_does_not_describe_its_files_is_not_trusted_for_token_ids(sandbox, capsys, monkeypatch,
+                                                                                   tmp_path_factory):
+    """The sidecar's max_token_id spares reading the .bin, but only where its counts are the .idx's: a sidecar
+    edited (or left beside other files) saying max_token_id 0 does not let ids beyond the vocabulary through to an
+    embedding's IndexError; the .bin is read and the prefix refused before the restore test launches anything."""
+    scratch = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    names = _blend_inputs(sandbox)
+    record = Path(f"{names['prefix']}.dmt.json")
+    data = json.loads(record.read_text())
+    data["datasets"]["text"].update(max_token_id=0, documents=data["datasets"]["text"]["documents"] + 1)
+    record.write_text(json.dumps(data))
+    refuses_recipe_edit(sandbox, capsys, "restore-test", "vocab_size: 512\n    max_position",
+                        "vocab_size: 300\n    max_position", "data.blend.0.prefix", _blend_recipe(names))
+    assert not list(scratch.glob("dmt-restore-*"))
+
+
+# megatron.yaml of the sound blend recipe edited by hand: (section, key, value) -> the key `dmt validate` names
+MEGATRON_YAML_EDITS = {
+    "prefix with a line break": (("data", "blend", 0, "prefix"), "corpus\n--load /tmp/x", "data.blend[0].prefix"),
+    "prefix with a blank": (("data", "blend", 1, "prefix"), "corpus /etc", "data.blend[1].prefix"),
+    "weight a flag": (("data", "blend", 0, "weight"), "--save", "data.blend[0].weight"),
+    "weight 1e300": (("data", "blend", 0, "weight"), 1e300, "data.blend[0].weight"),
+    "cache_dir a pattern": (("data", "cache_dir"), "/*", "data.cache_dir"),
+    "split with a line break": (("data", "split"), "90,10,0\n--load /tmp/x", "data.split"),
+    "normalization with a blank": (("transformer_config", "normalization"), "RMSNorm --load /tmp/x",
+                                   "transformer_config.normalization"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEGATRON_YAML_EDITS))
+def test_a_hand_edited_megatron_yaml_that_would_inject_flags_is_refused(sandbox, capsys, case):
+    """`dmt validate` of a megatron.yaml whose value would add a line, a flag or a word to megatron_args.txt."""
+    import yaml
+
+    where, value, key = MEGATRON_YAML_EDITS[case]
+    recipe = sandbox / "blend.yaml"
+    recipe.write_text(_blend_recipe(_blend_inputs(sandbox)))
+    assert main(["generate", str(recipe), "--out", str(sandbox / "gen"), "--backend", "megatron", "--zero", "0"]) == 0
+    capsys.readouterr()
+    path = sandbox / "gen" / "megatron.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert main(["validate", str(path), "--world-size", str(config["schedule"]["world_size"])]) == 0
+    capsys.readouterr()
+    *parents, last = where
+    target = config
+    for part in parents:
+        target = target[part]
+    target[last] = value
+    path.write_text(yaml.safe_dump(config))
+    before = _snapshot(sandbox)
+    code, err = _run(capsys, ["validate", str(path), "--world-size", str(config["schedule"]["world_size"])])
+    _assert_refused(code, err, key)
+    assert _snapshot(sandbox) == before
+
+
 def _prepared(directory: Path) -> Path:
     """A prefix `dmt data prepare` made of the golden corpus, in `directory`."""
     prefix = directory / "corpus"
@@ -370,7 +438,23 @@ DAMAGED_DATASETS = {  # how a prepared dataset is damaged -> the file and the wo
     "missing .bin": (lambda p: Path(f"{p}.bin").unlink(), ".bin", "is missing"),
     "sidecar damaged": (lambda p: Path(str(p).rsplit("_text_document", 1)[0] + ".dmt.json").write_text("{"),
                         ".dmt.json", "not valid JSON"),
+    "a pointer past the .bin": (lambda p: _damage(Path(f"{p}.idx"), _pointer_offset(p, 1), (10**9).to_bytes(8, "little")),
+                                ".idx", "sequence 1's pointer is byte 1000000000"),
+    "zero documents": (lambda p: _empty_dataset(p), ".idx", "holds no documents"),
 }
+
+
+def _pointer_offset(prefix: Path, sequence: int) -> int:
+    """Where sequence `sequence`'s pointer lies in the .idx (after the 34-byte header and the int32 lengths)."""
+    sequences = int.from_bytes(Path(f"{prefix}.idx").read_bytes()[18:26], "little")
+    return 34 + sequences * 4 + sequence * 8
+
+
+def _empty_dataset(prefix: Path) -> None:
+    """A sound pair of no documents: the header with 0 sequences and the document index's leading 0 alone."""
+    head = Path(f"{prefix}.idx").read_bytes()[:18]  # magic, version, dtype code
+    Path(f"{prefix}.idx").write_bytes(head + (0).to_bytes(8, "little") + (1).to_bytes(8, "little") + bytes(8))
+    Path(f"{prefix}.bin").write_bytes(b"")
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGED_DATASETS))

@@ -127,6 +127,9 @@ def test_shm_is_sized_for_the_plans_communicators(manifests):
     assert shm_bytes(job.plan, 2) >= 2 * groups * NCCL_SHM_PER_COMMUNICATOR
     assert quantity_bytes("512Mi") == 2**29 and quantity_bytes("1G") == 1e9 and quantity_bytes("2e3") == 2000
     assert quantity_bytes("lots") is None
+    # past what the API server stores (an int64), or an exponent no float holds: not a quantity, never OverflowError
+    assert quantity_bytes("9Ei") is None and quantity_bytes("1e400") is None and quantity_bytes("1e-999") is None
+    assert quantity_bytes("1Gi\n") == 2**30  # surrounding blanks are YAML's, not the quantity's
 
 
 def _env_named(entries: list, name: str, value: str) -> None:
@@ -165,6 +168,11 @@ MISTAKES = {  # a TrainJob of the GPU recipe edited -> what the one line must sa
                               ("spec.trainer.env", "PET_NNODES", "injects")),
     "no /dev/shm": (_drop_shm, ("/dev/shm", "64 MB")),
     "a /dev/shm too small": (_small_shm, ("sizeLimit", "'64Mi'", "communicators")),
+    "a /dev/shm past any quantity": (lambda d: [v["emptyDir"].__setitem__("sizeLimit", "1e999999999") for v in
+                                                k8s_training_pod("trainjob", d)["volumes"] if v["name"] == "dshm"],
+                                     ("sizeLimit", "'1e999999999'", "quantity")),
+    "an image with a line break": (lambda d: _job(d)["spec"]["trainer"].__setitem__("image", IMAGE + "\n"),
+                                   ("spec.trainer.image", "image")),
     "a GPU count off the plan": (lambda d: _set_gpus(d, 4), ("nvidia.com/gpu", "4", "set it to 2")),
     "a node count off the plan": (lambda d: _job(d)["spec"]["trainer"].__setitem__("numNodes", 3),
                                   ("3 node(s)", "world size is 4")),
@@ -219,7 +227,10 @@ def test_the_cli_writes_the_manifest_and_prints_the_kubectl_command(project, cap
 
 @pytest.mark.parametrize("flag, value", [("--image", "reg.io/x:1\nkind: Secret"), ("--image", "$(touch PWNED)"),
                                          ("--namespace", "ml; rm -rf /"), ("--checkpoint-pvc", "../ckpt"),
-                                         ("--queue", "a\nb: c")])
+                                         ("--queue", "a\nb: c"),
+                                         # `$` of re.match matches before a trailing line break: fullmatch does not
+                                         ("--image", "reg.io/x:1\n"), ("--namespace", "ml\n"),
+                                         ("--checkpoint-pvc", "ckpt\n"), ("--queue", "q\n")])
 def test_a_hostile_name_is_refused_in_one_line(project, capsys, monkeypatch, flag, value):
     monkeypatch.chdir(project)
     argv = ["k8s", "render", "tiny-llama-cpu.yaml", "--kind", "trainjob", "--image", IMAGE, flag, value]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from toolkit.cli.paths import output_arg
 from toolkit.errors import UserInputError
-from toolkit.numeric import bounded_int, finite_float, json_text
+from toolkit.numeric import DEADLINE, bounded_int, finite_float, json_text
 
+SIZE_MAX = 2**40
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
 
 
@@ -17,15 +18,17 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     """'1K,64K,1M,16M' -> bytes. K/M/G and KiB/MiB/GiB are binary (as nccl-tests' -b/-e), KB/MB/GB decimal."""
     sizes = []
     for part in text.split(","):
-        match = _SIZE.match(part)
+        match = _SIZE.fullmatch(part)
         if not match:
             raise UserInputError("--sizes", f"'{part}' is not a size; use e.g. 1K,64K,1M,16M")
         number, unit, suffix = float(match.group(1)), match.group(2).upper(), match.group(3).upper()
         base = 1000 if suffix == "B" and unit else 1024
-        size = int(number * base ** ("KMG".index(unit) + 1 if unit else 0))
+        size = number * base ** ("KMG".index(unit) + 1 if unit else 0)
+        if size > SIZE_MAX:  # a buffer per rank in device memory: past a TiB it is a slip, not a benchmark
+            raise UserInputError("--sizes", f"'{part[:40]}' is more than 1 TiB")
         if size < 4:
             raise UserInputError("--sizes", f"'{part}' is smaller than one float32 element (4 bytes)")
-        sizes.append(size)
+        sizes.append(int(size))
     return tuple(sorted(set(sizes)))
 
 
@@ -51,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (to attach a debugger)")
     limits = parser.add_argument_group("thresholds (GPU defaults from the catalogue; on CPU only liveness, "
                                        "correctness, stragglers and outlier links count unless given)")
-    limits.add_argument("--deadline-s", type=finite_float, default=60.0,
+    limits.add_argument("--deadline-s", type=DEADLINE, default=60.0,
                         help="a rank silent this long, or a collective waiting this long, is unresponsive (default 60)")
     limits.add_argument("--straggler-factor", type=finite_float, default=2.0,
                         help="a rank (or link) this many times slower than the others' median is named (default 2)")

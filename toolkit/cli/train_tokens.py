@@ -10,10 +10,16 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from toolkit.errors import UserInputError
 from toolkit.estimate.checkpoint_cost import WRITE_BW_GBPS_PER_NODE
 from toolkit.estimate.goodput import FAILURE_RATE_PER_GPU_HOUR, RESTART_S
-from toolkit.numeric import finite_float, positive_float
+from toolkit.numeric import (
+    FAILURE_RATE,
+    PRICE,
+    RESTART,
+    WRITE_BW,
+    WRITE_TIME,
+    token_count,
+)
 
 if TYPE_CHECKING:
     from toolkit.estimate.training_time import FailureInputs
@@ -21,48 +27,42 @@ if TYPE_CHECKING:
 
 # decimal multipliers, as token budgets are quoted ("15T tokens" = 15e12)
 MULTIPLIERS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12, "P": 10**15}
-_TOKENS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*$", re.IGNORECASE)
+_TOKENS = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*", re.IGNORECASE)
 
 
 def parse_token_count(text: str) -> int:
     """15T, 1.5e12, 300B, 2000000 -> tokens; argparse names the flag in the one-line error."""
-    match = _TOKENS.match(str(text))
-    value = float(match.group(1)) * MULTIPLIERS[match.group(2).upper()] if match else math.nan
-    if not (math.isfinite(value) and value >= 1):
-        raise argparse.ArgumentTypeError(f"expected a positive token count such as 15T, 300B or 1.5e12, got {text!r}")
-    return round(value)
+    match = _TOKENS.fullmatch(str(text))
+    return token_count(float(match.group(1)) * MULTIPLIERS[match.group(2).upper()] if match else math.nan, str(text))
 
 
 def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-tokens", type=parse_token_count, default=None, metavar="N",
                         help="training budget in tokens (15T, 300B, 1.5e12): adds wall-clock days and GPU-hours, "
                              "failure-free and with checkpoints and failures")
-    parser.add_argument("--failure-rate", type=finite_float, default=FAILURE_RATE_PER_GPU_HOUR, metavar="PER_GPU_HOUR",
+    parser.add_argument("--failure-rate", type=FAILURE_RATE, default=FAILURE_RATE_PER_GPU_HOUR, metavar="PER_GPU_HOUR",
                         help="interruptions per GPU-hour, with --train-tokens (default %(default).3g: Llama 3 405B's "
                              "419 in 54 days on 16,384 GPUs, arXiv:2407.21783 Sec. 3.3.4; 0: none)")
-    parser.add_argument("--restart-s", type=finite_float, default=RESTART_S, metavar="S",
+    parser.add_argument("--restart-s", type=RESTART, default=RESTART_S, metavar="S",
                         help="seconds from a failure to training again, before the checkpoint is reloaded "
                              "(default %(default)g: an assumption, Daly's R = 10 min; pass a measured one)")
-    parser.add_argument("--checkpoint-write-bw", type=positive_float, default=WRITE_BW_GBPS_PER_NODE, metavar="GBPS",
+    parser.add_argument("--checkpoint-write-bw", type=WRITE_BW, default=WRITE_BW_GBPS_PER_NODE, metavar="GBPS",
                         help="checkpoint storage GB/s per node, writing and reading (default %(default).3g: Llama 3's "
                              "2 TB/s sustained over 2,048 nodes, arXiv:2407.21783 Sec. 3.3.1)")
-    parser.add_argument("--checkpoint-write-s", type=positive_float, default=None, metavar="S",
+    parser.add_argument("--checkpoint-write-s", type=WRITE_TIME, default=None, metavar="S",
                         help="a measured write time of one checkpoint, instead of its bytes over the bandwidth")
     parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=None,
                         help="asynchronous saves block training only for the copy of each GPU's states to host "
                              "memory; --no-async-checkpoint: for the whole write (default: as the plan's backend "
                              "saves today: async on Megatron-Core, sync on DeepSpeed and FSDP2)")
-    parser.add_argument("--gpu-hour-price", type=positive_float, default=None, metavar="PRICE",
+    parser.add_argument("--gpu-hour-price", type=PRICE, default=None, metavar="PRICE",
                         help="price of one GPU-hour: adds training_time.cost (GPU-hours with failures x price)")
 
 
 def failure_inputs(args: argparse.Namespace) -> FailureInputs:
-    """The failure and checkpoint assumptions the flags give; negative rates and times are refused in one line."""
+    """The failure and checkpoint assumptions the flags give (their ranges checked as argparse parses them)."""
     from toolkit.estimate.training_time import FailureInputs
 
-    for flag, value in (("--failure-rate", args.failure_rate), ("--restart-s", args.restart_s)):
-        if value < 0:
-            raise UserInputError(flag, f"must be 0 or more, got {value:g}")
     return FailureInputs(failure_rate_per_gpu_hour=args.failure_rate, restart_s=args.restart_s,
                          write_bw_gbps_per_node=args.checkpoint_write_bw, write_s=args.checkpoint_write_s,
                          async_save=args.async_checkpoint, gpu_hour_price=args.gpu_hour_price)

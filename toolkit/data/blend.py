@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.data import sidecar
-from toolkit.data.indexed import check_pair, check_plain_arrays, prefix_document_lengths
+from toolkit.data.indexed import (
+    IndexedFiles,
+    check_index_values,
+    check_pair,
+    check_plain_arrays,
+    prefix_document_lengths,
+)
 from toolkit.errors import UserInputError
 from toolkit.data.split import megatron_split, split_shares
 
@@ -35,6 +41,7 @@ class BlendSource:
     prefix: str  # the Megatron dataset prefix (PREFIX.bin / PREFIX.idx)
     weight: float
     record: dict | None  # its PREFIX.dmt.json, when it has one
+    files: IndexedFiles | None = None  # its .idx's counts (check_pair)
 
 
 def blend_sources(recipe) -> list[BlendSource]:
@@ -60,8 +67,7 @@ def blend_sources(recipe) -> list[BlendSource]:
             raise UserInputError(key, f"{path}: no {path.name}{sidecar.SUFFIX}, {path.name}.bin or {path.name}.idx "
                                       f"there; give the --output-prefix of `dmt data prepare` or a Megatron dataset "
                                       f"prefix")
-        check_pair(dataset, key)
-        sources.append(BlendSource(key, dataset, entry.weight, record))
+        sources.append(BlendSource(key, dataset, entry.weight, record, check_pair(dataset, key)))
     return sources
 
 
@@ -108,10 +114,16 @@ def blend_document_lengths(recipe) -> list[tuple[float, object]]:
 
 
 def _largest_token_id(source: BlendSource) -> int:
-    """The largest token id of a dataset: the sidecar's count, else read from its .bin (memory-mapped)."""
+    """The largest token id of a dataset: the sidecar's count where the sidecar describes these files (its document
+    and token counts the .idx's own), else read from its .bin (memory-mapped): a sidecar edited, or left beside
+    other files, never lets ids beyond the vocabulary through to an embedding's IndexError."""
+    files = source.files
     for entry in ((source.record or {}).get("datasets") or {}).values():
-        if entry.get("prefix") == source.prefix and isinstance(entry.get("max_token_id"), int):
-            return entry["max_token_id"]
+        largest = entry.get("max_token_id")
+        if entry.get("prefix") == source.prefix and type(largest) is int and largest >= -1 and files is not None \
+                and entry.get("documents") == files.documents and entry.get("tokens") == files.tokens \
+                and (largest >= 0) == (files.tokens > 0):
+            return largest
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -161,6 +173,9 @@ def build_datasets(recipe, seq_len: int, global_batch: int, output_dir: Path, vo
     config = dataset_config(recipe, sources, seq_len, cache)
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sample_counts(recipe, global_batch), lambda: True,
                                                     config).build()
+    for built in (train, valid):
+        if built is not None:
+            check_index_values(built, "data.cache_dir")
     if train is None or len(train) < recipe.training.max_steps * global_batch:
         raise UserInputError("data.split", f"the blend's train share ({recipe.data.split}) yields no training "
                                            f"samples; give train a positive share")

@@ -67,8 +67,18 @@ def check_pair(prefix: str, flag: str) -> IndexedFiles:
     if documents == 0 or ends[0] != 0 or ends[-1] != sequences or (numpy.diff(ends) < 0).any() or (lengths < 0).any():
         raise UserInputError(flag, f"{idx}: its document index does not run from 0 up to its {sequences} sequences; "
                                    f"damaged")
+    if documents == 1:  # the leading 0 alone: GPTDataset and `dmt data inspect` have nothing to cut samples from
+        raise UserInputError(flag, f"{idx} holds no documents; prepare it from an input with at least one")
     tokens = int(lengths.sum(dtype=numpy.int64))
     itemsize = numpy.dtype(dtype).itemsize
+    # Megatron-Core reads sequence i at its pointer, not at the sum of the lengths before it: each pointer must be
+    # where the lengths put it (as _IndexWriter writes them), or a read lands past the .bin or inside another sequence
+    pointers = numpy.memmap(idx, dtype=numpy.int64, mode="r", offset=_FIXED.size + sequences * 4, shape=(sequences,))
+    starts = numpy.concatenate([[0], numpy.cumsum(lengths[:-1], dtype=numpy.int64)]) * itemsize
+    if not numpy.array_equal(pointers, starts):
+        first = int(numpy.flatnonzero(pointers != starts)[0])
+        raise UserInputError(flag, f"{idx}: sequence {first}'s pointer is byte {int(pointers[first])} of {bin_.name}, "
+                                   f"not {int(starts[first])} where the lengths before it end; damaged")
     if bin_size != tokens * itemsize:
         what = "truncated" if bin_size < tokens * itemsize else "longer than its index says"
         raise UserInputError(flag, f"{bin_} holds {bin_size} bytes; its index ({idx.name}) says {tokens} tokens of "
@@ -126,17 +136,33 @@ def document_tokens(dataset, document: int):
 
 
 def check_plain_arrays(directory: Path, key: str) -> None:
-    """Refuse, in one line naming `key` and the file, a `.npy` under `directory` that holds pickled objects.
+    """Refuse, in one line naming `key` and the file, what under `directory` Megatron-Core's index cache must not
+    find: anything but regular files and directories (a FIFO there blocks every rank that opens it, before any
+    watchdog runs), and a `.npy` that holds pickled objects or no integers.
 
     Megatron-Core's GPTDataset and BlendedDataset read their index cache with numpy.load(allow_pickle=True): a cache
     directory someone else filled (a recipe's `data.cache_dir`, shared between jobs) could run code through an object
-    array. The indices Megatron-Core writes are plain integer arrays, so an array whose dtype holds objects is never
-    one of them; numpy's header reader tells without unpickling anything."""
+    array. The indices Megatron-Core writes are plain integer arrays, so an array of any other dtype is never one of
+    them; numpy's header reader tells without unpickling anything. Their values are checked once the datasets are
+    built (check_index_values)."""
+    import os
+
     from numpy.lib import format as npy
 
+    from toolkit.readers import not_a_file
+
+    for root, directories, files in os.walk(directory):
+        for name in sorted(directories + files):
+            path = Path(root) / name
+            kind = not_a_file(path)
+            if kind is not None and not path.is_dir():
+                raise UserInputError(key, f"{path} is {kind}, not a file of Megatron-Core's index cache (reading it "
+                                          f"would block or fail on every rank); remove it")
     for path in sorted(Path(directory).rglob("*.npy")):
         try:
-            with path.open("rb") as handle:
+            # O_NONBLOCK: a FIFO put there since the walk above does not block the open
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as handle:
                 version = npy.read_magic(handle)
                 header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
                 _, _, dtype = header(handle)
@@ -147,3 +173,58 @@ def check_plain_arrays(directory: Path, key: str) -> None:
             raise UserInputError(key, f"{path} holds pickled Python objects (dtype {dtype}), not an index "
                                       f"Megatron-Core writes; refusing to load it (delete it and the cache is built "
                                       f"again)")
+        if dtype.kind not in "iu":
+            raise UserInputError(key, f"{path} holds {dtype} values, not the integers of an index Megatron-Core "
+                                      f"writes; delete it and the cache is built again")
+
+
+def _index_array(dataset, name: str):
+    """An index array of a built Megatron-Core dataset; loaded (memory-mapped, no pickle) where the dataset loads it
+    lazily."""
+    import numpy
+
+    array = getattr(dataset, name)
+    return numpy.load(getattr(dataset, f"path_to_{name}"), mmap_mode="r", allow_pickle=False) if array is None \
+        else array
+
+
+def _cache_file(dataset, name: str) -> str:
+    """The cache file Megatron-Core keeps index `name` of `dataset` in (its own naming: the description's hash, the
+    class, the split), or the index's name where the dataset has no cache."""
+    import os
+
+    split = getattr(dataset, "index_split", None) or getattr(dataset, "split", None)
+    if not dataset.config.path_to_cache or split is None:
+        return name
+    return os.path.join(dataset.config.path_to_cache, f"{dataset.unique_description_hash}-{type(dataset).__name__}-"
+                                                      f"{split.name}-{name}.npy")
+
+
+def check_index_values(dataset, key: str) -> None:
+    """Every index of a built BlendedDataset or GPTDataset (read from the cache when it was there) points inside
+    what it indexes: the dataset of each blended sample and its sample there, a shuffled sample, a sample's
+    document and offset, a document of the indexed dataset. An index out of range (a damaged or foreign cache)
+    would otherwise end in an IndexError inside a data loader worker, on every rank."""
+    import numpy
+
+    def check(name: str, values, low: int, high: int) -> None:
+        if values.size and (int(values.min()) < low or int(values.max()) > high):
+            where = _cache_file(dataset, name)
+            raise UserInputError(key, f"{where} holds values {int(values.min())} to {int(values.max())}, outside "
+                                      f"{low} to {high}: a damaged or foreign index cache; delete it and it is "
+                                      f"built again")
+
+    if hasattr(dataset, "datasets"):  # a BlendedDataset
+        for part in dataset.datasets:
+            check_index_values(part, key)
+        check("dataset_index", _index_array(dataset, "dataset_index"), 0, len(dataset.datasets) - 1)
+        check("dataset_sample_index", _index_array(dataset, "dataset_sample_index"), 0,
+              max(len(part) for part in dataset.datasets) - 1)
+        return
+    samples, documents = _index_array(dataset, "sample_index"), _index_array(dataset, "document_index")
+    check("shuffle_index", _index_array(dataset, "shuffle_index"), 0, max(0, samples.shape[0] - 2))
+    check("document_index", documents, 0, len(dataset.dataset.sequence_lengths) - 1)  # GPTDataset: one per sequence
+    if samples.ndim != 2 or samples.shape[1] != 2:
+        check("sample_index", numpy.zeros(1), 1, 0)  # not the (samples + 1, 2) table of (document, offset) pairs
+    check("sample_index", samples[:, 0], 0, max(0, documents.shape[0] - 1))
+    check("sample_index", samples[:, 1], 0, int(dataset.dataset.sequence_lengths.max(initial=0)))

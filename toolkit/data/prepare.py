@@ -6,7 +6,7 @@ The reference sends one line at a time to its workers and encodes one document p
 Python wrapper; here the main process cuts the inputs into blocks, the workers parse and encode a whole block in
 one batch call (toolkit/data/tokenizer.py), and the main process appends each block's documents to Megatron-Core's
 own builders in one write. At most two blocks per worker are in flight, so memory follows the workers, not the
-input. Files are written under temporary names and renamed into place at the end, the sidecar last; a failure or an
+input. A worker that dies (killed from outside) ends the run at once, in one line. Files are written under temporary names and renamed into place at the end, the sidecar last; a failure or an
 interrupt removes what was written.
 """
 
@@ -127,8 +127,6 @@ def _remove(temporary: dict) -> None:
 
 
 def _write(found, keys, loaded, append_eod, workers, temporary, progress, block_bytes):
-    import multiprocessing
-
     import numpy
     from megatron.core.datasets.indexed_dataset import DType
 
@@ -139,52 +137,167 @@ def _write(found, keys, loaded, append_eod, workers, temporary, progress, block_
     read = InputRead()
     global _WORKER
     _WORKER = _Worker(loaded, keys, append_eod, numpy.dtype(dtype))  # inherited by the forked workers
-    # the pool first: an interrupt while it forks is lost (CPython ignores exceptions in its at-fork hooks), so the
-    # files appear only once the workers are there, and Ctrl-C from then on removes them
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_interrupts)
-    builders, pending = {}, deque()  # pending: (block, its result) handed to the workers and not yet written
+    # the workers first: an interrupt while they fork is lost (CPython ignores exceptions in its at-fork hooks), so
+    # the files appear only once the workers are there, and Ctrl-C from then on removes them
+    pool = _Workers(workers)
+    builders, pending = {}, deque()  # pending: (block, the worker it was handed to) not yet written
     try:
         builders.update({key: indexed_dataset_builder(str(temporary[key][0]), dtype) for key in keys})
         for source in found:
             lines = 0
             for chunk in sources.chunks(source, keys, block_bytes=block_bytes):
-                pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
+                pending.append((chunk, pool.hand(chunk)))
                 while len(pending) >= TASKS_PER_WORKER * workers:
-                    lines = _take(pending.popleft(), lines, builders, counts, read, progress)
+                    lines = _take(pending.popleft(), pool, lines, builders, counts, read, progress)
             while pending:
-                lines = _take(pending.popleft(), lines, builders, counts, read, progress)
+                lines = _take(pending.popleft(), pool, lines, builders, counts, read, progress)
         for key, builder in builders.items():
             builder.finalize(str(temporary[key][1]))
     finally:
-        _end_pool(pool, pending)
+        pool.close()
         for builder in builders.values():
             builder.data_file.close()
     return counts, read.lines, read.text_bytes
 
 
-def _end_pool(pool, pending: deque) -> None:
-    """End the workers by letting them finish what they were handed (at most TASKS_PER_WORKER blocks each, when a
-    bad line or Ctrl-C stops the run early), then take their sentinels and exit. Not Pool.terminate() while they
-    work: a worker SIGTERMed between sending its result and releasing the result queue's lock leaves that lock held,
-    and the pool's task handler, putting its own sentinel on that queue, then waits forever inside terminate()
-    (CPython 3.11's multiprocessing.Pool; tests/data/test_data_prepare.py stops runs early many times over)."""
-    pool.close()
-    deadline = time.monotonic() + END_WAIT_S
-    try:
-        for _, result in pending:
-            result.wait(max(0.0, deadline - time.monotonic()))
-        finished = all(result.ready() for _, result in pending)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
-        finished = False
-    if not finished:  # a worker that is gone (killed from outside) never returns its block: the pool's own end
-        pool.terminate()
-    pool.join()
+class _Workers:
+    """The encoding processes, each with its own two pipes: blocks are dealt to them in turn and their results read
+    back in the order handed out. Nothing is shared between the processes (multiprocessing.Pool shares one task
+    queue and one result queue, each behind a lock): a worker killed at any moment, from outside (the out-of-memory
+    killer) or by the end of a run, leaves no lock held that another process then waits on forever, and its death is
+    seen at once (its process sentinel), not as a block that never comes back."""
+
+    def __init__(self, count: int):
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        self.workers = []  # (process, its task pipe's sending end, its result pipe's receiving end)
+        self.turn, self.lost = 0, False
+        self.exitcodes: list[int | None] = []
+        parent_ends = []
+        for _ in range(count):
+            task_reader, task_writer = context.Pipe(duplex=False)
+            result_reader, result_writer = context.Pipe(duplex=False)
+            parent_ends += [task_writer, result_reader]
+            # the child closes the parent's ends it inherits: the end of a pipe is then seen when its one holder goes
+            process = context.Process(target=_serve, args=(task_reader, result_writer, list(parent_ends)),
+                                      daemon=True)
+            self.workers.append((process, task_writer, result_reader))
+            process.start()
+            task_reader.close()  # nor does a worker forked later inherit this one's ends
+            result_writer.close()
+
+    def hand(self, chunk: sources.Chunk) -> int:
+        """Send a block to the next worker in turn; that worker's number."""
+        number, self.turn = self.turn % len(self.workers), self.turn + 1
+        tasks = self.workers[number][1]
+        try:
+            tasks.send(chunk)
+        except OSError:  # BrokenPipeError: it is gone
+            self._lost(number, chunk)
+        return number
+
+    def result(self, number: int, chunk: sources.Chunk):
+        """The next result of worker `number` (the block `chunk`), or one line if the worker is gone."""
+        from multiprocessing.connection import wait
+
+        process, _, results = self.workers[number]
+        wait([results, process.sentinel])
+        if results.poll():
+            try:
+                outcome = results.recv()
+            except (EOFError, OSError):  # it died writing, or before
+                self._lost(number, chunk)
+            if isinstance(outcome, _Failed):  # a failure of the encoder's own: raised here, as the pool raised it
+                raise outcome.error
+            return outcome
+        self._lost(number, chunk)
+
+    def _lost(self, number: int, chunk: sources.Chunk):
+        self.lost = True  # the run is over: what the other workers hold is not waited for
+        process = self.workers[number][0]
+        process.join(1.0)
+        code = process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"ended (exit code {code})"
+        raise UserInputError("--workers", f"a worker (pid {process.pid}) {how} while encoding a block of "
+                                          f"{chunk.source} (the out-of-memory killer sends signal 9): nothing was "
+                                          f"written; fewer --workers use less memory")
+
+    def close(self) -> None:
+        """Each worker finishes the blocks it holds (at most TASKS_PER_WORKER, when a bad line or Ctrl-C stops the
+        run early; what it sends is read and dropped, so it never waits on a full pipe) and exits; one still there
+        after END_WAIT_S, or a second Ctrl-C, or any once a worker was lost, is killed (safe here: no process holds
+        a lock another waits on)."""
+        from multiprocessing.connection import wait
+
+        for _, tasks, _ in self.workers:
+            tasks.close()  # the worker reads its end of input once its blocks are done
+        deadline = time.monotonic() + (0.0 if self.lost else END_WAIT_S)
+        try:
+            for process, _, results in self.workers:
+                while time.monotonic() < deadline:
+                    ready = wait([results, process.sentinel], max(0.0, deadline - time.monotonic()))
+                    if results not in ready:
+                        break
+                    try:
+                        results.recv()
+                    except (EOFError, OSError):
+                        break
+                process.join(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+            pass
+        finally:
+            for process, _, results in self.workers:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+                results.close()
+            self.exitcodes = [process.exitcode for process, _, _ in self.workers]
 
 
-def _take(entry, lines_before, builders, counts, read, progress) -> int:
+@dataclass
+class _Failed:
+    """An exception a worker's encoding raised (a BadDocument is returned as a value, not raised: _encode_chunk)."""
+
+    error: BaseException
+
+
+def _serve(tasks, results, inherited) -> None:
+    """A worker: encode the blocks that arrive, send each result back in order, exit at the end of the input. A
+    thread reads the blocks as they come, so the parent's send of a block never waits on this process's send of a
+    result (each would wait on the other with a block of about 1 MiB and a pipe of 64 KiB)."""
+    import queue
+    import threading
+
+    for end in inherited:
+        end.close()
+    _ignore_interrupts()
+    arrived: queue.SimpleQueue = queue.SimpleQueue()
+
+    def receive() -> None:
+        while True:
+            try:
+                arrived.put(tasks.recv())
+            except (EOFError, OSError):
+                arrived.put(None)
+                return
+
+    threading.Thread(target=receive, daemon=True).start()
+    while (chunk := arrived.get()) is not None:
+        try:
+            outcome = _encode_chunk(chunk)
+        except Exception as exc:  # noqa: BLE001 (the parent raises it)
+            outcome = _Failed(exc)
+        try:
+            results.send(outcome)
+        except (BrokenPipeError, OSError):  # the parent stopped reading: the run is over
+            return
+
+
+def _take(entry, pool: _Workers, lines_before, builders, counts, read, progress) -> int:
     """Write one encoded chunk (or raise its refusal, naming the file and line); the lines read so far."""
-    chunk, result = entry
-    encoded = result.get()
+    chunk, number = entry
+    encoded = pool.result(number, chunk)
     if isinstance(encoded, sources.BadDocument):
         unit = "row" if chunk.kind == "parquet" else "line"
         raise UserInputError("--input", f"{chunk.source} {unit} {lines_before + encoded.where} {encoded.message}")

@@ -17,6 +17,10 @@ FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "
 FORMAT_NAMES = "JSON lines (.jsonl, .json, also .gz), parquet (.parquet) or plain text (.txt, .text, also .gz)"
 BLOCK_BYTES = 1 << 20  # a chunk of JSON lines or text: the unit of work of one worker, and what memory holds per task
 PARQUET_ROWS = 1024  # a chunk of a parquet file
+# the longest line (document) read, uncompressed: a worker's encoding of a line takes about 40 times its bytes (a
+# 100 MB JSON line, from a 100 KB .gz, cost 4.2 GB), so a line past this is refused before it is held whole. 16 MiB is
+# some 4M tokens, longer than any sequence a document is cut into
+LINE_BYTES_MAX = 16 << 20
 # the reference reads its input with open(path, 'r', encoding='utf-8'): universal newlines, so \r\n, \r and \n each
 # end a line (and nothing else: not U+2028, U+0085 or a form feed, which str.splitlines would split at)
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -64,21 +68,27 @@ def chunks(source: Source, keys: list[str], flag: str = "--input", block_bytes: 
         if source.kind == "parquet":
             yield from _parquet_chunks(source, keys, flag)
         else:
-            yield from _line_chunks(source, block_bytes)
+            yield from _line_chunks(source, block_bytes, flag)
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise UserInputError(flag, f"{source.path} cannot be read ({getattr(exc, 'strerror', None) or exc})") \
             from None
 
 
-def _line_chunks(source: Source, block_bytes: int):
+def _line_chunks(source: Source, block_bytes: int, flag: str = "--input"):
     """Blocks of whole lines: cut after the last line end of each block (a \\r only where the next byte is known not
-    to be \\n); a line longer than a block makes its block longer."""
+    to be \\n); a line longer than a block makes its block longer, up to LINE_BYTES_MAX (past it: one line naming
+    the file and the line, before the line is held whole)."""
     with open(source.path, "rb") as raw:
         stream = gzip.GzipFile(fileobj=raw, mode="rb") if source.gzipped else raw
-        pending, consumed = b"", 0
+        pending, consumed, lines = b"", 0, 0
         while True:
             data = stream.read(block_bytes)
             buffer = pending + data
+            if len(buffer) > LINE_BYTES_MAX and max(buffer.rfind(b"\n", 0, LINE_BYTES_MAX + 1),
+                                                    buffer.rfind(b"\r", 0, LINE_BYTES_MAX + 1)) < 0:
+                raise UserInputError(flag, f"{source.path} line {lines + 1} is longer than {LINE_BYTES_MAX >> 20} MiB"
+                                           f"{' uncompressed' if source.gzipped else ''}; a document of at most that "
+                                           f"is read (split it into several lines)")
             if not data:
                 if buffer:
                     yield Chunk(source.path, source.kind, buffer, raw.tell() - consumed, len(buffer))
@@ -89,12 +99,15 @@ def _line_chunks(source: Source, block_bytes: int):
                 continue
             pending = buffer[cut:]
             position = raw.tell()
-            yield Chunk(source.path, source.kind, buffer[:cut], position - consumed, cut)
+            block = buffer[:cut]
+            lines += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+            yield Chunk(source.path, source.kind, block, position - consumed, cut)
             consumed = position
 
 
 def _parquet_chunks(source: Source, keys: list[str], flag: str):
     import pyarrow
+    import pyarrow.compute
     import pyarrow.parquet
 
     try:
@@ -108,6 +121,13 @@ def _parquet_chunks(source: Source, keys: list[str], flag: str):
     rows = max(handle.metadata.num_rows, 1)
     try:
         for batch in handle.iter_batches(batch_size=PARQUET_ROWS, columns=keys, use_threads=False):
+            strings = [batch.column(key) for key in keys if pyarrow.types.is_string(batch.column(key).type)
+                       or pyarrow.types.is_large_string(batch.column(key).type)]
+            longest = max((pyarrow.compute.max(pyarrow.compute.binary_length(column)).as_py() or 0
+                           for column in strings), default=0)
+            if longest > LINE_BYTES_MAX:
+                raise UserInputError(flag, f"{source.path} holds a value of {longest >> 20} MiB, longer than the "
+                                           f"{LINE_BYTES_MAX >> 20} MiB a document may be")
             columns = {key: batch.column(key).to_pylist() for key in keys}
             text_bytes = sum(len(value.encode()) for value in columns[keys[0]] if isinstance(value, str))
             yield Chunk(source.path, source.kind, columns, source.size * batch.num_rows // rows, text_bytes)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from toolkit.errors import UserInputError
+
 SECONDS_PER_HOUR = 3600
 
 # Llama 3 405B pretraining: 419 unexpected interruptions in a 54-day snapshot on 16,384 H100s (arXiv:2407.21783,
@@ -63,7 +65,16 @@ def expected_wall_s(compute_s: float, interval_s: float, checkpoint_s: float, re
     segments = compute_s / interval_s
     if math.isinf(mtbf_s):
         return compute_s + segments * checkpoint_s
-    return mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + checkpoint_s) / mtbf_s) * segments
+    try:
+        wall = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + checkpoint_s) / mtbf_s) * segments
+    except OverflowError:
+        wall = math.inf
+    if not math.isfinite(wall):  # each restart takes longer than failures come: the run never completes
+        raise UserInputError("--failure-rate", f"a failure every {mtbf_s:.3g} s, {restart_s:.3g} s to recover "
+                                               f"from each and {interval_s + checkpoint_s:.3g} s from one "
+                                               f"checkpoint to the next: the expected run never completes; give a "
+                                               f"lower --failure-rate or --restart-s")
+    return wall
 
 
 @dataclass(frozen=True)

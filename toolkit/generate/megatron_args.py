@@ -7,6 +7,8 @@ user's to add.
 
 from __future__ import annotations
 
+from toolkit.outputs import one_word
+
 # (section, field, flag): `--flag value` when the value is set (None and False emit nothing, True emits `--flag`)
 VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("transformer_config", "num_layers", "--num-layers"),
@@ -89,21 +91,26 @@ def _special(config: dict) -> list[str]:
     transformer, gpt = config["transformer_config"], config["gpt_model"]
     flags = _activation(config)
     if transformer.get("num_query_groups") and transformer["num_query_groups"] != transformer["num_attention_heads"]:
-        flags += ["--group-query-attention", f"--num-query-groups {transformer['num_query_groups']}"]
+        flags += ["--group-query-attention",
+                  _flag("--num-query-groups", transformer["num_query_groups"], "transformer_config.num_query_groups")]
     if transformer.get("add_bias_linear") is False:
         flags.append("--disable-bias-linear")
         if transformer.get("add_qkv_bias"):
             flags.append("--add-qkv-bias")
     if transformer.get("window_size"):
-        flags.append(f"--window-size {','.join(str(v) for v in transformer['window_size'])}")
+        flags.append(_flag("--window-size", ",".join(str(v) for v in transformer["window_size"]),
+                           "transformer_config.window_size"))
     if gpt.get("rope_scaling"):
-        flags.append(f"--rope-scaling-factor {gpt['rope_scaling_factor']}")
+        flags.append(_flag("--rope-scaling-factor", gpt["rope_scaling_factor"], "gpt_model.rope_scaling_factor"))
     if not gpt.get("share_embeddings_and_output_weights"):
         flags.append("--untie-embeddings-and-output-weights")
     if transformer.get("recompute_modules"):  # nargs='*' in Megatron-LM's parser
-        flags.append(f"--recompute-modules {' '.join(transformer['recompute_modules'])}")
+        flags.append("--recompute-modules " + " ".join(
+            argument_word(module, f"transformer_config.recompute_modules[{i}]")
+            for i, module in enumerate(transformer["recompute_modules"])))
     if config["optimizer_config"]["optimizer"] == "sgd":
-        flags.append(f"--sgd-momentum {config['optimizer_config']['sgd_momentum']}")
+        flags.append(_flag("--sgd-momentum", config["optimizer_config"]["sgd_momentum"],
+                           "optimizer_config.sgd_momentum"))
     flags.append("--ckpt-format torch_dist")
     flags += _data(config.get("data"))
     if config["schedule"]["async_save"]:  # dist_checkpointing's asynchronous save needs its persistent worker
@@ -116,10 +123,12 @@ def _data(data: dict | None) -> list[str]:
     are the recipe's, relative to its directory: run from there), --split and GPTDataset's packing switches."""
     if not data:
         return []
-    flags = ["--data-path " + " ".join(f"{_value(entry['weight'])} {entry['prefix']}" for entry in data["blend"]),
-             f"--split {data['split']}", f"--num-workers {data['num_workers']}"]
+    pairs = [f"{argument_word(entry['weight'], f'data.blend[{i}].weight')} "
+             f"{argument_word(entry['prefix'], f'data.blend[{i}].prefix')}" for i, entry in enumerate(data["blend"])]
+    flags = ["--data-path " + " ".join(pairs), _flag("--split", data["split"], "data.split"),
+             _flag("--num-workers", data["num_workers"], "data.num_workers")]
     if data.get("cache_dir"):
-        flags.append(f"--data-cache-path {data['cache_dir']}")
+        flags.append(_flag("--data-cache-path", data["cache_dir"], "data.cache_dir"))
     return flags + [f"--{name.replace('_', '-')}" for name in ("reset_position_ids", "reset_attention_mask",
                                                                "eod_mask_loss") if data[name]]
 
@@ -128,14 +137,24 @@ def _value(value) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+def argument_word(value, key: str) -> str:
+    """`value` as one word of megatron_args.txt (the writer rule of generated files: toolkit.outputs.one_word)."""
+    return one_word(_value(value), key)
+
+
+def _flag(flag: str, value, key: str) -> str:
+    return f"{flag} {argument_word(value, key)}"
+
+
 def megatron_args(config: dict) -> list[str]:
-    """Megatron-LM flags of a megatron.yaml dict, one `--flag [value]` string each."""
+    """Megatron-LM flags of a megatron.yaml dict, one `--flag [value]` string each; every value one word
+    (argument_word)."""
     flags = []
     for section, name, flag in VALUE_FLAGS:
         value = config[section].get(name)
         if value is None or value is False:
             continue
-        flags.append(flag if value is True else f"{flag} {_value(value)}")
+        flags.append(flag if value is True else _flag(flag, value, f"{section}.{name}"))
     return flags + _special(config)
 
 

@@ -9,7 +9,8 @@ import re
 from toolkit.errors import UserInputError
 
 # RFC 1123 label (namespaces, Services: the pods' DNS names) and subdomain (most objects, PVCs), as
-# k8s.io/apimachinery/pkg/util/validation says them
+# k8s.io/apimachinery/pkg/util/validation says them. Every pattern here is matched with fullmatch: `$` in re.match
+# also matches before a trailing line break, which would then be written into the manifest
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
@@ -31,7 +32,7 @@ def object_name(recipe_name: str) -> str:
 
 def checked(value: str, flag: str, rule: re.Pattern, what: str, limit: int) -> str:
     """`value` when it obeys `rule` and fits `limit` characters; else one line naming the flag and what is valid."""
-    if not value or len(value) > limit or not rule.match(value):
+    if not isinstance(value, str) or not value or len(value) > limit or not rule.fullmatch(value):
         raise UserInputError(flag, f"{value!r} is not {what} (at most {limit} characters)")
     return value
 

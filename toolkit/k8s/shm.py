@@ -41,14 +41,19 @@ def quantity(nbytes: int) -> str:
 
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([eE][-+]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?)$")
+# the largest quantity the API server stores (an int64 of its base unit), and the exponents that can reach it
+QUANTITY_MAX, QUANTITY_EXPONENT_MAX = 2**63 - 1, 30
 _SCALE = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
 
 def quantity_bytes(text) -> float | None:
     """A Kubernetes quantity (`512Mi`, `1G`, `1e9`, `2`) as a number; None if it is not one."""
-    match = _QUANTITY.match(str(text).strip())
+    match = _QUANTITY.fullmatch(str(text).strip())
     if not match:
         return None
     number, exponent, suffix = match.groups()
-    return float(number) * (10 ** int(exponent[1:]) if exponent else _SCALE[suffix or ""])
+    if exponent and abs(int(exponent[1:])) > QUANTITY_EXPONENT_MAX:  # 1e999999: no float, and 10**n takes for ever
+        return None
+    value = float(number) * (10.0 ** int(exponent[1:]) if exponent else _SCALE[suffix or ""])
+    return value if value <= QUANTITY_MAX else None

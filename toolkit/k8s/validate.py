@@ -191,7 +191,7 @@ def plan_problems(pod: TrainingPod, plan, accelerator: str | None, world_size: i
                 problems.append(Problem(key, f"sets {', '.join(owned)} by hand: the Trainer's torch runtime injects "
                                              f"the PET_* variables and refuses a TrainJob that sets them"))
     image_key, image = pod.image
-    if not isinstance(image, str) or not names.IMAGE.match(image):
+    if not isinstance(image, str) or not names.IMAGE.fullmatch(image):
         problems.append(Problem(image_key, f"{image!r}: name the container image that holds the toolkit"))
     claims = {v.get("name"): v["persistentVolumeClaim"].get("claimName") for v in pod.volumes
               if isinstance(v, dict) and isinstance(v.get("persistentVolumeClaim"), dict)}
@@ -230,7 +230,11 @@ def _shm_problems(pod: TrainingPod, plan, procs: int | None) -> list[Problem]:
         return []
     needed = shm_bytes(plan, procs)
     size = quantity_bytes(limit)
-    if size is None or size < needed:
+    if size is None:
+        return [Problem(f"volumes.{volume.get('name')}.emptyDir.sizeLimit", f"{str(limit)[:40]!r} is not a "
+                                                                            f"Kubernetes quantity the API server "
+                                                                            f"stores (e.g. {quantity(needed)})")]
+    if size < needed:
         return [Problem(f"volumes.{volume.get('name')}.emptyDir.sizeLimit", f"{limit!r} is less than the "
                                                                             f"{quantity(needed)} the plan's "
                                                                             f"communicators need on {procs} ranks")]

@@ -6,7 +6,7 @@ cut short by a full disk. What these files may hold is therefore a rule, here an
 
 - no NaN or Infinity anywhere (the toolkit writes null for a non-finite figure: metrics.MetricsWriter.write), and
   every figure of the right type and sign: a step time above 0, an MFU and a data wait of 0 or more, byte counts
-  that are whole numbers;
+  that are whole numbers; and plausible: no MFU above 1, no step of more than a week;
 - metrics.jsonl: one JSON object a line, step numbers strictly increasing (each step logged once, in order: a resume
   moves the records of the steps it drops aside, metrics.keep_until); a last line cut short is a write the launch
   did not finish, not a record;
@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from toolkit.errors import UserInputError
+from toolkit.numeric import WEEK_S
 from toolkit.readers import parse_json, read_text
 from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE, is_checkpoint_record
 
@@ -35,6 +36,25 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0)]  # steps, bytes (strict: a float or a bool is no count)
+
+
+def _at_most(high: float, what: str) -> AfterValidator:
+    """A figure no run can show (a run beyond the device's peak, a step of years): the record is implausible, and a
+    report that took it as measured would present it as a completed run's."""
+
+    def check(value: float) -> float:
+        if value > high:
+            raise ValueError(f"implausible: {what} above {high:g}")
+        return value
+
+    return AfterValidator(check)
+
+
+# a step slower than a week is no training step (a suspended job restarts, and its records start again after it)
+STEP_S_MAX = WEEK_S
+Mfu = Annotated[NonNegative, _at_most(1.0, "a model FLOPs utilisation (the share of the devices' dense peak)")]
+StepSeconds = Annotated[Positive, _at_most(STEP_S_MAX, "seconds a step")]
+WaitSeconds = Annotated[NonNegative, _at_most(STEP_S_MAX, "seconds a step")]
 
 
 class MetricsRecord(BaseModel):
@@ -46,10 +66,10 @@ class MetricsRecord(BaseModel):
     loss: Finite | None = None
     grad_norm: NonNegative | None = None
     learning_rate: NonNegative | None = None
-    step_time_s: Positive | None = None
+    step_time_s: StepSeconds | None = None
     tokens_per_s: Positive | None = None
-    mfu: NonNegative | None = None
-    data_wait_s: NonNegative | None = None
+    mfu: Mfu | None = None
+    data_wait_s: WaitSeconds | None = None
     gpu_max_allocated_bytes: Count | None = None
     gpu_max_reserved_bytes: Count | None = None
     gpu_max_allocated_bytes_per_rank: list[Count] | None = None
@@ -111,9 +131,9 @@ class RunRecord(BaseModel):
     model_spec: dict | None = None
     gpu: str | None = None
     execution_path: str | None = None
-    step_time_s: Positive | None = None
+    step_time_s: StepSeconds | None = None
     tokens_per_s: Positive | None = None
-    mfu: NonNegative | None = None
+    mfu: Mfu | None = None
     peak_tflops: Positive | None = None
     memory_bytes: MemoryRecord | None = None
     overhead_bytes: dict[str, Count] | None = None
@@ -139,7 +159,8 @@ def _fault(exc: ValidationError) -> str:
     where = ".".join(str(part) for part in err["loc"]) or "the top level"
     got = repr(err.get("input"))
     got = got if len(got) <= 60 else got[:57] + "..."
-    message = err["msg"][0].lower() + err["msg"][1:]
+    message = err["msg"].removeprefix("Value error, ")
+    message = message[0].lower() + message[1:]
     return f"{where}: {message}, got {got}" if err["type"] != "missing" else f"{where}: missing"
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import UserInputError
-from toolkit.numeric import FINITE
+from toolkit.numeric import FINITE, SCALE_MAX, SCALE_MIN, WEEK_S
 from toolkit.readers import parse_yaml, read_text
 
 FORMAT = "dmt-calibration/1"
@@ -30,11 +30,13 @@ class _Strict(BaseModel):
 
 
 class PathEfficiency(_Strict):
-    compute_scale: float = Field(gt=0, allow_inf_nan=False,
+    # plausible ends (numeric.SCALE_MIN/MAX, WEEK_S): a rate a million times off the curve, or a step's fixed cost
+    # past a week, is no fit of a run, and past them the predictions overflow (1e300 s a step: OverflowError)
+    compute_scale: float = Field(ge=SCALE_MIN, le=SCALE_MAX, allow_inf_nan=False,
                                  description="Fitted rate of this path's GEMMs and the work between them, relative to "
                                              "the fused-kernel curve (ExecutionPath.compute_scale in "
                                              "toolkit/estimate/efficiency.py; the curve's shape is kept).")
-    fixed_step_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+    fixed_step_s: float = Field(0.0, ge=0, le=WEEK_S, allow_inf_nan=False,
                                 description="Fitted seconds every step of this path costs whatever its size "
                                             "(ExecutionPath.fixed_step_s); 0 where it was not fitted.")
     fitted: Literal["compute_scale", "compute_scale+fixed_step"] = Field(

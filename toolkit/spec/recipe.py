@@ -19,7 +19,8 @@ from pydantic import (
 from toolkit.data.sidecar import megatron_prefix
 from toolkit.data.split import split_shares
 from toolkit.errors import UserInputError, named_as
-from toolkit.numeric import FINITE, SEED_MAX, Seed
+from toolkit.numeric import FINITE, SEED_MAX, WEIGHT_MAX, WEIGHT_MIN, Seed
+from toolkit.outputs import word_problem
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.cluster import DEFAULT_GPU
 from toolkit.spec.finetune import FinetuneOptions, finetune_field, finetune_key
@@ -53,9 +54,23 @@ class BlendEntry(_Strict):
     prefix: str = Field(min_length=1, description="A prepared dataset: the --output-prefix of `dmt data prepare` "
                                                   "(its PREFIX.dmt.json names the dataset of data.text_field), or a "
                                                   "Megatron dataset prefix (PREFIX.bin/.idx), relative to the recipe.")
-    weight: float = Field(gt=0, description="Its share of the samples, relative to the others' (normalised to sum "
-                                            "to 1, as Megatron-LM's --data-path weights are).")
+    weight: float = Field(ge=WEIGHT_MIN, le=WEIGHT_MAX, description="Its share of the samples, relative to the "
+                                                                    "others' (normalised to sum to 1, as Megatron-LM's "
+                                                                    "--data-path weights are).")
     model_config = ConfigDict(extra="forbid", strict=False, **FINITE)  # `weight: 1` is a weight as much as 1.0
+
+    @field_validator("prefix")
+    @classmethod
+    def _one_word(cls, prefix: str) -> str:
+        return _word(prefix)
+
+
+def _word(text: str) -> str:
+    """A path the generated files carry (megatron_args.txt): one word of them (toolkit.outputs.word_problem)."""
+    problem = word_problem(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text
 
 
 # data loader worker processes per rank unless data.num_workers says: a blend reads its samples from memory-mapped
@@ -109,6 +124,11 @@ class DataSection(_Strict):
     def _split(cls, split: str) -> str:
         split_shares(split)
         return split
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_word(cls, cache_dir: str | None) -> str | None:
+        return cache_dir if cache_dir is None else _word(cache_dir)
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataSection":

@@ -118,9 +118,39 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
         if name in readers:
             field, read = readers[name]
             contents[field] = read(directory / name, plan)
+    if contents.get("trainer_args") is not None:
+        _check_outward(directory / "trainer_args.json", contents["trainer_args"], recipe, plan)
     if "accelerate" in contents:  # with the trainer arguments it must agree with
         _check_accelerate(directory / "accelerate.yaml", contents["accelerate"], contents.get("trainer_args"), plan)
     return GeneratedRun(directory, recipe, model, plan, **contents, prediction=record)
+
+
+# TrainingArguments that send the model or the metrics elsewhere: training honours them only as `dmt generate` wrote
+# them from the recipe (training.report_to; no hub), so that a hand edit cannot publish the weights or report to a
+# service the recipe does not name
+OUTWARD_KEYS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_token", "report_to")
+
+
+def _reporters(value) -> list:
+    """report_to as a sorted list without "none" ("none", [], ["none"] are one thing to HF)."""
+    values = [value] if isinstance(value, str) or value is None else list(value) if isinstance(value, list) else [value]
+    return sorted((v for v in values if v not in (None, "none")), key=str)
+
+
+def _check_outward(path: Path, args: dict, recipe, plan: Plan) -> None:
+    from toolkit.generate.trainer_args import trainer_arguments
+    from toolkit.validate.trainer_args import trainer_defaults
+
+    expected, defaults = trainer_arguments(recipe, plan, "", None), trainer_defaults()
+    for key in OUTWARD_KEYS:
+        want, got = expected.get(key, defaults.get(key)), args.get(key, defaults.get(key))
+        if key == "report_to":
+            want, got = _reporters(want), _reporters(got)
+        if got != want:
+            shown = str(got)[:80]
+            raise UserInputError(str(path), f"{key} is {shown}, not {want!r} as `dmt generate` wrote it from the "
+                                            f"recipe; what a run sends elsewhere is the recipe's to say "
+                                            f"(training.report_to; no hub upload): regenerate")
 
 
 def read_deepspeed_json(path: Path, plan: Plan) -> dict:

@@ -13,7 +13,7 @@ from toolkit.errors import UserInputError
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.families.activations import MEGATRON_ACTIVATIONS
 from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS
-from toolkit.numeric import SEED_MAX
+from toolkit.numeric import COUNT_MAX, SEED_MAX, WEIGHT_MAX, is_finite_number
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.validate import Problem
 from toolkit.validate.megatron_fields import DATA_KEYS, MODEL_TYPES, SCHEDULE_KEYS, SCHEDULE_OPTIONAL, field_problems
@@ -315,7 +315,47 @@ def _validate(config: dict, world_size: int | None) -> list[Problem]:
     if problems:
         return problems
     problems = _plan_rules(config) or _runtime_rules(config)
-    return problems or _library_checks(config)
+    return problems or _data_problems(config.get("data")) or _library_checks(config) or _argument_problems(config)
+
+
+def _data_problems(data) -> list[Problem]:
+    """The optional data section (a blend) in the shape megatron_args.txt is written from."""
+    if data is None:
+        return []
+    blend = data.get("blend")
+    if not isinstance(blend, list) or not blend:
+        return [Problem("data.blend", f"{blend!r} is not a list of {{prefix, weight}} entries")]
+    problems = []
+    for i, entry in enumerate(blend):
+        if not isinstance(entry, dict) or set(entry) != {"prefix", "weight"}:
+            problems.append(Problem(f"data.blend[{i}]", f"{entry!r} is not a mapping of exactly prefix and weight"))
+            continue
+        if not isinstance(entry["prefix"], str):
+            problems.append(Problem(f"data.blend[{i}].prefix", f"{entry['prefix']!r} is not a dataset prefix"))
+        if not is_finite_number(entry["weight"]) or not 0 < entry["weight"] <= WEIGHT_MAX:
+            problems.append(Problem(f"data.blend[{i}].weight", f"{entry['weight']!r} is not a weight above 0 and "
+                                                               f"at most {WEIGHT_MAX:g}"))
+    for key, valid, what in (("split", lambda v: isinstance(v, str), "a split such as 969,30,1"),
+                             ("num_workers", lambda v: type(v) is int and 0 <= v <= COUNT_MAX, "a worker count"),
+                             ("cache_dir", lambda v: v is None or isinstance(v, str), "a directory"),
+                             *((flag, lambda v: isinstance(v, bool), "true or false")
+                               for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"))):
+        if key not in data and key != "cache_dir":
+            problems.append(Problem(f"data.{key}", "is missing; regenerate with `dmt generate` or add it"))
+        elif not valid(data.get(key)):
+            problems.append(Problem(f"data.{key}", f"{data.get(key)!r} is not {what}"))
+    return problems
+
+
+def _argument_problems(config: dict) -> list[Problem]:
+    """megatron_args.txt written from this file would carry each value as one word (argument_word's rule)."""
+    from toolkit.generate.megatron_args import megatron_args
+
+    try:
+        megatron_args(config)
+    except UserInputError as exc:
+        return [Problem(exc.key, exc.message)]
+    return []
 
 
 def padding_note(config: dict) -> str | None:
