@@ -73,8 +73,8 @@ def measure_megatron(seq: int) -> dict:
     """One forward and backward of Megatron-Core's GPT (local spec) as toolkit/train.py builds it, in bf16 with full
     recompute (toolkit/backends/megatron/training.py `megatron_step_peaks`)."""
     from toolkit.backends.megatron.build import init_distributed
-    from toolkit.compat.megatron_cpu import cuda_on_cpu
     from toolkit.backends.megatron.training import megatron_step_peaks
+    from toolkit.compat.megatron_cpu import cuda_on_cpu
     from toolkit.estimate.memory import loss_peak_bytes
     from toolkit.planner.recipe import recipe_plan
     from toolkit.spec.recipe import load_recipe, recipe_model

@@ -1,4 +1,4 @@
-"""Re-vendor the Kubernetes CRD schemas under toolkit/k8s/crds/ from the operators' own repositories.
+"""Re-vendor the Kubernetes CRD schemas under toolkit/generate/k8s/crds/ from the operators' own repositories.
 
     python scripts/vendor_crds.py TRAINER_GIT_DIR JOBSET_GIT_DIR
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-OUT = Path(__file__).resolve().parent.parent / "toolkit" / "k8s" / "crds"
+OUT = Path(__file__).resolve().parent.parent / "toolkit" / "generate" / "k8s" / "crds"
 TRAINER, PYTORCHJOB, JOBSET = "v2.3.0", "v1.9.4", "v0.12.0"  # Trainer's current release; the last with PyTorchJob
 # (repository key, tag, path in the repository, vendored file name)
 FILES = (

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers import free_port, launch_scheduler, remove_segments_since, tiny_llama_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from toolkit.errors import UserInputError, interrupted
+from toolkit.readers import read_json
 
 # Every input path of the command being run, registered as its command line is parsed (toolkit.cli.paths: the type
 # of every path flag): every output check compares its target with all of them, and with the inputs a verb finds on
@@ -190,8 +191,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 def _record(directory: Path, flag: str) -> dict[str, str]:
     """The record in `directory` ({} without one). One that is not such a record is one line, before anything is
     written or removed: a file in the directory is never taken for this tool's on the word of a damaged record."""
-    from toolkit.readers import read_json
-
     path = directory / RECORD
     fix = f"; move it away (every file in {directory} is then taken for the user's: kept, replaced only with --force)"
     try:

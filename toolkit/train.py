@@ -13,11 +13,30 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` importable from the repo checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from toolkit.spec.backends import backend_of  # noqa: E402
 from toolkit.backends.context import TrainContext  # noqa: E402
+from toolkit.cli.main import quiet_library_warnings  # noqa: E402
 from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
 from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
 from toolkit.errors import UserInputError, error_line  # noqa: E402
+from toolkit.health.checks import match_gpu  # noqa: E402
+from toolkit.planner.recipe import recipe_plan, recipe_prediction  # noqa: E402
+from toolkit.planner.save_interval import is_auto, run_save_steps  # noqa: E402
+from toolkit.runtime.guard import GuardStop  # noqa: E402
+from toolkit.runtime.incident import flight_recorder_environment, last_words_dir  # noqa: E402
+from toolkit.runtime.metrics import (  # noqa: E402
+    Throughput,
+    end_run_record,
+    run_throughput,
+    start_run_record,
+    trains_on_cuda,
+)
+from toolkit.runtime.supervision import TrainingWatchdog  # noqa: E402
+from toolkit.runtime.watchdog import exit_now  # noqa: E402
+from toolkit.spec.backends import backend_of  # noqa: E402
+from toolkit.spec.cluster import load_catalogue  # noqa: E402
+from toolkit.spec.options import CPU_ATTENTION  # noqa: E402
+from toolkit.spec.recipe import load_recipe, recipe_calibration, recipe_model, recipe_names  # noqa: E402
+from toolkit.validate.generated import GeneratedRun, read_generated  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,9 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained, 1 a failure (incident.json says which rank), 2 bad input, 3 a hang the watchdog ended,
     4 stopped by the NaN/spike guard."""
-    from toolkit.cli.main import quiet_library_warnings
-    from toolkit.runtime.guard import GuardStop
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     quiet_library_warnings()
     args = build_parser().parse_args(argv)
@@ -70,9 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from toolkit.planner.save_interval import is_auto, run_save_steps
-    from toolkit.runtime.guard import GuardStop
-
     for flag, value in (("--max-steps", args.max_steps), ("--save-steps", args.save_steps), ("--gpus", args.gpus)):
         if value is not None and value < 1:
             raise UserInputError(flag, f"must be positive, got {value}")
@@ -118,9 +131,6 @@ def check_attention_device(plan, accelerator: str) -> None:
     plan.attention before anything is built, as does a GPU host without the flash-attn package."""
     import importlib.util
 
-    from toolkit.runtime.metrics import trains_on_cuda
-    from toolkit.spec.options import CPU_ATTENTION
-
     if plan.attention in CPU_ATTENTION:
         return
     if not trains_on_cuda(accelerator):
@@ -141,15 +151,10 @@ def _record_launch(run, recipe, output_dir: Path, argv: list[str]):
     """Rank 0 keeps the prediction this launch trains against in the run directory (run_plan.json: plan.json's record
     with `--plan`, else the same prediction made now); every rank gets what turns its step times into tokens/s and
     MFU (the peak only where the device is the one predicted for, and only on rank 0, which writes metrics)."""
-    from toolkit.runtime.metrics import Throughput, run_throughput, start_run_record
-
     if not _rank_zero():
         return Throughput(run.plan.global_batch * run.plan.seq_len)
     prediction = run.prediction
     if prediction is None:
-        from toolkit.planner.recipe import recipe_prediction
-        from toolkit.spec.recipe import recipe_calibration
-
         prediction = recipe_prediction(recipe, run.model, run.plan, recipe_calibration(recipe)).as_json()
     prediction = {"model_spec": run.model.model_dump(mode="json"), **prediction}  # a plan.json of an older toolkit
     start_run_record(output_dir, prediction, {
@@ -164,10 +169,6 @@ def _device(accelerator: str) -> dict:
     """The device rank 0 trains on, for run_plan.json: torch's name for it ("cpu" for CPU ranks) and the catalogue
     entry it is (None: a GPU the catalogue does not know), so a calibration is filed under the hardware used."""
     import torch
-
-    from toolkit.health.checks import match_gpu
-    from toolkit.runtime.metrics import trains_on_cuda
-    from toolkit.spec.cluster import load_catalogue
 
     if not trains_on_cuda(accelerator):
         return {"device": "cpu", "device_gpu": "cpu"}
@@ -185,8 +186,6 @@ def _threads() -> int:
 
 def _record_end(output_dir: Path, status: str, detail: str | None = None) -> None:
     if _rank_zero():
-        from toolkit.runtime.metrics import end_run_record
-
         end_run_record(output_dir, status, detail)
 
 
@@ -194,9 +193,6 @@ def _watched(output_dir: Path, hang_timeout_s: float):
     """This rank's training watchdog; on GPUs, torch's NCCL flight recorder on (unless the environment says
     otherwise) so that a hang's report keeps each rank's record of its last collectives."""
     import torch
-
-    from toolkit.runtime.incident import flight_recorder_environment, last_words_dir
-    from toolkit.runtime.supervision import TrainingWatchdog
 
     if torch.cuda.is_available():
         for name, value in flight_recorder_environment(output_dir).items():
@@ -207,8 +203,6 @@ def _watched(output_dir: Path, hang_timeout_s: float):
 
 def _generated(args: argparse.Namespace):
     """The generated directory's plan and files; nothing on the command line may change what they say."""
-    from toolkit.validate.generated import read_generated
-
     given = plan_overrides(args)
     if given:
         name = next(iter(given))
@@ -226,10 +220,6 @@ def _generated(args: argparse.Namespace):
 
 def _quick(args: argparse.Namespace):
     """The plan resolved from the recipe, its files made in memory by the generators at launch."""
-    from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
-    from toolkit.validate.generated import GeneratedRun
-
     if args.recipe is None:
         raise UserInputError("--recipe", "is required without --plan")
     recipe = load_recipe(args.recipe)
@@ -273,7 +263,6 @@ class _EndAfterExitHandlers:
     def end(self) -> None:
         if self.code is None:
             return
-        from toolkit.runtime.watchdog import exit_now
 
         logging.shutdown()
         exit_now(self.code)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, TINY, free_port
-from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
+from toolkit.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
 

@@ -56,8 +56,8 @@ def main() -> None:
     deepspeed.init_distributed()
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (from_pretrained builds under zero.Init while it lives)
     from toolkit.backends.peft_model import _without_zero3_init, lora_config, quantization_config
-    from toolkit.spec.plan import resolve_plan
     from toolkit.spec.model import load_model_spec
+    from toolkit.spec.plan import resolve_plan
 
     if dist.get_rank() == 0 and not os.path.isfile(os.path.join(args.base, "config.json")):
         with _without_zero3_init():

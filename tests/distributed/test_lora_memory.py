@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, tiny_llama_config
 
+from helpers import free_port, tiny_llama_config
 from toolkit.estimate.memory import estimate_memory
 from toolkit.spec.finetune import FinetuneOptions
 from toolkit.spec.model import load_model_spec

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port, tiny_llama_config
 
+from helpers import free_port, tiny_llama_config
 from toolkit.estimate.memory import estimate_memory
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan

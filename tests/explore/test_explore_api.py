@@ -12,10 +12,10 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
+from helpers import tiny_llama_config
 from toolkit.cli.main import main
 from toolkit.explore.form import UPLOADS, form_fields, options, verb_parser
 from toolkit.explore.server import create_app
-from helpers import tiny_llama_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest

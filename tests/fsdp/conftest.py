@@ -5,8 +5,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from fsdp_helpers import BIN, STEPS, TINY_FSDP, TRAIN, environment, restore_test
+
 from helpers import TINY, Launch, free_port
 
 

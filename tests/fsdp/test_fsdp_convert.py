@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from fsdp_helpers import BIN, STEPS, environment
 
 pytestmark = pytest.mark.launch

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 import yaml
-
 from fsdp_helpers import TINY_FSDP
+
 from helpers import ROOT, TINY
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError

@@ -9,8 +9,8 @@ Measured (158,016 parameters, dp_shard 2): weights 316,032 B per rank estimated 
 import json
 
 import pytest
-
 from fsdp_helpers import TINY_FSDP
+
 from toolkit.backends.fsdp.train import SHARDING_FILE
 
 pytestmark = pytest.mark.launch

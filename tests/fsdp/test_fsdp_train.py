@@ -8,8 +8,8 @@ import json
 import subprocess
 
 import pytest
-
 from fsdp_helpers import BIN, PROBE, STEPS, TINY_FSDP, environment, restore_test
+
 from helpers import assert_step_cost, free_port
 from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT as FSDP_FORMAT
 from toolkit.backends.fsdp.train import SHARDING_FILE

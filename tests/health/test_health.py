@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
 
+from helpers import free_port
 from toolkit.errors import UserInputError
 from toolkit.health.analysis import find_slow_links, find_stragglers, find_suspects, numa_mismatch
 from toolkit.health.checks import match_gpu, parse_cpulist

@@ -26,7 +26,7 @@ from helpers import ROOT, free_port, k8s_training_pod
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
-from toolkit.k8s.render import CHECKPOINT_MOUNT, CONTAINER, PREFLIGHT
+from toolkit.generate.k8s.render import CHECKPOINT_MOUNT, CONTAINER, PREFLIGHT
 from toolkit.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.launch

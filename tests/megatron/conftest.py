@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from megatron_helpers import BIN, SAVE_AT, STEPS, TINY_MEGATRON, TRAIN
 
 from helpers import Launch, free_port
-from megatron_helpers import BIN, SAVE_AT, STEPS, TINY_MEGATRON, TRAIN
 
 
 @pytest.fixture(scope="session")

@@ -84,8 +84,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from toolkit.compat.megatron_cpu import cuda_on_cpu
     from toolkit.backends.megatron.build import init_distributed
+    from toolkit.compat.megatron_cpu import cuda_on_cpu
     from toolkit.spec.recipe import load_recipe, recipe_model
 
     recipe = load_recipe(args.recipe)

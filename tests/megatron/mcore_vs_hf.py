@@ -27,8 +27,8 @@ def megatron_logits(hf_config: dict, hf_state: dict, tokens):
     """Logits of Megatron-Core's GPTModel (TP=1, local spec) holding the HF weights, mapped by the tables."""
     import torch
 
-    from toolkit.families import megatron_fields, megatron_mapping
     from toolkit.backends.megatron.build import build_model_chunks, initialize_parallel, transformer_config
+    from toolkit.families import megatron_fields, megatron_mapping
 
     sections = megatron_fields(hf_config)
     config = {
@@ -59,8 +59,8 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.compat.megatron_cpu import cuda_on_cpu
     from toolkit.backends.megatron.build import destroy, init_distributed
+    from toolkit.compat.megatron_cpu import cuda_on_cpu
 
     init_distributed()
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from megatron_helpers import BIN, STEPS
 
 pytestmark = pytest.mark.launch

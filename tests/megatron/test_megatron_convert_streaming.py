@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from megatron_helpers import BIN
 
 DEEP_NARROW = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=24,

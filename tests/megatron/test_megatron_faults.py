@@ -7,11 +7,11 @@ import signal
 import time
 
 import pytest
+from megatron_helpers import BIN, TRAIN
 
 from helpers import free_port, guard_looks, guard_probe_env, launch_watched, processes_with_env, rank_processes
-from megatron_helpers import BIN, TRAIN
-from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.dcp import DistCheckpointReader
+from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 from toolkit.runtime.incident import read_incidents

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT
 from megatron_helpers import TINY_MEGATRON, TRAIN
-from megatron_lm_args import problems as megatron_lm_problems
 
+from helpers import ROOT
+from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
 from toolkit.generate.megatron_examples import EXAMPLES, OUT, render_examples
 from toolkit.validate.megatron import validate_megatron_config
@@ -151,7 +151,6 @@ def test_train_refuses_a_megatron_yaml_that_contradicts_plan_json(tmp_path):
     import sys
 
     from helpers import ROOT
-
     from toolkit.cli.main import main
 
     recipe = tmp_path / "recipe.yaml"

@@ -5,7 +5,6 @@ order of the row-parallel sums differs)."""
 from pathlib import Path
 
 import pytest
-
 from megatron_helpers import STEPS
 
 pytestmark = pytest.mark.launch

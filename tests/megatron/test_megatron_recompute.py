@@ -6,7 +6,6 @@ layer spec, the one that runs on CPU)."""
 from pathlib import Path
 
 import pytest
-
 from megatron_helpers import TINY_MEGATRON
 
 pytestmark = pytest.mark.launch
@@ -107,6 +106,7 @@ def test_the_loss_peak_is_the_fp32_softmax_and_a_bf16_copy_as_the_estimate_count
     gradient in place; beside it only the bf16 logits (forward) or their gradient (backward): 1.5 fp32 logits over
     what the layers keep, where the estimate used to count two on top of the layers' peak (the HF loss's terms)."""
     from mcore_recompute import LOSS_PEAK, LOSS_VOCAB
+
     from toolkit.estimate.memory import estimate_memory, loss_peak_bytes
     from toolkit.planner.recipe import recipe_plan
     from toolkit.spec.recipe import load_recipe, recipe_model

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-
 from megatron_helpers import TINY_MEGATRON
-from toolkit.runtime.metrics import read_metrics
+
 from toolkit.checkpoint.manifest import read_manifest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
+from toolkit.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.launch
 

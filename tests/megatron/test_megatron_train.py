@@ -5,12 +5,12 @@ dist checkpoints (written in the background, each with its record); a resume rep
 import json
 
 import pytest
+from megatron_helpers import RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON
 
 from helpers import wandb_history
-from megatron_helpers import RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON
-from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
+from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 
 pytestmark = pytest.mark.launch
 METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "step_time_s", "tokens_per_s", "mfu", "data_wait_s",

@@ -12,12 +12,12 @@ import subprocess
 import sys
 import sysconfig
 import time
-import tomllib
 import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from helpers import ROOT, TINY, tiny_prediction, write_run
@@ -123,7 +123,7 @@ def test_estimate_plan_generate_validate_slurm_and_k8s_render_a_recipe(installed
                                                      "--trainer-args", "gen/trainer_args.json")
     sbatch = installed.dmt("slurm", "render", "recipe.yaml")
     assert sbatch.startswith("#!/usr/bin/env bash") and "torchrun" in sbatch
-    # the Kubernetes manifest, checked against the CRDs the wheel ships (toolkit/k8s/crds)
+    # the Kubernetes manifest, checked against the CRDs the wheel ships (toolkit/generate/k8s/crds)
     assert "kubectl apply -f" in installed.dmt("k8s", "render", "recipe.yaml", "--kind", "jobset", "--image",
                                                "registry.example.com/dmt:1", "--out", "job.yaml")
     assert "valid (JobSet of kubernetes-sigs/jobset v0.12.0" in installed.dmt("validate", "job.yaml")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, TINY
-from toolkit.runtime.metrics import read_metrics
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.cli.main import main
+from toolkit.runtime.metrics import read_metrics
 
 
 def _recipe(tmp_path: Path, gpus: int, gpus_per_node: int = 8, **training) -> Path:

@@ -6,8 +6,8 @@ the NaN and loss-spike guard's three actions on an injected fault (DMT_FAULT, to
 
 import pytest
 import torch
-from helpers import free_port, kill_rank_after_save, launch_watched
 
+from helpers import free_port, kill_rank_after_save, launch_watched
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main

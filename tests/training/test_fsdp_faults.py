@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
-from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_save, launch_watched
 
+from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_save, launch_watched
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main

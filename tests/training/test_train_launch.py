@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from helpers import ROOT, TINY, assert_step_cost, wandb_history
-from toolkit.runtime.metrics import read_metrics, read_run_record
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
+from toolkit.runtime.metrics import read_metrics, read_run_record
 
 pytestmark = pytest.mark.launch
 METRIC_KEYS = {"step", "loss", "grad_norm", "learning_rate", "step_time_s", "tokens_per_s", "mfu", "data_wait_s"}

@@ -56,8 +56,8 @@ def test_a_minimal_hand_written_config_passes(tmp_path, capsys):
 
 
 def test_pipeline_stages_are_refused_as_every_deepspeed_plan_refuses_them(tmp_path, capsys):
-    from toolkit.errors import UserInputError
     from toolkit.backends.deepspeed.rules import check_pipeline as check_deepspeed_pipeline
+    from toolkit.errors import UserInputError
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}))

@@ -7,13 +7,12 @@ import json
 import pytest
 import yaml
 
-from helpers import RUN_STEPS as STEPS
 from helpers import ROOT, tiny_prediction
+from helpers import RUN_STEPS as STEPS
 from helpers import write_run as _write_run
 from toolkit.backends.loop import write_checkpoint_record
 from toolkit.cli.main import main
-from toolkit.runtime.metrics import (METRICS_FILE, MetricsWriter, keep_until, read_checkpoint_records,
-                                     read_metrics)
+from toolkit.runtime.metrics import METRICS_FILE, MetricsWriter, keep_until, read_checkpoint_records, read_metrics
 
 # (step, paused s, complete after s): a synchronous save at step 4, background writes at 8 and at the last step
 SAVES = [(4, 0.5, 0.5), (8, 0.1, 2.0), (STEPS, 0.3, 1.0)]

@@ -21,10 +21,10 @@ import importlib.util
 import inspect
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 from helpers import ROOT

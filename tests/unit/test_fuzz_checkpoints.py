@@ -355,13 +355,12 @@ def test_a_real_hf_trainer_checkpoint_passes_the_allow_list(tmp_path):
 def test_a_tokenizer_that_needs_its_own_code_is_refused_without_a_question(tmp_path):
     """transformers asks "run the custom code? [y/N]" (on every rank) for a tokenizer_config.json with an auto_map;
     the toolkit answers no itself, in one line naming the recipe key, and the code never runs."""
+    from test_fuzz_verbs import RECIPE_TEXT
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from toolkit.backends.data import build_tokenizer
     from toolkit.spec.recipe import load_recipe
-
-    from test_fuzz_verbs import RECIPE_TEXT
 
     directory, mark = tmp_path / "tok", tmp_path / "MARK"
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),

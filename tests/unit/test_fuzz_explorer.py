@@ -230,12 +230,12 @@ def test_unknown_routes_and_methods_answer_json(client):
 
 
 def test_a_bug_still_answers_500_in_one_line_and_is_logged(client, ranked, monkeypatch, caplog):
-    import toolkit.explore.launch_files as launch_files
+    import toolkit.explore.server as server
 
     def broken(request):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(launch_files, "launch_files", broken)
+    monkeypatch.setattr(server, "launch_files", broken)  # the name the /api/generate route calls
     answering = TestClient(create_app(), raise_server_exceptions=False)
     response = answering.post("/api/generate", json=ranked)
     assert response.status_code == 500

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-
-from helpers import TINY, tiny_llama_config
 from test_calibration import _calibration_file
 from test_fuzz_verbs import RECIPE_TEXT, _assert_refused, _run, _snapshot, sandbox  # noqa: F401 (a fixture)
+
+from helpers import TINY, tiny_llama_config
 from toolkit.cli.main import main
 from toolkit.generate.files import GENERATED
 from toolkit.outputs import RECORD
@@ -108,8 +108,8 @@ def test_a_generated_file_the_user_edited_is_kept_when_the_backend_changes(sandb
 
 
 def test_the_names_a_record_may_remove_are_the_generators_own():
-    from toolkit.spec.backends import BACKENDS
     from toolkit.generate.files import COMMON, files_of
+    from toolkit.spec.backends import BACKENDS
 
     assert GENERATED == {name for backend in BACKENDS for name in files_of(backend)}
     # each backend's declared files are the ones its generator writes

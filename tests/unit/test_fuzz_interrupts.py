@@ -14,9 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_fuzz_verbs import RECIPE_TEXT, _assert_refused, _run, _snapshot, sandbox  # noqa: F401 (a fixture)
 
 from helpers import FUZZ_HANG_GUARD_S, ROOT
-from test_fuzz_verbs import RECIPE_TEXT, _assert_refused, _run, _snapshot, sandbox  # noqa: F401 (a fixture)
 from toolkit.cli.main import main
 from toolkit.errors import Interrupted
 

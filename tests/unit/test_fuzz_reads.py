@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
+from test_fuzz_verbs import RECIPE_TEXT
 
 from helpers import FUZZ_HANG_GUARD_S
-from test_fuzz_verbs import RECIPE_TEXT
 from toolkit.cli.main import main
 from toolkit.readers import MAX_DEPTH, SIZE_LIMITS, read_yaml
 

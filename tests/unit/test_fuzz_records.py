@@ -12,12 +12,12 @@ import math
 
 import pytest
 import yaml
+from test_fuzz_verbs import _assert_refused, _run
 
 from helpers import H100_RANKS as H100
 from helpers import RUN_STEPS as STEPS
 from helpers import tiny_prediction
 from helpers import write_run as _write_run
-from test_fuzz_verbs import _assert_refused, _run
 from toolkit.cli.main import main
 from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
 

@@ -12,8 +12,8 @@ import yaml
 
 from helpers import ROOT, k8s_training_pod
 from toolkit.cli.main import main
-from toolkit.k8s.render import KINDS, PET_VARIABLES, make_job, manifest_text
-from toolkit.k8s.shm import NCCL_SHM_PER_COMMUNICATOR, quantity_bytes, shm_bytes
+from toolkit.generate.k8s.render import KINDS, PET_VARIABLES, make_job, manifest_text
+from toolkit.generate.k8s.shm import NCCL_SHM_PER_COMMUNICATOR, quantity_bytes, shm_bytes
 from toolkit.planner.recipe import recipe_plan
 from toolkit.spec.recipe import load_recipe, recipe_model
 
@@ -281,7 +281,7 @@ def test_generate_writes_the_trainjob_when_the_recipe_names_an_image(project, ca
 
 
 def test_the_vendored_crds_say_where_they_come_from():
-    from toolkit.k8s.vendored import CRDS, SCHEMAS, sources
+    from toolkit.generate.k8s.vendored import CRDS, SCHEMAS, sources
 
     recorded = sources()
     assert set(SCHEMAS.values()) | {"torch_distributed.yaml"} == set(recorded)

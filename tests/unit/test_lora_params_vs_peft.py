@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
+from test_params_vs_transformers import FAMILIES, _random_config  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from test_params_vs_transformers import FAMILIES, _random_config  # noqa: E402
 from toolkit.errors import UserInputError  # noqa: E402
 from toolkit.estimate.lora import trainable_params  # noqa: E402
 from toolkit.families.linears import LINEARS, MOE  # noqa: E402

@@ -5,8 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.backends.megatron.checkpoint import ASYNC_SHARDING, MODEL_PARALLEL_KEYS, SYNC_SHARDING, layout, \
-    optimizer_sharding
+from toolkit.backends.megatron.checkpoint import (
+    ASYNC_SHARDING,
+    MODEL_PARALLEL_KEYS,
+    SYNC_SHARDING,
+    layout,
+    optimizer_sharding,
+)
 from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
 

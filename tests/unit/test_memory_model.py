@@ -4,8 +4,8 @@ import pytest
 
 from toolkit.errors import UserInputError
 from toolkit.estimate.memory import estimate_memory, estimate_stage_memory, stage_layers, stage_params
-from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.estimate.params import count_params
+from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import resolve_plan
 

@@ -8,9 +8,9 @@ import pytest
 from toolkit.errors import UserInputError
 from toolkit.estimate.memory import estimate_stage_memory, stage_layers
 from toolkit.estimate.pipeline import peak_forwards
-from toolkit.spec.pipeline import PipelineSplit
 from toolkit.planner.search import pipeline_splits
 from toolkit.spec.model import load_model_spec
+from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import resolve_plan
 
 torch = pytest.importorskip("torch")

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_llama_config
 from safetensors import safe_open
 
+from helpers import tiny_llama_config
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.errors import UserInputError
 

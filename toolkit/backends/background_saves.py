@@ -23,6 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.backends.loop import reduced_flag, write_checkpoint_record
+from toolkit.checkpoint.manifest import hash_files
+from toolkit.spec.recipe import TrainingSection
+
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # between the polls of a wait
 
@@ -30,8 +34,6 @@ POLL_S = 0.05  # between the polls of a wait
 def save_wait_s(recipe) -> float:
     """How long a save waits for the one in flight: the hang timeout, which every save must fit in anyway (its
     default where the watchdog is off)."""
-    from toolkit.spec.recipe import TrainingSection
-
     return recipe.training.hang_timeout_s or TrainingSection.model_fields["hang_timeout_s"].default
 
 
@@ -78,7 +80,6 @@ class BackgroundSaves:
         if save is None:
             return
         waited_from, blocked_before = time.monotonic(), save.blocked_s
-        from toolkit.backends.loop import reduced_flag
 
         self.watch.phase(step, "save-wait")
         deadline = waited_from + self.wait_s
@@ -118,15 +119,12 @@ class BackgroundSaves:
             done: Future = Future()
             done.set_result(None)
             return done
-        from toolkit.checkpoint.manifest import hash_files
 
         return in_thread("dmt-manifest-hash", hash_files, checkpoint)
 
     def _complete(self, save: InFlight, complete: Callable, asynchronous: bool = True) -> None:
         """Every rank, once every rank's files of `save` are written: `complete()` writes the manifest and moves
         `latest` (rank 0, which gets the manifest back), then the checkpoint's record."""
-        from toolkit.backends.loop import write_checkpoint_record
-
         manifest = complete()
         now = time.perf_counter()
         self.in_flight = None

@@ -1,4 +1,5 @@
-"""TrainContext: what toolkit/train.py hands every backend's `train` (toolkit/backends/<name>/train.py) for a launch."""
+"""TrainContext: what toolkit/train.py hands every backend's `train` (toolkit/backends/<name>/train.py) for a launch;
+HFLaunch: what the HF Trainer's path adds to it, shared by ToolkitTrainer and ToolkitCallback."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from toolkit.runtime.metrics import Throughput
+    from toolkit.backends.hf_guard import TrainerGuard
+    from toolkit.backends.hf_path import HFPath
+    from toolkit.backends.hf_saves import TrainerSaves
+    from toolkit.backends.loop import BatchFingerprints
+    from toolkit.runtime.metrics import MetricsWriter, Throughput
     from toolkit.runtime.supervision import TrainingWatchdog
     from toolkit.spec.model import ModelSpec
     from toolkit.spec.plan import Plan
@@ -39,3 +44,19 @@ class TrainContext:
     @property
     def model(self) -> ModelSpec:
         return self.run.model
+
+
+@dataclass(frozen=True)
+class HFLaunch:
+    """One launch on the HF Trainer's path: what ToolkitTrainer and ToolkitCallback act through."""
+
+    context: TrainContext
+    path: HFPath  # what DeepSpeed or FSDP2 adds to the HF Trainer's path (the backend's train.py HF_PATH)
+    world: int  # the launch's processes
+    identity: dict  # the run a checkpoint belongs to (toolkit.backends.resume.run_identity)
+    consumed: int  # samples the checkpoint resumed from had consumed: a blend's sampler reads on from there
+    flat: bool  # the micro-batch comes flattened into one row (toolkit.backends.hf_inputs.TrainerData.flat)
+    fingerprints: BatchFingerprints  # which samples each step trains on (metrics.jsonl's data_sha)
+    metrics: MetricsWriter
+    guard: TrainerGuard  # the NaN/spike guard on the Trainer
+    saves: TrainerSaves | None  # checkpoints written in the background (training.async_save), else None

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from toolkit.backends.sft_data import CHATML_TOKENS
+from toolkit.backends.sft_data import CHATML_TOKENS, check_columns, sft_datasets, tokenizer_texts
 from toolkit.errors import UserInputError
+from toolkit.readers import hf_tokenizer
 from toolkit.spec.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ def load_texts(recipe: Recipe):
     which a locally trained tokenizer learns from)."""
     dataset = load_rows(recipe)
     if recipe.data.format != "text":
-        from toolkit.backends.sft_data import check_columns, tokenizer_texts
-
         check_columns(recipe, dataset.column_names)
         return tokenizer_texts(recipe, dataset)
     field = recipe.data.text_field
@@ -62,8 +61,6 @@ def build_tokenizer(recipe: Recipe, texts):
     """The recipe's tokenizer, or a byte-level BPE trained on the training texts."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-
-    from toolkit.readers import hf_tokenizer
 
     if recipe.data.tokenizer.path:
         return hf_tokenizer(recipe.locate(recipe.data.tokenizer.path), "data.tokenizer.path")
@@ -84,7 +81,6 @@ def training_datasets(recipe: Recipe, tokenizer, seq_len: int):
         from transformers import default_data_collator
 
         return (*packed_datasets(recipe, tokenizer, seq_len), default_data_collator)
-    from toolkit.backends.sft_data import sft_datasets
 
     return sft_datasets(recipe, tokenizer, load_rows(recipe), seq_len)
 

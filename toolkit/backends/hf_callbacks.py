@@ -14,7 +14,7 @@ from toolkit.backends.loop import save_and_exit_requested, write_checkpoint_reco
 from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
 
 if TYPE_CHECKING:
-    from toolkit.backends.hf_trainer import HFLaunch
+    from toolkit.backends.context import HFLaunch
 
 
 class ToolkitCallback(TrainerCallback):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from toolkit.backends.loop import BatchFingerprints, StepGuard
 from toolkit.compat.deepspeed_seams import drop_zero_step
-from toolkit.compat.transformers_seams import loss_as_logged
+from toolkit.compat.transformers_seams import load_model_state, load_optimizer_and_scheduler, loss_as_logged
 from toolkit.runtime import faults
 from toolkit.runtime.guard import Verdict, read_grad_norm
 
@@ -152,8 +152,6 @@ def reload_checkpoint(trainer, checkpoint: Path) -> None:
     on, so the data stream is the one the run would have seen anyway."""
     from peft import PeftMixedModel, PeftModel
     from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-
-    from toolkit.compat.transformers_seams import load_model_state, load_optimizer_and_scheduler
 
     if trainer.is_deepspeed_enabled:  # a PEFT model's module states are its adapters only: HF's resume loads them
         deepspeed_load_checkpoint(trainer.model_wrapped, str(checkpoint),  # non-strictly too

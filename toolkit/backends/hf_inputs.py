@@ -9,14 +9,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.backends import long_context
+from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
 from toolkit.backends.loop import check_world
+from toolkit.backends.peft_model import finetune_model
+from toolkit.backends.sft_data import keep_examples_apart
+from toolkit.data.blend import build_datasets, hf_batch, hf_flat_batch
 from toolkit.errors import UserInputError
+from toolkit.generate.trainer_args import trainer_arguments
 from toolkit.readers import hf_tokenizer
 from toolkit.runtime.metrics import configure_wandb
 from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe, recipe_hf_config
+from toolkit.spec.recipe import Recipe, recipe_hf_config, recipe_vocab_size
 
 if TYPE_CHECKING:
     from toolkit.backends.context import TrainContext
@@ -57,8 +62,6 @@ def training_arguments(context: TrainContext, path: HFPath, world: int, resharde
     (without one, the generator's for the recipe's plan), completed and checked by the backend's path."""
     from transformers import TrainingArguments
 
-    from toolkit.generate.trainer_args import trainer_arguments
-
     recipe, plan, output_dir, run = context.recipe, context.plan, context.output_dir, context.run
     if run.trainer_args is not None:
         args_dict = {**run.trainer_args, **context.updates, "output_dir": str(output_dir)}
@@ -95,8 +98,6 @@ class TrainerData:
 def _tokenised(recipe: Recipe, plan: Plan, args, tokenizer_dir: Path):
     """(tokenizer, train, eval, collator) of train_files or a hub dataset: rank 0 builds and saves the tokenizer
     first, then every rank tokenises (the datasets cache fills once)."""
-    from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
-
     with args.main_process_first(desc="tokenizer"):
         if tokenizer_dir.is_dir():  # the run's own, saved at its first launch
             tokenizer = hf_tokenizer(tokenizer_dir, "--output-dir")
@@ -114,8 +115,6 @@ def training_data(recipe: Recipe, plan: Plan, args, output_dir: Path) -> Trainer
     apart = documents_apart(recipe)
     flat = apart and plan.attention in VARIABLE_LENGTH_ATTENTION
     if recipe.data.blend:  # prepared tokens through Megatron-Core's datasets (a collective: rank 0 builds the cache)
-        from toolkit.data.blend import build_datasets, hf_batch, hf_flat_batch
-        from toolkit.spec.recipe import recipe_vocab_size
 
         tokenizer = hf_tokenizer(recipe.path(recipe.data.tokenizer.path), "data.tokenizer.path")
         train_set, eval_set = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
@@ -135,7 +134,6 @@ def build_model(recipe: Recipe, plan: Plan, output_dir: Path, args, data: Traine
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if plan.finetune.peft:  # LoRA / QLoRA adapters on a frozen base (toolkit.backends.peft_model)
-        from toolkit.backends.peft_model import finetune_model
 
         model = finetune_model(recipe, plan, output_dir, args)
     elif recipe.model.pretrained:
@@ -148,7 +146,6 @@ def build_model(recipe: Recipe, plan: Plan, output_dir: Path, args, data: Traine
         model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention)
 
     if recipe.data.format != "text" or data.documents_apart:  # packed rows: each attends to itself only
-        from toolkit.backends.sft_data import keep_examples_apart
 
         keep_examples_apart(model)
     long_context.prepare(model, plan, output_dir, args.process_index)

@@ -19,6 +19,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from toolkit.backends.background_saves import BackgroundSaves, InFlight
+from toolkit.backends.loop import reduced_flag
+from toolkit.compat.dcp_async import GroupPool, dcp_saves_in_background
+from toolkit.runtime import faults
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +30,6 @@ class TrainerSaves(BackgroundSaves):
     """One per rank (every rank of an HF Trainer run whose checkpoints are written in the background)."""
 
     def __init__(self, metrics, watch, wait_s: float, rank: int):
-        from toolkit.compat.dcp_async import GroupPool
-
         super().__init__(metrics, watch, wait_s)
         self.rank = rank
         self.groups = GroupPool()
@@ -42,8 +43,6 @@ class TrainerSaves(BackgroundSaves):
     def writing(self, step: int):
         """Around the Trainer's save of the model and optimizer state (every rank): the save before it complete
         first; its DCP directories then written in the background."""
-        from toolkit.compat.dcp_async import dcp_saves_in_background
-
         self.wait(step)
         self.watch.phase(step, "save")
         self.writes, self.staging = [], []
@@ -77,8 +76,6 @@ class TrainerSaves(BackgroundSaves):
     def poll(self) -> None:
         """Every rank at the start of every step: once every rank's writes have finished, rank 0 hashes the files in
         a thread; once that is done, the manifest and `latest` (from this, the training thread)."""
-        from toolkit.backends.loop import reduced_flag
-
         save = self.in_flight
         if save is None:
             return
@@ -106,6 +103,4 @@ class TrainerSaves(BackgroundSaves):
 
 def _persist(step: int, rank: int) -> None:
     """In a writing thread, before its first byte: the test faults of the `persist` phase."""
-    from toolkit.runtime import faults
-
     faults.at_phase(step, "persist", rank)

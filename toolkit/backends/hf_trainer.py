@@ -4,43 +4,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from transformers import Trainer, set_seed
 
 from toolkit.backends import long_context
 from toolkit.backends.background_saves import save_wait_s
-from toolkit.backends.context import TrainContext
+from toolkit.backends.context import HFLaunch, TrainContext
 from toolkit.backends.hf_callbacks import ToolkitCallback
 from toolkit.backends.hf_guard import HeldSchedule, TrainerGuard
 from toolkit.backends.hf_inputs import build_model, check_launch, training_arguments, training_data
-from toolkit.backends.hf_path import HFPath
 from toolkit.backends.hf_saves import TrainerSaves
 from toolkit.backends.loop import BatchFingerprints, StepGuard
+from toolkit.backends.peft_model import adapter_callback
 from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
 from toolkit.checkpoint.manifest import consumed_samples, read_manifest
+from toolkit.data.blend import ConsumedSampler
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
-from toolkit.runtime.metrics import MetricsWriter
+from toolkit.runtime.metrics import MetricsWriter, gpu_memory_of_ranks, logged_figures
 from toolkit.spec.backends import backend_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HFLaunch:
-    """One launch on the HF Trainer's path: what ToolkitTrainer and ToolkitCallback act through."""
-
-    context: TrainContext
-    path: HFPath  # what DeepSpeed or FSDP2 adds to the HF Trainer's path (the backend's train.py HF_PATH)
-    world: int  # the launch's processes
-    identity: dict  # the run a checkpoint belongs to (toolkit.backends.resume.run_identity)
-    consumed: int  # samples the checkpoint resumed from had consumed: a blend's sampler reads on from there
-    flat: bool  # the micro-batch comes flattened into one row (toolkit.backends.hf_inputs.TrainerData.flat)
-    fingerprints: BatchFingerprints  # which samples each step trains on (metrics.jsonl's data_sha)
-    metrics: MetricsWriter
-    guard: TrainerGuard  # the NaN/spike guard on the Trainer
-    saves: TrainerSaves | None  # checkpoints written in the background (training.async_save), else None
 
 
 class ToolkitTrainer(Trainer):
@@ -68,7 +52,6 @@ class ToolkitTrainer(Trainer):
     def _get_train_sampler(self, *args, **kwargs):
         if not self.launch.context.recipe.data.blend:
             return super()._get_train_sampler(*args, **kwargs)
-        from toolkit.data.blend import ConsumedSampler
 
         # the blend's global order from the checkpoint's count
         return ConsumedSampler(len(self.train_dataset), self.launch.consumed)
@@ -82,7 +65,6 @@ class ToolkitTrainer(Trainer):
 
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training step's log (every rank gets here: gathering memory is a collective)
-            from toolkit.runtime.metrics import gpu_memory_of_ranks, logged_figures
 
             metrics = self.launch.metrics
             metrics.pending = {**metrics.measure(self.state.global_step), **gpu_memory_of_ranks()}
@@ -175,8 +157,6 @@ def train(context: TrainContext) -> dict:
     toolkit_callback = ToolkitCallback(launch)  # the guard acts through it on the Trainer
     callbacks = [toolkit_callback]
     if plan.finetune.peft:
-        from toolkit.backends.peft_model import adapter_callback
-
         callbacks.insert(0, adapter_callback(plan))  # FSDP2's adapter is written before the manifest lists the files
     callbacks += path.callbacks(output_dir, plan)
     with path.accelerator_building(plan):

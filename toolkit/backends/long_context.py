@@ -13,7 +13,9 @@ from pathlib import Path
 
 from toolkit.compat.deepspeed_seams import tile_forward
 from toolkit.compat.torch_seams import replace_forward
+from toolkit.errors import UserInputError
 from toolkit.estimate.long_context import LOSS_TILE_BYTES, loss_tile_count, sequence_tiles
+from toolkit.generate.parallelism import parallelism_config
 
 log = logging.getLogger(__name__)
 # debug mode: each rank writes what its attention modules received (attention_inputs/rank<N>.json)
@@ -26,9 +28,6 @@ def build_parallelism_config(args_dict: dict) -> None:
     """trainer_args.json's parallelism_config (ParallelismConfig's arguments) as Accelerate's own object, which the
     Trainer hands to its Accelerator: Ulysses (sp_size) under DeepSpeed, HSDP / TP / context parallel under FSDP2."""
     if isinstance(args_dict.get("parallelism_config"), dict):
-        from toolkit.errors import UserInputError
-        from toolkit.generate.parallelism import parallelism_config
-
         try:
             args_dict["parallelism_config"] = parallelism_config(args_dict["parallelism_config"])
         except (ValueError, TypeError) as exc:
@@ -55,8 +54,6 @@ def with_position_ids(collator):
 def _decoder_layers(model):
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
-        from toolkit.errors import UserInputError
-
         raise UserInputError("plan.tiled_mlp", f"{type(model).__name__} has no decoder `layers` to tile the MLPs of")
     return layers
 

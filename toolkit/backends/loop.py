@@ -10,8 +10,11 @@ import logging
 import os
 from pathlib import Path
 
+from toolkit.checkpoint.manifest import latest_verified, read_manifest
+from toolkit.checkpoint.safe_load import check_checkpoint
 from toolkit.errors import UserInputError
 from toolkit.runtime.guard import LossGuard, Verdict, report, step_record
+from toolkit.runtime.metrics import CHECKPOINT_KIND
 from toolkit.runtime.supervision import SAVE_AND_EXIT
 from toolkit.spec.plan import Plan
 
@@ -113,15 +116,12 @@ class StepGuard:
     def act(self, step: int, verdict: Verdict, data_sha: str | None) -> Verdict:
         """Report a verdict (rank 0 writes incident.json; `stop` raises GuardStop on every rank) and remember it
         for the step; a rollback without a verified checkpoint to go back to is a stop."""
-        from toolkit.checkpoint.manifest import latest_verified, read_manifest
-
         extra = {}
         if verdict.action == "rollback":
             self.target = latest_verified(self.output_dir)
             if self.target is None:
                 verdict = Verdict("stop", verdict.reason + "; no verified checkpoint to roll back to", verdict.loss)
             else:  # the libraries reload it with their unrestricted unpicklers: its pickles pass here first
-                from toolkit.checkpoint.safe_load import check_checkpoint
 
                 check_checkpoint(self.target, "rollback checkpoint")
                 extra = {"checkpoint": self.target.name,
@@ -141,8 +141,6 @@ class StepGuard:
     def rolled_back(self, step: int) -> None:
         """After the loop reloaded `self.target` in place: its window, one more rollback to it counted (GuardStop
         past the cap)."""
-        from toolkit.checkpoint.manifest import read_manifest
-
         saved = read_manifest(self.target)
         self.guard.rolled_back_to(self.target, saved.get("guard_window", []))
         log.warning("guard: rolled back to %s at step %d; steps %d-%d dropped", self.target.name, step,
@@ -177,8 +175,6 @@ def write_checkpoint_record(metrics, manifest: dict, checkpoint: Path, blocking_
                             asynchronous: bool) -> dict:
     """metrics.jsonl's record of a checkpoint (rank 0, once its manifest is written): the time training was paused
     for it, the time until its files and manifest were complete, and its size (the files its manifest lists)."""
-    from toolkit.runtime.metrics import CHECKPOINT_KIND
-
     size = sum(entry["bytes"] for entry in manifest["files"].values())
     log.info("%s: %d bytes, training paused %.3f s, complete after %.3f s (%s)", checkpoint.name, size, blocking_s,
              persist_s, "written in the background" if asynchronous else "synchronous")

@@ -13,7 +13,9 @@ import contextlib
 import logging
 from pathlib import Path
 
+from toolkit.compat.transformers_seams import without_deepspeed_config
 from toolkit.errors import UserInputError
+from toolkit.spec.backends import backend_of
 from toolkit.spec.finetune import ALL_LINEAR, FinetuneOptions
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, recipe_hf_config
@@ -72,8 +74,6 @@ def _without_zero3_init():
     """One process builds the random base whole: under ZeRO-3 transformers would build it inside deepspeed.zero.Init,
     whose collectives wait for ranks that are not building anything (a hang). transformers decides by its module's
     reference to the DeepSpeed config the TrainingArguments registered, which is set aside meanwhile."""
-    from toolkit.compat.transformers_seams import without_deepspeed_config
-
     with without_deepspeed_config():
         yield
 
@@ -148,8 +148,6 @@ def adapter_callback(plan: Plan):
     """After every save: FSDP2's adapter written beside its shards; then, on the main process, the adapter the
     checkpoint holds is whole (or training stops here, rather than after hours of saving nothing)."""
     from transformers import TrainerCallback
-
-    from toolkit.spec.backends import backend_of
 
     finetune = plan.finetune
     path = backend_of(plan).train.HF_PATH

@@ -8,7 +8,12 @@ import json
 import os
 from pathlib import Path
 
+from toolkit.backends.data import data_files
+from toolkit.checkpoint.manifest import latest_verified, read_manifest
+from toolkit.checkpoint.safe_load import check_checkpoint
 from toolkit.errors import UserInputError
+from toolkit.runtime.metrics import keep_until
+from toolkit.runtime.supervision import record_restart
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
@@ -20,11 +25,6 @@ def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> P
     """The checkpoint to resume from (latest: the latest verified one; auto: that if any, the way restarted and
     requeued jobs continue; or a path), checked to belong to this run. On rank 0, metrics.jsonl then drops the
     steps after it (they are trained again) and a restarted launch says in incident.json why it restarted."""
-    from toolkit.checkpoint.manifest import latest_verified, read_manifest
-    from toolkit.checkpoint.safe_load import check_checkpoint
-    from toolkit.runtime.metrics import keep_until
-    from toolkit.runtime.supervision import record_restart
-
     latest = latest_verified(output_dir) if resume in ("auto", "latest") else None
     if resume == "auto":
         resume = "latest" if latest is not None else None
@@ -43,16 +43,12 @@ def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> P
 
 def guard_window(checkpoint: Path | None) -> list:
     """The spike rule's window as the checkpoint saved it (the guard judges a resumed run like the first one)."""
-    from toolkit.checkpoint.manifest import read_manifest
-
     return (read_manifest(checkpoint) or {}).get("guard_window", []) if checkpoint is not None else []
 
 
 def run_identity(recipe: Recipe, plan: Plan) -> dict:
     """What must not change across a resume for it to continue the same run: batch, sequence, seed, data."""
     import hashlib
-
-    from toolkit.backends.data import data_files
 
     digest = hashlib.sha256()
     for file in data_files(recipe) if not recipe.data.hub_dataset else []:
@@ -73,8 +69,6 @@ def _sizes(prefix: Path) -> list:
 
 def check_resume_compatible(checkpoint: Path, identity: dict) -> None:
     """Refuse a resume that would silently become a different run (other batch, sequence length, seed or data)."""
-    from toolkit.checkpoint.manifest import read_manifest
-
     manifest = read_manifest(checkpoint)
     if manifest is None:
         raise UserInputError("--resume", f"{checkpoint} has no manifest: it was not completely saved by the toolkit")

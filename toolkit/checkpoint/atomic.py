@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from toolkit.errors import UserInputError, interrupted
+from toolkit.outputs import input_at
 
 log = logging.getLogger(__name__)
 TEMP_MARK = ".tmp-"
@@ -22,8 +23,6 @@ def check_output_dir(out: Path, flag: str = "OUT_DIR", inputs: Iterable[Path | N
     """`out`, absolute, if a new directory can be made there; otherwise a UserInputError at `flag` saying why.
     Nothing is left behind (a probe directory is made and removed): a refused conversion leaves the file system as
     it found it."""
-    from toolkit.outputs import input_at
-
     out = Path(out).expanduser().absolute()
     if input_at(out, inputs, inside=False) is not None:  # `inputs` and every input the command line named
         raise UserInputError(flag, f"{out} is one of the inputs; choose a new directory for the output")

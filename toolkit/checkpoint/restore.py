@@ -17,6 +17,8 @@ from pathlib import Path
 
 from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.errors import UserInputError, worker_error
+from toolkit.runtime.children import Children, end_tree
+from toolkit.runtime.ds_shm import release
 from toolkit.runtime.metrics import METRICS_FILE, read_metrics
 from toolkit.runtime.ports import free_port
 
@@ -57,15 +59,12 @@ def _command(launcher: str, nprocs: int, recipe: Path, out: Path, steps: int, sa
 def _launched(cmd: list[str], log: Path, run: str):
     """A training launch, its output into `log`; the launch ends with the block, however the block ends (torchrun
     starts each worker in a session of its own: toolkit.runtime.children ends them too)."""
-    from toolkit.runtime.children import Children
-
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     try:
         with open(log, "w") as handle, Children(f"{run}'s training") as children:
             yield children.start(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
     finally:
         if "--master_port" in cmd:  # DeepSpeed's CPU all-reduce segments outlive SIGKILLed ranks
-            from toolkit.runtime.ds_shm import release
 
             release(cmd[cmd.index("--master_port") + 1])
 
@@ -81,8 +80,6 @@ def _run(cmd: list[str], log: Path, timeout: float, run: str) -> int:
 def _run_and_kill_after_save(cmd: list[str], out: Path, save_at: int, log: Path, timeout: float) -> int | None:
     """Start training, SIGKILL it and every process below it once `latest` names checkpoint-<save_at>; the step
     reached."""
-    from toolkit.runtime.children import end_tree
-
     deadline = time.monotonic() + timeout
     with _launched(cmd, log, "the interrupted run") as process:
         while time.monotonic() < deadline and process.poll() is None:

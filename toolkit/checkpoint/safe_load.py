@@ -42,7 +42,7 @@ from toolkit.checkpoint.allow_lists import (
 from toolkit.checkpoint.torch_zip import check_stored, index_torch_file
 from toolkit.compat.torch_seams import is_storage_entry
 from toolkit.errors import UserInputError
-from toolkit.readers import inside, not_a_file, one_line, open_regular, problem
+from toolkit.readers import inside, not_a_file, one_line, open_regular, problem, read_text
 
 
 def read_dcp_metadata(checkpoint: Path, key: str | None = None):
@@ -145,8 +145,6 @@ def path_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
     naming anything but a directory beside it. The libraries' loaders (DeepSpeed's, Accelerate's, Megatron-Core's,
     HF Trainer's json and torch.load) open what they find as given."""
     import os
-
-    from toolkit.readers import read_text
 
     ckpt = Path(ckpt)
     what = "a regular file inside the checkpoint"

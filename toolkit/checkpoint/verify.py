@@ -17,6 +17,7 @@ from types import ModuleType
 
 from toolkit.checkpoint.allow_lists import REFUSED
 from toolkit.checkpoint.dcp_check import check_dcp, dcp_contents
+from toolkit.checkpoint.finite import safetensors_findings
 from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
 from toolkit.checkpoint.safe_load import path_faults, pickle_faults
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
@@ -162,8 +163,6 @@ def _safetensors_files(path: Path, report: VerifyReport) -> list[Path]:
 
 
 def _check_safetensors(path: Path, report: VerifyReport, deep: bool) -> None:
-    from toolkit.checkpoint.finite import safetensors_findings
-
     for file in _safetensors_files(path, report):
         try:
             read_safetensors_header(file)

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from toolkit.cli.common import host_peak_text, measured_links
+from toolkit.cli.console import console as make_console
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
+from toolkit.estimate.calibrate import fit_calibration
 from toolkit.numeric import bounded_int, json_text, yaml_text
+from toolkit.outputs import output_file, write_file
+from toolkit.report.runs import DEFAULT_WARMUP, calibration_runs, read_run
+from toolkit.spec.calibration import MeasuredLinks
+from toolkit.spec.cluster import get_gpu
 
 HEADER = ("# Written by `dmt calibrate`: the step-time model's free parameters fitted to the runs listed below, for\n"
           "# the hardware named. Use it with `dmt estimate / plan / generate / report --calibration FILE` or a\n"
@@ -27,11 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.estimate.calibrate import fit_calibration
-    from toolkit.outputs import output_file, write_file
-    from toolkit.report.runs import DEFAULT_WARMUP, calibration_runs, read_run
-    from toolkit.spec.cluster import get_gpu
-
     warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
     if warmup < 0:
         raise UserInputError("--warmup", f"must be 0 or more, got {warmup}")
@@ -51,8 +53,6 @@ def run(args: argparse.Namespace) -> int:
 def _links(health):
     if health is None:
         return None
-    from toolkit.cli.common import measured_links
-    from toolkit.spec.calibration import MeasuredLinks
 
     measured = measured_links(health, "--health")
     if not measured:
@@ -64,8 +64,6 @@ def _links(health):
 
 def _print(calibration, out) -> None:
     from rich.table import Table
-
-    from toolkit.cli.console import console as make_console
 
     console = make_console()
     table = Table(title=f"{calibration.hardware}: step time measured / predicted before -> after calibration",
@@ -90,8 +88,6 @@ def _print(calibration, out) -> None:
                           "the host does); the fit holds near these runs' model width, and no prediction exceeds the "
                           "peak")
     if calibration.host_peak_tflops:
-        from toolkit.cli.common import host_peak_text
-
         console.print(f"{host_peak_text(calibration.describe())} (kept in the file; every prediction with it uses this "
                       f"peak)")
     if calibration.links is not None:

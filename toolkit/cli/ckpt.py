@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from toolkit.checkpoint.verify import inspect, verify
 from toolkit.cli.paths import path_arg
 from toolkit.numeric import json_text
 
@@ -20,8 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.verify import inspect, verify
-
     if args.action == "inspect":
         info = inspect(args.path)
         if args.json:

@@ -7,10 +7,14 @@ import argparse
 from toolkit.cli.options import add_plan_flags
 from toolkit.cli.paths import path_arg, source_arg
 from toolkit.errors import UserInputError
+from toolkit.estimate.comm import Network
 from toolkit.numeric import bounded_int, is_finite_number, positive_float
-from toolkit.spec.cluster import DEFAULT_GPU
+from toolkit.readers import read_json
+from toolkit.spec.backends import backend_of
+from toolkit.spec.calibration import load_calibration
+from toolkit.spec.cluster import DEFAULT_GPU, get_gpu, with_host_memory
 from toolkit.spec.options import default
-
+from toolkit.spec.recipe import load_recipe, recipe_files
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser, *, required: tuple[str, ...] = ()) -> None:
@@ -28,8 +32,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, required: tuple[str, 
 
 def plan_gpu(args: argparse.Namespace):
     """The catalogue's GPU the flags name, with the node RAM --host-memory-gb states."""
-    from toolkit.spec.cluster import get_gpu, with_host_memory
-
     return with_host_memory(get_gpu(args.gpu), args.host_memory_gb)
 
 
@@ -58,8 +60,6 @@ def add_calibration_argument(parser: argparse.ArgumentParser, what: str = "predi
 def measured_links(path, flag: str) -> dict[str, float]:
     """The bus bandwidths a `dmt health --json` report measured: {"intra": GB/s, "inter": GB/s}, tiers it did not
     measure (one node: no inter-node link) left out."""
-    from toolkit.readers import read_json
-
     report = read_json(path, flag, what="a `dmt health --json` report")
     bandwidth = report.get("bandwidth")
     if not isinstance(bandwidth, dict):
@@ -79,8 +79,6 @@ def measured_links(path, flag: str) -> dict[str, float]:
 def build_network(args: argparse.Namespace, gpu):
     """The Network a plan's communication runs over: catalogue, overridden by flags or a health report (a calibration's
     measured links then fill only the tiers these left alone, in step_time)."""
-    from toolkit.estimate.comm import Network
-
     intra, inter, measured = gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, set()
     gpus_per_node = args.gpus_per_node or default("gpus_per_node")
     if args.measured_bw is not None:
@@ -99,7 +97,6 @@ def calibration_for(path, gpu_name: str, key: str = "--calibration"):
     """The calibration file at `path` (None: none), checked to be one of this hardware."""
     if path is None:
         return None
-    from toolkit.spec.calibration import load_calibration
 
     calibration = load_calibration(path, key)
     calibration.check_hardware(gpu_name, key)
@@ -147,15 +144,11 @@ def host_peak_text(calibration: dict) -> str:
 
 def sharding_text(plan) -> str:
     """How a plan (a Plan) shards model states: `zero=2`, or FSDP2's shard and replica groups."""
-    from toolkit.spec.backends import backend_of
-
     return backend_of(plan).search.sharding_text(plan)
 
 
 def rendered_from(args: argparse.Namespace) -> list:
     """What a rendered script or manifest is made from besides its flags: the recipe's files, and the generated
     directory of --plan (its deepspeed.json, accelerate.yaml, ...), none of which --out may replace."""
-    from toolkit.spec.recipe import load_recipe, recipe_files
-
     plan = [] if args.plan is None else [args.plan if args.plan.is_dir() else args.plan.parent]
     return [*recipe_files(load_recipe(args.recipe)), *plan]

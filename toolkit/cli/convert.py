@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from toolkit.backends.megatron.convert import hf_to_megatron
+from toolkit.backends.megatron.logit_check import run_check
+from toolkit.checkpoint.atomic import check_output_dir
+from toolkit.checkpoint.merge_lora import merge_lora
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.numeric import bounded_int, finite_float, json_text
+from toolkit.spec.backends import BACKENDS
 
 # the sizes huggingface_hub's shard splitter parses, as save_pretrained takes them (not KiB/MiB/GiB)
 SHARD_SIZE_HELP = "largest safetensors shard: KB, MB, GB or TB, or a number of bytes (default %(default)s)"
@@ -52,8 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _converting():
     """The backends whose checkpoints `dmt convert` turns into HF models (a backend whose checkpoints are HF's own has
     no conversion)."""
-    from toolkit.spec.backends import BACKENDS
-
     return [backend for backend in BACKENDS.values() if backend.checkpoint.to_hf is not None]
 
 
@@ -75,7 +78,6 @@ def _add_to_hf(sub, name: str, conversion) -> None:
 def run(args: argparse.Namespace) -> int:
     handlers = {"hf-to-megatron": _hf_to_megatron, "merge-lora": _merge_lora, "check": _check}
     if getattr(args, "out_dir", None) is not None:  # before any input is read: never one of them, never a full one
-        from toolkit.checkpoint.atomic import check_output_dir
 
         check_output_dir(args.out_dir)
     return _to_hf(args) if getattr(args, "to_hf", None) else handlers[args.direction](args)
@@ -83,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _to_hf(args: argparse.Namespace) -> int:
     """A backend's checkpoint -> HF safetensors + config, through its checkpoint part."""
-    from toolkit.spec.backends import BACKENDS
-
     part = next(b for b in BACKENDS.values() if b.conversion == args.to_hf).checkpoint
     summary = part.to_hf(args.ckpt_dir, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          config=args.config, progress=_interactive(), **{dest: getattr(args, dest) for dest in args.extra})
@@ -99,14 +99,11 @@ def _interactive() -> bool:
 
 
 def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
-    import json
 
     print(json_text(summary) if args.json else line)
 
 
 def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:
-    from toolkit.backends.megatron.logit_check import run_check
-
     result = run_check(hf_dir, ckpt, tp=tp, pp=pp, tolerance=tolerance)
     summary = {"max_abs_diff": result.max_abs_diff, "logit_scale": result.logit_scale, "tolerance": tolerance,
                "tp": tp, "pp": pp, "passed": result.passed}
@@ -117,8 +114,6 @@ def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, p
 
 
 def _hf_to_megatron(args: argparse.Namespace) -> int:
-    from toolkit.backends.megatron.convert import hf_to_megatron
-
     result = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                             progress=_interactive())
     summary = {"out_dir": str(result.out_dir), "tensors": result.tensors, "parameters": result.parameters,
@@ -133,8 +128,6 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
 
 
 def _merge_lora(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.merge_lora import merge_lora
-
     summary = merge_lora(args.base_dir, args.adapter_dir, args.out_dir, max_shard_size=args.max_shard_size)
     _print(args, summary, f"{args.adapter_dir} merged into {args.base_dir} -> {summary['out_dir']}: "
                           f"{summary['merged']} of {summary['tensors']} tensors adapted (scaling "

@@ -8,6 +8,8 @@ import os
 import sys
 
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.data.inspect import inspect
+from toolkit.data.prepare import prepare
 from toolkit.numeric import bounded_int, json_text
 
 
@@ -43,8 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "inspect":
-        from toolkit.data.inspect import inspect
-
         summary = inspect(args.prefix)
         print(json_text(summary, indent=2) if args.json else _inspect_text(summary))
         return 0
@@ -52,8 +52,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from toolkit.data.prepare import prepare
-
     workers = args.workers if args.workers is not None else len(os.sched_getaffinity(0))
     bar = _progress_bar(args.input) if sys.stderr.isatty() else None
     try:

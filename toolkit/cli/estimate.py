@@ -15,10 +15,19 @@ from toolkit.cli.common import (
     plan_gpu,
     sharding_text,
 )
+from toolkit.cli.console import console as make_console
 from toolkit.cli.estimate_explain import add_explain_arguments, add_extras, print_extras
 from toolkit.cli.options import plan_overrides
 from toolkit.cli.paths import path_arg
+from toolkit.errors import named_as
+from toolkit.estimate.efficiency import EXECUTION_PATHS
 from toolkit.numeric import GiB, json_text
+from toolkit.planner.max_seq_len import longest_sequence
+from toolkit.planner.predict import predicted_record, recompute_label
+from toolkit.planner.recipe import packed_attention
+from toolkit.spec.model import load_model_spec
+from toolkit.spec.plan import resolve_plan
+from toolkit.spec.recipe import load_recipe
 
 if TYPE_CHECKING:
     from toolkit.planner.max_seq_len import Longest
@@ -41,12 +50,8 @@ def result(args: argparse.Namespace) -> Prediction | Longest:
     """What `dmt estimate` says of the model and plan its arguments name (what `--json` prints, and what `dmt explore`
     answers): the prediction, with training_time and explain when asked for; with --max-seq-len, the longest
     sequence the plan fits."""
-    from toolkit.planner.predict import predicted_record
-
     if args.max_seq_len:
         return longest(args)
-    from toolkit.spec.model import load_model_spec
-    from toolkit.spec.plan import resolve_plan
 
     gpu = plan_gpu(args)
     network = build_network(args, gpu)
@@ -62,9 +67,6 @@ def packing(args: argparse.Namespace, plan):
     """What --data-recipe's packed documents cost in attention under `plan` (None: no recipe given)."""
     if args.data_recipe is None:
         return None
-    from toolkit.errors import named_as
-    from toolkit.planner.recipe import packed_attention
-    from toolkit.spec.recipe import load_recipe
 
     with named_as(lambda key: "--data-recipe" if key in ("--recipe", "recipe") else None):
         recipe = load_recipe(args.data_recipe)
@@ -73,9 +75,6 @@ def packing(args: argparse.Namespace, plan):
 
 def longest(args: argparse.Namespace) -> Longest:
     """`dmt estimate --max-seq-len`: the longest sequence the options given fit (planner/max_seq_len.py)."""
-    from toolkit.planner.max_seq_len import longest_sequence
-    from toolkit.spec.model import load_model_spec
-
     check_max_seq_len(args)
     gpu = plan_gpu(args)
     return longest_sequence(load_model_spec(args.model), args.gpus, gpu, **plan_overrides(args))
@@ -99,10 +98,6 @@ def run(args: argparse.Namespace) -> int:
 
 def print_report(report: Prediction) -> None:
     from rich.table import Table
-
-    from toolkit.cli.console import console as make_console
-    from toolkit.estimate.efficiency import EXECUTION_PATHS
-    from toolkit.planner.predict import recompute_label
 
     plan, mem, params = report.plan, report.memory_bytes, report.params
     console = make_console()

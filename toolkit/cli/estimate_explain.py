@@ -7,10 +7,11 @@ import textwrap
 from typing import TYPE_CHECKING
 
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, training_time_lines
+from toolkit.estimate.explain import explain_estimate
 
 if TYPE_CHECKING:
-    from toolkit.spec.prediction import Prediction
     from toolkit.spec.model import ModelSpec
+    from toolkit.spec.prediction import Prediction
 
 
 def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +25,6 @@ def add_extras(report: Prediction, model: ModelSpec, args: argparse.Namespace) -
     """training_time and explain, each only when its flag is given (the JSON is unchanged otherwise)."""
     add_training_time([report], args)
     if args.explain:
-        from toolkit.estimate.explain import explain_estimate
-
         report.explain = explain_estimate(model, report)
 
 

@@ -7,6 +7,8 @@ import sys
 
 from toolkit.errors import UserInputError, interrupted
 from toolkit.numeric import bounded_int
+from toolkit.readers import read_json
+from toolkit.spec.model import load_model_spec, preset_names
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -23,9 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def initial_model(source: str | None):
     """A preset name, or the contents of an HF config.json (the page sends it back as a pasted config)."""
     from pathlib import Path
-
-    from toolkit.readers import read_json
-    from toolkit.spec.model import load_model_spec, preset_names
 
     if source is None or source in preset_names():
         return source
@@ -70,7 +69,7 @@ def _listen(host: str, port: int):
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from toolkit.explore.server import create_app
+    from toolkit.explore.server import create_app  # lazy: starlette
 
     app = create_app(initial_model(args.model))
     sock = _listen(args.host, args.port)

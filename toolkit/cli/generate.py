@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from toolkit.cli.common import add_calibration_argument
+from toolkit.cli.common import add_calibration_argument, calibration_line, sharding_text
 from toolkit.cli.options import add_plan_flags, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.generate.files import generate
 from toolkit.numeric import json_text
+from toolkit.readers import read_json
+from toolkit.spec.prediction import PlanFile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,12 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.cli.common import calibration_line, sharding_text
-    from toolkit.generate.files import generate
-
     written = generate(args.recipe, args.out, args.force, args.calibration, **plan_overrides(args))
-    from toolkit.spec.prediction import PlanFile
-    from toolkit.readers import read_json
 
     record = PlanFile.model_validate(read_json(args.out / "plan.json", "--out", what="the plan.json just written"))
     if args.json:

@@ -6,9 +6,14 @@ import argparse
 import re
 from pathlib import Path
 
+from toolkit.cli.console import console as make_console
 from toolkit.cli.paths import output_arg
 from toolkit.errors import UserInputError
+from toolkit.health.options import HealthOptions, rank_env, validate
+from toolkit.health.runner import run_rank, spawn_local
 from toolkit.numeric import DEADLINE, bounded_int, finite_float, json_text
+from toolkit.outputs import output_file, write_file
+from toolkit.spec.cluster import get_gpu
 
 SIZE_MAX = 2**40
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*$", re.IGNORECASE)
@@ -74,11 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.health.options import HealthOptions, rank_env, validate
-
     if args.gpu:
-        from toolkit.spec.cluster import get_gpu
-
         get_gpu(args.gpu)
     options = HealthOptions(sizes=parse_sizes(args.sizes) if args.sizes else None, iters=args.iters,
                             deadline_s=args.deadline_s, straggler_factor=args.straggler_factor,
@@ -90,13 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.pid_dir and not Path(args.pid_dir).is_dir():
         raise UserInputError("--pid-dir", f"{args.pid_dir} is not a directory")
     if args.output:  # checked before any rank starts; written whole at the end
-        from toolkit.outputs import output_file
 
         args.output = output_file(args.output, "--output")
     if args.nproc is not None:
         if args.nproc < 1:
             raise UserInputError("--nproc", f"must be at least 1, got {args.nproc}")
-        from toolkit.health.runner import spawn_local
 
         report, code = spawn_local(args.nproc, options)
         _emit(report, args)
@@ -107,16 +106,12 @@ def run(args: argparse.Namespace) -> int:
                                         "run under torchrun/srun/deepspeed/accelerate, or pass --nproc N")
     import warnings
 
-    from toolkit.health.runner import run_rank
-
     warnings.filterwarnings("ignore", category=FutureWarning)
     return run_rank(options, env, lambda report, _store: _emit(report, args))
 
 
 def _emit(report: dict, args: argparse.Namespace) -> None:
     if args.output:
-        from toolkit.outputs import write_file
-
         write_file(args.output, json_text(report, indent=2) + "\n", "--output")
     if args.json:
         print(json_text(report, indent=2), flush=True)
@@ -126,8 +121,6 @@ def _emit(report: dict, args: argparse.Namespace) -> None:
 
 def _print_table(report: dict) -> None:
     from rich.table import Table
-
-    from toolkit.cli.console import console as make_console
 
     console = make_console()
     verdict = "[green]healthy[/]" if report.get("ok") else f"[red]NOT healthy[/] ({report.get('phase')})"

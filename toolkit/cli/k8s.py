@@ -7,12 +7,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from toolkit.cli.common import rendered_from
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.generate.k8s.render import CHECKPOINT_MOUNT, KINDS, WORKDIR, make_job, manifest_text
+from toolkit.outputs import output_file, write_file
+from toolkit.planner.recipe import recipe_plan
+from toolkit.readers import parse_yaml_documents
+from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
+from toolkit.validate.generated import read_generated
+from toolkit.validate.k8s.manifests import validate_manifest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from toolkit.k8s.render import CHECKPOINT_MOUNT, KINDS, WORKDIR
-
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=type(parser))
     p = sub.add_parser("render", help="print or write the manifest (a TrainJob, a JobSet or a PyTorchJob)")
     p.add_argument("recipe", type=path_arg, metavar="RECIPE")
@@ -35,18 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def render_from_args(args: argparse.Namespace) -> str:
     from pathlib import Path
 
-    from toolkit.k8s.render import make_job, manifest_text
-
     if args.plan is not None:
-        from toolkit.validate.generated import read_generated
-
         run = read_generated(args.plan, args.recipe)
         recipe, plan = run.recipe, run.plan
         plan_path = run.directory / "plan.json"
     else:
-        from toolkit.planner.recipe import recipe_plan
-        from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
-
         recipe = load_recipe(args.recipe)
         with recipe_names():
             plan, plan_path = recipe_plan(recipe, recipe_model(recipe)), None
@@ -59,17 +58,12 @@ def render_from_args(args: argparse.Namespace) -> str:
 
 def _check(text: str) -> None:
     """What is written must pass `dmt validate` (a bug here, not the user's input, if it does not)."""
-    from toolkit.k8s.validate import validate_manifest
-    from toolkit.readers import parse_yaml_documents
-
     problems = validate_manifest(parse_yaml_documents(text, "the rendered manifest"))
     if problems:
         raise AssertionError(f"the rendered manifest fails its own check: {problems[0]}")
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.outputs import output_file, write_file
-
     out = args.out
     if out is not None:  # checked before anything is resolved: never over the recipe or any file the flags name
         out = output_file(out, "--out")
@@ -79,8 +73,6 @@ def run(args: argparse.Namespace) -> int:
         print("# no API server here: to submit, `kubectl apply -f` this manifest saved to a file", file=sys.stderr)
         return 0
     import shlex
-
-    from toolkit.cli.common import rendered_from
 
     out = output_file(out, "--out", inputs=rendered_from(args))  # again, with the files rendering read
     write_file(out, text, "--out")

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from toolkit import __version__
 from toolkit.errors import UsageError, UserInputError, error_line
 from toolkit.outputs import command_inputs
 
@@ -61,8 +62,6 @@ def parse_arguments(parser: OneLineParser, argv: list[str]) -> argparse.Namespac
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     import importlib
 
-    from toolkit import __version__
-
     parser = OneLineParser(prog="dmt", description="dm-toolkit: plan, configure, launch and verify distributed training.")
     parser.add_argument("--version", action="version", version=f"dmt {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND", parser_class=OneLineParser)
@@ -96,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], verb: str | None) -> int:
-    import importlib
 
     quiet_library_warnings()
     parser = build_parser(verb)

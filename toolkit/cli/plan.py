@@ -6,12 +6,33 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolkit.spec.backends import NAMES
-from toolkit.cli.common import add_network_arguments, add_plan_arguments
+from toolkit.cli.common import (
+    add_network_arguments,
+    add_plan_arguments,
+    build_network,
+    calibration_for,
+    calibration_line,
+    check_max_seq_len,
+    plan_gpu,
+)
+from toolkit.cli.console import console as make_console
+from toolkit.cli.options import FINETUNE, plan_overrides
 from toolkit.cli.paths import output_arg
 from toolkit.cli.train_tokens import add_train_tokens_argument, add_training_time, failure_inputs
 from toolkit.errors import UserInputError
+from toolkit.estimate.memory import estimate_memory
 from toolkit.numeric import GiB, bounded_int, json_text
+from toolkit.outputs import output_file
+from toolkit.planner.max_seq_len import longest_plans
+from toolkit.planner.plot import write_memory_plot
+from toolkit.planner.predict import MFU_NOTE, plan_label, plan_record
+from toolkit.planner.search import rank_by_training_days, search, why_first_beats_second
+from toolkit.spec.backends import NAMES
+from toolkit.spec.cluster import get_gpu
+from toolkit.spec.model import load_model_spec
+from toolkit.spec.options import PlanOptions
+from toolkit.spec.plan import finetune_options, resolve_plan, validated
+from toolkit.spec.prediction import RankedPlans
 
 if TYPE_CHECKING:
     from toolkit.planner.search import Candidate
@@ -46,16 +67,6 @@ class PlanOutcome:
 
 def plan_results(args: argparse.Namespace) -> PlanOutcome:
     """The search `dmt plan`'s arguments ask for, its --top plans and why the other layouts were left out."""
-    from toolkit.cli.common import build_network, calibration_for
-    from toolkit.cli.options import FINETUNE, plan_overrides
-    from toolkit.planner.predict import plan_record
-    from toolkit.planner.search import search
-    from toolkit.spec.cluster import get_gpu
-    from toolkit.spec.model import load_model_spec
-    from toolkit.spec.options import PlanOptions
-    from toolkit.spec.plan import finetune_options, validated
-    from toolkit.spec.prediction import RankedPlans
-
     if args.top < 1:
         raise UserInputError("--top", f"must be at least 1, got {args.top}")
     pinned = plan_overrides(args)
@@ -74,7 +85,6 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
         raise refusal
     ranked = result.ranked
     if args.train_tokens is not None:  # the wall-clock days with checkpoints and failures rank the plans
-        from toolkit.planner.search import rank_by_training_days
 
         ranked = rank_by_training_days(model, ranked, gpu, args.train_tokens, failure_inputs(args))
     top = ranked[: args.top]
@@ -106,14 +116,6 @@ def result(args: argparse.Namespace) -> RankedPlans | LongestPlans:
 
 def longest_results(args: argparse.Namespace) -> LongestPlans:
     """`dmt plan --max-seq-len`: the plans at their longest sequence, longest first, then fastest there."""
-    from toolkit.cli.common import build_network, calibration_for, check_max_seq_len, plan_gpu
-    from toolkit.cli.options import FINETUNE, plan_overrides
-    from toolkit.planner.max_seq_len import longest_plans
-    from toolkit.planner.predict import plan_label
-    from toolkit.spec.model import load_model_spec
-    from toolkit.spec.options import PlanOptions
-    from toolkit.spec.plan import validated
-
     check_max_seq_len(args)
     if args.top < 1:
         raise UserInputError("--top", f"must be at least 1, got {args.top}")
@@ -133,8 +135,6 @@ def longest_results(args: argparse.Namespace) -> LongestPlans:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.planner.search import why_first_beats_second
-
     if args.max_seq_len:
         record = longest_results(args)
         if args.json:
@@ -150,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError("--seq-len", "is required (or --max-seq-len, to search for the longest)")
 
     if args.plot is not None:  # before the search: a plot that cannot be written is refused at once
-        from toolkit.outputs import output_file
 
         args.plot = output_file(args.plot, "--plot", suffix=".png")
     outcome = plan_results(args)
@@ -183,11 +182,6 @@ def _fewer_days(first, second) -> str:
 
 def _plot(args: argparse.Namespace, outcome: PlanOutcome) -> None:
     """The memory of the top plans beside ZeRO 0-3 of the same model (--plot)."""
-    from toolkit.cli.options import FINETUNE, plan_overrides
-    from toolkit.estimate.memory import estimate_memory
-    from toolkit.planner.plot import write_memory_plot
-    from toolkit.spec.plan import resolve_plan
-
     model = outcome.model
     zero_plans = []
     for stage in range(4):
@@ -204,8 +198,6 @@ def _plot(args: argparse.Namespace, outcome: PlanOutcome) -> None:
 def _pinned_refusal(model, gpus: int, backends: tuple[str, ...], pinned: dict, found: UserInputError):
     """Why no layout was left: resolving the pinned options alone, backend by backend, names the flag (the search
     skips layouts the GPU count cannot hold without asking); else the search's own most frequent reason."""
-    from toolkit.spec.plan import resolve_plan
-
     for backend in backends:
         try:
             resolve_plan(model, gpus, **{**pinned, "backend": backend})
@@ -229,10 +221,6 @@ def _backends(listed: str | None, pinned: str | None) -> tuple[str, ...]:
 
 def _print_table(model, args, gpu, record: RankedPlans) -> None:
     from rich.table import Table
-
-    from toolkit.cli.common import calibration_line
-    from toolkit.cli.console import console as make_console
-    from toolkit.planner.predict import MFU_NOTE, plan_label
 
     console = make_console()
     console.print(f"[bold]{model.name}[/] on {args.gpus} x {gpu.name}, seq {args.seq_len}, global batch {args.global_batch}: "

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from toolkit.cli.common import add_calibration_argument
+from toolkit.cli.common import add_calibration_argument, calibration_line
+from toolkit.cli.console import console as make_console
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
 from toolkit.numeric import GiB, bounded_int, json_text
+from toolkit.outputs import output_file
+from toolkit.planner.predict import plan_label
+from toolkit.report.plot import write_report_plot
+from toolkit.report.records import read_metrics_records
+from toolkit.report.runs import DEFAULT_WARMUP, read_run, repredict
+from toolkit.spec.calibration import load_calibration
+from toolkit.spec.plan import Plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,28 +30,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.report.records import read_metrics_records
-    from toolkit.report.runs import DEFAULT_WARMUP, read_run, repredict
-
     warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
     if warmup < 0:
         raise UserInputError("--warmup", f"must be 0 or more, got {warmup}")
     if args.plot is not None:
-        from toolkit.outputs import output_file
-
         args.plot = output_file(args.plot, "--plot", suffix=".png")  # not over a run's file, nor --calibration
     calibration = None
     if args.calibration is not None:
-        from toolkit.spec.calibration import load_calibration
-
         calibration = load_calibration(args.calibration)
     reports = [read_run(path, warmup) for path in args.run_dirs]
     for report in reports:
         if calibration is not None:
             repredict(report, calibration)
     if args.plot is not None:
-        from toolkit.report.plot import write_report_plot
-
         write_report_plot(args.plot, [(report, read_metrics_records(report.run_dir)[0]) for report in reports])
     if args.json:
         print(json_text({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
@@ -76,11 +75,6 @@ def _checkpoints(summary: dict) -> str:
 
 def _print_table(reports, warmup: int) -> None:
     from rich.table import Table
-
-    from toolkit.cli.common import calibration_line
-    from toolkit.cli.console import console as make_console
-    from toolkit.planner.predict import plan_label
-    from toolkit.spec.plan import Plan
 
     console = make_console()
     table = Table(title=f"measured / predicted (medians after {warmup} warm-up records; error = predicted / "

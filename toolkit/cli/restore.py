@@ -8,11 +8,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from toolkit.spec.backends import backend_of
-from toolkit.checkpoint.restore import LAUNCHERS
+from toolkit.checkpoint.restore import LAUNCHERS, WORKDIR_ENTRIES, restore_test
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.data.blend import check_blend
+from toolkit.errors import UserInputError
 from toolkit.numeric import bounded_int, finite_float, json_text
+from toolkit.outputs import output_directory, removed_if_interrupted
+from toolkit.planner.recipe import recipe_plan
+from toolkit.spec.backends import backend_of
+from toolkit.spec.recipe import load_recipe, recipe_files, recipe_model, recipe_names, recipe_vocab_size
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
@@ -38,12 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.checkpoint.restore import WORKDIR_ENTRIES, restore_test
-    from toolkit.errors import UserInputError
-    from toolkit.outputs import removed_if_interrupted
-    from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_files, recipe_model, recipe_names
-
     for flag, value in (("--resume-world-size", args.resume_world_size), ("--timeout", args.timeout)):
         if value is not None and value <= 0:
             raise UserInputError(flag, f"must be positive, got {value}")
@@ -52,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     workdir = None
     if args.workdir is not None:  # checked before anything runs; an existing directory must hold no earlier runs
-        from toolkit.outputs import output_directory
 
         workdir = output_directory(args.workdir, "--workdir", inputs=recipe_files(recipe), names=WORKDIR_ENTRIES)
     steps = recipe.training.max_steps if args.steps is None else args.steps
@@ -66,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
     with recipe_names(overrides):
         plan = recipe_plan(recipe, recipe_model(recipe), **overrides)
     if recipe.data.blend:  # the blend's files, tokenizer and token ids: one line now, not a rank's log later
-        from toolkit.data.blend import check_blend
-        from toolkit.spec.recipe import recipe_vocab_size
 
         check_blend(recipe, recipe_vocab_size(recipe))
     warmup = recipe.training.warmup_steps
@@ -92,8 +88,6 @@ def run(args: argparse.Namespace) -> int:
 def _launcher(given: str | None, backend: str) -> str:
     """The launcher of every run: the one given, if the backend runs under it (generate's one list of launchers per
     backend), else the backend's own (torchrun for Megatron-Core and FSDP2, deepspeed for DeepSpeed)."""
-    from toolkit.errors import UserInputError
-
     valid = [name for name in backend_of(backend).launchers if name in LAUNCHERS]
     if given is not None and given not in valid:
         raise UserInputError("--launcher", f"the {backend} backend runs under {' or '.join(valid)}, not {given}")

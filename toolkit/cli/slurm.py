@@ -8,9 +8,18 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from toolkit.cli.common import rendered_from
 from toolkit.cli.paths import output_arg, path_arg, source_arg
 from toolkit.errors import UserInputError
+from toolkit.generate.slurm import render_sbatch, slurm_log_dir
 from toolkit.numeric import bounded_int
+from toolkit.outputs import output_file, write_file
+from toolkit.planner.recipe import recipe_plan
+from toolkit.readers import read_json, read_yaml
+from toolkit.spec.backends import backend_of
+from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
+from toolkit.validate.deepspeed import validate_deepspeed_config
+from toolkit.validate.generated import read_generated
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,19 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def render_from_args(args: argparse.Namespace) -> str:
-    from toolkit.generate.slurm import render_sbatch
-
     if args.plan is not None:
-        from toolkit.validate.generated import read_generated
-
         if args.deepspeed:
             raise UserInputError("--deepspeed", "the plan's directory holds its DeepSpeed config; drop --deepspeed")
         run = read_generated(args.plan, args.recipe)
         recipe, plan, flags = run.recipe, run.plan, ["--plan", str(run.directory / "plan.json")]
     else:
-        from toolkit.planner.recipe import recipe_plan
-        from toolkit.spec.recipe import load_recipe, recipe_model, recipe_names
-
         recipe = load_recipe(args.recipe)
         with recipe_names():
             plan, flags = recipe_plan(recipe, recipe_model(recipe)), []
@@ -71,18 +73,12 @@ def _str(path: Path | None) -> str | None:
 def _check_launch_files(args: argparse.Namespace, plan) -> None:
     """The DeepSpeed JSON and the accelerate.yaml the job will train with, read and checked for the job's world size
     now: a missing, truncated or wrong one is one line here, not a failed job after its wait in the queue."""
-    from toolkit.readers import read_json, read_yaml
-
     if args.deepspeed is not None:
-        from toolkit.validate.deepspeed import validate_deepspeed_config
-
         config = read_json(args.deepspeed, "--deepspeed", what="a DeepSpeed config (a JSON object)")
         problems = validate_deepspeed_config(config, plan.gpus, config_path=args.deepspeed)
         if problems:
             raise UserInputError("--deepspeed", f"{args.deepspeed}: {problems[0]}")
     if args.accelerate_config is not None:
-        from toolkit.spec.backends import backend_of
-
         if args.launcher != "accelerate":
             raise UserInputError("--accelerate-config", f"only --launcher accelerate reads it, not {args.launcher}")
         check = backend_of(plan).validate.accelerate_launch
@@ -95,8 +91,6 @@ def _check_launch_files(args: argparse.Namespace, plan) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.outputs import output_file, write_file
-
     out = getattr(args, "out", None)
     if out is not None:  # checked before anything is resolved: never over the recipe or any file the flags name
         out = output_file(out, "--out")
@@ -105,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
         if out is None:
             print(script, end="")
             return 0
-        from toolkit.cli.common import rendered_from
 
         out = output_file(out, "--out", inputs=rendered_from(args))  # again, with the files rendering read
         write_file(out, script, "--out", mode=0o755)
@@ -114,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
-    from toolkit.generate.slurm import slurm_log_dir
-    from toolkit.spec.recipe import load_recipe
 
     slurm_log_dir(load_recipe(args.recipe), args.output_dir).mkdir(parents=True, exist_ok=True)
     # sbatch copies the script when it submits it: the temporary file goes however this ends (Ctrl-C included)

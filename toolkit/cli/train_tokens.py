@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.estimate.checkpoint_cost import WRITE_BW_GBPS_PER_NODE
 from toolkit.estimate.goodput import FAILURE_RATE_PER_GPU_HOUR, RESTART_S
+from toolkit.estimate.training_time import FailureInputs, record_training_time
 from toolkit.numeric import (
     FAILURE_RATE,
     PRICE,
@@ -61,8 +62,6 @@ def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
 
 def failure_inputs(args: argparse.Namespace) -> FailureInputs:
     """The failure and checkpoint assumptions the flags give (their ranges checked as argparse parses them)."""
-    from toolkit.estimate.training_time import FailureInputs
-
     return FailureInputs(failure_rate_per_gpu_hour=args.failure_rate, restart_s=args.restart_s,
                          write_bw_gbps_per_node=args.checkpoint_write_bw, write_s=args.checkpoint_write_s,
                          async_save=args.async_checkpoint, gpu_hour_price=args.gpu_hour_price)
@@ -70,8 +69,6 @@ def failure_inputs(args: argparse.Namespace) -> FailureInputs:
 
 def add_training_time(records: list[Prediction], args: argparse.Namespace) -> None:
     """Attach `training_time` to every record when a budget was given (--train-tokens)."""
-    from toolkit.estimate.training_time import record_training_time
-
     if args.train_tokens is None:
         return
     inputs = failure_inputs(args)

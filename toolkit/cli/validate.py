@@ -8,11 +8,20 @@ import argparse
 import sys
 from pathlib import Path
 
+from toolkit.backends.deepspeed.rules import check_pipeline as check_deepspeed_pipeline
+from toolkit.cli import validate_megatron
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
+from toolkit.generate.k8s.vendored import SCHEMAS, release
 from toolkit.numeric import bounded_int, json_text
-from toolkit.spec.cluster import DEFAULT_GPU
+from toolkit.readers import parse_yaml_documents, read_json, read_text
+from toolkit.spec.cluster import DEFAULT_GPU, get_gpu
+from toolkit.spec.finetune import FinetuneOptions, finetune_flag
+from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import choices, default
+from toolkit.validate.accelerate_fsdp import validate_accelerate_deepspeed, validate_accelerate_fsdp
+from toolkit.validate.deepspeed import finetune_problems, memory_problem, validate_deepspeed_config
+from toolkit.validate.k8s.manifests import is_manifest, validate_manifest
 
 
 def choices_of(annotation) -> list:
@@ -36,7 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                                "estimate (default %(default)s)")
     parser.add_argument("--recompute", choices=choices("recompute"), default=None,
                         help="activation checkpointing for the estimate (default: the trainer arguments', else none)")
-    from toolkit.spec.finetune import FinetuneOptions, finetune_flag
 
     method = FinetuneOptions.model_fields["method"]
     parser.add_argument(finetune_flag("method"), dest="finetune", choices=choices_of(method.annotation),
@@ -46,8 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_json(path: Path, flag: str, what: str):
-    from toolkit.readers import read_json
-
     return read_json(path, flag, what=what)
 
 
@@ -57,8 +63,6 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
     if args.file.suffix in (".yaml", ".yml"):  # accelerate.yaml (FSDP), megatron.yaml, or a Kubernetes manifest
-        from toolkit.k8s.validate import is_manifest
-        from toolkit.readers import parse_yaml_documents, read_text
 
         what = "an accelerate.yaml, a megatron.yaml or a Kubernetes manifest"
         documents = parse_yaml_documents(read_text(args.file, "FILE", what, "yaml"), args.file, "FILE", what)
@@ -73,12 +77,8 @@ def run(args: argparse.Namespace) -> int:
             if args.world_size < 1:
                 raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
             return _accelerate(args, config)
-        from toolkit.cli import validate_megatron
 
         return validate_megatron.run(args)
-
-    from toolkit.backends.deepspeed.rules import check_pipeline as check_deepspeed_pipeline
-    from toolkit.validate.deepspeed import memory_problem, validate_deepspeed_config
 
     # DeepSpeed's own import-time warnings (which accelerator it picked) are noise here: the problems are the output
     logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
@@ -93,9 +93,6 @@ def run(args: argparse.Namespace) -> int:
         if args.trainer_args else None
     check = None
     if args.model:
-        from toolkit.spec.cluster import get_gpu
-        from toolkit.spec.model import load_model_spec
-
         model, gpu = load_model_spec(args.model), get_gpu(args.gpu)
         checkpointing = isinstance(trainer, dict) and (trainer.get("activation_checkpointing")
                                                        or trainer.get("gradient_checkpointing"))
@@ -103,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
 
         def check(filled: dict):
             return memory_problem(filled, model, gpu, args.world_size, args.seq_len, recompute)
-
-    from toolkit.validate.deepspeed import finetune_problems
 
     return report(args, validate_deepspeed_config(config, args.world_size, trainer_args=trainer, memory_check=check,
                                                   config_path=args.file) + finetune_problems(config, args.finetune))
@@ -132,9 +127,6 @@ def report(args: argparse.Namespace, problems: list) -> int:
 def _accelerate(args: argparse.Namespace, config: dict) -> int:
     """An Accelerate config (accelerate.yaml: FSDP2's, or DeepSpeed's with its ParallelismConfig): `FILE: key:
     message` per problem, exit 2 when any."""
-    from toolkit.readers import read_json
-    from toolkit.validate.accelerate_fsdp import validate_accelerate_deepspeed, validate_accelerate_fsdp
-
     trainer = read_json(args.trainer_args, "--trainer-args", what="HF TrainingArguments as JSON") \
         if args.trainer_args else None
     # DeepSpeed's accelerate.yaml says nothing to check but its ParallelismConfig (Ulysses); without one it is the
@@ -147,9 +139,6 @@ def _accelerate(args: argparse.Namespace, config: dict) -> int:
 def _manifest(args: argparse.Namespace, documents: list[dict]) -> int:
     """A Kubernetes manifest (a TrainJob, a JobSet or a PyTorchJob, as `dmt k8s render` writes them or by hand),
     offline: `FILE: kind name: key: message` per problem, exit 2 when any."""
-    from toolkit.k8s.validate import validate_manifest
-    from toolkit.k8s.vendored import SCHEMAS, release
-
     problems = validate_manifest(documents, args.world_size)
     if problems or args.json:
         return report(args, problems)

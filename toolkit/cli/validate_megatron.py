@@ -9,7 +9,9 @@ import argparse
 import sys
 
 from toolkit.cli.paths import path_arg
+from toolkit.errors import UserInputError
 from toolkit.numeric import bounded_int, json_text
+from toolkit.validate.megatron import padding_note, read_megatron_yaml, validate_megatron_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,9 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from toolkit.errors import UserInputError
-    from toolkit.validate.megatron import padding_note, read_megatron_yaml, validate_megatron_config
-
     if args.world_size is not None and args.world_size < 1:
         raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
     config = read_megatron_yaml(args.file)
@@ -41,8 +40,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toolkit.errors import UserInputError
-
     parser = argparse.ArgumentParser(prog="python -m toolkit.cli.validate_megatron", description=__doc__)
     add_arguments(parser)
     try:

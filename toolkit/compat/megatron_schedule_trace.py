@@ -165,7 +165,7 @@ def trace_schedule(pp: int, vpp: int, micro_batches: int, overlap_p2p_comm: bool
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
-    from toolkit.compat.megatron_cpu import cuda_on_cpu
+    from toolkit.compat.megatron_cpu import cuda_on_cpu  # lazy: megatron, as this function's own imports
 
     virtual = vpp if vpp > 1 else None
     config = TransformerConfig(num_layers=pp * vpp, hidden_size=4, num_attention_heads=1,

@@ -25,8 +25,9 @@ from toolkit.data.indexed import (
     check_plain_arrays,
     prefix_document_lengths,
 )
-from toolkit.errors import UserInputError
 from toolkit.data.split import megatron_split, split_shares
+from toolkit.data.tokenizer import files_digest, megatron_tokenizer
+from toolkit.errors import UserInputError
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "data_cache"  # under the run's output directory, unless data.cache_dir names one
@@ -74,8 +75,6 @@ def blend_sources(recipe) -> list[BlendSource]:
 def check_blend(recipe, vocab_size: int) -> list[BlendSource]:
     """blend_sources, each also prepared with the recipe's tokenizer (the sidecar's hash of its files) and holding no
     token id the model's vocabulary (`vocab_size`) lacks. Problems name the prefix's recipe key."""
-    from toolkit.data.tokenizer import files_digest
-
     tokenizer = recipe.path(recipe.data.tokenizer.path)
     if not tokenizer.is_dir():
         raise UserInputError("data.tokenizer.path", f"{tokenizer} is not a directory; a blend needs the local "
@@ -138,8 +137,6 @@ def cache_dir(recipe, output_dir: Path) -> Path:
 def dataset_config(recipe, sources: list[BlendSource], seq_len: int, cache: Path):
     """Megatron-Core's GPTDatasetConfig of the recipe's blend (the split, the packing flags, the seed)."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-
-    from toolkit.data.tokenizer import megatron_tokenizer
 
     data = recipe.data
     return GPTDatasetConfig(

@@ -8,6 +8,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.compat.megatron_datasets_seams import index_header
 from toolkit.errors import UserInputError
 from toolkit.readers import not_a_file, one_line
 
@@ -31,8 +32,6 @@ def check_pair(prefix: str, flag: str) -> IndexedFiles:
     """The counts of the dataset at `prefix`, once its .idx and .bin agree with each other."""
     import numpy
     from megatron.core.datasets.indexed_dataset import DType
-
-    from toolkit.compat.megatron_datasets_seams import index_header
 
     idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     for path in (idx, bin_):
@@ -148,8 +147,6 @@ def check_plain_arrays(directory: Path, key: str) -> None:
     import os
 
     from numpy.lib import format as npy
-
-    from toolkit.readers import not_a_file
 
     for root, directories, files in os.walk(directory):
         for name in sorted(directories + files):

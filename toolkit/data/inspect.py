@@ -7,6 +7,7 @@ from pathlib import Path
 
 from toolkit.data import sidecar
 from toolkit.data.indexed import check_pair, document_lengths, document_tokens, open_indexed
+from toolkit.data.tokenizer import identity, load_tokenizer
 from toolkit.errors import UserInputError
 
 PERCENTILES = (50, 90, 99)
@@ -41,7 +42,6 @@ def _decoder(tokenizer: dict | None):
     string saying why nothing is decoded."""
     if tokenizer is None:
         return "no sidecar names a tokenizer"
-    from toolkit.data.tokenizer import identity, load_tokenizer
 
     directory = Path(tokenizer["path"])
     if not directory.is_dir():

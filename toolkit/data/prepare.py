@@ -20,8 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit import __version__
+from toolkit.compat.megatron_datasets_seams import append_documents, indexed_dataset_builder
 from toolkit.data import sidecar, sources
+from toolkit.data import tokenizer as tokenizers
+from toolkit.data.tokenizer import BatchEncoder, identity
 from toolkit.errors import UserInputError, interrupted
+from toolkit.numeric import json_text
+from toolkit.outputs import output_file, write_file
 
 TASKS_PER_WORKER = 2  # blocks in flight per worker: one being encoded, one waiting
 END_WAIT_S = 60.0  # how long a run stopped early waits for the blocks its workers hold (each takes well under 1 s)
@@ -71,8 +77,6 @@ def prepare(inputs: list[Path], tokenizer_dir: Path, prefix: Path, keys: list[st
             progress: Callable[[int, int, int], None] | None = None, block_bytes: int = sources.BLOCK_BYTES) -> Prepared:
     """Prepare the datasets (see the module). `progress(documents, disk_bytes, text_bytes)` is called as blocks are
     written, with the increments."""
-    from toolkit.outputs import output_file, write_file
-
     check_keys(keys)
     if workers < 1:
         raise UserInputError("--workers", f"must be at least 1, got {workers}")
@@ -86,7 +90,6 @@ def prepare(inputs: list[Path], tokenizer_dir: Path, prefix: Path, keys: list[st
     record_path = output_file(sidecar.sidecar_path(prefix), "--output-prefix", inputs=[*inputs, tokenizer_dir])
     found = [sources.source_of(path, keys) for path in inputs]
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a worker: --workers is the cores it uses
-    from toolkit.data import tokenizer as tokenizers
 
     loaded = tokenizers.load_tokenizer(tokenizer_dir)
     if append_eod and loaded.eod is None:
@@ -115,8 +118,6 @@ def prepare(inputs: list[Path], tokenizer_dir: Path, prefix: Path, keys: list[st
 
 
 def _json(record: dict) -> str:
-    from toolkit.numeric import json_text
-
     return json_text(record, indent=1) + "\n"
 
 
@@ -129,8 +130,6 @@ def _remove(temporary: dict) -> None:
 def _write(found, keys, loaded, append_eod, workers, temporary, progress, block_bytes):
     import numpy
     from megatron.core.datasets.indexed_dataset import DType
-
-    from toolkit.compat.megatron_datasets_seams import indexed_dataset_builder
 
     dtype = DType.optimal_dtype(loaded.vocab_size)
     counts = {key: KeyCounts() for key in keys}
@@ -301,7 +300,6 @@ def _take(entry, pool: _Workers, lines_before, builders, counts, read, progress)
     if isinstance(encoded, sources.BadDocument):
         unit = "row" if chunk.kind == "parquet" else "line"
         raise UserInputError("--input", f"{chunk.source} {unit} {lines_before + encoded.where} {encoded.message}")
-    from toolkit.compat.megatron_datasets_seams import append_documents
 
     per_key, lines = encoded
     read.lines += lines
@@ -326,8 +324,6 @@ class _Worker:
     """What each worker encodes with: the tokenizer, keys and flags of the run (set before the pool forks)."""
 
     def __init__(self, tokenizer, keys, append_eod, dtype):
-        from toolkit.data.tokenizer import BatchEncoder
-
         self.encoder, self.keys, self.append_eod, self.dtype = BatchEncoder(tokenizer), keys, append_eod, dtype
         self.eod = tokenizer.eod
 
@@ -384,9 +380,6 @@ def _find_unencodable(documents: list[list[str]]) -> None:
 
 def _record(found, tokenizer_dir, loaded, prefix, keys, append_eod, counts, encoder: str) -> dict:
     from megatron.core.datasets.indexed_dataset import DType
-
-    from toolkit import __version__
-    from toolkit.data.tokenizer import identity
 
     return {
         "format": sidecar.FORMAT, "version": sidecar.VERSION,

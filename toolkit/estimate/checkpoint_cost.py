@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from toolkit.spec.backends import backend_of
 from toolkit.estimate.goodput import LLAMA3_GPUS
+from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
 
 GB = 1e9

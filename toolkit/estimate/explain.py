@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from toolkit.spec.backend import ExplainPart
-from toolkit.spec.backends import backend_of
 from toolkit.estimate.activations import head_bytes_per_token
 from toolkit.estimate.flops import layer_forward_flops, model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
 from toolkit.estimate.packed_attention import attended_tokens
 from toolkit.estimate.training_time import SECONDS_PER_DAY
 from toolkit.numeric import GiB
+from toolkit.spec.backend import ExplainPart
+from toolkit.spec.backends import backend_of
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from toolkit.compat.torch_seams import live_storage_mode
+
 
 def saved_activation_bytes(model, **forward_kwargs) -> int:
     """Sum of distinct storages saved for backward by `model(**forward_kwargs)`, parameters excluded.
@@ -32,8 +34,6 @@ def peak_live_bytes(run) -> tuple[int, str]:
     """The largest sum of storages alive at once that the ops of `run()` returned (tensors made before it, such as
     parameters, left out), and the op that reached it: the allocator's peak where no allocator runs (CPU), as
     torch.cuda.max_memory_allocated() measures it on a GPU, less caching."""
-    from toolkit.compat.torch_seams import live_storage_mode
-
     with live_storage_mode() as live:
         run()
     return live.peak, live.at

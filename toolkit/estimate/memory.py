@@ -13,14 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from toolkit.spec.backends import backend_of
-from toolkit.estimate.activations import (ActivationSetup, fp32_logits_bytes_per_token, offloaded_activation_bytes,
-                                          recompute_working_bytes, stage_activation_bytes)
+from toolkit.estimate.activations import (
+    ActivationSetup,
+    fp32_logits_bytes_per_token,
+    offloaded_activation_bytes,
+    recompute_working_bytes,
+    stage_activation_bytes,
+)
 from toolkit.estimate.long_context import sequence_working_bytes
 from toolkit.estimate.lora import NF4_BYTES, FinetuneCounts, adapter_activation_bytes, finetune_counts
 from toolkit.estimate.params import ParamCounts, count_params
 from toolkit.estimate.pipeline import peak_forwards
 from toolkit.numeric import GiB
+from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.pipeline import PipelineSplit

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from toolkit.spec.backends import backend_of
+from toolkit.estimate.activations import ulysses_kv_copies
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.device_peak import peak_flops
 from toolkit.estimate.efficiency import (
@@ -24,12 +24,12 @@ from toolkit.estimate.efficiency import (
     gemm_efficiency,
 )
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
-from toolkit.estimate.activations import ulysses_kv_copies
 from toolkit.estimate.long_context import tile_recompute_forwards
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
-from toolkit.estimate.packed_attention import attended_tokens
 from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
+from toolkit.estimate.packed_attention import attended_tokens
 from toolkit.estimate.params import count_params
+from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec

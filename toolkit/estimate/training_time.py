@@ -16,6 +16,8 @@ from toolkit.estimate.goodput import (
     mean_time_between_failures_s,
     run_with_failures,
 )
+from toolkit.spec.backends import backend_of
+from toolkit.spec.cluster import get_gpu
 
 if TYPE_CHECKING:
     from toolkit.spec.plan import Plan
@@ -57,8 +59,6 @@ def checkpoint_interval_steps(cost: CheckpointCost, step_time_s: float, mtbf_s: 
 
 def record_training_time(record: Prediction, tokens: int, inputs: FailureInputs = FailureInputs()) -> dict:
     """The training_time of one prediction (`dmt estimate`, a plan of `dmt plan`)."""
-    from toolkit.spec.cluster import get_gpu
-
     return expected_training_time(tokens, record.plan, record.step_time_s, record.params.trainable,
                                   record.memory_bytes.weights + record.memory_bytes.optimizer,
                                   get_gpu(record.gpu).pcie_bw_gbps, inputs)
@@ -68,8 +68,6 @@ def expected_training_time(tokens: int, plan: Plan, step_time_s: float, trained_
                            host_link_gbps: float, inputs: FailureInputs = FailureInputs()) -> dict:
     """Failure-free, and expected with the plan's checkpoints and the failures `inputs` assume; `local_bytes` the
     busiest GPU's weights and optimizer states (the memory estimate's)."""
-    from toolkit.spec.backends import backend_of
-
     base = training_time(tokens, step_time_s, plan.global_batch * plan.seq_len, plan.gpus)
     async_save = backend_of(plan).saves_async(None) if inputs.async_save is None else inputs.async_save
     cost = checkpoint_cost(trained_params, plan, local_bytes, host_link_gbps, async_save,

@@ -16,8 +16,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+from toolkit.cli.main import VERBS
 from toolkit.errors import UserInputError, error_line
+from toolkit.explore.form import parse_request, request_key
 from toolkit.numeric import json_text
+from toolkit.outputs import command_inputs
 
 logger = logging.getLogger(__name__)
 # The path flags register a command's inputs in one process-wide list as they are parsed (toolkit.outputs): a
@@ -27,8 +30,6 @@ _ONE_AT_A_TIME = threading.Lock()
 
 def error_payload(verb: str, exc: UserInputError, workdir: Path | None = None) -> dict:
     """{"error": the CLI's line, "key": the request key of the option at fault (null when none)}."""
-    from toolkit.explore.form import request_key
-
     line = error_line(f"dmt {verb}", exc)
     return {"error": as_dot(line, workdir) if workdir is not None else line, "key": request_key(exc.key)}
 
@@ -42,10 +43,6 @@ def as_dot(text: str, workdir: Path) -> str:
 
 def run_verb(verb: str, request: dict) -> tuple[int, object]:
     """(HTTP status, JSON body): 200 and what `dmt <verb> --json` prints, 400 and its error line."""
-    from toolkit.cli.main import VERBS
-    from toolkit.explore.form import parse_request
-    from toolkit.outputs import command_inputs
-
     with tempfile.TemporaryDirectory(prefix="dmt-explore-") as workdir:
         try:
             with _ONE_AT_A_TIME, command_inputs():

@@ -14,17 +14,20 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from toolkit.cli.main import VERBS, OneLineParser, parse_arguments
+from toolkit.cli.paths import output_arg, path_arg
 from toolkit.compat.stdlib_seams import is_help_or_version, parser_actions
 from toolkit.errors import UsageError, UserInputError
 from toolkit.numeric import FLOAT_FLAGS, INT_FLAGS
+from toolkit.readers import parse_json
+from toolkit.spec.calibration import parse_calibration
+from toolkit.spec.model import PRESET_DIR, preset_names
 
 ALWAYS = "json"  # the API answers with what `--json` prints, so it is always on and not a field
 PASTED_MODEL_DIR = "pasted-config"  # the model name a pasted config.json gets (its directory's name)
 
 
 def _check_calibration(text: str, key: str) -> None:
-    from toolkit.spec.calibration import parse_calibration
-
     parse_calibration(text, "the uploaded calibration", key)
 
 
@@ -37,8 +40,6 @@ UPLOADS = {"calibration": ("calibration.yaml", _check_calibration)}
 def verb_parser(verb: str) -> argparse.ArgumentParser:
     """The parser `dmt <verb>` builds (toolkit.cli.<verb>.add_arguments), on its own, raising its errors (a request's
     bad value is a UsageError naming the option, not an exit)."""
-    from toolkit.cli.main import VERBS, OneLineParser
-
     parser = OneLineParser(prog=f"dmt {verb}", exit_on_error=False)
     importlib.import_module(VERBS[verb][0]).add_arguments(parser)
     return parser
@@ -50,8 +51,6 @@ def _key(action: argparse.Action) -> str | None:
 
 
 def _reads_files(action: argparse.Action) -> bool:
-    from toolkit.cli.paths import output_arg, path_arg
-
     return action.type in (Path, path_arg, output_arg) or isinstance(action.type, argparse.FileType)
 
 
@@ -152,8 +151,6 @@ def request_argv(verb: str, request: dict, workdir: Path) -> list[str]:
 
 def parse_request(verb: str, request: dict, workdir: Path) -> argparse.Namespace:
     """The arguments `dmt <verb>` would parse from the command line a request stands for."""
-    from toolkit.cli.main import parse_arguments
-
     argv = request_argv(verb, request, workdir)
     # argparse names the options a command line lacks only in its message: the request's own, as its key
     missing = [action.option_strings[0] for key, action in options(verb).items()
@@ -165,11 +162,7 @@ def parse_request(verb: str, request: dict, workdir: Path) -> argparse.Namespace
 
 def model_argument(value, workdir: Path) -> str:
     """--model for the CLI: a preset's packaged config, or the pasted config.json written into workdir."""
-    from toolkit.spec.model import PRESET_DIR, preset_names
-
     if isinstance(value, str) and value.strip().startswith("{"):
-        from toolkit.readers import parse_json
-
         value = parse_json(value, "the pasted config.json", "--model", dict, "an HF config.json object")
     if isinstance(value, dict):
         directory = workdir / PASTED_MODEL_DIR

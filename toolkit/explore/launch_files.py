@@ -14,7 +14,15 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
+from toolkit.cli.train_tokens import parse_token_count
 from toolkit.errors import UserInputError, named_as
+from toolkit.explore.bridge import as_dot
+from toolkit.explore.form import uploaded_file
+from toolkit.generate.files import render, resolve
+from toolkit.spec.cluster import DEFAULT_GPU
+from toolkit.spec.model import preset_names
+from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import Recipe
 
 REQUEST_KEYS = ("model", "gpu", "plan", "train_tokens", "calibration")
 PLACEHOLDER_STEPS = 1000  # without --train-tokens: a schedule length for the user to edit
@@ -25,8 +33,6 @@ HEADER = ("# Written by `dmt explore` for the plan it ranked. The data files, le
 
 def _sections() -> dict[str, set[str]]:
     """Recipe section -> its field names (toolkit.spec.recipe), to place each key of a plan record."""
-    from toolkit.spec.recipe import Recipe
-
     return {name: set(field.annotation.model_fields) for name, field in Recipe.model_fields.items()
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)}
 
@@ -34,9 +40,6 @@ def _sections() -> dict[str, set[str]]:
 def plan_recipe(model, gpu: str, plan: dict, train_tokens: int | None) -> dict:
     """A recipe whose resolved plan is `plan` (a `dmt plan --json` record's plan); derived sizes (dp, grad_accum)
     are left for the recipe to derive again."""
-    from toolkit.spec.model import preset_names
-    from toolkit.spec.plan import Plan
-
     if isinstance(model, dict):
         model_section = {"config": model}
         name = "explore-pasted-config"
@@ -67,12 +70,6 @@ def plan_recipe(model, gpu: str, plan: dict, train_tokens: int | None) -> dict:
 
 def launch_files(request: dict) -> dict[str, str]:
     """{file name: text} of every launch file `dmt generate` writes for the plan, plus the recipe itself."""
-    from toolkit.cli.train_tokens import parse_token_count
-    from toolkit.explore.bridge import as_dot
-    from toolkit.explore.form import uploaded_file
-    from toolkit.generate.files import render, resolve
-    from toolkit.spec.cluster import DEFAULT_GPU
-
     if not isinstance(request, dict):
         raise UserInputError("request", "expected a JSON object with model, gpu and plan")
     unknown = sorted(set(request) - set(REQUEST_KEYS))

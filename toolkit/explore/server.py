@@ -20,7 +20,13 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from toolkit.errors import UserInputError
+from toolkit.estimate.params import count_params
+from toolkit.explore.bridge import error_payload, run_verb
+from toolkit.explore.form import form_fields
+from toolkit.explore.launch_files import launch_files
 from toolkit.readers import one_line
+from toolkit.spec.cluster import load_catalogue
+from toolkit.spec.model import load_model_spec, preset_names
 
 STATIC = Path(__file__).resolve().parent / "static"
 logger = logging.getLogger(__name__)
@@ -33,11 +39,6 @@ MAX_BODY_DEPTH = 32
 
 def page_setup(initial_model) -> dict:
     """What the page builds its form from: the verbs' fields, presets with their sizes, the GPU catalogue."""
-    from toolkit.estimate.params import count_params
-    from toolkit.explore.form import form_fields
-    from toolkit.spec.cluster import load_catalogue
-    from toolkit.spec.model import load_model_spec, preset_names
-
     presets = [{"name": name, "params": count_params(load_model_spec(name)).total} for name in preset_names()]
     gpus = {gpu.name: gpu.memory_bytes for gpu in load_catalogue().values()}
     return {
@@ -110,8 +111,6 @@ async def _bug(request: Request, exc: Exception) -> JSONResponse:
 
 def _cli_route(verb: str):
     async def endpoint(request: Request) -> JSONResponse:
-        from toolkit.explore.bridge import error_payload, run_verb
-
         try:
             body = await _body(request)
         except UserInputError as exc:
@@ -123,9 +122,6 @@ def _cli_route(verb: str):
 
 
 async def generate(request: Request) -> JSONResponse:
-    from toolkit.explore.bridge import error_payload
-    from toolkit.explore.launch_files import launch_files
-
     try:
         files = await run_in_threadpool(launch_files, await _body(request))
     except UserInputError as exc:  # its key is the request's (`plan.tp`, `--calibration`), as a request key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toolkit.errors import UserInputError
 from toolkit.spec.engine_settings import (  # the bucket sizes the memory model counts
     DS_ALLGATHER_BUCKET_ELEMENTS,
     DS_OVERLAP_COMM,
@@ -9,7 +10,6 @@ from toolkit.spec.engine_settings import (  # the bucket sizes the memory model 
     DS_STAGE3_MAX_LIVE_PARAMETERS,
     DS_STAGE3_PREFETCH_ELEMENTS,
 )
-from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import DeepSpeedSection, TrainingSection
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.generate.deepspeed import deepspeed_config
 from toolkit.numeric import json_text
+from toolkit.planner.recipe import recipe_plan
+from toolkit.spec.recipe import DeepSpeedSection, load_recipe, recipe_model
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 OUT = ROOT / "deepspeed_configs"
@@ -50,9 +53,6 @@ EXAMPLES = {
 
 def example_context(example: Example):
     """(recipe, plan) of one example: the recipe with its overrides, resolved like `dmt generate` does."""
-    from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import DeepSpeedSection, load_recipe, recipe_model
-
     recipe = load_recipe(example.recipe)
     recipe = recipe.model_copy(update={"plan": recipe.plan.model_copy(update={"auto": False}),
                                        "deepspeed": DeepSpeedSection(**example.deepspeed)})
@@ -60,8 +60,6 @@ def example_context(example: Example):
 
 
 def render_examples() -> dict[str, str]:
-    from toolkit.generate.deepspeed import deepspeed_config
-
     rendered = {}
     for name, example in EXAMPLES.items():
         recipe, plan = example_context(example)

@@ -12,10 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.spec.backends import BACKENDS, backend_of
+from toolkit.errors import named_as
+from toolkit.generate.k8s.render import make_job, manifest_text
+from toolkit.generate.launch import launch_script
+from toolkit.generate.slurm import render_sbatch
 from toolkit.numeric import json_text
+from toolkit.outputs import output_directory, write_generated
 from toolkit.planner.recipe import recipe_plan, recipe_prediction
 from toolkit.planner.save_interval import AUTO, auto_save_interval, is_auto, recipe_saves_async, with_save_steps
+from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
@@ -39,15 +44,10 @@ class GenerationContext:
 
 
 def _launch(ctx: GenerationContext) -> str:
-    from toolkit.generate.launch import launch_script
-
     return launch_script(ctx.recipe, ctx.plan, str(ctx.recipe_path.resolve()))
 
 
 def _slurm(ctx: GenerationContext) -> str:
-    from toolkit.errors import named_as
-    from toolkit.generate.slurm import render_sbatch
-
     with named_as({"--output-dir": "--out"}):  # the job trains into --out/run
         return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, output_dir=str(ctx.out_dir / "run"),
                              train_flags=["--plan", str(ctx.out_dir / PLAN_FILE)])
@@ -56,9 +56,6 @@ def _slurm(ctx: GenerationContext) -> str:
 def _k8s(ctx: GenerationContext) -> str:
     """The plan as a Kubeflow TrainJob (with its TrainingRuntime), training these files: written only when the recipe
     names an image (cluster.k8s.image; see written())."""
-    from toolkit.errors import named_as
-    from toolkit.k8s.render import make_job, manifest_text
-
     with named_as({"RECIPE": "--recipe", "--plan": "--out", "--image": "cluster.k8s.image"}):
         return manifest_text(make_job(ctx.recipe, ctx.plan, None, ctx.recipe_path, ctx.out_dir / PLAN_FILE), "trainjob")
 
@@ -147,8 +144,6 @@ def generate(recipe_path: Path, out_dir: Path, force: bool = False, calibration:
     every content is rendered and every target checked before anything is written; the recipe and the model's
     config are never overwritten; files this tool did not write are replaced only with `force`; files it wrote for
     another backend are removed when unchanged since; a run directory or anything else of the user's stays."""
-    from toolkit.outputs import output_directory, write_generated
-
     output_directory(out_dir, "--out", inputs=[Path(recipe_path)])  # a bad --out fails before the plan is resolved
     with recipe_names(overrides):  # a problem in the recipe names its key (cluster.gpu, not --gpu)
         ctx = resolve(recipe_path, out_dir, calibration, **overrides)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from toolkit.compat.transformers_seams import no_split_modules
 from toolkit.errors import UserInputError
 from toolkit.generate.parallelism import yaml_section
 from toolkit.spec.plan import Plan
@@ -116,8 +117,6 @@ def trainer_fsdp_arguments(plan: Plan, layer_classes: list[str]) -> dict:
 def _no_split_modules(model_type: str) -> tuple[str, ...]:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from toolkit.compat.transformers_seams import no_split_modules
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     model_class = getattr(transformers, name, None) if name else None

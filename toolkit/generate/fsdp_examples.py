@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toolkit.generate.examples import ROOT, Example, example_context, examples_readme, write_examples
+from toolkit.generate.fsdp import accelerate_fsdp_config, decoder_layer_classes
+from toolkit.generate.trainer_args import trainer_arguments
 from toolkit.numeric import json_text, yaml_text
+from toolkit.spec.recipe import recipe_hf_config
 
 OUT = ROOT / "fsdp_configs"
 RECIPES = ROOT / "recipes"
@@ -46,10 +49,6 @@ EXAMPLES = {
 def example_files(example: FsdpExample) -> tuple[dict, dict]:
     """(accelerate.yaml, trainer_args.json) of one example: the recipe with its overrides, resolved like
     `dmt generate`."""
-    from toolkit.generate.fsdp import accelerate_fsdp_config, decoder_layer_classes
-    from toolkit.generate.trainer_args import trainer_arguments
-    from toolkit.spec.recipe import recipe_hf_config
-
     recipe, plan = example_context(Example(RECIPES / example.recipe, example.overrides))
     layers = decoder_layer_classes(recipe_hf_config(recipe))
     return (accelerate_fsdp_config(recipe, plan, layers),

@@ -13,14 +13,16 @@ as names and turned back into objects by `library_kwargs`.
 
 from __future__ import annotations
 
-from toolkit.spec.backends import backend_of
-from toolkit.spec.engine_settings import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
+from toolkit.data.sidecar import megatron_prefix
+from toolkit.data.split import megatron_split
 from toolkit.families import megatron_fields
-from toolkit.planner.save_interval import recipe_saves_async
+from toolkit.families.activations import megatron_function
 from toolkit.numeric import yaml_text
+from toolkit.planner.save_interval import recipe_saves_async
+from toolkit.spec.engine_settings import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe
+from toolkit.spec.recipe import Recipe, data_workers
 
 SECTIONS = ("model", "transformer_config", "gpt_model", "ddp_config", "optimizer_config", "scheduler",
             "schedule")
@@ -144,10 +146,6 @@ def data_section(recipe: Recipe) -> dict:
     """megatron.yaml's `data`: a blend's Megatron dataset prefixes with their weights, the split and GPTDataset's
     packing flags (only for a recipe with data.blend; Megatron-Core's loop reads the recipe's own). Paths as the
     recipe writes them: relative ones are relative to the recipe's directory."""
-    from toolkit.data.sidecar import megatron_prefix
-    from toolkit.data.split import megatron_split
-    from toolkit.spec.recipe import data_workers
-
     data = recipe.data
     return {"blend": [{"prefix": megatron_prefix(entry.prefix, data.text_field), "weight": entry.weight}
                       for entry in data.blend],
@@ -167,8 +165,6 @@ def megatron_yaml(config: dict, recipe_name: str) -> str:
 def library_kwargs(section: str, values: dict) -> dict:
     """A megatron.yaml section as the keyword arguments of its Megatron-Core class (dtype and function objects)."""
     import torch
-
-    from toolkit.families.activations import megatron_function
 
     kwargs = dict(values)
     for name in DTYPE_FIELDS:

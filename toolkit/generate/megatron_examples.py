@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.generate.examples import examples_readme, write_examples
+from toolkit.generate.megatron import megatron_config, megatron_yaml
+from toolkit.generate.megatron_args import megatron_args_text
+from toolkit.planner.recipe import recipe_plan
+from toolkit.spec.recipe import load_recipe, recipe_hf_config, recipe_model
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 OUT = ROOT / "megatron_configs"
@@ -53,10 +57,6 @@ EXAMPLES = {
 
 def example_config(example: MegatronExample) -> tuple[str, dict]:
     """(recipe name, megatron.yaml dict) of one example: the recipe with its overrides, resolved like `dmt generate`."""
-    from toolkit.generate.megatron import megatron_config
-    from toolkit.planner.recipe import recipe_plan
-    from toolkit.spec.recipe import load_recipe, recipe_hf_config, recipe_model
-
     recipe = load_recipe(RECIPES / example.recipe)
     recipe = recipe.model_copy(update={"plan": recipe.plan.model_copy(update={"auto": False})})
     model = recipe_model(recipe)
@@ -66,9 +66,6 @@ def example_config(example: MegatronExample) -> tuple[str, dict]:
 
 def render_examples() -> dict[str, str]:
     """File name -> text of every committed example."""
-    from toolkit.generate.megatron import megatron_yaml
-    from toolkit.generate.megatron_args import megatron_args_text
-
     rendered = {}
     for name, example in EXAMPLES.items():
         recipe_name, config = example_config(example)

@@ -11,8 +11,8 @@ from pathlib import Path
 from string import Template
 
 from toolkit.errors import UserInputError
-from toolkit.spec.backends import backend_of
 from toolkit.generate.launch import export_lines, job_variables, launch_environment, preflight_flags
+from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 

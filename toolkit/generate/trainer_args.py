@@ -3,8 +3,8 @@ both name."""
 
 from __future__ import annotations
 
-from toolkit.spec.backends import backend_of
 from toolkit.generate.deepspeed import warmup_num_steps
+from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, data_workers
 

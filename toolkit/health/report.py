@@ -12,6 +12,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, field_validator, model_serializer
 
 from toolkit.health import analysis
+from toolkit.health.checks import match_gpu
+from toolkit.spec.cluster import get_gpu, load_catalogue
 
 BUSBW_FRACTION = 0.5  # GPUs: fail below half the catalogue's link speed (nccl-tests reaches ~80-90% when healthy)
 
@@ -228,9 +230,6 @@ def thresholds_for(options, gpu, cuda: bool, local_world_size: int | None) -> Th
 
 def resolve_gpu(options, ranks: list[dict]):
     """The catalogue GPU: --gpu, or the one the first GPU's name denotes; None on CPU or when unrecognised."""
-    from toolkit.health.checks import match_gpu
-    from toolkit.spec.cluster import get_gpu, load_catalogue
-
     if options.gpu:
         return get_gpu(options.gpu)
     names = [facts["gpu_name"] for facts in ranks if facts.get("gpu_name")]

@@ -15,10 +15,23 @@ from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
-from toolkit.health.options import HealthOptions
-from toolkit.runtime.job import STORE_HOSTED_ENV, RankEnv, connect_store
-from toolkit.runtime.watchdog import exit_now, raise_terminated
+from toolkit.errors import worker_error
 from toolkit.estimate.device_peak import matmul_benchmark
+from toolkit.health import checks, collectives
+from toolkit.health.collectives import tier_bandwidths
+from toolkit.health.options import HealthOptions
+from toolkit.health.report import HealthReport, add_deaths, incomplete, judge
+from toolkit.runtime.children import Children
+from toolkit.runtime.job import STORE_HOSTED_ENV, RankEnv, connect_store
+from toolkit.runtime.watchdog import (
+    LivenessTracker,
+    Watchdog,
+    exit_now,
+    find_unresponsive,
+    raise_terminated,
+    read_beats,
+    read_hosts,
+)
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "dmt-health"
@@ -42,10 +55,6 @@ def run_rank(options: HealthOptions, env: RankEnv, emit: Emit) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed import PrefixStore
-
-    from toolkit.health import checks, collectives
-    from toolkit.health.report import incomplete, judge
-    from toolkit.runtime.watchdog import Watchdog
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", _device_index(env.local_rank, torch.cuda.device_count())) if cuda else torch.device("cpu")
@@ -149,8 +158,6 @@ def _device_index(local_rank: int, visible: int) -> int:
 
 def _bandwidth(results: dict, hosts: list[str], rank: int, device, size: int, iters: int, progress) -> dict:
     """Per-tier all_reduce busbw at the largest size: the sweep already measured it when there is one node."""
-    from toolkit.health.collectives import tier_bandwidths
-
     if len(set(hosts)) == 1:
         busbw = results["all_reduce"][str(size)]["busbw_gbps"]
         return {"intra_node_busbw_gbps": busbw, "per_host_intra_node_busbw_gbps": {hosts[0]: busbw}}
@@ -172,8 +179,6 @@ def _snapshot(results: dict) -> dict:
 def _fail(exc: BaseException, watchdog, env: RankEnv, options: HealthOptions, emit: Emit, partial: dict) -> None:
     """Name who is gone (connection lost and no heartbeat), report once for the job, and exit non-zero now:
     destroying a process group with a dead peer can block."""
-    from toolkit.health.report import incomplete
-
     if watchdog.tripped.is_set():  # the monitor is already reporting a hang and will end this process
         time.sleep(options.deadline_s + 30)
     elif watchdog.claim_report():
@@ -204,9 +209,6 @@ def spawn_local(nproc: int, options: HealthOptions) -> tuple[dict, int]:
     no rank is left to report.
     """
     from torch.distributed import PrefixStore, TCPStore
-
-    from toolkit.health.report import add_deaths, incomplete
-    from toolkit.runtime.children import Children
 
     server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     store = PrefixStore(STORE_PREFIX, server)
@@ -245,9 +247,6 @@ def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
     """Until every rank has exited, or a report is in and the ranks that can exit have, or nobody reports a rank's
     death or a hang the ranks' monitors cannot see: (beats, the ranks' report or None, hosts, this process's own
     reading of a hang). `exits` fills with each rank's exit code as it is seen."""
-    from toolkit.health.report import HealthReport
-    from toolkit.runtime.watchdog import LivenessTracker, find_unresponsive, read_beats, read_hosts
-
     nproc = len(procs)
     started = time.monotonic()
     tracker = None  # judged once every rank has started (or START_S has passed)
@@ -296,8 +295,6 @@ def _watch(procs: list, store, options: HealthOptions, exits: dict[int, int]):
 def _replay_worker_errors(stderr: list, exits: dict[int, int]) -> None:
     """What the ranks wrote to stderr goes to ours; a rank that refused bad input (exit code 2) makes this command
     refuse it too, with that rank's one line."""
-    from toolkit.errors import worker_error
-
     texts = []
     for handle in stderr:
         handle.seek(0)

@@ -6,14 +6,14 @@ import os
 import sys
 import warnings
 
+from toolkit.errors import UserInputError, error_line
+from toolkit.health.options import HealthOptions, rank_env
+from toolkit.health.runner import OPTIONS_ENV, REPORT_KEY, run_rank
+
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes on every collective
 
 
 def main() -> int:
-    from toolkit.errors import UserInputError, error_line
-    from toolkit.health.options import HealthOptions, rank_env
-    from toolkit.health.runner import OPTIONS_ENV, REPORT_KEY, run_rank
-
     fields = json.loads(os.environ[OPTIONS_ENV])
     if fields.get("sizes") is not None:
         fields["sizes"] = tuple(fields["sizes"])

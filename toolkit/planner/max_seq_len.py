@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
+from toolkit.estimate.timing import step_time
+from toolkit.planner.search import RECOMPUTE_KEYS, enumerate_layouts
+from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan, resolve_plan
@@ -92,10 +95,6 @@ def longest_plans(model: ModelSpec, gpus: int, gpu: GPU, network: Network, backe
                   calibration=None, **fixed) -> tuple[list[LongestPlan], int]:
     """Every layout and memory option the planner tries (micro-batch 1 unless pinned), each at its longest sequence,
     ranked by that length, then by its step time there; and how many were considered."""
-    from toolkit.estimate.timing import step_time
-    from toolkit.planner.search import RECOMPUTE_KEYS, enumerate_layouts
-    from toolkit.spec.backends import backend_of
-
     fixed = {k: v for k, v in fixed.items() if v is not None and k != "seq_len"}
     gpus_per_node = fixed.setdefault("gpus_per_node", network.gpus_per_node)
     fixed.setdefault("micro_batch", 1)

@@ -4,12 +4,12 @@ time, tokens/s and MFU; and the short names the tables give a plan."""
 
 from __future__ import annotations
 
-from toolkit.spec.backends import backend_of
 from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
+from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from toolkit.data.blend import blend_document_lengths
 from toolkit.errors import UserInputError
-from toolkit.spec.calibration import Calibration
-from toolkit.spec.model import ModelSpec
+from toolkit.estimate.comm import Network
+from toolkit.estimate.packed_attention import blend_squared_pieces
+from toolkit.planner.predict import predicted_record
+from toolkit.planner.search import best_plan
 from toolkit.spec.backends import backend_of
+from toolkit.spec.calibration import Calibration
+from toolkit.spec.cluster import get_gpu, with_host_memory
+from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION, for_backend, option_backends
 from toolkit.spec.plan import Plan, resolve_plan
 from toolkit.spec.prediction import PackedAttention, RecipePrediction
@@ -36,9 +42,6 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
     options = recipe_options(recipe, **given)
     with recipe_names(given):
         if recipe.plan.auto:
-            from toolkit.planner.search import best_plan
-            from toolkit.spec.cluster import get_gpu, with_host_memory
-
             calibration = calibration or recipe_calibration(recipe)
             plan = best_plan(model, recipe.cluster.gpus, with_host_memory(get_gpu(recipe.cluster.gpu), recipe.cluster.host_memory_gb), calibration=calibration,
                              **options)
@@ -60,10 +63,6 @@ def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration:
     """What plan.json and a run's run_plan.json record of a recipe's plan: the prediction on the recipe's cluster
     (catalogue links, or a calibration's), and the model spec it was made for (so a run can be re-predicted);
     `record` one with more fields (`extra`: plan.json's PlanFile)."""
-    from toolkit.estimate.comm import Network
-    from toolkit.planner.predict import predicted_record
-    from toolkit.spec.cluster import get_gpu, with_host_memory
-
     gpu = with_host_memory(get_gpu(recipe.cluster.gpu), recipe.cluster.host_memory_gb)
     network = Network.from_catalogue(gpu, recipe.cluster.gpus_per_node)
     return predicted_record(model, plan, gpu, network, calibration, record, packed_attention(recipe, plan),
@@ -75,9 +74,6 @@ def packed_attention(recipe: Recipe, plan: Plan) -> PackedAttention | None:
     data.blend with reset_position_ids and reset_attention_mask); per document where the kernel is variable-length
     and the blend's .idx files are readable (their document lengths, toolkit/estimate/packed_attention.py); else the
     whole sequence, with the reason. Reading the .idx files is the only I/O of a prediction."""
-    from toolkit.data.blend import blend_document_lengths
-    from toolkit.estimate.packed_attention import blend_squared_pieces
-
     data = recipe.data
     if not (data.blend and data.reset_position_ids and data.reset_attention_mask):
         return None

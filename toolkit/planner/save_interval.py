@@ -8,8 +8,10 @@ was computed from); toolkit/train.py takes the number from plan.json, or resolve
 from __future__ import annotations
 
 from toolkit.estimate.training_time import FailureInputs, record_training_time
+from toolkit.planner.recipe import recipe_prediction
+from toolkit.spec.backends import backend_of
 from toolkit.spec.prediction import Prediction
-from toolkit.spec.recipe import Recipe
+from toolkit.spec.recipe import Recipe, recipe_calibration
 
 AUTO = "auto"
 
@@ -43,8 +45,6 @@ def run_save_steps(recipe: Recipe, model, plan, record: dict | None) -> int:
     launched from the recipe alone, the same resolution made now."""
     if record is not None and isinstance(record.get("save_interval"), dict):
         return int(record["save_interval"]["save_steps"])
-    from toolkit.planner.recipe import recipe_prediction
-    from toolkit.spec.recipe import recipe_calibration
 
     prediction = recipe_prediction(recipe, model, plan, recipe_calibration(recipe))
     return auto_save_interval(prediction, recipe.training.max_steps, recipe_saves_async(recipe, plan))["save_steps"]
@@ -52,8 +52,6 @@ def run_save_steps(recipe: Recipe, model, plan, record: dict | None) -> int:
 
 def recipe_saves_async(recipe: Recipe, plan) -> bool:
     """Whether this recipe's run writes its checkpoints in the background (what megatron.yaml's async_save says)."""
-    from toolkit.spec.backends import backend_of
-
     return backend_of(plan).saves_async(recipe.training.async_save, recipe.cluster.accelerator)
 
 

@@ -7,12 +7,13 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from toolkit.spec.backends import NAMES, backend_of
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
+from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
+from toolkit.spec.backends import NAMES, backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
@@ -232,8 +233,6 @@ def rank_by_training_days(model: ModelSpec, ranked: list[Candidate], gpu: GPU, t
                           inputs: FailureInputs) -> list[Candidate]:
     """The plans in order of their expected wall-clock time for `tokens` with checkpoints and failures (`dmt plan
     --train-tokens`): a plan with a cheaper checkpoint can beat one with a faster step. Ties keep the step-time order."""
-    from toolkit.estimate.lora import trainable_params
-
     def days(candidate: Candidate) -> float:
         plan, memory = candidate.plan, candidate.memory
         return expected_training_time(tokens, plan, candidate.time.total_s, trainable_params(model, plan.finetune),

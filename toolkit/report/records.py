@@ -19,8 +19,6 @@ before the first damaged line are kept (the plot draws them); no figure is measu
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -31,6 +29,9 @@ from toolkit.errors import UserInputError
 from toolkit.numeric import WEEK_S
 from toolkit.readers import parse_json, read_text
 from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE, is_checkpoint_record
+from toolkit.spec.cluster import get_gpu
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan, validated
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -202,10 +203,6 @@ def _read_run_plan(run_dir: Path) -> tuple[dict | None, RunRecord | None, str | 
 
 def _plan_problem(data: dict) -> str | None:
     """The recorded model and plan as the toolkit's own models take them (the plan's rules need the model)."""
-    from toolkit.spec.cluster import get_gpu
-    from toolkit.spec.model import ModelSpec
-    from toolkit.spec.plan import Plan, validated
-
     model = None
     try:
         if data.get("model_spec") is not None:

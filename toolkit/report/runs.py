@@ -17,8 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserInputError
+from toolkit.estimate.calibrate import MeasuredRun, Observation
+from toolkit.estimate.comm import Network
+from toolkit.planner.predict import plan_label, predicted_record
 from toolkit.report.records import RunRecord, read_run_files, read_run_plan
 from toolkit.runtime.metrics import METRICS_FILE, RUN_FILE
+from toolkit.spec.cluster import get_gpu
+from toolkit.spec.model import ModelSpec
+from toolkit.spec.plan import Plan, validated
+from toolkit.spec.prediction import PackedAttention
 
 if TYPE_CHECKING:
     from toolkit.spec.prediction import Prediction
@@ -181,10 +188,6 @@ def compare_errors(report: RunReport) -> None:
 def run_subject(run_dir: Path, missing: str, key: str = "RUN_DIR"):
     """(model spec, plan, catalogue entry, run_plan.json) of what a run directory trained, for re-predicting it; a
     run_plan.json without them is one line naming `key`, with `missing` saying what to do."""
-    from toolkit.spec.cluster import get_gpu
-    from toolkit.spec.model import ModelSpec
-    from toolkit.spec.plan import Plan, validated
-
     record, damage = read_run_plan(Path(run_dir))
     if damage is not None:
         raise UserInputError(key, f"{run_dir}: {damage}")
@@ -237,9 +240,6 @@ def check_trained_on(run_dir, gpu, record: dict, key: str = "RUN_DIR") -> None:
 def calibration_runs(reports: list[RunReport], warmup: int, key: str = "RUN_DIR") -> tuple[list, str]:
     """(the runs as `dmt calibrate` fits them, estimate.calibrate.MeasuredRun; the catalogue entry they trained on) of
     finished runs on one hardware; any other run, or runs on different hardware, is one line naming `key`."""
-    from toolkit.estimate.calibrate import MeasuredRun, Observation
-    from toolkit.planner.predict import plan_label
-
     runs, hardware = [], {}
     for report in reports:
         if report.status != "completed" or report.measured["step_time_s"] is None:
@@ -264,10 +264,6 @@ def repredict(report: RunReport, calibration) -> None:
     keeping the launch's step time prediction and its error beside it (launch_prediction). On the host entry the
     calibration brings its own peak: the measured MFU is restated against it, so measured and predicted MFU keep one
     denominator."""
-    from toolkit.estimate.comm import Network
-    from toolkit.planner.predict import predicted_record
-    from toolkit.spec.prediction import PackedAttention
-
     if report.status == "damaged":  # nothing sound to re-predict; its status says why
         return
     model, plan, gpu, record = run_subject(report.run_dir, "to re-predict (written by an older toolkit); report it "

@@ -21,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+from toolkit.compat.torch_seams import nccl_trace_dump
 from toolkit.errors import UserInputError
 from toolkit.outputs import write_file
 from toolkit.readers import read_json
@@ -107,8 +108,6 @@ def nccl_flight_record() -> bytes | None:
     try:
         import torch
         import torch.distributed as dist
-
-        from toolkit.compat.torch_seams import nccl_trace_dump
 
         if not (torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"):
             return None

@@ -26,7 +26,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from toolkit.errors import UserInputError
+from toolkit.estimate.timing import useful_flops_per_token
+from toolkit.outputs import write_file
 from toolkit.readers import read_json, read_json_lines, read_text
+from toolkit.spec.cluster import get_gpu
+from toolkit.spec.prediction import PackedAttention
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,6 @@ def run_throughput(model, plan, prediction: dict, accelerator: str) -> Throughpu
     """A run's Throughput: its tokens and model FLOPs per step (toolkit/estimate/timing.py's useful_flops_per_token, as
     the prediction counts them: a LoRA run's without the frozen base's weight gradients) and one rank's peak, the prediction's, but only where the run is on the device kind it was predicted for
     (a CPU run of a recipe naming an H100 has no catalogue peak: its MFU is null)."""
-    from toolkit.estimate.timing import useful_flops_per_token
-    from toolkit.spec.cluster import get_gpu
-    from toolkit.spec.prediction import PackedAttention
-
     tokens = plan.global_batch * plan.seq_len
     # the attention the prediction counted (a packed blend's documents), so measured and predicted MFU count alike
     flops = useful_flops_per_token(model, plan, PackedAttention.of(prediction)) * tokens
@@ -186,8 +186,6 @@ def start_run_record(output_dir: Path, prediction: dict, launch: dict) -> dict:
     """run_plan.json at the start of a launch: the plan and what was predicted for it (plan.json's record), where and
     how it runs, and `status: running` until end_run_record (a run killed on the way keeps saying running). The
     directory's earlier launches (a resume, a refused relaunch) stay listed under `previous_launches`."""
-    from toolkit.outputs import write_file
-
     earlier = read_run_record(output_dir)
     previous = []
     if earlier is not None:
@@ -202,8 +200,6 @@ def start_run_record(output_dir: Path, prediction: dict, launch: dict) -> dict:
 
 def end_run_record(output_dir: Path, status: str, detail: str | None = None) -> None:
     """Mark the launch in run_plan.json `completed` or `failed` (with the error's line)."""
-    from toolkit.outputs import write_file
-
     record = read_run_record(output_dir)
     if record is None:
         return

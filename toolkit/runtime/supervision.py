@@ -28,10 +28,20 @@ from pathlib import Path
 from toolkit.errors import UserInputError
 from toolkit.readers import read_text
 from toolkit.runtime import faults
-from toolkit.runtime.incident import (EXIT_FAILURE, EXIT_HANG, append_incident, attempt_tag, is_restart,
-                                      last_words_dir, read_incidents, write_last_words)
-from toolkit.runtime.job import rank_env
-from toolkit.runtime.watchdog import exit_now, heartbeat_stopped
+from toolkit.runtime.guard import GuardStop
+from toolkit.runtime.incident import (
+    EXIT_FAILURE,
+    EXIT_HANG,
+    append_incident,
+    attempt_tag,
+    is_restart,
+    last_words_dir,
+    read_incidents,
+    restart_counts,
+    write_last_words,
+)
+from toolkit.runtime.job import connect_store, rank_env
+from toolkit.runtime.watchdog import Watchdog, exit_now, heartbeat_stopped, raise_terminated
 
 log = logging.getLogger(__name__)
 _PHASE = re.compile(r"^step (\d+) (.+)$")  # a heartbeat's step name, as phase() writes it
@@ -76,9 +86,6 @@ class TrainingWatchdog:
     def start(self) -> None:
         """Every rank, once the process group exists (under deepspeed, rank 0 hosts the store from then on)."""
         from torch.distributed import PrefixStore
-
-        from toolkit.runtime.job import connect_store
-        from toolkit.runtime.watchdog import Watchdog, raise_terminated
 
         if self.timeout <= 0 or self.env is None or self.env.world_size < 2 or self.watchdog is not None:
             return
@@ -221,9 +228,6 @@ def kill_later(pids: list[int], delay_s: float) -> None:
 def record_restart(output_dir: Path, resume_from: str | None) -> None:
     """On a restarted launch (rank 0): why the previous attempt ended and where this one continues. A run the guard
     stopped is not restarted: the same data would stop it again (GuardStop, exit code 4)."""
-    from toolkit.runtime.guard import GuardStop
-    from toolkit.runtime.incident import restart_counts
-
     if not is_restart():
         return
     previous = [e for e in read_incidents(output_dir) if e.get("attempt") != restart_counts()]

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from toolkit.compat.torch_seams import collectives_issued
+
 log = logging.getLogger(__name__)
 PUBLISH_SPACING_S = 0.1  # a step entered is published at once, but at most this often however fast steps are
 MONITOR_RANKS = (0, 1)  # two monitors: a stopped rank 0 is still named; more would only load the store
@@ -166,8 +168,6 @@ def _collectives_issued() -> int:
     the group exists. Read from the heartbeat thread: one integer, no communication."""
     try:
         import torch.distributed as dist
-
-        from toolkit.compat.torch_seams import collectives_issued
 
         if not dist.is_initialized():
             return 0

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from toolkit.errors import UserInputError
 from toolkit.numeric import FINITE, SCALE_MAX, SCALE_MIN, WEEK_S
 from toolkit.readers import parse_yaml, read_text
+from toolkit.spec.cluster import get_gpu
 
 FORMAT = "dmt-calibration/1"
 # How a plan's GEMMs are executed, each with its own rate (toolkit/estimate/efficiency.py EXECUTION_PATHS, whose names
@@ -107,8 +108,6 @@ class Calibration(_Strict):
     @field_validator("hardware")
     @classmethod
     def _in_catalogue(cls, name: str) -> str:
-        from toolkit.spec.cluster import get_gpu
-
         try:
             return get_gpu(name).name
         except UserInputError as exc:
@@ -121,8 +120,6 @@ class Calibration(_Strict):
 
     def check_hardware(self, gpu_name: str, key: str) -> None:
         """Refuse to apply this calibration to a plan for other hardware: its efficiencies and links are another's."""
-        from toolkit.spec.cluster import get_gpu
-
         if self.hardware != get_gpu(gpu_name).name:
             raise UserInputError(key, f"{self.source or 'the calibration'} was fitted on {self.hardware} runs; this "
                                       f"plan is for {gpu_name}: calibrate on runs of {gpu_name} (dmt calibrate) or "

@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from toolkit.spec.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.families.linears import LINEARS, MOE, Linear
 from toolkit.numeric import FINITE, FiniteNumber
+from toolkit.spec.backends import backend_of
 
 Method = Literal["full", "lora", "qlora"]
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear module but the output head

@@ -16,8 +16,8 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic.fields import FieldInfo
 
-from toolkit.spec.backends import NAMES
 from toolkit.numeric import FINITE, PositiveInt
+from toolkit.spec.backends import NAMES
 
 Backend = Literal[NAMES]  # the registry's backends (toolkit/backends/__init__.py)
 ZeroStage = Literal[0, 1, 2, 3]

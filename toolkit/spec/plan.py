@@ -12,18 +12,18 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
 
-from toolkit.spec.backends import backend_of
 from toolkit.errors import UserInputError
+from toolkit.spec.backends import backend_of
 from toolkit.spec.finetune import FinetuneOptions, check_finetune, finetune_flag
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import (
     FUSED_ATTENTION,
     OPTION_NAMES,
     RECOMPUTE_MODULES,
+    VARIABLE_LENGTH_ATTENTION,
     PlanOptions,
     PositiveInt,
     RecomputeModule,
-    VARIABLE_LENGTH_ATTENTION,
     ZeroStage,
     choices,
     flag,

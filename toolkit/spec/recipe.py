@@ -22,8 +22,10 @@ from toolkit.errors import UserInputError, named_as
 from toolkit.numeric import FINITE, SEED_MAX, WEIGHT_MAX, WEIGHT_MIN, Seed
 from toolkit.outputs import word_problem
 from toolkit.readers import read_json, read_yaml
-from toolkit.spec.cluster import DEFAULT_GPU
+from toolkit.spec.calibration import load_calibration
+from toolkit.spec.cluster import DEFAULT_GPU, get_gpu
 from toolkit.spec.finetune import FinetuneOptions, finetune_field, finetune_key
+from toolkit.spec.model import PRESET_DIR, load_model_spec, spec_from_hf_dict
 from toolkit.spec.options import PlanOptions, default, default_text, option_name, recipe_key
 
 
@@ -166,8 +168,6 @@ class ClusterSection(_Strict):
     @field_validator("gpu")
     @classmethod
     def _in_catalogue(cls, name: str) -> str:
-        from toolkit.spec.cluster import get_gpu
-
         try:
             get_gpu(name)
             return name
@@ -382,8 +382,6 @@ def _exists(path: Path) -> bool:
 
 def recipe_model(recipe: Recipe):
     """The recipe's ModelSpec (model.source read like --model, or the inline HF config)."""
-    from toolkit.spec.model import load_model_spec, spec_from_hf_dict
-
     if recipe.model.config is not None:
         return spec_from_hf_dict(recipe.model.config, name=recipe.name)
     return load_model_spec(recipe.locate(recipe.model.source))
@@ -392,8 +390,6 @@ def recipe_model(recipe: Recipe):
 def recipe_calibration(recipe: Recipe, override: str | Path | None = None):
     """The calibration a recipe's predictions use: `override` (a --calibration flag), else cluster.calibration; checked
     to be one of cluster.gpu. None without either."""
-    from toolkit.spec.calibration import load_calibration
-
     if override is None and recipe.cluster.calibration is None:
         return None
     key = "--calibration" if override is not None else "cluster.calibration"
@@ -434,7 +430,6 @@ def recipe_hf_config(recipe: Recipe) -> dict:
     """The HF config dict to instantiate: the recipe's inline config, or the config file behind model.source."""
     if recipe.model.config is not None:
         return dict(recipe.model.config)
-    from toolkit.spec.model import PRESET_DIR
 
     source = recipe.model.source
     for candidate in (recipe.path(source), recipe.path(source) / "config.json", PRESET_DIR / f"{source}.json"):

@@ -11,6 +11,9 @@ import difflib
 import os
 from functools import lru_cache
 
+from toolkit.compat.stdlib_seams import parser_actions
+from toolkit.generate.fsdp import SETTING_KEYS, trainer_fsdp_config
+from toolkit.generate.parallelism import from_yaml_section, parallelism_config
 from toolkit.validate import Problem
 
 # FSDP1 keys, and what FSDP2 (fsdp_version 2) does instead (accelerate/utils/dataclasses.py
@@ -30,8 +33,6 @@ TRAINER_PRECISION = {"bf16": "bf16", "fp16": "fp16"}
 def _launch_keys() -> tuple[frozenset, frozenset]:
     """The fsdp_* and parallelism_config_* keys `accelerate launch` takes from a config file (its own flags)."""
     from accelerate.commands.launch import launch_command_parser
-
-    from toolkit.compat.stdlib_seams import parser_actions
 
     dests = {action.dest for action in parser_actions(launch_command_parser())}
     return (frozenset(d for d in dests if d.startswith("fsdp_")),
@@ -171,8 +172,6 @@ def _sizes(config: dict, world_size: int, fsdp: bool = True) -> list[Problem]:
 
 def _library_config(section: dict) -> list[Problem]:
     """Accelerate's own ParallelismConfig (and its sequence- or context-parallel handler) built from the section."""
-    from toolkit.generate.parallelism import from_yaml_section, parallelism_config
-
     with _environment_kept():  # the classes read PARALLELISM_CONFIG_* variables for what is not given
         for name in [n for n in os.environ if n.startswith("PARALLELISM_CONFIG_")]:
             del os.environ[name]
@@ -186,8 +185,6 @@ def _library_config(section: dict) -> list[Problem]:
 
 def _against_trainer(config: dict, fsdp: dict, trainer: dict) -> list[Problem]:
     """What the HF Trainer would do differently from the YAML: it builds its own FSDP plugin from its arguments."""
-    from toolkit.generate.fsdp import SETTING_KEYS, trainer_fsdp_config
-
     problems = []
     precision = "bf16" if trainer.get("bf16") else "fp16" if trainer.get("fp16") else "no"
     mixed = str(config.get("mixed_precision") or "no")
@@ -214,8 +211,6 @@ def _against_trainer(config: dict, fsdp: dict, trainer: dict) -> list[Problem]:
 
 def _parallelism_against_trainer(config: dict, trainer: dict) -> list[Problem]:
     """The Trainer builds its Accelerator from trainer_args' parallelism_config: it must say what accelerate.yaml says."""
-    from toolkit.generate.parallelism import from_yaml_section
-
     sizes = {f"{name}_size": size for name, size in parallel_sizes(config).items()}
     stated = {**sizes, **from_yaml_section(config.get("parallelism_config") or {})}
     theirs = trainer.get("parallelism_config") or {}

@@ -10,6 +10,8 @@ import functools
 import re
 from pathlib import Path
 
+from toolkit.estimate.memory import estimate_memory
+from toolkit.spec.plan import resolve_plan
 from toolkit.validate import Problem
 from toolkit.validate.trainer_args import fill_auto, trainer_problems
 
@@ -276,9 +278,6 @@ def deepspeed_plan_view(config: dict) -> dict[str, tuple[str, object]]:
 
 def memory_problem(config: dict, model, gpu, world_size: int, seq_len: int, recompute: str, pp: int = 1):
     """The toolkit's memory model applied to the config's layout: a Problem when it does not fit the GPU."""
-    from toolkit.estimate.memory import estimate_memory
-    from toolkit.spec.plan import resolve_plan
-
     options = {name: value for name, (_, value) in deepspeed_plan_view(config).items() if name != "grad_accum"}
     if "micro_batch" not in options:  # DeepSpeed derives it: train_batch_size / (accumulation x dp)
         dp = max(1, world_size // _ranks_per_replica(config, pp)[0])

@@ -11,13 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.spec.backends import backend_of
 from toolkit.errors import UserInputError
 from toolkit.generate.files import PLAN_FILE, recipe_settings
+from toolkit.generate.trainer_args import trainer_arguments
+from toolkit.planner.recipe import recipe_options, recipe_plan
 from toolkit.readers import read_json, read_yaml
+from toolkit.spec.backends import backend_of
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan, check_sequence_split, finetune_options, validated
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
+from toolkit.validate.accelerate_fsdp import accelerate_plan_view
+from toolkit.validate.deepspeed import deepspeed_plan_view, finetune_problems
+from toolkit.validate.megatron import megatron_plan_view, validate_megatron_config
+from toolkit.validate.trainer_args import trainer_defaults, trainer_plan_view
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,6 @@ def _check_recipe(record: dict, recipe: Recipe, plan_path: Path) -> None:
 def _check_plan_against_recipe(plan: Plan, recipe: Recipe, model: ModelSpec, record: dict, plan_path: Path) -> None:
     """Every option the recipe (and the overrides `dmt generate` was given) fixes must be the plan's; with an
     explicit plan, the whole resolved plan must be."""
-    from toolkit.planner.recipe import recipe_options, recipe_plan
-
     overrides = record.get("overrides") or {}
     if recipe.plan.auto:
         expected = {k: v for k, v in recipe_options(recipe, **overrides).items() if v is not None}
@@ -138,9 +142,6 @@ def _reporters(value) -> list:
 
 
 def _check_outward(path: Path, args: dict, recipe, plan: Plan) -> None:
-    from toolkit.generate.trainer_args import trainer_arguments
-    from toolkit.validate.trainer_args import trainer_defaults
-
     expected, defaults = trainer_arguments(recipe, plan, "", None), trainer_defaults()
     for key in OUTWARD_KEYS:
         want, got = expected.get(key, defaults.get(key)), args.get(key, defaults.get(key))
@@ -154,8 +155,6 @@ def _check_outward(path: Path, args: dict, recipe, plan: Plan) -> None:
 
 
 def read_deepspeed_json(path: Path, plan: Plan) -> dict:
-    from toolkit.validate.deepspeed import deepspeed_plan_view, finetune_problems
-
     config = read_json(path, what="the DeepSpeed config `dmt generate` writes")
     _check_view(path, deepspeed_plan_view(config), plan)
     for problem in finetune_problems(config, plan.finetune.method):
@@ -164,16 +163,12 @@ def read_deepspeed_json(path: Path, plan: Plan) -> dict:
 
 
 def read_trainer_args(path: Path, plan: Plan) -> dict:
-    from toolkit.validate.trainer_args import trainer_plan_view
-
     args = read_json(path, what="the TrainingArguments `dmt generate` writes")
     _check_view(path, trainer_plan_view(args), plan)
     return args
 
 
 def read_megatron_yaml(path: Path, plan: Plan) -> dict:
-    from toolkit.validate.megatron import megatron_plan_view
-
     config = read_yaml(path, what="the megatron.yaml `dmt generate` writes")
     _check_megatron_sections(path, config)
     _check_view(path, megatron_plan_view(config), plan)
@@ -186,8 +181,6 @@ def read_accelerate_yaml(path: Path, plan: Plan) -> dict:
 
 
 def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan) -> None:
-    from toolkit.validate.accelerate_fsdp import accelerate_plan_view
-
     problems = backend_of(plan).validate.accelerate_launch(config, plan.gpus, trainer)
     if problems:
         raise UserInputError(str(path), str(problems[0]))
@@ -195,8 +188,6 @@ def _check_accelerate(path: Path, config: dict, trainer: dict | None, plan: Plan
 
 
 def _check_megatron_sections(path: Path, config: dict) -> None:
-    from toolkit.validate.megatron import validate_megatron_config
-
     problems = validate_megatron_config(config)
     if problems:
         raise UserInputError(str(path), str(problems[0]))

@@ -10,11 +10,15 @@ import inspect
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.families.activations import MEGATRON_ACTIVATIONS
-from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS
+from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS, library_kwargs
+from toolkit.generate.megatron_args import megatron_args
 from toolkit.numeric import COUNT_MAX, SEED_MAX, WEIGHT_MAX, is_finite_number
+from toolkit.readers import read_yaml
+from toolkit.spec.engine_settings import megatron_padded_vocab
+from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
+from toolkit.spec.plan import resolve_plan
 from toolkit.validate import Problem
 from toolkit.validate.megatron_fields import DATA_KEYS, MODEL_TYPES, SCHEDULE_KEYS, SCHEDULE_OPTIONAL, field_problems
 
@@ -106,8 +110,6 @@ def _integers(config: dict) -> list[Problem]:
 
 
 def _model_spec(config: dict):
-    from toolkit.spec.model import ModelSpec
-
     tc, gpt = config[TC], config["gpt_model"]
     heads = tc["num_attention_heads"]
     experts = tc.get("num_moe_experts") or 0
@@ -185,8 +187,6 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
 def _plan_rules(config: dict) -> list[Problem]:
     """The toolkit's own plan rules (toolkit.spec.plan), applied to the numbers in the file."""
     from pydantic import ValidationError
-
-    from toolkit.spec.plan import resolve_plan
 
     tc, schedule = config[TC], config["schedule"]
     try:
@@ -271,8 +271,6 @@ def _library_checks(config: dict) -> list[Problem]:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from toolkit.generate.megatron import library_kwargs
-
     problems = []
     for section, cls in ((TC, TransformerConfig), ("ddp_config", DistributedDataParallelConfig),
                          ("optimizer_config", OptimizerConfig)):
@@ -349,8 +347,6 @@ def _data_problems(data) -> list[Problem]:
 
 def _argument_problems(config: dict) -> list[Problem]:
     """megatron_args.txt written from this file would carry each value as one word (argument_word's rule)."""
-    from toolkit.generate.megatron_args import megatron_args
-
     try:
         megatron_args(config)
     except UserInputError as exc:
@@ -369,6 +365,4 @@ def padding_note(config: dict) -> str | None:
 
 
 def read_megatron_yaml(path: Path) -> dict:
-    from toolkit.readers import read_yaml
-
     return read_yaml(path, "FILE", what="a megatron.yaml (a mapping of Megatron-Core sections)")

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.generate.trainer_args import HF_OPTIMIZERS
 from toolkit.validate import Problem
 
 # DeepSpeed scheduler -> HF lr_scheduler_type values that describe the same schedule
@@ -158,8 +159,6 @@ def trainer_problems(config: dict, trainer: dict, dp: int, config_path: Path | N
 
 def trainer_plan_view(trainer: dict) -> dict[str, tuple[str, object]]:
     """The plan options HF TrainingArguments state: option -> (the key, its value), for the keys the dict holds."""
-    from toolkit.generate.trainer_args import HF_OPTIMIZERS
-
     view = {}
     for name, key in (("micro_batch", "per_device_train_batch_size"), ("grad_accum", "gradient_accumulation_steps")):
         if key in trainer:

@@ -8,7 +8,10 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+from toolkit.backends.deepspeed.convert import convert_zero_to_hf
 from toolkit.backends.deepspeed.zero_checkpoint import MASTER_KEYS, OPTIM_SUFFIX, open_zero_checkpoint, rank_files
+from toolkit.checkpoint.finite import finding, lazy_nonfinite, lazy_tensors, nonfinite
+from toolkit.checkpoint.torch_zip import index_torch_file
 from toolkit.errors import UserInputError
 from toolkit.spec.backend import HFConversion
 
@@ -58,8 +61,6 @@ def inspect(path: Path) -> dict:
 
 def to_hf(ckpt_dir: Path, out_dir: Path, dtype: str, max_shard_size: str, config: Path | None, progress: bool,
           tag: str | None = None) -> dict:
-    from toolkit.backends.deepspeed.convert import convert_zero_to_hf
-
     result = convert_zero_to_hf(ckpt_dir, out_dir, tag=tag, dtype=dtype, max_shard_size=max_shard_size,
                                 config=config, progress=progress)
     return {"out_dir": str(result.out_dir), "tensors": result.tensors, "bytes": result.bytes_written,
@@ -69,9 +70,6 @@ def to_hf(ckpt_dir: Path, out_dir: Path, dtype: str, max_shard_size: str, config
 def _findings(checkpoint) -> Iterator:
     """Each trainable and frozen parameter's fp32 value by name, then every other floating tensor of every rank file
     (Adam's exp_avg and exp_avg_sq, 16-bit module weights, buffers) by its key."""
-    from toolkit.checkpoint.finite import finding, lazy_nonfinite, lazy_tensors, nonfinite
-    from toolkit.checkpoint.torch_zip import index_torch_file
-
     for name, tensor in checkpoint.tensors():
         yield finding(checkpoint.tag_dir, f"tensor {name}", nonfinite(tensor))
     for file in rank_files(checkpoint.tag_dir):

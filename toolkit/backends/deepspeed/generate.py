@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from toolkit.generate.accelerate import accelerate_config
+from toolkit.generate.deepspeed import deepspeed_config
+from toolkit.generate.parallelism import yaml_section
+from toolkit.generate.trainer_args import trainer_arguments
 from toolkit.numeric import json_text, yaml_text
 
 if TYPE_CHECKING:
@@ -14,15 +18,10 @@ if TYPE_CHECKING:
 
 
 def _deepspeed(ctx: GenerationContext) -> str:
-    from toolkit.generate.deepspeed import deepspeed_config
-
     return json_text(deepspeed_config(ctx.plan, ctx.recipe.training, ctx.recipe.deepspeed), indent=2) + "\n"
 
 
 def _accelerate(ctx: GenerationContext) -> str:
-    from toolkit.generate.accelerate import accelerate_config
-    from toolkit.generate.parallelism import yaml_section
-
     config = accelerate_config(ctx.recipe, ctx.plan, str(ctx.out_dir / "deepspeed.json"))
     arguments = parallelism_arguments(ctx.plan)
     if arguments:
@@ -31,8 +30,6 @@ def _accelerate(ctx: GenerationContext) -> str:
 
 
 def _trainer_args(ctx: GenerationContext) -> str:
-    from toolkit.generate.trainer_args import trainer_arguments
-
     args = trainer_arguments(ctx.recipe, ctx.plan, str(ctx.out_dir / "run"), str(ctx.out_dir / "deepspeed.json"))
     return json_text(args, indent=2) + "\n"
 

@@ -9,10 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.backends.deepspeed.checkpoint import MANIFEST_FORMAT
+from toolkit.backends.deepspeed.universal import universal_checkpoint
 from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
 from toolkit.backends.hf_trainer import train  # noqa: F401 (the backend's entry, train.py calls it)
 from toolkit.errors import UserInputError
+from toolkit.generate.deepspeed import deepspeed_config
 from toolkit.readers import read_json
+from toolkit.runtime.ds_shm import release_at_exit
+from toolkit.validate.deepspeed import validate_deepspeed_config
 
 if TYPE_CHECKING:
     from toolkit.spec.plan import Plan
@@ -31,8 +35,6 @@ def adapt_for_cpu(ds_config: dict) -> dict:
 def deepspeed_config_of(recipe: Recipe, plan: Plan, path: str | None, generated: dict | None) -> dict:
     """The DeepSpeed config this run trains with: the generated file's (as plan.json's directory holds it), a file
     given with --deepspeed, or the generator's output for the recipe's plan."""
-    from toolkit.generate.deepspeed import deepspeed_config
-
     if generated is not None:
         config = json.loads(json.dumps(generated))
     elif path:
@@ -72,8 +74,6 @@ class DeepSpeedPath(HFPath):
         if resharded:
             args_dict["deepspeed"].setdefault("checkpoint", {})["load_universal"] = True
         if deepspeed_json or generated_deepspeed is not None:
-            from toolkit.validate.deepspeed import validate_deepspeed_config
-
             problems = validate_deepspeed_config(args_dict["deepspeed"], world, trainer_args=args_dict)
             if problems:
                 raise UserInputError("deepspeed.json" if generated_deepspeed is not None else "--deepspeed",
@@ -85,12 +85,8 @@ class DeepSpeedPath(HFPath):
 
         deepspeed.init_distributed()  # before the model: ZeRO-3's zero.Init partitions it at construction
         if recipe.cluster.accelerator == "cpu":
-            from toolkit.runtime.ds_shm import release_at_exit
-
             release_at_exit()
         if resharded:
-            from toolkit.backends.deepspeed.universal import universal_checkpoint
-
             return universal_checkpoint(resume_path, output_dir)
         return resume_path
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.checkpoint.torch_zip import index_torch_file
 from toolkit.errors import UserInputError
 from toolkit.readers import inside, read_text
 
@@ -33,8 +34,6 @@ def rank_files(tag_dir: Path) -> list[Path]:
 
 
 def _load(path: Path):
-    from toolkit.checkpoint.torch_zip import index_torch_file
-
     return index_torch_file(path, root=path.parent)  # a rank file linked to elsewhere is refused
 
 

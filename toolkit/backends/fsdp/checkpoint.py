@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from toolkit.backends.fsdp.convert import convert_fsdp_to_hf
 from toolkit.checkpoint.dcp_check import check_dcp, dcp_contents
 from toolkit.spec.backend import HFConversion
 
@@ -46,7 +47,5 @@ def inspect(path: Path) -> dict:
 
 def to_hf(ckpt_dir: Path, out_dir: Path, dtype: str, max_shard_size: str, config: Path | None,
           progress: bool) -> dict:
-    from toolkit.backends.fsdp.convert import convert_fsdp_to_hf
-
     return convert_fsdp_to_hf(ckpt_dir, out_dir, dtype=dtype, max_shard_size=max_shard_size, config=config,
                               progress=progress)

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 
 from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT
 from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
+from toolkit.backends.peft_model import save_sharded_adapter
+from toolkit.compat.accelerate_seams import fsdp_on_cpu_ranks
+from toolkit.compat.torch_seams import fsdp_param_groups
 from toolkit.errors import UserInputError
 from toolkit.spec.plan import Plan
 
@@ -67,8 +70,6 @@ def offload_policies(model) -> set[str]:
     """The class names of the offload policies of the model's FSDP2 parameter groups (CPUOffloadPolicy or
     OffloadPolicy): what fully_shard was really given, not what the plugin was asked for."""
     from torch.distributed.fsdp import FSDPModule
-
-    from toolkit.compat.torch_seams import fsdp_param_groups
 
     names = set()
     for module in model.modules():
@@ -177,7 +178,6 @@ class FsdpPath(HFPath):
 
         if torch.cuda.is_available():
             return super().accelerator_building(plan)
-        from toolkit.compat.accelerate_seams import fsdp_on_cpu_ranks
 
         return fsdp_on_cpu_ranks()
 
@@ -192,8 +192,6 @@ class FsdpPath(HFPath):
             model.config.save_pretrained(checkpoint)
 
     def save_adapter(self, model, checkpoint, is_main):
-        from toolkit.backends.peft_model import save_sharded_adapter
-
         save_sharded_adapter(model, checkpoint, is_main)
 
 
@@ -202,6 +200,6 @@ HF_PATH = FsdpPath()
 
 def train(context: TrainContext) -> dict:
     """train.py's entry: the HF Trainer with Accelerate's FSDP2 plugin from the generated trainer arguments."""
-    from toolkit.backends.hf_trainer import train as train_hf
+    from toolkit.backends.hf_trainer import train as train_hf  # lazy: transformers (the fsdp part loads at plan time)
 
     return train_hf(context)

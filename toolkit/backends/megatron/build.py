@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from toolkit.compat.megatron_seams import moe_without_transformer_engine
 from toolkit.errors import UserInputError
 from toolkit.generate.megatron import library_kwargs
 
@@ -35,7 +36,7 @@ def device_context():
 
     if torch.cuda.is_available():
         return contextlib.nullcontext()
-    from toolkit.compat.megatron_cpu import cuda_on_cpu
+    from toolkit.compat.megatron_cpu import cuda_on_cpu  # lazy: megatron (CPU ranks only)
 
     return cuda_on_cpu()
 
@@ -107,8 +108,6 @@ def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
 
     spec = layer_spec(config, tc)
     if tc.num_moe_experts:
-        from toolkit.compat.megatron_seams import moe_without_transformer_engine
-
         moe_without_transformer_engine()
     vpp = tc.virtual_pipeline_model_parallel_size
     chunks = []

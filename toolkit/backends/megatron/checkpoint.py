@@ -19,9 +19,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from toolkit.backends.megatron.build import unwrapped
 from toolkit.backends.megatron.convert import megatron_to_hf
 from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT  # the part's hook: the format's name
 from toolkit.checkpoint.dcp_check import check_dcp, dcp_contents
+from toolkit.checkpoint.manifest import data_position, point_latest, read_manifest, write_manifest
 from toolkit.compat.megatron_seams import torch_adam_distributed_load
 from toolkit.errors import UserInputError
 from toolkit.spec.backend import HFConversion
@@ -46,8 +48,6 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp", "ep", "distributed_optimizer", "mi
 
 
 def _model_state(setup: MegatronSetup) -> dict:
-    from toolkit.backends.megatron.build import unwrapped
-
     chunks = unwrapped(setup)
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
@@ -109,8 +109,6 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
-
     ckpt = output_dir / f"checkpoint-{step}"
     sharding = ASYNC_SHARDING if saves.asynchronous else SYNC_SHARDING
 
@@ -152,9 +150,6 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    from toolkit.backends.megatron.build import unwrapped
-    from toolkit.checkpoint.manifest import read_manifest
 
     manifest = read_manifest(ckpt)
     if manifest is None:

@@ -18,15 +18,27 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.backends.megatron.build import (
+    build_model_chunks,
+    destroy,
+    device_context,
+    initialize_parallel,
+    transformer_config,
+)
 from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT, chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
 from toolkit.checkpoint.hf_config import config_file, copy_side_file, read_hf_config
+from toolkit.checkpoint.manifest import write_manifest
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
-from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
+from toolkit.checkpoint.safetensors_stream import DTYPES, ShardedSafetensorsWriter, parse_size, safetensors_weight_map
 from toolkit.errors import UserInputError
+from toolkit.families import megatron_fields, megatron_mapping
 from toolkit.families.mapping import PADDED_VOCAB
 from toolkit.readers import read_safetensors_header
+from toolkit.spec.engine_settings import megatron_padded_vocab
+from toolkit.spec.model import spec_from_hf_dict
+from toolkit.spec.plan import resolve_plan
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -43,9 +55,6 @@ class MegatronConversion:
 
 def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int) -> None:
     """The layout rules of `toolkit.spec.plan` (heads and kv groups by TP, layers by PP x VPP, experts by EP)."""
-    from toolkit.spec.model import spec_from_hf_dict
-    from toolkit.spec.plan import resolve_plan
-
     model = spec_from_hf_dict(hf_config, hf_config.get("model_type", "model"))
     resolve_plan(model, tp * pp * ep, backend="megatron", gpus_per_node=tp * pp * ep, tp=tp, pp=pp, vpp=vpp, ep=ep,
                  micro_batch=1, seq_len=min(128, model.max_position_embeddings or 128))
@@ -54,9 +63,6 @@ def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int) -> None:
 def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
                           padded_vocab: int | None = None) -> dict:
     """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec)."""
-    from toolkit.families import megatron_fields
-    from toolkit.spec.engine_settings import megatron_padded_vocab
-
     sections = megatron_fields(hf_config)
     vocab = sections["model"]["vocab_size"]
     return {
@@ -92,14 +98,6 @@ def megatron_model(config: dict, device: str | None = None):
     """A GPTModel (one chunk, this rank's part at the config's layout) inside Megatron-Core's process groups; built
     under `torch.device(device)` when given ("meta": shapes only)."""
     import torch
-
-    from toolkit.backends.megatron.build import (
-        build_model_chunks,
-        destroy,
-        device_context,
-        initialize_parallel,
-        transformer_config,
-    )
 
     with device_context():
         initialize_parallel(config)
@@ -147,8 +145,6 @@ class HFTensors:
     def meta(self, name: str):
         import torch
 
-        from toolkit.checkpoint.safetensors_stream import DTYPES
-
         with self._open(name) as handle:
             piece = handle.get_slice(name)
             shape, code = piece.get_shape(), piece.get_dtype()
@@ -181,9 +177,6 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     check_output_dir(out_dir, inputs=[hf_dir])
     import torch
     from tqdm import tqdm
-
-    from toolkit.checkpoint.manifest import write_manifest
-    from toolkit.families import megatron_mapping
 
     padded = megatron_model_config(hf_config, tp=tp)["gpt_model"]["vocab_size"]  # written whole (TP=1), padded for --tp
     config = megatron_model_config(hf_config, padded_vocab=padded)
@@ -273,9 +266,6 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
 
     import torch
     from tqdm import tqdm
-
-    from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
-    from toolkit.families import megatron_mapping
 
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
     if out_dtype is None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.checkpoint.dcp import LiveBytes, tracker
+from toolkit.compat.torch_seams import storage_entry
 
 # the manifest's `format` of a Megatron-Core dist_checkpointing (torch_dist) checkpoint, as training saves it and this
 # writer writes it (the checkpoint part's MANIFEST_FORMAT)
@@ -118,8 +119,6 @@ def one_item_at_a_time_writer(out_dir: Path):
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
-
-    from toolkit.compat.torch_seams import storage_entry
 
     class OneItemAtATimeWriter(FileSystemWriter):
         def write_data(self, plan, planner):

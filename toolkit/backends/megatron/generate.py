@@ -5,27 +5,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from toolkit.generate.megatron import megatron_config, megatron_yaml
+from toolkit.generate.megatron_args import megatron_args_text
+from toolkit.spec.recipe import recipe_hf_config
+
 if TYPE_CHECKING:
     from toolkit.generate.files import GenerationContext
     from toolkit.spec.plan import Plan
 
 
 def _config(ctx: GenerationContext) -> dict:
-    from toolkit.generate.megatron import megatron_config
-    from toolkit.spec.recipe import recipe_hf_config
-
     return megatron_config(ctx.recipe, ctx.model, ctx.plan, recipe_hf_config(ctx.recipe))
 
 
 def _megatron_yaml(ctx: GenerationContext) -> str:
-    from toolkit.generate.megatron import megatron_yaml
-
     return megatron_yaml(_config(ctx), ctx.recipe.name)
 
 
 def _megatron_args(ctx: GenerationContext) -> str:
-    from toolkit.generate.megatron_args import megatron_args_text
-
     return megatron_args_text(_config(ctx), ctx.recipe.name)
 
 

@@ -17,8 +17,23 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.backends.megatron.build import init_distributed
+from toolkit.backends.megatron.convert import (
+    check_layout,
+    checkpoint_vocab,
+    hf_weight_map,
+    load_weights,
+    megatron_model,
+    megatron_model_config,
+    single_process_group,
+)
+from toolkit.checkpoint.hf_config import read_hf_config
+from toolkit.checkpoint.safe_load import check_checkpoint
 from toolkit.errors import UserInputError
+from toolkit.families import megatron_fields
 from toolkit.numeric import finite_float
+from toolkit.runtime.children import Children
+from toolkit.runtime.ports import free_port
 
 BATCH, SEQ = 2, 32
 
@@ -38,8 +53,6 @@ class LogitCheck:
 
 def _tokens(hf_config: dict):
     import torch
-
-    from toolkit.families import megatron_fields
 
     sections = megatron_fields(hf_config)
     seq = min(SEQ, sections["gpt_model"].get("max_sequence_length") or SEQ)
@@ -62,8 +75,6 @@ def megatron_logits(ckpt: Path, hf_config: dict, tp: int, pp: int, tokens):
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from toolkit.backends.megatron.convert import checkpoint_vocab, load_weights, megatron_model, megatron_model_config
 
     config = megatron_model_config(hf_config, tp=tp, pp=pp, padded_vocab=checkpoint_vocab(ckpt))
     config["transformer_config"]["pipeline_dtype"] = "float32"
@@ -94,8 +105,6 @@ def megatron_logits(ckpt: Path, hf_config: dict, tp: int, pp: int, tokens):
 
 def compare(hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float) -> LogitCheck | None:
     """This rank's part of the comparison; the result on the rank that holds the logits (None elsewhere)."""
-    from toolkit.checkpoint.hf_config import read_hf_config
-
     hf_config = read_hf_config(hf_dir, "HF_DIR")
     tokens = _tokens(hf_config)
     got = megatron_logits(ckpt, hf_config, tp, pp, tokens)
@@ -118,12 +127,6 @@ def _writer(tp: int, pp: int) -> bool:
 
 def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: float = 1e-4) -> LogitCheck:
     """Compare in this process (TP x PP = 1) or in a torchrun launch of TP x PP processes."""
-    from toolkit.backends.megatron.convert import check_layout, hf_weight_map, single_process_group
-    from toolkit.checkpoint.hf_config import read_hf_config
-    from toolkit.checkpoint.safe_load import check_checkpoint
-    from toolkit.runtime.children import Children
-    from toolkit.runtime.ports import free_port
-
     check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, 1)
     hf_weight_map(hf_dir)  # the HF side's weights exist, before any model is built or rank launched
     if not ckpt.is_dir():
@@ -160,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=finite_float, default=1e-4)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-
-    from toolkit.backends.megatron.build import init_distributed
 
     init_distributed()
     import torch.distributed as dist

@@ -19,6 +19,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from toolkit.backends.background_saves import BackgroundSaves, InFlight, in_thread
+from toolkit.backends.loop import reduced_flag
+from toolkit.compat.megatron_async import copied, needs_copy, prepared, released, start_writer, stop_writer
+from toolkit.runtime import faults
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,6 @@ class CheckpointSaves(BackgroundSaves):
             return
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        from toolkit.compat.megatron_async import start_writer
-
         self.calls = AsyncCallsQueue(persistent=True)
         self.written = start_writer(self.calls, self.wait_s)
         self.watch.before_exit(self.abandon)
@@ -61,8 +62,6 @@ class CheckpointSaves(BackgroundSaves):
             return
         import torch.distributed as dist
 
-        from toolkit.compat.megatron_async import copied, needs_copy, prepared
-
         request = write(True)
         save = InFlight(step, checkpoint, started)
         request.add_finalize_fn(functools.partial(self._written, save, complete))
@@ -75,8 +74,6 @@ class CheckpointSaves(BackgroundSaves):
         save.blocked_s = time.perf_counter() - started
 
     def _schedule(self, request) -> None:
-        from toolkit.compat.megatron_async import released
-
         self.calls.schedule_async_request(request)
         released(request)
         self.scheduled += 1
@@ -100,8 +97,6 @@ class CheckpointSaves(BackgroundSaves):
     def poll(self) -> None:
         """Every rank at the same point of every step: a finished background write is finalized now (Megatron-Core's
         metadata), and once rank 0 has hashed its files, completed (the manifest, `latest`)."""
-        from toolkit.backends.loop import reduced_flag
-
         self.handed_over()
         save = self.in_flight
         if save is None:
@@ -116,8 +111,6 @@ class CheckpointSaves(BackgroundSaves):
             save.blocked_s += time.perf_counter() - save.poll_started
 
     def _give_up(self) -> None:
-        from toolkit.compat.megatron_async import stop_writer
-
         stop_writer(self.calls)
 
     def close(self, step: int) -> None:
@@ -131,8 +124,6 @@ class CheckpointSaves(BackgroundSaves):
     def abandon(self) -> None:
         """This rank is ended by the watchdog: its write in progress may finish (at most `wait_s`), then the writer
         ends; the checkpoint gets no manifest (the other ranks did not agree it was complete)."""
-        from toolkit.compat.megatron_async import stop_writer
-
         if self.calls is None:
             return
         if self.copying is not None:  # its copy never reached the writer: nothing of it is being written
@@ -146,7 +137,5 @@ class CheckpointSaves(BackgroundSaves):
 
 def _persist(step: int, rank: int, write, *args, **kwargs) -> None:
     """A background write, in this rank's writer process: the test faults of the `persist` phase, then the write."""
-    from toolkit.runtime import faults
-
     faults.at_phase(step, "persist", rank)
     write(*args, **kwargs)

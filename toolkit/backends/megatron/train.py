@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from toolkit.backends.megatron.training import train as train_megatron
+
 if TYPE_CHECKING:
     from toolkit.backends.context import TrainContext
 
@@ -12,7 +14,5 @@ HF_PATH = None  # it trains Megatron-Core's modules in its own loop, not the HF 
 
 def train(context: TrainContext) -> dict:
     """train.py's entry (the same for every backend): the generated megatron.yaml trains."""
-    from toolkit.backends.megatron.training import train as train_megatron
-
     return train_megatron(context.recipe, context.model, context.plan, context.output_dir, context.resume,
                           context.run.megatron, context.throughput, context.watch)

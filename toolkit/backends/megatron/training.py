@@ -10,20 +10,46 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from toolkit.backends.background_saves import save_wait_s
+from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
+from toolkit.backends.loop import (
+    BatchFingerprints,
+    StepGuard,
+    check_world,
+    global_batch_fingerprint,
+    save_and_exit_requested,
+    write_step_record,
+)
+from toolkit.backends.megatron.build import build, destroy, device_context, init_distributed, unwrapped
+from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.backends.megatron.saves import CheckpointSaves
+from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
+from toolkit.compat.megatron_seams import chained_step
+from toolkit.data.blend import RankSteps, build_datasets, stack_samples
 from toolkit.errors import UserInputError
+from toolkit.estimate.measure import peak_live_bytes
+from toolkit.generate.megatron import megatron_config
+from toolkit.readers import hf_tokenizer
+from toolkit.runtime import faults
+from toolkit.runtime.guard import LossGuard, read_grad_norm
+from toolkit.runtime.metrics import (
+    MetricsWriter,
+    Throughput,
+    WandbRun,
+    configure_wandb,
+    gpu_memory_of_ranks,
+)
 from toolkit.runtime.supervision import TrainingWatchdog
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import Recipe, recipe_hf_config
+from toolkit.spec.recipe import Recipe, data_workers, recipe_hf_config
+from toolkit.validate.megatron import validate_megatron_config
 
 log = logging.getLogger(__name__)
 
 
 def megatron_yaml_for(recipe: Recipe, model: ModelSpec, plan: Plan) -> dict:
     """The megatron.yaml dict of this run (the same function `dmt generate` writes the file with), validated."""
-    from toolkit.generate.megatron import megatron_config
-    from toolkit.validate.megatron import validate_megatron_config
-
     config = megatron_config(recipe, model, plan, recipe_hf_config(recipe))
     problems = validate_megatron_config(config, plan.gpus)
     if problems:  # the plan passed resolve_plan, so this is a rule only Megatron-Core knows
@@ -37,9 +63,6 @@ def megatron_step_peaks(recipe, model, plan, tokens) -> dict[str, tuple[int, str
     (forward and backward), each after a first forward and backward, which makes Megatron-Core's global memory
     buffer once. Run inside toolkit.compat.megatron_cpu.cuda_on_cpu() on CPU ranks."""
     import torch
-
-    from toolkit.backends.megatron.build import build, destroy, unwrapped
-    from toolkit.estimate.measure import peak_live_bytes
 
     gpt = unwrapped(build(megatron_yaml_for(recipe, model, plan)))[0]
     gpt.train()
@@ -60,9 +83,6 @@ def megatron_step_peaks(recipe, model, plan, tokens) -> dict[str, tuple[int, str
 def _tokenised_data(recipe: Recipe, output_dir: Path, seq_len: int):
     """The HF backend's tokenizer and packed blocks (rank 0 builds and saves the tokenizer, the others load it)."""
     import torch.distributed as dist
-
-    from toolkit.backends.data import build_tokenizer, load_texts, packed_datasets
-    from toolkit.readers import hf_tokenizer
 
     tokenizer_dir = output_dir / "tokenizer"
     for turn in (0, 1):  # rank 0 first (it also fills the datasets cache), then everyone else
@@ -113,8 +133,6 @@ class GlobalBatches:
                 "position_ids": torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)}
 
     def fingerprint(self, step: int, rank_batch: dict) -> str:
-        from toolkit.backends.loop import global_batch_fingerprint
-
         return global_batch_fingerprint(self.tokens(self.indices(step)))
 
 
@@ -127,9 +145,6 @@ class BlendBatches:
     def __init__(self, dataset, recipe: Recipe, plan: Plan, dp_rank: int, first_step: int, last_step: int):
         import torch
         from torch.utils.data import DataLoader
-
-        from toolkit.data.blend import RankSteps, stack_samples
-        from toolkit.spec.recipe import data_workers
 
         steps = RankSteps(plan.global_batch, dp_rank, plan.dp, first_step, last_step)
         workers = data_workers(recipe)
@@ -149,8 +164,6 @@ class BlendBatches:
     def fingerprint(self, step: int, rank_batch: dict) -> str:
         """The global batch's data fingerprint from every DP rank's share (a collective over the DP group)."""
         from megatron.core import parallel_state
-
-        from toolkit.backends.loop import BatchFingerprints
 
         samples = BatchFingerprints()
         samples.add(rank_batch["tokens"])
@@ -216,10 +229,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     (checked against plan.json by toolkit.validate.generated); without it the generator makes it from the recipe.
     `throughput` (toolkit.runtime.metrics.Throughput, from train.py) turns step times into tokens/s and MFU; `watch`
     is this rank's toolkit.runtime.supervision.TrainingWatchdog."""
-    from toolkit.backends.loop import check_world
-    from toolkit.backends.megatron.build import device_context, init_distributed
-    from toolkit.backends.resume import resume_checkpoint, run_identity
-
     check_world(plan)
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     config = config if config is not None else megatron_yaml_for(recipe, model_spec, plan)
@@ -229,7 +238,6 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     init_distributed()
     with device_context():
         if recipe.data.blend:  # Megatron-Core's own datasets (rank 0 builds the index cache, the others wait)
-            from toolkit.data.blend import build_datasets
 
             train_set, _ = build_datasets(recipe, plan.seq_len, plan.global_batch, output_dir,
                                           config["model"]["vocab_size"])
@@ -255,9 +263,6 @@ def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) 
     the gradients. A verdict leaves the update and the scheduler step out (`stop` raises first; a rollback waits for
     the save in flight, then reloads); an update first waits for a background save's copy of the state
     (`saves.handed_over`)."""
-    from toolkit.compat.megatron_seams import chained_step
-    from toolkit.runtime.guard import read_grad_norm
-
     def proceed(grad_norm: float) -> bool:
         verdict = guard.judge(step, loss, grad_norm)
         if verdict.action is None:
@@ -281,22 +286,6 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from toolkit.backends.background_saves import save_wait_s
-    from toolkit.backends.loop import StepGuard, save_and_exit_requested, write_step_record
-    from toolkit.backends.megatron.build import build, destroy
-    from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from toolkit.backends.megatron.saves import CheckpointSaves
-    from toolkit.backends.resume import guard_window
-    from toolkit.runtime import faults
-    from toolkit.runtime.guard import LossGuard
-    from toolkit.runtime.metrics import (
-        MetricsWriter,
-        Throughput,
-        WandbRun,
-        configure_wandb,
-        gpu_memory_of_ranks,
-    )
 
     setup = build(config)
     step = load_checkpoint(setup, resume_path, plan) if resume_path else 0

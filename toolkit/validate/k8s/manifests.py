@@ -12,18 +12,19 @@ import json
 from dataclasses import dataclass, field
 
 from toolkit.errors import UserInputError
-from toolkit.k8s import names
-from toolkit.k8s.render import (
+from toolkit.generate.k8s import names
+from toolkit.generate.k8s.render import (
     CONTAINER,
     GPU_RESOURCE,
     PET_VARIABLES,
     PLAN_ANNOTATION,
     SHM_MOUNT,
 )
-from toolkit.k8s.schemas import cel_problems, crd_file, schema_problems
-from toolkit.k8s.shm import quantity, quantity_bytes, shm_bytes
-from toolkit.k8s.versions import version_problems
+from toolkit.generate.k8s.shm import quantity, quantity_bytes, shm_bytes
+from toolkit.spec.plan import Plan, validated
 from toolkit.validate import Problem
+from toolkit.validate.k8s.schemas import cel_problems, crd_file, schema_problems
+from toolkit.validate.k8s.versions import version_problems
 
 JOB_KINDS = ("TrainJob", "JobSet", "PyTorchJob")
 
@@ -151,8 +152,6 @@ def _no_container(kind: str, key: str, name: str) -> _NoContainer:
 
 def _recorded_plan(job: dict, world_size: int | None) -> tuple[object, str | None, list[Problem]]:
     """The plan `dmt k8s render` recorded in the manifest (with the accelerator), or None for a hand-written one."""
-    from toolkit.spec.plan import Plan, validated
-
     text = _dig(job, "metadata", "annotations", PLAN_ANNOTATION)
     if text is None:
         if world_size is None:

@@ -10,6 +10,7 @@ import math
 import re
 
 from toolkit.spec.plan import Plan
+from toolkit.spec.recipe import IN_MEMORY_WORKERS
 
 NCCL_SHM_PER_COMMUNICATOR = 33 * 10**6  # bytes, the Trainer docs' "roughly 33 MB"
 PREFETCH_FACTOR = 2  # torch DataLoader's batches in flight per worker (its default)
@@ -27,8 +28,6 @@ def communicators(plan: Plan) -> dict[str, int]:
 def shm_bytes(plan: Plan, ranks_per_node: int, loader_workers: int | None = None) -> int:
     """The /dev/shm a node of ranks_per_node ranks needs, rounded up to whole MiB; `loader_workers`: the recipe's data
     loader workers per rank (toolkit.spec.recipe.data_workers), the in-memory sources' default when not known."""
-    from toolkit.spec.recipe import IN_MEMORY_WORKERS
-
     nccl = len(communicators(plan)) * NCCL_SHM_PER_COMMUNICATOR
     batch = plan.micro_batch * plan.seq_len * TOKEN_TENSORS * 8
     workers = (IN_MEMORY_WORKERS if loader_workers is None else loader_workers) * PREFETCH_FACTOR * batch

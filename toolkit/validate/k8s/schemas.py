@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 
-from toolkit.k8s.names import DNS_LABEL, DNS_SUBDOMAIN
-from toolkit.k8s.vendored import SCHEMAS, crd
+from toolkit.generate.k8s.names import DNS_LABEL, DNS_SUBDOMAIN
+from toolkit.generate.k8s.vendored import SCHEMAS, crd
 
 # ObjectMeta as a client may send it (the CRDs say only `type: object`; the API server checks it itself)
 OBJECT_META = {"type": "object", "additionalProperties": False, "properties": {

@@ -13,7 +13,7 @@ From kubeflow/trainer's history of manifests/base/crds/trainer.kubeflow.org_trai
 
 from __future__ import annotations
 
-from toolkit.k8s.vendored import SCHEMAS, release
+from toolkit.generate.k8s.vendored import SCHEMAS, release
 
 # (kind, dotted key) -> (the releases that had it, what the vendored release has instead)
 RETIRED_FIELDS = {

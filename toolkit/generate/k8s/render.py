@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from toolkit.errors import UserInputError
+from toolkit.generate.k8s import names
+from toolkit.generate.k8s.shm import quantity, shm_bytes
+from toolkit.generate.k8s.vendored import stock_runtime
 from toolkit.generate.launch import job_variables, plan_variables, preflight_flags
-from toolkit.k8s import names
-from toolkit.k8s.shm import quantity, shm_bytes
-from toolkit.k8s.vendored import stock_runtime
 from toolkit.numeric import yaml_text
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, data_workers
