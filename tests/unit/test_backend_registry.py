@@ -142,7 +142,7 @@ def test_the_protocol_check_sees_a_missing_hook_and_a_renamed_parameter():
 
 def test_no_module_reaches_a_part_by_string():
     """Parts are attributes an editor can follow: no `.part("memory")` or import of a part's module by a computed
-    name outside the registry's one loader (toolkit/spec/backend.py Backend._part)."""
+    name outside the registry's one loader (toolkit/spec/backend.py Backend._module)."""
     found = [f"{path.relative_to(ROOT)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if ('.part("' in line or 'import_module(f"toolkit.backends' in line)

@@ -157,6 +157,17 @@ def test_a_sound_run_is_reported_with_its_figures_and_calibrates_for_its_gpu(tmp
     assert yaml.safe_load(out.read_text())["hardware"] == "h100-80gb"
 
 
+def test_an_mfu_above_one_is_implausible_only_against_a_datasheet_peak(tmp_path, capsys, prediction):
+    """On the host entry (CPU ranks) the peak is a matmul probe measured at launch, which a run's own GEMMs can beat
+    (the calibration benchmark's Megatron-Core run at micro-batch 8 logged 1.0009): its run is reported, not damaged.
+    The same MFU on a catalogue GPU is damage (the DAMAGE table's 500%)."""
+    for gpu, status in (("cpu", "completed"), ("h100-80gb", "damaged")):
+        run = _write_run(tmp_path / gpu, {**prediction, "gpu": gpu}, device=CPU_RANKS if gpu == "cpu" else H100)
+        _edit_line(2, mfu=1.0009)(run)
+        entry = _report(capsys, run)["runs"][0]
+        assert entry["status"] == status, entry["reason"]
+
+
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_run_is_reported_as_damaged_without_figures_and_calibrate_refuses_it(tmp_path, capsys, prediction,
                                                                                        damage):

@@ -177,42 +177,42 @@ class Backend:
             return False
         return asked if asked is not None else accelerator != "cpu"
 
-    def _part(self, part: str):
+    def _module(self, part: str):
         """The part's module, imported on first use (the one place a part is named by string)."""
         return importlib.import_module(f"toolkit.backends.{self.name}.{part}")
 
     @property
     def rules(self) -> RulesPart:
-        return self._part("rules")
+        return self._module("rules")
 
     @property
     def search(self) -> SearchPart:
-        return self._part("search")
+        return self._module("search")
 
     @property
     def memory(self) -> MemoryPart:
-        return self._part("memory")
+        return self._module("memory")
 
     @property
     def timing(self) -> TimingPart:
-        return self._part("timing")
+        return self._module("timing")
 
     @property
     def explain(self) -> ExplainPart:
-        return self._part("explain")
+        return self._module("explain")
 
     @property
     def generate(self) -> GeneratePart:
-        return self._part("generate")
+        return self._module("generate")
 
     @property
     def validate(self) -> ValidatePart:
-        return self._part("validate")
+        return self._module("validate")
 
     @property
     def train(self) -> TrainPart:
-        return self._part("train")
+        return self._module("train")
 
     @property
     def checkpoint(self) -> CheckpointPart:
-        return self._part("checkpoint")
+        return self._module("checkpoint")
