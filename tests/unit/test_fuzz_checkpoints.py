@@ -159,17 +159,20 @@ def _dcp_path_out(dcp_dir: Path, outside: Path) -> Path:
     return dcp_dir / ".metadata"
 
 
+def _storage_pointed(dcp_dir, kind: str, outside) -> list:
+    """A DCP directory's storage file made one of POINTED's kinds, or its metadata pointed out of the checkpoint with
+    ../; what the refusal must name."""
+    if kind == "a path with ../":
+        _dcp_path_out(dcp_dir, outside)
+        return ["leads outside"]
+    return [dcp_dir / "__0_0.distcp", POINTED[kind](dcp_dir / "__0_0.distcp", outside)]
+
+
 @pytest.mark.parametrize("kind", [*sorted(POINTED), "a path with ../"])
 @pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "ckpt inspect", "convert fsdp-to-hf",
                                   "resume"])
 def test_a_dcp_storage_path_that_blocks_or_leads_out_is_refused(fsdp_checkpoint, tmp_path, verb, kind):
-    dcp_dir = fsdp_checkpoint / "pytorch_model_fsdp_0"
-    outside = tmp_path / "outside"
-    if kind == "a path with ../":
-        _dcp_path_out(dcp_dir, outside)
-        says = ["leads outside"]
-    else:
-        says = [dcp_dir / "__0_0.distcp", POINTED[kind](dcp_dir / "__0_0.distcp", outside)]
+    says = _storage_pointed(fsdp_checkpoint / "pytorch_model_fsdp_0", kind, tmp_path / "outside")
     _run_verb(verb, fsdp_checkpoint, tmp_path / "hf", *says)
 
 
@@ -177,13 +180,7 @@ def test_a_dcp_storage_path_that_blocks_or_leads_out_is_refused(fsdp_checkpoint,
 @pytest.mark.parametrize("verb", ["ckpt verify --deep", "ckpt inspect", "convert megatron-to-hf", "convert check"])
 def test_a_megatron_storage_path_that_blocks_or_leads_out_is_refused(megatron_copy, tmp_path, verb, kind):
     hf, ckpt = megatron_copy
-    outside = tmp_path / "outside"
-    if kind == "a path with ../":
-        _dcp_path_out(ckpt, outside)
-        says = ["leads outside"]
-    else:
-        says = [ckpt / "__0_0.distcp", POINTED[kind](ckpt / "__0_0.distcp", outside)]
-    _run_verb(verb, ckpt, tmp_path / "out", *says, hf=hf)
+    _run_verb(verb, ckpt, tmp_path / "out", *_storage_pointed(ckpt, kind, tmp_path / "outside"), hf=hf)
 
 
 ZERO_FILES = {"an optimizer rank file": "global_step2/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
