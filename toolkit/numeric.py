@@ -149,10 +149,14 @@ RESTART = FloatRange(0, WEEK_S, "seconds")
 WRITE_BW = FloatRange(1e-3, 1e6, "GB/s per node")
 WRITE_TIME = FloatRange(1e-3, WEEK_S, "seconds")
 PRICE = FloatRange(1e-6, 1e6, "a price per GPU-hour")
-# how long `dmt health` waits for a silent rank or a collective: past a week it is no deadline (and past what a
-# timedelta holds, its ranks died of an OverflowError)
+# how long `dmt health` waits for a silent rank or a collective, or runs its matmul benchmark: past a week it is no
+# deadline (and past what a timedelta holds, its ranks died of an OverflowError)
 DEADLINE = FloatRange(0, WEEK_S, "seconds")
-RANGES = (FAILURE_RATE, RESTART, WRITE_BW, WRITE_TIME, PRICE, DEADLINE)
+# `dmt health`'s thresholds: a straggler's slowdown (a million times the median is no threshold) and a bus-bandwidth
+# floor (1 PB/s per link is none either); past these, 1e300 passed every rank with exit 0
+STRAGGLER = FloatRange(0, 1e6, "times the other ranks' median")
+BUSBW = FloatRange(0, 1e6, "GB/s")
+RANGES = (FAILURE_RATE, RESTART, WRITE_BW, WRITE_TIME, PRICE, DEADLINE, STRAGGLER, BUSBW)
 
 # a calibration's fitted compute_scale (toolkit/spec/calibration.py): a rate relative to the published curve, so a
 # factor of a million either way is no measurement

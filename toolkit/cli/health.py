@@ -11,7 +11,7 @@ from toolkit.cli.paths import output_arg
 from toolkit.errors import UserInputError
 from toolkit.health.options import HealthOptions, rank_env, validate
 from toolkit.health.runner import run_rank, spawn_local
-from toolkit.numeric import DEADLINE, bounded_int, finite_float, json_text
+from toolkit.numeric import BUSBW, DEADLINE, STRAGGLER, bounded_int, finite_float, json_text
 from toolkit.outputs import output_file, write_file
 from toolkit.spec.cluster import get_gpu
 
@@ -54,18 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="spawn N local ranks; without it, run as one rank of torchrun/srun/deepspeed/accelerate")
     run.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M,16M (default: up to 16M on CPU, 1G on GPUs)")
     run.add_argument("--iters", type=bounded_int, default=None, help="timed iterations per op and size (default 5 CPU, 20 GPU)")
-    run.add_argument("--matmul-seconds", type=finite_float, default=1.0, help="length of the per-rank matmul benchmark (default 1)")
+    run.add_argument("--matmul-seconds", type=DEADLINE, default=1.0, help="length of the per-rank matmul benchmark (default 1)")
     run.add_argument("--mem-fraction", type=finite_float, default=0.5, help="share of free GPU memory each rank allocates (default 0.5)")
     run.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (to attach a debugger)")
     limits = parser.add_argument_group("thresholds (GPU defaults from the catalogue; on CPU only liveness, "
                                        "correctness, stragglers and outlier links count unless given)")
     limits.add_argument("--deadline-s", type=DEADLINE, default=60.0,
                         help="a rank silent this long, or a collective waiting this long, is unresponsive (default 60)")
-    limits.add_argument("--straggler-factor", type=finite_float, default=2.0,
+    limits.add_argument("--straggler-factor", type=STRAGGLER, default=2.0,
                         help="a rank (or link) this many times slower than the others' median is named (default 2)")
-    limits.add_argument("--min-busbw-gbps", type=finite_float, default=None,
+    limits.add_argument("--min-busbw-gbps", type=BUSBW, default=None,
                         help="intra-node all_reduce busbw floor (default: half the catalogue link speed on GPUs)")
-    limits.add_argument("--min-inter-busbw-gbps", type=finite_float, default=None,
+    limits.add_argument("--min-inter-busbw-gbps", type=BUSBW, default=None,
                         help="inter-node all_reduce busbw floor (default: half the catalogue network speed on GPUs)")
     limits.add_argument("--min-matmul-fraction", type=finite_float, default=0.25,
                         help="on GPUs, share of the catalogue's dense bf16 peak the matmul must reach (default 0.25)")
