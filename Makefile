@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(RUN_ENV) bash scripts/demo.sh
 
-# The fast lane: every test that starts no launcher, server, browser or Slurm (marker `launch`), in under 3 minutes,
+# The fast lane: every test that starts no launcher, server, browser or Slurm (marker `launch`), in about 4 minutes,
 # on one pytest-xdist worker per core of the 2-core machines it must fit.
 FAST_LANE := -m "not launch" -n 2
 # The launch lane: each test starts 2 ranks (some a server, a browser or Slurm), on 2 pytest-xdist workers. Measured
