@@ -177,7 +177,7 @@ def _slowed(monkeypatch, prepare_module, seconds: float, unless: bytes = b"\0"):
 
     def slow(chunk):
         if unless not in chunk.payload:
-            time.sleep(seconds)
+            time.sleep(seconds)  # keeps blocks in flight at the stop; the verdicts are on what the run leaves
         return encode(chunk)
 
     monkeypatch.setattr(prepare_module, "_encode_chunk", slow)

@@ -87,21 +87,19 @@ def _resume(ckpt: Path) -> tuple[int, list[str], list[str], float]:
 
 
 def _refused(result, *says: str) -> str:
-    code, _, err, seconds = result
+    code, _, err, _ = result  # its time is bounded by the child's alarm (SECONDS): a hang guard, no verdict on speed
     text = "\n".join(err)
     assert code == 2 and len(err) == 1 and "Traceback" not in text, (code, text)
     assert all(str(s) in text for s in says), (says, text)
-    assert seconds < SECONDS / 2, (seconds, text)  # a refusal takes well under a second; the margin is the host's
     return text
 
 
 def _reported(result, *says: str) -> str:
     """`dmt ckpt verify`'s documented answer: exit 1, the problem on stdout naming `says`, nothing on stderr."""
-    code, out, err, seconds = result
+    code, out, err, _ = result  # bounded by the child's alarm, as _refused says
     assert code == 1 and not err, (code, err)
     line = next((line for line in out if all(str(s) in line for s in says)), None)
     assert line is not None, (says, out)
-    assert seconds < SECONDS / 2, (seconds, out)
     return line
 
 
