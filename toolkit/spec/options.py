@@ -33,6 +33,11 @@ Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
 ActivationOffload = Literal["none", "cpu"]
 
+# MoE routing imbalance when the plan does not state one (--moe-imbalance): see MOE_IMBALANCE_NOTE
+MOE_IMBALANCE_DEFAULT = 1.0
+MOE_IMBALANCE_NOTE = "1.0 (balanced)"
+MOE_IMBALANCE_MAX = 1024.0  # the busiest of at most 1,024 EP ranks holding every routed token
+
 # the backends an option belongs to (an option without is every backend's), by their registry names
 DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
 # attention kernels that keep no s x s matrix (eager keeps the probabilities)
@@ -69,6 +74,13 @@ class PlanOptions(BaseModel):
     sp: PositiveInt = option(1, "Ulysses sequence-parallel degree (DeepSpeed on the HF path: Accelerate's "
                                 "ParallelismConfig sp_size)", backends=DEEPSPEED)
     ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
+    etp: PositiveInt | None = option(
+        None, "expert tensor-parallel size: Megatron-Core's parallel folding runs the expert layers on ETP x EP x EDP x "
+              "PP over the same ranks as attention's TP x CP x DP x PP (--expert-tensor-parallel-size)",
+        default_note="tp", metavar="N", backends=MEGATRON)
+    moe_imbalance: float | None = option(
+        None, "MoE: expected ratio of the busiest expert rank's routed tokens to the mean (1.0: perfectly balanced "
+              "routing, as most published MoE throughput is measured)", default_note=MOE_IMBALANCE_NOTE, metavar="F")
     zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise",
                                     backends=DEEPSPEED, off=0)
     dp_shard: PositiveInt | None = option(

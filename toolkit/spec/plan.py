@@ -18,6 +18,8 @@ from toolkit.spec.finetune import FinetuneOptions, check_finetune, finetune_flag
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import (
     FUSED_ATTENTION,
+    MOE_IMBALANCE_DEFAULT,
+    MOE_IMBALANCE_MAX,
     OPTION_NAMES,
     RECOMPUTE_MODULES,
     VARIABLE_LENGTH_ATTENTION,
@@ -48,6 +50,7 @@ class Plan(PlanOptions):
     global_batch: PositiveInt
     # selective: Megatron-Core's recompute_modules (its default: core attention); () otherwise
     recompute_modules: tuple[RecomputeModule, ...] = ()
+    moe_imbalance: float = MOE_IMBALANCE_DEFAULT  # resolved: the plan's, or the default (spec/options.py)
     finetune: FinetuneOptions = FinetuneOptions()  # what trains (spec/finetune.py): all of it, or LoRA adapters
 
     @property
@@ -67,9 +70,15 @@ class Plan(PlanOptions):
         return self.dp * self.sequence_split
 
     @property
+    def expert_tp(self) -> int:
+        """Tensor-parallel size of the expert layers: --etp under Megatron-Core's parallel folding, else --tp."""
+        return self.etp or self.tp
+
+    @property
     def expert_dp(self) -> int:
-        """Data-parallel replicas of each expert (Megatron's expert-data-parallel group, with expert TP = TP)."""
-        return self.data_ranks // self.ep
+        """Data-parallel replicas of each expert (Megatron's expert-data-parallel group): the ranks of one pipeline
+        stage over EP x ETP (parallel folding: the expert layers' mesh is ETP x EP x EDP x PP)."""
+        return self.gpus // (self.pp * self.ep * self.expert_tp)
 
     def as_dict(self) -> dict:
         return self.model_dump(mode="json")  # JSON types (recompute_modules a list), as plan.json stores them
@@ -128,6 +137,8 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     dp = max(1, gpus // model_parallel)
     micro = values["micro_batch"]
     global_batch = values["global_batch"] or micro * dp
+    if values["moe_imbalance"] is None:
+        values["moe_imbalance"] = MOE_IMBALANCE_DEFAULT
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
     backend.rules.fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
@@ -201,6 +212,9 @@ def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:
 
 
 def _check_experts(p: Plan, model: ModelSpec | None) -> None:
+    if not 1.0 <= p.moe_imbalance <= MOE_IMBALANCE_MAX:  # a ratio to the mean: the estimators cap it at ep
+        raise UserInputError("--moe-imbalance", f"must be a ratio between 1.0 (balanced) and {MOE_IMBALANCE_MAX:g}, "
+                                                f"got {p.moe_imbalance!r}")
     if p.ep == 1:
         return
     if model is not None and not model.is_moe:
