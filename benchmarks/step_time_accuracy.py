@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
 from toolkit.estimate.flops import model_flops_per_token
@@ -96,6 +97,16 @@ Notes on the misses and on the Llama 3 layout:
 - megatron-local: Megatron-Core's local spec without Apex: the eager rate plus the unfused attention's memory
   traffic, counted per score element from Megatron-Core 0.16.1's code (UNFUSED_ATTENTION_*_BYTES): -5% (the model
   had it 3.9x too fast before the paths).
+"""
+
+PRECISION_NOTES = """
+How a precision enters the step (toolkit/estimate/timing.py, toolkit/spec/quantization.py): the GEMMs run at the
+recipe's peak (the catalogue's mxfp8 / nvfp4 key where the part lists one, else its fp8 key) times the same width
+curve as bf16; attention (Transformer Engine's fused kernel in bf16: Megatron-Core's fp8_dot_product_attention is off
+in every Bridge recipe), the norms and every collective at bf16 rates; with fp8_param_gather the distributed
+optimizer all-gathers the GEMM weights in fp8. Not modelled: the quantization kernels themselves (amax and cast of
+every GEMM input and output gradient, one layout for tensorwise on Blackwell, two with their scales for mxfp8 and
+nvfp4), which is why the tensorwise/mxfp8 pairs are predicted equal where Bridge measured mxfp8 2-6% slower.
 """
 
 
@@ -208,6 +219,53 @@ def path_rows(refs: dict) -> list[dict]:
     return rows
 
 
+def fastest_split(model, gpus: int, gpu, options: dict):
+    """(step s, plan) of a published layout: the fastest pipeline split Megatron-Core accepts at its VPP."""
+    options = dict(options)
+    vpp = options.pop("vpp", 1)
+    splits = pipeline_splits(model.num_layers, options["pp"], megatron=True) if options.get("pp", 1) > 1 else [({}, [1])]
+    plans = [resolve_plan(model, gpus, vpp=vpp, **split, **options) for split, vpps in splits if vpp in vpps]
+    return min(((step_time(model, plan, gpu, network_for(gpu)).total_s, plan) for plan in plans), key=lambda v: v[0])
+
+
+def precision_pairs(refs: list[dict]) -> None:
+    """The same layout in two precisions: each row's error, and the error of the predicted ratio of step times."""
+    print("\n## Precision pairs: the same layout in two precisions\n")
+    print("Each pair ran one layout in two precisions (one release, one system); `ratio` is the second run's step time "
+          "over the first's.\n")
+    print("| layout | precisions | published step s | predicted step s | errors | published ratio | predicted ratio | "
+          "ratio error | fits | source |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---|")
+    errors, waiting = [], []
+    for ref in refs:
+        try:
+            gpu = get_gpu(ref["gpu"])
+        except UserInputError:
+            waiting.append(ref)
+            continue
+        model = load_model_spec(ref["model"])
+        published, predicted, fits, names = [], [], [], []
+        for run in ref["runs"]:
+            options = {**ref["plan"], **{k: v for k, v in run.items() if k != "tokens_per_s_per_gpu"}}
+            step, plan = fastest_split(model, ref["gpus"], gpu, options)
+            published.append(plan.global_batch * plan.seq_len / (run["tokens_per_s_per_gpu"] * plan.gpus))
+            predicted.append(step)
+            fits.append(str(estimate_memory(model, plan).total <= gpu.memory_bytes))
+            names.append(plan.fp8_recipe or plan.fp4_recipe)
+        ratio, predicted_ratio = published[1] / published[0], predicted[1] / predicted[0]
+        errors.append(abs(predicted_ratio / ratio - 1))
+        row_errors = " / ".join(f"{(p - q) / q:+.1%}" for p, q in zip(predicted, published))
+        print(f"| {ref['name']} | {' / '.join(names)} | {published[0]:.3g} / {published[1]:.3g} | "
+              f"{predicted[0]:.3g} / {predicted[1]:.3g} | {row_errors} | {ratio:.3f} | {predicted_ratio:.3f} | "
+              f"{predicted_ratio / ratio - 1:+.1%} | {' / '.join(fits)} | {ref['source']} |")
+    for ref in waiting:
+        print(f"| {ref['name']} | - | - | - | - | - | - | - | - | {ref['source']}: no {ref['gpu']} in the catalogue |")
+    if errors:
+        print(f"\n{len(errors)} pairs; ratio error median {sorted(errors)[(len(errors) - 1) // 2]:.1%}, largest "
+              f"{max(errors):.1%}")
+    print(PRECISION_NOTES)
+
+
 def report() -> None:
     refs = yaml.safe_load((HERE / "step_time_references.yaml").read_text())
     rows = [row for block in ("megatron_gpt", "megatron_ptd", "megatron_deep") for row in megatron_rows(refs[block])]
@@ -243,6 +301,7 @@ def report() -> None:
     elapsed = time.perf_counter() - start
     print(f"\nsearch: llama-3.1-405b on 16384 x h100-80gb, seq 8192, global batch 2048: {result.considered} plans "
           f"considered, {len(result.ranked)} fit, {elapsed:.2f} s")
+    precision_pairs(refs["precision_pairs"])
 
 
 def main() -> None:
