@@ -15,6 +15,7 @@ from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION, for_backend, option_backends
 from toolkit.spec.plan import Plan, resolve_plan
 from toolkit.spec.prediction import PackedAttention, RecipePrediction
+from toolkit.spec.quantization import refuse_on_cpu
 from toolkit.spec.recipe import Recipe, megatron_layers, recipe_calibration, recipe_names
 
 
@@ -40,6 +41,9 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
     with `calibration` (default: the recipe's cluster.calibration)."""
     given = {k: v for k, v in overrides.items() if v is not None}
     options = recipe_options(recipe, **given)
+    if recipe.cluster.accelerator == "cpu":  # before the CPU recipe's local layers refuse it in other words
+        with recipe_names(given):
+            refuse_on_cpu(options.get("precision") or "bf16")
     with recipe_names(given):
         if recipe.plan.auto:
             calibration = calibration or recipe_calibration(recipe)

@@ -92,6 +92,13 @@ def gemm_peak_key(plan, gpu: GPU) -> str | None:
     return next((key for key in recipe.peak_keys if key in gpu.peak_tflops), recipe.peak_keys[-1])
 
 
+def refuse_on_cpu(precision: str) -> None:
+    """CPU ranks (gloo) have no Transformer Engine kernels: an fp8 / fp4 plan stops before anything is written."""
+    if precision in LOW_PRECISION:
+        raise UserInputError("--precision", f"{precision} runs Transformer Engine's CUDA kernels; CPU ranks train in "
+                                            f"bf16, fp16 or fp32")
+
+
 def check_on_gpu(plan, gpu: GPU) -> None:
     """Transformer Engine's own checks of a recipe against the GPU (quantization.py check_recipe_support:
     _compute_fp8_support, _compute_fp8_block_scaling_support, _compute_mxfp8_support, _compute_nvfp4_support), in one
@@ -100,8 +107,7 @@ def check_on_gpu(plan, gpu: GPU) -> None:
     if recipe is None:
         return
     if gpu.host:
-        raise UserInputError("--precision", f"{plan.precision} runs Transformer Engine's CUDA kernels; CPU ranks train "
-                                            f"in bf16, fp16 or fp32")
+        refuse_on_cpu(plan.precision)
     flag = "--fp4-recipe" if recipe.precision == FP4 else "--fp8-recipe"
     cc = capability(gpu)
     arch = f"compute capability {gpu.compute_capability}" if cc else f"a {gpu.vendor} part"
