@@ -73,3 +73,41 @@ def test_estimate_says_where_the_mtp_modules_count(capsys, backend, said):
     assert main(["estimate", "--model", "deepseek-v3", "--gpus", "256", "--backend", backend, "--seq-len", "1024"]) == 0
     summary = capsys.readouterr().out.splitlines()[0]
     assert "11.610B in multi-token prediction modules" in summary and said in summary
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 96])
+def test_mla_activations_within_10_percent_of_saved_tensors(q_lora_rank):
+    """MLA's latents, their norms and its per-head q, k, v against what autograd keeps in transformers' DeepseekV3
+    (dense layers only: the MoE terms are another test's). Eager attention: CPU's sdpa has no fused kernel for MLA's
+    unequal qk and v head widths and falls back to an fp32 math path a GPU does not take."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.estimate.measure import saved_activation_bytes
+    from toolkit.estimate.memory import estimate_memory
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=512, q_lora_rank=q_lora_rank, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=2,
+        n_group=1, topk_group=1, vocab_size=1000, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.bfloat16).train()
+    ids = torch.randint(0, 1000, (2, 64))
+    measured = saved_activation_bytes(model, input_ids=ids, labels=ids)
+    spec = spec_from_hf_dict(config.to_dict(), "mla", filled=True)
+    plan = resolve_plan(spec, 1, zero=0, micro_batch=2, seq_len=64, precision="bf16", attention="eager")
+    assert estimate_memory(spec, plan).activations == pytest.approx(measured, rel=0.10)
+
+
+def test_mla_latents_stay_whole_under_tensor_parallelism():
+    """Megatron-Core duplicates MLA's down projections on every TP rank: the latents' bytes do not shrink with TP,
+    the per-head part does."""
+    from toolkit.estimate.activations import ActivationSetup, mla_compressed_bytes
+
+    spec = load_model_spec("deepseek-v3")
+    setups = [ActivationSetup(hf_modules=False, micro_batch=1, seq_len=4096, act_bytes=2, attention="sdpa",
+                              recompute="none", tp=tp) for tp in (1, 8)]
+    # TE's LayerNormColumnParallelLinear keeps its input and ln_out (bf16) and the fp32 rstd, for each latent
+    assert mla_compressed_bytes(spec, 2, setups[0]) == mla_compressed_bytes(spec, 2, setups[1]) == \
+        (2 * 2 * 512 + 4) + (2 * 2 * 1536 + 4)
