@@ -91,7 +91,7 @@ class LongestPlan:
     step_time_s: float
 
 
-def longest_plans(model: ModelSpec, gpus: int, gpu: GPU, network: Network, backends: tuple[str, ...],
+def longest_plans(model: ModelSpec, gpus: int, gpu: GPU, network: Network, backends: tuple[str, ...], /,
                   calibration=None, **fixed) -> tuple[list[LongestPlan], int]:
     """Every layout and memory option the planner tries (micro-batch 1 unless pinned), each at its longest sequence,
     ranked by that length, then by its step time there; and how many were considered."""

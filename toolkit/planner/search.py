@@ -130,11 +130,13 @@ def search(
     gpus: int,
     gpu: GPU,
     network: Network,
+    /,
     backends: tuple[str, ...] = NAMES,
     calibration: Calibration | None = None,
     **fixed,
 ) -> SearchResult:
-    """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...);
+    """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...;
+    `network` among them is the scale-out tier, the Network argument's links being positional);
     a calibration (dmt calibrate) ranks them by its calibrated step times."""
     result = SearchResult(ranked=[])
     fixed = {k: v for k, v in fixed.items() if v is not None}
@@ -220,7 +222,7 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
     return found
 
 
-def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None,
+def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None, /,
               calibration: Calibration | None = None, **fixed) -> Plan:
     """The fastest plan that fits, for recipes that say `plan: auto`."""
     network = network or Network.from_catalogue(gpu, topology_defaults(gpu, fixed).get("gpus_per_node")
