@@ -34,6 +34,7 @@ from toolkit.runtime.supervision import TrainingWatchdog  # noqa: E402
 from toolkit.runtime.watchdog import exit_now  # noqa: E402
 from toolkit.spec.backends import backend_of  # noqa: E402
 from toolkit.spec.cluster import load_catalogue  # noqa: E402
+from toolkit.spec.lr_scaling import lr_schedule  # noqa: E402
 from toolkit.spec.options import CPU_ATTENTION  # noqa: E402
 from toolkit.spec.recipe import load_recipe, recipe_calibration, recipe_model, recipe_names  # noqa: E402
 from toolkit.validate.generated import GeneratedRun, read_generated  # noqa: E402
@@ -94,6 +95,8 @@ def _run(args: argparse.Namespace) -> int:
     if "save_steps" not in updates and is_auto(run.recipe):  # `save_steps: auto`: the number dmt generate wrote
         updates["save_steps"] = run_save_steps(run.recipe, run.model, run.plan, run.prediction)
     recipe = run.recipe
+    # training.lr_scaling: the learning rate and warm-up dmt generate wrote for this global batch (spec/lr_scaling.py)
+    updates = {**_scaled_lr(recipe), **updates}
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     check_attention_device(run.plan, recipe.cluster.accelerator)
@@ -124,6 +127,15 @@ def _run(args: argparse.Namespace) -> int:
     _record_end(output_dir, "completed")
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
+
+
+def _scaled_lr(recipe) -> dict:
+    schedule = lr_schedule(recipe.training)
+    if schedule is None:
+        return {}
+    # no warm-up stays none: the writers' own minimum (DeepSpeed's one step) is theirs to apply
+    return {"learning_rate": schedule["learning_rate"],
+            **({"warmup_steps": schedule["warmup_steps"]} if schedule["recipe_warmup_steps"] else {})}
 
 
 def check_attention_device(plan, accelerator: str) -> None:

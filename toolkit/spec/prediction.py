@@ -165,7 +165,7 @@ class PlanFile(RecipePrediction):
     """plan.json: the prediction and what the plan was made from, for `toolkit/train.py --plan` to check its files
     against (toolkit/validate/generated.py)."""
 
-    only_when_given = (*Prediction.only_when_given, "save_interval")
+    only_when_given = (*Prediction.only_when_given, "save_interval", "lr_scaling")
 
     recipe: str
     auto: bool  # the recipe said `plan: auto` (the planner chose)
@@ -174,6 +174,7 @@ class PlanFile(RecipePrediction):
     overrides: dict  # the plan options given on the command line
     files: list[str]  # the launch files written beside plan.json
     save_interval: dict | None = None  # `training.save_steps: auto`: the steps written and what they come from
+    lr_scaling: dict | None = None  # training.lr_scaling: the rule, both batches and the numbers written
 
 
 class RankedPlans(_Record):

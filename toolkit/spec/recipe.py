@@ -227,6 +227,14 @@ class TrainingSection(_Strict):
                                                              "of the peak.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after the warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to the peak learning rate.")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="How learning_rate and warmup_steps follow the global batch when it differs from "
+                            "lr_reference_batch: linear or sqrt in the batch for the rate, inversely for the warm-up "
+                            "steps (the same samples); dmt generate writes the scaled numbers (toolkit/spec/"
+                            "lr_scaling.py).")
+    lr_reference_batch: int | None = Field(None, gt=0, description="The global batch (sequences) learning_rate and "
+                                                                   "warmup_steps were tuned at; required by "
+                                                                   "lr_scaling linear or sqrt.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled (AdamW) weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (SGD momentum).")
     adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
@@ -260,6 +268,13 @@ class TrainingSection(_Strict):
                                                    "loop for the deepspeed and accelerate launchers); 0: none.")
     guard: GuardSection = Field(GuardSection(), description="What a non-finite loss or gradient norm, or a loss "
                                                             "spike, does to the run.")
+
+    @model_validator(mode="after")
+    def _lr_reference(self) -> "TrainingSection":
+        if self.lr_scaling != "none" and self.lr_reference_batch is None:
+            raise ValueError(f"lr_scaling {self.lr_scaling} needs training.lr_reference_batch, the global batch "
+                             f"learning_rate was tuned at")
+        return self
 
 
 class _PlanBase(BaseModel):
