@@ -84,9 +84,23 @@ Notes on the misses and on the Llama 3 layout:
   the paper does not break the step down.
 - Execution paths (toolkit/estimate/efficiency.py). megatron-te: the Megatron-LM, Llama 3 and Megatron-Bridge rows.
   The Bridge rows use Transformer Engine's TP communication overlap (userbuffers), which the toolkit's generated
-  configs do not enable and the model does not credit; FP8 runs every GEMM and the attention at the fp8 peak times
-  the same curve, which these rows support (-3% and +3%). The Qwen3 MoE row ran Bridge's HybridEP dispatcher; the
-  model sends each rank's expert tokens through its own NIC for the share bound for the other node (+1%).
+  configs do not enable and the model does not credit (16% of the 70B FP8 step is TP all-reduces here). FP8 runs the
+  GEMMs at the fp8 peak times the same curve and attention at bf16's, as Transformer Engine does with
+  fp8_dot_product_attention off (Bridge's recipes): the FP8 rows moved from -3%, +2% and +1% (attention at the fp8
+  peak) to +6%, +7% and +9%, the TP overlap not credited being the likeliest rest. The Qwen3 MoE row ran Bridge's
+  HybridEP dispatcher; the model sends each rank's expert tokens through its own NIC for the share bound for the
+  other node.
+- The 70B and 405B FP8 rows were "fits: False" (83.0 GiB and over 79.1 GiB on rank 0): three terms were too large, none of
+  them the interleaved schedule's in-flight count, which is Megatron-Core's own (2(p-r-1) + (v-1)p warm-up forwards,
+  47 chunks of 2 layers on rank 0: get_pp_rank_microbatches in schedules.py, replayed in tests/unit/
+  test_pipeline_schedule.py). (1) Bridge's fp8_cs recipe is tensorwise with fp8_param_gather
+  (perf_recipes/_common.py, training/mixed_precision.py): the GEMM weights are fp8 tensors, no bf16 copy beside them
+  (-2.2 GiB on rank 0; the rows now say so). (2) Transformer Engine saves each GEMM's input for the weight gradient
+  quantized, column-wise only (module/linear.py "Discard row-wise data"): the norms' outputs and fc2's input cost a
+  byte, not two, while the output projection adds its own fp8 copy beside attention's bf16 output (-13% of the
+  activations: 49.3 -> 42.6 GiB). (3) The bf16-plus-fp8 weights were counted at 3 B/param; they are 4 on Hopper (the
+  fp8 copy and its transpose, cached across micro-batches: Megatron-Core passes is_first_microbatch), which (1)
+  removes. Rank 0 of the 70B row: 73.7 GiB of 79.1.
 - hf: HF or eager PyTorch modules. The eager rate (0.57 of the fused one) fits torchtitan's one-node Llama 3.1 8B row
   and the toolkit's own DeepSpeed run on one H100 alike (+1% each); torchtitan's machines were Grand Teton H100s
   with 96 GB of HBM2e at 2.4 TB/s and a 500 W power limit, with selective (op) activation checkpointing (82.4 GiB:

@@ -188,6 +188,10 @@ def _activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
         if plan.tp > 1:
             why += f", divided by tp = {plan.tp}" + (" (norms too, with sequence parallelism)"
                                                    if plan.sequence_parallel else "")
+    if setup.gemm_input_bytes and plan.recompute != "full":
+        why += (f"; in {plan.precision} Transformer Engine saves each GEMM's input quantized, "
+                f"{setup.gemm_input_bytes:.3g} B an element (the norms' outputs, fc2's input, and the output "
+                f"projection's own copy beside attention's bf16 output)")
     why += f": ~{per_unit:.3g} bytes per token per hidden unit per layer, not {THUMB_ACTIVATION_BYTES}"
     if head:
         why += f"; the last stage also holds the fp32 logits ({_gib(head)}), which the rule leaves out"
