@@ -31,10 +31,10 @@ def _llama_lineage() -> tuple[Linear, ...]:
 
 
 LLAMA = _llama_lineage()
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")
 LINEARS: dict[str, tuple[Linear, ...]] = {
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gemma2": LLAMA,
-    "mixtral": LLAMA[:4], "qwen3_moe": LLAMA[:4],  # the attention projections
+    "mixtral": LLAMA[:4], "qwen3_moe": LLAMA[:4], "gpt_oss": LLAMA[:4],  # the attention projections
     "phi3": (Linear("self_attn.qkv_proj", "hidden", "q+kv+kv"), Linear("self_attn.o_proj", "q", "hidden"),
              Linear("mlp.gate_up_proj", "hidden", "ffn+ffn"), Linear("mlp.down_proj", "ffn", "hidden")),
     "gpt2": (Linear("attn.c_attn", "hidden", "q+kv+kv"), Linear("attn.c_proj", "q", "hidden"),  # Conv1D modules
