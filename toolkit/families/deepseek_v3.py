@@ -48,5 +48,6 @@ FAMILY = Family("deepseek_v3", read, derived=frozenset({"num_key_value_heads", "
                 nullable=frozenset({"q_lora_rank", "attention_dropout"}),
                 unmapped="the toolkit's megatron.yaml builds a TransformerConfig and GPTModel weight tables, not yet "
                          "Megatron-Core 0.16.1's MLATransformerConfig (multi_latent_attention), the linear_q/kv "
-                         "down/up weights, shared experts, the router's expert bias or the MTP block; estimate it, "
-                         "or train it with fsdp")
+                         "down/up weights, shared experts, the router's expert bias or the MTP block; and that MLA "
+                         "builds only with Transformer Engine (its local spec's DotProductAttention takes no "
+                         "k_channels), so never on CPU ranks; estimate it, or train it with fsdp")
