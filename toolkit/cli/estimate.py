@@ -26,6 +26,7 @@ from toolkit.planner.max_seq_len import longest_sequence
 from toolkit.planner.predict import predicted_record, recompute_label
 from toolkit.planner.recipe import packed_attention
 from toolkit.spec.backends import backend_of
+from toolkit.spec.cluster import topology_defaults
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan
 from toolkit.spec.recipe import load_recipe
@@ -58,7 +59,7 @@ def result(args: argparse.Namespace) -> Prediction | Longest:
     network = build_network(args, gpu)
     calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
-    plan = resolve_plan(model, args.gpus, **plan_overrides(args))
+    plan = resolve_plan(model, args.gpus, **topology_defaults(gpu, plan_overrides(args)))
     report = predicted_record(model, plan, gpu, network, calibration, packed=packing(args, plan))
     add_extras(report, model, args)
     return report
