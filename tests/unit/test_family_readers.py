@@ -122,7 +122,7 @@ def test_transformers_5_config_dicts_read_too():
     (dict(hidden_act="tanh"), "hidden_act", "activation 'tanh' is not supported"),
     (dict(num_attention_heads=30), "num_attention_heads", "hidden size (4096) is not a multiple"),
     (dict(num_hidden_layers=0), "num_hidden_layers", "must be a positive integer"),
-    (dict(model_type="t5"), "model_type", "supported: gemma2, gpt2, gpt_neox, llama"),
+    (dict(model_type="t5"), "model_type", "supported: deepseek_v3, gemma2, gpt2, gpt_neox, gpt_oss, kimi_k2, llama"),
 ])
 def test_bad_values_name_their_key(change, key, says):
     with pytest.raises(UserInputError) as err:
