@@ -153,16 +153,21 @@ def _flag(flag: str, value, key: str) -> str:
 def megatron_args(config: dict) -> list[str]:
     """Megatron-LM flags of a megatron.yaml dict, one `--flag [value]` string each; every value one word
     (argument_word)."""
+    return value_flags(config) + _special(config)
+
+
+def value_flags(config: dict) -> list[str]:
+    """The flags of VALUE_FLAGS: one field each (sections the dict lacks give none)."""
     flags = []
     # Megatron-LM's validate_args takes the interleaving from a layout and refuses it given twice
     derived = {"virtual_pipeline_model_parallel_size"} if config["transformer_config"].get(
         "pipeline_model_parallel_layout") else set()
     for section, name, flag in VALUE_FLAGS:
-        value = config[section].get(name)
+        value = config.get(section, {}).get(name)
         if value is None or value is False or name in derived:
             continue
         flags.append(flag if value is True else _flag(flag, value, f"{section}.{name}"))
-    return flags + _special(config)
+    return flags
 
 
 def megatron_args_text(config: dict, recipe_name: str) -> str:

@@ -220,14 +220,19 @@ def choices(name: str) -> tuple:
     raise KeyError(f"plan option {name} has no fixed choices")
 
 
+# read once: every plan the search resolves asks these of every option (spec/plan.py _check_own_options)
+_BACKENDS = {name: field_extra(info, "backends") or NAMES for name, info in PlanOptions.model_fields.items()}
+_UNUSED = {name: (info.default, field_extra(info, "off")) for name, info in PlanOptions.model_fields.items()}
+
+
 def option_backends(name: str) -> tuple[str, ...]:
     """The backends a plan option means something to (`zero`: deepspeed; `dp_shard`: fsdp; `tp`: all of them)."""
-    return field_extra(PlanOptions.model_fields[name], "backends") or NAMES
+    return _BACKENDS[name]
 
 
 def for_backend(name: str, backend: str) -> bool:
     """Whether a plan option means something to a backend (`zero` only to deepspeed, `dp_shard` only to fsdp)."""
-    return backend in option_backends(name)
+    return backend in _BACKENDS[name]
 
 
 def default(name: str) -> Any:
@@ -236,8 +241,7 @@ def default(name: str) -> Any:
 
 def is_unused(name: str, value: Any) -> bool:
     """Whether a plan option's value leaves it unused: its default, its declared `off` value, or nothing."""
-    return value is None or value == () or value == default(name) or value == field_extra(
-        PlanOptions.model_fields[name], "off")
+    return value is None or value == () or value in _UNUSED[name]
 
 
 def default_text(name: str) -> str:
