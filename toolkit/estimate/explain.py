@@ -21,6 +21,7 @@ from toolkit.numeric import GiB
 from toolkit.spec.backend import ExplainPart
 from toolkit.spec.backends import backend_of
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import MOE_IMBALANCE_DEFAULT, MOE_IMBALANCE_NOTE
 from toolkit.spec.plan import Plan
 
 if TYPE_CHECKING:
@@ -101,7 +102,21 @@ def explain_estimate(model: ModelSpec, report: Prediction) -> list[dict]:
                _step_time(model, report)]
     if report.training_time is not None:
         entries += [_training_time(model, report), _goodput(report)]
+    if model.is_moe:  # the routing the activations and the busiest expert rank's time assume
+        for entry in entries:
+            if entry["component"] in ("activations", "step_time"):
+                entry["rule"] += "; " + moe_routing_clause(plan)
     return entries
+
+
+def moe_routing_clause(plan: Plan) -> str:
+    """How the plan routes tokens: the imbalance it assumes (--moe-imbalance) and where its default comes from."""
+    source = ("given by --moe-imbalance" if plan.moe_imbalance != MOE_IMBALANCE_DEFAULT
+              else f"default {MOE_IMBALANCE_NOTE}")
+    capacity = (f", capacity factor {plan.moe_capacity_factor:g} (tokens beyond it dropped)"
+                if plan.moe_capacity_factor is not None else ", dropless")
+    return (f"MoE routing imbalance {plan.moe_imbalance:g} (busiest expert rank's tokens / the mean; {source})"
+            f"{capacity}")
 
 
 def experts_sharding(plan: Plan) -> str:
