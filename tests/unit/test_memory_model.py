@@ -127,6 +127,49 @@ def test_moe_experts_shard_over_expert_parallel_ranks():
     assert counts.active < counts.total
 
 
+def test_moe_routed_activations_scale_with_the_imbalance_up_to_ep():
+    """The busiest expert rank keeps k x the imbalance copies of its tokens' expert activations, never more than
+    its EP group routes (ep x the mean); the router and the permutation do not grow with it."""
+    from toolkit.estimate.activations import moe_bytes_per_token
+    from toolkit.estimate.memory import activation_setup
+
+    moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
+    terms = {}
+    for ep, imbalance in ((4, 1.0), (4, 1.5), (4, 9.0), (1, 9.0)):
+        plan = resolve_plan(moe, 8, backend="megatron", ep=ep, seq_len=1024, moe_imbalance=imbalance)
+        terms[ep, imbalance] = moe_bytes_per_token(moe, activation_setup(moe, plan))
+    assert terms[4, 1.5]["routed_experts"] == pytest.approx(1.5 * terms[4, 1.0]["routed_experts"])
+    assert terms[4, 9.0]["routed_experts"] == pytest.approx(4 * terms[4, 1.0]["routed_experts"])  # capped at ep
+    assert terms[1, 9.0]["routed_experts"] == terms[4, 1.0]["routed_experts"]  # one rank holds every copy anyway
+    assert terms[4, 9.0]["router"] == terms[4, 1.0]["router"] > 0
+    balanced = estimate_memory(moe, resolve_plan(moe, 8, backend="megatron", ep=4, seq_len=1024)).activations
+    skewed = estimate_memory(moe, resolve_plan(moe, 8, backend="megatron", ep=4, seq_len=1024,
+                                               moe_imbalance=1.5)).activations
+    assert skewed > balanced
+
+
+def test_moe_recompute_modules_remove_what_they_checkpoint():
+    from toolkit.estimate.activations import moe_bytes_per_token
+    from toolkit.estimate.memory import activation_setup
+
+    moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
+    setup = activation_setup(moe, resolve_plan(moe, 8, backend="megatron", ep=4, seq_len=1024))
+    a, ffn = setup.act_bytes, 1024
+    full = moe_bytes_per_token(moe, setup)
+    act = moe_bytes_per_token(moe, setup.__class__(**{**setup.__dict__, "recompute_modules": ("moe_act",)}))
+    whole = moe_bytes_per_token(moe, setup.__class__(**{**setup.__dict__, "recompute_modules": ("moe",)}))
+    assert full["routed_experts"] - act["routed_experts"] == pytest.approx(2 * a * ffn)  # k copies of fc2's input
+    assert sum(whole.values()) == 0
+
+
+def test_expert_weights_split_over_ep_x_etp_under_folding():
+    moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
+    counts = count_params(moe)
+    unfolded = stage_params(moe, counts, resolve_plan(moe, 8, backend="megatron", tp=2, ep=4, seq_len=128), 0)
+    folded = stage_params(moe, counts, resolve_plan(moe, 8, backend="megatron", tp=2, ep=4, etp=1, seq_len=128), 0)
+    assert folded.dense == unfolded.dense and folded.expert == 2 * unfolded.expert
+
+
 @pytest.mark.parametrize("options, flag", [
     (dict(tp=3), "--tp"),
     (dict(pp=3), "--pp"),
