@@ -22,6 +22,7 @@ class LayerFlops:
     matmul: float
     attention: float
     mlp_matmul: float = 0.0  # the dense MLP's share of `matmul` (0 in MoE layers)
+    expert_matmul: float = 0.0  # MoE layers: the routed experts' top-k MLPs and the router
 
     @property
     def total(self) -> float:
@@ -44,7 +45,8 @@ def _block_flops(spec: ModelSpec, moe: bool, seq_len: float) -> LayerFlops:
         mlp = spec.experts_top_k * mats * h * spec.moe_ffn_hidden_size + h * spec.num_experts  # + router
     else:
         mlp = mats * h * spec.ffn_hidden_size
-    return LayerFlops(matmul=2.0 * (attn_linear + mlp), attention=4.0 * seq_len * q, mlp_matmul=0.0 if moe else 2.0 * mlp)
+    return LayerFlops(matmul=2.0 * (attn_linear + mlp), attention=4.0 * seq_len * q, mlp_matmul=0.0 if moe else 2.0 * mlp,
+                      expert_matmul=2.0 * mlp if moe else 0.0)
 
 
 def head_forward_flops(spec: ModelSpec) -> float:
