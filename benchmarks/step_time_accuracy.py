@@ -24,7 +24,8 @@ from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
 from toolkit.estimate.flops import model_flops_per_token
 from toolkit.estimate.memory import estimate_memory
-from toolkit.estimate.timing import step_time
+from toolkit.errors import UserInputError
+from toolkit.estimate.timing import STEP_COMPONENTS, step_time
 from toolkit.planner.predict import recompute_label
 from toolkit.planner.search import pipeline_splits, search
 from toolkit.spec.cluster import get_gpu
@@ -208,6 +209,57 @@ def path_rows(refs: dict) -> list[dict]:
     return rows
 
 
+def moe_rows(refs: dict) -> tuple[list[dict], list[tuple[str, str]]]:
+    """The MoE rows of one release, each at its published layout (the fastest pipeline split where it
+    interleaves), balanced routing (--moe-imbalance 1, as the runs forced it), and the rows that cannot be evaluated
+    yet with the reason."""
+    rows, skipped = [], []
+    for ref in refs["rows"]:
+        try:
+            model, gpu = load_model_spec(ref["model"]), get_gpu(ref["gpu"])
+            options = dict(backend="megatron", seq_len=4096, precision="fp8", distributed_optimizer=True,
+                           recompute="none", moe_imbalance=1.0, **ref["plan"])
+            vpp = options.pop("vpp", 1)
+            splits = (pipeline_splits(model.num_layers, options["pp"], megatron=True) if options.get("pp", 1) > 1
+                      else [({}, [1])])
+            plans = [resolve_plan(model, ref["gpus"], vpp=vpp, **split, **options) for split, vpps in splits
+                     if vpp in vpps]
+        except UserInputError as refused:
+            skipped.append((ref["name"], str(refused).split("; known")[0].split("; presets")[0]))
+            continue
+        timed = [(step_time(model, plan, gpu, network_for(gpu)), plan) for plan in plans]
+        predicted, plan = min(timed, key=lambda pair: pair[0].total_s)
+        published = plan.global_batch * plan.seq_len / (ref["tokens_per_s_per_gpu"] * plan.gpus)
+        parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3g}" for k, v in predicted.as_dict().items()
+                          if k in STEP_COMPONENTS and v > 0.005 * predicted.total_s)
+        rows.append(dict(name=ref["name"], published_s=published, predicted_s=predicted.total_s, parts=parts,
+                         fitted=ref["name"] in refs["fitted"]))
+    return rows, skipped
+
+
+def moe_report(refs: dict) -> None:
+    rows, skipped = moe_rows(refs)
+    print(f"\nMoE rows, one release ({refs['source']}; forced-balanced routing, predicted at --moe-imbalance 1; "
+          f"step time from the published tokens/s/GPU, never the source's model TFLOP/s). Fitted: "
+          f"{', '.join(refs['fitted']) or 'none (every row measures prediction)'}.\n")
+    print("| reference | published step s | predicted step s | error | predicted terms (s) |\n|---|---:|---:|---:|---|")
+    errors = []
+    for r in rows:
+        error = (r["predicted_s"] - r["published_s"]) / r["published_s"]
+        if not r["fitted"]:
+            errors.append(abs(error))
+        print(f"| {r['name']}{' (fitted)' if r['fitted'] else ''} | {r['published_s']:.3g} | {r['predicted_s']:.3g} | "
+              f"{error:+.1%} | {r['parts']} |")
+    if errors:
+        errors.sort()
+        median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
+        print(f"\n{len(errors)} MoE rows not fitted: median |error| {median:.1%}, largest {errors[-1]:.1%} (target: "
+              f"median <= 15%, none beyond 30%): {'met' if median <= 0.15 and errors[-1] <= 0.30 else 'NOT met'}")
+    print("\nMoE rows not evaluated yet:\n\n| reference | why |\n|---|---|")
+    for name, why in skipped:
+        print(f"| {name} | {why} |")
+
+
 def report() -> None:
     refs = yaml.safe_load((HERE / "step_time_references.yaml").read_text())
     rows = [row for block in ("megatron_gpt", "megatron_ptd", "megatron_deep") for row in megatron_rows(refs[block])]
@@ -231,6 +283,7 @@ def report() -> None:
     for row in refs["h100_paths"]["unreachable"]:
         print(f"| {row['reference']} | {row['why']} |")
     print(NOTES)
+    moe_report(refs["moe_26_04_01"])
     errors.sort()
     median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
     print(f"\n{sum(e <= 0.10 for e in errors)} of {len(errors)} rows within 10%, {sum(e <= 0.15 for e in errors)} within "
