@@ -20,11 +20,11 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
 from toolkit.estimate.flops import model_flops_per_token
 from toolkit.estimate.memory import estimate_memory
-from toolkit.errors import UserInputError
 from toolkit.estimate.timing import STEP_COMPONENTS, step_time
 from toolkit.planner.predict import recompute_label
 from toolkit.planner.search import pipeline_splits, search
@@ -217,8 +217,8 @@ def moe_rows(refs: dict) -> tuple[list[dict], list[tuple[str, str]]]:
     for ref in refs["rows"]:
         try:
             model, gpu = load_model_spec(ref["model"]), get_gpu(ref["gpu"])
-            options = dict(backend="megatron", seq_len=4096, precision="fp8", distributed_optimizer=True,
-                           recompute="none", moe_imbalance=1.0, **ref["plan"])
+            options = {**dict(backend="megatron", seq_len=4096, precision="fp8", distributed_optimizer=True,
+                              recompute="none", moe_imbalance=1.0), **ref["plan"]}
             vpp = options.pop("vpp", 1)
             splits = (pipeline_splits(model.num_layers, options["pp"], megatron=True) if options.get("pp", 1) > 1
                       else [({}, [1])])
@@ -226,6 +226,10 @@ def moe_rows(refs: dict) -> tuple[list[dict], list[tuple[str, str]]]:
                      if vpp in vpps]
         except UserInputError as refused:
             skipped.append((ref["name"], str(refused).split("; known")[0].split("; presets")[0]))
+            continue
+        if not plans:
+            skipped.append((ref["name"], f"no pipeline split of {model.num_layers} layers over pp {options['pp']} "
+                                         f"interleaves {vpp} ways without a pipeline layout"))
             continue
         timed = [(step_time(model, plan, gpu, network_for(gpu)), plan) for plan in plans]
         predicted, plan = min(timed, key=lambda pair: pair[0].total_s)

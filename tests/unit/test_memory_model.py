@@ -165,8 +165,9 @@ def test_moe_recompute_modules_remove_what_they_checkpoint():
 def test_expert_weights_split_over_ep_x_etp_under_folding():
     moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
     counts = count_params(moe)
-    unfolded = stage_params(moe, counts, resolve_plan(moe, 8, backend="megatron", tp=2, ep=4, seq_len=128), 0)
-    folded = stage_params(moe, counts, resolve_plan(moe, 8, backend="megatron", tp=2, ep=4, etp=1, seq_len=128), 0)
+    options = dict(backend="megatron", tp=2, ep=4, seq_len=128, sequence_parallel=True)
+    unfolded = stage_params(moe, counts, resolve_plan(moe, 8, **options), 0)
+    folded = stage_params(moe, counts, resolve_plan(moe, 8, etp=1, **options), 0)
     assert folded.dense == unfolded.dense and folded.expert == 2 * unfolded.expert
 
 
@@ -189,3 +190,36 @@ def test_invalid_plans_name_the_flag(options, flag):
     with pytest.raises(UserInputError) as err:
         resolve_plan(DENSE, gpus, **options)
     assert err.value.key == flag
+
+
+def test_megatron_keeps_the_mtp_modules_on_the_last_stage():
+    from toolkit.spec.model import load_model_spec
+
+    model = load_model_spec("deepseek-v3")
+    assert model.mtp_layers and model.mla
+    counts = count_params(model)
+    options = dict(pp=4, first_stage_layers=16, ep=32, seq_len=1024)
+    megatron = resolve_plan(model, 256, backend="megatron", **options)
+    last = stage_params(model, counts, megatron, 3)
+    without = stage_params(model.model_copy(update={"mtp_layers": 0}), count_params(
+        model.model_copy(update={"mtp_layers": 0})), megatron, 3)
+    block = counts.mtp_layers[0]
+    assert last.total - without.total == block.total - block.experts + block.experts // 32 + counts.mtp_extra
+    assert last.expert > without.expert and last.dense > without.dense
+    assert estimate_stage_memory(model, megatron, 3).activations > estimate_stage_memory(
+        model.model_copy(update={"mtp_layers": 0}), megatron, 3).activations
+
+
+def test_mla_up_projection_recompute_drops_the_up_projected_q_k_v():
+    from toolkit.estimate.activations import _attention_bytes
+    from toolkit.estimate.memory import activation_setup
+    from toolkit.spec.model import load_model_spec
+
+    model = load_model_spec("deepseek-v3")
+    setup = activation_setup(model, resolve_plan(model, 256, backend="megatron", pp=4, first_stage_layers=16, ep=32,
+                                                 seq_len=1024))
+    kept = _attention_bytes(model, 2, setup)
+    recomputed = _attention_bytes(model, 2, setup.__class__(**{**setup.__dict__, "recompute_modules": ("mla_up_proj",)}))
+    heads = model.num_attention_heads
+    assert kept - recomputed == 2 * heads * (2 * model.head_dim + model.value_head_dim)
+    assert recomputed > 2 * 2 * model.kv_lora_rank  # the compressed key/value stays

@@ -113,6 +113,8 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
         # Transformer Engine's RMSNorm keeps its input (a view of the fused QKV output, which so stays whole) and rstd
         qk_norm = a * (q + 2 * kv) + FP32 * (heads + spec.num_kv_heads)
     core_attn = "core_attn" in setup.recompute_modules
+    if spec.mla and not hf:
+        return _mla_attention_bytes(spec, a, setup)
     if setup.local_layers and not core_attn:
         # Megatron-Core's DotProductAttention: k and v repeated to every head, QK^T, the causal mask (s x s bool, one
         # per micro-batch), softmax in fp32 and its compute-dtype copy for PV, the context for the output projection
@@ -180,7 +182,7 @@ def moe_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> dict[str, fl
     if "moe_act" in modules:
         expert_mlp -= a * ffn
     copies = k * setup.routed_factor
-    shared_ffn = getattr(spec, "shared_expert_ffn_hidden_size", 0) or 0
+    shared_ffn = spec.shared_expert_ffn_hidden_size
     shared = 0 if not shared_ffn or "shared_experts" in modules else mlp_bytes_per_token(spec, a, shared_ffn, setup)
     return {
         "router": FP32 * e + (FP32 + INDEX) * k,
@@ -188,6 +190,33 @@ def moe_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> dict[str, fl
         "routed_experts": copies * (setup.expert_tp * (a * h + a) + expert_mlp),
         "shared_experts": float(shared),
     }
+
+
+def _mla_attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> float:
+    """Per token, inside the tensor-parallel region: Megatron-Core's multi-latent attention (MLASelfAttention):
+    the compressed query and key/value (each kept by its layernorm and, normalized, by its up projection; the
+    rotary key part kept once), the up-projected q, k, v the fused kernel keeps with its fp32 log-sum-exp, and the
+    output o_proj keeps. `mla_up_proj` recomputes the up projections in backward: their outputs go, the compressed
+    inputs stay; `core_attn` keeps the kernel's inputs only, as for other attention."""
+    heads, qk, v = spec.num_attention_heads, spec.head_dim, spec.value_head_dim
+    compressed = 2 * a * (spec.q_lora_rank or 0) + 2 * a * spec.kv_lora_rank + a * spec.qk_rope_head_dim
+    compressed += FP32 * (2 if spec.q_lora_rank else 1)  # the two layernorms' rstd
+    up = a * heads * (2 * qk + v)
+    if "mla_up_proj" in setup.recompute_modules:
+        up = 0
+    return compressed + up + FP32 * heads + a * heads * v
+
+
+def mtp_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
+    """Per token of the last stage, what Megatron-Core's multi-token prediction modules keep (0 without any, or on
+    the HF modules, which drop them): each module's enorm and hnorm, eh_proj's input (the two normalized halves
+    concatenated), one block like the model's last, and its own pass through the shared head and loss."""
+    if not spec.mtp_layers or setup.hf_modules:
+        return 0.0
+    h, a = spec.hidden_size, setup.act_bytes
+    norms = 2 * _norm_bytes(spec, a, h, True, setup.local_layers) / (setup.tp if setup.sequence_parallel else 1)
+    block = _block_bytes_per_token(spec, spec.is_moe_layer(spec.num_layers - 1), setup)
+    return spec.mtp_layers * (norms + 2 * a * h + block + head_bytes_per_token(spec, setup))
 
 
 def ulysses_kv_copies(spec: ModelSpec, sp: int) -> float:
@@ -277,7 +306,7 @@ def stage_activation_bytes(
     kept, working = _kept_and_working(spec, setup, alive_layers, embedding_forwards, recomputed)
     total = (kept + working) * setup.tokens
     if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch
-        total += head_bytes_per_token(spec, setup) * setup.tokens
+        total += (head_bytes_per_token(spec, setup) + mtp_bytes_per_token(spec, setup)) * setup.tokens
     return int(total)
 
 

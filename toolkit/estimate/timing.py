@@ -137,6 +137,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
                   + network.all_to_all_time(act, plan.sp, plan.tp))
     routed = routed_token_factor(plan.ep, plan.moe_imbalance) if spec.is_moe else 1.0
     ep_per_moe_layer = expert_parallel_exchange_s(spec, plan, network, act, routed)
+    routed_traffic_s = routed_token_traffic_bytes(spec, plan, routed) / plan.tp / hbm  # per token of the rank
     expert_rate = peak * min(1.0, expert_gemm_efficiency(spec.hidden_size, spec.moe_ffn_hidden_size or 1, plan.expert_tp,
                                                          expert_rows(spec, plan, tokens, routed))
                              * path.compute_scale) if spec.is_moe else 1.0
@@ -166,6 +167,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
             work += again.matmul + again.attention * attention_work
             work += f.mlp_matmul * tile_recompute_forwards(plan.tiled_mlp)  # TiledMLP's forward again in backward
             if f.expert_matmul:
+                memory_bound += routed_traffic_s * (2 if whole or "moe" in plan.recompute_modules else 1)
                 again_expert = f.expert_matmul if whole or "moe" in plan.recompute_modules else 0.0
                 work -= matmul_passes * f.expert_matmul + again_expert
                 expert_work += matmul_passes * f.expert_matmul + again_expert
@@ -252,6 +254,23 @@ def expert_rows(spec: ModelSpec, plan: Plan, tokens: float, routed: float) -> fl
     each, times the imbalance, over the experts it holds."""
     local_experts = max(1.0, spec.num_experts / plan.ep)
     return tokens / plan.tp * plan.expert_tp * spec.experts_top_k * routed / local_experts
+
+
+def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> float:
+    """HBM bytes per token (before the split over TP) one MoE layer's forward and backward move outside its GEMMs, the
+    memory-bound work Megatron-Core's alltoall path runs on the routed copies (moe_utils.permute / unpermute, and
+    sort_chunks_by_idxs before and after the experts when a rank holds several of them under EP): permutation reads
+    each token and writes its k copies, each sort reads and writes them, the fused weighted SwiGLU reads fc1's 2 ffn
+    and writes ffn per copy, unpermute reads the copies and writes the token; backward moves about twice forward.
+    On the busiest rank the copies are `routed` times the mean, gathered over ETP with ffn split by it."""
+    if not spec.is_moe:
+        return 0.0
+    h, k = spec.hidden_size, spec.experts_top_k
+    ffn = spec.moe_ffn_hidden_size * (3 if spec.gated_mlp else 2) / 2  # the activation's reads and write per copy
+    sorts = 2 if plan.ep > 1 and spec.num_experts > plan.ep else 0
+    copies = k * routed * plan.expert_tp
+    forward = 2 * h + copies * ((2 + 2 * sorts) * h + 2 * ffn / plan.expert_tp)
+    return 3 * forward * PRECISION_BYTES[plan.precision]
 
 
 def expert_parallel_domain(network: Network) -> int:
