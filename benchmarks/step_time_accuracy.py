@@ -209,6 +209,29 @@ def path_rows(refs: dict) -> list[dict]:
     return rows
 
 
+MOE_NOTES = """
+Notes on the MoE rows:
+- What the model prices per MoE layer (toolkit/estimate/timing.py): the routed experts' GEMMs at the rate of one GEMM
+  of the rows each local expert gets (TOKEN_SCALE, cited to DeepGEMM's published H800 table), the router, the
+  memory-bound permutation, sort and activation traffic of the routed copies (routed_token_traffic_bytes, from
+  Megatron-Core 0.16.1's moe_utils), and the dispatch and combine all-to-alls over EP, whose share bound for other
+  nodes goes through each GPU's own NIC; the busiest EP rank sets the pace (--moe-imbalance, 1 here: the runs forced
+  balanced routing, moe_router_force_load_balancing in Bridge's perf recipes).
+- The errors are large and of both signs, so nothing is fitted: one scale would move the B200 rows (predicted 26-51%
+  fast: Bridge's own MoE runs reach 12-16% of the B200's dense peak against 37% for its dense Llama 3 70B FP8 on H100)
+  and the H100 rows (16% and 33% slow) apart, not together. The H100 Qwen3 235B row ran moe_a2a_overlap (EP
+  all-to-all hidden under the other micro-batch's compute, Bridge perf_recipes/qwen/h100/qwen3_moe.py) and the H100
+  Qwen3 30B row HybridEP with CUDA graphs; the toolkit's plans have no option for either yet, so the model puts the
+  whole all-to-all on the critical path (69.5 s of the 235B row's 102 s). What the B200 rows miss is not in any
+  term yet: per-layer host synchronisation of the alltoall dispatcher (tokens per expert copied to the host),
+  many small kernels between the GEMMs, and MXFP8's quantisation of every GEMM input, none of which the dense
+  curve carries.
+- GB200 rows wait for the gb200 catalogue entry (its 72-GPU NVLink domain: the EP 32-64 layouts of these rows stay
+  inside it, which expert_parallel_domain() in timing.py is the one place to change), and DeepSeek-V3's
+  interleaved layouts for a --pipeline-model-parallel-layout option (61 layers do not split evenly).
+"""
+
+
 def moe_rows(refs: dict) -> tuple[list[dict], list[tuple[str, str]]]:
     """The MoE rows of one release, each at its published layout (the fastest pipeline split where it
     interleaves), balanced routing (--moe-imbalance 1, as the runs forced it), and the rows that cannot be evaluated
@@ -262,6 +285,7 @@ def moe_report(refs: dict) -> None:
     print("\nMoE rows not evaluated yet:\n\n| reference | why |\n|---|---|")
     for name, why in skipped:
         print(f"| {name} | {why} |")
+    print(MOE_NOTES)
 
 
 def report() -> None:
