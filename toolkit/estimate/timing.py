@@ -10,6 +10,7 @@ toolkit/backends/<name>/timing.py, reached through `backend_of(plan).timing`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -273,10 +274,11 @@ def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> fl
     return 3 * forward * PRECISION_BYTES[plan.precision]
 
 
-def expert_parallel_domain(network: Network) -> int:
+def expert_parallel_domain(gpus_per_node: int) -> int:
     """GPUs joined by the scale-up (NVLink) domain an EP group stays inside to avoid the network: the node until the
-    cluster names an NVLink domain of its own (the one place to change when it does)."""
-    return network.gpus_per_node
+    cluster names an NVLink domain of its own (the one place to change when it does; expert_parallel_exchange_s
+    and `dmt estimate --explain` read it)."""
+    return gpus_per_node
 
 
 def expert_parallel_exchange_s(spec: ModelSpec, plan: Plan, network: Network, act: float, routed: float) -> float:
@@ -288,7 +290,8 @@ def expert_parallel_exchange_s(spec: ModelSpec, plan: Plan, network: Network, ac
     if not spec.is_moe:
         return 0.0
     copies = act * spec.experts_top_k / plan.tp * routed
-    exchange = 4 * network.all_to_all_time(copies, plan.ep, plan.expert_tp)
+    domain = dataclasses.replace(network, gpus_per_node=expert_parallel_domain(network.gpus_per_node))
+    exchange = 4 * domain.all_to_all_time(copies, plan.ep, plan.expert_tp)
     if plan.expert_tp > 1:
         link = network.link(plan.expert_tp, 1)
         exchange += 2 * (collective_time("all_gather", copies * plan.expert_tp, plan.expert_tp, link)
