@@ -74,7 +74,6 @@ def run_moe_plan(recipe, model, overrides: dict) -> dict:
     elements, dense and expert (Megatron-Core marks expert parameters allreduce=False)."""
     import torch
     import torch.distributed as dist
-
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from toolkit.backends.megatron.build import build, destroy, unwrapped

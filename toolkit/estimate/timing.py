@@ -159,7 +159,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
         expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
         collectives = 0
-        sp_exchanges = ring_steps = 0.0
+        sp_exchanges = 0.0
         for i in layers:
             f = layer_forward_flops(spec, i, attended)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
@@ -172,7 +172,6 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
                 again_expert = f.expert_matmul if whole or "moe" in plan.recompute_modules else 0.0
                 work -= matmul_passes * f.expert_matmul + again_expert
                 expert_work += matmul_passes * f.expert_matmul + again_expert
-            ring_steps += plan.cp * (2 + (1 if again.attention else 0)) if plan.cp > 1 else 0
             sp_exchanges += 2 + (1 if again.attention else 0)  # forward, backward, and a recomputed forward
             attention += f.attention * attention_work
             memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
@@ -182,7 +181,8 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         compute = tokens * (work / plan.tp / rate + memory_bound) + tokens * expert_work * routed / plan.tp / expert_rate
         attention_time = tokens * attention * 3 / plan.tp / rate
         # the ring's exchange hides behind attention; its steps' merges and waits do not
-        cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time) + ring_steps * ring_step_s
+        # cp ring steps per attention pass: forward, backward, and a recomputed forward (as Ulysses' exchanges)
+        cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s
         ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
         tp_comm = collectives * tp_collective
         pp_comm = pipeline_exchanges(plan, stage) * p2p
