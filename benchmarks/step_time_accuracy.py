@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import platform
 import time
 from contextlib import redirect_stdout
@@ -94,6 +95,14 @@ Notes on the misses and on the Llama 3 layout:
   anything conservative for the HF Trainer on SXM parts. NeMo AutoModel's Llama 3 70B row runs HF model code with
   Transformer Engine's kernels and torch.compile, so it is predicted on the fused rate; its CP 2 under FSDP2 is
   outside the fsdp backend's rules and is patched into the plan for the step model only.
+- Context parallelism (toolkit/estimate/timing.py): each ring step's wait (the link's per-hop latency) and its
+  memory-bound merge of partial results (fp32 output and log-sum-exp forward, fp32 dq and dk/dv backward) are on the
+  critical path, and fused attention runs the seq/(2 cp) blocks of the load-balanced ring at FlashAttention-3's
+  published rate for that length (arXiv:2407.08608 Fig. 5). `dmt plan --model llama-3.1-70b --gpus 64 --global-batch
+  256 --seq-len 8192 --precision fp8 --backends megatron` ranked tp2 pp8 cp4 15% faster than Bridge's tuned
+  tp4 pp8 vpp5 (the row above); now 10.8% (17.2 s against 19.1 s; the Llama 3 128K row moved from -20.3% to -17.5%),
+  and `dmt plan --explain` names the rest: 1.96 s less TP and 0.98 s less PP communication, which the Bridge run
+  overlaps (Transformer Engine's TP communication overlap) and the toolkit's generated configs do not.
 - megatron-local: Megatron-Core's local spec without Apex: the eager rate plus the unfused attention's memory
   traffic, counted per score element from Megatron-Core 0.16.1's code (UNFUSED_ATTENTION_*_BYTES): -5% (the model
   had it 3.9x too fast before the paths).
@@ -319,11 +328,12 @@ def report() -> None:
           f"{median:.1%}, largest {errors[-1]:.1%}")
 
     model, gpu = load_model_spec("llama-3.1-405b"), get_gpu("h100-80gb")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = search(model, 16384, gpu, network_for(gpu), seq_len=8192, global_batch=2048)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     print(f"\nsearch: llama-3.1-405b on 16384 x h100-80gb, seq 8192, global batch 2048: {result.considered} plans "
-          f"considered, {len(result.ranked)} fit, {elapsed:.2f} s")
+          f"considered, {len(result.ranked)} fit, {elapsed:.2f} s ({cpu:.2f} s of CPU; the machine's load average "
+          f"{os.getloadavg()[0]:.1f})")
 
 
 def main() -> None:
