@@ -256,7 +256,7 @@ def _step_time(model: ModelSpec, report: Prediction) -> dict:
     if model.is_moe:
         shares += (f"; MoE: the busiest EP rank sets the pace at {plan.moe_imbalance:g} x the mean routed tokens "
                    f"(--moe-imbalance, capped at ep = {plan.ep}), expert GEMMs at the rate of their rows per expert, "
-                   f"the EP all-to-alls {'inside' if plan.ep * plan.expert_tp <= expert_parallel_domain(plan.gpus_per_node) else 'across'} "
+                   f"the EP all-to-alls {'inside' if plan.ep * plan.expert_tp <= expert_parallel_domain(plan) else 'across'} "
                    f"the NVLink domain")
     return _entry("step_time", total, f"{total:.3g} s per step: {shares}",
                   f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,

@@ -10,7 +10,6 @@ toolkit/backends/<name>/timing.py, reached through `backend_of(plan).timing`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -106,6 +105,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     `calibrated`) replace the published ones; this is the one place a calibration enters a prediction. `packed`: the
     attention a recipe's packed documents cost (toolkit/estimate/packed_attention.py; None: the whole sequence)."""
     gpu, network = calibrated(gpu, network, calibration)
+    network = network.for_plan(plan)  # the plan's node size, NVLink domain and scale-out tier
     a = PRECISION_BYTES[plan.precision]
     peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
     tokens = plan.micro_batch * plan.seq_len // plan.sequence_split  # per rank per micro-batch
@@ -274,11 +274,10 @@ def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> fl
     return 3 * forward * PRECISION_BYTES[plan.precision]
 
 
-def expert_parallel_domain(gpus_per_node: int) -> int:
-    """GPUs joined by the scale-up (NVLink) domain an EP group stays inside to avoid the network: the node until the
-    cluster names an NVLink domain of its own (the one place to change when it does; expert_parallel_exchange_s
-    and `dmt estimate --explain` read it)."""
-    return gpus_per_node
+def expert_parallel_domain(plan: Plan) -> int:
+    """GPUs joined by the NVLink domain an EP x ETP group stays inside to avoid the network: the plan's resolved
+    nvlink_domain (the GPU's, e.g. 72 on GB200 NVL72, else the node), which the network's all-to-all reads too."""
+    return plan.nvlink_domain
 
 
 def expert_parallel_exchange_s(spec: ModelSpec, plan: Plan, network: Network, act: float, routed: float) -> float:
@@ -290,8 +289,7 @@ def expert_parallel_exchange_s(spec: ModelSpec, plan: Plan, network: Network, ac
     if not spec.is_moe:
         return 0.0
     copies = act * spec.experts_top_k / plan.tp * routed
-    domain = dataclasses.replace(network, gpus_per_node=expert_parallel_domain(network.gpus_per_node))
-    exchange = 4 * domain.all_to_all_time(copies, plan.ep, plan.expert_tp)
+    exchange = 4 * network.all_to_all_time(copies, plan.ep, plan.expert_tp)
     if plan.expert_tp > 1:
         link = network.link(plan.expert_tp, 1)
         exchange += 2 * (collective_time("all_gather", copies * plan.expert_tp, plan.expert_tp, link)
