@@ -29,7 +29,7 @@ from toolkit.estimate.memory import estimate_memory
 from toolkit.estimate.timing import STEP_COMPONENTS, step_time
 from toolkit.planner.predict import recompute_label
 from toolkit.planner.search import pipeline_splits, search
-from toolkit.spec.cluster import get_gpu
+from toolkit.spec.cluster import get_gpu, topology_defaults
 from toolkit.spec.model import ModelSpec, load_model_spec
 from toolkit.spec.plan import resolve_plan
 
@@ -226,8 +226,9 @@ Notes on the MoE rows:
   Megatron-Core 0.16.1's moe_utils), and the dispatch and combine all-to-alls over EP, whose share bound for other
   nodes goes through each GPU's own NIC; the busiest EP rank sets the pace (--moe-imbalance, 1 here: the runs forced
   balanced routing, moe_router_force_load_balancing in Bridge's perf recipes).
-- The errors are large and of both signs, so nothing is fitted: one scale would move the B200 rows (predicted 26-51%
-  fast: Bridge's own MoE runs reach 12-16% of the B200's dense peak against 37% for its dense Llama 3 70B FP8 on H100)
+- The errors are large and of both signs, so nothing is fitted: one scale would move the B200 and GB200 rows
+  (predicted 21-51% fast: Bridge's own MoE runs reach 12-16% of the B200's dense peak against 37% for its dense
+  Llama 3 70B FP8 on H100)
   and the H100 rows (16% and 33% slow) apart, not together. The H100 Qwen3 235B row ran moe_a2a_overlap (EP
   all-to-all hidden under the other micro-batch's compute, Bridge perf_recipes/qwen/h100/qwen3_moe.py) and the H100
   Qwen3 30B row HybridEP with CUDA graphs; the toolkit's plans have no option for either yet, so the model puts the
@@ -235,9 +236,10 @@ Notes on the MoE rows:
   term yet: per-layer host synchronisation of the alltoall dispatcher (tokens per expert copied to the host),
   many small kernels between the GEMMs, and MXFP8's quantisation of every GEMM input, none of which the dense
   curve carries.
-- GB200 rows wait for the gb200 catalogue entry (its 72-GPU NVLink domain: the EP 32-64 layouts of these rows stay
-  inside it, which expert_parallel_domain() in timing.py is the one place to change), and DeepSeek-V3's
-  interleaved layouts for a --pipeline-model-parallel-layout option (61 layers do not split evenly).
+- The GB200 rows run on the catalogue's NVL72 (4 GPUs a node, 72 on one NVLink domain: the plan's nvlink_domain,
+  which the EP exchange reads through expert_parallel_domain()): Qwen3 235B's EP 32 stays on NVLink there (6.3 s of
+  all-to-all against 69.5 s across H100 nodes). DeepSeek-V3's interleaved layouts (61 layers over pp 8 v 2 and
+  pp 4 v 4) wait for a --pipeline-model-parallel-layout option: no even split of 61 layers interleaves.
 """
 
 
@@ -249,8 +251,9 @@ def moe_rows(refs: dict) -> tuple[list[dict], list[tuple[str, str]]]:
     for ref in refs["rows"]:
         try:
             model, gpu = load_model_spec(ref["model"]), get_gpu(ref["gpu"])
-            options = {**dict(backend="megatron", seq_len=4096, precision="fp8", distributed_optimizer=True,
-                              recompute="none", moe_imbalance=1.0), **ref["plan"]}
+            options = topology_defaults(gpu, {**dict(backend="megatron", seq_len=4096, precision="fp8",
+                                                     distributed_optimizer=True, recompute="none", moe_imbalance=1.0),
+                                              **ref["plan"]})  # the GPU's node size and NVLink domain (NVL72)
             vpp = options.pop("vpp", 1)
             splits = (pipeline_splits(model.num_layers, options["pp"], megatron=True) if options.get("pp", 1) > 1
                       else [({}, [1])])
