@@ -25,6 +25,7 @@ from toolkit.numeric import GiB, json_text
 from toolkit.planner.max_seq_len import longest_sequence
 from toolkit.planner.predict import predicted_record, recompute_label
 from toolkit.planner.recipe import packed_attention
+from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import topology_defaults
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan
@@ -108,6 +109,9 @@ def print_report(report: Prediction) -> None:
         f"{params.active / 1e9:.3f}B active, {params.embedding / 1e9:.3f}B in embeddings"
         + (f"; {plan.finetune.method}: {params.trainable:,} trainable adapter parameters"
            if plan.finetune.method != "full" else "")
+        + (f"; {params.mtp / 1e9:.3f}B in multi-token prediction modules besides, which "
+           + ("Megatron-Core trains (counted in memory)" if not backend_of(plan).hf_modules else
+              "transformers' model does not build (not counted)") if params.mtp else "")
     )
     console.print(
         f"{plan.backend} on {plan.gpus} x {report.gpu}: {layout} {sharding_text(plan)} "
