@@ -40,7 +40,13 @@ from toolkit.runtime.watchdog import exit_now  # noqa: E402
 from toolkit.spec.backends import backend_of  # noqa: E402
 from toolkit.spec.cluster import load_catalogue  # noqa: E402
 from toolkit.spec.options import CPU_ATTENTION  # noqa: E402
-from toolkit.spec.recipe import load_recipe, recipe_calibration, recipe_model, recipe_names  # noqa: E402
+from toolkit.spec.recipe import (  # noqa: E402
+    ProfileSection,
+    load_recipe,
+    recipe_calibration,
+    recipe_model,
+    recipe_names,
+)
 from toolkit.validate.generated import GeneratedRun, read_generated  # noqa: E402
 
 
@@ -138,8 +144,6 @@ def _run(args: argparse.Namespace) -> int:
 def _profiled(recipe, steps: str | None, world: int):
     """The recipe with --profile-steps A-B as its training.profile (its ranks and memory kept), checked against the
     launch: steps within max_steps, ranks within the world."""
-    from toolkit.spec.recipe import ProfileSection
-
     profile = recipe.training.profile
     if steps is not None:
         try:
