@@ -153,3 +153,13 @@ def test_the_incident_says_when_the_flight_recorder_did_not_run(tmp_path, monkey
     event = analyse_collectives(tmp_path, world=2, wait_s=0)
     assert event["event"] == "collectives" and event["collective"] is None
     assert event["recorder"].startswith("torch's flight recorder was off")
+
+
+def test_a_damaged_breakdown_file_is_one_line_naming_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "profile" / "breakdown").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (run / "profile" / "breakdown" / "rank0.json").write_text(json.dumps({"rank": 0, "steps": [{"step": 1}]}))
+    assert main(["report", str(run), "--breakdown"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rank0.json: not a profile breakdown" in err[0], err

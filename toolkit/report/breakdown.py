@@ -38,7 +38,7 @@ def read_breakdown(run_dir: Path, prediction_terms: dict | None) -> dict | None:
     files = profile_files(run_dir)
     if not files:
         return None
-    recorded = [read_json(path, "RUN_DIR", what="a profile breakdown (toolkit/runtime/profile.py)") for path in files]
+    recorded = [_checked(path) for path in files]
     source = "torch.profiler events"
     if any(rank.get("device") == "cuda" for rank in recorded):
         recorded = with_hta(Path(run_dir) / PROFILE_DIR, recorded)
@@ -56,6 +56,20 @@ def read_breakdown(run_dir: Path, prediction_terms: dict | None) -> dict | None:
                      for term, keys in PREDICTED_AS.items()}
     return {"source": source, "steps": rows, "measured": measured, "predicted": predicted,
             "gap": largest_gap(measured, predicted), "stragglers": stragglers(per_rank)}
+
+
+def _checked(path: Path) -> dict:
+    """One rank's breakdown file as train.py writes it, or one line naming the file (a damaged or foreign file)."""
+    body = read_json(path, "RUN_DIR", what="a profile breakdown (toolkit/runtime/profile.py)")
+    keys = ("step", "step_s", *TERMS, "communication_overlapped_s")
+    steps = body.get("steps") if isinstance(body, dict) else None
+    if not (isinstance(body, dict) and isinstance(body.get("rank"), int) and isinstance(steps, list)
+            and all(isinstance(step, dict) and all(isinstance(step.get(k), (int, float))
+                                                   and not isinstance(step.get(k), bool) and step[k] >= 0
+                                                   and step[k] < float("inf") for k in keys) for step in steps)):
+        raise UserInputError("RUN_DIR", f"{path}: not a profile breakdown toolkit/train.py wrote (rank, and steps "
+                                        f"with {', '.join(keys)}, each a finite number of 0 or more)")
+    return body
 
 
 def _per_rank(rows: list[dict]) -> dict[int, dict]:
