@@ -89,3 +89,13 @@ def test_a_hang_in_one_ranks_collective_is_named_by_the_flight_recorder(straggle
     assert collectives["collective"] and collectives["collective"].startswith("gloo:"), collectives
     assert collectives["missing_ranks"] == [1], collectives
     assert any("Not all ranks joining collective" in line for line in collectives["analysis"]), collectives
+
+
+def test_the_report_prints_the_breakdown_and_plots_its_bars(straggler, capsys, tmp_path):
+    _, out, _ = straggler
+    plot = tmp_path / "report.png"
+    assert main(["report", str(out), "--breakdown", "--plot", str(plot)]) == 0
+    printed = capsys.readouterr().out
+    assert "where the time went" in printed and "slowest rank: 1, by compute" in printed, printed
+    assert "largest gap: " in printed
+    assert plot.stat().st_size > 0 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
