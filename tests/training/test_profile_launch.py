@@ -1,6 +1,6 @@
 """Profiled steps against a straggler and a hang, one tiny launch (torchrun, FSDP2, 2 CPU ranks over gloo): rank 1 is
 slowed on purpose by extra compute in steps 2 and 3 (DMT_FAULT busy, toolkit/runtime/faults.py), which are profiled;
-then it stops in step 5 while rank 0 goes on into the step's collectives. `dmt report --breakdown` names rank 1 the
+then it stops in step 4 while rank 0 goes on into the step's collectives. `dmt report --breakdown` names rank 1 the
 straggler by compute, rank 0 shows the wait as communication or idle, and the watchdog's incident carries torch's
 flight recorder analysis of the ranks' dumps naming the collective rank 1 never joined."""
 
@@ -17,12 +17,12 @@ pytestmark = pytest.mark.launch
 # 256x256 products rank 1 adds to each profiled step: several times the tiny step's own compute on any host
 EXTRA_PRODUCTS = 300
 FAULT = (f"busy={EXTRA_PRODUCTS}@rank=1,step=2,phase=train;busy={EXTRA_PRODUCTS}@rank=1,step=3,phase=train;"
-         f"hang@rank=1,step=5,phase=train")
+         f"hang@rank=1,step=4,phase=train")
 
 
 @pytest.fixture(scope="module")
 def straggler(variant, tmp_path_factory):
-    recipe = variant("tiny-straggler", training={"max_steps": 6, "save_steps": 0, "hang_timeout_s": 10.0,
+    recipe = variant("tiny-straggler", training={"max_steps": 5, "save_steps": 0, "hang_timeout_s": 10.0,
                                                  "max_restarts": 0})
     out = tmp_path_factory.mktemp("straggler") / "run"
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),

@@ -123,12 +123,15 @@ def flight_recorder_state() -> str | None:
 
 
 def flight_record() -> bytes | None:
-    """This process's flight recorder dump (gloo or NCCL) in the form torch's analyser reads; None when it is off."""
+    """This process's flight recorder dump in the form torch's analyser reads: NCCL's own recorder on NCCL (untested
+    here: no GPU), the backend-neutral one gloo records into otherwise; None when it is off."""
     try:
         import torch.distributed as dist
 
         if flight_recorder_state() is not None or not dist.is_initialized():
             return None
+        if dist.get_backend() == "nccl":
+            return nccl_flight_record()
         return flight_recorder_dump()
     except Exception as exc:  # a torch without the backend-neutral recorder: the stacks still say where each rank was
         log.warning("no flight recorder dump: %s", exc)
