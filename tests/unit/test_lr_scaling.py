@@ -48,10 +48,11 @@ def _rates(out, backend: str) -> dict:
     return rates
 
 
-@pytest.mark.parametrize("backend", sorted(RECIPES))
-@pytest.mark.parametrize("rule, reference, lr, warmup", [
-    ("linear", 8, 0.01, 2),  # twice the batch: twice the rate, the same 24 warm-up samples in 1.5 -> 2 steps
-    ("sqrt", 64, 0.0025, 12),  # a quarter of the batch: half the rate, four times the warm-up steps
+@pytest.mark.parametrize("backend, rule, reference, lr, warmup", [
+    ("deepspeed", "linear", 8, 0.01, 2),  # twice the batch: twice the rate, the same 24 warm-up samples, 2 steps
+    ("fsdp", "sqrt", 64, 0.0025, 12),  # a quarter of the batch: half the rate, four times the warm-up steps
+    ("megatron", "sqrt", 64, 0.0025, 12),
+    ("megatron", "linear", 8, 0.01, 2),
 ])
 def test_the_scaled_rate_and_warmup_reach_every_generated_file(tmp_path, backend, rule, reference, lr, warmup):
     recipe, out = _generate(tmp_path, backend, lr_scaling=rule, lr_reference_batch=reference)
