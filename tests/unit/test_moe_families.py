@@ -121,3 +121,17 @@ def test_unmapped_families_say_what_the_megatron_mapping_lacks(model_type, missi
     with pytest.raises(UserInputError) as err:
         megatron_mapping(model_type)
     assert missing in str(err.value) and "\n" not in str(err.value)
+
+
+def test_explain_counts_gpt_oss_windows_and_says_so(capsys):
+    """GPT-OSS's sliding layers attend 128 tokens at any length: the attention FLOPs `--explain` counts are the full
+    layers' over 8,192 tokens and the sliding layers' over their window, which the rule says."""
+    from toolkit.estimate.flops import layer_forward_flops
+
+    assert main(["estimate", "--model", "gpt-oss-20b", "--gpus", "8", "--seq-len", "8192", "--explain", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    entry = next(e for e in report["explain"] if e["component"] == "attention_flops")
+    spec = load_model_spec("gpt-oss-20b")
+    full, sliding = (layer_forward_flops(spec, i, 8192).attention for i in (1, 0))
+    assert entry["flops_per_token"] == pytest.approx(3 * 12 * (full + sliding)) and sliding * 8192 == full * 128
+    assert "12 of 24 layers attend at most 128 tokens" in entry["rule"]
