@@ -28,8 +28,9 @@ INDEX = 8  # int64 token ids and labels
 HF_MULTI_OP_GELU = ("gelu_new", "gelu_fast", "quick_gelu")
 # HF families with a fused qkv projection whose sdpa path also keeps separate q and k tensors (measured).
 HF_FUSED_QKV_SDPA_COPIES = ("gpt2", "phi3")
-# HF families whose eager attention takes softmax in the compute dtype (the llama lineage upcasts to fp32).
-HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE = ("gpt2",)
+# HF families whose eager attention takes softmax in the compute dtype (the llama lineage upcasts to fp32); GPT-OSS's
+# takes it over the scores and its sink column, in their dtype.
+HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE = ("gpt2", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ def mlp_bytes_per_token(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetu
     if not setup.hf_modules:
         # fc1 output (2*ffn when gated) kept by the fused activation, and fc2's input (quantized in fp8 / fp4)
         return a * (2 if spec.gated_mlp else 1) * ffn + setup.saved_gemm_input * ffn
+    if spec.gated_mlp and spec.activation_clamp:
+        # GPT-OSS's clamped SwiGLU (GptOssExperts._apply_gate): gate_up's output (2 x ffn, kept by both clamps), the
+        # sigmoid's output, the clamped gate, glu and up + 1 (kept by their product), down_proj's input
+        return 7 * a * ffn
     if spec.gated_mlp:  # gate output, act(gate), up output, act*up (down_proj's input)
         return 4 * a * ffn
     if spec.activation == "relu":  # relu keeps its output, which is also fc2's input
