@@ -8,6 +8,7 @@ Each rule names the flag at fault; recipes rename it to their key (spec/recipe.p
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
@@ -137,6 +138,8 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     dp = max(1, gpus // model_parallel)
     micro = values["micro_batch"]
     global_batch = values["global_batch"] or micro * dp
+    if values["etp"] == values["tp"]:  # no folding: stored unset, as Megatron-Core defaults it (expert_tp)
+        values["etp"] = None
     if values["moe_imbalance"] is None:
         values["moe_imbalance"] = MOE_IMBALANCE_DEFAULT
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
@@ -215,14 +218,56 @@ def _check_experts(p: Plan, model: ModelSpec | None) -> None:
     if not 1.0 <= p.moe_imbalance <= MOE_IMBALANCE_MAX:  # a ratio to the mean: the estimators cap it at ep
         raise UserInputError("--moe-imbalance", f"must be a ratio between 1.0 (balanced) and {MOE_IMBALANCE_MAX:g}, "
                                                 f"got {p.moe_imbalance!r}")
-    if p.ep == 1:
-        return
-    if model is not None and not model.is_moe:
+    if p.etp is not None and model is not None and not model.is_moe:
+        raise UserInputError("--etp", f"expert tensor parallelism needs an MoE model; {model.name} has no experts")
+    if p.ep > 1 and model is not None and not model.is_moe:
         raise UserInputError("--ep", f"expert parallelism needs an MoE model; {model.name} has no experts")
-    if model is not None and model.num_experts % p.ep:
+    if model is not None and model.is_moe and model.num_experts % p.ep:
         raise UserInputError("--ep", f"{p.ep} must divide the {model.num_experts} experts")
-    if (p.dp * p.cp) % p.ep:
+    if for_backend("etp", p.backend):
+        _check_expert_mesh(p, model)
+    elif (p.dp * p.cp) % p.ep:  # DeepSpeed's and FSDP2's expert groups split the data-parallel ranks
         raise UserInputError("--ep", f"{p.ep} must divide dp x cp = {p.dp * p.cp}")
+
+
+def smallest_world(tp: int, cp: int, pp: int, ep: int, etp: int) -> int:
+    """The fewest ranks Megatron-Core's parallel folding lays both meshes over: attention's TP x CP x DP x PP and the
+    experts' ETP x EP x EDP x PP share the ranks, so the world is a multiple of PP x lcm(TP x CP, EP x ETP)."""
+    return pp * math.lcm(tp * cp, ep * etp)
+
+
+def _check_expert_mesh(p: Plan, model: ModelSpec | None) -> None:
+    """Megatron-Core 0.16.1's parallel folding (parallel_state.initialize_model_parallel): the expert layers run on
+    ETP x EP x EDP x PP over the same ranks as attention's TP x CP x DP x PP, so the world must divide by
+    ETP x EP x PP as it divides by TP x CP x PP; EP need not divide DP x CP. Expert weights split over ETP
+    (megatron.core.utils.divide in the expert MLPs), and biased experts train at ETP 1 only (TransformerConfig:
+    "Bias in Moe is only supported when ETP==1")."""
+    etp = p.expert_tp
+    if p.gpus % (p.pp * p.ep * etp):
+        smallest = smallest_world(p.tp, p.cp, p.pp, p.ep, etp)
+        valid = [e for e in divisors(p.gpus // p.pp) if (p.gpus // p.pp) % (e * etp) == 0
+                 and (model is None or not model.is_moe or model.num_experts % e == 0)]
+        stage = p.gpus // p.pp
+        etps = [d for d in divisors(stage // p.ep)] if stage % p.ep == 0 else []
+        hint = (f"valid --etp at ep {p.ep}: {', '.join(map(str, etps))}" if etps else
+                f"valid --ep at etp {etp}: {', '.join(map(str, valid)) or 'none'}")
+        raise UserInputError("--etp" if p.etp is not None else "--ep",
+                             f"ep x etp x pp = {p.ep} x {etp} x {p.pp} must divide the {p.gpus} GPUs (Megatron-Core's "
+                             f"expert mesh ETP x EP x EDP x PP; this layout needs a multiple of pp x lcm(tp x cp, "
+                             f"ep x etp) = {smallest}); {hint}" + ("" if p.etp is not None else " (--etp defaults to --tp)"))
+    if model is None or not model.is_moe:
+        return
+    if p.tp > 1 and not p.sequence_parallel:  # MoELayer.forward raises in training without it
+        local = (" (it needs Transformer Engine modules: the local spec's torch norms refuse it, so MoE on CPU "
+                 "trains at --tp 1)") if p.transformer_impl == "local" else ""
+        raise UserInputError("--sequence-parallel", f"MoE layers with tensor parallelism need sequence parallelism "
+                                                    f"(Megatron-Core's MoELayer refuses to train without it){local}")
+    if model.moe_ffn_hidden_size and model.moe_ffn_hidden_size % etp:
+        raise UserInputError("--etp", f"{etp} must divide the experts' inner size {model.moe_ffn_hidden_size}; valid: "
+                                      f"{', '.join(str(d) for d in divisors(model.moe_ffn_hidden_size, p.gpus))}")
+    if model.mlp_bias and etp > 1:
+        raise UserInputError("--etp", f"{etp}: Megatron-Core trains biased experts ({model.name}) at expert tensor "
+                                      f"parallelism 1 only (TransformerConfig); set --etp 1")
 
 
 def check_sequence_split(p: Plan, model: ModelSpec | None) -> None:
