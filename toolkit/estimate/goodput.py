@@ -36,10 +36,11 @@ FAILURE_RATE_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GP
 RESTART_S = 600.0
 # training.restart: in_process (NVIDIA Resiliency Extension's in-process restart): no job, container, interpreter,
 # import or CUDA context starts again; what is left is detecting the fault, the surviving ranks' restart barrier, new
-# communicators and the first step. NVRx's documentation names what it removes but publishes no time; the figure is
-# our own measurement (benchmarks/restart_time.md: failure to the end of the next step, less the checkpoint's reload,
-# on 2 CPU ranks of a tiny Megatron-Core model, a loaded 2-core machine), rounded up. It is a lower bound for a GPU
-# cluster, whose NCCL communicators take longer to form than gloo's: pass a measured one (--restart-s).
+# communicators, the model built again and the first step. NVRx's documentation names what it removes but publishes
+# no time; the figure is our own measurement (benchmarks/restart_time.md: failure to the end of the next step,
+# checkpoint read included, 2 CPU ranks of a tiny Megatron-Core model on a 2-core machine at load ~40, where a
+# relaunch took ~7x as long), rounded. A GPU cluster's NCCL communicators take longer to form than gloo's and its
+# model is larger: pass a measured one (--restart-s).
 RESTART_S_IN_PROCESS = 15.0
 RESTART_MODES = {"relaunch": RESTART_S, "in_process": RESTART_S_IN_PROCESS}  # training.restart -> its default R
 

@@ -36,6 +36,7 @@ ITERATION_ENV = RESTART_COUNTERS["in_process"]  # the restart iteration: a resta
 SPARES_ENV = "DMT_SPARE_RANKS"  # set by launch.sh: how many of WORLD_SIZE processes wait as hot spares
 STORE_PORT_OFFSET = 1  # the process groups' store: MASTER_PORT + 1 (NVRx's own store is at MASTER_PORT)
 _failed_at: float | None = None  # when this rank saw the failure that the current restart iteration follows
+_call_wrapper = None  # NVRx's CallWrapper of the iteration running on this rank (ping())
 
 
 class Final(BaseException):
@@ -109,8 +110,8 @@ def run(train: Callable[[bool], dict], output_dir: Path, gpus: int, max_restarts
         **timeouts(hang_timeout_s))
 
     def restartable(call_wrapper=None):
-        global _failed_at
-        it = call_wrapper.iteration
+        global _failed_at, _call_wrapper
+        _call_wrapper, it = call_wrapper, call_wrapper.iteration
         os.environ[ITERATION_ENV] = str(it)
         if it > max_restarts:
             raise Final(UserInputError("training.max_restarts", f"{max_restarts} in-process restarts used up"))
@@ -140,6 +141,15 @@ def run(train: Callable[[bool], dict], output_dir: Path, gpus: int, max_restarts
         return wrapper(restartable)()
     except Final as final:
         raise final.original from None
+
+
+def ping() -> None:
+    """This rank made progress (every phase of a step, TrainingWatchdog.phase): from the first ping of a restart
+    iteration NVRx's soft and hard timeouts count from the last one, so a rank stuck in a step for hang_timeout_s is
+    restarted, however alive its threads are (without pings NVRx counts its own thread's, which a rank asleep in
+    Python or blocked in a collective keeps sending)."""
+    if _call_wrapper is not None:
+        _call_wrapper.ping()
 
 
 def record_resumed(output_dir: Path, step: int) -> None:
