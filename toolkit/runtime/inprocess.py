@@ -55,8 +55,9 @@ def iteration() -> int:
 
 def timeouts(hang_timeout_s: float) -> dict:
     """The Wrapper's timeouts from training.hang_timeout_s (NVRx checks soft < hard < barrier, heartbeat < barrier):
-    a rank silent for hang_timeout_s is aborted (soft), and terminated half as long again later (hard)."""
-    soft = max(hang_timeout_s, 10.0)
+    a rank without progress for hang_timeout_s is aborted (soft), and terminated half as long again later (hard);
+    hang_timeout_s 0 (no watchdog) leaves an hour."""
+    soft = max(hang_timeout_s, 10.0) if hang_timeout_s > 0 else 3600.0
     return dict(soft_timeout=timedelta(seconds=soft), hard_timeout=timedelta(seconds=soft * 1.5),
                 heartbeat_timeout=timedelta(seconds=min(soft, 30.0)),
                 barrier_timeout=timedelta(seconds=soft * 2 + 60), completion_timeout=timedelta(seconds=soft * 2 + 60))
@@ -104,10 +105,11 @@ def run(train: Callable[[bool], dict], output_dir: Path, gpus: int, max_restarts
                                              "pid": os.getpid()})
             return state
 
+    limits = timeouts(hang_timeout_s)
     wrapper = inprocess.Wrapper(
         abort=AbortGroups(), finalize=RecordFailure(),
         rank_assignment=inprocess.Compose(rank_assignment.MaxActiveWorldSize(gpus), rank_assignment.ShiftRanks()),
-        **timeouts(hang_timeout_s))
+        **limits)
 
     def restartable(call_wrapper=None):
         global _failed_at, _call_wrapper
@@ -121,8 +123,11 @@ def run(train: Callable[[bool], dict], output_dir: Path, gpus: int, max_restarts
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # a spare keeps its own device
+        # the default group's collectives give up at the soft timeout (gloo has no abort that frees a thread blocked
+        # in one); Megatron-Core's own groups keep their distributed_timeout_minutes, so a rank waiting there for a
+        # hung peer is ended by NVRx's hard timeout: a hang is not recovered in-process on gloo (docs/faults.md)
         dist.init_process_group(backend, store=dist.PrefixStore(f"dmt-iteration-{it}", base_store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=max(hang_timeout_s, 60.0)))
+                                world_size=world, timeout=limits["soft_timeout"])
         try:
             return train(it > 0)
         except (UserInputError, GuardStop) as exc:
