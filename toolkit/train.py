@@ -21,6 +21,7 @@ from toolkit.errors import UserInputError, error_line  # noqa: E402
 from toolkit.health.checks import match_gpu  # noqa: E402
 from toolkit.planner.recipe import recipe_plan, recipe_prediction  # noqa: E402
 from toolkit.planner.save_interval import is_auto, run_save_steps  # noqa: E402
+from toolkit.runtime import inprocess  # noqa: E402
 from toolkit.runtime.guard import GuardStop  # noqa: E402
 from toolkit.runtime.incident import (  # noqa: E402
     flight_recorder_environment,
@@ -117,12 +118,22 @@ def _run(args: argparse.Namespace) -> int:
     check_attention_device(run.plan, recipe.cluster.accelerator)
     output_dir = args.output_dir or Path("runs") / recipe.name
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
-    watch = _watched(output_dir, recipe.training.hang_timeout_s)
+    in_process = recipe.training.restart == "in_process"
+    # in-process restart: NVRx's rank monitors watch the ranks; the toolkit's watchdog would end the job instead
+    watch = _watched(output_dir, 0 if in_process else recipe.training.hang_timeout_s)
     try:
         train = backend_of(run.plan).train.train  # toolkit/backends/<name>/train.py
-        summary = train(TrainContext(run=run, recipe=recipe, output_dir=output_dir, resume=args.resume,
-                                     deepspeed_json=args.deepspeed, updates=updates, throughput=throughput,
-                                     watch=watch))
+
+        def attempt(restarted: bool = False):
+            return train(TrainContext(run=run, recipe=recipe, output_dir=output_dir,
+                                      resume="auto" if restarted else args.resume, deepspeed_json=args.deepspeed,
+                                      updates=updates, throughput=throughput, watch=watch))
+
+        if in_process:
+            summary = inprocess.run(attempt, output_dir, run.plan.gpus, recipe.training.max_restarts,
+                                    recipe.training.hang_timeout_s, _process_group_backend(recipe.cluster.accelerator))
+        else:
+            summary = attempt()
     except BaseException as exc:
         watch.shield()  # first: a SIGTERM from here on would replace this failure and skip its report
         detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -191,6 +202,10 @@ def check_attention_device(plan, accelerator: str) -> None:
         raise UserInputError("plan.attention", f"{plan.attention} needs the flash-attn package, which is not "
                                                f"installed here (pip install flash-attn); or use "
                                                f"{' or '.join(CPU_ATTENTION)}")
+
+
+def _process_group_backend(accelerator: str) -> str:
+    return "nccl" if trains_on_cuda(accelerator) else "gloo"
 
 
 def _rank_zero() -> bool:

@@ -8,7 +8,7 @@ from toolkit.estimate.comm import Network
 from toolkit.estimate.packed_attention import blend_squared_pieces
 from toolkit.planner.predict import predicted_record
 from toolkit.planner.search import best_plan
-from toolkit.spec.backends import backend_of
+from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import get_gpu, topology_defaults, with_host_memory
 from toolkit.spec.model import ModelSpec
@@ -54,6 +54,7 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
         else:
             plan = resolve_plan(model, recipe.cluster.gpus, **options)
     check_data_format(recipe, plan)
+    check_restart(recipe, plan)
     return plan
 
 
@@ -62,6 +63,22 @@ def check_data_format(recipe: Recipe, plan: Plan) -> None:
     if recipe.data.format != "text" and not backend_of(plan).hf_modules:
         raise UserInputError("data.format", f"{recipe.data.format} data (loss on the answers only) trains through the "
                                             f"HF Trainer: use plan.backend deepspeed or fsdp, or format: text")
+
+
+def check_restart(recipe: Recipe, plan: Plan) -> None:
+    """training.restart: in_process needs a training function that can run again in the same process (the toolkit's
+    Megatron-Core loop; the HF Trainer keeps process-wide distributed state: Accelerate's PartialState, deepspeed.comm)
+    and, today, launch.sh's one-node `inprocess` launcher."""
+    if recipe.training.restart != "in_process":
+        return
+    backend = backend_of(plan)
+    if not backend.in_process_restart:
+        able = [b.label for b in BACKENDS.values() if b.in_process_restart]
+        raise UserInputError("training.restart", f"in_process runs with the {' or '.join(able)} backend, not "
+                                                 f"{backend.label}; use relaunch")
+    if recipe.cluster.num_nodes > 1:
+        raise UserInputError("training.restart", "in_process is launched on one node (launch.sh inprocess); use "
+                                                 "relaunch for several nodes")
 
 
 def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration: Calibration | None = None, /,

@@ -71,6 +71,7 @@ class CheckpointTime(BaseModel):
     async_save: bool  # blocking_s of an asynchronous save (--async-checkpoint), else of a synchronous one
     local_bytes: int  # the busiest rank's states on its GPU, which an async save copies to the host
     reload_s: float  # reading it back after a failure
+    local: bool = False  # reloads read node-local checkpoints (checkpoint.local): reload_s at the host link
     write_bw_gbps_per_node: float | None  # None: --checkpoint-write-s gave the write time
 
 
@@ -101,6 +102,7 @@ class TrainingTime(_Record):
     goodput: float  # useful training time over elapsed time
     mtbf_h: float | None  # the job's mean time between failures; None: --failure-rate 0
     failure_rate_per_gpu_hour: float
+    restart: str = "relaunch"  # the restart mode restart_s is the default of (training.restart)
     restart_s: float
     lost_h: LostHours
     checkpoint: CheckpointTime

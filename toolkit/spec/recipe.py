@@ -283,6 +283,16 @@ class TrainingSection(_Strict):
     max_restarts: int = Field(3, ge=0, description="Restarts of a failed job from the latest verified checkpoint by "
                                                    "launch.sh and slurm.sbatch (torchrun's --max-restarts; a retry "
                                                    "loop for the deepspeed and accelerate launchers); 0: none.")
+    restart: Literal["relaunch", "in_process"] = Field(
+        "relaunch", description="How a failed job continues from the latest verified checkpoint. relaunch: every rank "
+                                "is ended and the launcher starts them all again (training.max_restarts times). "
+                                "in_process: NVIDIA Resiliency Extension's in-process restart (Megatron-Core "
+                                "backend): the training function restarts inside the surviving processes, a hot spare "
+                                "(training.spare_ranks) replacing a rank that died or hung; launch.sh's `inprocess` "
+                                "launcher (docs/faults.md).")
+    spare_ranks: int = Field(1, ge=0, description="training.restart: in_process: processes launched beyond "
+                                                  "cluster.gpus that wait as hot spares and take the place of a "
+                                                  "rank lost during training (one loss each).")
     guard: GuardSection = Field(GuardSection(), description="What a non-finite loss or gradient norm, or a loss "
                                                             "spike, does to the run.")
     profile: ProfileSection | None = Field(None, description="Record steps with torch.profiler (unset: off, no "
