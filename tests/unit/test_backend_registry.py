@@ -229,7 +229,7 @@ def test_a_fourth_backend_is_one_package_and_one_registry_line(fourth_backend, t
     out = tmp_path / "gen"
     _dmt(root, "generate", str(recipe), "--backend", "ddp", "--out", str(out))
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
-        "launch.sh", "plan.json", "slurm.sbatch", "trainer_args.json"]
+        "ft_config.yaml", "launch.sh", "plan.json", "slurm.sbatch", "trainer_args.json"]
     import json
 
     record = json.loads((out / "plan.json").read_text())

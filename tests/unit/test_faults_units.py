@@ -15,7 +15,7 @@ import yaml
 from helpers import TINY
 from toolkit.checkpoint.manifest import latest_verified, point_latest, write_manifest
 from toolkit.cli.main import main
-from toolkit.errors import worker_error
+from toolkit.errors import UserInputError, worker_error
 from toolkit.runtime import faults
 from toolkit.runtime.guard import GuardStop, LossGuard, report
 from toolkit.runtime.incident import append_incident, read_incidents, restart_counts
@@ -321,4 +321,37 @@ def test_in_process_restart_is_refused_where_it_cannot_run_and_its_launcher_star
     assert main(["generate", str(path), "--out", str(tmp_path / "mc")]) == 0
     text = (tmp_path / "mc" / "launch.sh").read_text()
     assert 'LAUNCHER="${1:-inprocess}"' in text and "WORLD=$((2 + 2))" in text and "DMT_SPARE_RANKS=2" in text
-    assert "Usage: launch.sh [inprocess|torchrun]" in text
+    assert "Usage: launch.sh [inprocess|torchrun|ft_launcher]" in text
+
+
+def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_own_config_class(tmp_path, capsys):
+    """Wherever torchrun runs a plan, launch.sh offers NVRx's ft_launcher with the generated ft_config.yaml; its
+    timeouts come from training.hang_timeout_s and NVRx's FaultToleranceConfig reads it (`dmt validate`, and every
+    read of the generated directory); a key NVRx does not know, a signal it has not, a negative timeout: one line,
+    exit 2."""
+    from nvidia_resiliency_ext.fault_tolerance import FaultToleranceConfig
+
+    script = _generated_launch(tmp_path, 2)
+    text = script.read_text()
+    assert "Usage: launch.sh [deepspeed|accelerate|torchrun|ft_launcher]" in text
+    assert ('exec ft_launcher --ft-cfg-path "$HERE/ft_config.yaml" \\\n      --max-restarts "$MAX_RESTARTS" '
+            '--rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$MASTER_PORT"') in text
+    config_path = script.parent / "ft_config.yaml"
+    hang = load_recipe(tmp_path / "recipe.yaml").training.hang_timeout_s
+    config = FaultToleranceConfig.from_yaml_file(str(config_path), ignore_not_recognized=False)
+    assert config.rank_heartbeat_timeout == hang and config.initial_rank_heartbeat_timeout == 2 * hang
+    assert config.enable_nic_monitor is False  # a CPU recipe: no NICs for NVRx's NIC monitor to map
+    assert main(["validate", str(config_path)]) == 0
+    assert "valid (NVRx's FaultToleranceConfig" in capsys.readouterr().out
+    original = yaml.safe_load(config_path.read_text())
+    for change, says in (({"rank_heartbeat_timeot": 5}, "Not recognized args"),
+                         ({"rank_termination_signal": "SIGNOPE"}, "rank_termination_signal"),
+                         ({"rank_heartbeat_timeout": -1}, "fault_tolerance.rank_heartbeat_timeout: must be a positive")):
+        edited = {"fault_tolerance": {**original["fault_tolerance"], **change}}
+        config_path.write_text(yaml.safe_dump(edited))
+        assert main(["validate", str(config_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+    with pytest.raises(UserInputError, match="must be a positive"):  # the generated directory's own read refuses it too
+        from toolkit.validate.generated import read_generated
+        read_generated(script.parent / "plan.json")

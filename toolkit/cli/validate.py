@@ -12,6 +12,7 @@ from toolkit.backends.deepspeed.rules import check_pipeline as check_deepspeed_p
 from toolkit.cli import validate_megatron
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
+from toolkit.generate.ft_launcher import SECTION as FT_SECTION
 from toolkit.generate.k8s.vendored import SCHEMAS, release
 from toolkit.numeric import bounded_int, json_text
 from toolkit.readers import parse_yaml_documents, read_json, read_text
@@ -21,6 +22,7 @@ from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import choices, default
 from toolkit.validate.accelerate_fsdp import validate_accelerate_deepspeed, validate_accelerate_fsdp
 from toolkit.validate.deepspeed import finetune_problems, memory_problem, validate_deepspeed_config
+from toolkit.validate.generated import read_ft_config
 from toolkit.validate.k8s.manifests import is_manifest, validate_manifest
 
 
@@ -71,8 +73,13 @@ def run(args: argparse.Namespace) -> int:
         if len(documents) > 1:
             raise UserInputError("FILE", f"{args.file} holds {len(documents)} YAML documents, not all with apiVersion "
                                          f"and kind; expected {what}")
-        _require_world_size(args)
         config = documents[0]
+        if isinstance(config, dict) and FT_SECTION in config:  # ft_config.yaml: NVRx's ft_launcher configuration
+            read_ft_config(args.file)  # one UserInputError line on its first problem
+            print(json_text({"ok": True, "problems": []}) if args.json
+                  else f"{args.file}: valid (NVRx's FaultToleranceConfig, as ft_launcher --ft-cfg-path reads it)")
+            return 0
+        _require_world_size(args)
         if "distributed_type" in config:  # Accelerate's own config: its plugin classes and launch-time rules
             if args.world_size < 1:
                 raise UserInputError("--world-size", f"must be positive, got {args.world_size}")

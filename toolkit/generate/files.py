@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import named_as
+from toolkit.generate.ft_launcher import FILE as FT_FILE
+from toolkit.generate.ft_launcher import ft_config_text
 from toolkit.generate.k8s.render import make_job, manifest_text
 from toolkit.generate.launch import launch_script
 from toolkit.generate.slurm import render_sbatch
@@ -47,6 +49,10 @@ class GenerationContext:
 
 def _launch(ctx: GenerationContext) -> str:
     return launch_script(ctx.recipe, ctx.plan, str(ctx.recipe_path.resolve()))
+
+
+def _ft_config(ctx: GenerationContext) -> str:
+    return ft_config_text(ctx.recipe)
 
 
 def _slurm(ctx: GenerationContext) -> str:
@@ -96,7 +102,7 @@ PLAN_FILE = "plan.json"
 # the files every plan gets (file name -> writer); each backend adds its own (toolkit/backends/<name>/generate.py)
 K8S_FILE = "k8s-trainjob.yaml"
 COMMON: dict[str, Callable[[GenerationContext], str]] = {PLAN_FILE: _plan, "launch.sh": _launch, "slurm.sbatch": _slurm,
-                                                         K8S_FILE: _k8s}
+                                                         FT_FILE: _ft_config, K8S_FILE: _k8s}
 # files written only for some recipes: name -> whether this one gets it
 CONDITIONS: dict[str, Callable[[GenerationContext], bool]] = {K8S_FILE: lambda ctx: bool(ctx.recipe.cluster.k8s.image)}
 EXECUTABLE = {"launch.sh", "slurm.sbatch"}

@@ -13,6 +13,7 @@ from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
 
+FT_LAUNCHER = "ft_launcher"  # NVIDIA Resiliency Extension's torchrun drop-in (toolkit/generate/ft_launcher.py)
 # launch.sh.tmpl, with a case per launcher from single_node/ or multi_node/ (package data: pyproject.toml)
 TEMPLATES = Path(__file__).resolve().parent / "launch_templates"
 
@@ -106,6 +107,8 @@ def launch_script(recipe: Recipe, plan: Plan, recipe_path: str) -> str:
     launchers = backend_of(plan).launchers  # Megatron-Core: torchrun; FSDP2: accelerate or torchrun
     if recipe.training.restart == "in_process":  # ranks and spares as processes of their own (one node)
         launchers = ("inprocess", *launchers)
+    if "torchrun" in launchers:  # NVRx's torchrun drop-in, wherever torchrun runs the plan (ft_config.yaml)
+        launchers = (*launchers, FT_LAUNCHER)
     values = dict(name=recipe.name, gpus=plan.gpus, nodes=nodes, per_node=per_node, last_node=nodes - 1,
                   recipe=shlex.quote(recipe_path),
                   backend=plan.backend, spares=recipe.training.spare_ranks, launchers="|".join(launchers),

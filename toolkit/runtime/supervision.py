@@ -27,7 +27,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.readers import read_text
-from toolkit.runtime import faults, inprocess
+from toolkit.runtime import faults, ftmonitor, inprocess
 from toolkit.runtime.guard import GuardStop
 from toolkit.runtime.incident import (
     EXIT_FAILURE,
@@ -89,6 +89,7 @@ class TrainingWatchdog:
         """Every rank, once the process group exists (under deepspeed, rank 0 hosts the store from then on)."""
         from torch.distributed import PrefixStore
 
+        ftmonitor.start()  # under ft_launcher: NVRx's rank monitor watches this rank's heartbeats (a no-op otherwise)
         if self.timeout <= 0 or self.env is None or self.env.world_size < 2 or self.watchdog is not None:
             return
         env, prefix = self.env, f"dmt-train/{attempt_tag()}"  # a restart's heartbeats are not the last attempt's
@@ -104,11 +105,13 @@ class TrainingWatchdog:
     def phase(self, step: int, name: str) -> None:
         if self.watchdog is not None:
             self.watchdog.step(f"step {step} {name}")
+        ftmonitor.beat()  # under ft_launcher: a heartbeat to NVRx's rank monitor
         inprocess.ping()  # training.restart: in_process: NVRx's progress timeout (a no-op otherwise)
         faults.at_phase(step, name, self.rank, wake=self.output_dir / SAVE_AND_EXIT)
 
     def finish(self) -> None:
         """This rank ends normally (done, or stopped by the guard together with every other rank)."""
+        ftmonitor.stop()
         if self.watchdog is None:
             return
         signal.signal(signal.SIGTERM, self._previous_term or signal.SIG_DFL)

@@ -8,12 +8,15 @@ the file and the key.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.generate.files import PLAN_FILE, recipe_settings
+from toolkit.generate.ft_launcher import FILE as FT_FILE
+from toolkit.generate.ft_launcher import SECTION as FT_SECTION
 from toolkit.generate.trainer_args import trainer_arguments
 from toolkit.planner.recipe import recipe_options, recipe_plan
 from toolkit.readers import read_json, read_yaml
@@ -125,6 +128,8 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
             field, read = readers[name]
             contents[field] = read(directory / name, plan)
     _check_learning_rate(plan_path, record, recipe, contents)
+    if FT_FILE in record["files"]:  # launch.sh ft_launcher reads it (generated directories before it have none)
+        read_ft_config(directory / FT_FILE)
     if contents.get("trainer_args") is not None:
         _check_outward(directory / "trainer_args.json", contents["trainer_args"], recipe, plan)
     if "accelerate" in contents:  # with the trainer arguments it must agree with
@@ -194,6 +199,29 @@ def read_megatron_yaml(path: Path, plan: Plan) -> dict:
     _check_megatron_sections(path, config)
     _check_view(path, megatron_plan_view(config), plan)
     return config
+
+
+def read_ft_config(path: Path) -> dict:
+    """ft_config.yaml, read by NVRx's own FaultToleranceConfig as ft_launcher will (--ft-cfg-path): every key one it
+    knows, the signal and log level ones it accepts, the timeouts positive or null (no timeout)."""
+    from nvidia_resiliency_ext.fault_tolerance import FaultToleranceConfig  # lazy: nvidia_resiliency_ext
+
+    data = read_yaml(path, what="the ft_config.yaml `dmt generate` writes")
+    section = data.get(FT_SECTION) if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise UserInputError(str(path), f"no '{FT_SECTION}' mapping (NVRx's FaultToleranceConfig reads that section)")
+    try:
+        FaultToleranceConfig.from_kwargs(ignore_not_recognized=False, **section)
+        config = FaultToleranceConfig.from_args(argparse.Namespace(ft_cfg_path=str(path)))  # as ft_launcher reads it
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserInputError(f"{path}: {FT_SECTION}", f"NVRx's FaultToleranceConfig refuses it: {exc}") from None
+    for key in ("workload_check_interval", "initial_rank_heartbeat_timeout", "rank_heartbeat_timeout",
+                "rank_out_of_section_timeout", "safety_factor"):
+        value = getattr(config, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise UserInputError(f"{path}: {FT_SECTION}.{key}", f"must be a positive number of seconds or null, got "
+                                                               f"{value!r}")
+    return section
 
 
 def read_accelerate_yaml(path: Path, plan: Plan) -> dict:
