@@ -10,6 +10,7 @@ The DeepSpeed and Megatron-Core versions: tests/training/test_faults.py and test
 
 
 import json
+import re
 
 import pytest
 import torch
@@ -34,14 +35,14 @@ def fsdp_launch(variant, tmp_path_factory):
     an FSDP2 variant of the tiny recipe under torchrun (one generation per training change)."""
     root = tmp_path_factory.mktemp("fsdp-faults")
 
-    def run(name: str, act=None, fault: str = "", **training):
+    def run(name: str, act=None, fault: str = "", launcher: str = "torchrun", **training):
         recipe = variant(f"tiny-fsdp-{name}", training={**FAULTY, **training}, replace={"plan": FSDP_PLAN})
         generated = root / f"{name}-generated"
         assert main(["generate", str(recipe), "--out", str(generated)]) == 0
         out = root / name
         changes = {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "DMT_FAULT": fault,
                    **guard_probe_env(run.probe(name))}
-        rc = launch_watched(["bash", str(generated / "launch.sh"), "torchrun"], root / f"{name}.log",
+        rc = launch_watched(["bash", str(generated / "launch.sh"), launcher], root / f"{name}.log",
                             (lambda process: act(process, out)) if act else (lambda process: True), changes)
         return rc, out, root / f"{name}.log"
 
@@ -110,6 +111,9 @@ def test_the_guard_reads_one_gradient_norm_per_fsdp_step(fsdp_launch, reference)
 
 
 def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_run(fsdp_launch, reference):
+    """Under launch.sh's ft_launcher (NVIDIA Resiliency Extension's torchrun drop-in, ft_config.yaml): its in-job
+    restart after the kill, and every rank of the restarted attempt sent its step heartbeats to NVRx's rank monitor
+    (toolkit.runtime.ftmonitor). torchrun's own restart: the DeepSpeed and Megatron-Core twins."""
     killed = []
 
     # rank 1 is held 20 s at the start of step 3 (the first launch only), so the kill lands after the save. It must
@@ -117,7 +121,7 @@ def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_ru
     # job as a hang (incident 'hang', not 'failure'); it comes within a 50 ms poll and a ~0.1 s process scan of
     # `latest` naming checkpoint-2: ~50x margin idle (the DeepSpeed twin in test_faults.py says the same).
     rc, out, log = fsdp_launch("restarted", kill_rank_after_save("checkpoint-2", killed),
-                               "slow=20@rank=1,step=3,phase=train")
+                               "slow=20@rank=1,step=3,phase=train", launcher="ft_launcher")
     assert killed and rc == 0, log.read_text()[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
@@ -127,6 +131,8 @@ def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_ru
     assert failure["event"] == "failure" and [d["rank"] for d in failure["died"]] == [1]
     assert restart["event"] == "restart" and restart["resume_from"] == "checkpoint-2"
     assert verify(resolve_latest(out)).ok
+    sent = [int(n) for n in re.findall(r"ft_launcher: (\d+) heartbeats sent to NVRx's rank monitor", log.read_text())]
+    assert len(sent) == 2 and min(sent) >= STEPS - 2, sent  # both ranks of the restarted attempt, each step at least
 
 
 def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_restart_ends_as_the_reference(

@@ -343,6 +343,12 @@ def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_
     assert config.enable_nic_monitor is False  # a CPU recipe: no NICs for NVRx's NIC monitor to map
     assert main(["validate", str(config_path)]) == 0
     assert "valid (NVRx's FaultToleranceConfig" in capsys.readouterr().out
+    sbatch = tmp_path / "ft.sbatch"  # the Slurm script: one ft_launcher per node with the generated directory's file
+    assert main(["slurm", "render", str(tmp_path / "recipe.yaml"), "--plan", str(script.parent), "--launcher",
+                 "ft_launcher", "--out", str(sbatch)]) == 0
+    assert f"exec ft_launcher --ft-cfg-path={config_path} --nnodes=$SLURM_NNODES" in sbatch.read_text()
+    assert main(["slurm", "render", str(tmp_path / "recipe.yaml"), "--launcher", "ft_launcher"]) == 2
+    assert "--launcher: ft_launcher reads the ft_config.yaml" in capsys.readouterr().err
     original = yaml.safe_load(config_path.read_text())
     for change, says in (({"rank_heartbeat_timeot": 5}, "Not recognized args"),
                          ({"rank_termination_signal": "SIGNOPE"}, "rank_termination_signal"),

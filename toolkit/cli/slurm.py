@@ -11,6 +11,7 @@ from pathlib import Path
 from toolkit.cli.common import rendered_from
 from toolkit.cli.paths import output_arg, path_arg, source_arg
 from toolkit.errors import UserInputError
+from toolkit.generate.ft_launcher import FILE as FT_FILE
 from toolkit.generate.slurm import render_sbatch, slurm_log_dir
 from toolkit.numeric import bounded_int
 from toolkit.outputs import output_file, write_file
@@ -37,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="DeepSpeed JSON to train with (default: from the recipe)")
         p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                        help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
-        p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed"], default="torchrun",
+        p.add_argument("--launcher", choices=["torchrun", "accelerate", "deepspeed", "ft_launcher"], default="torchrun",
                        help="how each node starts its ranks (default %(default)s; megatron recipes: torchrun; "
-                            "fsdp recipes: torchrun or accelerate)")
+                            "fsdp recipes: torchrun or accelerate; ft_launcher wherever torchrun, with --plan)")
         p.add_argument("--accelerate-config", type=source_arg, default=None,
                        help="accelerate.yaml (from dmt generate) for --launcher accelerate")
         p.add_argument("--convert", action="store_true", help="a checkpoint-conversion job instead of training")
@@ -55,13 +56,15 @@ def render_from_args(args: argparse.Namespace) -> str:
             raise UserInputError("--deepspeed", "the plan's directory holds its DeepSpeed config; drop --deepspeed")
         run = read_generated(args.plan, args.recipe)
         recipe, plan, flags = run.recipe, run.plan, ["--plan", str(run.directory / "plan.json")]
+        ft_config = str(run.directory / FT_FILE) if (run.directory / FT_FILE).is_file() else None
     else:
         recipe = load_recipe(args.recipe)
         with recipe_names():
             plan, flags = recipe_plan(recipe, recipe_model(recipe)), []
+        ft_config = None
     script = render_sbatch(recipe, plan, args.recipe, args.nodes, args.gpus_per_node, args.partition, args.time,
                            args.account, args.output_dir, _str(args.deepspeed), "convert" if args.convert else "train",
-                           train_flags=flags, launcher=args.launcher, accelerate_config=_str(args.accelerate_config))
+                           train_flags=flags, launcher=args.launcher, accelerate_config=_str(args.accelerate_config), ft_config=ft_config)
     _check_launch_files(args, plan)
     return script
 

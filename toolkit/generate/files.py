@@ -58,7 +58,7 @@ def _ft_config(ctx: GenerationContext) -> str:
 def _slurm(ctx: GenerationContext) -> str:
     with named_as({"--output-dir": "--out"}):  # the job trains into --out/run
         return render_sbatch(ctx.recipe, ctx.plan, ctx.recipe_path, output_dir=str(ctx.out_dir / "run"),
-                             train_flags=["--plan", str(ctx.out_dir / PLAN_FILE)])
+                             train_flags=["--plan", str(ctx.out_dir / PLAN_FILE)], ft_config=str(ctx.out_dir / FT_FILE))
 
 
 def _k8s(ctx: GenerationContext) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from string import Template
 
 from toolkit.errors import UserInputError
-from toolkit.generate.launch import export_lines, job_variables, launch_environment, preflight_flags
+from toolkit.generate.launch import FT_LAUNCHER, export_lines, job_variables, launch_environment, preflight_flags
 from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
@@ -27,6 +27,9 @@ LAUNCHERS = {
                 "c10d rendezvous, which also serves its restarts of a failed job (training.max_restarts) inside the "
                 "allocation, each with a new store (pytorch/pytorch#135712); variables expanded in each task's own "
                 "environment (single quotes).",
+    "ft_launcher": "one NVIDIA Resiliency Extension ft_launcher (torchrun's drop-in) per node (torchrun's rendezvous and restarts), with "
+                   "a rank monitor per rank that ends a rank whose heartbeats stop (ft_config.yaml of `dmt generate`, "
+                   "then NVRx's calculated timeouts) for an in-job restart.",
     "accelerate": "one `accelerate launch` per node; machine rank from each task's own environment (single quotes: "
                   "expanded there).",
     "deepspeed": "a hostfile from the allocation, then one `deepspeed --no_ssh` per node with its own node rank "
@@ -74,6 +77,7 @@ def render_sbatch(
     train_flags: list[str] | None = None,
     launcher: str = "torchrun",
     accelerate_config: str | None = None,
+    ft_config: str | None = None,
 ) -> str:
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
     picks slurm_templates/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed
@@ -103,7 +107,10 @@ def render_sbatch(
     if kind == "convert" and backend.conversion is None:
         raise UserInputError("--convert", f"the {plan.backend} backend's checkpoints are HF models already: nothing "
                                           f"to convert")
-    if launcher not in backend.launchers:
+    if launcher == FT_LAUNCHER and not ft_config:
+        raise UserInputError("--launcher", "ft_launcher reads the ft_config.yaml `dmt generate` writes: pass --plan "
+                                           "with the generated directory")
+    if launcher not in backend.launchers and not (launcher == FT_LAUNCHER and "torchrun" in backend.launchers):
         runs_under = " or ".join(sorted(backend.launchers, reverse=True))  # torchrun first
         raise UserInputError("--launcher", f"the {plan.backend} backend runs under {runs_under}, not {launcher}")
     if launcher == "accelerate" and not accelerate_config:
@@ -141,6 +148,7 @@ def render_sbatch(
         train_args=" ".join(shlex.quote(arg) for arg in train_args),
         accelerate_config=shlex.quote(str(Path(accelerate_config).resolve())) if accelerate_config else "",
         launcher=launcher,
+        ft_config=shlex.quote(str(Path(ft_config).resolve())) if ft_config else "",
         launch_comment=LAUNCHERS[launcher],
         max_restarts=recipe.training.max_restarts,
         convert_direction=backend.conversion,
