@@ -324,7 +324,8 @@ def test_in_process_restart_is_refused_where_it_cannot_run_and_its_launcher_star
     assert "Usage: launch.sh [inprocess|torchrun|ft_launcher]" in text
 
 
-def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_own_config_class(tmp_path, capsys):
+def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_own_config_class(tmp_path, capsys,
+                                                                                                  monkeypatch):
     """Wherever torchrun runs a plan, launch.sh offers NVRx's ft_launcher with the generated ft_config.yaml; its
     timeouts come from training.hang_timeout_s and NVRx's FaultToleranceConfig reads it (`dmt validate`, and every
     read of the generated directory); a key NVRx does not know, a signal it has not, a negative timeout: one line,
@@ -349,6 +350,17 @@ def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_
     assert f"exec ft_launcher --ft-cfg-path={config_path} --nnodes=$SLURM_NNODES" in sbatch.read_text()
     assert main(["slurm", "render", str(tmp_path / "recipe.yaml"), "--launcher", "ft_launcher"]) == 2
     assert "--launcher: ft_launcher reads the ft_config.yaml" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # the Kubernetes manifests: the image holds this directory at /workspace
+    for kind, command in (("jobset", "ft_launcher --ft-cfg-path gen/ft_config.yaml -m toolkit.train"),
+                          ("pytorchjob", "exec ft_launcher --ft-cfg-path gen/ft_config.yaml -m toolkit.train \"$@\"")):
+        manifest = tmp_path / f"{kind}.yaml"
+        assert main(["k8s", "render", "recipe.yaml", "--plan", "gen", "--kind", kind, "--image", "reg.io/dmt:1",
+                     "--launcher", "ft_launcher", "--out", str(manifest)]) == 0
+        (document,) = yaml.safe_load_all(manifest.read_text())
+        text = json.dumps(document)
+        words = command.split() if kind == "jobset" else [json.dumps(command)[1:-1]]  # a list, or one bash -c line
+        assert all(word in text for word in words), text[-1500:]
+        assert main(["validate", str(manifest)]) == 0
     original = yaml.safe_load(config_path.read_text())
     for change, says in (({"rank_heartbeat_timeot": 5}, "Not recognized args"),
                          ({"rank_termination_signal": "SIGNOPE"}, "rank_termination_signal"),

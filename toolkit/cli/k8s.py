@@ -9,6 +9,8 @@ import sys
 
 from toolkit.cli.common import rendered_from
 from toolkit.cli.paths import output_arg, path_arg
+from toolkit.errors import UserInputError
+from toolkit.generate.ft_launcher import FILE as FT_FILE
 from toolkit.generate.k8s.render import CHECKPOINT_MOUNT, KINDS, WORKDIR, make_job, manifest_text
 from toolkit.outputs import output_file, write_file
 from toolkit.planner.recipe import recipe_plan
@@ -36,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label)")
     p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                    help="train the files `dmt generate` wrote (train.py --plan) instead of resolving the recipe")
+    p.add_argument("--launcher", choices=["torchrun", "ft_launcher"], default="torchrun",
+                   help="what starts each node's ranks (default %(default)s); ft_launcher: NVIDIA Resiliency "
+                        "Extension's torchrun drop-in with the generated ft_config.yaml (needs --plan)")
 
 
 def render_from_args(args: argparse.Namespace) -> str:
@@ -49,8 +54,14 @@ def render_from_args(args: argparse.Namespace) -> str:
         recipe = load_recipe(args.recipe)
         with recipe_names():
             plan, plan_path = recipe_plan(recipe, recipe_model(recipe)), None
+    ft_config = None
+    if args.launcher == "ft_launcher":
+        if plan_path is None:
+            raise UserInputError("--launcher", "ft_launcher reads the ft_config.yaml `dmt generate` writes: pass --plan "
+                                               "with the generated directory")
+        ft_config = plan_path.parent / FT_FILE
     job = make_job(recipe, plan, args.image, Path(args.recipe), plan_path, args.namespace, args.checkpoint_pvc,
-                   args.queue)
+                   args.queue, ft_config=ft_config)
     text = manifest_text(job, args.kind)
     _check(text)
     return text

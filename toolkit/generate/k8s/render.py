@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from toolkit.errors import UserInputError
 from toolkit.generate.k8s import names, nvlink
 from toolkit.generate.k8s.shm import quantity, shm_bytes
 from toolkit.generate.k8s.vendored import stock_runtime
-from toolkit.generate.launch import job_variables, plan_variables, preflight_flags
+from toolkit.generate.launch import FT_LAUNCHER, job_variables, plan_variables, preflight_flags
 from toolkit.numeric import yaml_text
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe, data_workers
@@ -55,6 +55,7 @@ class K8sJob:
     namespace: str | None = None
     checkpoint_pvc: str | None = None
     queue: str | None = None
+    ft_config: str | None = None  # ft_launcher's ft_config.yaml as the container sees it: training runs under it
 
     @property
     def name(self) -> str:
@@ -101,7 +102,7 @@ def train_arguments(recipe: Recipe, recipe_path: Path, plan_path: Path | None = 
 
 def make_job(recipe: Recipe, plan: Plan, image: str | None, recipe_path: Path, plan_path: Path | None = None,
              namespace: str | None = None, checkpoint_pvc: str | None = None, queue: str | None = None,
-             cwd: Path | None = None) -> K8sJob:
+             cwd: Path | None = None, ft_config: Path | None = None) -> K8sJob:
     """The job, every name checked first (one line naming the flag on the first bad one), then the files it reads
     as the container sees them."""
     image = image or recipe.cluster.k8s.image
@@ -114,7 +115,8 @@ def make_job(recipe: Recipe, plan: Plan, image: str | None, recipe_path: Path, p
         raise UserInputError("cluster.nodes", f"{plan.gpus} processes do not split evenly over "
                                               f"{recipe.cluster.num_nodes} nodes")
     args = train_arguments(recipe, recipe_path, plan_path, cwd)
-    return K8sJob(recipe, plan, checked[0], args, *checked[1:])
+    ft = container_path(ft_config, "--launcher", cwd) if ft_config is not None else None
+    return K8sJob(recipe, plan, checked[0], args, *checked[1:], ft_config=ft)
 
 
 def _env(variables) -> list[dict]:
@@ -148,6 +150,13 @@ def _container(job: K8sJob, name: str, command: list[str], env: list[dict]) -> d
 
 def _torchrun(module: str, *args: str) -> list[str]:
     return ["torchrun", "-m", module, *args]
+
+
+def _trainer(job: K8sJob) -> list[str]:
+    """The training command: torchrun, or NVRx's ft_launcher (its drop-in, same PET_* variables) with ft_config.yaml."""
+    if job.ft_config is None:
+        return _torchrun(TRAIN_MODULE, *job.train_args)
+    return [FT_LAUNCHER, "--ft-cfg-path", job.ft_config, "-m", TRAIN_MODULE, *job.train_args]
 
 
 def _job_env(job: K8sJob) -> list[dict]:
@@ -203,7 +212,7 @@ def trainjob(job: K8sJob) -> list[dict]:
                            _job_env(job))
     pod.update(_pod_spec(job, [{**trainer, "image": job.image, "workingDir": WORKDIR, "volumeMounts": _mounts()}],
                          [preflight]))
-    train = {"image": job.image, "command": _torchrun(TRAIN_MODULE, *job.train_args), "numNodes": job.nodes,
+    train = {"image": job.image, "command": _trainer(job), "numNodes": job.nodes,
              "numProcPerNode": job.per_node, "env": _job_env(job)}
     if _resources(job):
         train["resourcesPerNode"] = _resources(job)
@@ -216,7 +225,7 @@ def jobset(job: K8sJob) -> list[dict]:
     """One replicated Job of `nodes` indexed pods behind JobSet's headless service; the JobSet restarts every pod
     (failurePolicy) when one fails, and each continues from the latest checkpoint."""
     env = _rendezvous_from_index(job) + _job_env(job)
-    trainer = _container(job, CONTAINER["jobset"], _torchrun(TRAIN_MODULE, *job.train_args), env)
+    trainer = _container(job, CONTAINER["jobset"], _trainer(job), env)
     preflight = _container(job, PREFLIGHT, _torchrun("toolkit", "health", *preflight_flags(job.recipe)), env)
     indexed = {"parallelism": job.nodes, "completions": job.nodes, "completionMode": "Indexed", "backoffLimit": 0,
                "template": {"spec": _pod_spec(job, [trainer], [preflight])}}
@@ -231,7 +240,8 @@ def pytorchjob(job: K8sJob) -> list[dict]:
     containers only, and publishes a replica's Service once the pod is ready, so an init container could neither
     rendezvous nor be reached: the preflight runs in the training container, before torchrun starts training."""
     flags = " ".join(shlex.quote(flag) for flag in preflight_flags(job.recipe))
-    script = f'torchrun -m toolkit health {flags} && exec torchrun -m {TRAIN_MODULE} "$@"'  # the arguments: "$@"
+    launcher = shlex.join(_trainer(replace(job, train_args=()))) + ' "$@"'  # the arguments: "$@"
+    script = f'torchrun -m toolkit health {flags} && exec {launcher}'
     trainer = _container(job, CONTAINER["pytorchjob"], ["bash", "-c", script, "dmt-train", *job.train_args],
                          _job_env(job))
     trainer["ports"] = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT}]  # the operator's MASTER_PORT
