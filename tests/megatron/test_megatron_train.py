@@ -5,10 +5,12 @@ dist checkpoints (written in the background, each with its record); a resume rep
 import json
 
 import pytest
-from megatron_helpers import RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON
+import torch
+from megatron_helpers import MOE_STEPS, RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON, TINY_MOE
 
 from helpers import wandb_history
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
+from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 
@@ -137,3 +139,56 @@ def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, d
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
     assert_checkpoint(run, STEPS, **{k: v for k, v in LAYOUTS[target].items() if k != "distributed_optimizer"})
     assert run.rc == 0, run.tail()
+
+
+# each MoE family's tiny model at EP 2 on 2 ranks (the experts' plan flags; conftest.moe_run)
+MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "mixtral": ("--ep", "2")}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_LAYOUTS))
+def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, capsys):
+    """Megatron-Core's own MoE layer at EP 2 on 2 gloo ranks: each rank holds only its half of the experts (global
+    experts 0-1 on EP rank 0, 2-3 on EP rank 1, the alltoall dispatcher between them), the loss falls, and every
+    step's record has the tokens routed to each expert, the measured imbalance and the router's load-balancing
+    loss; `dmt report` sets that imbalance beside the plan's --moe-imbalance."""
+    from toolkit.cli.main import main
+    from toolkit.report.runs import read_run
+
+    run = moe_run(family, *MOE_LAYOUTS[family])
+    assert run.rc == 0, run.tail()
+    config = TINY_MOE[family]
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    layout = json.loads((run.out / "moe_layout.json").read_text())
+    assert (layout["num_experts"], layout["ep"]) == (experts, 2)
+    fc1 = [2 * config.get("moe_intermediate_size", config["intermediate_size"]), config["hidden_size"]]
+    for ep_rank, rank in enumerate(layout["ranks"]):
+        assert rank["ep_rank"] == ep_rank
+        assert set(rank["layers"]) == {f"decoder.layers.{i}.mlp" for i in range(config["num_hidden_layers"])}
+        for layer in rank["layers"].values():
+            assert layer["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+            assert layer["experts"] == [ep_rank * 2, ep_rank * 2 + 1]  # this rank's half, no more
+            params = layer["expert_parameters"]
+            assert sorted(params) == [f"local_experts.{e}.linear_fc{n}.weight" for e in (0, 1) for n in (1, 2)]
+            assert params["local_experts.0.linear_fc1.weight"] == fc1
+    # what each rank wrote to the checkpoint: expert e's weights in EP rank e // 2's files (__<rank>_<n>.distcp)
+    writers = {(tuple(index.offset)[1], info.relative_path.split("_")[2])
+               for index, info in read_dcp_metadata(run.out / f"checkpoint-{MOE_STEPS}").storage_data.items()
+               if index.fqn == "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
+    assert writers == {(expert, str(expert // 2)) for expert in range(experts)}
+    records = read_metrics(run.out)
+    assert [r["step"] for r in records] == list(range(1, MOE_STEPS + 1)), run.tail()
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    routed = 2 * 16 * 64  # top 2 of every token of the global batch, in each MoE layer
+    for record in records:
+        tokens = torch.tensor(record["moe_tokens_per_expert"])
+        assert tokens.shape == (config["num_hidden_layers"], experts) and (tokens.sum(dim=1) == routed).all()
+        per_ep_rank = tokens.view(-1, 2, experts // 2).sum(dim=2).double()
+        assert record["moe_imbalance"] == pytest.approx((per_ep_rank.max(1).values / per_ep_rank.mean(1)).max())
+        assert record["moe_load_balancing_loss"] >= 1.0 - 1e-6  # Switch's loss is 1 when balanced, more when not
+    report = read_run(run.out, warmup=0)
+    seen = [r["moe_imbalance"] for r in records]
+    assert report.moe["imbalance_max"] == max(seen) and report.moe["planned_imbalance"] == 1.0
+    assert report.moe["above_plan"] == (max(seen) > 1.0)
+    capsys.readouterr()
+    assert main(["report", str(run.out), "--warmup", "0"]) == 0
+    assert f"max {max(seen):.3g} over {MOE_STEPS} steps; the plan assumed 1" in capsys.readouterr().out
