@@ -1,5 +1,6 @@
 """Parameter counts equal, to the parameter, what transformers instantiates on the meta device."""
 
+import json
 import random
 
 import pytest
@@ -8,7 +9,7 @@ torch = pytest.importorskip("torch")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from toolkit.estimate.params import count_params  # noqa: E402
-from toolkit.spec.model import spec_from_hf_dict  # noqa: E402
+from toolkit.spec.model import PRESET_DIR, load_model_spec, preset_names, spec_from_hf_dict  # noqa: E402
 
 
 def _random_config(family: str, rng: random.Random):
@@ -41,17 +42,32 @@ def _random_config(family: str, rng: random.Random):
         kw["mlp_bias"] = rng.random() < 0.5
     if family == "mixtral":
         kw.update(num_local_experts=rng.choice([2, 4, 8]), num_experts_per_tok=2)
+    if family == "deepseek_v3":
+        kw.pop("num_key_value_heads")  # MLA: the heads
+        experts = rng.choice([4, 8])
+        groups = rng.choice([d for d in (1, 2, 4) if experts % d == 0])
+        kw.update(q_lora_rank=rng.choice([None, 16, 24]), kv_lora_rank=rng.choice([8, 16]),
+                  qk_nope_head_dim=rng.choice([8, 16]), qk_rope_head_dim=rng.choice([4, 8]),
+                  v_head_dim=rng.choice([8, 12, 16]), n_routed_experts=experts, num_experts_per_tok=2,
+                  moe_intermediate_size=rng.choice([16, 24]), n_shared_experts=rng.choice([1, 2]), n_group=groups,
+                  topk_group=rng.randint(1, groups), first_k_dense_replace=rng.randint(0, layers),
+                  attention_bias=rng.random() < 0.5, num_nextn_predict_layers=rng.choice([0, 1]))
+    if family == "gpt_oss":
+        kw.update(num_local_experts=rng.choice([2, 4, 8]), num_experts_per_tok=2, head_dim=rng.choice([8, 16]),
+                  attention_bias=rng.random() < 0.5, sliding_window=rng.choice([4, 128]),
+                  layer_types=[rng.choice(["sliding_attention", "full_attention"]) for _ in range(layers)])
     if family == "qwen3_moe":
         kw.update(num_experts=rng.choice([2, 4, 8]), num_experts_per_tok=2, moe_intermediate_size=rng.choice([16, 24]),
                   decoder_sparse_step=rng.choice([1, 2]), mlp_only_layers=rng.sample(range(layers), rng.randint(0, layers)))
     return AutoConfig.for_model(family, **kw)
 
 
-FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "phi3", "gpt2", "gpt_neox", "opt"]
+FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma2", "phi3", "gpt2",
+            "gpt_neox", "opt"]
 
 
-def _expert_param_count(model) -> tuple[int, int]:
-    """(total params inside routed-expert modules, number of experts per layer) from module names."""
+def _expert_param_count(model) -> int:
+    """Parameters inside routed-expert modules, from module names (a shared expert is `shared_experts`)."""
     total = 0
     for name, param in model.named_parameters():
         if ".experts." in name or name.endswith(".experts"):
@@ -75,3 +91,30 @@ def test_param_count_matches_transformers_meta_model(family, seed):
         assert counts.active == counts.total - expert_total * (e - k) // e
     else:
         assert counts.active == counts.total
+
+
+MOE_PRESETS = sorted(name for name in preset_names() if load_model_spec(name).is_moe)
+
+
+def test_every_moe_family_has_a_preset_here():
+    assert {load_model_spec(name).family for name in MOE_PRESETS} == {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"}
+
+
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+def test_moe_preset_counts_match_transformers_meta_model(preset):
+    """Total and active parameters of every MoE preset equal transformers' own model of its config.json, built on the
+    meta device. Kimi K2's config.json says model_type kimi_k2 (remote code) and names DeepseekV3ForCausalLM, which
+    transformers builds from the same keys; the fp8/mxfp4 quantization_config is left out (it changes storage, not
+    the parameters)."""
+    data = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+    spec = load_model_spec(preset)
+    keys = {k: v for k, v in data.items() if k not in ("model_type", "quantization_config", "auto_map", "_dmt_source")}
+    config = AutoConfig.for_model(spec.family, **keys)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    counts = count_params(spec)
+    assert counts.total == model.num_parameters()
+    e, k = counts.num_experts, counts.experts_top_k
+    assert counts.active == counts.total - _expert_param_count(model) * (e - k) // e
+    assert counts.embedding == model.num_parameters() - model.num_parameters(exclude_embeddings=True)
+    assert counts.mtp_layers == () or not any(".layers.%d." % spec.num_layers in n for n, _ in model.named_parameters())

@@ -34,6 +34,8 @@ class ParamCounts:
     layers: tuple[LayerParams, ...]
     experts_top_k: int
     num_experts: int
+    mtp_layers: tuple[LayerParams, ...] = ()  # multi-token prediction modules' blocks (their other parts: mtp_extra)
+    mtp_extra: int = 0  # each module's enorm, hnorm, eh_proj (2h -> h) and final norm, summed over the modules
 
     @cached_property
     def layers_total(self) -> int:
@@ -53,6 +55,18 @@ class ParamCounts:
         """Parameters one token passes through: MoE layers count only top-k of their experts."""
         inactive = sum((self.num_experts - self.experts_top_k) * layer.expert_one for layer in self.layers if layer.experts)
         return self.total - inactive
+
+    @property
+    def mtp(self) -> int:
+        """Parameters of the multi-token prediction modules, which `total` leaves out as transformers' model does
+        (it builds none); Megatron-Core builds and trains them, sharing the embedding and the output head."""
+        return sum(layer.total for layer in self.mtp_layers) + self.mtp_extra
+
+    @property
+    def mtp_active(self) -> int:
+        inactive = sum((self.num_experts - self.experts_top_k) * layer.expert_one for layer in self.mtp_layers
+                       if layer.experts)
+        return self.mtp - inactive
 
 
 def _norm_params(spec: ModelSpec, width: int) -> int:
@@ -77,27 +91,52 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     return _block_params(spec, spec.is_moe_layer(index))
 
 
+def _mla_params(spec: ModelSpec) -> tuple[int, int]:
+    """(sharded, replicated) parameters of multi-latent attention (transformers' DeepseekV3Attention): the up
+    projections and the output split across tensor-parallel ranks (Megatron-Core's MLA column/row parallel), the down
+    projections and their norms do not (Megatron-Core duplicates them on every TP rank)."""
+    h, heads, qk = spec.hidden_size, spec.num_attention_heads, spec.head_dim
+    rank, rope, v = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.value_head_dim
+    bias = spec.qkv_bias  # attention_bias: q_a_proj and kv_a_proj_with_mqa (o_proj's is attn_out_bias)
+    sharded = rank * heads * (qk - rope + v) + heads * v * h  # kv_b_proj, o_proj
+    replicated = h * (rank + rope) + (rank + rope if bias else 0) + _norm_params(spec, rank)  # kv_a_proj, kv_a norm
+    if spec.q_lora_rank:
+        q = spec.q_lora_rank
+        sharded += q * heads * qk  # q_b_proj
+        replicated += h * q + (q if bias else 0) + _norm_params(spec, q)  # q_a_proj, q_a_layernorm
+    else:
+        sharded += h * heads * qk  # q_proj
+    return sharded, replicated
+
+
 @lru_cache(maxsize=1024)
 def _block_params(spec: ModelSpec, moe: bool) -> LayerParams:
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_kv_heads * hd
-    attention = h * (q_out + 2 * kv_out) + q_out * h
-    if spec.qkv_bias:
-        attention += q_out + 2 * kv_out
     replicated = spec.norms_per_layer * _norm_params(spec, h)
+    if spec.mla:
+        attention, mla_replicated = _mla_params(spec)
+        replicated += mla_replicated
+    else:
+        attention = h * (q_out + 2 * kv_out) + q_out * h
+        if spec.qkv_bias:
+            attention += q_out + 2 * kv_out
+    if spec.attention_sinks:
+        attention += spec.num_attention_heads  # one sink logit per head, split with the heads
     if spec.attn_out_bias:
         replicated += h
     if spec.qk_norm:
         replicated += 2 * hd
     if moe:
-        one_sharded, one_repl = _mlp_params(spec, spec.moe_ffn_hidden_size, bias=False)
+        one_sharded, one_repl = _mlp_params(spec, spec.moe_ffn_hidden_size, bias=spec.expert_bias)
         expert_one = one_sharded + one_repl
+        shared = sum(_mlp_params(spec, spec.shared_expert_ffn_hidden_size, bias=False))
         return LayerParams(
             attention_sharded=attention,
-            mlp_sharded=0,
+            mlp_sharded=shared,
             experts=spec.num_experts * expert_one,
             expert_one=expert_one,
-            router=h * spec.num_experts,
+            router=(h + spec.router_bias) * spec.num_experts,
             replicated=replicated,
         )
     mlp, mlp_repl = _mlp_params(spec, spec.ffn_hidden_size, bias=spec.mlp_bias)
@@ -117,4 +156,6 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         layers=tuple(layer_params(spec, i) for i in range(spec.num_layers)),
         experts_top_k=spec.experts_top_k,
         num_experts=spec.num_experts,
+        mtp_layers=tuple(_block_params(spec, spec.is_moe_layer(spec.num_layers - 1)) for _ in range(spec.mtp_layers)),
+        mtp_extra=spec.mtp_layers * (3 * _norm_params(spec, spec.hidden_size) + 2 * spec.hidden_size ** 2),
     )

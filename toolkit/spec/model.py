@@ -59,6 +59,45 @@ class ModelSpec(BaseModel):
     moe_layers: tuple[int, ...] | None = Field(
         None, description="Indices of MoE layers; None means every layer when num_experts > 0."
     )
+    shared_expert_ffn_hidden_size: int = Field(
+        0, ge=0, description="Inner size of the shared experts every token of an MoE layer passes (deepseek_v3: "
+                             "n_shared_experts x moe_intermediate_size); 0 for none."
+    )
+    expert_bias: bool = Field(False, description="Each routed expert's projections carry biases (gpt_oss).")
+    router_bias: bool = Field(False, description="The router's logits carry a learned bias (gpt_oss).")
+    moe_router_score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="The router's score function (deepseek_v3: sigmoid)."
+    )
+    moe_router_expert_bias: bool = Field(
+        False, description="DeepSeek-V3's e_score_correction_bias: a per-expert fp32 buffer added to the scores for "
+                           "the choice only, moved by load instead of an auxiliary loss (no parameter, no gradient)."
+    )
+    moe_router_groups: int | None = Field(
+        None, gt=0, description="Group-limited routing: experts in this many groups (deepseek_v3 n_group)."
+    )
+    moe_router_group_topk: int | None = Field(
+        None, gt=0, description="Groups each token's experts are chosen from (deepseek_v3 topk_group)."
+    )
+    q_lora_rank: int | None = Field(
+        None, gt=0, description="Multi-latent attention: queries' compressed width; None projects them directly."
+    )
+    kv_lora_rank: int | None = Field(
+        None, gt=0, description="Multi-latent attention (deepseek_v3) when set: keys' and values' compressed width. "
+                                "head_dim is then the query/key head width (qk_nope_head_dim + qk_rope_head_dim)."
+    )
+    qk_rope_head_dim: int = Field(0, ge=0, description="MLA: the rotary part of each query/key head.")
+    v_head_dim: int | None = Field(None, gt=0, description="MLA: each value head's width (head_dim when None).")
+    mtp_layers: int = Field(
+        0, ge=0, description="Multi-token prediction modules (num_nextn_predict_layers): Megatron-Core trains them; "
+                             "transformers' model does not build them, so counts and FLOPs on the HF path leave them out."
+    )
+    attention_sinks: bool = Field(False, description="A learned sink logit per attention head (gpt_oss).")
+    sliding_window: int | None = Field(
+        None, gt=0, description="Tokens a sliding-window layer attends to (itself included), in sliding_layers."
+    )
+    sliding_layers: tuple[int, ...] | None = Field(
+        None, description="Indices of sliding-window layers; None means every layer when sliding_window is set."
+    )
     hidden_dropout: float = Field(0.0, ge=0, lt=1, description="Residual/embedding dropout (keeps masks).")
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     hf_activation: str | None = Field(None, description="transformers' activation name, when read from HF.")
@@ -74,6 +113,17 @@ class ModelSpec(BaseModel):
                 raise ValueError(f"experts_top_k must be in 1..num_experts={self.num_experts}")
             if self.moe_ffn_hidden_size is None:
                 raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
+        if (self.moe_router_groups is None) != (self.moe_router_group_topk is None):
+            raise ValueError("moe_router_groups and moe_router_group_topk are set together")
+        if self.moe_router_groups and (self.num_experts % self.moe_router_groups
+                                       or self.moe_router_group_topk > self.moe_router_groups):
+            raise ValueError(f"moe_router_groups={self.moe_router_groups} must divide num_experts={self.num_experts} "
+                             f"and be at least moe_router_group_topk={self.moe_router_group_topk}")
+        if self.kv_lora_rank is None and (self.q_lora_rank or self.qk_rope_head_dim or self.v_head_dim):
+            raise ValueError("q_lora_rank, qk_rope_head_dim and v_head_dim are multi-latent attention's: set "
+                             "kv_lora_rank too")
+        if self.kv_lora_rank is not None and not 0 < self.qk_rope_head_dim < self.head_dim:
+            raise ValueError(f"multi-latent attention needs 0 < qk_rope_head_dim < head_dim={self.head_dim}")
         if self.position_embedding == "learned" and not self.position_embedding_rows:
             raise ValueError("position_embedding_rows is required for learned position embeddings")
         return self
@@ -94,6 +144,21 @@ class ModelSpec(BaseModel):
     @property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V2/V3, Kimi K2)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    def attention_window(self, index: int) -> int | None:
+        """Tokens layer `index` attends to at most (its sliding window), None for full causal attention."""
+        if self.sliding_window is None or (self.sliding_layers is not None and index not in self.sliding_layers):
+            return None
+        return self.sliding_window
 
 
 def preset_names() -> list[str]:
@@ -169,7 +234,8 @@ def validate_spec(data: dict, source: str) -> ModelSpec:
 _POSITIVE_HF_KEYS = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "vocab_size", "max_position_embeddings", "n_layer", "n_embd", "n_head", "n_positions", "ffn_dim",
-    "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
+    "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step", "kv_lora_rank", "qk_rope_head_dim",
+    "v_head_dim", "n_group", "topk_group", "sliding_window",
 )
 
 
@@ -182,7 +248,8 @@ def spec_from_hf_dict(data: dict, name: str, filled: bool = False) -> ModelSpec:
         value = data.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise UserInputError(f"{name}: {key}", f"must be a positive integer, got {value}")
-    fields = family.spec_fields(data, name, library_config=None if filled else lambda: _library_config(data, name))
+    fields = family.spec_fields(data, name, library_config=None if filled else
+                                lambda: _library_config({**data, "model_type": family.model_type}, name))
     return validate_spec({**fields, "name": name, "family": family.model_type}, name)
 
 
