@@ -53,16 +53,28 @@ class MegatronConversion:
     padded_vocab: int
 
 
-def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int) -> None:
-    """The layout rules of `toolkit.spec.plan` (heads and kv groups by TP, layers by PP x VPP, experts by EP)."""
+def layout_world(tp: int, pp: int, ep: int, etp: int | None = None) -> int:
+    """The fewest ranks of a layout: attention's TP x PP and the experts' ETP x EP x PP over the same ranks
+    (parallel folding; without --etp the expert layers take attention's TP), the rest data parallelism."""
+    import math
+
+    return math.lcm(tp * pp, (etp or tp) * ep * pp)
+
+
+def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int, etp: int | None = None) -> None:
+    """The layout rules of `toolkit.spec.plan` (heads and kv groups by TP, layers by PP x VPP, experts by EP and
+    ETP) on the fewest ranks the layout takes."""
     model = spec_from_hf_dict(hf_config, hf_config.get("model_type", "model"))
-    resolve_plan(model, tp * pp * ep, backend="megatron", gpus_per_node=tp * pp * ep, tp=tp, pp=pp, vpp=vpp, ep=ep,
+    world = layout_world(tp, pp, ep, etp)
+    resolve_plan(model, world, backend="megatron", gpus_per_node=world, tp=tp, pp=pp, vpp=vpp, ep=ep,
+                 **({"etp": etp} if etp is not None else {}),
                  micro_batch=1, seq_len=min(128, model.max_position_embeddings or 128))
 
 
 def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
-                          padded_vocab: int | None = None) -> dict:
-    """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec)."""
+                          padded_vocab: int | None = None, etp: int | None = None) -> dict:
+    """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec);
+    `etp`: the expert layers' tensor-parallel size under parallel folding (None: --tp's)."""
     sections = megatron_fields(hf_config)
     vocab = sections["model"]["vocab_size"]
     return {
@@ -72,7 +84,9 @@ def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 
                                "pipeline_model_parallel_size": pp,
                                "virtual_pipeline_model_parallel_size": vpp if vpp > 1 else None,
                                "context_parallel_size": 1, "expert_model_parallel_size": ep,
-                               "use_cpu_initialization": True, "transformer_impl": "local"},
+                               "use_cpu_initialization": True, "transformer_impl": "local",
+                               **({"expert_tensor_parallel_size": etp} if etp is not None else {}),
+                               **({"moe_token_dispatcher_type": "alltoall"} if ep > 1 else {})},
         "gpt_model": {**sections["gpt_model"], "vocab_size": padded_vocab or megatron_padded_vocab(vocab, tp)},
     }
 
@@ -166,14 +180,14 @@ def meta_sharded_state_dict(config: dict):
 
 
 def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
-                   progress: bool = False, live: LiveBytes | None = None) -> MegatronConversion:
+                   progress: bool = False, live: LiveBytes | None = None, etp: int | None = None) -> MegatronConversion:
     """HF safetensors -> a Megatron-Core dist checkpoint that loads at tp/pp/vpp/ep (and other layouts of the same
     vocabulary padding), with config.json beside it and a manifest. Streamed: each Megatron tensor is made from its
     HF tensors when the writer reaches it and dropped after (`live` counts what is held)."""
     import shutil
 
     hf_config = read_hf_config(hf_dir, "HF_DIR")
-    check_layout(hf_config, tp, pp, vpp, ep)
+    check_layout(hf_config, tp, pp, vpp, ep, etp)
     check_output_dir(out_dir, inputs=[hf_dir])
     import torch
     from tqdm import tqdm
@@ -213,7 +227,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
         for side in HF_SIDE_FILES:
             if (hf_dir / side).is_file():
                 shutil.copyfile(hf_dir / side, tmp / side)
-        layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "padded_vocab": padded}
+        layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp or tp, "padded_vocab": padded}
         write_manifest(tmp, step=0, world_size=1, layout=layout, fmt=MANIFEST_FORMAT,
                        extra={"converted_from": str(hf_dir.resolve())})
     log.info("wrote %s (%d tensors, %d parameters)", out_dir, len(by_name), parameters)
