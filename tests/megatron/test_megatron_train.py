@@ -192,3 +192,42 @@ def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, ca
     capsys.readouterr()
     assert main(["report", str(run.out), "--warmup", "0"]) == 0
     assert f"max {max(seen):.3g} over {MOE_STEPS} steps; the plan assumed 1" in capsys.readouterr().out
+
+
+def test_an_ep_sharded_checkpoint_converts_in_one_process_one_expert_at_a_time(moe_run, tmp_path):
+    """The qwen3_moe run's checkpoint, written by 2 EP ranks (each its own experts' file), read back in this one
+    process: `dmt ckpt inspect` says what its experts are, megatron-to-hf holds at most one expert tensor's bytes
+    beyond the largest non-expert one and gives a model transformers loads; a truncated expert file is found by
+    `dmt ckpt verify` and is one line naming the file and the expert."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.backends.megatron.convert import megatron_to_hf
+    from toolkit.checkpoint.dcp import LiveBytes
+    from toolkit.checkpoint.verify import inspect
+    from toolkit.errors import UserInputError
+
+    run = moe_run("qwen3_moe", *MOE_LAYOUTS["qwen3_moe"])
+    ckpt = run.out / f"checkpoint-{MOE_STEPS}"
+    config = TINY_MOE["qwen3_moe"]
+    experts = inspect(ckpt)["experts"]
+    fc1, fc2 = 2 * config["moe_intermediate_size"] * 64, 64 * config["moe_intermediate_size"]
+    assert {k: experts[k] for k in ("count", "moe_layers", "ep", "etp", "bytes_per_expert")} == \
+           {"count": 4, "moe_layers": 2, "ep": 2, "etp": 1, "bytes_per_expert": (fc1 + fc2) * 4}
+    live = LiveBytes()
+    megatron_to_hf(ckpt, tmp_path / "hf", live=live)
+    largest = 512 * 64 * 4  # the embedding and the output layer (vocabulary 512, fp32)
+    assert 0 < live.peak <= 2 * largest and live.live == 0, live.peak
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "__1_0.distcp").write_bytes((broken / "__1_0.distcp").read_bytes()[:1000])  # EP rank 1's experts
+    report = verify(broken)
+    assert not report.ok and any("__1_0.distcp" in p["file"] for p in report.problems)
+    with pytest.raises(UserInputError) as refused:
+        megatron_to_hf(broken, tmp_path / "out")
+    message = str(refused.value)
+    assert "__1_0.distcp" in message and "truncated" in message and "expert 2 of layer 0" in message
+    assert "\n" not in message and not (tmp_path / "out").exists()

@@ -61,6 +61,9 @@ def layout_world(tp: int, pp: int, ep: int, etp: int | None = None) -> int:
     return math.lcm(tp * pp, (etp or tp) * ep * pp)
 
 
+MOE_EXPERTS_KEY = ".mlp.experts.experts."  # Megatron-Core's sharded key prefix of the experts' weights
+
+
 def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int, etp: int | None = None) -> None:
     """The layout rules of `toolkit.spec.plan` (heads and kv groups by TP, layers by PP x VPP, experts by EP and
     ETP) on the fewest ranks the layout takes."""
@@ -258,6 +261,15 @@ def load_weights(model, ckpt: Path) -> None:
     model.load_state_dict(loaded, strict=False)
 
 
+def describe_entry(entry) -> str:
+    """A checkpoint tensor as a user knows it: an expert's weight by its expert and layer (SequentialMLP's
+    ShardedTensors are [layer, expert, ...] slices of one tensor per projection)."""
+    if MOE_EXPERTS_KEY in entry.key and len(entry.global_offset) > 2:
+        layer, expert = entry.global_offset[:2]
+        return f"expert {expert} of layer {layer}, {entry.key}"
+    return entry.key
+
+
 def model_tensor(reader: DistCheckpointReader, entry):
     """The whole local tensor a meta ShardedTensor or ShardedTensorFactory of a TP=1 model stands for, read from
     the checkpoint behind `reader`."""
@@ -265,8 +277,11 @@ def model_tensor(reader: DistCheckpointReader, entry):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if isinstance(entry, ShardedTensor):
-        return reader.read(entry.key, entry.global_offset, chunk_shape(entry), entry.global_shape).reshape(
-            entry.local_shape)
+        try:
+            return reader.read(entry.key, entry.global_offset, chunk_shape(entry), entry.global_shape).reshape(
+                entry.local_shape)
+        except UserInputError as exc:  # a damaged file: say which tensor (which expert) it held
+            raise UserInputError(exc.key, f"{exc.message} (reading {describe_entry(entry)})") from None
     loaded = dict_list_map_inplace(lambda part: model_tensor(reader, part), entry.build())  # the parts; merged
     return reader.track(entry.merge_fn(loaded))
 
