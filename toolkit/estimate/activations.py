@@ -91,8 +91,39 @@ def mlp_bytes_per_token(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetu
     return 2 * a * ffn  # fused gelu keeps its input; fc2 keeps gelu's output
 
 
+def mla_compressed_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
+    """Per token, outside the tensor-parallel region: what multi-latent attention's compressed activations keep (0
+    without MLA). The down projections are duplicated on every TP rank (Megatron-Core's MLA), so their outputs are
+    whole there: the q and kv latents (q_lora_rank, kv_lora_rank wide) each go through an RMSNorm into an up
+    projection; Megatron-Core's TE spec fuses that norm into the up projection (LayerNormColumnParallelLinear keeps
+    its input and ln_out), HF's DeepseekV3RMSNorm keeps what any HF RMSNorm keeps (as _norm_bytes)."""
+    if not spec.mla:
+        return 0
+    megatron = not setup.hf_modules
+    widths = (spec.kv_lora_rank,) + ((spec.q_lora_rank,) if spec.q_lora_rank else ())
+    return sum(_norm_bytes(spec, a, width, megatron, megatron and setup.local_layers) for width in widths)
+
+
+def _mla_attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
+    """Per token, inside the tensor-parallel region: what multi-latent attention keeps past its latents (the up
+    projections' outputs, split by heads). Queries and keys are heads x (qk_nope + qk_rope) wide, values heads x
+    v_head_dim: a fused kernel keeps q, k, v, its output and the fp32 log-sum-exp (HF's values are a view of kv_b_proj's
+    output, heads x (qk_nope + v), kept whole); eager attention keeps q, k, v and the probabilities; the output
+    projection keeps its heads x v_head_dim input."""
+    heads, s = spec.num_attention_heads, setup.seq_len // setup.cp
+    qk, v = heads * spec.head_dim, heads * spec.value_head_dim
+    kept_v = heads * (spec.head_dim - spec.qk_rope_head_dim) + v if setup.hf_modules else v
+    out = a * v
+    if setup.attention in FUSED_ATTENTION or "core_attn" in setup.recompute_modules:
+        return a * (2 * qk + kept_v) + FP32 * heads + out
+    probs = a * heads * s + (FP32 * heads * s if a != FP32 else 0)
+    return a * (2 * qk + kept_v) + probs + out
+
+
 def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     """Per token, inside the tensor-parallel region: what attention keeps, and o_proj's input."""
+    if spec.mla:
+        return _mla_attention_bytes(spec, a, setup)
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_kv_heads * spec.head_dim
     heads, s = spec.num_attention_heads, setup.seq_len // setup.cp
@@ -167,7 +198,8 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
     else:
         mlp = mlp_bytes_per_token(spec, a, spec.ffn_hidden_size, setup)
     dropout = 2 * MASK * h if setup.hidden_dropout > 0 else 0
-    return norms / norm_split + (_attention_bytes(spec, a, setup) + mlp) / tp + dropout / norm_split
+    return (norms / norm_split + (_attention_bytes(spec, a, setup) + mlp) / tp + dropout / norm_split
+            + mla_compressed_bytes(spec, a, setup))
 
 
 def head_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:

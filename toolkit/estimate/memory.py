@@ -117,6 +117,13 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
         dense += vocab_shard + counts.position_embedding + counts.embed_proj
     if last:
         dense += counts.final_norm
+        if counts.mtp_layers and not backend_of(plan).hf_modules:
+            # Megatron-Core builds the multi-token prediction modules after the last stage's layers (transformers
+            # builds none): each a block like the last layer, its norms and eh_proj (column parallel)
+            for layer in counts.mtp_layers:
+                dense += (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router
+                expert += layer.experts // (plan.ep * tp)
+            dense += counts.mtp_eh_proj // tp + counts.mtp_norms
         if counts.lm_head:
             dense += vocab_shard
         elif plan.pp > 1:  # tied head on another stage keeps its own copy of the embedding

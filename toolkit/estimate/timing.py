@@ -97,6 +97,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     `calibrated`) replace the published ones; this is the one place a calibration enters a prediction. `packed`: the
     attention a recipe's packed documents cost (toolkit/estimate/packed_attention.py; None: the whole sequence)."""
     gpu, network = calibrated(gpu, network, calibration)
+    network = network.for_plan(plan)  # the plan's node size, NVLink domain and scale-out tier
     a = PRECISION_BYTES[plan.precision]
     peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
     tokens = plan.micro_batch * plan.seq_len // plan.sequence_split  # per rank per micro-batch

@@ -56,13 +56,16 @@ def _recompute(plan: Plan) -> dict:
     return {}
 
 
-def _parallel(plan: Plan) -> dict:
+def _parallel(plan: Plan, model: ModelSpec) -> dict:
+    # the expert mesh (parallel folding) only where there are experts: dense files stay as they were
+    experts = {"expert_tensor_parallel_size": plan.expert_tp} if model.is_moe else {}
     return {
         "tensor_model_parallel_size": plan.tp,
         "pipeline_model_parallel_size": plan.pp,
         "virtual_pipeline_model_parallel_size": plan.vpp if plan.vpp > 1 else None,
         "context_parallel_size": plan.cp,
         "expert_model_parallel_size": plan.ep,
+        **experts,
         "sequence_parallel": plan.sequence_parallel,
         "num_layers_in_first_pipeline_stage": plan.first_stage_layers,
         "num_layers_in_last_pipeline_stage": plan.last_stage_layers,
@@ -79,7 +82,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
     on_cpu = recipe.cluster.accelerator == "cpu"
     training = recipe.training
     vocab = mapped["model"]["vocab_size"]
-    transformer = {**mapped["transformer_config"], **_parallel(plan), **_precision(plan), **_recompute(plan),
+    transformer = {**mapped["transformer_config"], **_parallel(plan, model), **_precision(plan), **_recompute(plan),
                    "transformer_impl": plan.transformer_impl}
     if model.is_moe:
         transformer["moe_token_dispatcher_type"] = "alltoall" if plan.ep > 1 else "allgather"

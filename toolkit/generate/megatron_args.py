@@ -38,6 +38,7 @@ VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("transformer_config", "account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
     ("transformer_config", "context_parallel_size", "--context-parallel-size"),
     ("transformer_config", "expert_model_parallel_size", "--expert-model-parallel-size"),
+    ("transformer_config", "expert_tensor_parallel_size", "--expert-tensor-parallel-size"),
     ("transformer_config", "sequence_parallel", "--sequence-parallel"),
     ("transformer_config", "bf16", "--bf16"),
     ("transformer_config", "fp16", "--fp16"),

@@ -8,6 +8,7 @@ Each rule names the flag at fault; recipes rename it to their key (spec/recipe.p
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
@@ -51,6 +52,7 @@ class Plan(PlanOptions):
     # selective: Megatron-Core's recompute_modules (its default: core attention); () otherwise
     recompute_modules: tuple[RecomputeModule, ...] = ()
     moe_imbalance: float = MOE_IMBALANCE_DEFAULT  # resolved: the plan's, or the default (spec/options.py)
+    nvlink_domain: PositiveInt  # resolved: the plan's, the GPU's (spec/cluster.py topology_defaults), else the node
     finetune: FinetuneOptions = FinetuneOptions()  # what trains (spec/finetune.py): all of it, or LoRA adapters
 
     @property
@@ -82,6 +84,14 @@ class Plan(PlanOptions):
 
     def as_dict(self) -> dict:
         return self.model_dump(mode="json")  # JSON types (recompute_modules a list), as plan.json stores them
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_domain(cls, data: Any) -> Any:
+        """A plan that names no NVLink domain (plan.json files written before it existed) has its node as one."""
+        if isinstance(data, dict) and data.get("nvlink_domain") is None:
+            return {**data, "nvlink_domain": data.get("gpus_per_node", PlanOptions.model_fields["gpus_per_node"].default)}
+        return data
 
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo) -> Plan:
@@ -137,6 +147,8 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     dp = max(1, gpus // model_parallel)
     micro = values["micro_batch"]
     global_batch = values["global_batch"] or micro * dp
+    if values["etp"] == values["tp"]:  # no folding: stored unset, as Megatron-Core defaults it (expert_tp)
+        values["etp"] = None
     if values["moe_imbalance"] is None:
         values["moe_imbalance"] = MOE_IMBALANCE_DEFAULT
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
@@ -182,6 +194,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
     if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem()):
         raise UserInputError(*problem)
+    check_nvlink_domain(p)
     sizes = "tp x pp x cp" + (" x sp" if p.sp > 1 else "")
     if p.gpus % p.model_parallel:
         raise UserInputError("--gpus", f"{p.gpus} is not divisible by {sizes} = {p.model_parallel}")
@@ -196,6 +209,17 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     _check_attention(p)
     _check_batch(p)
     check_finetune(p, model)
+
+
+def check_nvlink_domain(p: Plan) -> None:
+    """The NVLink domain is whole nodes: every fabric this toolkit models joins all GPUs of a node (NVSwitch baseboards,
+    MI300X/MI355X's fully connected Infinity Fabric, PCIe inside a server) and NVL72 racks join whole 4-GPU trays
+    through their NVLink Switch trays, so a domain smaller than the node, or one splitting a node, names no hardware.
+    It may exceed the job (a job of 16 GPUs inside one NVL72 rack)."""
+    if p.nvlink_domain % p.gpus_per_node:
+        valid = ", ".join(str(p.gpus_per_node * n) for n in (1, 2, 9, 18))
+        raise UserInputError("--nvlink-domain", f"{p.nvlink_domain} must be a multiple of --gpus-per-node "
+                                                f"{p.gpus_per_node} (the domain is whole nodes), e.g. {valid}")
 
 
 def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:
@@ -215,14 +239,56 @@ def _check_experts(p: Plan, model: ModelSpec | None) -> None:
     if not 1.0 <= p.moe_imbalance <= MOE_IMBALANCE_MAX:  # a ratio to the mean: the estimators cap it at ep
         raise UserInputError("--moe-imbalance", f"must be a ratio between 1.0 (balanced) and {MOE_IMBALANCE_MAX:g}, "
                                                 f"got {p.moe_imbalance!r}")
-    if p.ep == 1:
-        return
-    if model is not None and not model.is_moe:
+    if p.etp is not None and model is not None and not model.is_moe:
+        raise UserInputError("--etp", f"expert tensor parallelism needs an MoE model; {model.name} has no experts")
+    if p.ep > 1 and model is not None and not model.is_moe:
         raise UserInputError("--ep", f"expert parallelism needs an MoE model; {model.name} has no experts")
-    if model is not None and model.num_experts % p.ep:
+    if model is not None and model.is_moe and model.num_experts % p.ep:
         raise UserInputError("--ep", f"{p.ep} must divide the {model.num_experts} experts")
-    if (p.dp * p.cp) % p.ep:
+    if for_backend("etp", p.backend):
+        _check_expert_mesh(p, model)
+    elif (p.dp * p.cp) % p.ep:  # DeepSpeed's and FSDP2's expert groups split the data-parallel ranks
         raise UserInputError("--ep", f"{p.ep} must divide dp x cp = {p.dp * p.cp}")
+
+
+def smallest_world(tp: int, cp: int, pp: int, ep: int, etp: int) -> int:
+    """The fewest ranks Megatron-Core's parallel folding lays both meshes over: attention's TP x CP x DP x PP and the
+    experts' ETP x EP x EDP x PP share the ranks, so the world is a multiple of PP x lcm(TP x CP, EP x ETP)."""
+    return pp * math.lcm(tp * cp, ep * etp)
+
+
+def _check_expert_mesh(p: Plan, model: ModelSpec | None) -> None:
+    """Megatron-Core 0.16.1's parallel folding (parallel_state.initialize_model_parallel): the expert layers run on
+    ETP x EP x EDP x PP over the same ranks as attention's TP x CP x DP x PP, so the world must divide by
+    ETP x EP x PP as it divides by TP x CP x PP; EP need not divide DP x CP. Expert weights split over ETP
+    (megatron.core.utils.divide in the expert MLPs), and biased experts train at ETP 1 only (TransformerConfig:
+    "Bias in Moe is only supported when ETP==1")."""
+    etp = p.expert_tp
+    if p.gpus % (p.pp * p.ep * etp):
+        smallest = smallest_world(p.tp, p.cp, p.pp, p.ep, etp)
+        valid = [e for e in divisors(p.gpus // p.pp) if (p.gpus // p.pp) % (e * etp) == 0
+                 and (model is None or not model.is_moe or model.num_experts % e == 0)]
+        stage = p.gpus // p.pp
+        etps = [d for d in divisors(stage // p.ep)] if stage % p.ep == 0 else []
+        hint = (f"valid --etp at ep {p.ep}: {', '.join(map(str, etps))}" if etps else
+                f"valid --ep at etp {etp}: {', '.join(map(str, valid)) or 'none'}")
+        raise UserInputError("--etp" if p.etp is not None else "--ep",
+                             f"ep x etp x pp = {p.ep} x {etp} x {p.pp} must divide the {p.gpus} GPUs (Megatron-Core's "
+                             f"expert mesh ETP x EP x EDP x PP; this layout needs a multiple of pp x lcm(tp x cp, "
+                             f"ep x etp) = {smallest}); {hint}" + ("" if p.etp is not None else " (--etp defaults to --tp)"))
+    if model is None or not model.is_moe:
+        return
+    if p.tp > 1 and not p.sequence_parallel:  # MoELayer.forward raises in training without it
+        local = (" (it needs Transformer Engine modules: the local spec's torch norms refuse it, so MoE on CPU "
+                 "trains at --tp 1)") if p.transformer_impl == "local" else ""
+        raise UserInputError("--sequence-parallel", f"MoE layers with tensor parallelism need sequence parallelism "
+                                                    f"(Megatron-Core's MoELayer refuses to train without it){local}")
+    if model.moe_ffn_hidden_size and model.moe_ffn_hidden_size % etp:
+        raise UserInputError("--etp", f"{etp} must divide the experts' inner size {model.moe_ffn_hidden_size}; valid: "
+                                      f"{', '.join(str(d) for d in divisors(model.moe_ffn_hidden_size, p.gpus))}")
+    if model.mlp_bias and etp > 1:
+        raise UserInputError("--etp", f"{etp}: Megatron-Core trains biased experts ({model.name}) at expert tensor "
+                                      f"parallelism 1 only (TransformerConfig); set --etp 1")
 
 
 def check_sequence_split(p: Plan, model: ModelSpec | None) -> None:

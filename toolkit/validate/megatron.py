@@ -27,7 +27,8 @@ TC = "transformer_config"
 PLAN_KEYS = {
     "--tp": f"{TC}.tensor_model_parallel_size", "--pp": f"{TC}.pipeline_model_parallel_size",
     "--vpp": f"{TC}.virtual_pipeline_model_parallel_size", "--cp": f"{TC}.context_parallel_size",
-    "--ep": f"{TC}.expert_model_parallel_size", "--gpus": "schedule.world_size",
+    "--ep": f"{TC}.expert_model_parallel_size", "--etp": f"{TC}.expert_tensor_parallel_size",
+    "--gpus": "schedule.world_size",
     "--global-batch": "schedule.global_batch_size", "--micro-batch": "schedule.micro_batch_size",
     "--seq-len": "schedule.seq_length", "--sequence-parallel": f"{TC}.sequence_parallel",
     "--first-stage-layers": f"{TC}.num_layers_in_first_pipeline_stage",
@@ -95,7 +96,8 @@ def _structure(config: dict) -> list[Problem]:
 def _integers(config: dict) -> list[Problem]:
     """The sizes the arithmetic below divides by must be positive integers (or null where optional)."""
     keys = [(TC, k) for k in ("num_layers", "num_attention_heads", "tensor_model_parallel_size",
-                              "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")]
+                              "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                              "expert_tensor_parallel_size")]
     keys += [("schedule", k) for k in ("world_size", "micro_batch_size", "num_microbatches", "global_batch_size",
                                        "seq_length", *SCHEDULE_OPTIONAL)] + [("gpt_model", "vocab_size")]
     problems = []
@@ -125,6 +127,7 @@ def _model_spec(config: dict):
         position_embedding_rows=gpt.get("max_sequence_length") or 1,
         num_experts=experts, experts_top_k=tc.get("moe_router_topk") or 0 if experts else 0,
         moe_ffn_hidden_size=tc.get("moe_ffn_hidden_size") if experts else None,
+        mlp_bias=bool(tc.get("add_bias_linear", True)),  # TransformerConfig's default: biased linear layers
     )
 
 
@@ -150,6 +153,7 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
         "gpus": "schedule.world_size", "dp": "schedule.data_parallel_size", "tp": f"{TC}.tensor_model_parallel_size",
         "pp": f"{TC}.pipeline_model_parallel_size", "vpp": f"{TC}.virtual_pipeline_model_parallel_size",
         "cp": f"{TC}.context_parallel_size", "ep": f"{TC}.expert_model_parallel_size",
+        "etp": f"{TC}.expert_tensor_parallel_size",
         "micro_batch": "schedule.micro_batch_size", "grad_accum": "schedule.num_microbatches",
         "global_batch": "schedule.global_batch_size", "seq_len": "schedule.seq_length",
         "sequence_parallel": f"{TC}.sequence_parallel",
@@ -166,6 +170,8 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
         section, field = key.split(".", 1)
         values[name] = (key, config[section].get(field))
     values["vpp"] = (view["vpp"], tc.get("virtual_pipeline_model_parallel_size") or 1)
+    etp = tc.get("expert_tensor_parallel_size")  # the plan leaves it unset unless folded (etp != tp)
+    values["etp"] = (view["etp"], None if etp == tc.get("tensor_model_parallel_size", 1) else etp)
     values["recompute"] = (view["recompute"], tc.get("recompute_granularity") or "none")
     values["optimizer"] = (view["optimizer"], {v: k for k, v in OPTIMIZERS.items()}.get(values["optimizer"][1],
                                                                                         values["optimizer"][1]))
@@ -252,9 +258,6 @@ def _runtime_rules(config: dict) -> list[Problem]:
         what = f"context_parallel_size {cp}" if cp > 1 else "fp8"
         problems.append(Problem(f"{TC}.transformer_impl", f"{what} needs Transformer Engine modules; set it to "
                                                           f"transformer_engine (GPU)"))
-    if tc.get("expert_model_parallel_size", 1) > 1 and tp > 1 and not tc.get("sequence_parallel"):
-        problems.append(Problem(f"{TC}.sequence_parallel", "MoE layers with expert and tensor parallelism need "
-                                                           "sequence parallelism; set it to true"))
     if gpt.get("position_embedding_type") == "learned_absolute" and schedule["seq_length"] > gpt["max_sequence_length"]:
         problems.append(Problem("schedule.seq_length", f"{schedule['seq_length']} exceeds the learned position "
                                                         f"table of {gpt['max_sequence_length']}"))
