@@ -43,13 +43,15 @@ def test_hf_megatron_hf_round_trip_is_bitwise(round_trips, case):
 
 
 @pytest.mark.parametrize("family, flags", [("llama", ("--tp", "2")), ("gpt2", ("--pp", "2")),
-                                           ("mixtral", ("--ep", "2")), ("qwen3_moe", ("--ep", "2"))])
+                                           ("mixtral", ("--tp", "2", "--ep", "2", "--etp", "1")),
+                                           ("qwen3_moe", ("--ep", "2"))])
 def test_megatron_core_at_tp2_pp2_or_ep2_gives_the_hf_logits(round_trips, family, flags):
     """Real Megatron-Core, 2 gloo ranks, loads the converted checkpoint resharded and runs the forward pass (the
     pipeline schedule for PP; at EP 2 each rank loads half of the experts and the alltoall dispatcher routes tokens
-    between them); gpt2 also ties the output layer to the embedding across the two stages."""
+    between them, for mixtral folded over TP 2 with the experts unsplit by TP, ETP 1, on the same 2 ranks); gpt2
+    also ties the output layer to the embedding across the two stages."""
     work, _ = round_trips
-    layout = {"tp": 1, "pp": 1, "ep": 1, **{flags[0].strip("-"): int(flags[1])}}
+    layout = {"tp": 1, "pp": 1, "ep": 1, **{flag.strip("-"): int(value) for flag, value in zip(flags[::2], flags[1::2])}}
     result = dmt("convert", "check", str(work / family / "hf"), str(work / family / "mcore-tp2-pp2"), *flags, "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

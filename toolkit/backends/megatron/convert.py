@@ -38,7 +38,7 @@ from toolkit.families.mapping import PADDED_VOCAB
 from toolkit.readers import read_safetensors_header
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import spec_from_hf_dict
-from toolkit.spec.plan import resolve_plan
+from toolkit.spec.plan import resolve_plan, smallest_world
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -53,15 +53,12 @@ class MegatronConversion:
     padded_vocab: int
 
 
-def layout_world(tp: int, pp: int, ep: int, etp: int | None = None) -> int:
-    """The fewest ranks of a layout: attention's TP x PP and the experts' ETP x EP x PP over the same ranks
-    (parallel folding; without --etp the expert layers take attention's TP), the rest data parallelism."""
-    import math
-
-    return math.lcm(tp * pp, (etp or tp) * ep * pp)
-
-
 MOE_EXPERTS_KEY = ".mlp.experts.experts."  # Megatron-Core's sharded key prefix of the experts' weights
+
+
+def layout_world(tp: int, pp: int, ep: int, etp: int | None = None) -> int:
+    """The fewest ranks of a layout (the plan's rule, spec/plan.smallest_world; no context parallelism here)."""
+    return smallest_world(tp, 1, pp, ep, etp or tp)
 
 
 def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int, etp: int | None = None) -> None:
@@ -69,8 +66,13 @@ def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int, etp: int 
     ETP) on the fewest ranks the layout takes."""
     model = spec_from_hf_dict(hf_config, hf_config.get("model_type", "model"))
     world = layout_world(tp, pp, ep, etp)
+    # MoE training at TP > 1 needs sequence parallelism, and that Transformer Engine's norms (spec/plan.py); a
+    # checkpoint is meant for such a run, and a forward pass (`check`) needs neither: the layout is checked as that
+    # run's plan
+    training_rules = {"sequence_parallel": True, "transformer_impl": "transformer_engine"} \
+        if model.is_moe and tp > 1 else {}
     resolve_plan(model, world, backend="megatron", gpus_per_node=world, tp=tp, pp=pp, vpp=vpp, ep=ep,
-                 **({"etp": etp} if etp is not None else {}),
+                 **({"etp": etp} if etp is not None else {}), **training_rules,
                  micro_batch=1, seq_len=min(128, model.max_position_embeddings or 128))
 
 
