@@ -92,21 +92,3 @@ def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, caps
     assert read_manifest(Path(result["checkpoint"]))["optimizer_sharding"] == "dp_reshardable"
 
 
-
-def test_megatron_restore_at_another_ep_reports_the_drift(tmp_path, capsys, megatron_recipe):
-    """The tiny Qwen3-MoE saved at EP 2 (each rank half of the experts), resumed at EP 1 on the same 2 ranks (each
-    rank all of them: Megatron-Core's dist checkpoint reshards experts and their optimizer state on load): the same
-    samples per step, the loss within the stated tolerance, the drift reported."""
-    recipe = megatron_recipe("tiny-moe-megatron", model={"config": TINY_MOE["qwen3_moe"]})
-    capsys.readouterr()
-    code = main(["restore-test", "--recipe", str(recipe), *MOE_FLAGS, "--steps", "4", "--save-at", "2",
-                 "--resume-ep", "1", "--workdir", str(tmp_path), "--json"])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["passed"], result["mismatches"]
-    assert result["tolerance"] == 1e-3 and result["max_abs_diff"] <= 1e-3
-    assert len(result["resumed_losses"]) == 2 and all(loss is not None for loss in result["resumed_losses"])
-    assert read_manifest(Path(result["checkpoint"]))["layout"]["ep"] == 2
-    layout = json.loads((tmp_path / "interrupted" / "moe_layout.json").read_text())  # the resumed run's
-    assert layout["ep"] == 1
-    assert [rank["layers"]["decoder.layers.0.mlp"]["experts"] for rank in layout["ranks"]] == [[0, 1, 2, 3]] * 2
-    assert "layout changed" in (tmp_path / "resumed.log").read_text()  # really resharded

@@ -169,6 +169,7 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
         raise UserInputError("--resume", f"{ckpt.name} was saved with distributed_optimizer="
                                          f"{saved.get('distributed_optimizer')}; resume with the same setting")
     sharding = optimizer_sharding(manifest, ckpt, plan)
+    check_expert_resharding(manifest, ckpt, plan)
     same_layout = saved == layout(plan)
     with torch_adam_distributed_load(setup.optimizer):
         state = dist_checkpointing.load(_sharded_state(setup, 0, is_loading=True, with_rng=same_layout,
@@ -206,6 +207,18 @@ def optimizer_sharding(manifest: dict, ckpt: Path, plan) -> str:
                                          f"{'/'.join(MODEL_PARALLEL_KEYS)} and save once with training.async_save: "
                                          f"false ({SYNC_SHARDING}) to change them")
     return sharding
+
+
+def check_expert_resharding(manifest: dict, ckpt: Path, plan) -> None:
+    """Megatron-Core 0.16.1 keeps the experts' optimizer state in an optimizer of its own only at EP > 1 (a
+    ChainedOptimizer, its sharded keys prefixed chained_0/chained_1); at EP 1 the experts join the dense optimizer.
+    A checkpoint's model reshards between any EP sizes, its optimizer state only between sizes above 1 (measured:
+    EP 2 -> 1 fails in dist_checkpointing.load with the chained keys missing)."""
+    saved = saved_layout(manifest).get("ep", 1)
+    if (saved > 1) != (plan.ep > 1):
+        raise UserInputError("--resume", f"{ckpt.name} was saved at EP {saved}: Megatron-Core 0.16.1 keeps the "
+                                         f"experts' optimizer state apart only at EP > 1, so its optimizer state "
+                                         f"moves between EP sizes above 1, not to EP {plan.ep}")
 
 
 def detect(path: Path) -> str | None:
