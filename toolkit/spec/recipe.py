@@ -218,6 +218,23 @@ class GuardSection(_Strict):
         return factor
 
 
+class ProfileSection(_Strict):
+    """torch.profiler on chosen steps and ranks (toolkit/runtime/profile.py): each rank's trace in RUN_DIR/profile/
+    (Chrome/Perfetto JSON that TensorBoard's profiler and Holistic Trace Analysis open) and the measured breakdown
+    `dmt report --breakdown` sets beside the prediction. Off unless set (toolkit/train.py --profile-steps A-B)."""
+
+    start_step: int = Field(gt=0, description="The first optimizer step recorded (1-based, as metrics.jsonl counts).")
+    steps: int = Field(2, gt=0, description="Consecutive steps recorded from start_step on.")
+    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Ranks that record (e.g. [0, 1]); "
+                                                                              "default: every rank.")
+    memory: bool = Field(False, description="Also record allocations and write each recording rank's memory "
+                                            "timeline (profile/rank<R>.memory.html; slower).")
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.steps - 1
+
+
 class TrainingSection(_Strict):
     seq_len: int = Field(gt=0, description="Tokens per packed training sequence.")
     global_batch: int = Field(gt=0, description="Sequences per optimizer step.")
@@ -260,6 +277,9 @@ class TrainingSection(_Strict):
                                                    "loop for the deepspeed and accelerate launchers); 0: none.")
     guard: GuardSection = Field(GuardSection(), description="What a non-finite loss or gradient norm, or a loss "
                                                             "spike, does to the run.")
+    profile: ProfileSection | None = Field(None, description="Record steps with torch.profiler (unset: off, no "
+                                                             "cost): traces and the measured breakdown in "
+                                                             "RUN_DIR/profile/.")
 
 
 class _PlanBase(BaseModel):
