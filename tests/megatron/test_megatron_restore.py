@@ -92,3 +92,16 @@ def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, caps
     assert read_manifest(Path(result["checkpoint"]))["optimizer_sharding"] == "dp_reshardable"
 
 
+
+
+def test_a_resume_from_ep2_at_ep1_is_refused_before_anything_runs(tmp_path, capsys, megatron_recipe):
+    """Megatron-Core 0.16.1 chains a separate expert optimizer only at EP > 1: a checkpoint saved at EP 2 does not
+    load at EP 1 (measured: the chained optimizer keys are missing), so restore-test says so in one line at once
+    (the 2 CPU ranks hold no other EP than 1 and 2; unit: tests/unit/test_megatron_sharding.py)."""
+    recipe = megatron_recipe("tiny-moe-megatron", model={"config": TINY_MOE["qwen3_moe"]})
+    capsys.readouterr()
+    code = main(["restore-test", "--recipe", str(recipe), *MOE_FLAGS, "--resume-ep", "1", "--workdir",
+                 str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--resume-ep" in err[0] and "EP > 1" in err[0], err
+    assert not (tmp_path / "work" / "reference").exists()

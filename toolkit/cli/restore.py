@@ -82,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         if plan.backend != "megatron":
             raise UserInputError("--resume-ep", f"expert parallelism is Megatron-Core's; the {plan.backend} backend "
                                                 f"has none")
+        from toolkit.backends.megatron.checkpoint import expert_resharding_problem
+
+        problem = expert_resharding_problem(plan.ep, args.resume_ep)
+        if problem:
+            raise UserInputError("--resume-ep", problem)
         with recipe_names(overrides):  # the resumed run's plan, resolved now: a bad one is one line here
             recipe_plan(recipe, recipe_model(recipe), **{**overrides, "ep": args.resume_ep})
         resume_args = ("--ep", str(args.resume_ep))

@@ -215,10 +215,17 @@ def check_expert_resharding(manifest: dict, ckpt: Path, plan) -> None:
     A checkpoint's model reshards between any EP sizes, its optimizer state only between sizes above 1 (measured:
     EP 2 -> 1 fails in dist_checkpointing.load with the chained keys missing)."""
     saved = saved_layout(manifest).get("ep", 1)
-    if (saved > 1) != (plan.ep > 1):
-        raise UserInputError("--resume", f"{ckpt.name} was saved at EP {saved}: Megatron-Core 0.16.1 keeps the "
-                                         f"experts' optimizer state apart only at EP > 1, so its optimizer state "
-                                         f"moves between EP sizes above 1, not to EP {plan.ep}")
+    problem = expert_resharding_problem(saved, plan.ep)
+    if problem:
+        raise UserInputError("--resume", f"{ckpt.name} was saved at EP {saved}: {problem}")
+
+
+def expert_resharding_problem(saved_ep: int, ep: int) -> str | None:
+    """Why a checkpoint saved at `saved_ep` cannot resume at `ep` (check_expert_resharding), or None."""
+    if (saved_ep > 1) == (ep > 1):
+        return None
+    return (f"Megatron-Core 0.16.1 keeps the experts' optimizer state apart only at EP > 1, so its optimizer state "
+            f"moves between EP sizes above 1, not from EP {saved_ep} to EP {ep}")
 
 
 def detect(path: Path) -> str | None:
