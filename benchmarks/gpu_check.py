@@ -29,8 +29,12 @@ gradients. Without a GPU it says so and skips.
 With `--context-parallel` (2 GPUs or more) it trains an FSDP2 plan with torch context parallel (cp=2) against the
 same plan on one GPU without it and compares the per-step losses: context parallel does not run on CPU ranks.
 
+With `--profile` the first case also records steps WARMUP_STEPS+1 and +2 with torch.profiler (train.py
+--profile-steps) and `dmt report --breakdown --json` reads the traces through Holistic Trace Analysis (GPU kernels:
+compute, communication, idle) beside the predicted terms; the result's `breakdown` holds what it said.
+
 Usage: python benchmarks/gpu_check.py --work /tmp/gpu_check --out result.json [--cases NAME ...] [--long-context]
-       [--context-parallel]
+       [--context-parallel] [--profile]
 Only the long-context check: --cases --skip-health --skip-gemm --long-context
 benchmarks/gpu_check.md holds a run's figures with the machine named.
 """
@@ -104,7 +108,7 @@ def predicted(recipe_path: Path) -> dict:
             "step_time_s": record.step_time_s, "mfu": record.mfu}
 
 
-def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:
+def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int, profile: bool = False) -> dict:
     case_dir = work / name
     shutil.rmtree(case_dir, ignore_errors=True)
     case_dir.mkdir(parents=True)
@@ -118,6 +122,8 @@ def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:
         launch = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29511"]
     command = launch + [str(REPO / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir", str(out)]
     command += ["--backend", "megatron"] if backend == "megatron" else []
+    profiled = f"{WARMUP_STEPS + 1}-{WARMUP_STEPS + 2}"
+    command += ["--profile-steps", profiled] if profile else []
     started = time.time()
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     result = {"case": name, "preset": CASES[name][0], "backend": backend, "seq_len": CASES[name][2],
@@ -144,6 +150,14 @@ def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int) -> dict:
     result["memory_error"] = allocated_side / result["measured_max_allocated"] - 1
     result["reserved_error"] = reserved_side / result["measured_max_reserved"] - 1
     result["time_error"] = estimate["step_time_s"] / result["measured_step_s"] - 1
+    if profile:  # the traces through Holistic Trace Analysis, beside the predicted terms
+        report = subprocess.run([sys.executable, "-m", "toolkit", "report", str(out), "--breakdown", "--json"],
+                                cwd=REPO, capture_output=True, text=True)
+        if report.returncode == 0:
+            breakdown = json.loads(report.stdout)["runs"][0]["breakdown"] or {}
+            result["breakdown"] = {k: breakdown.get(k) for k in ("source", "measured", "predicted", "gap", "steps")}
+        else:
+            result["breakdown_error"] = (report.stdout + report.stderr)[-2000:]
     for checkpoint in out.glob("checkpoint-*"):  # tens of GB; metrics.jsonl and run_plan.json stay for calibrate
         shutil.rmtree(checkpoint, ignore_errors=True)
     result["run_dir"] = str(out)
@@ -303,6 +317,8 @@ def main() -> int:
                         help="the long-context check: activation peak with and without DeepSpeed's tiles")
     parser.add_argument("--context-parallel", action="store_true",
                         help="also train plan cp=2 (FSDP2, torch context parallel) on 2 GPUs against cp=1 on one")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile two steps of the first case and read them through HTA (dmt report --breakdown)")
     parser.add_argument("--cross-validate", action="store_true",
                         help="re-predict every case with a calibration fitted on the other cases of its path")
     args = parser.parse_args()
@@ -324,8 +340,8 @@ def main() -> int:
         if health_json.is_file():
             report["health"] = json.loads(health_json.read_text())
     report["gemm"] = [] if args.skip_gemm else gemm_table(args.gpu)
-    for name in args.cases:
-        result = run_case(name, args.work, corpus, args.gpu, args.steps)
+    for index, name in enumerate(args.cases):
+        result = run_case(name, args.work, corpus, args.gpu, args.steps, profile=args.profile and index == 0)
         report["cases"].append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("estimate",)}, default=str), flush=True)
         args.out.write_text(json.dumps(report, indent=2, default=str))
@@ -357,6 +373,8 @@ def main() -> int:
               f"{r['predicted_activations'] / GiB:.2f}, transients {sum(r['predicted_transients'].values()) / GiB:.2f}, "
               f"gradients {r['run_gradients'] / GiB:.2f}); {r['wall_s']} s")
     for r in report["cases"]:
+        if r.get("breakdown"):
+            print(f"{r['case']}: profiled steps ({r['breakdown']['source']}): {r['breakdown']['gap']}")
         if "measured_step_s" in r:
             print(f"{r['case']}: allocated {r['measured_max_allocated'] / GiB:.2f} GiB vs predicted "
                   f"{r['predicted_allocated'] / GiB:.2f} ({r['memory_error']:+.1%}); reserved "

@@ -350,3 +350,44 @@ def launch_scheduler(config, log):
 # under 1 s in-process, ~3-5 s as a fresh `python -m toolkit`, and the slowest case (YAML nested 100000 deep) took
 # 10.6 s at load ~16 on 2 cores, past the former 10 s assert: 120 s is 11x that.
 FUZZ_HANG_GUARD_S = 120
+
+
+PROFILED = ("2", "3")  # --profile-steps of the launches that record a profile (an existing launch per backend)
+PROFILE_TERMS = ("compute_s", "communication_exposed_s", "data_wait_s", "optimizer_s", "checkpoint_s", "idle_s")
+
+
+def assert_profiled(out: Path, ranks=(0, 1)) -> dict:
+    """A run launched with --profile-steps 2-3: each rank's trace in OUTPUT/profile/ opens in Holistic Trace Analysis
+    with both profiled steps in it; `dmt report --breakdown --json` gives each step and rank's terms, which add up to
+    the measured step (the sum of the terms measured from events never past it), beside the predicted terms with the
+    largest gap named. Returns the breakdown."""
+    import json
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from hta.trace_analysis import TraceAnalysis
+
+    from toolkit.cli.main import main
+
+    first = PROFILED[0]
+    traces = sorted(p.name for p in (out / "profile").glob("*.pt.trace.json"))
+    assert traces == [f"rank{rank}.{first}.pt.trace.json" for rank in ranks], traces
+    analysis = TraceAnalysis(trace_dir=str(out / "profile"), include_last_profiler_step=True)
+    assert sorted(analysis.t.get_ranks()) == list(ranks)
+    symbols = analysis.t.symbol_table.sym_table
+    for rank in ranks:
+        names = {symbols[index] for index in analysis.t.get_trace(rank)["name"]}
+        assert {"ProfilerStep#1", "ProfilerStep#2"} <= names or {"ProfilerStep#2", "ProfilerStep#3"} <= names, rank
+    printed = StringIO()
+    with redirect_stdout(printed):
+        assert main(["report", str(out), "--breakdown", "--json"]) == 0
+    [run] = json.loads(printed.getvalue())["runs"]
+    breakdown = run["breakdown"]
+    rows = breakdown["steps"]
+    assert sorted((r["step"], r["rank"]) for r in rows) == [(int(s), r) for s in PROFILED for r in ranks], rows
+    for row in rows:
+        terms = sum(row[t] for t in PROFILE_TERMS)
+        assert abs(terms - row["step_s"]) <= 0.1 * row["step_s"], row
+        assert 0 < terms - row["idle_s"] <= row["step_s"] * (1 + 1e-9) and row["compute_s"] > 0, row
+    assert breakdown["predicted"] is not None and breakdown["gap"].startswith("largest gap: "), breakdown
+    return breakdown

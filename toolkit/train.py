@@ -22,7 +22,11 @@ from toolkit.health.checks import match_gpu  # noqa: E402
 from toolkit.planner.recipe import recipe_plan, recipe_prediction  # noqa: E402
 from toolkit.planner.save_interval import is_auto, run_save_steps  # noqa: E402
 from toolkit.runtime.guard import GuardStop  # noqa: E402
-from toolkit.runtime.incident import flight_recorder_environment, last_words_dir  # noqa: E402
+from toolkit.runtime.incident import (  # noqa: E402
+    flight_recorder_environment,
+    gloo_flight_recorder_environment,
+    last_words_dir,
+)
 from toolkit.runtime.metrics import (  # noqa: E402
     Throughput,
     end_run_record,
@@ -30,12 +34,19 @@ from toolkit.runtime.metrics import (  # noqa: E402
     start_run_record,
     trains_on_cuda,
 )
+from toolkit.runtime.profile import parse_step_range  # noqa: E402
 from toolkit.runtime.supervision import TrainingWatchdog  # noqa: E402
 from toolkit.runtime.watchdog import exit_now  # noqa: E402
 from toolkit.spec.backends import backend_of  # noqa: E402
 from toolkit.spec.cluster import load_catalogue  # noqa: E402
 from toolkit.spec.options import CPU_ATTENTION  # noqa: E402
-from toolkit.spec.recipe import load_recipe, recipe_calibration, recipe_model, recipe_names  # noqa: E402
+from toolkit.spec.recipe import (  # noqa: E402
+    ProfileSection,
+    load_recipe,
+    recipe_calibration,
+    recipe_model,
+    recipe_names,
+)
 from toolkit.validate.generated import GeneratedRun, read_generated  # noqa: E402
 
 
@@ -62,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="resume from the latest verified checkpoint of --output-dir (auto: if there is one), or PATH")
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes of this launch, overriding cluster.gpus (e.g. resuming at another world size)")
+    parser.add_argument("--profile-steps", default=None, metavar="A-B",
+                        help="record steps A to B with torch.profiler on every rank (the recipe's training.profile "
+                             "with these steps): traces and the measured breakdown in OUTPUT/profile/")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     add_plan_flags(parser, overriding="the recipe's plan")
     return parser
@@ -96,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     recipe = run.recipe
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
+    recipe = _profiled(recipe, args.profile_steps, run.plan.gpus)
     check_attention_device(run.plan, recipe.cluster.accelerator)
     output_dir = args.output_dir or Path("runs") / recipe.name
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
@@ -124,6 +139,31 @@ def _run(args: argparse.Namespace) -> int:
     _record_end(output_dir, "completed")
     logging.getLogger("toolkit.train").info("done: %s", summary)
     return 0
+
+
+def _profiled(recipe, steps: str | None, world: int):
+    """The recipe with --profile-steps A-B as its training.profile (its ranks and memory kept), checked against the
+    launch: steps within max_steps, ranks within the world."""
+    profile = recipe.training.profile
+    if steps is not None:
+        try:
+            first, last = parse_step_range(steps)
+        except ValueError as exc:
+            raise UserInputError("--profile-steps", str(exc)) from None
+        kept = profile.model_dump(include={"ranks", "memory"}) if profile is not None else {}
+        profile = ProfileSection(start_step=first, steps=last - first + 1, **kept)
+        recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update={"profile": profile})})
+    if profile is None:
+        return recipe
+    key = "--profile-steps" if steps is not None else "training.profile.start_step"
+    if profile.last_step > recipe.training.max_steps:
+        raise UserInputError(key, f"steps {profile.start_step}-{profile.last_step} end past the run's "
+                                  f"{recipe.training.max_steps} steps; valid: within 1-{recipe.training.max_steps}")
+    outside = [rank for rank in profile.ranks or () if rank >= world]
+    if outside:
+        raise UserInputError("training.profile.ranks", f"rank {outside[0]} is not in this launch of {world} "
+                                                       f"processes; valid: 0-{world - 1}")
+    return recipe
 
 
 def check_attention_device(plan, accelerator: str) -> None:
@@ -190,14 +230,17 @@ def _record_end(output_dir: Path, status: str, detail: str | None = None) -> Non
 
 
 def _watched(output_dir: Path, hang_timeout_s: float):
-    """This rank's training watchdog; on GPUs, torch's NCCL flight recorder on (unless the environment says
-    otherwise) so that a hang's report keeps each rank's record of its last collectives."""
+    """This rank's training watchdog; torch's flight recorder on (NCCL's on GPUs, the backend-neutral one gloo records
+    into), unless the environment says otherwise, so that a hang's report names the collective from each rank's record
+    of its last collectives."""
     import torch
 
     if torch.cuda.is_available():
         for name, value in flight_recorder_environment(output_dir).items():
             os.environ.setdefault(name, value)
         last_words_dir(output_dir).mkdir(parents=True, exist_ok=True)
+    for name, value in gloo_flight_recorder_environment().items():  # gloo's collectives too (torch 2.13)
+        os.environ.setdefault(name, value)
     return TrainingWatchdog(output_dir, hang_timeout_s)
 
 

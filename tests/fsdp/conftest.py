@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from fsdp_helpers import BIN, STEPS, TINY_FSDP, TRAIN, environment, restore_test
 
-from helpers import TINY, Launch, free_port
+from helpers import PROFILED, TINY, Launch, free_port
 
 
 @pytest.fixture(scope="session")
@@ -23,12 +23,13 @@ def fsdp_generated(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def accelerate_run(fsdp_generated, tmp_path_factory) -> Launch:
     """`accelerate launch --config_file gen/accelerate.yaml toolkit/train.py --plan gen/plan.json`: the generated files
-    as written, 2 CPU ranks, STEPS steps, a checkpoint every STEPS / 2."""
+    as written, 2 CPU ranks, STEPS steps, a checkpoint every STEPS / 2, steps PROFILED recorded by torch.profiler."""
     root = tmp_path_factory.mktemp("fsdp-accelerate")
     out, log = root / "run", root / "train.log"
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(fsdp_generated / "accelerate.yaml"),
            "--main_process_port", str(free_port()), str(TRAIN), "--plan", str(fsdp_generated / "plan.json"),
-           "--output-dir", str(out), "--max-steps", str(STEPS), "--save-steps", str(STEPS // 2)]
+           "--output-dir", str(out), "--max-steps", str(STEPS), "--save-steps", str(STEPS // 2),
+           "--profile-steps", "-".join(PROFILED)]
     with open(log, "w") as handle:
         rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=environment(), timeout=600).returncode
     return Launch(out, rc, log)

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from fsdp_helpers import BIN, PROBE, STEPS, TINY_FSDP, environment, restore_test
 
-from helpers import assert_step_cost, free_port
+from helpers import assert_profiled, assert_step_cost, free_port
 from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT as FSDP_FORMAT
 from toolkit.backends.fsdp.train import SHARDING_FILE
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
@@ -62,6 +62,12 @@ def test_accelerate_launch_trains_the_generated_files(accelerate_run):
 
 def test_parameters_were_dtensor_shards_of_half_each_tensor(accelerate_run):
     assert_sharded_in_halves(accelerate_run.out)
+
+
+def test_profiled_fsdp_steps_write_traces_and_a_breakdown_that_adds_up(accelerate_run):
+    breakdown = assert_profiled(accelerate_run.out)
+    # FSDP2's all-gathers and reduce-scatters run on gloo's threads: the profile holds them, overlapped or exposed
+    assert max(row["communication_exposed_s"] + row["communication_overlapped_s"] for row in breakdown["steps"]) > 0
 
 
 def test_checkpoints_are_dcp_shards_of_both_ranks(accelerate_run):

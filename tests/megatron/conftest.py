@@ -9,7 +9,7 @@ import pytest
 import yaml
 from megatron_helpers import BIN, SAVE_AT, STEPS, TINY_MEGATRON, TRAIN
 
-from helpers import Launch, free_port
+from helpers import PROFILED, Launch, free_port
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +81,8 @@ ASYNC = {"async_save": True}
 @pytest.fixture(scope="session")
 def layout_run(torchrun, distopt_recipe, megatron_recipe, tmp_path_factory):
     """layout_run("tp2" | "pp2" | "dp2") -> the Launch of that 2-rank layout, training STEPS steps with a checkpoint
-    every SAVE_AT: TP=2 from the files `dmt generate --tp 2` wrote (train.py --plan, megatron.yaml as generated);
+    every SAVE_AT: TP=2 from the files `dmt generate --tp 2` wrote (train.py --plan, megatron.yaml as generated;
+    steps PROFILED recorded by torch.profiler);
     PP=2 (1F1B) and DP=2 with the distributed optimizer from the recipe (the quick path)."""
     from toolkit.cli.main import main
 
@@ -90,7 +91,7 @@ def layout_run(torchrun, distopt_recipe, megatron_recipe, tmp_path_factory):
             recipe = megatron_recipe("tiny-megatron-tp2", training={"max_steps": STEPS, "save_steps": SAVE_AT, **ASYNC})
             generated = tmp_path_factory.mktemp("megatron-tp2-generated")
             assert main(["generate", str(recipe), "--out", str(generated), "--tp", "2"]) == 0
-            return torchrun(layout, "--plan", str(generated / "plan.json"))
+            return torchrun(layout, "--plan", str(generated / "plan.json"), "--profile-steps", "-".join(PROFILED))
         recipe, *flags = {"pp2": (megatron_recipe("tiny-megatron-pp2", training=ASYNC), "--pp", "2"),
                           "dp2": (distopt_recipe,)}[layout]
         return torchrun(layout, "--recipe", str(recipe), *flags, "--max-steps", str(STEPS),

@@ -7,7 +7,7 @@ import json
 import pytest
 from megatron_helpers import RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON
 
-from helpers import wandb_history
+from helpers import assert_profiled, wandb_history
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
@@ -51,6 +51,14 @@ def test_each_layout_trains_and_saves_dist_checkpoints(layout_run, layout):
     assert list((run.out / f"checkpoint-{STEPS}").glob("*.distcp")), "not a torch_dist checkpoint"
     assert_saves_recorded(run)
     assert run.rc == 0, run.tail()
+
+
+def test_profiled_megatron_steps_name_the_tensor_parallel_wait_as_communication(layout_run):
+    """TP=2: Megatron-Core's all-reduces in every layer's forward and backward wait on gloo's thread while the
+    training thread calls nothing: the breakdown holds them as exposed communication."""
+    breakdown = assert_profiled(layout_run("tp2").out)
+    assert all(row["communication_exposed_s"] > 0 for row in breakdown["steps"]), breakdown["steps"]
+    assert breakdown["predicted"]["communication_exposed_s"] > 0  # the estimator's TP all-reduces, beside them
 
 
 def assert_saves_recorded(run) -> None:

@@ -259,3 +259,20 @@ def test_usr1_saves_requeues_and_the_next_run_resumes(slurm, tmp_path, capsys):
     loss = {r["step"]: r["loss"] for r in read_metrics(out)}
     # the loss continues where it was, it does not restart from the untrained model's
     assert loss[interrupted_at + 1] < loss[1] - 1.0 and abs(loss[interrupted_at + 1] - loss[interrupted_at]) < 0.5, loss
+
+
+def test_the_nvl72_segment_line_meets_this_slurm(slurm, tmp_path, capsys):
+    """An NVL72 plan's script asks for one rack's nodes with `#SBATCH --segment` (TopologyPlugin=topology/block;
+    the option came with Slurm 24.05). A Slurm that has it takes the line; an older one (Debian 12's 22.05, this
+    fixture's) refuses the script naming the option, the version limit docs/generating-and-launching.md states."""
+    script = tmp_path / "nvl72.sbatch"
+    assert main(["slurm", "render", str(ROOT / "recipes" / "qwen3-30b-a3b-megatron-gb200-nvl72.yaml"), "--out",
+                 str(script)]) == 0, capsys.readouterr().err
+    assert "#SBATCH --segment=16\n" in script.read_text()
+    env = slurm["env"]
+    knows = "--segment" in subprocess.run(["sbatch", "--help"], env=env, capture_output=True, text=True).stdout
+    result = subprocess.run(["sbatch", "--test-only", str(script)], env=env, capture_output=True, text=True)
+    if knows:  # the request is judged on its nodes and GPUs (this one-node fixture has neither), not its options
+        assert "unrecognized option" not in result.stderr and "invalid option" not in result.stderr, result.stderr
+    else:
+        assert result.returncode != 0 and "--segment" in result.stderr, result.stderr

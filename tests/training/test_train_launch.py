@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY, assert_step_cost, wandb_history
+from helpers import PROFILED, ROOT, TINY, assert_profiled, assert_step_cost, wandb_history
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_metrics, read_run_record
@@ -54,12 +54,18 @@ def deepspeed_run(launch, wandb_recipe, zero: int):
     if zero == 2:  # this one also logs to wandb with no API key anywhere: it must go offline by itself
         env = {"WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": os.devnull}
         return launch("ds-zero2", "deepspeed", wandb_recipe, "--zero", "2", "--max-steps", str(STEPS), env=env)
-    return launch(f"ds-zero{zero}", "deepspeed", TINY, "--zero", str(zero), "--max-steps", str(STEPS))
+    profiled = ("--profile-steps", "-".join(PROFILED)) if zero == 1 else ()  # the DeepSpeed launch that profiles
+    return launch(f"ds-zero{zero}", "deepspeed", TINY, "--zero", str(zero), "--max-steps", str(STEPS), *profiled)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_deepspeed_launcher_trains_and_checkpoints(launch, wandb_recipe, zero):
     assert_trained(deepspeed_run(launch, wandb_recipe, zero), zero=zero)
+
+
+def test_profiled_deepspeed_steps_write_traces_and_a_breakdown_that_adds_up(launch, wandb_recipe):
+    breakdown = assert_profiled(deepspeed_run(launch, wandb_recipe, 1).out)
+    assert breakdown["measured"]["optimizer_s"] > 0  # DeepSpeed's optimizer step, inside the profiled steps
 
 
 def test_cpu_ranks_leave_no_deepspeed_shared_memory_behind(launch, wandb_recipe):

@@ -12,7 +12,7 @@ from helpers import TINY
 from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
 from toolkit.cli.options import option_argv
-from toolkit.spec.options import recipe_key
+from toolkit.spec.options import OPTION_NAMES, recipe_key
 
 # dense, GQA and MoE models, one GPU to 1024; each backend's best plans
 CASES = [("llama-3.2-1b", 1, 2048, 8), ("llama-3.1-8b", 8, 4096, 64), ("llama-3.1-70b", 64, 8192, 256),
@@ -28,7 +28,10 @@ def _json(capsys, *argv):
 def recipe_from_record(record: dict, model: str) -> dict:
     """A recipe whose plan section is the ranked plan's, with the sizes a recipe keeps elsewhere where they go."""
     plan = dict(record["plan"])
-    cluster = {"gpus": plan.pop("gpus"), "gpus_per_node": plan.pop("gpus_per_node"), "gpu": record["gpu"]}
+    cluster = {"gpus": plan.pop("gpus"), "gpu": record["gpu"]}
+    # gpus_per_node, nvlink_domain, network: the cluster's shape
+    cluster.update({recipe_key(name).split(".", 1)[1]: plan.pop(name) for name in list(plan)
+                    if name in OPTION_NAMES and recipe_key(name).startswith("cluster.")})
     training = {"seq_len": plan.pop("seq_len"), "global_batch": plan.pop("global_batch"), "max_steps": 100,
                 "learning_rate": 3e-4}
     for name in DERIVED:

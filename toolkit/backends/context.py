@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from toolkit.backends.hf_saves import TrainerSaves
     from toolkit.backends.loop import BatchFingerprints
     from toolkit.runtime.metrics import MetricsWriter, Throughput
+    from toolkit.runtime.profile import StepProfiler
     from toolkit.runtime.supervision import TrainingWatchdog
     from toolkit.spec.model import ModelSpec
     from toolkit.spec.plan import Plan
@@ -60,3 +61,4 @@ class HFLaunch:
     metrics: MetricsWriter
     guard: TrainerGuard  # the NaN/spike guard on the Trainer
     saves: TrainerSaves | None  # checkpoints written in the background (training.async_save), else None
+    profiler: StepProfiler  # the recipe's training.profile on this rank (inactive when off)

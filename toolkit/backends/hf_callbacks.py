@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 
 from toolkit.backends.loop import save_and_exit_requested, write_checkpoint_record, write_step_record
 from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
+from toolkit.runtime.profile import CHECKPOINT, OPTIMIZER
 
 if TYPE_CHECKING:
     from toolkit.backends.context import HFLaunch
@@ -41,6 +42,10 @@ class ToolkitCallback(TrainerCallback):
         if self.launch.saves is not None:  # the save in flight has copied the state it writes
             self.launch.saves.before_optimizer_step()
         self.launch.guard.before_optimizer_step(self.trainer, kwargs["model"])
+        self.launch.profiler.enter(OPTIMIZER)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.launch.profiler.leave(OPTIMIZER)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.launch.guard.end_step(self.trainer)
@@ -50,6 +55,7 @@ class ToolkitCallback(TrainerCallback):
         self.launch.context.watch.phase(state.global_step, "save" if control.should_save else "log")
         if control.should_save:  # the Trainer logs (on_log) and evaluates, then saves
             self.save_started = time.perf_counter()
+            self.launch.profiler.enter(CHECKPOINT)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         metrics, guard = self.launch.metrics, self.launch.guard
@@ -93,8 +99,10 @@ class ToolkitCallback(TrainerCallback):
 
         if launch.saves is not None:
             launch.saves.saved(step, ckpt, started or time.perf_counter(), complete)
+            launch.profiler.leave(CHECKPOINT)
             return
         manifest = complete()
+        launch.profiler.leave(CHECKPOINT)
         if state.is_world_process_zero and started is not None:  # synchronous: complete when resumed
             paused = time.perf_counter() - started
             write_checkpoint_record(launch.metrics, manifest, ckpt, paused, paused, asynchronous=False)

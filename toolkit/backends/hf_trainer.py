@@ -22,6 +22,7 @@ from toolkit.data.blend import ConsumedSampler
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
 from toolkit.runtime.metrics import MetricsWriter, gpu_memory_of_ranks, logged_figures
+from toolkit.runtime.profile import DATA, StepProfiler
 from toolkit.spec.backends import backend_of
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,12 @@ class ToolkitTrainer(Trainer):
         return ConsumedSampler(len(self.train_dataset), self.launch.consumed)
 
     def get_batch_samples(self, *args, **kwargs):  # the Trainer's one wait for data: next() on its loader
+        profiler = self.launch.profiler
+        profiler.begin_step(self.state.global_step + 1)  # a step starts with its data (before on_step_begin)
         start = time.perf_counter()
         try:
-            return super().get_batch_samples(*args, **kwargs)
+            with profiler.span(DATA):
+                return super().get_batch_samples(*args, **kwargs)
         finally:
             self.launch.metrics.add_data_wait(time.perf_counter() - start)
 
@@ -152,7 +156,9 @@ def train(context: TrainContext) -> dict:
         log.info("checkpoints are written in the background (training.async_save)")
     guard = TrainerGuard(StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)),
                                    output_dir, args.process_index), fingerprints, saves)
-    launch = HFLaunch(context, path, world, identity, consumed, data.flat, fingerprints, metrics, guard, saves)
+    profiler = StepProfiler.from_recipe(recipe, output_dir, args.process_index)
+    launch = HFLaunch(context, path, world, identity, consumed, data.flat, fingerprints, metrics, guard, saves,
+                      profiler)
 
     toolkit_callback = ToolkitCallback(launch)  # the guard acts through it on the Trainer
     callbacks = [toolkit_callback]
@@ -164,5 +170,8 @@ def train(context: TrainContext) -> dict:
                                  eval_dataset=data.eval_set, data_collator=data.collator,
                                  processing_class=data.tokenizer, callbacks=callbacks)
     toolkit_callback.trainer = trainer
-    result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
+    try:
+        result = trainer.train(resume_from_checkpoint=str(resume_path) if resume_path else None)
+    finally:
+        profiler.close()  # a window that reached the last step is written now
     return {"global_step": trainer.state.global_step, "train_loss": result.training_loss}

@@ -12,7 +12,7 @@ from toolkit.numeric import bounded_int, is_finite_number, positive_float
 from toolkit.readers import read_json
 from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import load_calibration
-from toolkit.spec.cluster import DEFAULT_GPU, get_gpu, with_host_memory
+from toolkit.spec.cluster import DEFAULT_GPU, get_gpu, topology_defaults, with_host_memory
 from toolkit.spec.options import default
 from toolkit.spec.recipe import load_recipe, recipe_files
 
@@ -43,9 +43,11 @@ def check_max_seq_len(args: argparse.Namespace) -> None:
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intra-node-bw", type=positive_float, default=None, metavar="GBPS",
-                        help="per-GPU bandwidth inside a node in GB/s (default: the GPU catalogue's)")
+                        help="per-GPU bandwidth inside the NVLink domain (--nvlink-domain: a node, or an NVL72 rack) "
+                             "in GB/s (default: the GPU catalogue's)")
     parser.add_argument("--inter-node-bw", type=positive_float, default=None, metavar="GBPS",
-                        help="per-GPU bandwidth across nodes in GB/s (default: the GPU catalogue's)")
+                        help="per-GPU bandwidth between NVLink domains in GB/s (default: the GPU catalogue's NIC, "
+                             "at most the --network tier's own, ethernet 25)")
     parser.add_argument("--measured-bw", type=path_arg, default=None, metavar="HEALTH_JSON",
                         help="bus bandwidths measured by `dmt health --json` instead of datasheet numbers")
     add_calibration_argument(parser)
@@ -80,7 +82,8 @@ def build_network(args: argparse.Namespace, gpu):
     """The Network a plan's communication runs over: catalogue, overridden by flags or a health report (a calibration's
     measured links then fill only the tiers these left alone, in step_time)."""
     intra, inter, measured = gpu.intra_node_bw_gbps, gpu.inter_node_bw_gbps, set()
-    gpus_per_node = args.gpus_per_node or default("gpus_per_node")
+    topology = topology_defaults(gpu, {"gpus_per_node": args.gpus_per_node, "nvlink_domain": args.nvlink_domain})
+    gpus_per_node = topology.get("gpus_per_node") or default("gpus_per_node")
     if args.measured_bw is not None:
         links = measured_links(args.measured_bw, "--measured-bw")
         intra, inter = links.get("intra", intra), links.get("inter", inter)
@@ -90,7 +93,8 @@ def build_network(args: argparse.Namespace, gpu):
     intra = args.intra_node_bw or intra
     inter = args.inter_node_bw or inter
     return Network(intra_node_bw_gbps=intra, inter_node_bw_gbps=inter, gpus_per_node=gpus_per_node,
-                   measured=frozenset(measured), given=frozenset(given))
+                   measured=frozenset(measured), given=frozenset(given), nvlink_domain=topology.get("nvlink_domain"),
+                   scale_out=args.network or default("network"))
 
 
 def calibration_for(path, gpu_name: str, key: str = "--calibration"):

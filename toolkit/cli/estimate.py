@@ -25,6 +25,8 @@ from toolkit.numeric import GiB, json_text
 from toolkit.planner.max_seq_len import longest_sequence
 from toolkit.planner.predict import predicted_record, recompute_label
 from toolkit.planner.recipe import packed_attention
+from toolkit.spec.backends import backend_of
+from toolkit.spec.cluster import topology_defaults
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.plan import resolve_plan
 from toolkit.spec.recipe import load_recipe
@@ -57,7 +59,7 @@ def result(args: argparse.Namespace) -> Prediction | Longest:
     network = build_network(args, gpu)
     calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
-    plan = resolve_plan(model, args.gpus, **plan_overrides(args))
+    plan = resolve_plan(model, args.gpus, **topology_defaults(gpu, plan_overrides(args)))
     report = predicted_record(model, plan, gpu, network, calibration, packed=packing(args, plan))
     add_extras(report, model, args)
     return report
@@ -107,6 +109,9 @@ def print_report(report: Prediction) -> None:
         f"{params.active / 1e9:.3f}B active, {params.embedding / 1e9:.3f}B in embeddings"
         + (f"; {plan.finetune.method}: {params.trainable:,} trainable adapter parameters"
            if plan.finetune.method != "full" else "")
+        + (f"; {params.mtp / 1e9:.3f}B in multi-token prediction modules besides, which "
+           + ("Megatron-Core trains (counted in memory)" if not backend_of(plan).hf_modules else
+              "transformers' model does not build (not counted)") if params.mtp else "")
     )
     console.print(
         f"{plan.backend} on {plan.gpus} x {report.gpu}: {layout} {sharding_text(plan)} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from toolkit.cli.common import add_calibration_argument, calibration_line
 from toolkit.cli.console import console as make_console
@@ -11,8 +12,9 @@ from toolkit.errors import UserInputError
 from toolkit.numeric import GiB, bounded_int, json_text
 from toolkit.outputs import output_file
 from toolkit.planner.predict import plan_label
+from toolkit.report.breakdown import read_breakdown
 from toolkit.report.plot import write_report_plot
-from toolkit.report.records import read_metrics_records
+from toolkit.report.records import read_metrics_records, read_run_plan
 from toolkit.report.runs import DEFAULT_WARMUP, read_run, repredict
 from toolkit.spec.calibration import load_calibration
 from toolkit.spec.plan import Plan
@@ -25,7 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="logged steps left out of the medians (allocation, compilation; default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: {runs: [...]}")
     parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
-                        help="loss, grad norm, tokens/s and memory over the steps, with the predicted lines")
+                        help="loss, grad norm, tokens/s and memory over the steps, with the predicted lines (and "
+                             "with --breakdown, predicted and measured bars per term)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="the profiled steps (train.py --profile-steps, training.profile) per step and rank: "
+                             "compute, communication, data wait, optimizer, checkpoint pause and idle beside the "
+                             "predicted terms, the largest gap and the slowest rank")
     add_calibration_argument(parser, "re-predict every run")
 
 
@@ -42,15 +49,57 @@ def run(args: argparse.Namespace) -> int:
     for report in reports:
         if calibration is not None:
             repredict(report, calibration)
+    if args.breakdown:
+        for report in reports:
+            report.breakdown = read_breakdown(Path(report.run_dir), _predicted_terms(Path(report.run_dir)))
     if args.plot is not None:
         write_report_plot(args.plot, [(report, read_metrics_records(report.run_dir)[0]) for report in reports])
     if args.json:
         print(json_text({"warmup_steps": warmup, "runs": [report.as_dict() for report in reports]}, indent=2))
         return 0
     _print_table(reports, warmup)
+    if args.breakdown:
+        for report in reports:
+            _print_breakdown(report)
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _predicted_terms(run_dir: Path) -> dict | None:
+    """The estimator's terms of the run's plan, as its launch predicted them (run_plan.json)."""
+    record, _ = read_run_plan(run_dir)
+    terms = (record or {}).get("step_time_breakdown_s")
+    return terms if isinstance(terms, dict) else None
+
+
+def _print_breakdown(report) -> None:
+    from rich.table import Table
+
+    console = make_console()
+    breakdown = report.breakdown
+    if breakdown is None:
+        console.print(f"{report.run_dir}: no profiled steps (train with --profile-steps A-B or training.profile)")
+        return
+    terms = ("step_s", "compute_s", "communication_exposed_s", "communication_overlapped_s", "data_wait_s",
+             "optimizer_s", "checkpoint_s", "idle_s")
+    table = Table(title=f"{report.run_dir}: where the time went, seconds ({breakdown['source']})",
+                  title_justify="left")
+    for column in ("step", "rank", "step s", "compute", "comm exposed", "comm overlapped", "data wait", "optimizer",
+                   "checkpoint", "idle"):
+        table.add_column(column, justify="right")
+    for row in breakdown["steps"]:
+        table.add_row(str(row["step"]), str(row["rank"]), *(_number(row.get(term), ".3g") for term in terms))
+    table.add_row("measured", "all", *(_number(breakdown["measured"].get(term), ".3g") for term in terms))
+    predicted = breakdown["predicted"]
+    if predicted is not None:
+        table.add_row("predicted", "-", "-", *("-" if term not in predicted else
+                                              ("not modelled" if predicted[term] is None else
+                                               _number(predicted[term], ".3g")) for term in terms[1:]))
+    console.print(table)
+    for line in (breakdown["gap"], breakdown["stragglers"]["sentence"]):
+        if line:
+            console.print(f"{report.run_dir}: {line}")
 
 
 def _number(value, form: str) -> str:

@@ -42,6 +42,12 @@ SEAMS = [
     Seam("torch", "torch._C._distributed_c10d._dump_nccl_trace", only_with="nccl",
          why="the NCCL flight recorder's dump that incident.json's last words keep, as NCCL's own timeout writes it; "
              "torch.distributed has no public dump (CPU builds have only the backend-neutral _dump_fr_trace)"),
+    Seam("torch", "torch._C._distributed_c10d._dump_fr_trace",
+         "the backend-neutral flight recorder's dump (gloo records into it in torch 2.13 with TORCH_FR_BUFFER_SIZE): "
+         "what torch.distributed.flight_recorder's analyser reads; torch.distributed has no public dump"),
+    Seam("torch", "torch.distributed.distributed_c10d._world",
+         "every process group of this process with its name and description: gloo's dump names its groups '' in "
+         "torch 2.13, so the pg_config the analyser matches collectives by is filled in from here"),
     Seam("torch", "torch.autograd.graph._engine_run_backward",
          "the one Python entry of every backward: Megatron-Core's CPU layer (megatron_cpu.py) wraps it so its torch "
          "function mode is on while recomputation runs forwards inside backward; no public hook runs there"),
@@ -93,6 +99,26 @@ def fsdp_param_groups(module) -> list:
 def collectives_issued(group) -> int:
     """The process group's sequence number: collectives (and point-to-point ops) issued through it so far."""
     return int(group._get_sequence_number_for_group())
+
+
+def flight_recorder_dump() -> bytes:
+    """torch's flight recorder dump of this process (every backend that records into it: gloo in torch 2.13), with
+    its groups' names, descriptions and ranks where the dump left them out: what torch.distributed.flight_recorder's
+    analyser reads (its pg_config, by group name; gloo writes one entry named '')."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
+    config = {name: entry for name, entry in (dump.get("pg_config") or {}).items() if name}
+    for group, name in distributed_c10d._world.pg_names.items():
+        if name not in config:
+            config[name] = {"name": name, "desc": getattr(group, "group_desc", "undefined"),
+                            "ranks": str(sorted(dist.get_process_group_ranks(group)))}
+    dump["pg_config"] = config
+    return pickle.dumps(dump)
 
 
 def nccl_trace_dump() -> bytes:

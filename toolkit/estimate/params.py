@@ -34,8 +34,9 @@ class ParamCounts:
     layers: tuple[LayerParams, ...]
     experts_top_k: int
     num_experts: int
-    mtp_layers: tuple[LayerParams, ...] = ()  # multi-token prediction modules' blocks (their other parts: mtp_extra)
-    mtp_extra: int = 0  # each module's enorm, hnorm, eh_proj (2h -> h) and final norm, summed over the modules
+    mtp_layers: tuple[LayerParams, ...] = ()  # multi-token prediction modules' blocks
+    mtp_eh_proj: int = 0  # their eh_proj (2h -> h, column parallel), summed over the modules
+    mtp_norms: int = 0  # their enorm, hnorm and final norm
 
     @cached_property
     def layers_total(self) -> int:
@@ -60,7 +61,7 @@ class ParamCounts:
     def mtp(self) -> int:
         """Parameters of the multi-token prediction modules, which `total` leaves out as transformers' model does
         (it builds none); Megatron-Core builds and trains them, sharing the embedding and the output head."""
-        return sum(layer.total for layer in self.mtp_layers) + self.mtp_extra
+        return sum(layer.total for layer in self.mtp_layers) + self.mtp_eh_proj + self.mtp_norms
 
     @property
     def mtp_active(self) -> int:
@@ -157,5 +158,6 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         experts_top_k=spec.experts_top_k,
         num_experts=spec.num_experts,
         mtp_layers=tuple(_block_params(spec, spec.is_moe_layer(spec.num_layers - 1)) for _ in range(spec.mtp_layers)),
-        mtp_extra=spec.mtp_layers * (3 * _norm_params(spec, spec.hidden_size) + 2 * spec.hidden_size ** 2),
+        mtp_eh_proj=spec.mtp_layers * 2 * spec.hidden_size ** 2,
+        mtp_norms=spec.mtp_layers * 3 * _norm_params(spec, spec.hidden_size),
     )

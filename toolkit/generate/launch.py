@@ -45,9 +45,31 @@ def job_variables(recipe: Recipe) -> list[LaunchVariable]:
 
 
 def plan_variables(plan: Plan) -> list[LaunchVariable]:
-    """The variables the plan needs at launch (Megatron-Core's with TP or CP: toolkit/backends/megatron/generate.py)."""
-    return [LaunchVariable(name, value, reason)
-            for name, (value, reason) in backend_of(plan).generate.launch_variables(plan).items()]
+    """The variables the plan needs at launch (Megatron-Core's with TP or CP: toolkit/backends/megatron/generate.py),
+    and NCCL's multi-node NVLink switches where its NVLink domain spans nodes."""
+    variables = [LaunchVariable(name, value, reason)
+                 for name, (value, reason) in backend_of(plan).generate.launch_variables(plan).items()]
+    return variables + multi_node_nvlink_variables(plan)
+
+
+def spans_nodes_on_nvlink(plan: Plan) -> bool:
+    """Whether the plan's ranks on different nodes share an NVLink domain (several nodes of one NVL72 rack)."""
+    return plan.nvlink_domain > plan.gpus_per_node and plan.gpus > plan.gpus_per_node
+
+
+def multi_node_nvlink_variables(plan: Plan) -> list[LaunchVariable]:
+    """NCCL's multi-node NVLink (MNNVL) settings for a plan whose NVLink domain spans nodes (NCCL environment
+    variables, https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html; GB200 MNNVL needs NCCL 2.25.2 or
+    later, https://docs.nvidia.com/multi-node-nvlink-systems/multi-node-tuning-guide/nccl.html). The values the
+    launching environment has win (a site's own tuning)."""
+    if not spans_nodes_on_nvlink(plan):
+        return []
+    return [
+        LaunchVariable("NCCL_MNNVL_ENABLE", "1", "ranks of different nodes in one NVLink domain talk over NVLink, not "
+                                                 "the network (multi-node NVLink)", default_only=True),
+        LaunchVariable("NCCL_CUMEM_ENABLE", "1", "MNNVL shares buffers through cuMem fabric handles",
+                       default_only=True),
+    ]
 
 
 def export_lines(variables: list[LaunchVariable]) -> str:

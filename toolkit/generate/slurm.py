@@ -42,6 +42,18 @@ def sbatch_word(text: str, flag: str) -> str:
     return f'"{escaped}"'
 
 
+def nvlink_segment(plan: Plan, nodes: int, per_node: int) -> int | None:
+    """Slurm's --segment for a plan whose NVLink domain spans nodes (an NVL72 rack of 18 4-GPU nodes): the nodes of
+    the job that must come from one topology/block block (one rack), so the groups the plan keeps on NVLink are on
+    NVLink. The whole job when it fits one domain, else the largest divisor of the job's nodes that does, as
+    Megatron-Bridge's Slurm launcher picks it (scripts/performance/utils/executors.py slurm_executor: at most 18
+    nodes on GB200). None where the domain is the node (nothing to keep together)."""
+    if not (plan.nvlink_domain > per_node and nodes > 1):
+        return None
+    domain_nodes = max(1, plan.nvlink_domain // per_node)
+    return max(d for d in range(1, min(nodes, domain_nodes) + 1) if nodes % d == 0)
+
+
 def slurm_log_dir(recipe: Recipe, output_dir: str | None) -> Path:
     """Where job logs go: beside the training output (it must exist before sbatch opens the log)."""
     return Path(output_dir or f"runs/{recipe.name}").resolve().parent / "slurm-logs"
@@ -100,6 +112,10 @@ def render_sbatch(
     cpu = recipe.cluster.accelerator == "cpu"
     extra = [f"#SBATCH --partition={partition}"] if partition else []
     extra += [f"#SBATCH --account={account}"] if account else []
+    segment = nvlink_segment(plan, nodes, per_node)
+    if segment:  # before the option: a comment on an #SBATCH line is Slurm-version dependent
+        extra += [f"# the NVLink domain spans {plan.nvlink_domain // per_node} nodes: blocks of {segment} nodes from one "
+                  f"rack (TopologyPlugin=topology/block, Slurm 24.05 or later)", f"#SBATCH --segment={segment}"]
     log_dir = slurm_log_dir(recipe, output_dir)
     train_args = ["--recipe", str(recipe_path.resolve())] + (["--deepspeed", str(Path(deepspeed_json).resolve())]
                                                               if deepspeed_json else []) + list(train_flags or [])

@@ -284,7 +284,8 @@ def judge(ranks: list[dict], collectives: dict, bandwidth: dict, links: list[dic
     for op, by_size in collectives.items():
         problems += [f"{op} of {size} B returned wrong values" for size, row in by_size.items() if not row["correct"]]
     stragglers = analysis.find_stragglers([facts["matmul_ms"] for facts in ranks], hosts, limits.straggler_factor)
-    problems += [f"rank {s['rank']} ({s['host']}) is a straggler: matmul {s['matmul_ms']:.2f} ms vs "
+    # named by its term, as `dmt report --breakdown` names a training run's slowest rank (a preflight measures compute)
+    problems += [f"rank {s['rank']} ({s['host']}) is a straggler by compute: matmul {s['matmul_ms']:.2f} ms vs "
                  f"{s['others_median_ms']:.2f} ms median on the other ranks ({s['ratio']:.1f}x)" for s in stragglers]
     floors = {"intra": limits.min_intra_busbw_gbps, "inter": limits.min_inter_busbw_gbps}
     links = [{**link, "src_host": hosts[link["src"]], "dst_host": hosts[link["dst"]],

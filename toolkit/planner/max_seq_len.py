@@ -13,7 +13,7 @@ from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
 from toolkit.estimate.timing import step_time
 from toolkit.planner.search import RECOMPUTE_KEYS, enumerate_layouts
 from toolkit.spec.backends import backend_of
-from toolkit.spec.cluster import GPU
+from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan, resolve_plan
 
@@ -55,7 +55,7 @@ def limit_of(memory: MemoryBreakdown, gpu: GPU, plan: Plan, seq_len: int) -> dic
 
 def longest_sequence(model: ModelSpec, gpus: int, gpu: GPU, **options) -> Longest:
     """The longest multiple of seq_len_step(options) this plan fits at, and the limit at the next one."""
-    options = {k: v for k, v in options.items() if k != "seq_len"}
+    options = topology_defaults(gpu, {k: v for k, v in options.items() if k != "seq_len"})
     step = seq_len_step(options)
 
     def attempt(multiple: int) -> tuple[Plan, MemoryBreakdown, bool]:
@@ -91,19 +91,21 @@ class LongestPlan:
     step_time_s: float
 
 
-def longest_plans(model: ModelSpec, gpus: int, gpu: GPU, network: Network, backends: tuple[str, ...],
+def longest_plans(model: ModelSpec, gpus: int, gpu: GPU, network: Network, backends: tuple[str, ...], /,
                   calibration=None, **fixed) -> tuple[list[LongestPlan], int]:
     """Every layout and memory option the planner tries (micro-batch 1 unless pinned), each at its longest sequence,
     ranked by that length, then by its step time there; and how many were considered."""
     fixed = {k: v for k, v in fixed.items() if v is not None and k != "seq_len"}
-    gpus_per_node = fixed.setdefault("gpus_per_node", network.gpus_per_node)
+    fixed.setdefault("gpus_per_node", network.gpus_per_node)
+    fixed = topology_defaults(gpu, fixed)
+    nvlink_domain = fixed.setdefault("nvlink_domain", fixed["gpus_per_node"])
     fixed.setdefault("micro_batch", 1)
     pinned = {k: fixed.pop(k) for k in RECOMPUTE_KEYS if k in fixed}
     found, considered = [], 0
     for backend in backends:
         options = [pinned] if pinned else [o for o in backend_of(backend).search.recompute_options()
                                            if not o.get("block")]
-        for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
+        for layout in enumerate_layouts(model, gpus, nvlink_domain, backend, fixed):
             for option in options:
                 considered += 1
                 try:

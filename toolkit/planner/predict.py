@@ -42,7 +42,7 @@ def plan_record(model: ModelSpec, plan: Plan, memory: MemoryBreakdown, time: Ste
         model=model.name,
         family=model.family,
         params=dict(total=counts.total, embedding=counts.embedding, active=counts.active,
-                    trainable=trainable_params(model, plan.finetune)),
+                    trainable=trainable_params(model, plan.finetune), mtp=counts.mtp),
         plan=plan,
         gpu=gpu.name,
         gpu_memory_bytes=gpu.memory_bytes,

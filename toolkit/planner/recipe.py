@@ -10,7 +10,7 @@ from toolkit.planner.predict import predicted_record
 from toolkit.planner.search import best_plan
 from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
-from toolkit.spec.cluster import get_gpu, with_host_memory
+from toolkit.spec.cluster import get_gpu, topology_defaults, with_host_memory
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION, for_backend, option_backends
 from toolkit.spec.plan import Plan, resolve_plan
@@ -22,8 +22,10 @@ def recipe_options(recipe: Recipe, **overrides) -> dict:
     """The plan options a recipe sets (its plan section and the sizes it keeps elsewhere), overrides applied. A
     backend given on the command line leaves out the recipe's options of another backend (`--backend fsdp` on a
     recipe that says `zero: 2`)."""
-    options = dict(seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
-                   gpus_per_node=recipe.cluster.gpus_per_node)
+    options = topology_defaults(get_gpu(recipe.cluster.gpu), dict(
+        seq_len=recipe.training.seq_len, global_batch=recipe.training.global_batch,
+        gpus_per_node=recipe.cluster.gpus_per_node, nvlink_domain=recipe.cluster.nvlink_domain,
+        network=recipe.cluster.network))
     options.update({k: v for k, v in recipe.plan.model_dump(exclude={"auto"}).items() if v is not None})
     switched = overrides.get("backend")
     if switched is not None and switched != recipe.plan.backend:

@@ -15,8 +15,9 @@ from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
 from toolkit.spec.backends import NAMES, backend_of
 from toolkit.spec.calibration import Calibration
-from toolkit.spec.cluster import GPU
+from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import default
 from toolkit.spec.pipeline import PipelineSplit, balanced_layout
 from toolkit.spec.plan import Plan, divisors, resolve_plan
 
@@ -88,14 +89,14 @@ def pipeline_splits(num_layers: int, pp: int, megatron: bool, mtp_layers: int = 
     return splits + layouts
 
 
-def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, backend: str, fixed: dict) -> Iterator[dict]:
+def enumerate_layouts(model: ModelSpec, gpus: int, nvlink_domain: int, backend: str, fixed: dict) -> Iterator[dict]:
     """Every parallel layout and model-state option worth trying for one backend (micro-batch and recompute apart):
     the backend's own enumeration (toolkit/backends/<name>/search.py), with the options the user pinned."""
 
     def axis(name: str, values) -> list:
         return [fixed[name]] if fixed.get(name) is not None else list(values)
 
-    for layout in backend_of(backend).search.layouts(model, gpus, gpus_per_node, fixed, axis):
+    for layout in backend_of(backend).search.layouts(model, gpus, nvlink_domain, fixed, axis):
         yield dict(fixed, backend=backend, **layout)
 
 
@@ -160,20 +161,24 @@ def search(
     gpus: int,
     gpu: GPU,
     network: Network,
+    /,
     backends: tuple[str, ...] = NAMES,
     calibration: Calibration | None = None,
     **fixed,
 ) -> SearchResult:
-    """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...);
+    """All valid plans that fit, fastest first; `fixed` holds options the user pinned (seq_len, global_batch, ...;
+    `network` among them is the scale-out tier, the Network argument's links being positional);
     a calibration (dmt calibrate) ranks them by its calibrated step times."""
     result = SearchResult(ranked=[])
     fixed = {k: v for k, v in fixed.items() if v is not None}
-    gpus_per_node = fixed.setdefault("gpus_per_node", network.gpus_per_node)
+    fixed.setdefault("gpus_per_node", network.gpus_per_node)
+    fixed = topology_defaults(gpu, fixed)
+    nvlink_domain = fixed.setdefault("nvlink_domain", fixed["gpus_per_node"])
     micro_batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else list(MICRO_BATCHES)
     recompute_fixed = {k: fixed.pop(k) for k in RECOMPUTE_KEYS if k in fixed}
     for backend in backends:
         options = [recompute_fixed] if recompute_fixed else backend_of(backend).search.recompute_options()
-        for layout in enumerate_layouts(model, gpus, gpus_per_node, backend, fixed):
+        for layout in enumerate_layouts(model, gpus, nvlink_domain, backend, fixed):
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
             pointless: set[int] = set()  # options with nothing to choose for this layout
             for micro in micro_batches:
@@ -248,10 +253,11 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
     return found
 
 
-def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None,
+def best_plan(model: ModelSpec, gpus: int, gpu: GPU, network: Network | None = None, /,
               calibration: Calibration | None = None, **fixed) -> Plan:
     """The fastest plan that fits, for recipes that say `plan: auto`."""
-    network = network or Network.from_catalogue(gpu, fixed.get("gpus_per_node") or 8)
+    network = network or Network.from_catalogue(gpu, topology_defaults(gpu, fixed).get("gpus_per_node")
+                                                or default("gpus_per_node"))
     backends = (fixed.pop("backend"),) if fixed.get("backend") else NAMES
     result = search(model, gpus, gpu, network, backends, calibration, **fixed)
     if not result.ranked:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from toolkit.numeric import GiB
 from toolkit.outputs import save_figure
+from toolkit.report.breakdown import LABELS
 from toolkit.report.runs import RunReport
 
 COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
@@ -18,6 +19,25 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
     return [s for s, _ in points], [v for _, v in points]
 
 
+def _breakdown_bars(ax, reports: list[RunReport]) -> None:
+    """`--breakdown`: per term, the measured seconds per step (solid) beside the predicted (hatched), run by run."""
+    terms = list(LABELS)
+    width = 0.8 / (2 * len(reports))
+    for index, report in enumerate(reports):
+        colour = COLOURS[index % len(COLOURS)]
+        measured = [report.breakdown["measured"][term] for term in terms]
+        predicted = [(report.breakdown["predicted"] or {}).get(term) or 0.0 for term in terms]
+        offset = (2 * index) * width - 0.4 + width / 2
+        positions = [i + offset for i in range(len(terms))]
+        ax.bar(positions, measured, width, color=colour, label=f"{Path(report.run_dir).name} measured")
+        ax.bar([p + width for p in positions], predicted, width, color="white", edgecolor=colour, hatch="//",
+               label=f"{Path(report.run_dir).name} predicted")
+    ax.set_xticks(range(len(terms)), [LABELS[term] for term in terms])
+    ax.set_ylabel("seconds per step")
+    ax.set_title("where the time went: measured (solid) and predicted (hatched) per term")
+    ax.legend(fontsize=8)
+
+
 def write_report_plot(path: Path, runs: list[tuple[RunReport, list[dict]]]) -> None:
     """One PNG of 4 panels; `runs` are the reports with their metrics.jsonl records."""
     import matplotlib
@@ -25,8 +45,14 @@ def write_report_plot(path: Path, runs: list[tuple[RunReport, list[dict]]]) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
-    (loss_ax, norm_ax), (speed_ax, memory_ax) = axes
+    profiled = [report for report, _ in runs if report.breakdown is not None]
+    fig, axes = plt.subplots(3 if profiled else 2, 2, figsize=(13, 12 if profiled else 8))
+    (loss_ax, norm_ax), (speed_ax, memory_ax) = axes[0], axes[1]
+    if profiled:
+        gs = axes[2, 0].get_gridspec()
+        for ax in axes[2]:
+            ax.remove()
+        _breakdown_bars(fig.add_subplot(gs[2, :]), profiled)
     memory_measured = False
     for index, (report, records) in enumerate(runs):
         colour = COLOURS[index % len(COLOURS)]
@@ -50,7 +76,7 @@ def write_report_plot(path: Path, runs: list[tuple[RunReport, list[dict]]]) -> N
     if not memory_measured:
         memory_ax.text(0.5, 0.95, "measured: nothing (no CUDA device in these runs)", transform=memory_ax.transAxes,
                        ha="center", va="top", color="grey")
-    for ax in (speed_ax, memory_ax):
+    for ax in (loss_ax, norm_ax, speed_ax, memory_ax):
         ax.set_xlabel("step")
     loss_ax.legend(fontsize=8)
     fig.tight_layout()

@@ -57,6 +57,9 @@ class RunReport:
     # set where `dmt report --calibration` re-predicted the run: what its launch predicted (run_plan.json), the
     # prediction the calibration replaced, kept beside it: {step_time_s, step_time_error, calibration}
     launch_prediction: dict | None = None
+    # `dmt report --breakdown`: the profiled steps' measured terms beside the predicted ones
+    # (toolkit/report/breakdown.py); None without the flag or without profiled steps
+    breakdown: dict | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

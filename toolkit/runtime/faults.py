@@ -9,6 +9,8 @@ backends act out at a given step and phase, on the first launch of a job only (a
     DMT_FAULT="slow=30@rank=1,step=3,phase=train"   rank 1 sleeps 30 s there, then goes on (a slow rank: a window
                                                     for a test to act on it from outside, however fast the steps);
                                                     a scheduler's save-and-exit request ends the sleep early
+    DMT_FAULT="busy=400@rank=1,step=3,phase=train"  rank 1 computes 400 extra 256x256 matrix products there (a
+                                                    straggler by compute: the same work however fast the host)
     DMT_FAULT="slow=60@step=4,phase=persist"        the background write of checkpoint-4 (training.async_save)
                                                     waits 60 s in its writer process before writing a byte
 Several faults are separated by ';'. Phases: train (the step's forward, backward and optimizer), save (a checkpoint
@@ -36,7 +38,7 @@ WAKE_POLL_S = 0.1  # how often a slow fault looks for its wake-up file
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | spike | stop | hang | kill | slow
+    kind: str  # nan | spike | stop | hang | kill | slow | busy
     factor: float
     step: int
     rank: int | None
@@ -70,10 +72,14 @@ def loss_factor(step: int) -> float | None:
 def at_phase(step: int, phase: str, rank: int, wake: Path | None = None) -> None:
     """Act out a process fault planned for this rank, step and phase; a slow one ends early once `wake` exists."""
     for fault in _active():
-        if fault.step != step or fault.kind not in ("stop", "hang", "kill", "slow") or fault.rank not in (None, rank) \
+        if fault.step != step or fault.kind not in ("stop", "hang", "kill", "slow", "busy") \
+                or fault.rank not in (None, rank) \
                 or fault.phase not in (None, phase):
             continue
         log.warning("fault injection: %s on rank %d at step %d, phase %s", fault.kind, rank, step, phase)
+        if fault.kind == "busy":
+            _compute(int(fault.factor))
+            continue
         time.sleep(0.5)  # the heartbeat of this phase goes out first, as for a process that froze while in it
         if fault.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -84,6 +90,15 @@ def at_phase(step: int, phase: str, rank: int, wake: Path | None = None) -> None
         else:
             while True:
                 time.sleep(3600)
+
+
+def _compute(products: int) -> None:
+    """`products` 256x256 float32 matrix products on this thread: extra compute, as a slow rank's step has."""
+    import torch
+
+    matrix = torch.rand(256, 256, generator=torch.Generator().manual_seed(0))
+    for _ in range(products):
+        matrix = torch.mm(matrix, matrix).clamp_(-1, 1)
 
 
 def _hold(seconds: float, wake: Path | None) -> None:

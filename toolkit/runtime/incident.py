@@ -11,6 +11,10 @@ incident.json is {"events": [...]}, oldest first. Every event has `event`, `time
            was reloaded) and dropped_steps [first, last]
   restart  resume_from (the checkpoint this attempt continues from, or null), cause (the event that ended the
            previous attempt, or why there is none)
+  collectives  after a hang, from the reporting rank once the ranks' last words are written: torch's flight
+           recorder analysis of their dumps (torch.distributed.flight_recorder): recorder (on | off, and why),
+           dumps (ranks whose dump arrived), collective and missing_ranks (the first collective not every rank joined,
+           as torch's analyser names it; null when it names none), analysis (its report, line by line)
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import os
 from pathlib import Path
 
-from toolkit.compat.torch_seams import nccl_trace_dump
+from toolkit.compat.torch_seams import flight_recorder_dump, nccl_trace_dump
 from toolkit.errors import UserInputError
 from toolkit.outputs import write_file
 from toolkit.readers import read_json
@@ -29,6 +33,9 @@ from toolkit.readers import read_json
 log = logging.getLogger(__name__)
 INCIDENT_FILE = "incident.json"
 LAST_WORDS_DIR = "incident"  # OUTPUT/incident/attempt-<tag>/rank<R>.stacks.txt, rank<R>.nccl_trace.pkl
+FR_DUMP_PREFIX = "fr_trace_rank_"  # OUTPUT/incident/attempt-<tag>/fr_trace_rank_<R>: the flight recorder's dump
+FR_BUFFER = "2000"  # collectives each rank's flight recorder keeps (torch's ring buffer)
+FR_WAIT_S = 10.0  # how long the reporting rank waits for the other ranks' dumps before it analyses those it has
 # Exit codes of a training rank (bad input is 2, as for every command)
 EXIT_FAILURE, EXIT_HANG, EXIT_GUARD_STOP = 1, 3, 4
 # launcher -> the variable that counts its restarts of this job
@@ -100,6 +107,99 @@ def write_last_words(output_dir: Path, rank: int) -> None:
     trace = nccl_flight_record()
     if trace is not None:
         (directory / f"rank{rank}.nccl_trace.pkl").write_bytes(trace)
+    record = flight_record()
+    if record is not None:  # whole or not at all: the reporting rank waits for these files to appear
+        temporary = directory / f".{FR_DUMP_PREFIX}{rank}.tmp"
+        temporary.write_bytes(record)
+        os.replace(temporary, directory / f"{FR_DUMP_PREFIX}{rank}")
+
+
+def flight_recorder_state() -> str | None:
+    """None where torch's flight recorder records this process's collectives, else why not (one line)."""
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0"))
+    if not size.isdigit() or int(size) == 0:
+        return "torch's flight recorder was off (TORCH_FR_BUFFER_SIZE unset or 0): no record of the collectives"
+    return None
+
+
+def flight_record() -> bytes | None:
+    """This process's flight recorder dump in the form torch's analyser reads: NCCL's own recorder on NCCL (untested
+    here: no GPU), the backend-neutral one gloo records into otherwise; None when it is off."""
+    try:
+        import torch.distributed as dist
+
+        if flight_recorder_state() is not None or not dist.is_initialized():
+            return None
+        if dist.get_backend() == "nccl":
+            return nccl_flight_record()
+        return flight_recorder_dump()
+    except Exception as exc:  # a torch without the backend-neutral recorder: the stacks still say where each rank was
+        log.warning("no flight recorder dump: %s", exc)
+        return None
+
+
+def analyse_collectives(output_dir: Path, world: int, expected: int | None = None, wait_s: float = FR_WAIT_S) -> dict:
+    """The `collectives` event of a hang: torch's flight recorder analyser (python -m
+    torch.distributed.flight_recorder.fr_trace) over the dumps in this attempt's last words, once `expected` ranks'
+    (default: every rank's) are there or `wait_s` has passed (a frozen rank writes none: the analysis then covers the
+    ranks that did, and torch's analyser says what it cannot decide without the others)."""
+    import re
+    import time
+
+    off = flight_recorder_state()
+    if off is not None:
+        return {"event": "collectives", "recorder": off, "dumps": [], "collective": None, "missing_ranks": None,
+                "analysis": []}
+    directory = last_words_dir(output_dir)
+    deadline = time.monotonic() + wait_s
+    while True:
+        dumps = sorted(int(p.name[len(FR_DUMP_PREFIX):]) for p in directory.glob(f"{FR_DUMP_PREFIX}*")
+                       if p.name[len(FR_DUMP_PREFIX):].isdigit())
+        if len(dumps) >= (world if expected is None else expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    event = {"event": "collectives", "recorder": "on", "dumps": dumps, "collective": None, "missing_ranks": None,
+             "analysis": []}
+    if not dumps:
+        event["recorder"] = "on, but no rank's dump arrived"
+        return event
+    lines = _torch_analysis([str(directory), "--prefix", FR_DUMP_PREFIX,
+                             *(["--allow-incomplete-ranks"] if len(dumps) < world else [])])
+    event["analysis"] = lines[:60]
+    for line in lines:
+        if (match := re.match(r"\s*collective: (\S+)", line)) and event["collective"] is None:
+            event["collective"] = match.group(1)
+        if (match := re.match(r"\s*missing ranks: \{([\d, ]*)\}", line)) and event["missing_ranks"] is None:
+            event["missing_ranks"] = [int(r) for r in match.group(1).split(",") if r.strip()]
+    return event
+
+
+def _torch_analysis(args: list[str]) -> list[str]:
+    """torch's analyser (torch.distributed.flight_recorder.fr_trace, its command line's main) run in this process,
+    its report read from the logger it writes to: a child process would be ended with this rank by the launcher's
+    SIGTERM to the job."""
+    import logging
+
+    from torch.distributed.flight_recorder import fr_trace
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.extend(self.format(record).splitlines())
+
+    logger, handler = logging.getLogger("Flight Recorder"), Collect()
+    logger.addHandler(handler)
+    try:
+        fr_trace.main(args)
+    except BaseException as exc:  # SystemExit included: the analysis is a report, never the reason a rank stops
+        lines.append(f"torch's analyser stopped: {type(exc).__name__}: {exc}")
+    finally:
+        logger.removeHandler(handler)
+        import gc
+
+        gc.enable()  # its loader turns the collector off for the reading
+    return [line for line in lines if line.strip()]
 
 
 def nccl_flight_record() -> bytes | None:
@@ -122,5 +222,12 @@ def flight_recorder_environment(output_dir: Path) -> dict[str, str]:
     collectives per rank (TORCH_NCCL_TRACE_BUFFER_SIZE), dumped when NCCL's own watchdog times out
     (TORCH_NCCL_DUMP_ON_TIMEOUT) into OUTPUT/incident/ (TORCH_FR_DUMP_TEMP_FILE, a file name prefix). Read when the
     NCCL process group is created, so set before it; gloo ignores them."""
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": str(last_words_dir(output_dir) / "nccl_timeout_trace_rank_")}
+
+
+def gloo_flight_recorder_environment() -> dict[str, str]:
+    """torch's backend-neutral flight recorder (torch 2.13 records gloo's collectives into it when
+    TORCH_FR_BUFFER_SIZE is set), on unless the launcher's environment says otherwise; read when the process group is
+    created."""
+    return {"TORCH_FR_BUFFER_SIZE": FR_BUFFER}

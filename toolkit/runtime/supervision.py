@@ -32,6 +32,7 @@ from toolkit.runtime.guard import GuardStop
 from toolkit.runtime.incident import (
     EXIT_FAILURE,
     EXIT_HANG,
+    analyse_collectives,
     append_incident,
     attempt_tag,
     is_restart,
@@ -77,6 +78,7 @@ class TrainingWatchdog:
         self.watchdog = None
         self._previous_term = None
         self._exit_hooks: list[Callable[[], None]] = []
+        self._dumps_expected: int | None = None  # set by the hang report on the rank that writes it
 
     @property
     def interval_s(self) -> float:
@@ -188,6 +190,8 @@ class TrainingWatchdog:
                  and heartbeat_stopped(e)]
         for entry in ended:
             entry["ended_by_watchdog"] = "SIGKILL"
+        # its last words add torch's analysis of the collectives, from every rank but the frozen ones' dumps
+        self._dumps_expected = self.env.world_size - sum(1 for e in named if heartbeat_stopped(e))
         append_incident(self.output_dir, {"event": "hang", "unresponsive": named, "reported_by": self.rank,
                                           "hang_timeout_s": self.timeout, "latest": latest_name(self.output_dir),
                                           "last_words": str(last_words_dir(self.output_dir))})
@@ -208,6 +212,9 @@ class TrainingWatchdog:
             except Exception:
                 log.exception("on the way out")
         write_last_words(self.output_dir, self.rank)
+        if self._dumps_expected is not None:  # the reporter names the collective once the ranks' dumps are in
+            append_incident(self.output_dir, analyse_collectives(self.output_dir, self.env.world_size,
+                                                                 self._dumps_expected))
 
 
 def kill_later(pids: list[int], delay_s: float) -> None:

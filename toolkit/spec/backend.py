@@ -55,8 +55,9 @@ class RulesPart(Protocol):
 
 @runtime_checkable
 class SearchPart(Protocol):
-    def layouts(self, model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
-        """Every parallel layout of this backend for the world, the options fixed by the user held."""
+    def layouts(self, model, gpus: int, nvlink_domain: int, fixed: dict, axis) -> Iterator[dict]:
+        """Every parallel layout of this backend for the world, the options fixed by the user held; `nvlink_domain`:
+        the GPUs of one NVLink fabric (a node, or an NVL72 rack), where tensor parallelism and sharding groups stay."""
     def recompute_options(self) -> list[dict]: """The recompute choices the search tries."""
     def label(self, plan) -> list[str]: """Its words in the ranked table's plan column."""
     def sharding_text(self, plan) -> str: """How its states are sharded, for the CLI's plan line."""

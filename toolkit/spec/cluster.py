@@ -35,12 +35,27 @@ class GPU(BaseModel):
     inter_node_bw_gbps: float = Field(description="Unidirectional GB/s per GPU across nodes.")
     pcie_bw_gbps: float = Field(description="Host <-> device GB/s, unidirectional.")
     gpus_per_node_default: int = 8
+    nvlink_domain: int | None = Field(None, gt=0, description="GPUs on one NVLink/NVSwitch fabric where it spans "
+                                                               "nodes (72 on an NVL72 rack); None: the node.")
     aliases: tuple[str, ...] = ()
     host_memory_bytes: int | None = Field(None, gt=0, description="RAM of one node for what offload keeps there, when "
                                                                    "the cluster states it (cluster.host_memory_gb, "
                                                                    "--host-memory-gb): plans needing more do not fit.")
     host: bool = Field(False, description="The machine running the toolkit (CPU ranks): its peak is a matmul "
                                           "measurement here, shared by the ranks on it, and its memory is its RAM.")
+
+
+def topology_defaults(gpu: GPU, options: dict) -> dict:
+    """`options` with the cluster's shape the GPU's catalogue entry implies where they leave it unset: its node size
+    (4 on GB200/GB300 trays; the host entry keeps the plan option's default) and its NVLink domain (72 on an NVL72
+    rack, counted in this plan's processes per node; else the node)."""
+    filled = dict(options)
+    if filled.get("gpus_per_node") is None and not gpu.host:
+        filled["gpus_per_node"] = gpu.gpus_per_node_default
+    if filled.get("nvlink_domain") is None and gpu.nvlink_domain and gpu.nvlink_domain > gpu.gpus_per_node_default:
+        per_node = filled.get("gpus_per_node") or gpu.gpus_per_node_default
+        filled["nvlink_domain"] = min(gpu.nvlink_domain, gpu.nvlink_domain // gpu.gpus_per_node_default * per_node)
+    return filled
 
 
 def with_host_memory(gpu: GPU, host_memory_gb: float | None) -> GPU:

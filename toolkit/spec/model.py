@@ -235,7 +235,7 @@ _POSITIVE_HF_KEYS = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "vocab_size", "max_position_embeddings", "n_layer", "n_embd", "n_head", "n_positions", "ffn_dim",
     "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step", "kv_lora_rank", "qk_rope_head_dim",
-    "v_head_dim", "n_group", "topk_group", "sliding_window",
+    "v_head_dim", "n_group", "topk_group",
 )
 
 

@@ -22,6 +22,8 @@ from toolkit.spec.backends import NAMES
 Backend = Literal[NAMES]  # the registry's backends (toolkit/backends/__init__.py)
 ZeroStage = Literal[0, 1, 2, 3]
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+# the scale-out network between NVLink domains: its default bandwidth, efficiency and latency are in estimate/comm.py
+ScaleOut = Literal["infiniband", "roce", "ethernet"]
 Recompute = Literal["none", "selective", "full"]
 # Megatron-Core's selective-recompute modules (TransformerConfig.recompute_modules, 0.16.1): core attention, the dense
 # MLP, and for MoE models the experts' activation function (grouped GEMM only), the whole MoE layer, the norms, MLA's
@@ -77,6 +79,13 @@ class PlanOptions(BaseModel):
 
     backend: Backend = option("deepspeed", "training library")
     gpus_per_node: PositiveInt = option(8, "GPUs (processes) per node", recipe="cluster.gpus_per_node")
+    nvlink_domain: PositiveInt | None = option(
+        None, "GPUs sharing one NVLink/NVSwitch fabric, whole nodes (72 on a GB200/GB300 NVL72 rack of 4-GPU nodes, "
+              "8 on HGX): tensor, expert and context parallelism inside it run at NVLink rates",
+        recipe="cluster.nvlink_domain", default_note="the GPU's (catalogue), else gpus_per_node", metavar="N")
+    network: ScaleOut = option("infiniband", "the scale-out network between NVLink domains (its per-GPU bandwidth, "
+                                             "collective efficiency and latency: toolkit/estimate/comm.py)",
+                               recipe="cluster.network")
     tp: PositiveInt = option(1, "tensor-parallel size")
     pp: PositiveInt = option(1, "pipeline-parallel stages")
     vpp: PositiveInt = option(1, "virtual pipeline stages per rank (Megatron-Core interleaving)")

@@ -52,6 +52,7 @@ class Plan(PlanOptions):
     # selective: Megatron-Core's recompute_modules (its default: core attention); () otherwise
     recompute_modules: tuple[RecomputeModule, ...] = ()
     moe_imbalance: float = MOE_IMBALANCE_DEFAULT  # resolved: the plan's, or the default (spec/options.py)
+    nvlink_domain: PositiveInt  # resolved: the plan's, the GPU's (spec/cluster.py topology_defaults), else the node
     finetune: FinetuneOptions = FinetuneOptions()  # what trains (spec/finetune.py): all of it, or LoRA adapters
 
     @property
@@ -83,6 +84,14 @@ class Plan(PlanOptions):
 
     def as_dict(self) -> dict:
         return self.model_dump(mode="json")  # JSON types (recompute_modules a list), as plan.json stores them
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_domain(cls, data: Any) -> Any:
+        """A plan that names no NVLink domain (plan.json files written before it existed) has its node as one."""
+        if isinstance(data, dict) and data.get("nvlink_domain") is None:
+            return {**data, "nvlink_domain": data.get("gpus_per_node", PlanOptions.model_fields["gpus_per_node"].default)}
+        return data
 
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo) -> Plan:
@@ -202,6 +211,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
     if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem(model.mtp_layers)):
         raise UserInputError(*problem)
+    check_nvlink_domain(p)
     sizes = "tp x pp x cp" + (" x sp" if p.sp > 1 else "")
     if p.gpus % p.model_parallel:
         raise UserInputError("--gpus", f"{p.gpus} is not divisible by {sizes} = {p.model_parallel}")
@@ -216,6 +226,17 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     _check_attention(p)
     _check_batch(p)
     check_finetune(p, model)
+
+
+def check_nvlink_domain(p: Plan) -> None:
+    """The NVLink domain is whole nodes: every fabric this toolkit models joins all GPUs of a node (NVSwitch baseboards,
+    MI300X/MI355X's fully connected Infinity Fabric, PCIe inside a server) and NVL72 racks join whole 4-GPU trays
+    through their NVLink Switch trays, so a domain smaller than the node, or one splitting a node, names no hardware.
+    It may exceed the job (a job of 16 GPUs inside one NVL72 rack)."""
+    if p.nvlink_domain % p.gpus_per_node:
+        valid = ", ".join(str(p.gpus_per_node * n) for n in (1, 2, 9, 18))
+        raise UserInputError("--nvlink-domain", f"{p.nvlink_domain} must be a multiple of --gpus-per-node "
+                                                f"{p.gpus_per_node} (the domain is whole nodes), e.g. {valid}")
 
 
 def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:

@@ -42,6 +42,7 @@ class ParamCounts(BaseModel):
     embedding: int
     active: int
     trainable: int  # what the optimizer updates: all parameters, or a LoRA's adapters
+    mtp: int = 0  # multi-token prediction modules, outside `total` (transformers builds none; Megatron-Core trains them)
 
 
 class MemoryBytes(BaseModel):

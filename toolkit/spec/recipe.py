@@ -23,10 +23,10 @@ from toolkit.numeric import FINITE, SEED_MAX, WEIGHT_MAX, WEIGHT_MIN, Seed
 from toolkit.outputs import word_problem
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.calibration import load_calibration
-from toolkit.spec.cluster import DEFAULT_GPU, get_gpu
+from toolkit.spec.cluster import DEFAULT_GPU, get_gpu, load_catalogue
 from toolkit.spec.finetune import FinetuneOptions, finetune_field, finetune_key
 from toolkit.spec.model import PRESET_DIR, load_model_spec, spec_from_hf_dict
-from toolkit.spec.options import PlanOptions, default, default_text, option_name, recipe_key
+from toolkit.spec.options import PlanOptions, ScaleOut, default, default_text, option_name, recipe_key
 
 
 class _Strict(BaseModel):
@@ -155,7 +155,15 @@ class K8sSection(_Strict):
 
 class ClusterSection(_Strict):
     gpus: int = Field(gt=0, description="Total GPUs (CPU processes on a machine without GPUs).")
-    gpus_per_node: int = Field(default("gpus_per_node"), gt=0, description="GPUs (processes) per node.")
+    gpus_per_node: int = Field(default("gpus_per_node"), gt=0, description="GPUs (processes) per node (default: the "
+                                                                         "GPU's in the catalogue, 4 on GB200/GB300, "
+                                                                         "else 8).")
+    nvlink_domain: int | None = Field(None, gt=0, description="GPUs on one NVLink/NVSwitch fabric, whole nodes "
+                                                              "(default: the GPU's, 72 on GB200/GB300 NVL72, else "
+                                                              "the node).")
+    network: ScaleOut = Field(default("network"), description="The scale-out network between NVLink domains: "
+                                                              "infiniband, roce or ethernet (toolkit/estimate/comm.py "
+                                                              "holds each one's bandwidth, efficiency and latency).")
     gpu: str = Field(DEFAULT_GPU, description="GPU from the catalogue, for the memory estimate and the planner.")
     nodes: int | None = Field(None, gt=0, description="Defaults to gpus / gpus_per_node, at least 1.")
     accelerator: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes, as the tests and demo run.")
@@ -164,6 +172,16 @@ class ClusterSection(_Strict):
     calibration: str | None = Field(None, description="A calibration file `dmt calibrate` wrote for cluster.gpu "
                                                       "(relative to the recipe): the plan's predictions use it.")
     k8s: K8sSection = Field(K8sSection(), description="Kubernetes manifests (dmt k8s render, dmt generate).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _catalogue_node(cls, data):
+        """A GPU whose catalogue node is not 8 GPUs (GB200/GB300 trays of 4) sets gpus_per_node when it is unset."""
+        if isinstance(data, dict) and data.get("gpus_per_node") is None and isinstance(data.get("gpu"), str):
+            gpu = load_catalogue().get(data["gpu"].lower())
+            if gpu is not None and not gpu.host:
+                return {**data, "gpus_per_node": gpu.gpus_per_node_default}
+        return data
 
     @field_validator("gpu")
     @classmethod
@@ -198,6 +216,23 @@ class GuardSection(_Strict):
         if 0 < factor <= 1:
             raise ValueError(f"must be 0 (off) or above 1 (3 = three times the median), got {factor}")
         return factor
+
+
+class ProfileSection(_Strict):
+    """torch.profiler on chosen steps and ranks (toolkit/runtime/profile.py): each rank's trace in RUN_DIR/profile/
+    (Chrome/Perfetto JSON that TensorBoard's profiler and Holistic Trace Analysis open) and the measured breakdown
+    `dmt report --breakdown` sets beside the prediction. Off unless set (toolkit/train.py --profile-steps A-B)."""
+
+    start_step: int = Field(gt=0, description="The first optimizer step recorded (1-based, as metrics.jsonl counts).")
+    steps: int = Field(2, gt=0, description="Consecutive steps recorded from start_step on.")
+    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Ranks that record (e.g. [0, 1]); "
+                                                                              "default: every rank.")
+    memory: bool = Field(False, description="Also record allocations and write each recording rank's memory "
+                                            "timeline (profile/rank<R>.memory.html; slower).")
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.steps - 1
 
 
 class TrainingSection(_Strict):
@@ -242,6 +277,9 @@ class TrainingSection(_Strict):
                                                    "loop for the deepspeed and accelerate launchers); 0: none.")
     guard: GuardSection = Field(GuardSection(), description="What a non-finite loss or gradient norm, or a loss "
                                                             "spike, does to the run.")
+    profile: ProfileSection | None = Field(None, description="Record steps with torch.profiler (unset: off, no "
+                                                             "cost): traces and the measured breakdown in "
+                                                             "RUN_DIR/profile/.")
 
 
 class _PlanBase(BaseModel):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from toolkit.planner.search import LONG_CONTEXT, grid_layouts, sequence_splits, zero_sharding_text
 
 
-def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
+def layouts(model, gpus: int, nvlink_domain: int, fixed: dict, axis) -> Iterator[dict]:
     def states(tp: int) -> list[dict]:
         zeros = axis("zero", [0, 1, 2, 3])
         found = [dict(zero=z) for z in zeros]

@@ -1,5 +1,5 @@
-"""What the planner tries for FSDP2: sharding over every data-parallel rank, and HSDP sharding inside a node and
-replicating across nodes (shorter all-gathers on NVLink for one all-reduce of the shards over the network); reshard
+"""What the planner tries for FSDP2: sharding over every data-parallel rank, and HSDP sharding inside an NVLink domain
+(a node, or an NVL72 rack) and replicating across domains (shorter all-gathers on NVLink for one all-reduce of the shards over the network); reshard
 after forward or keep the gathered layers (one all-gather less, more memory); parameters on the GPU or
 CPUOffloadPolicy; torch context parallelism over powers of two. Whole-layer recomputation or none, then the sequence
 tiles and activation offload (toolkit/planner/search.py LONG_CONTEXT)."""
@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from toolkit.planner.search import LONG_CONTEXT, sequence_splits
 
 
-def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
+def layouts(model, gpus: int, nvlink_domain: int, fixed: dict, axis) -> Iterator[dict]:
     cps = sequence_splits(model, gpus, ulysses=False, seq_len=fixed.get("seq_len"))
     for tp, cp in itertools.product(axis("tp", [1]), axis("cp", cps)):
         if gpus % (tp * cp):  # tensor parallelism is Megatron-Core's here (rules.py)
             continue
         dp = gpus // (tp * cp)
-        in_node = max(1, gpus_per_node // tp)
+        in_node = max(1, nvlink_domain // tp)  # HSDP shards inside the NVLink domain
         hsdp = in_node > 1 and dp > in_node and dp % in_node == 0  # a shard group must have ranks to shard over
         replicas = axis("dp_replicate", [1, dp // in_node] if hsdp else [1])
         for replicate, reshard, offload in itertools.product(replicas, axis("reshard_after_forward", [True, False]),

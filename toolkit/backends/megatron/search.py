@@ -13,8 +13,10 @@ from toolkit.planner.search import grid_layouts, zero_sharding_text
 from toolkit.spec.plan import divisors
 
 
-def layouts(model, gpus: int, gpus_per_node: int, fixed: dict, axis) -> Iterator[dict]:
-    tps = axis("tp", [t for t in divisors(model.num_kv_heads, gpus_per_node) if model.num_attention_heads % t == 0])
+def layouts(model, gpus: int, nvlink_domain: int, fixed: dict, axis) -> Iterator[dict]:
+    # tensor parallelism never leaves the NVLink domain (the node on HGX, the rack on NVL72): its all-reduces sit on
+    # the critical path of every layer
+    tps = axis("tp", [t for t in divisors(model.num_kv_heads, nvlink_domain) if model.num_attention_heads % t == 0])
     local = fixed.get("transformer_impl") == "local"  # torch norms: no sequence parallelism
 
     def states(tp: int) -> list[dict]:

@@ -39,6 +39,7 @@ from toolkit.runtime.metrics import (
     configure_wandb,
     gpu_memory_of_ranks,
 )
+from toolkit.runtime.profile import CHECKPOINT, DATA, OPTIMIZER, StepProfiler
 from toolkit.runtime.supervision import TrainingWatchdog
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
@@ -308,12 +309,15 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     save_every, loss, last = recipe.training.save_steps, None, config["schedule"]["train_iters"]
     if metrics:
         metrics.mark(step)
+    profiler = StepProfiler.from_recipe(recipe, output_dir, dist.get_rank())  # training.profile (inactive: off)
     while step < last:
         step += 1
+        profiler.begin_step(step)
         watch.phase(step, "train")
         fetching = time.perf_counter()
-        rank_batch = batches.rank_batch(step, dp_rank, per_rank)
-        micro = _micro_batches(rank_batch, plan.micro_batch, config)
+        with profiler.span(DATA):
+            rank_batch = batches.rank_batch(step, dp_rank, per_rank)
+            micro = _micro_batches(rank_batch, plan.micro_batch, config)
         if metrics:
             metrics.add_data_wait(time.perf_counter() - fetching)
         learning_rate = setup.optimizer.param_groups[0]["lr"]
@@ -329,7 +333,8 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         loss = _global_loss(losses)
         digest = batches.fingerprint(step, rank_batch)
         guard.begin_step()
-        grad_norm = _optimizer_step(setup, guard, saves, step, loss, digest)
+        with profiler.span(OPTIMIZER):
+            grad_norm = _optimizer_step(setup, guard, saves, step, loss, digest)
         guard.end_step(step, loss)
         target = guard.rolling_back()
         if target is not None:
@@ -345,11 +350,13 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         saves.poll()  # a background write that finished is completed (manifest, `latest`) now
         stop = save_and_exit_requested(output_dir)
         if stop or step == last or (save_every and step % save_every == 0):
-            save_checkpoint(setup, output_dir, step, plan, identity, saves, hf_config, watch, guard.window())
+            with profiler.span(CHECKPOINT):
+                save_checkpoint(setup, output_dir, step, plan, identity, saves, hf_config, watch, guard.window())
         else:
             watch.phase(step, "log")
         if stop:
             break
+    profiler.close()  # a window that reached the last step is written now
     saves.close(step)  # the last save complete before the run ends
     if wandb is not None:
         wandb.finish()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from toolkit.errors import UserInputError
-from toolkit.generate.k8s import names
+from toolkit.generate.k8s import names, nvlink
 from toolkit.generate.k8s.shm import quantity, shm_bytes
 from toolkit.generate.k8s.vendored import stock_runtime
 from toolkit.generate.launch import job_variables, plan_variables, preflight_flags
@@ -253,9 +253,19 @@ RENDERERS = {"trainjob": trainjob, "jobset": jobset, "pytorchjob": pytorchjob}
 
 
 def render_documents(job: K8sJob, kind: str) -> list[dict]:
+    """The kind's documents; with a ComputeDomain first, and its channel claimed by every pod, where the plan's
+    NVLink domain spans nodes (toolkit/generate/k8s/nvlink.py)."""
     if kind not in RENDERERS:
         raise UserInputError("--kind", f"'{kind}': use one of {', '.join(KINDS)}")
-    return RENDERERS[kind](job)
+    documents = RENDERERS[kind](job)
+    if not nvlink.needs_compute_domain(job.plan, job.gpus):
+        return documents
+    template = nvlink.channel_template(job.name)
+    nvlink.claim_channel(documents, template)
+    for document in documents:  # the Trainer sets the node container's resources from resourcesPerNode
+        if document["kind"] == "TrainJob":
+            document["spec"]["trainer"]["resourcesPerNode"]["claims"] = [{"name": nvlink.CLAIM}]
+    return [nvlink.compute_domain(job.name, _metadata(job, plan=False), job.nodes), *documents]
 
 
 def manifest_text(job: K8sJob, kind: str) -> str:

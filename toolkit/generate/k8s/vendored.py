@@ -1,4 +1,5 @@
-"""The operators' files vendored under crds/ (package data): each CRD's openAPIV3Schema as JSON, the stock
+"""The operators' files vendored under crds/ (package data; scripts/vendor_crds.py writes them): each CRD's
+openAPIV3Schema as JSON (Kubeflow Trainer's, JobSet's, and NVIDIA's DRA driver's ComputeDomain), the stock
 torch-distributed ClusterTrainingRuntime as YAML, and sources.json with the repository, release and commit of each."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ SCHEMAS = {("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainjob.json",
            ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): "trainingruntime.json",
            ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"): "clustertrainingruntime.json",
            ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset.json",
-           ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.json"}
+           ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.json",
+           ("resource.nvidia.com/v1beta1", "ComputeDomain"): "computedomain.json"}
 STOCK_RUNTIME = "torch_distributed.yaml"
 
 

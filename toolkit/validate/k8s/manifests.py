@@ -23,6 +23,7 @@ from toolkit.generate.k8s.render import (
 from toolkit.generate.k8s.shm import quantity, quantity_bytes, shm_bytes
 from toolkit.spec.plan import Plan, validated
 from toolkit.validate import Problem
+from toolkit.validate.k8s.nvlink import nvlink_problems
 from toolkit.validate.k8s.schemas import cel_problems, crd_file, schema_problems
 from toolkit.validate.k8s.versions import version_problems
 
@@ -255,7 +256,8 @@ def validate_manifest(documents: list[dict], world_size: int | None = None) -> l
         if file_name is None and not found:
             found.append(Problem(f"document {number}", f"{document.get('apiVersion')} {document.get('kind')} is none "
                                                        f"of the kinds checked here (TrainJob, TrainingRuntime, "
-                                                       f"ClusterTrainingRuntime, JobSet, PyTorchJob)"))
+                                                       f"ClusterTrainingRuntime, JobSet, PyTorchJob, "
+                                                       f"ComputeDomain)"))
         if file_name is not None and not found:
             found += [Problem(f"{label}: {key}", message) for key, message in
                       schema_problems(document, file_name) + cel_problems(document, file_name)]
@@ -275,5 +277,6 @@ def validate_manifest(documents: list[dict], world_size: int | None = None) -> l
             continue
         problems += [Problem(f"{label}: {p.key}", p.message) for p in found + plan_problems(pod, plan, accelerator,
                                                                                               world_size)]
+        problems += nvlink_problems(documents, plan, accelerator, pod.nodes[1])
     return problems
 

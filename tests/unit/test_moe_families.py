@@ -1,0 +1,123 @@
+"""The MoE families' spec as a user meets it: Kimi K2 read as deepseek_v3, what the readers refuse, the MTP modules
+counted where Megatron-Core trains them and said where transformers drops them, GPT-OSS's sliding layers."""
+
+import json
+
+import pytest
+
+from toolkit.cli.main import main
+from toolkit.errors import UserInputError
+from toolkit.estimate.memory import stage_params
+from toolkit.estimate.params import count_params
+from toolkit.spec.model import PRESET_DIR, load_model_spec, spec_from_hf_dict
+from toolkit.spec.plan import resolve_plan
+
+DEEPSEEK = json.loads((PRESET_DIR / "deepseek-v3.json").read_text())
+
+
+def test_kimi_k2_reads_as_the_deepseek_v3_family():
+    spec = load_model_spec("kimi-k2")
+    assert spec.family == "deepseek_v3" and spec.mla and spec.num_experts == 384 and spec.moe_layers[0] == 1
+    assert spec.moe_router_groups == spec.moe_router_group_topk == 1 and spec.mtp_layers == 0
+
+
+def test_deepseek_v3_spec_carries_mla_shared_experts_routing_and_mtp():
+    spec = load_model_spec("deepseek-v3")
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.head_dim, spec.qk_rope_head_dim, spec.value_head_dim) == \
+        (1536, 512, 192, 64, 128)
+    assert spec.shared_expert_ffn_hidden_size == 2048 and spec.num_moe_layers == 58 and spec.mtp_layers == 1
+    assert spec.moe_router_score == "sigmoid" and spec.moe_router_expert_bias
+    assert (spec.moe_router_groups, spec.moe_router_group_topk) == (8, 4)
+
+
+def test_gpt_oss_alternates_sliding_and_full_layers():
+    spec = load_model_spec("gpt-oss-120b")
+    assert spec.sliding_layers == tuple(range(0, 36, 2)) and spec.sliding_window == 128
+    assert [spec.attention_window(i) for i in range(3)] == [128, None, 128]
+    assert spec.attention_sinks and spec.expert_bias and spec.router_bias and spec.vocab_size == 201088
+
+
+@pytest.mark.parametrize("change, key", [
+    (dict(moe_layer_freq=2), "moe_layer_freq"),
+    (dict(n_group=3), "spec"),  # 256 experts do not split into 3 groups
+    (dict(kv_lora_rank=0), "kv_lora_rank"),
+])
+def test_bad_deepseek_configs_are_one_line_naming_the_key(change, key):
+    with pytest.raises(UserInputError) as err:
+        spec_from_hf_dict({**DEEPSEEK, **change}, "ds")
+    assert err.value.key.endswith(key) and "\n" not in str(err.value)
+
+
+def test_bad_gpt_oss_layer_types_name_the_key():
+    data = json.loads((PRESET_DIR / "gpt-oss-20b.json").read_text())
+    with pytest.raises(UserInputError) as err:
+        spec_from_hf_dict({**data, "layer_types": ["full_attention"] * 3}, "oss")
+    assert err.value.key.endswith("layer_types")
+
+
+def test_mtp_modules_sit_on_megatrons_last_stage_and_nowhere_on_the_hf_path():
+    spec = load_model_spec("deepseek-v3")
+    counts = count_params(spec)
+    one = counts.mtp_layers[0]
+    assert counts.mtp == one.total + 2 * spec.hidden_size ** 2 + 3 * spec.hidden_size
+    megatron = resolve_plan(spec, 64, backend="megatron", ep=64, seq_len=128)
+    without = spec.model_copy(update={"mtp_layers": 0})
+    extra = stage_params(spec, counts, megatron, 0).total - stage_params(without, count_params(without), megatron, 0).total
+    assert extra == one.total - one.experts + one.experts // 64 + counts.mtp_eh_proj + counts.mtp_norms
+    fsdp = resolve_plan(spec, 64, backend="fsdp", seq_len=128)
+    assert stage_params(spec, counts, fsdp, 0) == stage_params(without, count_params(without), fsdp, 0)
+
+
+@pytest.mark.parametrize("backend, said", [("megatron", "Megatron-Core trains"), ("fsdp", "does not build")])
+def test_estimate_says_where_the_mtp_modules_count(capsys, backend, said):
+    assert main(["estimate", "--model", "deepseek-v3", "--gpus", "256", "--backend", backend, "--seq-len", "1024"]) == 0
+    summary = capsys.readouterr().out.splitlines()[0]
+    assert "11.610B in multi-token prediction modules" in summary and said in summary
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 96])
+def test_mla_activations_within_10_percent_of_saved_tensors(q_lora_rank):
+    """MLA's latents, their norms and its per-head q, k, v against what autograd keeps in transformers' DeepseekV3
+    (dense layers only: the MoE terms are another test's). Eager attention: CPU's sdpa has no fused kernel for MLA's
+    unequal qk and v head widths and falls back to an fp32 math path a GPU does not take."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.estimate.measure import saved_activation_bytes
+    from toolkit.estimate.memory import estimate_memory
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=512, q_lora_rank=q_lora_rank, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=2,
+        n_group=1, topk_group=1, vocab_size=1000, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.bfloat16).train()
+    ids = torch.randint(0, 1000, (2, 64))
+    measured = saved_activation_bytes(model, input_ids=ids, labels=ids)
+    spec = spec_from_hf_dict(config.to_dict(), "mla", filled=True)
+    plan = resolve_plan(spec, 1, zero=0, micro_batch=2, seq_len=64, precision="bf16", attention="eager")
+    assert estimate_memory(spec, plan).activations == pytest.approx(measured, rel=0.10)
+
+
+def test_mla_latents_stay_whole_under_tensor_parallelism():
+    """Megatron-Core duplicates MLA's down projections on every TP rank: the latents' bytes do not shrink with TP,
+    the per-head part does."""
+    from toolkit.estimate.activations import ActivationSetup, mla_compressed_bytes
+
+    spec = load_model_spec("deepseek-v3")
+    setups = [ActivationSetup(hf_modules=False, micro_batch=1, seq_len=4096, act_bytes=2, attention="sdpa",
+                              recompute="none", tp=tp) for tp in (1, 8)]
+    # TE's LayerNormColumnParallelLinear keeps its input and ln_out (bf16) and the fp32 rstd, for each latent
+    assert mla_compressed_bytes(spec, 2, setups[0]) == mla_compressed_bytes(spec, 2, setups[1]) == \
+        (2 * 2 * 512 + 4) + (2 * 2 * 1536 + 4)
+
+
+@pytest.mark.parametrize("model_type, missing", [("deepseek_v3", "MLATransformerConfig"), ("kimi_k2", "MTP block"),
+                                                 ("gpt_oss", "gate_up_proj")])
+def test_unmapped_families_say_what_the_megatron_mapping_lacks(model_type, missing):
+    from toolkit.families import megatron_mapping
+
+    with pytest.raises(UserInputError) as err:
+        megatron_mapping(model_type)
+    assert missing in str(err.value) and "\n" not in str(err.value)
