@@ -33,7 +33,7 @@ class TunedLayout:
     source: str = ""
 
 
-BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md"
+BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md"
 TUNED_LAYOUTS = (
     TunedLayout("llama-3.1-70b", 64, "h100-80gb", 256, 8192, "fp8",
                 dict(backend="megatron", tp=4, pp=8, vpp=5, micro_batch=1, distributed_optimizer=True,
