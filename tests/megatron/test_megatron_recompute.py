@@ -22,15 +22,39 @@ def _loss_recipe(directory: Path) -> Path:
     return path
 
 
+# a tiny qwen3_moe (4 experts, top 2, q/k norms) under the same recipe, at EP 2 (mcore_recompute.MOE_PLANS)
+TINY_QWEN3_MOE = """    architectures: [Qwen3MoeForCausalLM]
+    model_type: qwen3_moe
+    moe_intermediate_size: 48
+    num_experts: 4
+    num_experts_per_tok: 2
+    decoder_sparse_step: 1
+    mlp_only_layers: []
+    norm_topk_prob: true
+    head_dim: 16
+"""
+
+
+def _moe_recipe(directory: Path) -> Path:
+    path = directory / "moe-recipe.yaml"
+    text = TINY_MEGATRON.read_text()
+    path.write_text(text.replace("    architectures: [LlamaForCausalLM]\n    model_type: llama\n", TINY_QWEN3_MOE)
+                    .replace("data/tiny_corpus.txt", str(TINY_MEGATRON.parent / "data/tiny_corpus.txt")))
+    assert "qwen3_moe" in path.read_text()
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(torchrun, tmp_path_factory):
     import torch
 
     loss_recipe = _loss_recipe(tmp_path_factory.mktemp("loss"))
-    run = torchrun("recompute", "--recipe", str(TINY_MEGATRON), "--loss-recipe", str(loss_recipe), script=SCRIPT)
+    moe_recipe = _moe_recipe(tmp_path_factory.mktemp("moe"))
+    run = torchrun("recompute", "--recipe", str(TINY_MEGATRON), "--loss-recipe", str(loss_recipe),
+                   "--moe-recipe", str(moe_recipe), script=SCRIPT)
     path = run.out / "recompute.pt"
     assert path.is_file(), run.tail()
-    return torch.load(path), loss_recipe
+    return torch.load(path), loss_recipe, moe_recipe
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +145,51 @@ def test_the_loss_peak_is_the_fp32_softmax_and_a_bf16_copy_as_the_estimate_count
     assert 1.45 * logits < measured < 1.7 * logits  # the loss's, not the layers' (hidden 64): 1.5 logits and a little
     memory = estimate_memory(model, plan)
     assert "logits_grad" not in memory.overhead_detail and "head_backward" in memory.overhead_detail
+
+
+def _moe_estimate(runs, name: str, imbalance: float):
+    from mcore_recompute import MOE_PLANS
+
+    from toolkit.estimate.memory import estimate_memory, stage_params
+    from toolkit.estimate.params import count_params
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_model
+
+    recipe = load_recipe(runs[2])
+    model = recipe_model(recipe)
+    plan = recipe_plan(recipe, model, **MOE_PLANS[name], moe_imbalance=imbalance)
+    return model, plan, estimate_memory(model, plan), stage_params(model, count_params(model), plan, 0)
+
+
+def test_moe_experts_split_over_ep_as_the_estimate_counts(runs):
+    """At EP 2 each rank holds half the routed experts (and every dense parameter): what the estimate's weights,
+    fp32 main grads and distributed-optimizer shards are counted from."""
+    from toolkit.estimate.params import count_params
+
+    ranks = runs[0]["moe"]["ep2"]
+    model, plan, memory, params = _moe_estimate(runs, "ep2", 1.0)
+    assert plan.ep == 2 and plan.expert_dp == 1
+    for rank in ranks:
+        assert rank["params"]["expert"] == params.expert > 0
+        assert rank["params"]["dense"] == params.dense
+        assert rank["grad_elements"] == params.total  # one fp32 main grad per parameter held
+    assert memory.weights == params.total * 4 and memory.gradients == params.total * 4
+    experts = sum(layer.experts for layer in count_params(model).layers)
+    assert 2 * ranks[0]["params"]["expert"] == experts  # split, not replicated
+
+
+def test_moe_activations_within_5_percent_of_what_each_ep_rank_keeps(runs):
+    """Each rank's kept bytes against the estimate at the routing imbalance that rank saw (its received routed
+    tokens over k x its tokens; the estimate caps nothing at EP 2 below 2): the router, the permutation and the
+    routed experts' activations, tensor by tensor. The busiest rank is the one the estimate's default stands for."""
+    ranks = runs[0]["moe"]["ep2"]
+    model = _moe_estimate(runs, "ep2", 1.0)[0]
+    factors = [sum(r["received"]) / (len(r["received"]) * r["tokens"] * model.experts_top_k) for r in ranks]
+    assert all(len(r["received"]) == model.num_moe_layers for r in ranks)
+    copies = model.experts_top_k * ranks[0]["tokens"] * model.num_moe_layers
+    assert sum(sum(r["received"]) for r in ranks) == len(ranks) * copies  # dropless: every copy lands somewhere
+    for rank, factor in zip(ranks, factors):
+        estimated = _moe_estimate(runs, "ep2", max(1.0, factor))[2].activations
+        assert estimated == pytest.approx(rank["saved_bytes"], rel=0.05), (factor, estimated, rank["saved_bytes"])
+    busiest = max(range(len(ranks)), key=lambda i: factors[i])
+    assert ranks[busiest]["saved_bytes"] >= min(r["saved_bytes"] for r in ranks)

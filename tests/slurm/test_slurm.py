@@ -261,6 +261,7 @@ def test_usr1_saves_requeues_and_the_next_run_resumes(slurm, tmp_path, capsys):
     assert loss[interrupted_at + 1] < loss[1] - 1.0 and abs(loss[interrupted_at + 1] - loss[interrupted_at]) < 0.5, loss
 
 
+@pytest.mark.launch  # with the launches that start the Slurm fixture: it adds about a second there
 def test_the_nvl72_segment_line_meets_this_slurm(slurm, tmp_path, capsys):
     """An NVL72 plan's script asks for one rack's nodes with `#SBATCH --segment` (TopologyPlugin=topology/block;
     the option came with Slurm 24.05). A Slurm that has it takes the line; an older one (Debian 12's 22.05, this

@@ -9,11 +9,12 @@ import sys
 import pytest
 
 from toolkit.errors import UserInputError
-from toolkit.families import FAMILIES
+from toolkit.families import ALIASES, FAMILIES
 from toolkit.spec.model import PRESET_DIR, load_model_spec, preset_names, spec_from_hf_dict
 
 # Presets whose config.json holds every key their family's reader needs (the others leave one to the library).
-COMPLETE_PRESETS = ["llama-3.1-8b", "mixtral-8x7b", "qwen2.5-7b", "qwen3-8b", "qwen3-30b-a3b", "phi-3-mini"]
+COMPLETE_PRESETS = ["llama-3.1-8b", "mixtral-8x7b", "qwen2.5-7b", "qwen3-8b", "qwen3-30b-a3b", "phi-3-mini",
+                    "deepseek-v3", "kimi-k2", "gpt-oss-20b"]
 
 
 def _preset(name: str) -> dict:
@@ -24,7 +25,8 @@ def _through_transformers(data: dict, name: str):
     """The spec of the config transformers builds from `data` (every default filled in)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(data["model_type"], **{k: v for k, v in data.items() if k != "model_type"})
+    model_type = ALIASES.get(data["model_type"], data["model_type"])  # kimi_k2: transformers builds it as deepseek_v3
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in data.items() if k != "model_type"})
     return spec_from_hf_dict(config.to_dict(), name, filled=True)
 
 
@@ -41,7 +43,7 @@ def test_complete_configs_of_every_family_read_without_torch_or_transformers(tmp
         path.write_text(json.dumps({**filled, **data}))
         sources.append(str(path))
     assert {_preset(p)["model_type"] for p in COMPLETE_PRESETS} | {"mistral", "gemma2", "gpt2", "gpt_neox", "opt"} \
-           == set(FAMILIES)
+           == set(FAMILIES) | set(ALIASES)
     code = ("import sys; from toolkit.spec.model import load_model_spec; "
             "specs = [load_model_spec(s) for s in sys.argv[1:]]; "
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
@@ -120,7 +122,7 @@ def test_transformers_5_config_dicts_read_too():
     (dict(hidden_act="tanh"), "hidden_act", "activation 'tanh' is not supported"),
     (dict(num_attention_heads=30), "num_attention_heads", "hidden size (4096) is not a multiple"),
     (dict(num_hidden_layers=0), "num_hidden_layers", "must be a positive integer"),
-    (dict(model_type="t5"), "model_type", "supported: gemma2, gpt2, gpt_neox, llama"),
+    (dict(model_type="t5"), "model_type", "supported: deepseek_v3, gemma2, gpt2, gpt_neox, gpt_oss, kimi_k2, llama"),
 ])
 def test_bad_values_name_their_key(change, key, says):
     with pytest.raises(UserInputError) as err:

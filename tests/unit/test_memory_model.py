@@ -127,6 +127,51 @@ def test_moe_experts_shard_over_expert_parallel_ranks():
     assert counts.active < counts.total
 
 
+def test_moe_routed_activations_scale_with_the_imbalance_up_to_ep():
+    """The busiest expert rank keeps k x the imbalance copies of its tokens' expert activations, never more than
+    its EP group routes (ep x the mean); the router and the permutation do not grow with it."""
+    from toolkit.estimate.activations import moe_bytes_per_token
+    from toolkit.estimate.memory import activation_setup
+
+    moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
+    terms = {}
+    for ep, imbalance in ((4, 1.0), (4, 1.5), (4, 9.0), (1, 9.0)):
+        plan = resolve_plan(moe, 8, backend="megatron", ep=ep, seq_len=1024, moe_imbalance=imbalance)
+        terms[ep, imbalance] = moe_bytes_per_token(moe, activation_setup(moe, plan))
+    assert terms[4, 1.5]["routed_experts"] == pytest.approx(1.5 * terms[4, 1.0]["routed_experts"])
+    assert terms[4, 9.0]["routed_experts"] == pytest.approx(4 * terms[4, 1.0]["routed_experts"])  # capped at ep
+    assert terms[1, 9.0]["routed_experts"] == terms[4, 1.0]["routed_experts"]  # one rank holds every copy anyway
+    assert terms[4, 9.0]["router"] == terms[4, 1.0]["router"] > 0
+    balanced = estimate_memory(moe, resolve_plan(moe, 8, backend="megatron", ep=4, seq_len=1024)).activations
+    skewed = estimate_memory(moe, resolve_plan(moe, 8, backend="megatron", ep=4, seq_len=1024,
+                                               moe_imbalance=1.5)).activations
+    assert skewed > balanced
+
+
+def test_moe_recompute_modules_remove_what_they_checkpoint():
+    from toolkit.estimate.activations import moe_bytes_per_token
+    from toolkit.estimate.memory import activation_setup
+
+    moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
+    setup = activation_setup(moe, resolve_plan(moe, 8, backend="megatron", ep=4, seq_len=1024))
+    a, ffn = setup.act_bytes, 1024
+    full = moe_bytes_per_token(moe, setup)
+    act = moe_bytes_per_token(moe, setup.__class__(**{**setup.__dict__, "recompute_modules": ("moe_act",)}))
+    whole = moe_bytes_per_token(moe, setup.__class__(**{**setup.__dict__, "recompute_modules": ("moe",)}))
+    # k copies of fc2's input on the busiest rank (the default imbalance's share)
+    assert full["routed_experts"] - act["routed_experts"] == pytest.approx(2 * setup.routed_factor * a * ffn)
+    assert sum(whole.values()) == 0
+
+
+def test_expert_weights_split_over_ep_x_etp_under_folding():
+    moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
+    counts = count_params(moe)
+    options = dict(backend="megatron", tp=2, ep=4, seq_len=128, sequence_parallel=True)
+    unfolded = stage_params(moe, counts, resolve_plan(moe, 8, **options), 0)
+    folded = stage_params(moe, counts, resolve_plan(moe, 8, etp=1, **options), 0)
+    assert folded.dense == unfolded.dense and folded.expert == 2 * unfolded.expert
+
+
 @pytest.mark.parametrize("options, flag", [
     (dict(tp=3), "--tp"),
     (dict(pp=3), "--pp"),
@@ -146,3 +191,37 @@ def test_invalid_plans_name_the_flag(options, flag):
     with pytest.raises(UserInputError) as err:
         resolve_plan(DENSE, gpus, **options)
     assert err.value.key == flag
+
+
+def test_megatron_keeps_the_mtp_modules_on_the_last_stage():
+    from toolkit.spec.model import load_model_spec
+
+    model = load_model_spec("deepseek-v3")
+    assert model.mtp_layers and model.mla
+    counts = count_params(model)
+    options = dict(pp=4, first_stage_layers=16, ep=32, seq_len=1024)
+    megatron = resolve_plan(model, 256, backend="megatron", **options)
+    last = stage_params(model, counts, megatron, 3)
+    without = stage_params(model.model_copy(update={"mtp_layers": 0}), count_params(
+        model.model_copy(update={"mtp_layers": 0})), megatron, 3)
+    block = counts.mtp_layers[0]
+    assert last.total - without.total == block.total - block.experts + block.experts // 32 + counts.mtp_eh_proj + counts.mtp_norms
+    assert last.expert > without.expert and last.dense > without.dense
+    assert estimate_stage_memory(model, megatron, 3).activations > estimate_stage_memory(
+        model.model_copy(update={"mtp_layers": 0}), megatron, 3).activations
+
+
+def test_mla_up_projection_recompute_drops_the_up_projected_q_k_v():
+    from toolkit.estimate.activations import _attention_bytes
+    from toolkit.estimate.memory import activation_setup
+    from toolkit.spec.model import load_model_spec
+
+    model = load_model_spec("deepseek-v3")
+    setup = activation_setup(model, resolve_plan(model, 256, backend="megatron", pp=4, first_stage_layers=16, ep=32,
+                                                 seq_len=1024))
+    kept = _attention_bytes(model, 2, setup)
+    recomputed = _attention_bytes(model, 2, setup.__class__(**{**setup.__dict__, "recompute_modules": ("mla_up_proj",)}))
+    heads = model.num_attention_heads
+    assert kept - recomputed == 2 * heads * (2 * model.head_dim + model.value_head_dim)
+    from toolkit.estimate.activations import mla_compressed_bytes
+    assert mla_compressed_bytes(model, 2, setup) > 2 * 2 * model.kv_lora_rank  # the latents stay, counted apart

@@ -111,3 +111,13 @@ def test_mla_latents_stay_whole_under_tensor_parallelism():
     # TE's LayerNormColumnParallelLinear keeps its input and ln_out (bf16) and the fp32 rstd, for each latent
     assert mla_compressed_bytes(spec, 2, setups[0]) == mla_compressed_bytes(spec, 2, setups[1]) == \
         (2 * 2 * 512 + 4) + (2 * 2 * 1536 + 4)
+
+
+@pytest.mark.parametrize("model_type, missing", [("deepseek_v3", "MLATransformerConfig"), ("kimi_k2", "MTP block"),
+                                                 ("gpt_oss", "gate_up_proj")])
+def test_unmapped_families_say_what_the_megatron_mapping_lacks(model_type, missing):
+    from toolkit.families import megatron_mapping
+
+    with pytest.raises(UserInputError) as err:
+        megatron_mapping(model_type)
+    assert missing in str(err.value) and "\n" not in str(err.value)

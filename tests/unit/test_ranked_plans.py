@@ -73,3 +73,37 @@ def test_every_ranked_plan_generates_validates_and_estimates_the_same(tmp_path, 
                 assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in (out / "slurm.sbatch").read_text()
         assert main(argv) == 0, capsys.readouterr()
         capsys.readouterr()
+
+
+def _is_folded(plan: dict) -> bool:
+    """Megatron-Core's parallel folding: the experts' TP differs from attention's, or EP reaches beyond DP x CP."""
+    return plan.get("etp") not in (None, plan["tp"]) or plan["ep"] > plan["dp"] * plan["cp"]
+
+
+def test_moe_search_ranks_folded_layouts_beside_unfolded_ones(capsys):
+    ranked = _json(capsys, "plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--seq-len", "4096",
+                   "--global-batch", "256", "--backend", "megatron", "--top", "400")["plans"]
+    folded = [r["plan"] for r in ranked if _is_folded(r["plan"])]
+    assert folded and len(folded) < len(ranked)
+    assert any(p.get("etp") == 1 and p["tp"] > 1 for p in folded)  # expert TP 1 under attention TP
+    assert any(p["ep"] > p["dp"] * p["cp"] for p in folded)  # EP over ranks attention spends on TP / PP
+
+
+def test_folded_ranked_plans_generate_and_validate(tmp_path, capsys):
+    """Ranked plans with the experts folded (ETP 1 under TP 2) paste into recipes, generate, and pass dmt validate
+    (Megatron-Core's TransformerConfig) and Megatron-LM's parser table, with --expert-tensor-parallel-size 1."""
+    ranked = _json(capsys, "plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--seq-len", "4096",
+                   "--global-batch", "256", "--backend", "megatron", "--tp", "2", "--etp", "1", "--top", "2")["plans"]
+    assert ranked
+    for index, record in enumerate(ranked):
+        assert record["plan"]["etp"] == 1 and record["plan"]["ep"] > 1
+        recipe = tmp_path / f"recipe-{index}.yaml"
+        recipe.write_text(yaml.safe_dump(recipe_from_record(record, "qwen3-30b-a3b")))
+        out = tmp_path / f"gen-{index}"
+        assert main(["generate", str(recipe), "--out", str(out)]) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        assert json.loads((out / "plan.json").read_text())["plan"] == record["plan"]
+        args = (out / "megatron_args.txt").read_text()
+        assert "--expert-tensor-parallel-size 1" in args.splitlines() and megatron_lm_problems(args) == []
+        assert main(["validate", str(out / "megatron.yaml"), "--world-size", "64"]) == 0, capsys.readouterr()
+        capsys.readouterr()

@@ -88,7 +88,7 @@ def test_an_nvl72_plan_keeps_tensor_and_expert_parallelism_inside_the_rack(capsy
         assert getattr(times[72], key) * 3 < getattr(times[4], key), key
     # `dmt estimate --gpu gb200` takes the rack from the catalogue
     assert main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu", "gb200", "--backend", "megatron",
-                 "--tp", "2", "--ep", "16", "--json"]) == 0
+                 "--tp", "2", "--ep", "16", "--sequence-parallel", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert (plan["gpus_per_node"], plan["nvlink_domain"], plan["network"]) == (4, 72, "infiniband")
 
@@ -129,9 +129,11 @@ def test_a_bad_cluster_key_in_a_recipe_is_named_by_its_key(tmp_path, capsys, key
 
 
 def test_slurm_segment_is_one_racks_nodes():
-    plan = resolve_plan(QWEN_MOE, 64, backend="megatron", gpus_per_node=4, nvlink_domain=72, tp=2, ep=16)
+    plan = resolve_plan(QWEN_MOE, 64, backend="megatron", gpus_per_node=4, nvlink_domain=72, tp=2, ep=16,
+                        sequence_parallel=True)
     assert nvlink_segment(plan, 16, 4) == 16  # the whole job in one rack
-    bigger = resolve_plan(QWEN_MOE, 144, backend="megatron", gpus_per_node=4, nvlink_domain=72, tp=2, ep=8)
+    bigger = resolve_plan(QWEN_MOE, 144, backend="megatron", gpus_per_node=4, nvlink_domain=72, tp=2, ep=8,
+                          sequence_parallel=True)
     assert nvlink_segment(bigger, 36, 4) == 18  # two racks of 18 nodes
     assert nvlink_segment(resolve_plan(QWEN_MOE, 80, gpus_per_node=4, nvlink_domain=72), 20, 4) == 10
     assert nvlink_segment(resolve_plan(QWEN_MOE, 64, gpus_per_node=8), 8, 8) is None  # HGX: the node is the domain

@@ -27,6 +27,7 @@ from toolkit.planner.max_seq_len import longest_plans
 from toolkit.planner.plot import write_memory_plot
 from toolkit.planner.predict import MFU_NOTE, plan_label, plan_record
 from toolkit.planner.search import rank_by_training_days, search, why_first_beats_second
+from toolkit.planner.tuned_layouts import against_tuned
 from toolkit.spec.backends import NAMES
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               "candidates by reason, the calibration used")
     parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
                         help="stacked per-GPU memory of the top plans and of ZeRO 0-3")
+    parser.add_argument("--explain", action="store_true",
+                        help="also compare the winner with NVIDIA's tuned published layout of the same model, cluster "
+                             "and batch where there is one, naming the step-time terms that set them apart")
     add_network_arguments(parser)
     add_train_tokens_argument(parser)
 
@@ -63,6 +67,7 @@ class PlanOutcome:
     model: ModelSpec
     gpu: GPU
     top: list[Candidate]  # the ranked plans the record holds, as the search returned them
+    network: object = None  # the Network the search priced communication on
 
 
 def plan_results(args: argparse.Namespace) -> PlanOutcome:
@@ -92,7 +97,7 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     add_training_time(plans, args)
     record = RankedPlans(plans=plans, rejected=dict(result.rejected.most_common()), considered=result.considered,
                          calibration=None if calibration is None else calibration.describe())
-    return PlanOutcome(record, model, gpu, top)
+    return PlanOutcome(record, model, gpu, top, network)
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"winner: {_fewer_days(*plans[:2])}")
         else:
             print(f"winner: {why_first_beats_second(outcome.top[0], outcome.top[1])}")
+    if args.explain and outcome.top:
+        line = against_tuned(outcome.model, outcome.top[0].plan, outcome.top[0].time, outcome.gpu, outcome.network)
+        print(line or "no tuned published layout of this model, cluster and batch to compare with "
+                      "(toolkit/planner/tuned_layouts.py)")
     if args.plot is not None:
         print(f"memory plot written to {args.plot}")
     return 0 if plans else 1

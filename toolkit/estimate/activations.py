@@ -51,6 +51,9 @@ class ActivationSetup:
     tiled_mlp: bool = False  # DeepSpeed's TiledMLP: the MLP keeps only its input; tiles recompute it in backward
     tiled_loss: bool = False  # DeepSpeed's TiledFusedLogitsLoss: no [s, vocab] logits kept, the input's grad instead
     offload_activations: bool = False  # checkpointed layer inputs kept in host memory (full recompute)
+    ep: int = 1  # expert parallelism: the routed tokens' copies a rank receives
+    expert_tp: int = 1  # expert tensor parallelism (Plan.expert_tp): the tokens of ETP ranks gathered on each
+    routed_factor: float = 1.0  # the busiest expert rank's routed tokens over the mean (routed_token_factor)
     hf_activation: str | None = None  # transformers' hidden_act name, when known
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -114,6 +117,10 @@ def _mla_attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int
     qk, v = heads * spec.head_dim, heads * spec.value_head_dim
     kept_v = heads * (spec.head_dim - spec.qk_rope_head_dim) + v if setup.hf_modules else v
     out = a * v
+    if "mla_up_proj" in setup.recompute_modules and not setup.hf_modules:
+        # Megatron-Core recomputes the up projections in backward (CheckpointWithoutOutput): q, k, v are not kept,
+        # the latents they come from are (mla_compressed_bytes)
+        return FP32 * heads + out
     if setup.attention in FUSED_ATTENTION or "core_attn" in setup.recompute_modules:
         return a * (2 * qk + kept_v) + FP32 * heads + out
     probs = a * heads * s + (FP32 * heads * s if a != FP32 else 0)
@@ -132,13 +139,21 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     qk_norm = 0
     if spec.qk_norm and hf:  # HF per-head RMSNorm on q and k, as _norm_bytes for rmsnorm
         qk_norm = (FP32 + 2 * a) * (q + kv) + FP32 * (heads + spec.num_kv_heads)
+    elif spec.qk_norm and setup.local_layers:
+        # Megatron-Core's local q/k layernorm (torch's RMSNorm on a contiguous q and on k, a view of the fused QKV
+        # output): an fp32 copy of the input, the fp32 normalized copy and rstd per head; in fp32 the "copy" of k is
+        # the view itself, which keeps the whole QKV output alive (measured, tests/megatron/test_megatron_recompute.py)
+        qk_norm = 2 * FP32 * (q + kv) + FP32 * (heads + spec.num_kv_heads) + (FP32 * (q + kv) if a == FP32 else 0)
+    elif spec.qk_norm:
+        # Transformer Engine's RMSNorm keeps its input (a view of the fused QKV output, which so stays whole) and rstd
+        qk_norm = a * (q + 2 * kv) + FP32 * (heads + spec.num_kv_heads)
     core_attn = "core_attn" in setup.recompute_modules
     if setup.local_layers and not core_attn:
         # Megatron-Core's DotProductAttention: k and v repeated to every head, QK^T, the causal mask (s x s bool, one
         # per micro-batch), softmax in fp32 and its compute-dtype copy for PV, the context for the output projection
         probs = FP32 * heads * s + (a * heads * s if a != FP32 else 0)
         mask = MASK * s / setup.micro_batch
-        return a * 3 * q + probs + mask + out
+        return qk_norm + a * 3 * q + probs + mask + out
     if setup.attention in FUSED_ATTENTION or core_attn:  # flash attention keeps what sdpa's fused kernel keeps
         if core_attn:
             # Megatron recomputes core attention; its checkpoint keeps the inputs: rotated q and k, and v, a view of
@@ -163,6 +178,63 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     if setup.attention_dropout > 0:
         probs += MASK * heads * s
     return qk_norm + a * (q + 2 * kv_kept) + probs + out
+
+
+def routed_token_factor(ep: int, imbalance: float, capacity_factor: float | None = None) -> float:
+    """The routed tokens the busiest expert-parallel rank receives over the mean: the plan's imbalance, capped at ep
+    (one rank can receive every routed token of its EP group, no more) and, with token dropping, at the capacity
+    factor (Megatron-Core drops what exceeds ceil(tokens x k / experts x capacity_factor) per expert,
+    moe_utils.get_capacity)."""
+    factor = min(imbalance, float(ep))
+    return min(factor, capacity_factor) if capacity_factor else factor
+
+
+def moe_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> dict[str, float]:
+    """What one Megatron-Core MoE layer keeps for backward beyond its norm, term by term, per token of the rank's
+    micro-batch inside the tensor-parallel region (not yet divided by tp, as the block's other terms). Read from
+    Megatron-Core 0.16.1's transformer/moe/ and measured on its local spec (tests/megatron/test_megatron_recompute.py):
+    - router: the fp32 softmax over every expert that the auxiliary loss keeps, the top-k probabilities' fp32 softmax
+      and their int64 indices (router.py, moe_utils.topk_routing_with_score_function);
+    - permutation: the token dispatcher's routing map (bool) and probabilities transposed to [experts, tokens], and
+      the int64 indices that sort the k copies of each token by expert (moe_utils.permute);
+    - routed experts: per copy a rank receives (k x the imbalance factor, and the tokens of its ETP group gathered),
+      the permuted hidden state fc1 keeps, its probability, and the expert MLP's activations (Transformer Engine's
+      fused weighted SwiGLU keeps fc1's output, fc2 keeps its input; the local spec's unfused SwiGLU and its
+      probability product keep more), over ETP;
+    - shared experts: a dense MLP every token passes (its input is the norm's output, counted with the norm).
+    Recompute modules remove what they checkpoint: `moe` the whole layer (its input stays, the norm's output),
+    `moe_act` the activation's output (fc2's input), `shared_experts` the shared MLP."""
+    a, h = setup.act_bytes, spec.hidden_size
+    k, e, ffn = spec.experts_top_k, spec.num_experts, spec.moe_ffn_hidden_size
+    modules = setup.recompute_modules
+    if "moe" in modules:
+        return {"router": 0.0, "permutation": 0.0, "routed_experts": 0.0, "shared_experts": 0.0}
+    expert_mlp = mlp_bytes_per_token(spec, a, ffn, setup)
+    if setup.local_layers:
+        expert_mlp += a * ffn  # SequentialMLP's MLP multiplies the activation by the probability: it keeps both
+    if "moe_act" in modules:
+        expert_mlp -= a * ffn
+    copies = k * setup.routed_factor
+    shared_ffn = spec.shared_expert_ffn_hidden_size
+    shared = 0 if not shared_ffn or "shared_experts" in modules else mlp_bytes_per_token(spec, a, shared_ffn, setup)
+    return {
+        "router": FP32 * e + (FP32 + INDEX) * k,
+        "permutation": (MASK + a) * e + INDEX * k,
+        "routed_experts": copies * (setup.expert_tp * (a * h + a) + expert_mlp),
+        "shared_experts": float(shared),
+    }
+
+
+def mtp_bytes_per_token(spec: ModelSpec, setup: ActivationSetup) -> float:
+    """Per token of the last stage, what Megatron-Core's multi-token prediction modules keep (0 without any, or on
+    the HF modules, which drop them): each module's enorm and hnorm, eh_proj's input (the two normalized halves
+    concatenated), one block like the model's last, and its own pass through the shared head and loss."""
+    if not spec.mtp_layers or setup.hf_modules:
+        return 0.0
+    h, a = spec.hidden_size, setup.act_bytes
+    norms = 2 * _norm_bytes(spec, a, h, True, setup.local_layers) / (setup.tp if setup.sequence_parallel else 1)
+    block = _block_bytes_per_token(spec, spec.is_moe_layer(spec.num_layers - 1), setup)
+    return spec.mtp_layers * (norms + 2 * a * h + block + head_bytes_per_token(spec, setup))
 
 
 def ulysses_kv_copies(spec: ModelSpec, sp: int) -> float:
@@ -191,6 +263,8 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
         mlp = 0
     elif setup.tiled_mlp and not moe:
         mlp = 0  # TiledMLP keeps only the MLP's input: the norm's output, counted with the norm
+    elif moe and megatron:
+        mlp = sum(moe_bytes_per_token(spec, setup).values())
     elif moe:
         k, e = spec.experts_top_k, spec.num_experts
         # router: logits (fp32 softmax output) per expert; each token's hidden copy and MLP per chosen expert
@@ -251,7 +325,7 @@ def stage_activation_bytes(
     kept, working = _kept_and_working(spec, setup, alive_layers, embedding_forwards, recomputed)
     total = (kept + working) * setup.tokens
     if last_stage:  # the head's activations live only from the last forward to its backward: one micro-batch
-        total += head_bytes_per_token(spec, setup) * setup.tokens
+        total += (head_bytes_per_token(spec, setup) + mtp_bytes_per_token(spec, setup)) * setup.tokens
     return int(total)
 
 

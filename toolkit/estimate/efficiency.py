@@ -34,7 +34,11 @@ from toolkit.spec.plan import Plan
 PEAK_EFFICIENCY = 0.60
 # Effective GEMM width at which efficiency reaches 1 - 1/e of its best.
 WIDTH_SCALE = 1000.0
-# Tokens per micro-batch below which kernels are too short to fill the GPU.
+# Rows (tokens) of a GEMM below which it is too short to fill the GPU: 1 - exp(-M / TOKEN_SCALE) of the large-GEMM
+# rate. DeepGEMM's published H800 FP8 table (deepseek-ai/DeepGEMM README, Feb 2025; N x K = 4096 x 7168) runs
+# M = 64 / 128 at 0.22 / 0.41 of its M = 4096 rate, and its grouped (MoE) GEMMs at 512 / 1,024 rows per group at
+# 0.80 / 0.95 and at 4,096 rows per group at 0.99: the curve below gives 0.22, 0.39, 0.86, 0.98, 1.0. A grouped
+# GEMM runs at the rate of one GEMM of its rows per group (expert_gemm_efficiency).
 TOKEN_SCALE = 256.0
 
 
@@ -103,6 +107,12 @@ def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
     width = 1.0 - math.exp(-math.sqrt(hidden * hidden / tp) / WIDTH_SCALE)
     rows = 1.0 - math.exp(-tokens / TOKEN_SCALE)
     return PEAK_EFFICIENCY * width * rows
+
+
+def expert_gemm_efficiency(hidden: float, ffn: float, expert_tp: int, rows_per_expert: float) -> float:
+    """Fraction of dense peak reached by a grouped GEMM of routed experts: the rate of one GEMM of `rows_per_expert`
+    rows (the tokens each local expert receives) over the expert's h x ffn/etp weights (TOKEN_SCALE's source)."""
+    return gemm_efficiency(math.sqrt(hidden * ffn), expert_tp, rows_per_expert)
 
 
 def calibrated_path(path: ExecutionPath, calibration: Calibration | None) -> ExecutionPath:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from toolkit.estimate.activations import head_bytes_per_token
+from toolkit.estimate.activations import head_bytes_per_token, mlp_bytes_per_token, moe_bytes_per_token
 from toolkit.estimate.flops import layer_forward_flops, model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
 from toolkit.estimate.packed_attention import attended_tokens
+from toolkit.estimate.timing import expert_parallel_domain
 from toolkit.estimate.training_time import SECONDS_PER_DAY
 from toolkit.numeric import GiB
 from toolkit.spec.backend import ExplainPart
 from toolkit.spec.backends import backend_of
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import MOE_IMBALANCE_DEFAULT, MOE_IMBALANCE_NOTE
 from toolkit.spec.plan import Plan
 
 if TYPE_CHECKING:
@@ -42,6 +44,9 @@ SOURCES = {
     "activations": "toolkit/estimate/activations.py, tensor by tensor, checked with torch saved_tensors_hooks "
                    "(tests/unit/test_activation_measurement.py, tests/megatron/test_megatron_recompute.py); "
                    "Korthikanti et al. arXiv:2205.05198 Sec. 4",
+    "moe_activations": "Megatron-Core 0.16.1 transformer/moe/ (router.py, moe_utils.permute, experts.py); "
+                       "toolkit/estimate/activations.py moe_bytes_per_token, measured at EP 2 on 2 gloo ranks "
+                       "(tests/megatron/test_megatron_recompute.py)",
     "overhead": "toolkit/estimate/memory.py: CUDA context, allocator margin; toolkit/backends/deepspeed/memory.py: "
                 "DeepSpeed bucket defaults (deepspeed/runtime/zero/config.py)",
     "step_time": "toolkit/estimate/timing.py (per-layer FLOPs, GEMM efficiency, exposed communication, bubble); "
@@ -99,9 +104,25 @@ def explain_estimate(model: ModelSpec, report: Prediction) -> list[dict]:
                _optimizer(plan, mem, params, per, unsharded), _model_states(plan, mem, params, per, unsharded),
                _activations(model, plan, report), _overhead(report), _attention_flops(model, report),
                _step_time(model, report)]
+    if model.is_moe and not backend_of(plan).hf_modules:
+        entries.insert(5, _moe_activations(model, plan, report))
     if report.training_time is not None:
         entries += [_training_time(model, report), _goodput(report)]
+    if model.is_moe:  # the routing the activations and the busiest expert rank's time assume
+        for entry in entries:
+            if entry["component"] in ("activations", "step_time"):
+                entry["rule"] += "; " + moe_routing_clause(plan)
     return entries
+
+
+def moe_routing_clause(plan: Plan) -> str:
+    """How the plan routes tokens: the imbalance it assumes (--moe-imbalance) and where its default comes from."""
+    source = ("given by --moe-imbalance" if plan.moe_imbalance != MOE_IMBALANCE_DEFAULT
+              else f"default {MOE_IMBALANCE_NOTE}")
+    capacity = (f", capacity factor {plan.moe_capacity_factor:g} (tokens beyond it dropped)"
+                if plan.moe_capacity_factor is not None else ", dropless")
+    return (f"MoE routing imbalance {plan.moe_imbalance:g} (busiest expert rank's tokens / the mean; {source})"
+            f"{capacity}")
 
 
 def experts_sharding(plan: Plan) -> str:
@@ -196,6 +217,30 @@ def _activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
                   bytes_per_token_hidden_layer=per_unit, layer_forwards_alive=len(alive), logits_bytes=head)
 
 
+def _moe_activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
+    """The MoE layers' share of the activations, term by term (Megatron-Core's modules, activations.py
+    moe_bytes_per_token), with the routing imbalance the routed experts' term is scaled by."""
+    setup = activation_setup(model, plan)
+    alive, _ = alive_forwards(model, plan, report.most_loaded_stage)
+    moe_forwards = sum(model.is_moe_layer(i) for i in alive)
+    scale = setup.tokens * moe_forwards / plan.tp  # what activations.py divides the per-token terms by
+    terms = {name: value * scale for name, value in moe_bytes_per_token(model, setup).items()}
+    total = sum(terms.values())
+    stated = "the plan's" if plan.moe_imbalance != MOE_IMBALANCE_DEFAULT else f"default {MOE_IMBALANCE_NOTE}"
+    rule = (", ".join(f"{name} {_gib(value)}" for name, value in terms.items()) +
+            f" over {moe_forwards} MoE layer forward(s) in flight; routed copies per token: top-{model.experts_top_k}"
+            f" x imbalance {setup.routed_factor:.3g} ({stated} --moe-imbalance {plan.moe_imbalance:g}, capped at "
+            f"ep = {plan.ep}) x etp {plan.expert_tp} gathered")
+    dense_mlp = 0.0
+    if model.ffn_hidden_size:
+        dense_mlp = mlp_bytes_per_token(model, setup.act_bytes, model.ffn_hidden_size, setup) * scale
+    why = ("a dense MLP's activations (what Megatron-LM's theoretical memory prices an MoE layer as) would be "
+           f"{_gib(dense_mlp)}; the routed experts keep each token k times, on the busiest rank times the imbalance")
+    return _entry("moe_activations", total, rule, "an MoE layer as a dense MLP", dense_mlp, why,
+                  routed_factor=setup.routed_factor, moe_imbalance=plan.moe_imbalance, **{f"{k}_bytes": v
+                                                                                       for k, v in terms.items()})
+
+
 def _overhead(report: Prediction) -> dict:
     detail = report.overhead_bytes
     total = report.memory_bytes.total
@@ -222,6 +267,11 @@ def _step_time(model: ModelSpec, report: Prediction) -> dict:
     if breakdown.get("fixed_s"):  # only a calibration sets it
         shares += (f" (fixed: {breakdown['fixed_s']:.3g} s every step costs whatever its size, fitted by dmt "
                    f"calibrate)")
+    if model.is_moe:
+        shares += (f"; MoE: the busiest EP rank sets the pace at {plan.moe_imbalance:g} x the mean routed tokens "
+                   f"(--moe-imbalance, capped at ep = {plan.ep}), expert GEMMs at the rate of their rows per expert, "
+                   f"the EP all-to-alls {'inside' if plan.ep * plan.expert_tp <= expert_parallel_domain(plan) else 'across'} "
+                   f"the NVLink domain")
     return _entry("step_time", total, f"{total:.3g} s per step: {shares}",
                   f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,
                   f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {attended:,.0f} tokens per token adds to 6·N); "

@@ -22,8 +22,12 @@ NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALE_BLOCK)
 
 
 def _width(spec: ModelSpec, expression: str) -> int:
-    sizes = {"hidden": spec.hidden_size, "q": spec.num_attention_heads * spec.head_dim,
-             "kv": spec.num_kv_heads * spec.head_dim, "ffn": spec.ffn_hidden_size, "embed": spec.embed_proj_dim or 0}
+    heads = spec.num_attention_heads
+    sizes = {"hidden": spec.hidden_size, "q": heads * spec.head_dim,
+             "kv": spec.num_kv_heads * spec.head_dim, "ffn": spec.ffn_hidden_size, "embed": spec.embed_proj_dim or 0,
+             "q_lora": spec.q_lora_rank or 0, "kv_lora": spec.kv_lora_rank or 0, "rope": spec.qk_rope_head_dim,
+             "kv_up": heads * (spec.head_dim - spec.qk_rope_head_dim + spec.value_head_dim),
+             "o_in": heads * spec.value_head_dim}
     return sum(sizes[part] for part in expression.split("+"))
 
 
@@ -32,7 +36,10 @@ def _present(spec: ModelSpec, linear: Linear, layer: int | None) -> bool:
     projections only with a word_embed_proj_dim)."""
     if linear.where == "model":
         return layer is None and bool(spec.embed_proj_dim)
-    return layer is not None and not (linear.where == "dense" and spec.is_moe_layer(layer))
+    if layer is None:
+        return False
+    return {"dense": not spec.is_moe_layer(layer), "q_lora": bool(spec.q_lora_rank),
+            "q_direct": not spec.q_lora_rank}.get(linear.where, True)
 
 
 @dataclass(frozen=True)

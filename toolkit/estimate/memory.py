@@ -18,6 +18,7 @@ from toolkit.estimate.activations import (
     fp32_logits_bytes_per_token,
     offloaded_activation_bytes,
     recompute_working_bytes,
+    routed_token_factor,
     stage_activation_bytes,
 )
 from toolkit.estimate.long_context import sequence_working_bytes
@@ -99,7 +100,7 @@ def layer_params(counts: ParamCounts, plan: Plan, index: int) -> tuple[int, int]
     """(dense, expert) parameters of layer `index` on one rank of its tensor- and expert-parallel groups."""
     layer = counts.layers[index]
     dense = (layer.attention_sharded + layer.mlp_sharded) // plan.tp + layer.replicated + layer.router
-    return dense, layer.experts // (plan.ep * plan.tp)
+    return dense, layer.experts // (plan.ep * plan.expert_tp)
 
 
 def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:
@@ -122,7 +123,7 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
             # builds none): each a block like the last layer, its norms and eh_proj (column parallel)
             for layer in counts.mtp_layers:
                 dense += (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router
-                expert += layer.experts // (plan.ep * tp)
+                expert += layer.experts // (plan.ep * plan.expert_tp)
             dense += counts.mtp_eh_proj // tp + counts.mtp_norms
         if counts.lm_head:
             dense += vocab_shard
@@ -168,6 +169,9 @@ def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
         tiled_mlp=plan.tiled_mlp,
         tiled_loss=plan.tiled_loss,
         offload_activations=plan.offload_activations != "none",
+        ep=plan.ep,
+        expert_tp=plan.expert_tp,
+        routed_factor=routed_token_factor(plan.ep, plan.moe_imbalance) if spec.is_moe else 1.0,
         hf_activation=spec.hf_activation,
         hidden_dropout=spec.hidden_dropout,
         attention_dropout=spec.attention_dropout,

@@ -10,9 +10,10 @@ toolkit/backends/<name>/timing.py, reached through `backend_of(plan).timing`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
-from toolkit.estimate.activations import ulysses_kv_copies
+from toolkit.estimate.activations import FP32, routed_token_factor, ulysses_kv_copies
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.device_peak import peak_flops
 from toolkit.estimate.efficiency import (
@@ -21,6 +22,7 @@ from toolkit.estimate.efficiency import (
     ExecutionPath,
     calibrated_path,
     execution_path,
+    expert_gemm_efficiency,
     gemm_efficiency,
 )
 from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
@@ -49,6 +51,12 @@ CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score m
 # against ~60% for large GEMMs (toolkit/estimate/efficiency.py). With MFU counted over the full score matrix (PaLM),
 # this also keeps every prediction at or below the GEMM efficiency's share of the peak, whatever the length.
 ATTENTION_KERNEL_EFFICIENCY = 0.5
+# Fused attention's rate by the length of the blocks it runs, relative to long ones: FlashAttention-3 forward, head
+# dim 128, H100 SXM5 BF16 (arXiv:2407.08608 Fig. 5: 467, 565, 625, 638, 646, 648 TFLOP/s at 512 ... 16k tokens).
+# Context parallelism runs its ring on blocks of seq / (2 cp) tokens (load-balanced halves, Transformer Engine's
+# AttnFuncWithCPAndKVP2P), which is where short blocks cost more than their FLOPs.
+ATTENTION_BLOCK_RATE = ((512, 467 / 648), (1024, 565 / 648), (2048, 625 / 648), (4096, 638 / 648), (8192, 646 / 648),
+                        (16384, 1.0))
 STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
                    "optimizer_s", "offload_s", "fixed_s")
 
@@ -120,12 +128,20 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     cp_link = network.link(plan.cp, plan.tp)
     kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
     cp_per_layer = 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
+    ring_step_s = context_parallel_ring_step_s(spec, plan, tokens, hbm, cp_link.latency_s)
+    if not path.unfused_attention:  # fused kernels on the blocks they run: the sequence, or CP's ring blocks
+        attention_work /= attention_block_rate(plan.seq_len / (2 * plan.cp) if plan.cp > 1 else plan.seq_len)
     # Ulysses: q, k, v to the head-sharded layout before attention and the output back, each again in backward
     kv_heads = spec.num_kv_heads * ulysses_kv_copies(spec, plan.sp)
     sp_forward = (network.all_to_all_time(tokens * (spec.num_attention_heads + 2 * kv_heads) * spec.head_dim * a,
                                           plan.sp, plan.tp)
                   + network.all_to_all_time(act, plan.sp, plan.tp))
-    ep_per_moe_layer = 4 * network.all_to_all_time(act * spec.experts_top_k / plan.tp, plan.ep, plan.tp * plan.cp)
+    routed = routed_token_factor(plan.ep, plan.moe_imbalance) if spec.is_moe else 1.0
+    ep_per_moe_layer = expert_parallel_exchange_s(spec, plan, network, act, routed)
+    routed_traffic_s = routed_token_traffic_bytes(spec, plan, routed) / plan.tp / hbm  # per token of the rank
+    expert_rate = peak * min(1.0, expert_gemm_efficiency(spec.hidden_size, spec.moe_ffn_hidden_size or 1, plan.expert_tp,
+                                                         expert_rows(spec, plan, tokens, routed))
+                             * path.compute_scale) if spec.is_moe else 1.0
     pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
     p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
     p2p = collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0
@@ -141,6 +157,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         layers = stage_layers(spec.num_layers, plan, stage)
         recomputed = recomputed_layers(spec, plan, stage)
         work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
+        expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
         collectives = 0
         sp_exchanges = 0.0
         for i in layers:
@@ -150,15 +167,22 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
             work += matmul_passes * f.matmul + 3 * (f.attention * attention_work + adapter_forward_flops(spec, ft, i))
             work += again.matmul + again.attention * attention_work
             work += f.mlp_matmul * tile_recompute_forwards(plan.tiled_mlp)  # TiledMLP's forward again in backward
+            if f.expert_matmul:
+                memory_bound += routed_traffic_s * (2 if whole or "moe" in plan.recompute_modules else 1)
+                again_expert = f.expert_matmul if whole or "moe" in plan.recompute_modules else 0.0
+                work -= matmul_passes * f.expert_matmul + again_expert
+                expert_work += matmul_passes * f.expert_matmul + again_expert
             sp_exchanges += 2 + (1 if again.attention else 0)  # forward, backward, and a recomputed forward
             attention += f.attention * attention_work
             memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
         if stage == plan.pp - 1:
             work += matmul_passes * head_forward_flops(spec)
-        compute = tokens * (work / plan.tp / rate + memory_bound)
+        compute = tokens * (work / plan.tp / rate + memory_bound) + tokens * expert_work * routed / plan.tp / expert_rate
         attention_time = tokens * attention * 3 / plan.tp / rate
-        cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time)
+        # the ring's exchange hides behind attention; its steps' merges and waits do not
+        # cp ring steps per attention pass: forward, backward, and a recomputed forward (as Ulysses' exchanges)
+        cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s
         ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
         tp_comm = collectives * tp_collective
         pp_comm = pipeline_exchanges(plan, stage) * p2p
@@ -195,6 +219,82 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         execution_path=path.name,
         peak_tflops=peak / 1e12,
     )
+
+
+def attention_block_rate(block_tokens: float) -> float:
+    """Fused attention's rate on blocks of `block_tokens` against long ones (ATTENTION_BLOCK_RATE, interpolated on
+    log2 of the length; the shortest published length's rate below it, 1 above the longest)."""
+    points = ATTENTION_BLOCK_RATE
+    if block_tokens <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if block_tokens <= x1:
+            w = (math.log2(block_tokens) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+            return y0 + w * (y1 - y0)
+    return 1.0
+
+
+def context_parallel_ring_step_s(spec: ModelSpec, plan: Plan, tokens: float, hbm: float, latency_s: float) -> float:
+    """Seconds one step of context parallelism's attention ring costs beyond its attention FLOPs and the exchange
+    they hide (cp steps forward, cp backward; Transformer Engine's AttnFuncWithCPAndKVP2P): the wait for the peer's
+    block (the link's per-hop latency) and the merge of the partial results, memory-bound: forward reads and writes
+    the fp32 output and its log-sum-exp, backward accumulates dq in fp32 and dk, dv travel on with their blocks.
+    Averaged over forward and backward steps."""
+    if plan.cp <= 1:
+        return 0.0
+    q = spec.num_attention_heads * spec.head_dim / plan.tp
+    kv = spec.num_kv_heads * spec.head_dim / plan.tp
+    forward = 2 * FP32 * (q + spec.num_attention_heads / plan.tp) * tokens
+    backward = 2 * FP32 * (q + 2 * kv) * tokens
+    return latency_s + (forward + backward) / 2 / hbm
+
+
+def expert_rows(spec: ModelSpec, plan: Plan, tokens: float, routed: float) -> float:
+    """Rows of each local expert's GEMM on the busiest expert rank per micro-batch: the rank's tokens (split by TP
+    with sequence parallelism, which Megatron-Core requires of MoE under TP), gathered over its ETP group, k copies
+    each, times the imbalance, over the experts it holds."""
+    local_experts = max(1.0, spec.num_experts / plan.ep)
+    return tokens / plan.tp * plan.expert_tp * spec.experts_top_k * routed / local_experts
+
+
+def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> float:
+    """HBM bytes per token (before the split over TP) one MoE layer's forward and backward move outside its GEMMs, the
+    memory-bound work Megatron-Core's alltoall path runs on the routed copies (moe_utils.permute / unpermute, and
+    sort_chunks_by_idxs before and after the experts when a rank holds several of them under EP): permutation reads
+    each token and writes its k copies, each sort reads and writes them, the fused weighted SwiGLU reads fc1's 2 ffn
+    and writes ffn per copy, unpermute reads the copies and writes the token; backward moves about twice forward.
+    On the busiest rank the copies are `routed` times the mean, gathered over ETP with ffn split by it."""
+    if not spec.is_moe:
+        return 0.0
+    h, k = spec.hidden_size, spec.experts_top_k
+    ffn = spec.moe_ffn_hidden_size * (3 if spec.gated_mlp else 2) / 2  # the activation's reads and write per copy
+    sorts = 2 if plan.ep > 1 and spec.num_experts > plan.ep else 0
+    copies = k * routed * plan.expert_tp
+    forward = 2 * h + copies * ((2 + 2 * sorts) * h + 2 * ffn / plan.expert_tp)
+    return 3 * forward * PRECISION_BYTES[plan.precision]
+
+
+def expert_parallel_domain(plan: Plan) -> int:
+    """GPUs joined by the NVLink domain an EP x ETP group stays inside to avoid the network: the plan's resolved
+    nvlink_domain (the GPU's, e.g. 72 on GB200 NVL72, else the node), which the network's all-to-all reads too."""
+    return plan.nvlink_domain
+
+
+def expert_parallel_exchange_s(spec: ModelSpec, plan: Plan, network: Network, act: float, routed: float) -> float:
+    """Seconds of one MoE layer's token exchange per micro-batch, forward and backward: dispatch and combine
+    all-to-alls over EP (each rank's k copies of its sequence-parallel tokens; the busiest rank receives `routed`
+    times the mean, and sets the pace) and, with expert TP, the all-gather and reduce-scatter over ETP. Megatron-Core's
+    expert mesh puts ETP innermost, then EP (parallel_state's expert RankGenerator), so EP ranks are ETP apart: an
+    EP x ETP group within expert_parallel_domain stays on NVLink, a larger one crosses the network."""
+    if not spec.is_moe:
+        return 0.0
+    copies = act * spec.experts_top_k / plan.tp * routed
+    exchange = 4 * network.all_to_all_time(copies, plan.ep, plan.expert_tp)
+    if plan.expert_tp > 1:
+        link = network.link(plan.expert_tp, 1)
+        exchange += 2 * (collective_time("all_gather", copies * plan.expert_tp, plan.expert_tp, link)
+                         + collective_time("reduce_scatter", copies * plan.expert_tp, plan.expert_tp, link))
+    return exchange
 
 
 def pipeline_exchanges(plan: Plan, stage: int) -> int:

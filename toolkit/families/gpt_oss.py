@@ -31,4 +31,9 @@ def read(cfg: HFConfig) -> dict:
 
 # GptOssConfig: layer_types and sliding_window default to None/derived; num_key_value_heads may be null
 FAMILY = Family("gpt_oss", read, derived=frozenset({"layer_types"}),
-                nullable=frozenset({"num_key_value_heads", "sliding_window"}))
+                nullable=frozenset({"num_key_value_heads", "sliding_window"}),
+                unmapped="not yet mapped: Megatron-Core 0.16.1 expresses its sinks (softmax_type learnable), "
+                         "alternating windows (window_attn_skip_freq), clamped SwiGLU (glu_linear_offset, "
+                         "activation_func_clamp_value) and biased experts (add_bias_linear, ETP 1 only), but the "
+                         "toolkit has no table for its fused, interleaved gate_up_proj experts; estimate it, or "
+                         "train it with fsdp")

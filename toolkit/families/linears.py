@@ -20,7 +20,8 @@ class Linear:
     name: str
     in_features: str
     out_features: str
-    where: Literal["layer", "dense", "model"] = "layer"  # every layer, dense (non-MoE) layers only, or once
+    # every layer, dense (non-MoE) layers only, once, or (MLA) with / without a q_lora_rank
+    where: Literal["layer", "dense", "model", "q_lora", "q_direct"] = "layer"
 
 
 def _llama_lineage() -> tuple[Linear, ...]:
@@ -31,10 +32,21 @@ def _llama_lineage() -> tuple[Linear, ...]:
 
 
 LLAMA = _llama_lineage()
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+# transformers' DeepseekV3: multi-latent attention's projections (`q_lora`: the latent width, `kv_lora+rope`: the
+# compressed kv and the shared rotary key, `kv_up`: heads x (qk_nope + v), `o_in`: heads x v). Its MLP names are left
+# out as in the other MoE families: PEFT 0.21 maps gate_proj/up_proj/down_proj onto the routed experts' fused 3-D
+# gate_up_proj too (it refuses gate_proj without up_proj for that reason), which is not modelled.
+DEEPSEEK_V3 = (
+    Linear("self_attn.q_proj", "hidden", "q", "q_direct"), Linear("self_attn.q_a_proj", "hidden", "q_lora", "q_lora"),
+    Linear("self_attn.q_b_proj", "q_lora", "q", "q_lora"),
+    Linear("self_attn.kv_a_proj_with_mqa", "hidden", "kv_lora+rope"), Linear("self_attn.kv_b_proj", "kv_lora", "kv_up"),
+    Linear("self_attn.o_proj", "o_in", "hidden"),
+)
 LINEARS: dict[str, tuple[Linear, ...]] = {
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gemma2": LLAMA,
-    "mixtral": LLAMA[:4], "qwen3_moe": LLAMA[:4],  # the attention projections
+    "mixtral": LLAMA[:4], "qwen3_moe": LLAMA[:4], "gpt_oss": LLAMA[:4],  # the attention projections
+    "deepseek_v3": DEEPSEEK_V3,
     "phi3": (Linear("self_attn.qkv_proj", "hidden", "q+kv+kv"), Linear("self_attn.o_proj", "q", "hidden"),
              Linear("mlp.gate_up_proj", "hidden", "ffn+ffn"), Linear("mlp.down_proj", "ffn", "hidden")),
     "gpt2": (Linear("attn.c_attn", "hidden", "q+kv+kv"), Linear("attn.c_proj", "q", "hidden"),  # Conv1D modules

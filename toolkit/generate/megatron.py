@@ -67,12 +67,36 @@ def _parallel(plan: Plan, model: ModelSpec) -> dict:
         "expert_model_parallel_size": plan.ep,
         **experts,
         "sequence_parallel": plan.sequence_parallel,
+        **({"pipeline_model_parallel_layout": plan.pipeline_model_parallel_layout}
+           if plan.pipeline_model_parallel_layout else {}),
         "num_layers_in_first_pipeline_stage": plan.first_stage_layers,
         "num_layers_in_last_pipeline_stage": plan.last_stage_layers,
         # written only when set (TransformerConfig's default is False), so even splits keep their files unchanged
         **{name: True for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
            if getattr(plan, name)},
     }
+
+
+AUX_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+AUX_LOSS_COEFF = 1e-3  # router_aux_loss_coef of Mixtral's and Qwen3-MoE's HF configs, where the family sets none
+
+
+def _moe(plan: Plan, model: ModelSpec, mapped: dict) -> dict:
+    """TransformerConfig's MoE fields the plan decides: dispatcher, grouped GEMM, capacity and load balancing."""
+    fields = {"moe_token_dispatcher_type": plan.moe_dispatcher, "moe_grouped_gemm": plan.moe_grouped_gemm}
+    if plan.moe_capacity_factor is not None:  # tokens beyond the capacity are dropped (lowest probabilities first)
+        fields["moe_expert_capacity_factor"] = plan.moe_capacity_factor
+    if plan.moe_load_balancing == "expert_bias":  # DeepSeek-V3: a complementary sequence loss at most
+        fields["moe_router_enable_expert_bias"] = True
+        if mapped.get("moe_router_load_balancing_type") not in ("seq_aux_loss", "none"):
+            fields["moe_router_load_balancing_type"] = "none"
+    else:
+        fields["moe_router_enable_expert_bias"] = False
+        if mapped.get("moe_router_load_balancing_type") not in AUX_LOSSES:
+            fields["moe_router_load_balancing_type"] = "aux_loss"
+        if not mapped.get("moe_aux_loss_coeff"):
+            fields["moe_aux_loss_coeff"] = AUX_LOSS_COEFF
+    return fields
 
 
 def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dict) -> dict:
@@ -85,8 +109,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
     transformer = {**mapped["transformer_config"], **_parallel(plan, model), **_precision(plan), **_recompute(plan),
                    "transformer_impl": plan.transformer_impl}
     if model.is_moe:
-        transformer["moe_token_dispatcher_type"] = "alltoall" if plan.ep > 1 else "allgather"
-        transformer["moe_grouped_gemm"] = not on_cpu
+        transformer.update(_moe(plan, model, transformer))
     if on_cpu:
         transformer["use_cpu_initialization"] = True  # build weights on the CPU (Megatron-Core defaults to the GPU)
     precision = _precision(plan)

@@ -29,9 +29,12 @@ VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("transformer_config", "moe_router_load_balancing_type", "--moe-router-load-balancing-type"),
     ("transformer_config", "moe_token_dispatcher_type", "--moe-token-dispatcher-type"),
     ("transformer_config", "moe_grouped_gemm", "--moe-grouped-gemm"),
+    ("transformer_config", "moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
+    ("transformer_config", "moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
     ("transformer_config", "tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("transformer_config", "pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ("transformer_config", "virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank"),
+    ("transformer_config", "pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
     ("transformer_config", "num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers"),
     ("transformer_config", "num_layers_in_last_pipeline_stage", "--decoder-last-pipeline-num-layers"),
     ("transformer_config", "account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
@@ -150,13 +153,21 @@ def _flag(flag: str, value, key: str) -> str:
 def megatron_args(config: dict) -> list[str]:
     """Megatron-LM flags of a megatron.yaml dict, one `--flag [value]` string each; every value one word
     (argument_word)."""
+    return value_flags(config) + _special(config)
+
+
+def value_flags(config: dict) -> list[str]:
+    """The flags of VALUE_FLAGS: one field each (sections the dict lacks give none)."""
     flags = []
+    # Megatron-LM's validate_args takes the interleaving from a layout and refuses it given twice
+    derived = {"virtual_pipeline_model_parallel_size"} if config["transformer_config"].get(
+        "pipeline_model_parallel_layout") else set()
     for section, name, flag in VALUE_FLAGS:
-        value = config[section].get(name)
-        if value is None or value is False:
+        value = config.get(section, {}).get(name)
+        if value is None or value is False or name in derived:
             continue
         flags.append(flag if value is True else _flag(flag, value, f"{section}.{name}"))
-    return flags + _special(config)
+    return flags
 
 
 def megatron_args_text(config: dict, recipe_name: str) -> str:

@@ -18,7 +18,7 @@ from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import default
-from toolkit.spec.pipeline import PipelineSplit
+from toolkit.spec.pipeline import PipelineSplit, balanced_layout
 from toolkit.spec.plan import Plan, divisors, resolve_plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -30,6 +30,7 @@ MAX_CP = 16
 MAX_SEQUENCE_SPLIT = 64  # Ulysses or torch context-parallel ranks the HF backends are searched with
 SEQUENCE_SPLIT_FROM = 32768  # the shortest sequence the HF backends' search splits
 MAX_VPP = 8
+MAX_EP = 64  # the widest expert parallelism published runs use (DeepSeek-V3: EP 64, arXiv:2412.19437 Sec. 3.4)
 
 
 @dataclass(frozen=True)
@@ -57,25 +58,35 @@ class SearchResult:
         return UserInputError("plan", "the options given leave no parallel layout to try")
 
 
-def pipeline_splits(num_layers: int, pp: int, megatron: bool) -> list[tuple[dict, list[int]]]:
+def pipeline_splits(num_layers: int, pp: int, megatron: bool, mtp_layers: int = 0) -> list[tuple[dict, list[int]]]:
     """(split options, virtual stages to try) for `pp` stages: even, or one layer fewer on the first and last stage.
 
     The uneven split is Llama 3's (arXiv:2407.21783 Sec. 3.3.2): Megatron-Core's num_layers_in_first/last_pipeline_stage
     without interleaving, and account_for_embedding/loss_in_pipeline_split (the same ranks, with the embedding and the
-    loss taking the place of a layer) with it, since the first/last counts must divide by vpp and here cannot.
+    loss taking the place of a layer) with it, since the first/last counts must divide by vpp and here cannot. Where
+    neither fits (DeepSeek-V3's 61 layers and its MTP layer, Qwen3-235B's 94), Megatron-Core's
+    pipeline_model_parallel_layout with a balanced layout (spec/pipeline.py balanced_layout), one per vpp.
     """
-    if num_layers % pp == 0:
+    if num_layers % pp == 0 and not mtp_layers:
         per_rank = num_layers // pp
         return [({}, divisors(per_rank, MAX_VPP) if megatron and pp > 1 else [1])]
-    if not megatron or pp <= 2 or (num_layers + 2) % pp:
-        return []
-    per_rank = (num_layers + 2) // pp
-    splits = [(dict(first_stage_layers=per_rank - 1, last_stage_layers=per_rank - 1), [1])]
-    interleaved = [v for v in divisors(per_rank, MAX_VPP) if v > 1]
-    if interleaved:
-        splits.append((dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
-                       interleaved))
-    return splits
+    if not megatron or pp < 2:
+        return [({}, [1])] if num_layers % pp == 0 else []
+    splits = []
+    if num_layers % pp == 0:
+        splits.append(({}, divisors(num_layers // pp, MAX_VPP)))
+    elif pp > 2 and (num_layers + 2) % pp == 0:
+        per_rank = (num_layers + 2) // pp
+        splits.append((dict(first_stage_layers=per_rank - 1, last_stage_layers=per_rank - 1), [1]))
+        interleaved = [v for v in divisors(per_rank, MAX_VPP) if v > 1]
+        if interleaved:
+            splits.append((dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+                           interleaved))
+    if splits and not mtp_layers:
+        return splits
+    layouts = [(dict(pipeline_model_parallel_layout=layout), [v]) for v in range(1, MAX_VPP + 1)
+               if (layout := balanced_layout(num_layers, pp, v, mtp_layers)) is not None]
+    return splits + layouts
 
 
 def enumerate_layouts(model: ModelSpec, gpus: int, nvlink_domain: int, backend: str, fixed: dict) -> Iterator[dict]:
@@ -96,13 +107,33 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
     for tp, pp in itertools.product(tps, pps):
         if gpus % (tp * pp):
             continue
-        for split, vpps in pipeline_splits(model.num_layers, pp, megatron):
+        for split, vpps in pipeline_splits(model.num_layers, pp, megatron, model.mtp_layers if megatron else 0):
             cps = [c for c in divisors(gpus // (tp * pp), MAX_CP) if megatron and c & (c - 1) == 0] or [1]
             for vpp, cp in itertools.product(axis("vpp", vpps), axis("cp", cps)):
+                if vpp > 1 and not fixed.get("global_batch") and "vpp" not in fixed:
+                    continue  # one micro-batch per step (the default batch) never interleaves (_check_batch)
                 dp = gpus // (tp * pp * cp)
-                eps = [e for e in divisors(model.num_experts) if (dp * cp) % e == 0] if model.is_moe else [1]
-                for ep, state in itertools.product(axis("ep", eps), states(tp)):
-                    yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **split, **state)
+                for ep, etp in expert_meshes(model, gpus // pp, tp, dp * cp, megatron, fixed, axis):
+                    for state in states(tp):
+                        yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **etp, **split, **state)
+
+
+def expert_meshes(model: ModelSpec, stage_ranks: int, tp: int, data_ranks: int, megatron: bool, fixed: dict,
+                  axis) -> list[tuple[int, dict]]:
+    """(ep, {etp}) pairs to try. The HF backends keep EP inside the data-parallel ranks; Megatron-Core folds it
+    (spec/plan.py _check_expert_mesh): the expert TP of attention's TP or 1, and EP up to MAX_EP wherever EP x ETP
+    divides a pipeline stage's ranks, beyond DP x CP too."""
+    if not model.is_moe:
+        return [(1, {})]
+    experts = divisors(model.num_experts, MAX_EP if megatron else None)
+    if not megatron:
+        return [(e, {}) for e in axis("ep", [e for e in experts if data_ranks % e == 0])]
+    pairs = []
+    for etp in axis("etp", sorted({tp, 1})):
+        for ep in axis("ep", experts):
+            if stage_ranks % (ep * etp) == 0 and (etp == tp or ep > 1):  # ETP != TP without EP: no folding to gain
+                pairs.append((ep, {} if etp == tp else {"etp": etp}))
+    return pairs
 
 
 def sequence_splits(model: ModelSpec, gpus: int, ulysses: bool, seq_len: int | None) -> list[int]:

@@ -137,9 +137,9 @@ class ModelSpec(BaseModel):
         return self.num_experts > 0
 
     def is_moe_layer(self, index: int) -> bool:
-        if not self.is_moe:
+        if not self.num_experts:
             return False
-        return self.moe_layers is None or index in self.moe_layers
+        return self.moe_layers is None or index in _layer_set(self.moe_layers)
 
     @property
     def num_moe_layers(self) -> int:
@@ -235,7 +235,7 @@ _POSITIVE_HF_KEYS = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "vocab_size", "max_position_embeddings", "n_layer", "n_embd", "n_head", "n_positions", "ffn_dim",
     "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step", "kv_lora_rank", "qk_rope_head_dim",
-    "v_head_dim", "n_group", "topk_group", "sliding_window",
+    "v_head_dim", "n_group", "topk_group",
 )
 
 
@@ -275,3 +275,17 @@ def _from_hub(hub_id: str) -> ModelSpec:
         hint = " (HF_HUB_OFFLINE=1 is set)" if offline else ""
         raise UserInputError("--model", f"could not load hub config '{hub_id}'{hint}: {str(exc).splitlines()[0]}") from None
     return spec_from_hf_dict(config.to_dict(), hub_id, filled=True)
+
+
+_LAYER_SETS: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+
+
+def _layer_set(layers: tuple[int, ...]) -> frozenset[int]:
+    """A layer-index tuple as a set, made once per tuple (kept alive here, so its id names it): the estimators ask
+    of every layer of every plan the search tries."""
+    hit = _LAYER_SETS.get(id(layers))
+    if hit is None or hit[0] is not layers:
+        if len(_LAYER_SETS) > 1024:
+            _LAYER_SETS.clear()
+        hit = _LAYER_SETS[id(layers)] = (layers, frozenset(layers))
+    return hit[1]

@@ -25,19 +25,30 @@ Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 # the scale-out network between NVLink domains: its default bandwidth, efficiency and latency are in estimate/comm.py
 ScaleOut = Literal["infiniband", "roce", "ethernet"]
 Recompute = Literal["none", "selective", "full"]
-# Megatron-Core's selective-recompute modules this toolkit models (TransformerConfig.recompute_modules)
-RecomputeModule = Literal["core_attn", "mlp"]
+# Megatron-Core's selective-recompute modules (TransformerConfig.recompute_modules, 0.16.1): core attention, the dense
+# MLP, and for MoE models the experts' activation function (grouped GEMM only), the whole MoE layer, the norms, MLA's
+# up-projections (multi-latent attention only) and the shared experts
+RecomputeModule = Literal["core_attn", "mlp", "moe_act", "moe", "layernorm", "mla_up_proj", "shared_experts"]
 # Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused attention and SwiGLU)
 TransformerImpl = Literal["transformer_engine", "local"]
 # transformers' attn_implementation names, passed to the HF models as they are (hf_trainer.py, peft_model.py)
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Offload = Literal["none", "cpu", "nvme"]
+# Megatron-Core's MoE token dispatchers (moe_token_dispatcher_type); flex runs DeepEP's kernels (GPUs only)
+MoeDispatcher = Literal["alltoall", "allgather", "flex"]
+# how the router keeps experts loaded: GShard's auxiliary loss, or DeepSeek-V3's per-expert score bias moved by load
+# (aux-loss-free; Megatron-Core's moe_router_enable_expert_bias, sigmoid routers only)
+MoeBalancing = Literal["aux_loss", "expert_bias"]
 ActivationOffload = Literal["none", "cpu"]
 
-# MoE routing imbalance when the plan does not state one (--moe-imbalance): see MOE_IMBALANCE_NOTE
-MOE_IMBALANCE_DEFAULT = 1.0
-MOE_IMBALANCE_NOTE = "1.0 (balanced)"
+# MoE routing imbalance when the plan does not state one (--moe-imbalance): real routing of GLM-5's MoE layers (128
+# experts, EP 8, no auxiliary loss, H100) leaves 18.6% of GPU time per MoE layer waiting for the busiest rank
+# (FEPLB, arXiv:2604.19654v1, Fig. 1b), so busiest / mean = 1 / (1 - 0.186) = 1.23; published throughput runs
+# forced-balanced routing (1.0)
+MOE_IMBALANCE_DEFAULT = 1.23
+MOE_IMBALANCE_NOTE = ("1.23: real routing, GLM-5 MoE layers at EP 8 lose 18.6% of their time to the busiest rank "
+                      "(FEPLB, arXiv:2604.19654)")
 MOE_IMBALANCE_MAX = 1024.0  # the busiest of at most 1,024 EP ranks holding every routed token
 
 # the backends an option belongs to (an option without is every backend's), by their registry names
@@ -90,6 +101,22 @@ class PlanOptions(BaseModel):
     moe_imbalance: float | None = option(
         None, "MoE: expected ratio of the busiest expert rank's routed tokens to the mean (1.0: perfectly balanced "
               "routing, as most published MoE throughput is measured)", default_note=MOE_IMBALANCE_NOTE, metavar="F")
+    # MoE under Megatron-Core (TransformerConfig's moe_* fields): what the planner searches and the generators write
+    moe_dispatcher: MoeDispatcher | None = option(
+        None, "MoE token dispatcher (Megatron-Core moe_token_dispatcher_type): alltoall, allgather, or flex (DeepEP's "
+              "kernels: GPUs with DeepEP installed only)", default_note="alltoall with ep > 1, allgather otherwise",
+        backends=MEGATRON)
+    moe_grouped_gemm: StrictBool | None = option(
+        None, "MoE: run a rank's experts as one grouped GEMM (Transformer Engine's GroupedLinear)",
+        default_note="true with Transformer Engine modules, false with local ones", backends=MEGATRON)
+    moe_capacity_factor: float | None = option(
+        None, "MoE: each expert takes at most this multiple of its balanced share of tokens and drops the rest "
+              "(Megatron-Core moe_expert_capacity_factor)", default_note="dropless", metavar="F", backends=MEGATRON)
+    moe_load_balancing: MoeBalancing | None = option(
+        None, "MoE router load balancing: aux_loss (GShard's auxiliary loss) or expert_bias (DeepSeek-V3's "
+              "aux-loss-free score bias; sigmoid routers)", default_note="expert_bias for models routed with one "
+                                                                          "(DeepSeek-V3), aux_loss otherwise",
+        backends=MEGATRON)
     zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise",
                                     backends=DEEPSPEED, off=0)
     dp_shard: PositiveInt | None = option(
@@ -120,7 +147,7 @@ class PlanOptions(BaseModel):
                                                     backends=DEEPSPEED + FSDP)
     recompute_modules: tuple[RecomputeModule, ...] | None = option(
         None, "Megatron-Core selective recompute: the modules recomputed", default_note="core_attn",
-        metavar="core_attn,mlp", backends=MEGATRON)
+        metavar="core_attn,mlp,moe_act,...", backends=MEGATRON)
     recompute_num_layers: PositiveInt | None = option(
         None, "Megatron-Core full recompute, block method: the first N layers of every model chunk",
         default_note="every layer", metavar="N", backends=MEGATRON)
@@ -144,6 +171,11 @@ class PlanOptions(BaseModel):
         backends=MEGATRON)
     last_stage_layers: PositiveInt | None = option(
         None, "Megatron-Core uneven pipeline split: layers of the last stage", backends=MEGATRON)
+    pipeline_model_parallel_layout: str | None = option(
+        None, "Megatron-Core pipeline layout: the layers of each stage, virtual stage by virtual stage then rank, "
+              "separated by | (E embedding, t decoder layer, m MTP layer, L loss; x*n and (...)*n repeat), e.g. "
+              "DeepSeek-V3 at PP 16 x VPP 2: Et|(tt|)*30mL", default_note="the even or --first/last-stage-layers split",
+        metavar="LAYOUT", backends=MEGATRON)
     account_for_embedding_in_pipeline_split: StrictBool = option(
         False, "Megatron-Core: the embedding counts as one layer of the first pipeline stage (Llama 3 405B's split)",
         backends=MEGATRON)
@@ -197,14 +229,19 @@ def choices(name: str) -> tuple:
     raise KeyError(f"plan option {name} has no fixed choices")
 
 
+# read once: every plan the search resolves asks these of every option (spec/plan.py _check_own_options)
+_BACKENDS = {name: field_extra(info, "backends") or NAMES for name, info in PlanOptions.model_fields.items()}
+_UNUSED = {name: (info.default, field_extra(info, "off")) for name, info in PlanOptions.model_fields.items()}
+
+
 def option_backends(name: str) -> tuple[str, ...]:
     """The backends a plan option means something to (`zero`: deepspeed; `dp_shard`: fsdp; `tp`: all of them)."""
-    return field_extra(PlanOptions.model_fields[name], "backends") or NAMES
+    return _BACKENDS[name]
 
 
 def for_backend(name: str, backend: str) -> bool:
     """Whether a plan option means something to a backend (`zero` only to deepspeed, `dp_shard` only to fsdp)."""
-    return backend in option_backends(name)
+    return backend in _BACKENDS[name]
 
 
 def default(name: str) -> Any:
@@ -213,8 +250,7 @@ def default(name: str) -> Any:
 
 def is_unused(name: str, value: Any) -> bool:
     """Whether a plan option's value leaves it unused: its default, its declared `off` value, or nothing."""
-    return value is None or value == () or value == default(name) or value == field_extra(
-        PlanOptions.model_fields[name], "off")
+    return value is None or value == () or value in _UNUSED[name]
 
 
 def default_text(name: str) -> str:

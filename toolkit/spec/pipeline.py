@@ -12,8 +12,53 @@ step-time models read.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
+
+# Megatron-Core's pipeline_model_parallel_layout (megatron/core/transformer/pipeline_parallel_layer_layout.py, 0.16.1):
+# stages separated by "|", in the order virtual stage by virtual stage, then rank (stage j is rank j % pp, virtual
+# stage j // pp); E the embedding, t a decoder layer, m a multi-token-prediction layer, L the loss; "x*n" and
+# "(...)*n" repeat, commas are cosmetic. The toolkit writes the expanded form (no "*": one word of megatron_args.txt).
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+LAYOUT_CHARACTERS = "ELtm"
+
+
+@lru_cache(maxsize=256)
+def expand_layout(text: str) -> str:
+    """The layout without repetitions or commas (`Et|(tt|)*2mL` -> `Et|tt|tt|mL`); ValueError naming the problem."""
+    expanded = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # Megatron-Core's own two unrolling passes
+        expanded = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), expanded)
+    bad = next((c for c in expanded if c not in LAYOUT_CHARACTERS + "|"), None)
+    if bad is not None:
+        raise ValueError(f"{text[:80]!r}: {bad!r} is not a layer; stages hold E (embedding), t (decoder layer), "
+                         f"m (MTP layer) and L (loss), separated by |, with x*n and (...)*n repeats")
+    return expanded
+
+
+def balanced_layout(num_layers: int, pp: int, vpp: int = 1, mtp_layers: int = 0) -> str | None:
+    """A layout for layers that do not divide: the embedding, the loss and each MTP layer take one layer's place,
+    and the pp x vpp stages get as equal shares as they can (the spare ones in the middle stages), as DeepSeek-V3's
+    61 layers + 1 MTP layer run at PP 16 x VPP 2: `Et|(tt|)*30mL`. None when a stage would get nothing to hold."""
+    stages = pp * vpp
+    slots = num_layers + 2 + mtp_layers
+    if stages < 2 or slots < 2 * stages:
+        return None
+    base, spare = divmod(slots, stages)
+    sizes = [base] * stages
+    middle = list(range(1, stages - 1))
+    for index in sorted(middle, key=lambda i: abs(2 * i - (stages - 1)))[:spare]:
+        sizes[index] += 1
+    if spare > len(middle):  # more spares than middle stages: none left to balance
+        return None
+    decoders = [size - (index == 0) - (index == stages - 1) * (1 + mtp_layers) for index, size in enumerate(sizes)]
+    if min(decoders) < 0 or sum(decoders) != num_layers:
+        return None
+    text = ["t" * n for n in decoders]
+    text[0] = "E" + text[0]
+    text[-1] += "m" * mtp_layers + "L"
+    return "|".join(text)
 
 
 @dataclass(frozen=True)
@@ -27,18 +72,52 @@ class PipelineSplit:
     last_stage_layers: int | None = None  # num_layers_in_last_pipeline_stage
     embedding_in_split: bool = False  # account_for_embedding_in_pipeline_split
     loss_in_split: bool = False  # account_for_loss_in_pipeline_split
+    layout: str | None = None  # pipeline_model_parallel_layout, as given (expand_layout reads it)
 
     @classmethod
     def of(cls, num_layers: int, plan) -> PipelineSplit:
         return cls(num_layers, plan.pp, plan.vpp, plan.first_stage_layers, plan.last_stage_layers,
-                   plan.account_for_embedding_in_pipeline_split, plan.account_for_loss_in_pipeline_split)
+                   plan.account_for_embedding_in_pipeline_split, plan.account_for_loss_in_pipeline_split,
+                   getattr(plan, "pipeline_model_parallel_layout", None))
 
     @property
     def uneven(self) -> bool:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
 
-    def problem(self) -> tuple[str, str] | None:
+    def layout_stages(self) -> list[str]:
+        """The layout's stages in Megatron-Core's order (virtual stage by virtual stage, then rank)."""
+        return expand_layout(self.layout).split("|")
+
+    def layout_problem(self, mtp_layers: int | None) -> tuple[str, str] | None:
+        """Megatron-Core's checks of a layout (PipelineParallelLayerLayout.__init__ and validate_layer_layout)."""
+        try:
+            stages = self.layout_stages()
+        except ValueError as exc:
+            return LAYOUT_FLAG, str(exc)
+        if self.uneven or self.embedding_in_split or self.loss_in_split:
+            return LAYOUT_FLAG, ("cannot be combined with --first/last-stage-layers or --account-for-embedding/loss-"
+                                 "in-pipeline-split (Megatron-Core refuses both)")
+        if len(stages) != self.pp * self.vpp:
+            return LAYOUT_FLAG, (f"has {len(stages)} stages; it needs pp x vpp = {self.pp} x {self.vpp} = "
+                                 f"{self.pp * self.vpp} (stages separated by |)")
+        flat = "".join(stages)
+        if flat[:1] != "E" or flat.count("E") != 1 or flat[-1:] != "L" or flat.count("L") != 1:
+            return LAYOUT_FLAG, "must start with the embedding E and end with the loss L, each exactly once"
+        if flat.count("t") != self.num_layers:
+            return LAYOUT_FLAG, f"places {flat.count('t')} decoder layers (t); the model has {self.num_layers}"
+        mtp = flat.count("m")
+        if mtp_layers is not None and mtp not in (0, mtp_layers):
+            return LAYOUT_FLAG, f"places {mtp} MTP layers (m); the model has {mtp_layers} (or place none: not trained)"
+        holding = [j for j, stage in enumerate(stages) if "m" in stage]
+        if holding and ("t" in flat[flat.index("m"):] or len(holding) > 1 or holding[0] // self.pp != self.vpp - 1):
+            return LAYOUT_FLAG, ("MTP layers (m) come after every decoder layer, all in one stage of a rank's last "
+                                 "virtual stage")
+        return None
+
+    def problem(self, mtp_layers: int | None = None) -> tuple[str, str] | None:
         """(flag, message) for a split Megatron-Core refuses, else None."""
+        if self.layout is not None:
+            return self.layout_problem(mtp_layers)
         layers, pp, vpp, first, last = self.num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers
         custom = self.uneven or self.embedding_in_split or self.loss_in_split
         if custom and pp < 2:
@@ -73,6 +152,8 @@ class PipelineSplit:
 
     def rank_layer_counts(self) -> list[int]:
         """n_r, the decoder layers of each pipeline rank over all its virtual stages."""
+        if self.layout is not None:
+            return [sum(sizes) for sizes in self.chunk_sizes()]
         if self.uneven:
             ends = (self.first_stage_layers or 0) + (self.last_stage_layers or 0)
             middle = self.pp - (self.first_stage_layers is not None) - (self.last_stage_layers is not None)
@@ -90,6 +171,9 @@ class PipelineSplit:
 
     def chunk_sizes(self) -> list[list[int]]:
         """Layers built by each (rank, virtual stage): Megatron-Core's get_num_layers_to_build."""
+        if self.layout is not None:
+            stages = self.layout_stages()
+            return [[stages[v * self.pp + rank].count("t") for v in range(self.vpp)] for rank in range(self.pp)]
         if self.uneven:
             return [[n // self.vpp] * self.vpp for n in self.rank_layer_counts()]
         per_chunk = (self.num_layers + self.embedding_in_split + self.loss_in_split) // (self.pp * self.vpp)

@@ -34,7 +34,7 @@ from toolkit.spec.options import (
     is_unused,
     option_backends,
 )
-from toolkit.spec.pipeline import PipelineSplit
+from toolkit.spec.pipeline import LAYOUT_FLAG, PipelineSplit, expand_layout
 
 # Bytes of one parameter / activation element stored in each training precision (fp8 keeps bf16 weights and
 # activations; Transformer Engine adds fp8 weight copies, counted in memory.py).
@@ -147,6 +147,8 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     dp = max(1, gpus // model_parallel)
     micro = values["micro_batch"]
     global_batch = values["global_batch"] or micro * dp
+    if values["pipeline_model_parallel_layout"] is not None:  # stored expanded, as megatron.yaml states it
+        _resolve_layout(values, "vpp" in given)
     if values["etp"] == values["tp"]:  # no folding: stored unset, as Megatron-Core defaults it (expert_tp)
         values["etp"] = None
     if values["moe_imbalance"] is None:
@@ -154,8 +156,23 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
     backend.rules.fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
+    if model.is_moe and for_backend("moe_dispatcher", values["backend"]):
+        _fill_moe(values, model)
     values["finetune"] = finetune_options(finetune)
     return validated(Plan, values, context={"model": model})
+
+
+def _resolve_layout(values: dict, vpp_given: bool) -> None:
+    """A pipeline layout in its expanded form, and the virtual stages it implies unless --vpp says (the rule below
+    then compares them): Megatron-LM's validate_args derives the interleaving from the layout the same way."""
+    try:
+        layout = expand_layout(values["pipeline_model_parallel_layout"])
+    except ValueError as exc:
+        raise UserInputError(LAYOUT_FLAG, str(exc)) from None
+    values["pipeline_model_parallel_layout"] = layout
+    stages = layout.count("|") + 1
+    if not vpp_given and stages % values["pp"] == 0:
+        values["vpp"] = stages // values["pp"]
 
 
 def finetune_options(given: FinetuneOptions | dict | None) -> FinetuneOptions:
@@ -192,7 +209,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
         )
     if p.vpp > 1 and p.pp == 1:
         raise UserInputError("--vpp", "virtual pipeline stages need --pp > 1")
-    if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem()):
+    if model is not None and (problem := PipelineSplit.of(model.num_layers, p).problem(model.mtp_layers)):
         raise UserInputError(*problem)
     check_nvlink_domain(p)
     sizes = "tp x pp x cp" + (" x sp" if p.sp > 1 else "")
@@ -245,10 +262,67 @@ def _check_experts(p: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--ep", f"expert parallelism needs an MoE model; {model.name} has no experts")
     if model is not None and model.is_moe and model.num_experts % p.ep:
         raise UserInputError("--ep", f"{p.ep} must divide the {model.num_experts} experts")
+    _check_moe_options(p, model)
     if for_backend("etp", p.backend):
         _check_expert_mesh(p, model)
     elif (p.dp * p.cp) % p.ep:  # DeepSpeed's and FSDP2's expert groups split the data-parallel ranks
         raise UserInputError("--ep", f"{p.ep} must divide dp x cp = {p.dp * p.cp}")
+
+
+MOE_OPTIONS = ("moe_dispatcher", "moe_grouped_gemm", "moe_capacity_factor", "moe_load_balancing")
+# recompute modules that exist only in MoE layers, and what else each needs (TransformerConfig.__post_init__)
+MOE_RECOMPUTE = ("moe_act", "moe", "shared_experts")
+
+
+def _fill_moe(values: dict, model: ModelSpec) -> None:
+    """The MoE options a plan leaves to Megatron-Core's usual choice: all-to-all dispatch across expert-parallel
+    ranks (all-gather without), grouped GEMM wherever Transformer Engine's modules run, and the router's own load
+    balancing (DeepSeek-V3's score bias where the model has one, else the auxiliary loss)."""
+    if values["moe_dispatcher"] is None:
+        values["moe_dispatcher"] = "alltoall" if values["ep"] > 1 else "allgather"
+    if values["moe_grouped_gemm"] is None:
+        values["moe_grouped_gemm"] = values["transformer_impl"] != "local"
+    if values["moe_load_balancing"] is None:
+        values["moe_load_balancing"] = "expert_bias" if model.moe_router_expert_bias else "aux_loss"
+
+
+def _check_moe_options(p: Plan, model: ModelSpec | None) -> None:
+    """The MoE options as Megatron-Core 0.16.1 takes them (TransformerConfig.__post_init__, the token dispatchers)."""
+    if model is not None and not model.is_moe:
+        for name in MOE_OPTIONS:
+            if getattr(p, name) is not None:
+                raise UserInputError(flag(name), f"is an MoE option; {model.name} has no experts")
+        for module in set(p.recompute_modules) & set(MOE_RECOMPUTE):
+            raise UserInputError("--recompute-modules", f"{module} recomputes MoE layers; {model.name} has no experts")
+    if p.moe_capacity_factor is not None and not 0 < p.moe_capacity_factor <= p.ep * 1024:
+        raise UserInputError("--moe-capacity-factor", f"must be a positive multiple of an expert's balanced share "
+                                                      f"(1.0: exactly its share), got {p.moe_capacity_factor!r}")
+    local = p.transformer_impl == "local"
+    if p.moe_dispatcher == "flex" and local:
+        raise UserInputError("--moe-dispatcher", "flex runs DeepEP's CUDA kernels: not with the local (CPU) layer "
+                                                 "modules; use alltoall or allgather")
+    if p.moe_dispatcher == "flex" and p.ep * p.expert_tp == 1:  # MoEFlexTokenDispatcher asserts it
+        raise UserInputError("--moe-dispatcher", "flex needs ep x etp > 1 (Megatron-Core's flex dispatcher); use "
+                                                 "allgather or alltoall")
+    if p.moe_grouped_gemm and local:  # the local spec's GroupedMLP needs the CUDA grouped_gemm package
+        raise UserInputError("--moe-grouped-gemm", f"needs Transformer Engine's GroupedLinear (GPUs): set "
+                                                   f"--transformer-impl transformer_engine, or false")
+    if model is not None and model.is_moe and p.moe_load_balancing == "expert_bias" and (
+            model.moe_router_score != "sigmoid"):
+        raise UserInputError("--moe-load-balancing", f"expert_bias needs a sigmoid router (TransformerConfig); "
+                                                     f"{model.name} routes with {model.moe_router_score}: use aux_loss")
+    modules = set(p.recompute_modules)
+    if "moe_act" in modules and not p.moe_grouped_gemm:
+        raise UserInputError("--recompute-modules", "moe_act is recomputed with grouped GEMM only (TransformerConfig); "
+                                                    "set --moe-grouped-gemm true")
+    if model is not None and "mla_up_proj" in modules and not model.kv_lora_rank:
+        raise UserInputError("--recompute-modules", f"mla_up_proj needs multi-latent attention; {model.name} has none")
+    if model is not None and model.is_moe and "shared_experts" in modules and not model.shared_expert_ffn_hidden_size:
+        raise UserInputError("--recompute-modules", f"shared_experts: {model.name} has no shared experts")
+    if p.precision == "fp8" and modules & {"moe_act", "layernorm"} and getattr(p, "fp8_recipe", None) in (
+            None, "delayed"):
+        raise UserInputError("--recompute-modules", "moe_act and layernorm recompute refuse fp8's delayed scaling "
+                                                    "(TransformerConfig); drop them or use another fp8 recipe")
 
 
 def smallest_world(tp: int, cp: int, pp: int, ep: int, etp: int) -> int:

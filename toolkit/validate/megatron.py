@@ -32,12 +32,16 @@ PLAN_KEYS = {
     "--global-batch": "schedule.global_batch_size", "--micro-batch": "schedule.micro_batch_size",
     "--seq-len": "schedule.seq_length", "--sequence-parallel": f"{TC}.sequence_parallel",
     "--first-stage-layers": f"{TC}.num_layers_in_first_pipeline_stage",
+    "--pipeline-model-parallel-layout": f"{TC}.pipeline_model_parallel_layout",
     "--last-stage-layers": f"{TC}.num_layers_in_last_pipeline_stage",
     "--account-for-embedding-in-pipeline-split": f"{TC}.account_for_embedding_in_pipeline_split",
     "--account-for-loss-in-pipeline-split": f"{TC}.account_for_loss_in_pipeline_split",
     "--distributed-optimizer": "ddp_config.use_distributed_optimizer", "--optimizer": "optimizer_config.optimizer",
     "--recompute": f"{TC}.recompute_granularity", "--precision": f"{TC}.bf16",
     "--recompute-modules": f"{TC}.recompute_modules", "--recompute-num-layers": f"{TC}.recompute_num_layers",
+    "--moe-dispatcher": f"{TC}.moe_token_dispatcher_type", "--moe-grouped-gemm": f"{TC}.moe_grouped_gemm",
+    "--moe-capacity-factor": f"{TC}.moe_expert_capacity_factor",
+    "--moe-load-balancing": f"{TC}.moe_router_enable_expert_bias",
 }
 LAYER_SPECS = tuple(sorted(TRANSFORMER_IMPLS))  # the layer specs the toolkit builds
 
@@ -128,6 +132,10 @@ def _model_spec(config: dict):
         num_experts=experts, experts_top_k=tc.get("moe_router_topk") or 0 if experts else 0,
         moe_ffn_hidden_size=tc.get("moe_ffn_hidden_size") if experts else None,
         mlp_bias=bool(tc.get("add_bias_linear", True)),  # TransformerConfig's default: biased linear layers
+        moe_router_score=tc.get("moe_router_score_function", "softmax") if experts else "softmax",
+        moe_router_expert_bias=bool(tc.get("moe_router_enable_expert_bias")) and bool(experts),
+        shared_expert_ffn_hidden_size=(tc.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+        mtp_layers=tc.get("mtp_num_layers") or 0,
     )
 
 
@@ -139,6 +147,7 @@ def _modelled_recompute_modules(tc: dict):
         return None
     if not all(isinstance(m, str) for m in modules):
         return None
+    modules = [m for m in modules if m != "mla_up_proj"]  # MLA is TransformerConfig's to judge (no MLA spec here)
     return modules if modules and set(modules) <= set(RECOMPUTE_MODULES) else None
 
 
@@ -160,6 +169,7 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
         "distributed_optimizer": "ddp_config.use_distributed_optimizer",
         "recompute": f"{TC}.recompute_granularity", "transformer_impl": f"{TC}.transformer_impl",
         "first_stage_layers": f"{TC}.num_layers_in_first_pipeline_stage",
+        "pipeline_model_parallel_layout": f"{TC}.pipeline_model_parallel_layout",
         "last_stage_layers": f"{TC}.num_layers_in_last_pipeline_stage",
         "account_for_embedding_in_pipeline_split": f"{TC}.account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split": f"{TC}.account_for_loss_in_pipeline_split",
@@ -170,6 +180,13 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
         section, field = key.split(".", 1)
         values[name] = (key, config[section].get(field))
     values["vpp"] = (view["vpp"], tc.get("virtual_pipeline_model_parallel_size") or 1)
+    experts = bool(tc.get("num_moe_experts"))  # MoE options: None in a dense model's plan
+    values["moe_dispatcher"] = (f"{TC}.moe_token_dispatcher_type", tc.get("moe_token_dispatcher_type", "allgather")
+                                if experts else None)
+    values["moe_grouped_gemm"] = (f"{TC}.moe_grouped_gemm", bool(tc.get("moe_grouped_gemm")) if experts else None)
+    values["moe_capacity_factor"] = (f"{TC}.moe_expert_capacity_factor", tc.get("moe_expert_capacity_factor"))
+    values["moe_load_balancing"] = (f"{TC}.moe_router_enable_expert_bias", (
+        "expert_bias" if tc.get("moe_router_enable_expert_bias") else "aux_loss") if experts else None)
     etp = tc.get("expert_tensor_parallel_size")  # the plan leaves it unset unless folded (etp != tp)
     values["etp"] = (view["etp"], None if etp == tc.get("tensor_model_parallel_size", 1) else etp)
     values["recompute"] = (view["recompute"], tc.get("recompute_granularity") or "none")

@@ -1,0 +1,112 @@
+"""The MoE plan options (spec/options.py: dispatcher, grouped GEMM, capacity factor, load balancing, the MoE recompute
+modules, the routing imbalance): their rules as Megatron-Core 0.16.1's TransformerConfig and token dispatchers take
+them, the defaults a resolved plan states, and what megatron.yaml / megatron_args.txt carry to Megatron-Core and
+Megatron-LM's parser."""
+
+import pytest
+import yaml
+from test_expert_folding import TINY_MOE, _recipe, _tiny_moe
+
+from megatron_lm_args import problems as megatron_lm_problems
+from toolkit.cli.main import main
+from toolkit.errors import UserInputError
+from toolkit.spec.model import load_model_spec
+from toolkit.spec.options import MOE_IMBALANCE_DEFAULT, RECOMPUTE_MODULES, flag
+from toolkit.spec.plan import MOE_OPTIONS, resolve_plan
+from toolkit.validate.megatron import validate_megatron_config
+
+LLAMA = load_model_spec("llama-3.1-8b")
+QWEN3_30B = load_model_spec("qwen3-30b-a3b")
+DEEPSEEK_V3 = load_model_spec("deepseek-v3")
+VALUES = {"moe_dispatcher": "alltoall", "moe_grouped_gemm": True, "moe_capacity_factor": 1.25,
+          "moe_load_balancing": "aux_loss"}
+
+
+@pytest.mark.parametrize("name", MOE_OPTIONS)
+def test_an_moe_option_on_a_dense_model_is_refused_by_its_flag(name):
+    with pytest.raises(UserInputError) as info:
+        resolve_plan(LLAMA, 8, backend="megatron", **{name: VALUES[name]})
+    assert info.value.key == flag(name) and "has no experts" in info.value.message
+
+
+def test_a_resolved_moe_plan_states_megatron_cores_usual_choices():
+    qwen = resolve_plan(QWEN3_30B, 16, backend="megatron", ep=8)
+    assert (qwen.moe_dispatcher, qwen.moe_grouped_gemm, qwen.moe_load_balancing, qwen.moe_capacity_factor) == (
+        "alltoall", True, "aux_loss", None)
+    cpu = resolve_plan(_tiny_moe(), 2, backend="megatron", transformer_impl="local")
+    assert (cpu.moe_dispatcher, cpu.moe_grouped_gemm) == ("allgather", False)
+    deepseek = resolve_plan(DEEPSEEK_V3, 128, backend="megatron", ep=64, first_stage_layers=1, last_stage_layers=None,
+                            pp=2)
+    assert deepseek.moe_load_balancing == "expert_bias"  # its router's e_score_correction_bias
+    dense = resolve_plan(LLAMA, 8, backend="megatron")
+    assert (dense.moe_dispatcher, dense.moe_grouped_gemm, dense.moe_load_balancing) == (None, None, None)
+    assert qwen.moe_imbalance == MOE_IMBALANCE_DEFAULT == 1.23  # FEPLB's 18.6% wait: 1 / (1 - 0.186)
+
+
+@pytest.mark.parametrize("model, options, key, says", [
+    (None, dict(moe_dispatcher="flex", transformer_impl="local"), "--moe-dispatcher", "DeepEP's CUDA kernels"),
+    (None, dict(moe_dispatcher="flex"), "--moe-dispatcher", "flex needs ep x etp > 1"),
+    (None, dict(moe_grouped_gemm=True, transformer_impl="local"), "--moe-grouped-gemm", "GroupedLinear"),
+    (None, dict(moe_capacity_factor=0.0), "--moe-capacity-factor", "positive multiple"),
+    (QWEN3_30B, dict(moe_load_balancing="expert_bias"), "--moe-load-balancing", "needs a sigmoid router"),
+    (None, dict(recompute="selective", recompute_modules="moe_act", moe_grouped_gemm=False), "--recompute-modules",
+     "moe_act is recomputed with grouped GEMM only"),
+    (QWEN3_30B, dict(recompute="selective", recompute_modules="mla_up_proj"), "--recompute-modules",
+     "needs multi-latent attention"),
+    (QWEN3_30B, dict(recompute="selective", recompute_modules="shared_experts"), "--recompute-modules",
+     "no shared experts"),
+    (LLAMA, dict(recompute="selective", recompute_modules="moe"), "--recompute-modules", "has no experts"),
+    (QWEN3_30B, dict(recompute="selective", recompute_modules="moe_act", precision="fp8"), "--recompute-modules",
+     "delayed scaling"),
+    (None, dict(moe_imbalance=0.5), "--moe-imbalance", "between 1.0 (balanced)"),
+])
+def test_each_moe_refusal_names_its_option(model, options, key, says):
+    with pytest.raises(UserInputError) as info:
+        resolve_plan(model or _tiny_moe(), 8 if model is None else 16, backend="megatron", **options)
+    assert info.value.key == key and says in info.value.message and "\n" not in info.value.message, info.value
+
+
+def test_every_recompute_module_of_megatron_core_is_an_option():
+    """TransformerConfig 0.16.1's allowed_modules, all of them (the MoE ones extend core_attn and mlp)."""
+    assert set(RECOMPUTE_MODULES) == {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                                      "shared_experts"}
+    plan = resolve_plan(DEEPSEEK_V3, 128, backend="megatron", ep=64, pp=2, first_stage_layers=1,
+                        recompute="selective", recompute_modules="mla_up_proj,moe_act,layernorm,shared_experts")
+    assert plan.recompute_modules == ("moe_act", "layernorm", "mla_up_proj", "shared_experts")
+
+
+def test_moe_options_reach_megatron_core_and_megatron_lm(tmp_path):
+    """A dropping, grouped-GEMM, all-to-all plan with the MoE recompute modules: TransformerConfig builds from the
+    generated megatron.yaml and Megatron-LM's parser table takes every flag."""
+    recipe = _recipe(tmp_path, dict(ep=2, moe_capacity_factor=1.25, recompute="selective",
+                                    recompute_modules=["moe_act", "moe", "layernorm"]))
+    out = tmp_path / "out"
+    assert main(["generate", recipe, "--out", str(out)]) == 0
+    config = yaml.safe_load((out / "megatron.yaml").read_text())
+    tc = config["transformer_config"]
+    assert (tc["moe_token_dispatcher_type"], tc["moe_grouped_gemm"], tc["moe_expert_capacity_factor"],
+            tc["recompute_modules"], tc["moe_router_load_balancing_type"]) == (
+        "alltoall", True, 1.25, ["moe_act", "moe", "layernorm"], "aux_loss")
+    assert validate_megatron_config(config, 2) == []
+    args = (out / "megatron_args.txt").read_text()
+    assert {"--moe-expert-capacity-factor 1.25", "--moe-token-dispatcher-type alltoall", "--moe-grouped-gemm",
+            "--recompute-modules moe_act moe layernorm"} <= set(args.splitlines())
+    assert megatron_lm_problems(args) == []
+    config["transformer_config"]["moe_grouped_gemm"] = False  # moe_act without grouped GEMM: one line naming it
+    problems = validate_megatron_config(config, 2)
+    assert [p.key for p in problems] == ["transformer_config.recompute_modules"], problems
+
+
+def test_explain_states_the_routing_imbalance_and_its_source(capsys):
+    assert main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--backend", "megatron", "--ep", "8",
+                 "--explain"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MoE routing imbalance 1.23" in text and "arXiv:2604.19654" in text and "dropless" in text
+    assert main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--backend", "megatron", "--ep", "8",
+                 "--moe-imbalance", "1.5", "--explain"]) == 0
+    assert "MoE routing imbalance 1.5 (busiest expert rank's tokens / the mean; given by --moe-imbalance)" in " ".join(
+        capsys.readouterr().out.split())
+
+
+def test_tiny_moe_config_is_the_folding_tests_one():
+    assert TINY_MOE["num_experts"] == _tiny_moe().num_experts == 4
