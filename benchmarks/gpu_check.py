@@ -29,12 +29,17 @@ gradients. Without a GPU it says so and skips.
 With `--context-parallel` (2 GPUs or more) it trains an FSDP2 plan with torch context parallel (cp=2) against the
 same plan on one GPU without it and compares the per-step losses: context parallel does not run on CPU ranks.
 
+With `--fp8 RECIPE` (Transformer Engine installed; Hopper for delayed/tensorwise/blockwise, Blackwell for mxfp8) it
+runs one forward and backward of a Llama 3.1 8B decoder layer built from Transformer Engine's modules as
+Megatron-Core's TE spec builds it, in bf16 and in the recipe, and puts what the forward leaves allocated (saved
+activations, and in fp8 the weight copies the first micro-batch caches) beside the estimate's terms.
+
 With `--profile` the first case also records steps WARMUP_STEPS+1 and +2 with torch.profiler (train.py
 --profile-steps) and `dmt report --breakdown --json` reads the traces through Holistic Trace Analysis (GPU kernels:
 compute, communication, idle) beside the predicted terms; the result's `breakdown` holds what it said.
 
 Usage: python benchmarks/gpu_check.py --work /tmp/gpu_check --out result.json [--cases NAME ...] [--long-context]
-       [--context-parallel] [--profile]
+       [--context-parallel] [--profile] [--fp8 tensorwise]
 Only the long-context check: --cases --skip-health --skip-gemm --long-context
 benchmarks/gpu_check.md holds a run's figures with the machine named.
 """
@@ -240,6 +245,78 @@ def long_context_case(name: str) -> dict:
             "predicted_peak_above_weights": predicted, "memory_error": predicted / peak - 1}
 
 
+# one Llama 3.1 8B decoder layer as Megatron-Core's Transformer Engine spec builds it (LayerNormLinear for qkv and fc1,
+# Linear for the projection and fc2, fused attention and SwiGLU in bf16 between them), at 8K tokens
+FP8_CASE = ("llama-3.1-8b", 8192)
+
+
+def fp8_case(recipe_name: str) -> dict:
+    """One forward and backward of that layer in bf16 and under the fp8 recipe, each against
+    `torch.cuda.max_memory_allocated()`: the bytes the forward leaves saved for backward and the bytes the recipe's
+    weight copies add (is_first_microbatch=True caches them, as Megatron-Core asks), beside the estimate's terms
+    (toolkit/estimate/activations.py, toolkit/spec/quantization.py)."""
+    import torch
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
+
+    from toolkit.estimate.activations import _block_bytes_per_token
+    from toolkit.estimate.memory import activation_setup
+    from toolkit.spec.model import load_model_spec
+    from toolkit.spec.plan import resolve_plan
+    from toolkit.spec.quantization import RECIPES
+
+    preset, tokens = FP8_CASE
+    spec = load_model_spec(preset)
+    h, ffn = spec.hidden_size, spec.ffn_hidden_size
+    heads, kv, d = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+    recipes = {"delayed": te_recipe.DelayedScaling, "tensorwise": te_recipe.Float8CurrentScaling,
+               "blockwise": te_recipe.Float8BlockScaling, "mxfp8": te_recipe.MXFP8BlockScaling}
+    with torch.device("cuda"):
+        qkv = te.LayerNormLinear(h, (heads + 2 * kv) * d, bias=False, normalization="RMSNorm", params_dtype=torch.bfloat16)
+        proj = te.Linear(heads * d, h, bias=False, params_dtype=torch.bfloat16)
+        fc1 = te.LayerNormLinear(h, 2 * ffn, bias=False, normalization="RMSNorm", params_dtype=torch.bfloat16)
+        fc2 = te.Linear(ffn, h, bias=False, params_dtype=torch.bfloat16)
+        attention = te.DotProductAttention(heads, d, num_gqa_groups=kv, attn_mask_type="causal", qkv_format="sbhd")
+    gemm_params = sum(p.numel() for m in (qkv, proj, fc1, fc2) for n, p in m.named_parameters() if "weight" in n
+                      and "layer_norm" not in n)
+
+    def layer(x, first: bool):
+        q, k, v = qkv(x, is_first_microbatch=first).split([heads * d, kv * d, kv * d], dim=-1)
+        out = attention(q.reshape(tokens, 1, heads, d), k.reshape(tokens, 1, kv, d), v.reshape(tokens, 1, kv, d))
+        x = x + proj(out.reshape(tokens, 1, heads * d), is_first_microbatch=first)
+        gate, up = fc1(x, is_first_microbatch=first).chunk(2, dim=-1)
+        return x + fc2(torch.nn.functional.silu(gate) * up, is_first_microbatch=first)
+
+    measured = {}
+    for precision in ("bf16", recipe_name):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()  # the layer's input counts as the estimate counts it (kept by qkv's norm)
+        x = torch.randn(tokens, 1, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.cuda.reset_peak_memory_stats()
+        with te.fp8_autocast(enabled=precision != "bf16", fp8_recipe=recipes.get(recipe_name, te_recipe.DelayedScaling)()):
+            y = layer(x, first=True)
+        torch.cuda.synchronize()
+        saved = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+        y.float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        measured[precision] = {"after_forward": saved, "peak": torch.cuda.max_memory_allocated() - before}
+        del x, y
+        for module in (qkv, proj, fc1, fc2):
+            module.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    plans = {p: resolve_plan(spec, 1, backend="megatron", zero=0, seq_len=tokens, gpus_per_node=1,
+                             **({"precision": "fp8", "fp8_recipe": recipe_name} if p != "bf16" else {}))
+             for p in measured}
+    # the layer's saved activations (its output aside) and, under fp8, the weight copies the first micro-batch caches
+    predicted = {p: _block_bytes_per_token(spec, False, activation_setup(spec, plan)) * tokens
+                 + (gemm_params * RECIPES[recipe_name].weight_copy_bytes if p != "bf16" else 0)
+                 for p, plan in plans.items()}
+    return {"case": f"{preset} layer, {tokens} tokens, {recipe_name}", "gemm_params": gemm_params,
+            "measured_after_forward": {p: m["after_forward"] for p, m in measured.items()},
+            "measured_peak": {p: m["peak"] for p, m in measured.items()}, "predicted_after_forward": predicted,
+            "errors": {p: predicted[p] / measured[p]["after_forward"] - 1 for p in measured}}
+
+
 # torch context parallel on FSDP2 (plan cp=2) against one rank without it: it cannot run on CPU ranks (torch has no
 # context-parallel attention for CPU SDPA, toolkit/backends/fsdp/train.py), so this is where it is checked
 CONTEXT_PARALLEL_LOSS_TOLERANCE = 2e-2  # bf16 with another reduction order (ring all-gather of keys and values)
@@ -317,6 +394,10 @@ def main() -> int:
                         help="the long-context check: activation peak with and without DeepSpeed's tiles")
     parser.add_argument("--context-parallel", action="store_true",
                         help="also train plan cp=2 (FSDP2, torch context parallel) on 2 GPUs against cp=1 on one")
+    parser.add_argument("--fp8", default=None, choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
+                        help="one fp8 forward and backward of a Llama 3.1 8B layer (Transformer Engine) against "
+                             "torch.cuda.max_memory_allocated(), beside the estimate's saved activations and "
+                             "weight copies")
     parser.add_argument("--profile", action="store_true",
                         help="profile two steps of the first case and read them through HTA (dmt report --breakdown)")
     parser.add_argument("--cross-validate", action="store_true",
@@ -347,6 +428,10 @@ def main() -> int:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     if args.long_context:
         report["long_context"] = [long_context_case(name) for name in LONG_CONTEXT_CASES]
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+    if args.fp8:
+        report["fp8"] = fp8_case(args.fp8)
+        print(json.dumps(report["fp8"], default=str), flush=True)
         args.out.write_text(json.dumps(report, indent=2, default=str))
     if args.context_parallel:
         report["context_parallel"] = context_parallel_case(args.work, corpus, args.gpu, args.steps)

@@ -85,9 +85,23 @@ Notes on the misses and on the Llama 3 layout:
   the paper does not break the step down.
 - Execution paths (toolkit/estimate/efficiency.py). megatron-te: the Megatron-LM, Llama 3 and Megatron-Bridge rows.
   The Bridge rows use Transformer Engine's TP communication overlap (userbuffers), which the toolkit's generated
-  configs do not enable and the model does not credit; FP8 runs every GEMM and the attention at the fp8 peak times
-  the same curve, which these rows support (-3% and +3%). The Qwen3 MoE row ran Bridge's HybridEP dispatcher; the
-  model sends each rank's expert tokens through its own NIC for the share bound for the other node (+1%).
+  configs do not enable and the model does not credit (16% of the 70B FP8 step is TP all-reduces here). FP8 runs the
+  GEMMs at the fp8 peak times the same curve and attention at bf16's, as Transformer Engine does with
+  fp8_dot_product_attention off (Bridge's recipes): the FP8 rows moved from -3%, +2% and +1% (attention at the fp8
+  peak) to +6%, +7% and +9%, the TP overlap not credited being the likeliest rest. The Qwen3 MoE row ran Bridge's
+  HybridEP dispatcher; the model sends each rank's expert tokens through its own NIC for the share bound for the
+  other node.
+- The 70B and 405B FP8 rows were "fits: False" (83.0 GiB and over 79.1 GiB on rank 0): three terms were too large, none of
+  them the interleaved schedule's in-flight count, which is Megatron-Core's own (2(p-r-1) + (v-1)p warm-up forwards,
+  47 chunks of 2 layers on rank 0: get_pp_rank_microbatches in schedules.py, replayed in tests/unit/
+  test_pipeline_schedule.py). (1) Bridge's fp8_cs recipe is tensorwise with fp8_param_gather
+  (perf_recipes/_common.py, training/mixed_precision.py): the GEMM weights are fp8 tensors, no bf16 copy beside them
+  (-2.2 GiB on rank 0; the rows now say so). (2) Transformer Engine saves each GEMM's input for the weight gradient
+  quantized, column-wise only (module/linear.py "Discard row-wise data"): the norms' outputs and fc2's input cost a
+  byte, not two, while the output projection adds its own fp8 copy beside attention's bf16 output (-13% of the
+  activations: 49.3 -> 42.6 GiB). (3) The bf16-plus-fp8 weights were counted at 3 B/param; they are 4 on Hopper (the
+  fp8 copy and its transpose, cached across micro-batches: Megatron-Core passes is_first_microbatch), which (1)
+  removes. Rank 0 of the 70B row: 73.7 GiB of 79.1.
 - hf: HF or eager PyTorch modules. The eager rate (0.57 of the fused one) fits torchtitan's one-node Llama 3.1 8B row
   and the toolkit's own DeepSpeed run on one H100 alike (+1% each); torchtitan's machines were Grand Teton H100s
   with 96 GB of HBM2e at 2.4 TB/s and a 500 W power limit, with selective (op) activation checkpointing (82.4 GiB:
@@ -106,6 +120,16 @@ Notes on the misses and on the Llama 3 layout:
 - megatron-local: Megatron-Core's local spec without Apex: the eager rate plus the unfused attention's memory
   traffic, counted per score element from Megatron-Core 0.16.1's code (UNFUSED_ATTENTION_*_BYTES): -5% (the model
   had it 3.9x too fast before the paths).
+"""
+
+PRECISION_NOTES = """
+How a precision enters the step (toolkit/estimate/timing.py, toolkit/spec/quantization.py): the GEMMs run at the
+recipe's peak (the catalogue's mxfp8 / nvfp4 key where the part lists one, else its fp8 key) times the same width
+curve as bf16; attention (Transformer Engine's fused kernel in bf16: Megatron-Core's fp8_dot_product_attention is off
+in every Bridge recipe), the norms and every collective at bf16 rates; with fp8_param_gather the distributed
+optimizer all-gathers the GEMM weights in fp8. Not modelled: the quantization kernels themselves (amax and cast of
+every GEMM input and output gradient, one layout for tensorwise on Blackwell, two with their scales for mxfp8 and
+nvfp4), which is why the tensorwise/mxfp8 pairs are predicted equal where Bridge measured mxfp8 2-6% slower.
 """
 
 
@@ -218,6 +242,51 @@ def path_rows(refs: dict) -> list[dict]:
     return rows
 
 
+def fastest_split(model, gpus: int, gpu, options: dict):
+    """(step s, plan) of a published layout: the fastest pipeline split Megatron-Core accepts at its VPP."""
+    options = dict(options)
+    vpp = options.pop("vpp", 1)
+    splits = pipeline_splits(model.num_layers, options["pp"], megatron=True) if options.get("pp", 1) > 1 else [({}, [1])]
+    plans = [resolve_plan(model, gpus, vpp=vpp, **split, **options) for split, vpps in splits if vpp in vpps]
+    return min(((step_time(model, plan, gpu, network_for(gpu)).total_s, plan) for plan in plans), key=lambda v: v[0])
+
+
+def precision_pairs(refs: list[dict]) -> None:
+    """The same layout in two precisions: each row's error, and the error of the predicted ratio of step times."""
+    print("\n## Precision pairs: the same layout in two precisions\n")
+    print("Each pair ran one layout in two precisions (one release, one system); `ratio` is the second run's step time "
+          "over the first's.\n")
+    print("| layout | precisions | published step s | predicted step s | errors | published ratio | predicted ratio | "
+          "ratio error | fits | source |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---|")
+    errors, waiting = [], []
+    for ref in refs:
+        try:
+            gpu = get_gpu(ref["gpu"])
+        except UserInputError:
+            waiting.append(ref)
+            continue
+        model = load_model_spec(ref["model"])
+        published, predicted, fits, names = [], [], [], []
+        for run in ref["runs"]:
+            options = {**ref["plan"], **{k: v for k, v in run.items() if k != "tokens_per_s_per_gpu"}}
+            step, plan = fastest_split(model, ref["gpus"], gpu, options)
+            published.append(plan.global_batch * plan.seq_len / (run["tokens_per_s_per_gpu"] * plan.gpus))
+            predicted.append(step)
+            fits.append(str(estimate_memory(model, plan).total <= gpu.memory_bytes))
+            names.append(plan.fp8_recipe or plan.fp4_recipe)
+        ratio, predicted_ratio = published[1] / published[0], predicted[1] / predicted[0]
+        errors.append(abs(predicted_ratio / ratio - 1))
+        row_errors = " / ".join(f"{(p - q) / q:+.1%}" for p, q in zip(predicted, published))
+        print(f"| {ref['name']} | {' / '.join(names)} | {published[0]:.3g} / {published[1]:.3g} | "
+              f"{predicted[0]:.3g} / {predicted[1]:.3g} | {row_errors} | {ratio:.3f} | {predicted_ratio:.3f} | "
+              f"{predicted_ratio / ratio - 1:+.1%} | {' / '.join(fits)} | {ref['source']} |")
+    for ref in waiting:
+        print(f"| {ref['name']} | - | - | - | - | - | - | - | - | {ref['source']}: no {ref['gpu']} in the catalogue |")
+    if errors:
+        print(f"\n{len(errors)} pairs; ratio error median {sorted(errors)[(len(errors) - 1) // 2]:.1%}, largest "
+              f"{max(errors):.1%}")
+    print(PRECISION_NOTES)
 MOE_NOTES = """
 Notes on the MoE rows:
 - What the model prices per MoE layer (toolkit/estimate/timing.py): the routed experts' GEMMs at the rate of one GEMM
@@ -337,6 +406,7 @@ def report() -> None:
     print(f"\nsearch: llama-3.1-405b on 16384 x h100-80gb, seq 8192, global batch 2048: {result.considered} plans "
           f"considered, {len(result.ranked)} fit, {elapsed:.2f} s ({cpu:.2f} s of CPU; the machine's load average "
           f"{os.getloadavg()[0]:.1f})")
+    precision_pairs(refs["precision_pairs"])
 
 
 def main() -> None:

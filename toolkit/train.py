@@ -21,6 +21,7 @@ from toolkit.errors import UserInputError, error_line  # noqa: E402
 from toolkit.health.checks import match_gpu  # noqa: E402
 from toolkit.planner.recipe import recipe_plan, recipe_prediction  # noqa: E402
 from toolkit.planner.save_interval import is_auto, run_save_steps  # noqa: E402
+from toolkit.runtime import inprocess  # noqa: E402
 from toolkit.runtime.guard import GuardStop  # noqa: E402
 from toolkit.runtime.incident import (  # noqa: E402
     flight_recorder_environment,
@@ -39,6 +40,7 @@ from toolkit.runtime.supervision import TrainingWatchdog  # noqa: E402
 from toolkit.runtime.watchdog import exit_now  # noqa: E402
 from toolkit.spec.backends import backend_of  # noqa: E402
 from toolkit.spec.cluster import load_catalogue  # noqa: E402
+from toolkit.spec.lr_scaling import lr_schedule  # noqa: E402
 from toolkit.spec.options import CPU_ATTENTION  # noqa: E402
 from toolkit.spec.recipe import (  # noqa: E402
     ProfileSection,
@@ -108,18 +110,30 @@ def _run(args: argparse.Namespace) -> int:
     if "save_steps" not in updates and is_auto(run.recipe):  # `save_steps: auto`: the number dmt generate wrote
         updates["save_steps"] = run_save_steps(run.recipe, run.model, run.plan, run.prediction)
     recipe = run.recipe
+    # training.lr_scaling: the learning rate and warm-up dmt generate wrote for this global batch (spec/lr_scaling.py)
+    updates = {**_scaled_lr(recipe), **updates}
     if updates:  # the schedule, the DeepSpeed config and the trainer arguments must all see the new values
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     recipe = _profiled(recipe, args.profile_steps, run.plan.gpus)
     check_attention_device(run.plan, recipe.cluster.accelerator)
     output_dir = args.output_dir or Path("runs") / recipe.name
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
-    watch = _watched(output_dir, recipe.training.hang_timeout_s)
+    in_process = recipe.training.restart == "in_process"
+    # in-process restart: NVRx's rank monitors watch the ranks; the toolkit's watchdog would end the job instead
+    watch = _watched(output_dir, 0 if in_process else recipe.training.hang_timeout_s)
     try:
         train = backend_of(run.plan).train.train  # toolkit/backends/<name>/train.py
-        summary = train(TrainContext(run=run, recipe=recipe, output_dir=output_dir, resume=args.resume,
-                                     deepspeed_json=args.deepspeed, updates=updates, throughput=throughput,
-                                     watch=watch))
+
+        def attempt(restarted: bool = False):
+            return train(TrainContext(run=run, recipe=recipe, output_dir=output_dir,
+                                      resume="auto" if restarted else args.resume, deepspeed_json=args.deepspeed,
+                                      updates=updates, throughput=throughput, watch=watch))
+
+        if in_process:
+            summary = inprocess.run(attempt, output_dir, run.plan.gpus, recipe.training.max_restarts,
+                                    recipe.training.hang_timeout_s, _process_group_backend(recipe.cluster.accelerator))
+        else:
+            summary = attempt()
     except BaseException as exc:
         watch.shield()  # first: a SIGTERM from here on would replace this failure and skip its report
         detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -141,6 +155,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scaled_lr(recipe) -> dict:
+    schedule = lr_schedule(recipe.training)
+    if schedule is None:
+        return {}
+    # no warm-up stays none: the writers' own minimum (DeepSpeed's one step) is theirs to apply
+    return {"learning_rate": schedule["learning_rate"],
+            **({"warmup_steps": schedule["warmup_steps"]} if schedule["recipe_warmup_steps"] else {})}
 def _profiled(recipe, steps: str | None, world: int):
     """The recipe with --profile-steps A-B as its training.profile (its ranks and memory kept), checked against the
     launch: steps within max_steps, ranks within the world."""
@@ -181,6 +202,10 @@ def check_attention_device(plan, accelerator: str) -> None:
         raise UserInputError("plan.attention", f"{plan.attention} needs the flash-attn package, which is not "
                                                f"installed here (pip install flash-attn); or use "
                                                f"{' or '.join(CPU_ATTENTION)}")
+
+
+def _process_group_backend(accelerator: str) -> str:
+    return "nccl" if trains_on_cuda(accelerator) else "gloo"
 
 
 def _rank_zero() -> bool:

@@ -78,7 +78,49 @@ def main() -> None:
             results[name] = {"max_abs_diff": float((got - expected).abs().max()), "scale": float(expected.abs().max())}
             destroy()
     (args.output_dir / "logits.json").write_text(json.dumps(results, indent=2))
+    with cuda_on_cpu():
+        counts = megatron_mtp_counts()
+        destroy()
+    (args.output_dir / "mtp_params.json").write_text(json.dumps(counts, indent=2))
     dist.destroy_process_group()
+
+
+def megatron_mtp_counts() -> dict:
+    """Parameters of Megatron-Core's GPTModel (local spec) with a dense first layer, routed and shared experts and
+    two multi-token prediction modules, beside the toolkit's count of the same ModelSpec: the decoder and head apart
+    from the `mtp.` modules, which transformers never builds and the toolkit counts apart (ParamCounts.mtp)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from toolkit.compat.megatron_seams import moe_without_transformer_engine
+    from toolkit.estimate.params import count_params
+    from toolkit.spec.model import ModelSpec
+
+    spec = ModelSpec(num_layers=3, hidden_size=32, num_attention_heads=4, num_kv_heads=2, head_dim=8,
+                     ffn_hidden_size=40, vocab_size=96, num_experts=4, experts_top_k=2, moe_ffn_hidden_size=16,
+                     moe_layers=(1, 2), shared_expert_ffn_hidden_size=24, mtp_layers=2)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    moe_without_transformer_engine()
+    tc = TransformerConfig(
+        num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=40,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24,
+        moe_layer_freq=[0, 1, 1], mtp_num_layers=2, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, use_cpu_initialization=True,
+        transformer_impl="local", moe_token_dispatcher_type="allgather")
+    block = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(config=tc, transformer_layer_spec=block, vocab_size=96, max_sequence_length=128,
+                     position_embedding_type="rope",
+                     mtp_block_spec=get_gpt_mtp_block_spec(tc, block.layer_specs[-1], use_transformer_engine=False))
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    mtp = sum(n for name, n in sizes.items() if name.startswith("mtp."))
+    counts = count_params(spec)
+    return {"megatron_total": sum(sizes.values()) - mtp, "megatron_mtp": mtp, "toolkit_total": counts.total,
+            "toolkit_mtp": counts.mtp, "shared_experts": sum(n for name, n in sizes.items() if "shared_experts" in name)}
 
 
 if __name__ == "__main__":

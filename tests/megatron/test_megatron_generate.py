@@ -57,6 +57,11 @@ def test_the_args_say_what_the_yaml_says():
         assert flag in args, flag
     fp8 = (OUT / "llama-3.1-8b-tp2-cp2-fp8.args.txt").read_text().splitlines()
     assert "--fp8-format hybrid" in fp8 and "--context-parallel-size 2" in fp8 and "--bf16" in fp8
+    assert "--fp8-recipe delayed" in fp8 and "--fp8-param-gather" not in fp8  # Megatron-Core's default recipe, stated
+    bridge = (OUT / "llama-3.1-70b-tp4-pp8-vpp5-fp8.args.txt").read_text().splitlines()
+    for flag in ("--fp8-format hybrid", "--fp8-recipe tensorwise", "--fp8-param-gather", "--use-distributed-optimizer",
+                 "--num-virtual-stages-per-pipeline-rank 5"):
+        assert flag in bridge, flag
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +119,7 @@ def _train_py(*flags: str) -> subprocess.CompletedProcess:
     (("--tp", "4"), "train.py: error: --tp: 4 must divide attention heads (4) and kv heads (2)"),
     (("--cp", "2"), "train.py: error: --cp: context parallelism needs Transformer Engine layer modules"),
     (("--zero", "1"), "train.py: error: --zero: is a DeepSpeed option; with Megatron use --distributed-optimizer"),
+    (("--precision", "fp8"), "train.py: error: --precision: fp8 runs Transformer Engine's CUDA kernels; CPU ranks"),
 ])
 def test_train_py_validates_plan_overrides_before_launching(flags, says, tmp_path):
     result = _train_py(*flags, "--output-dir", str(tmp_path / "run"))

@@ -111,3 +111,8 @@ def test_hf_checkpoints_give_megatron_core_the_same_logits_through_the_tables(to
     for family, result in results.items():
         assert result["scale"] > 0.1, family  # real logits
         assert result["max_abs_diff"] < 1e-5, (family, result)  # a wrong mapping is off by ~1e-2 here
+    # the same launch builds Megatron-Core's model with a dense first layer, shared experts and two MTP modules:
+    # the toolkit counts each part as Megatron-Core builds it (MTP apart, as transformers builds none)
+    mtp = json.loads((run.out / "mtp_params.json").read_text())
+    assert mtp["shared_experts"] > 0 and mtp["megatron_mtp"] > 0
+    assert (mtp["toolkit_total"], mtp["toolkit_mtp"]) == (mtp["megatron_total"], mtp["megatron_mtp"])

@@ -7,9 +7,12 @@ import json
 import pytest
 from megatron_helpers import RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON
 
-from helpers import assert_profiled, wandb_history
+from helpers import assert_profiled, free_port, launch_watched, rank_processes, wandb_history
+from toolkit.checkpoint.dcp import DistCheckpointReader
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
+from toolkit.cli.main import main
+from toolkit.runtime.incident import read_incidents
 from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 
 pytestmark = pytest.mark.launch
@@ -145,3 +148,58 @@ def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, d
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
     assert_checkpoint(run, STEPS, **{k: v for k, v in LAYOUTS[target].items() if k != "distributed_optimizer"})
     assert run.rc == 0, run.tail()
+
+
+def _model_tensors(ckpt) -> dict:
+    """The model's tensors of a dist checkpoint, read whole (the optimizer's are stored per its sharding format)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = DistCheckpointReader(ckpt)
+    return {key: reader.read(key, [0] * len(meta.size), list(meta.size)) for key, meta in reader.tensors.items()
+            if isinstance(meta, TensorStorageMetadata) and not key.startswith(("optimizer.", "rng_state"))
+            and "_extra_state" not in key}
+
+
+def test_in_process_restart_replaces_a_killed_rank_and_ends_as_the_uninterrupted_run(layout_run, megatron_recipe,
+                                                                                     tmp_path):
+    """training.restart: in_process (NVRx's in-process Wrapper) through the generated launch.sh's `inprocess`
+    launcher: 2 ranks and a hot spare. Rank 1 is SIGKILLed in step 5, after checkpoint-4: rank 0's process is not
+    relaunched (same pid before and after), the spare becomes rank 1, training continues from checkpoint-4 and every
+    step is logged once, each equal to the uninterrupted dp2 run's to the bit, and so are the final weights."""
+    import torch
+
+    recipe = megatron_recipe("tiny-megatron-inprocess", plan={"distributed_optimizer": True},
+                             training={"max_steps": STEPS, "save_steps": 2, "async_save": False,
+                                       "restart": "in_process", "spare_ranks": 1, "hang_timeout_s": 120})
+    generated, out, log = tmp_path / "gen", tmp_path / "run", tmp_path / "inprocess.log"
+    assert main(["generate", str(recipe), "--out", str(generated)]) == 0
+    pids: dict = {}
+
+    def note_the_ranks(process):  # the processes as launched, before the kill (their environment names the rank)
+        for rank in (0, 1, 2):
+            if rank not in pids:
+                found = rank_processes(process, rank=rank)
+                if found:
+                    pids[rank] = found[0].pid
+        return len(pids) == 3
+
+    rc = launch_watched(["bash", str(generated / "launch.sh"), "inprocess"], log, note_the_ranks,
+                        {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+                         "DMT_FAULT": f"kill@rank=1,step={SAVE_AT + 1},phase=train"})
+    text = log.read_text()
+    assert rc == 0 and "fault injection: kill on rank 1" in text, text[-3000:]
+    failure, restart, resumed = read_incidents(out)
+    assert failure["event"] == "failure" and "TERMINATED on ranks={1}" in failure["reason"], failure
+    assert restart["resume_from"] == f"checkpoint-{SAVE_AT}" and restart["attempt"]["in_process"] == 1, restart
+    # not relaunched: rank 0 is the process launch.sh started; the spare (launched as rank 2) is rank 1 now
+    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == SAVE_AT + 1, resumed
+    assert f"in-process restart iteration 1: rank 1 of 2 (pid {pids[2]})" in text
+    assert resumed["restart_s"] > 0  # measured and recorded (benchmarks/restart_time.md compares the figures)
+    reference = read_metrics(layout_run("dp2").out)
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    keys = ("step", "loss", "grad_norm", "learning_rate", "data_sha")
+    assert [{k: r[k] for k in keys} for r in records] == [{k: r[k] for k in keys} for r in reference]
+    got, want = _model_tensors(out / f"checkpoint-{STEPS}"), _model_tensors(layout_run("dp2").out / f"checkpoint-{STEPS}")
+    assert got.keys() == want.keys() and got and all(torch.equal(got[k], want[k]) for k in got)
+    assert verify(resolve_latest(out)).ok

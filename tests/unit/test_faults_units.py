@@ -298,3 +298,27 @@ def test_a_launcher_sigterm_during_a_failure_report_does_not_cut_it_short(tmp_pa
     assert failure["event"] == "failure" and "Connection closed by peer" in failure["reason"]
     assert [d["rank"] for d in failure["died"]] == [0]
     assert hooks == ["ended", "abandon"]
+
+
+def test_in_process_restart_is_refused_where_it_cannot_run_and_its_launcher_starts_ranks_and_spares(tmp_path, capsys):
+    """training.restart: in_process: a DeepSpeed recipe is refused in one line naming the key and the backend that
+    takes it; a Megatron-Core one gets launch.sh's `inprocess` launcher as the default, starting cluster.gpus ranks
+    and training.spare_ranks spares as processes of their own (no torchrun agent to end the survivors)."""
+    data = yaml.safe_load(TINY.read_text())
+    data["data"]["train_files"] = [str(TINY.parent / f) for f in data["data"]["train_files"]]
+    data["training"]["restart"] = "in_process"
+    path = tmp_path / "deepspeed.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["generate", str(path), "--out", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "training.restart" in err and "Megatron-Core" in err, err
+    megatron = Path(__file__).resolve().parents[2] / "recipes" / "tiny-llama-megatron-cpu.yaml"
+    data = yaml.safe_load(megatron.read_text())
+    data["data"]["train_files"] = [str(megatron.parent / f) for f in data["data"]["train_files"]]
+    data["training"].update(restart="in_process", spare_ranks=2)
+    path = tmp_path / "megatron.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["generate", str(path), "--out", str(tmp_path / "mc")]) == 0
+    text = (tmp_path / "mc" / "launch.sh").read_text()
+    assert 'LAUNCHER="${1:-inprocess}"' in text and "WORLD=$((2 + 2))" in text and "DMT_SPARE_RANKS=2" in text
+    assert "Usage: launch.sh [inprocess|torchrun]" in text

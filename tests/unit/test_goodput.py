@@ -147,3 +147,25 @@ def test_the_text_names_the_checkpoint_the_interval_and_the_goodput(capsys):
     assert main(["estimate", *LLAMA_8B, "--train-tokens", "1T", "--gpu-hour-price", "2"]) == 0
     out = capsys.readouterr().out
     assert "without failures" in out and "Daly's optimum" in out and "goodput" in out and "cost" in out
+
+
+def test_the_restart_mode_sets_the_restart_time_and_local_checkpoints_the_reload(capsys):
+    """--restart picks --restart-s's default (relaunch: Daly's 10 min; in_process: benchmarks/restart_time.md's
+    figure); --local-checkpoint reloads each rank's own states at the host link instead of shared storage; a given
+    --restart-s wins over the mode's default."""
+    from toolkit.estimate.goodput import RESTART_MODES
+
+    relaunch = _training_time(capsys, "--no-async-checkpoint")["training_time"]
+    in_process = _training_time(capsys, "--no-async-checkpoint", "--restart", "in_process")["training_time"]
+    local = _training_time(capsys, "--no-async-checkpoint", "--restart", "in_process",
+                           "--local-checkpoint")["training_time"]
+    assert (relaunch["restart"], relaunch["restart_s"]) == ("relaunch", RESTART_MODES["relaunch"])
+    assert (in_process["restart"], in_process["restart_s"]) == ("in_process", RESTART_MODES["in_process"])
+    assert RESTART_MODES["in_process"] < RESTART_MODES["relaunch"]
+    assert in_process["lost_h"]["restarts"] < relaunch["lost_h"]["restarts"] and in_process["days"] < relaunch["days"]
+    assert not in_process["checkpoint"]["local"] and local["checkpoint"]["local"]
+    assert in_process["checkpoint"]["reload_s"] == in_process["checkpoint"]["write_s"]  # shared storage: the write rate
+    assert local["checkpoint"]["reload_s"] == pytest.approx(local["checkpoint"]["local_bytes"] / 64e9)  # H100 PCIe
+    assert local["lost_h"]["reloads"] < in_process["lost_h"]["reloads"] and local["goodput"] > in_process["goodput"]
+    given = _training_time(capsys, "--restart", "in_process", "--restart-s", "42")["training_time"]
+    assert given["restart_s"] == 42

@@ -121,3 +121,45 @@ def test_unmapped_families_say_what_the_megatron_mapping_lacks(model_type, missi
     with pytest.raises(UserInputError) as err:
         megatron_mapping(model_type)
     assert missing in str(err.value) and "\n" not in str(err.value)
+
+
+def test_explain_counts_gpt_oss_windows_and_says_so(capsys):
+    """GPT-OSS's sliding layers attend 128 tokens at any length: the attention FLOPs `--explain` counts are the full
+    layers' over 8,192 tokens and the sliding layers' over their window, which the rule says."""
+    from toolkit.estimate.flops import layer_forward_flops
+
+    assert main(["estimate", "--model", "gpt-oss-20b", "--gpus", "8", "--seq-len", "8192", "--explain", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    entry = next(e for e in report["explain"] if e["component"] == "attention_flops")
+    spec = load_model_spec("gpt-oss-20b")
+    full, sliding = (layer_forward_flops(spec, i, 8192).attention for i in (1, 0))
+    assert entry["flops_per_token"] == pytest.approx(3 * 12 * (full + sliding)) and sliding * 8192 == full * 128
+    assert "12 of 24 layers attend at most 128 tokens" in entry["rule"]
+
+
+def test_gpt_oss_clamped_swiglu_keeps_seven_ffn_wide_tensors():
+    """GPT-OSS's expert activation (transformers' GptOssExperts._apply_gate) and down_proj's input, measured with
+    saved_tensors_hooks on the module itself: what mlp_bytes_per_token counts for it on the HF path."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from toolkit.estimate.activations import ActivationSetup, mlp_bytes_per_token
+    from toolkit.estimate.measure import saved_activation_bytes
+
+    config = AutoConfig.for_model("gpt_oss", hidden_size=64, intermediate_size=48, num_local_experts=2,
+                                  num_experts_per_tok=1)
+    config._experts_implementation = "eager"
+    experts = GptOssExperts(config).to(torch.bfloat16)
+    tokens = 16
+    hidden = torch.randn(tokens, 64, dtype=torch.bfloat16, requires_grad=True)
+    routing = dict(router_indices=torch.zeros(tokens, 1, dtype=torch.long),
+                   routing_weights=torch.ones(tokens, 1, dtype=torch.bfloat16))
+    measured = saved_activation_bytes(experts, hidden_states=hidden, **routing)
+    spec = load_model_spec("gpt-oss-20b").model_copy(update={"moe_ffn_hidden_size": 48})
+    setup = ActivationSetup(hf_modules=True, micro_batch=1, seq_len=tokens, act_bytes=2, attention="eager",
+                            recompute="none")
+    # the MoE terms around it: the gathered input rows and the weighted output (hidden wide), the routing weight and
+    # the two int64 indices of each token's row
+    moe_terms = (2 * 2 * 64 + 2 + 2 * 8) * tokens
+    assert measured - moe_terms == mlp_bytes_per_token(spec, 2, 48, setup) * tokens == 7 * 2 * 48 * tokens

@@ -66,7 +66,7 @@ def test_a_plan_built_from_a_dict_is_checked_by_the_same_rules():
 @pytest.mark.parametrize("options, key, message", [
     (dict(tp=0), "--tp", "must be a positive integer, got 0"),
     (dict(micro_batch=True), "--micro-batch", "must be an integer, got True"),
-    (dict(precision="fp64"), "--precision", "got 'fp64'; valid: bf16, fp16, fp32, fp8"),
+    (dict(precision="fp64"), "--precision", "got 'fp64'; valid: bf16, fp16, fp32, fp8, fp4"),
     (dict(recompute="selective", recompute_modules="core_attn,attention", backend="megatron"), "--recompute-modules",
      "got 'attention'; valid: core_attn, mlp, moe_act, moe, layernorm, mla_up_proj, shared_experts"),
     (dict(sequence_parallel="yes"), "--sequence-parallel", "must be true or false, got 'yes'"),

@@ -12,6 +12,7 @@ from toolkit.backends.data import data_files
 from toolkit.checkpoint.manifest import latest_verified, read_manifest
 from toolkit.checkpoint.safe_load import check_checkpoint
 from toolkit.errors import UserInputError
+from toolkit.runtime.incident import is_restart
 from toolkit.runtime.metrics import keep_until
 from toolkit.runtime.supervision import record_restart
 from toolkit.spec.plan import Plan
@@ -36,8 +37,9 @@ def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> P
         check_resume_compatible(path, identity)
         check_checkpoint(path, "--resume")  # DeepSpeed's, DCP's and ds_to_universal's loaders run any pickle
     record_restart(output_dir, path.name if path is not None else None)
-    if path is not None and os.environ.get("RANK", "0") == "0":
-        keep_until(output_dir, read_manifest(path)["step"])
+    if os.environ.get("RANK", "0") == "0" and (path is not None or is_restart()):
+        # a restart without a checkpoint trains from step 1 again: the steps of the attempt that ended go too
+        keep_until(output_dir, read_manifest(path)["step"] if path is not None else 0)
     return path
 
 

@@ -11,7 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 from toolkit.estimate.checkpoint_cost import WRITE_BW_GBPS_PER_NODE
-from toolkit.estimate.goodput import FAILURE_RATE_PER_GPU_HOUR, RESTART_S
+from toolkit.estimate.goodput import FAILURE_RATE_PER_GPU_HOUR, RESTART_MODES
 from toolkit.estimate.training_time import FailureInputs, record_training_time
 from toolkit.numeric import (
     FAILURE_RATE,
@@ -44,9 +44,17 @@ def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failure-rate", type=FAILURE_RATE, default=FAILURE_RATE_PER_GPU_HOUR, metavar="PER_GPU_HOUR",
                         help="interruptions per GPU-hour, with --train-tokens (default %(default).3g: Llama 3 405B's "
                              "419 in 54 days on 16,384 GPUs, arXiv:2407.21783 Sec. 3.3.4; 0: none)")
-    parser.add_argument("--restart-s", type=RESTART, default=RESTART_S, metavar="S",
-                        help="seconds from a failure to training again, before the checkpoint is reloaded "
-                             "(default %(default)g: an assumption, Daly's R = 10 min; pass a measured one)")
+    parser.add_argument("--restart", choices=tuple(RESTART_MODES), default="relaunch",
+                        help="how a failed job restarts (training.restart), which sets --restart-s's default: "
+                             "relaunch (every process again), in_process (NVRx's in-process restart, docs/faults.md)")
+    defaults = ", ".join(f"{mode} {seconds:g}" for mode, seconds in RESTART_MODES.items())
+    parser.add_argument("--restart-s", type=RESTART, default=None, metavar="S",
+                        help=f"seconds from a failure to training again, before the checkpoint is reloaded (default "
+                             f"by --restart: {defaults}; relaunch: an assumption, Daly's R = 10 min; in_process: "
+                             f"benchmarks/restart_time.md; pass a measured one)")
+    parser.add_argument("--local-checkpoint", action="store_true",
+                        help="a restart reloads node-local checkpoints (checkpoint.local) at the host link instead "
+                             "of shared storage at --checkpoint-write-bw")
     parser.add_argument("--checkpoint-write-bw", type=WRITE_BW, default=WRITE_BW_GBPS_PER_NODE, metavar="GBPS",
                         help="checkpoint storage GB/s per node, writing and reading (default %(default).3g: Llama 3's "
                              "2 TB/s sustained over 2,048 nodes, arXiv:2407.21783 Sec. 3.3.1)")
@@ -62,7 +70,8 @@ def add_train_tokens_argument(parser: argparse.ArgumentParser) -> None:
 
 def failure_inputs(args: argparse.Namespace) -> FailureInputs:
     """The failure and checkpoint assumptions the flags give (their ranges checked as argparse parses them)."""
-    return FailureInputs(failure_rate_per_gpu_hour=args.failure_rate, restart_s=args.restart_s,
+    return FailureInputs(failure_rate_per_gpu_hour=args.failure_rate, restart=args.restart, restart_s=args.restart_s,
+                         local_checkpoint=args.local_checkpoint,
                          write_bw_gbps_per_node=args.checkpoint_write_bw, write_s=args.checkpoint_write_s,
                          async_save=args.async_checkpoint, gpu_hour_price=args.gpu_hour_price)
 
@@ -88,8 +97,10 @@ def training_time_lines(record: Prediction) -> list[str]:
         f"{t.gpu_hours_compute:,.0f} GPU-hours on {record.plan.gpus} x {record.gpu} without failures",
         f"checkpoint: {c.bytes / 1e9:,.1f} GB per save, written in {c.write_s:,.3g} s, blocking {c.blocking_s:,.3g} s "
         f"({mode}); every {c.interval_steps:,} steps ({c.interval_s / 60:,.1f} min, Daly's optimum)",
-        f"{failures}; lost: checkpoints {lost.checkpoints:,.1f} h, restarts {lost.restarts:,.1f} h, "
-        f"reloads {lost.reloads:,.1f} h, recomputed steps {lost.recomputed:,.1f} h",
+        f"{failures}; lost: checkpoints {lost.checkpoints:,.1f} h, restarts {lost.restarts:,.1f} h "
+        f"({t.restart}, {t.restart_s:,.3g} s each), reloads {lost.reloads:,.1f} h "
+        f"({'node-local' if c.local else 'shared storage'}, {c.reload_s:,.3g} s each), "
+        f"recomputed steps {lost.recomputed:,.1f} h",
         f"with failures: {t.days:,.1f} days, {t.gpu_hours:,.0f} GPU-hours, goodput {t.goodput:.1%}"
         + (f", cost {t.cost:,.0f}" if t.cost is not None else ""),
     ]

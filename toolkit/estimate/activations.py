@@ -28,8 +28,9 @@ INDEX = 8  # int64 token ids and labels
 HF_MULTI_OP_GELU = ("gelu_new", "gelu_fast", "quick_gelu")
 # HF families with a fused qkv projection whose sdpa path also keeps separate q and k tensors (measured).
 HF_FUSED_QKV_SDPA_COPIES = ("gpt2", "phi3")
-# HF families whose eager attention takes softmax in the compute dtype (the llama lineage upcasts to fp32).
-HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE = ("gpt2",)
+# HF families whose eager attention takes softmax in the compute dtype (the llama lineage upcasts to fp32); GPT-OSS's
+# takes it over the scores and its sink column, in their dtype.
+HF_EAGER_SOFTMAX_IN_COMPUTE_DTYPE = ("gpt2", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -57,20 +58,30 @@ class ActivationSetup:
     hf_activation: str | None = None  # transformers' hidden_act name, when known
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # bytes per element of what a Transformer Engine GEMM saves of its input in fp8 / fp4 (quantized, column-wise
+    # usage only: spec/quantization.py); 0: the GEMMs save their 16-bit inputs themselves
+    gemm_input_bytes: float = 0.0
+
+    @property
+    def saved_gemm_input(self) -> float:
+        """Bytes per element a GEMM input costs when it is saved: its quantized copy, or the activation itself."""
+        return self.gemm_input_bytes or self.act_bytes
 
     @property
     def tokens(self) -> int:
         """Tokens one rank processes per micro-batch (context parallelism splits the sequence)."""
         return self.micro_batch * self.seq_len // (self.cp * self.sp)
 
-def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool = False) -> int:
+def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool = False,
+                saved: float | None = None) -> float:
     """Per token: what a norm keeps plus its output, which the next linear keeps; `megatron`: Megatron-Core's norm
-    modules (`local`: its local spec's), else HF's."""
+    modules (`local`: its local spec's), else HF's. `saved`: bytes per element of the output the linear saves (TE's
+    LayerNormLinear saves ln_out quantized in fp8 / fp4; default the activation's)."""
     if megatron and local and spec.norm == "rmsnorm":
         # torch's RMSNorm (no Apex): fp32 copy of the input, fp32 rstd, fp32 normalized copy; output for the linear
         return 2 * FP32 * width + FP32 + a * width
     if megatron:  # TE LayerNormLinear: input, ln_out, rstd (and mu for layernorm); torch's LayerNorm keeps the same
-        return 2 * a * width + FP32 * (2 if spec.norm == "layernorm" else 1)
+        return a * width + (saved or a) * width + FP32 * (2 if spec.norm == "layernorm" else 1)
     if spec.norm == "rmsnorm":  # HF RMSNorm: fp32 upcast, fp32 rstd, normalized copy kept by `weight *`, output
         return FP32 * width + FP32 + 2 * a * width
     return a * width + 2 * FP32 + a * width  # nn.LayerNorm: input, mean, rstd; output
@@ -83,8 +94,12 @@ def mlp_bytes_per_token(spec: ModelSpec, a: int, ffn: int, setup: ActivationSetu
         # local spec with saved_tensors_hooks, tests/megatron/test_megatron_recompute.py)
         return 5 * a * ffn
     if not setup.hf_modules:
-        # fc1 output (2*ffn when gated) kept by the fused activation, and fc2's input
-        return a * ((2 if spec.gated_mlp else 1) * ffn + ffn)
+        # fc1 output (2*ffn when gated) kept by the fused activation, and fc2's input (quantized in fp8 / fp4)
+        return a * (2 if spec.gated_mlp else 1) * ffn + setup.saved_gemm_input * ffn
+    if spec.gated_mlp and spec.activation_clamp:
+        # GPT-OSS's clamped SwiGLU (GptOssExperts._apply_gate): gate_up's output (2 x ffn, kept by both clamps), the
+        # sigmoid's output, the clamped gate, glu and up + 1 (kept by their product), down_proj's input
+        return 7 * a * ffn
     if spec.gated_mlp:  # gate output, act(gate), up output, act*up (down_proj's input)
         return 4 * a * ffn
     if spec.activation == "relu":  # relu keeps its output, which is also fc2's input
@@ -136,6 +151,8 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
     heads, s = spec.num_attention_heads, setup.seq_len // setup.cp
     hf = setup.hf_modules
     out = a * q  # attention output, kept by o_proj
+    # in fp8 / fp4 the output projection saves its own quantized copy beside the fused kernel's bf16 output
+    proj_copy = setup.gemm_input_bytes * q
     qk_norm = 0
     if spec.qk_norm and hf:  # HF per-head RMSNorm on q and k, as _norm_bytes for rmsnorm
         qk_norm = (FP32 + 2 * a) * (q + kv) + FP32 * (heads + spec.num_kv_heads)
@@ -158,7 +175,7 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
         if core_attn:
             # Megatron recomputes core attention; its checkpoint keeps the inputs: rotated q and k, and v, a view of
             # the fused QKV projection's output, which so stays whole (measured on the local spec)
-            return qk_norm + a * (q + kv) + a * (q + 2 * kv) + out
+            return qk_norm + a * (q + kv) + a * (q + 2 * kv) + (proj_copy or out)
         if setup.sp > 1:
             # Ulysses: the kernel keeps q, k, v after the all-to-all ([s, heads/sp]: as many bytes as [s/sp, heads]);
             # the sequence-sharded ones go with the all-to-all, which keeps nothing. With fewer kv heads than sp each
@@ -169,7 +186,7 @@ def _attention_bytes(spec: ModelSpec, a: int, setup: ActivationSetup) -> int:
             saved_qkv = a * (q + 2 * kv) + a * (q + kv)
         else:
             saved_qkv = a * (q + 2 * kv)
-        return qk_norm + saved_qkv + FP32 * heads + out  # + the fused kernel's fp32 log-sum-exp
+        return qk_norm + saved_qkv + FP32 * heads + out + proj_copy  # + the fused kernel's fp32 log-sum-exp
     # eager: QK^T and PV keep q, k, v (k and v repeated to all heads for GQA) and the probabilities
     kv_kept = kv if spec.num_kv_heads == heads else q
     probs = a * heads * s
@@ -251,7 +268,8 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
     tp = setup.tp
     norm_split = tp if (megatron and setup.sequence_parallel) else 1
     local = megatron and setup.local_layers
-    norms = spec.norms_per_layer * _norm_bytes(spec, a, h, megatron, local) if spec.norms_per_layer else 0
+    saved = setup.saved_gemm_input if megatron else None
+    norms = spec.norms_per_layer * _norm_bytes(spec, a, h, megatron, local, saved) if spec.norms_per_layer else 0
     if spec.norms_per_layer > 2:  # gemma2's post-norms: their output goes to the residual, not a linear
         norms -= (spec.norms_per_layer - 2) * a * h
     if megatron and not moe and "mlp" in setup.recompute_modules:
@@ -259,7 +277,7 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
         # input, the residual stream, stays; the norm's input and output, fc1's output and fc2's input go. The local
         # spec's norm is a module of its own: it keeps what it keeps, and its output is the checkpoint's input.
         if not local:
-            norms -= _norm_bytes(spec, a, h, megatron) - a * h
+            norms -= _norm_bytes(spec, a, h, megatron, saved=saved) - a * h
         mlp = 0
     elif setup.tiled_mlp and not moe:
         mlp = 0  # TiledMLP keeps only the MLP's input: the norm's output, counted with the norm

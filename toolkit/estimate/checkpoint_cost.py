@@ -12,6 +12,9 @@
   are the memory estimate's weights and optimizer bytes (nothing to copy for what ZeRO-Offload keeps on the host)
   and the copy runs at the GPU's host link (the catalogue's pcie_bw_gbps, the link's peak: a lower bound of the
   stall, as pinned copies reach 80-90% of it and pageable ones less).
+- Reload: from shared storage at the write rate; from node-local checkpoints (checkpoint.local, NVRx's local
+  checkpoint manager) each rank reads its own states back from its node's memory or disk, at the same host link as
+  the asynchronous copy (a lower bound; a node that was lost reads its replica from a peer over the network).
 """
 
 from __future__ import annotations
@@ -50,13 +53,15 @@ def checkpoint_bytes(trained_params: int, plan: Plan) -> int:
 
 def checkpoint_cost(trained_params: int, plan: Plan, local_bytes: int, host_link_gbps: float, async_save: bool,
                     write_bw_gbps_per_node: float = WRITE_BW_GBPS_PER_NODE,
-                    write_s: float | None = None) -> CheckpointCost:
-    """The cost of one save of `plan`; `write_s` a measured write time that replaces the computed one."""
+                    write_s: float | None = None, local_reload: bool = False) -> CheckpointCost:
+    """The cost of one save of `plan`; `write_s` a measured write time that replaces the computed one;
+    `local_reload`: a restart reads node-local checkpoints (checkpoint.local) instead of shared storage."""
     total = checkpoint_bytes(trained_params, plan)
     nodes = math.ceil(plan.gpus / plan.gpus_per_node)
     computed = total / (nodes * write_bw_gbps_per_node * GB)
     written = computed if write_s is None else write_s
     copied = local_bytes / (host_link_gbps * GB)
     return CheckpointCost(bytes=total, local_bytes=local_bytes, write_s=written,
-                          blocking_s=min(copied, written) if async_save else written, reload_s=written,
+                          blocking_s=min(copied, written) if async_save else written,
+                          reload_s=min(copied, written) if local_reload else written,
                           async_save=async_save)

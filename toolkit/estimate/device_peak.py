@@ -84,10 +84,11 @@ def host_matmul_tflops(key: str, threads: int | None = None) -> float:
     return result["matmul_gflops"] / 1e3
 
 
-def peak_flops(gpu: GPU, precision: str, ranks_per_node: int = 1) -> float:
-    """Dense peak FLOP/s of one rank at a training precision. The host entry's peak is the host's matmul rate (from a
-    calibration file, else measured now by host_matmul_tflops), split evenly between the ranks it runs."""
-    key = peak_key(precision)
+def peak_flops(gpu: GPU, precision: str, ranks_per_node: int = 1, key: str | None = None) -> float:
+    """Dense peak FLOP/s of one rank at a training precision (`key`: a peak_tflops key of its own, as a low-precision
+    recipe's GEMMs run at). The host entry's peak is the host's matmul rate (from a calibration file, else measured
+    now by host_matmul_tflops), split evenly between the ranks it runs."""
+    key = key or peak_key(precision)
     if gpu.host:
         tflops = gpu.peak_tflops.get(key) or host_matmul_tflops(key)
         return tflops * 1e12 / max(1, ranks_per_node)

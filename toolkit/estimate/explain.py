@@ -209,6 +209,10 @@ def _activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
         if plan.tp > 1:
             why += f", divided by tp = {plan.tp}" + (" (norms too, with sequence parallelism)"
                                                    if plan.sequence_parallel else "")
+    if setup.gemm_input_bytes and plan.recompute != "full":
+        why += (f"; in {plan.precision} Transformer Engine saves each GEMM's input quantized, "
+                f"{setup.gemm_input_bytes:.3g} B an element (the norms' outputs, fc2's input, and the output "
+                f"projection's own copy beside attention's bf16 output)")
     why += f": ~{per_unit:.3g} bytes per token per hidden unit per layer, not {THUMB_ACTIVATION_BYTES}"
     if head:
         why += f"; the last stage also holds the fp32 logits ({_gib(head)}), which the rule leaves out"
@@ -282,9 +286,10 @@ def _step_time(model: ModelSpec, report: Prediction) -> dict:
 def _attention_flops(model: ModelSpec, report: Prediction) -> dict:
     """Which attention FLOPs the step time and MFU count: the whole sequence's, or a packed blend's documents'."""
     plan, packed = report.plan, report.packed_attention
-    whole = 3 * sum(layer_forward_flops(model, i, plan.seq_len).attention for i in range(model.num_layers))
+    # the rule of thumb: every layer over the whole sequence (12·L·q·s when q, k and v heads are as wide)
+    whole = 6 * model.num_layers * plan.seq_len * model.num_attention_heads * (model.head_dim + model.value_head_dim)
     attended = attended_tokens(plan.seq_len, packed)
-    counted = whole * attended / plan.seq_len
+    counted = 3 * sum(layer_forward_flops(model, i, attended).attention for i in range(model.num_layers))
     if packed is None:
         rule = f"the whole sequence: {plan.seq_len} tokens attended per token"
         why = ("no packed documents given (a recipe's data.blend with reset_position_ids and reset_attention_mask, "
@@ -293,6 +298,11 @@ def _attention_flops(model: ModelSpec, report: Prediction) -> dict:
         rule = f"{'per document' if packed.squared_pieces is not None else 'the whole sequence'}: " \
                f"{attended:,.0f} tokens attended per token"
         why = packed.note
+    windowed = sum(1 for i in range(model.num_layers) if model.attention_window(i))
+    if windowed:
+        rule += f"; {windowed} of {model.num_layers} layers attend at most {model.sliding_window} tokens"
+        why += (f"; sliding-window layers ({model.family}'s layer_types) attend their window only, however long the "
+                f"sequence")
     return _entry("attention_flops", counted, f"{rule}, forward and backward: {counted:.3g} FLOPs per token",
                   f"12·L·q·s over the whole sequence (s = {plan.seq_len}): {whole:.3g} FLOPs per token", whole, why,
                   attended_tokens=attended, counts_documents=packed is not None and packed.squared_pieces is not None)

@@ -34,6 +34,15 @@ FAILURE_RATE_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GP
 # starting the processes and the communicators. No published LLM run states it; 10 minutes is the restart time of
 # Daly's own worked examples (R = 10 min), an assumption to replace with a measured figure (--restart-s).
 RESTART_S = 600.0
+# training.restart: in_process (NVIDIA Resiliency Extension's in-process restart): no job, container, interpreter,
+# import or CUDA context starts again; what is left is detecting the fault, the surviving ranks' restart barrier, new
+# communicators, the model built again and the first step. NVRx's documentation names what it removes but publishes
+# no time; the figure is our own measurement (benchmarks/restart_time.md: failure to the end of the next step,
+# checkpoint read included, 2 CPU ranks of a tiny Megatron-Core model on a 2-core machine at load 32-40: median
+# 12.1 s, where a relaunch took 102 s), rounded up. A GPU cluster's NCCL communicators take longer to form than gloo's and its
+# model is larger: pass a measured one (--restart-s).
+RESTART_S_IN_PROCESS = 15.0
+RESTART_MODES = {"relaunch": RESTART_S, "in_process": RESTART_S_IN_PROCESS}  # training.restart -> its default R
 
 
 def mean_time_between_failures_s(failure_rate_per_gpu_hour: float, gpus: int) -> float:

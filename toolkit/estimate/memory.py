@@ -31,6 +31,7 @@ from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
+from toolkit.spec.quantization import plan_recipe
 
 FP32 = 4
 
@@ -58,6 +59,7 @@ class StageParams:
 
     dense: int  # replicated across data parallel ranks
     expert: int  # replicated across expert-data-parallel ranks only
+    gemm: int = 0  # of both, the linear layers' weights (attention, MLP, experts): what fp8 / fp4 recipes quantize
 
     @property
     def total(self) -> int:
@@ -105,11 +107,13 @@ def layer_params(counts: ParamCounts, plan: Plan, index: int) -> tuple[int, int]
 
 def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:
     tp = plan.tp
-    dense = expert = 0
+    dense = expert = gemm = 0
     for index in stage_layers(spec.num_layers, plan, stage):
         layer_dense, layer_expert = layer_params(counts, plan, index)
         dense += layer_dense
         expert += layer_expert
+        layer = counts.layers[index]
+        gemm += (layer.attention_sharded + layer.mlp_sharded) // tp + layer_expert
     emb_dim = counts.token_embedding // spec.vocab_size
     vocab = backend_of(plan).memory.padded_vocab(spec.vocab_size, tp)
     vocab_shard = vocab * emb_dim // tp
@@ -129,7 +133,7 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
             dense += vocab_shard
         elif plan.pp > 1:  # tied head on another stage keeps its own copy of the embedding
             dense += vocab_shard
-    return StageParams(dense=dense, expert=expert)
+    return StageParams(dense=dense, expert=expert, gemm=gemm)
 
 
 def alive_forwards(spec: ModelSpec, plan: Plan, stage: int) -> tuple[list[int], int]:
@@ -175,7 +179,15 @@ def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
         hf_activation=spec.hf_activation,
         hidden_dropout=spec.hidden_dropout,
         attention_dropout=spec.attention_dropout,
+        gemm_input_bytes=saved_gemm_input_bytes(plan),
     )
+
+
+def saved_gemm_input_bytes(plan: Plan) -> float:
+    """Bytes per element Transformer Engine's GEMMs save of their inputs under the plan's fp8 / fp4 recipe (0: they
+    save the 16-bit input itself); Megatron-Core's TE layers only (the HF path runs no recipe)."""
+    recipe = plan_recipe(plan)
+    return recipe.saved_input_bytes if recipe is not None and not backend_of(plan).hf_modules else 0.0
 
 
 @dataclass(frozen=True)

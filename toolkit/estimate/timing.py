@@ -37,6 +37,7 @@ from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.prediction import PackedAttention
+from toolkit.spec.quantization import gemm_peak_key, plan_recipe
 
 DP_OVERLAP = 0.8
 # Adam over a parameter partition touches ~28 B/param of HBM (read master, m, v, grad; write master, m, v, bf16 copy)
@@ -107,7 +108,9 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     gpu, network = calibrated(gpu, network, calibration)
     network = network.for_plan(plan)  # the plan's node size, NVLink domain and scale-out tier
     a = PRECISION_BYTES[plan.precision]
-    peak = peak_flops(gpu, plan.precision, plan.gpus_per_node)
+    # fp8 / fp4: the GEMMs run at their recipe's peak, attention (fp8_dot_product_attention off) and the rest at bf16's
+    peak = peak_flops(gpu, plan.precision, plan.gpus_per_node, key=gemm_peak_key(plan, gpu))
+    attention_peak = peak_flops(gpu, "bf16", plan.gpus_per_node) if plan_recipe(plan) else peak
     tokens = plan.micro_batch * plan.seq_len // plan.sequence_split  # per rank per micro-batch
     path = calibrated_path(path or execution_path(plan), calibration)
     efficiency = min(1.0, gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale)
@@ -148,6 +151,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
 
     stages = []
     rate = peak * efficiency
+    attention_rate = attention_peak * efficiency
     attended = attended_tokens(plan.seq_len, packed)
     # backward runs the input-gradient GEMM of every linear layer, and the weight-gradient one only where the weight
     # trains: a frozen base (LoRA) skips the latter, a third of its matmul work; its adapters train in full
@@ -157,6 +161,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         layers = stage_layers(spec.num_layers, plan, stage)
         recomputed = recomputed_layers(spec, plan, stage)
         work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
+        attention_run = 0.0  # of those, attention's score and value products (at attention_rate)
         expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
         collectives = 0
         sp_exchanges = 0.0
@@ -164,8 +169,9 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
             f = layer_forward_flops(spec, i, attended)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
-            work += matmul_passes * f.matmul + 3 * (f.attention * attention_work + adapter_forward_flops(spec, ft, i))
-            work += again.matmul + again.attention * attention_work
+            work += matmul_passes * f.matmul + 3 * adapter_forward_flops(spec, ft, i)
+            work += again.matmul
+            attention_run += (3 * f.attention + again.attention) * attention_work
             work += f.mlp_matmul * tile_recompute_forwards(plan.tiled_mlp)  # TiledMLP's forward again in backward
             if f.expert_matmul:
                 memory_bound += routed_traffic_s * (2 if whole or "moe" in plan.recompute_modules else 1)
@@ -178,8 +184,9 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
         if stage == plan.pp - 1:
             work += matmul_passes * head_forward_flops(spec)
-        compute = tokens * (work / plan.tp / rate + memory_bound) + tokens * expert_work * routed / plan.tp / expert_rate
-        attention_time = tokens * attention * 3 / plan.tp / rate
+        compute = (tokens * (work / plan.tp / rate + attention_run / plan.tp / attention_rate + memory_bound)
+                   + tokens * expert_work * routed / plan.tp / expert_rate)
+        attention_time = tokens * attention * 3 / plan.tp / attention_rate
         # the ring's exchange hides behind attention; its steps' merges and waits do not
         # cp ring steps per attention pass: forward, backward, and a recomputed forward (as Ulysses' exchanges)
         cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s

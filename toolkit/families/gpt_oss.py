@@ -25,6 +25,7 @@ def read(cfg: HFConfig) -> dict:
     return llama_spec(
         cfg, qkv_bias=bias, attn_out_bias=bias, attention_sinks=True, num_experts=cfg.integer("num_local_experts"),
         experts_top_k=cfg.integer("num_experts_per_tok"), moe_ffn_hidden_size=ffn, expert_bias=True, router_bias=True,
+        activation_clamp=cfg.number("swiglu_limit"),
         sliding_window=window, sliding_layers=tuple(i for i, t in enumerate(types) if t == LAYER_TYPES[0]) if window
         else None)
 

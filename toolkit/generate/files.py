@@ -22,6 +22,7 @@ from toolkit.planner.recipe import recipe_plan, recipe_prediction
 from toolkit.planner.save_interval import AUTO, auto_save_interval, is_auto, recipe_saves_async, with_save_steps
 from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.spec.calibration import Calibration
+from toolkit.spec.lr_scaling import lr_schedule, with_scaled_lr
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.prediction import PlanFile
@@ -38,6 +39,7 @@ class GenerationContext:
     overrides: dict = field(default_factory=dict)  # plan options given on the command line (plan.json keeps them)
     calibration: Calibration | None = None  # --calibration, else the recipe's cluster.calibration
     save_interval: dict | None = None  # `training.save_steps: auto` resolved (recipe holds the number), and why
+    lr_scaling: dict | None = None  # the learning rate and warm-up scaled to the global batch (recipe holds them)
 
 
 
@@ -66,7 +68,7 @@ def _plan(ctx: GenerationContext) -> str:
                                recipe_settings=_settings_as_written(ctx), overrides=ctx.overrides,
                                files=[name for name in files_of(ctx.plan.backend)
                                       if name != PLAN_FILE and written(ctx, name)],
-                               save_interval=ctx.save_interval)
+                               save_interval=ctx.save_interval, lr_scaling=ctx.lr_scaling)
     return json_text(record.as_json(), indent=2) + "\n"
 
 
@@ -75,6 +77,9 @@ def _settings_as_written(ctx: GenerationContext) -> dict:
     settings = recipe_settings(ctx.recipe)
     if ctx.save_interval is not None:
         settings["training"]["save_steps"] = AUTO
+    if ctx.lr_scaling is not None:  # the recipe's own numbers, not the scaled ones the generators wrote
+        settings["training"].update(learning_rate=ctx.lr_scaling["recipe_learning_rate"],
+                                    warmup_steps=ctx.lr_scaling["recipe_warmup_steps"])
     return settings
 
 
@@ -129,8 +134,9 @@ def resolve(recipe_path: Path, out_dir: Path = Path("."), calibration: Path | No
         save_interval = auto_save_interval(recipe_prediction(recipe, model, plan, fitted), recipe.training.max_steps,
                                            recipe_saves_async(recipe, plan))
         recipe = with_save_steps(recipe, save_interval["save_steps"])
-    return GenerationContext(recipe, Path(recipe_path), model, plan, Path(out_dir).resolve(), overrides, fitted,
-                             save_interval)
+    lr_scaling = lr_schedule(recipe.training)  # resolved here once; every writer reads the scaled numbers
+    return GenerationContext(recipe if lr_scaling is None else with_scaled_lr(recipe), Path(recipe_path), model, plan,
+                             Path(out_dir).resolve(), overrides, fitted, save_interval, lr_scaling)
 
 
 def render(ctx: GenerationContext) -> dict[str, str]:

@@ -104,9 +104,12 @@ def launch_script(recipe: Recipe, plan: Plan, recipe_path: str) -> str:
     nodes = recipe.cluster.num_nodes
     per_node = plan.gpus // nodes
     launchers = backend_of(plan).launchers  # Megatron-Core: torchrun; FSDP2: accelerate or torchrun
+    if recipe.training.restart == "in_process":  # ranks and spares as processes of their own (one node)
+        launchers = ("inprocess", *launchers)
     values = dict(name=recipe.name, gpus=plan.gpus, nodes=nodes, per_node=per_node, last_node=nodes - 1,
                   recipe=shlex.quote(recipe_path),
-                  backend=plan.backend, launchers="|".join(launchers), default_launcher=launchers[0],
+                  backend=plan.backend, spares=recipe.training.spare_ranks, launchers="|".join(launchers),
+                  default_launcher=launchers[0],
                   environment=launch_environment(plan), max_restarts=recipe.training.max_restarts,
                   multi_note="\n# Several nodes: run it on each with NODE_RANK and MASTER_ADDR set (and HOSTFILE for "
                              "deepspeed)." if nodes > 1 else "")

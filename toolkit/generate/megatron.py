@@ -22,12 +22,13 @@ from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.spec.engine_settings import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
+from toolkit.spec.quantization import FORMAT, FP4, FP8, LOW_PRECISION
 from toolkit.spec.recipe import Recipe, data_workers
 
 SECTIONS = ("model", "transformer_config", "gpt_model", "ddp_config", "optimizer_config", "scheduler",
             "schedule")
 OPTIONAL_SECTIONS = ("data",)  # written for some recipes only: data for a blend
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16", "fp4": "bfloat16"}
 DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "main_params_dtype", "main_grads_dtype")
 # the torch dtypes those fields may name: a name is looked up on `torch`, where `manual_seed` is a function, not a dtype
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -36,10 +37,14 @@ OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}  # Megatron's "adam" is AdamW (deco
 
 def _precision(plan: Plan) -> dict:
     dtype = DTYPES[plan.precision]
-    fields = {"bf16": plan.precision in ("bf16", "fp8"), "fp16": plan.precision == "fp16", "params_dtype": dtype,
-              "pipeline_dtype": dtype}
-    if plan.precision == "fp8":  # Transformer Engine's delayed-scaling recipe, E4M3 forward / E5M2 backward
-        fields["fp8"] = "hybrid"
+    fields = {"bf16": plan.precision in ("bf16", *LOW_PRECISION), "fp16": plan.precision == "fp16",
+              "params_dtype": dtype, "pipeline_dtype": dtype}
+    if plan.precision == FP8:  # E4M3 forward / E5M2 gradients, in the plan's recipe (spec/quantization.py)
+        fields.update(fp8=FORMAT[FP8], fp8_recipe=plan.fp8_recipe)
+        if plan.fp8_param_gather:  # TransformerConfig.fp8_param: the GEMM weights are fp8 tensors
+            fields["fp8_param"] = True
+    elif plan.precision == FP4:
+        fields.update(fp4=FORMAT[FP4], fp4_recipe=plan.fp4_recipe)
     return fields
 
 

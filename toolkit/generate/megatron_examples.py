@@ -38,6 +38,13 @@ EXAMPLES = {
         dict(backend="megatron", zero=0, tp=8, pp=4, vpp=5, micro_batch=1, sequence_parallel=True,
              distributed_optimizer=True, recompute="selective"),
         "Llama 3.1 70B on 64 x H100: TP 8 x PP 4 with 5 interleaved stages per rank (80 layers = 4 x 5 x 4), DP 2"),
+    "llama-3.1-70b-tp4-pp8-vpp5-fp8": MegatronExample(
+        "llama-3.1-70b-64xh100.yaml",
+        dict(backend="megatron", zero=0, tp=4, pp=8, vpp=5, micro_batch=1, sequence_parallel=True,
+             distributed_optimizer=True, recompute="none", precision="fp8", fp8_recipe="tensorwise",
+             fp8_param_gather=True),
+        "Llama 3.1 70B on 64 x H100 as Megatron-Bridge benchmarks it: TP 4 x PP 8 with 5 interleaved stages, no "
+        "recomputation, fp8 tensorwise (current) scaling with fp8 weights gathered in fp8 (--fp8-param-gather)"),
     "llama-3.1-8b-tp2-cp2-fp8": MegatronExample(
         "llama-3.1-8b-sft-8xh100.yaml",
         dict(backend="megatron", zero=0, tp=2, cp=2, precision="fp8", sequence_parallel=True,

@@ -15,6 +15,7 @@ from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 from toolkit.spec.prediction import PackedAttention, Prediction
+from toolkit.spec.quantization import check_on_gpu
 
 MFU_NOTE = "model FLOPs without recomputation (PaLM convention) / (step time x GPUs x dense peak)"
 # LoRA's useful work: the frozen base's forward and input gradients, attention's three passes, the adapters' three
@@ -27,6 +28,7 @@ def predicted_record(model: ModelSpec, plan: Plan, gpu: GPU, network: Network,
                      packed: PackedAttention | None = None, **extra) -> Prediction:
     """The prediction of one plan, as every output that states one records it (see plan_record); `packed`: the
     attention a recipe's packed documents cost (toolkit/planner/recipe.py packed_attention), kept in the record."""
+    check_on_gpu(plan, gpu)  # Transformer Engine's recipe checks, before any figure of a plan the GPU cannot run
     time = step_time(model, plan, gpu, network, calibration=calibration, packed=packed)
     return plan_record(model, plan, estimate_memory(model, plan), time, gpu, calibration, record,
                        packed_attention=packed, **extra)

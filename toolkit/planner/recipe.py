@@ -8,13 +8,14 @@ from toolkit.estimate.comm import Network
 from toolkit.estimate.packed_attention import blend_squared_pieces
 from toolkit.planner.predict import predicted_record
 from toolkit.planner.search import best_plan
-from toolkit.spec.backends import backend_of
+from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import get_gpu, topology_defaults, with_host_memory
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION, for_backend, option_backends
 from toolkit.spec.plan import Plan, resolve_plan
 from toolkit.spec.prediction import PackedAttention, RecipePrediction
+from toolkit.spec.quantization import refuse_on_cpu
 from toolkit.spec.recipe import Recipe, megatron_layers, recipe_calibration, recipe_names
 
 
@@ -42,6 +43,9 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
     with `calibration` (default: the recipe's cluster.calibration)."""
     given = {k: v for k, v in overrides.items() if v is not None}
     options = recipe_options(recipe, **given)
+    if recipe.cluster.accelerator == "cpu":  # before the CPU recipe's local layers refuse it in other words
+        with recipe_names(given):
+            refuse_on_cpu(options.get("precision") or "bf16")
     with recipe_names(given):
         if recipe.plan.auto:
             calibration = calibration or recipe_calibration(recipe)
@@ -50,6 +54,7 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
         else:
             plan = resolve_plan(model, recipe.cluster.gpus, **options)
     check_data_format(recipe, plan)
+    check_restart(recipe, plan)
     return plan
 
 
@@ -58,6 +63,22 @@ def check_data_format(recipe: Recipe, plan: Plan) -> None:
     if recipe.data.format != "text" and not backend_of(plan).hf_modules:
         raise UserInputError("data.format", f"{recipe.data.format} data (loss on the answers only) trains through the "
                                             f"HF Trainer: use plan.backend deepspeed or fsdp, or format: text")
+
+
+def check_restart(recipe: Recipe, plan: Plan) -> None:
+    """training.restart: in_process needs a training function that can run again in the same process (the toolkit's
+    Megatron-Core loop; the HF Trainer keeps process-wide distributed state: Accelerate's PartialState, deepspeed.comm)
+    and, today, launch.sh's one-node `inprocess` launcher."""
+    if recipe.training.restart != "in_process":
+        return
+    backend = backend_of(plan)
+    if not backend.in_process_restart:
+        able = [b.label for b in BACKENDS.values() if b.in_process_restart]
+        raise UserInputError("training.restart", f"in_process runs with the {' or '.join(able)} backend, not "
+                                                 f"{backend.label}; use relaunch")
+    if recipe.cluster.num_nodes > 1:
+        raise UserInputError("training.restart", "in_process is launched on one node (launch.sh inprocess); use "
+                                                 "relaunch for several nodes")
 
 
 def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration: Calibration | None = None, /,

@@ -20,6 +20,7 @@ from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import default
 from toolkit.spec.pipeline import PipelineSplit, balanced_layout
 from toolkit.spec.plan import Plan, divisors, resolve_plan
+from toolkit.spec.quantization import check_on_gpu
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 # Tried after full recomputation on the HF backends, each only where the one before does not fit (they only add time):
@@ -171,6 +172,8 @@ def search(
     a calibration (dmt calibrate) ranks them by its calibrated step times."""
     result = SearchResult(ranked=[])
     fixed = {k: v for k, v in fixed.items() if v is not None}
+    if "precision" in fixed:  # every candidate shares the pinned precision and recipe: refused once, in one line
+        check_on_gpu(_pinned_precision(fixed), gpu)
     fixed.setdefault("gpus_per_node", network.gpus_per_node)
     fixed = topology_defaults(gpu, fixed)
     nvlink_domain = fixed.setdefault("nvlink_domain", fixed["gpus_per_node"])
@@ -289,3 +292,9 @@ def why_first_beats_second(first: Candidate, second: Candidate) -> str:
     if not named and not costs:
         return "ties with the runner-up (the same predicted step, component by component); listed first by search order"
     return f"{gain:.1f}% faster than the runner-up: " + ", ".join(named + costs)
+
+
+def _pinned_precision(fixed: dict) -> Plan:
+    """The precision options pinned for a search, as a plan check_on_gpu reads (Plan's own defaults for the rest)."""
+    keys = ("precision", "fp8_recipe", "fp4_recipe")
+    return Plan.model_construct(**{"fp8_recipe": None, "fp4_recipe": None, **{k: fixed[k] for k in keys if k in fixed}})

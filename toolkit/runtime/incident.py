@@ -2,7 +2,7 @@
 the last words of every rank the job ends (its Python stacks; on NCCL the flight recorder's record of collectives).
 
 incident.json is {"events": [...]}, oldest first. Every event has `event`, `time` (UTC, ISO 8601) and `attempt`
-(restarts before this launch: {"torchrun", "launch", "slurm"}), and by kind:
+(restarts before this launch: {"torchrun", "launch", "slurm", "in_process"}), and by kind:
   hang     unresponsive [{rank, host, pid, step, phase, silent_s, reason}], reported_by, latest (the checkpoint
            `latest` named when it happened), last_words (the directory of the ranks' stacks and NCCL traces)
   failure  reason (the reporting rank's error line), died [{rank, host, pid, step, phase}], reported_by, latest,
@@ -11,6 +11,8 @@ incident.json is {"events": [...]}, oldest first. Every event has `event`, `time
            was reloaded) and dropped_steps [first, last]
   restart  resume_from (the checkpoint this attempt continues from, or null), cause (the event that ended the
            previous attempt, or why there is none)
+  resumed  (training.restart: in_process) step (the first step trained after the restart), restart_s (from the
+           failure, as the surviving rank 0 saw it, to the end of that step), pid (rank 0's: unchanged), iteration
   collectives  after a hang, from the reporting rank once the ranks' last words are written: torch's flight
            recorder analysis of their dumps (torch.distributed.flight_recorder): recorder (on | off, and why),
            dumps (ranks whose dump arrived), collective and missing_ranks (the first collective not every rank joined,
@@ -40,7 +42,7 @@ FR_WAIT_S = 10.0  # how long the reporting rank waits for the other ranks' dumps
 EXIT_FAILURE, EXIT_HANG, EXIT_GUARD_STOP = 1, 3, 4
 # launcher -> the variable that counts its restarts of this job
 RESTART_COUNTERS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "launch": "DMT_RESTART_COUNT",
-                    "slurm": "SLURM_RESTART_COUNT"}
+                    "slurm": "SLURM_RESTART_COUNT", "in_process": "DMT_INPROCESS_RESTART"}
 
 
 def restart_counts(environ=None) -> dict[str, int]:

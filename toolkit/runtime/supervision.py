@@ -27,7 +27,7 @@ from pathlib import Path
 
 from toolkit.errors import UserInputError
 from toolkit.readers import read_text
-from toolkit.runtime import faults
+from toolkit.runtime import faults, inprocess
 from toolkit.runtime.guard import GuardStop
 from toolkit.runtime.incident import (
     EXIT_FAILURE,
@@ -104,6 +104,7 @@ class TrainingWatchdog:
     def phase(self, step: int, name: str) -> None:
         if self.watchdog is not None:
             self.watchdog.step(f"step {step} {name}")
+        inprocess.ping()  # training.restart: in_process: NVRx's progress timeout (a no-op otherwise)
         faults.at_phase(step, name, self.rank, wake=self.output_dir / SAVE_AND_EXIT)
 
     def finish(self) -> None:

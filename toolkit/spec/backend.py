@@ -166,6 +166,7 @@ class Backend:
     files: tuple[str, ...] = field(default=())  # the files `dmt generate` writes for it beyond the common ones
     article: str = "a"  # before its label, as in "is an FSDP2 option"
     async_save: bool = False  # can write checkpoints in the background (training.async_save)
+    in_process_restart: bool = False  # its training function restarts inside NVRx's in-process Wrapper (docs/faults.md)
 
     def saves_async(self, asked: bool | None, accelerator: str = "gpu") -> bool:
         """Whether its checkpoints are written in the background: the recipe's training.async_save where this backend

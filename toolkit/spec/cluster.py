@@ -16,7 +16,7 @@ from toolkit.numeric import FINITE
 CATALOGUE = Path(__file__).resolve().parent.parent / "presets" / "gpus.yaml"
 DEFAULT_GPU = "h100-80gb"
 # the peak_tflops key a training precision runs at (fp32 training runs its matmuls in TF32 on tensor cores)
-PEAK_KEY = {"fp8": "fp8", "fp32": "tf32"}
+PEAK_KEY = {"fp8": "fp8", "fp4": "nvfp4", "fp32": "tf32"}
 MAX_HOST_MEMORY_GB = 2**23  # 8 PiB of RAM per node: a byte count that stays an exact integer (2^53)
 
 
@@ -31,6 +31,9 @@ class GPU(BaseModel):
                                                       "whole host's (measured when absent: "
                                                       "toolkit/estimate/device_peak.py).")
     hbm_bandwidth_gbps: float
+    compute_capability: str | None = Field(None, pattern=r"^\d+\.\d+$",
+                                           description="NVIDIA parts' CUDA compute capability, major.minor: which "
+                                                       "Transformer Engine recipes have kernels (spec/quantization.py).")
     intra_node_bw_gbps: float = Field(description="Unidirectional GB/s per GPU inside a node.")
     inter_node_bw_gbps: float = Field(description="Unidirectional GB/s per GPU across nodes.")
     pcie_bw_gbps: float = Field(description="Host <-> device GB/s, unidirectional.")
@@ -97,5 +100,15 @@ def get_gpu(name: str) -> GPU:
 
 
 def peak_key(precision: str) -> str:
-    """The peak_tflops key a training precision runs at (bf16 for the 16-bit ones)."""
+    """The peak_tflops key a training precision runs at (bf16 for the 16-bit ones); a low-precision recipe's GEMMs
+    run at its own (spec/quantization.py gemm_peak_key)."""
     return PEAK_KEY.get(precision, "bf16")
+
+
+def capability(gpu: GPU) -> tuple[int, int] | None:
+    """The part's CUDA compute capability as (major, minor), as torch.cuda.get_device_capability returns it; None
+    where the catalogue states none (AMD parts, the host)."""
+    if gpu.compute_capability is None:
+        return None
+    major, minor = gpu.compute_capability.split(".")
+    return int(major), int(minor)

@@ -125,8 +125,9 @@ def check_finetune(plan, model) -> None:
     refused = backend_of(plan).rules.FINETUNE_REFUSED.get(ft.method)  # what the backend cannot train
     if refused:
         raise UserInputError("--finetune", refused)
-    if plan.precision == "fp8":
-        raise UserInputError("--precision", "fp8 is modelled for Megatron-Core only; LoRA trains in bf16, fp16 or fp32")
+    if plan.precision in ("fp8", "fp4"):
+        raise UserInputError("--precision", f"{plan.precision} is modelled for Megatron-Core only; LoRA trains in "
+                                            f"bf16, fp16 or fp32")
     if ft.method == "qlora":
         if plan.offload_params != "none":
             raise UserInputError("--offload-params", "a 4-bit base is frozen and already small: parameter offload of "

@@ -64,6 +64,10 @@ class ModelSpec(BaseModel):
                              "n_shared_experts x moe_intermediate_size); 0 for none."
     )
     expert_bias: bool = Field(False, description="Each routed expert's projections carry biases (gpt_oss).")
+    activation_clamp: float | None = Field(
+        None, gt=0, description="GPT-OSS's SwiGLU: gate clamped above, the linear half to +-this (swiglu_limit), "
+                                "gate x sigmoid(alpha x gate) x (linear + 1)."
+    )
     router_bias: bool = Field(False, description="The router's logits carry a learned bias (gpt_oss).")
     moe_router_score: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="The router's score function (deepseek_v3: sigmoid)."

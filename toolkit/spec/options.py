@@ -21,7 +21,7 @@ from toolkit.spec.backends import NAMES
 
 Backend = Literal[NAMES]  # the registry's backends (toolkit/backends/__init__.py)
 ZeroStage = Literal[0, 1, 2, 3]
-Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+Precision = Literal["bf16", "fp16", "fp32", "fp8", "fp4"]
 # the scale-out network between NVLink domains: its default bandwidth, efficiency and latency are in estimate/comm.py
 ScaleOut = Literal["infiniband", "roce", "ethernet"]
 Recompute = Literal["none", "selective", "full"]
@@ -41,6 +41,10 @@ MoeDispatcher = Literal["alltoall", "allgather", "flex"]
 # (aux-loss-free; Megatron-Core's moe_router_enable_expert_bias, sigmoid routers only)
 MoeBalancing = Literal["aux_loss", "expert_bias"]
 ActivationOffload = Literal["none", "cpu"]
+# Megatron-Core's own names for Transformer Engine's recipes (TransformerConfig.fp8_recipe / fp4_recipe, without its
+# `custom`, which takes a user's quantizer factory): what each stores and needs is toolkit/spec/quantization.py
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+Fp4Recipe = Literal["nvfp4"]
 
 # MoE routing imbalance when the plan does not state one (--moe-imbalance): real routing of GLM-5's MoE layers (128
 # experts, EP 8, no auxiliary loss, H100) leaves 18.6% of GPU time per MoE layer waiting for the busiest rank
@@ -155,7 +159,19 @@ class PlanOptions(BaseModel):
         None, "Megatron-Core layer modules: Transformer Engine's fused ones, or its own `local` ones (unfused "
               "attention and SwiGLU: more activation memory)",
         default_note="transformer_engine on GPUs, local in CPU recipes", backends=MEGATRON)
-    precision: Precision = option("bf16", "training precision (fp8: Transformer Engine)")
+    precision: Precision = option("bf16", "training precision (fp8, fp4: Transformer Engine's GEMMs, everything else "
+                                          "bf16)")
+    # low-precision GEMMs (Megatron-Core's --fp8-recipe / --fp4-recipe / --fp8-param-gather): spec/quantization.py
+    fp8_recipe: Fp8Recipe | None = option(
+        None, "with --precision fp8: Transformer Engine's scaling recipe (delayed and tensorwise: one scale per tensor; "
+              "blockwise: DeepSeek-V3's 1x128 / 128x128 blocks; mxfp8: Blackwell's 32-element blocks)",
+        default_note="delayed with --precision fp8", backends=MEGATRON)
+    fp4_recipe: Fp4Recipe | None = option(
+        None, "with --precision fp4: Transformer Engine's recipe (nvfp4: Blackwell's 16-element blocks with fp8 "
+              "scales)", default_note="nvfp4 with --precision fp4", backends=MEGATRON)
+    fp8_param_gather: StrictBool = option(
+        False, "keep the GEMM weights themselves in fp8 (no bf16 copy beside the fp8 one) and all-gather them in fp8 "
+               "(needs --distributed-optimizer)", backends=MEGATRON)
     attention: Attention = option(
         "sdpa", "the HF models' attention kernels (transformers' attn_implementation): sdpa keeps no s x s matrix, "
                 "eager keeps the probabilities, flash_attention_2 (flash-attn, CUDA) keeps packed documents apart in "

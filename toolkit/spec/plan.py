@@ -35,10 +35,11 @@ from toolkit.spec.options import (
     option_backends,
 )
 from toolkit.spec.pipeline import LAYOUT_FLAG, PipelineSplit, expand_layout
+from toolkit.spec.quantization import DEFAULT_RECIPE, FP4, FP8
 
-# Bytes of one parameter / activation element stored in each training precision (fp8 keeps bf16 weights and
-# activations; Transformer Engine adds fp8 weight copies, counted in memory.py).
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+# Bytes of one parameter / activation element stored in each training precision (fp8 and fp4 keep bf16 weights and
+# activations; what Transformer Engine's recipes add or save in fewer bytes is spec/quantization.py's).
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "fp4": 2}
 
 
 class Plan(PlanOptions):
@@ -153,6 +154,9 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
         values["etp"] = None
     if values["moe_imbalance"] is None:
         values["moe_imbalance"] = MOE_IMBALANCE_DEFAULT
+    for precision, recipe in ((FP8, "fp8_recipe"), (FP4, "fp4_recipe")):  # Megatron-Core's default recipe
+        if values["precision"] == precision and values[recipe] is None:
+            values[recipe] = DEFAULT_RECIPE[precision]
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
     backend.rules.fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
@@ -223,6 +227,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     rules.check(p)
     _check_own_options(p, rules.FOREIGN)
     _check_recompute(p)
+    _check_precision(p)
     _check_attention(p)
     _check_batch(p)
     check_finetune(p, model)
@@ -400,6 +405,17 @@ def _check_recompute(p: Plan) -> None:
     if p.recompute_num_layers is not None and p.recompute != "full":  # a Megatron-Core option (spec/options.py)
         raise UserInputError("--recompute-num-layers", "applies to --recompute full with --backend megatron "
                                                        "(Megatron-Core's block method)")
+
+
+def _check_precision(p: Plan) -> None:
+    """The recipe options belong to their precision (Megatron-Core's TransformerConfig: "fp8_param must be used
+    together with fp8 mode"); which GPUs run them is spec/quantization.py check_on_gpu."""
+    for precision, name in ((FP8, "fp8_recipe"), (FP4, "fp4_recipe")):
+        if getattr(p, name) is not None and p.precision != precision:
+            raise UserInputError(flag(name), f"applies to --precision {precision}, not {p.precision}")
+    if p.fp8_param_gather and p.precision != FP8:
+        raise UserInputError("--fp8-param-gather", f"keeps the weights in fp8: it needs --precision fp8, not "
+                                                   f"{p.precision}")
 
 
 def _check_attention(p: Plan) -> None:

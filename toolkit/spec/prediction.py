@@ -71,6 +71,7 @@ class CheckpointTime(BaseModel):
     async_save: bool  # blocking_s of an asynchronous save (--async-checkpoint), else of a synchronous one
     local_bytes: int  # the busiest rank's states on its GPU, which an async save copies to the host
     reload_s: float  # reading it back after a failure
+    local: bool = False  # reloads read node-local checkpoints (checkpoint.local): reload_s at the host link
     write_bw_gbps_per_node: float | None  # None: --checkpoint-write-s gave the write time
 
 
@@ -101,6 +102,7 @@ class TrainingTime(_Record):
     goodput: float  # useful training time over elapsed time
     mtbf_h: float | None  # the job's mean time between failures; None: --failure-rate 0
     failure_rate_per_gpu_hour: float
+    restart: str = "relaunch"  # the restart mode restart_s is the default of (training.restart)
     restart_s: float
     lost_h: LostHours
     checkpoint: CheckpointTime
@@ -165,7 +167,7 @@ class PlanFile(RecipePrediction):
     """plan.json: the prediction and what the plan was made from, for `toolkit/train.py --plan` to check its files
     against (toolkit/validate/generated.py)."""
 
-    only_when_given = (*Prediction.only_when_given, "save_interval")
+    only_when_given = (*Prediction.only_when_given, "save_interval", "lr_scaling")
 
     recipe: str
     auto: bool  # the recipe said `plan: auto` (the planner chose)
@@ -174,6 +176,7 @@ class PlanFile(RecipePrediction):
     overrides: dict  # the plan options given on the command line
     files: list[str]  # the launch files written beside plan.json
     save_interval: dict | None = None  # `training.save_steps: auto`: the steps written and what they come from
+    lr_scaling: dict | None = None  # training.lr_scaling: the rule, both batches and the numbers written
 
 
 class RankedPlans(_Record):

@@ -244,6 +244,14 @@ class TrainingSection(_Strict):
                                                              "of the peak.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after the warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to the peak learning rate.")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="How learning_rate and warmup_steps follow the global batch when it differs from "
+                            "lr_reference_batch: linear or sqrt in the batch for the rate, inversely for the warm-up "
+                            "steps (the same samples); dmt generate writes the scaled numbers (toolkit/spec/"
+                            "lr_scaling.py).")
+    lr_reference_batch: int | None = Field(None, gt=0, description="The global batch (sequences) learning_rate and "
+                                                                   "warmup_steps were tuned at; required by "
+                                                                   "lr_scaling linear or sqrt.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled (AdamW) weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (SGD momentum).")
     adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
@@ -275,11 +283,28 @@ class TrainingSection(_Strict):
     max_restarts: int = Field(3, ge=0, description="Restarts of a failed job from the latest verified checkpoint by "
                                                    "launch.sh and slurm.sbatch (torchrun's --max-restarts; a retry "
                                                    "loop for the deepspeed and accelerate launchers); 0: none.")
+    restart: Literal["relaunch", "in_process"] = Field(
+        "relaunch", description="How a failed job continues from the latest verified checkpoint. relaunch: every rank "
+                                "is ended and the launcher starts them all again (training.max_restarts times). "
+                                "in_process: NVIDIA Resiliency Extension's in-process restart (Megatron-Core "
+                                "backend): the training function restarts inside the surviving processes, a hot spare "
+                                "(training.spare_ranks) replacing a rank that died or hung; launch.sh's `inprocess` "
+                                "launcher (docs/faults.md).")
+    spare_ranks: int = Field(1, ge=0, description="training.restart: in_process: processes launched beyond "
+                                                  "cluster.gpus that wait as hot spares and take the place of a "
+                                                  "rank lost during training (one loss each).")
     guard: GuardSection = Field(GuardSection(), description="What a non-finite loss or gradient norm, or a loss "
                                                             "spike, does to the run.")
     profile: ProfileSection | None = Field(None, description="Record steps with torch.profiler (unset: off, no "
                                                              "cost): traces and the measured breakdown in "
                                                              "RUN_DIR/profile/.")
+
+    @model_validator(mode="after")
+    def _lr_reference(self) -> "TrainingSection":
+        if self.lr_scaling != "none" and self.lr_reference_batch is None:
+            raise ValueError(f"lr_scaling {self.lr_scaling} needs training.lr_reference_batch, the global batch "
+                             f"learning_rate was tuned at")
+        return self
 
 
 class _PlanBase(BaseModel):

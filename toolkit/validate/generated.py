@@ -8,6 +8,7 @@ the file and the key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from toolkit.generate.trainer_args import trainer_arguments
 from toolkit.planner.recipe import recipe_options, recipe_plan
 from toolkit.readers import read_json, read_yaml
 from toolkit.spec.backends import backend_of
+from toolkit.spec.lr_scaling import lr_schedule, scaled_training
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan, check_sequence_split, finetune_options, validated
 from toolkit.spec.recipe import Recipe, load_recipe, recipe_model
@@ -122,11 +124,30 @@ def read_generated(plan_path: Path, recipe_path: Path | None = None) -> Generate
         if name in readers:
             field, read = readers[name]
             contents[field] = read(directory / name, plan)
+    _check_learning_rate(plan_path, record, recipe, contents)
     if contents.get("trainer_args") is not None:
         _check_outward(directory / "trainer_args.json", contents["trainer_args"], recipe, plan)
     if "accelerate" in contents:  # with the trainer arguments it must agree with
         _check_accelerate(directory / "accelerate.yaml", contents["accelerate"], contents.get("trainer_args"), plan)
     return GeneratedRun(directory, recipe, model, plan, **contents, prediction=record)
+
+
+def _check_learning_rate(plan_path: Path, record: dict, recipe: Recipe, contents: dict) -> None:
+    """plan.json's lr_scaling is what the recipe's rule gives now, and every generated file trains at its rate."""
+    expected = lr_schedule(recipe.training)
+    if record.get("lr_scaling") != expected:
+        raise UserInputError(f"{plan_path}: lr_scaling", f"{record.get('lr_scaling')} but the recipe's "
+                                                         f"training.lr_scaling gives {expected}: regenerate")
+    rate = scaled_training(recipe.training).learning_rate
+    found = {"trainer_args.json learning_rate": (contents.get("trainer_args") or {}).get("learning_rate"),
+             "DeepSpeed config optimizer.params.lr":
+                 ((contents.get("deepspeed") or {}).get("optimizer") or {}).get("params", {}).get("lr"),
+             "megatron.yaml optimizer_config.lr": ((contents.get("megatron") or {}).get("optimizer_config") or {}).get("lr")}
+    for where, value in found.items():
+        if isinstance(value, (int, float)) and not math.isclose(value, rate, rel_tol=1e-6):  # "auto": HF fills it
+            raise UserInputError(f"{plan_path.parent}: {where}", f"{value} but the plan trains at {rate:g} "
+                                                                 f"(training.learning_rate{' scaled' if expected else ''}): "
+                                                                 f"regenerate")
 
 
 # TrainingArguments that send the model or the metrics elsewhere: training honours them only as `dmt generate` wrote

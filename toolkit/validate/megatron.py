@@ -39,6 +39,7 @@ PLAN_KEYS = {
     "--distributed-optimizer": "ddp_config.use_distributed_optimizer", "--optimizer": "optimizer_config.optimizer",
     "--recompute": f"{TC}.recompute_granularity", "--precision": f"{TC}.bf16",
     "--recompute-modules": f"{TC}.recompute_modules", "--recompute-num-layers": f"{TC}.recompute_num_layers",
+    "--fp8-recipe": f"{TC}.fp8_recipe", "--fp4-recipe": f"{TC}.fp4_recipe", "--fp8-param-gather": f"{TC}.fp8_param",
     "--moe-dispatcher": f"{TC}.moe_token_dispatcher_type", "--moe-grouped-gemm": f"{TC}.moe_grouped_gemm",
     "--moe-capacity-factor": f"{TC}.moe_expert_capacity_factor",
     "--moe-load-balancing": f"{TC}.moe_router_enable_expert_bias",
@@ -152,7 +153,8 @@ def _modelled_recompute_modules(tc: dict):
 
 
 def _precision(tc: dict) -> str:
-    return "fp8" if tc.get("fp8") else "bf16" if tc.get("bf16") else "fp16" if tc.get("fp16") else "fp32"
+    return ("fp8" if tc.get("fp8") else "fp4" if tc.get("fp4") else "bf16" if tc.get("bf16") else
+            "fp16" if tc.get("fp16") else "fp32")
 
 
 def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
@@ -196,6 +198,10 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
                  "account_for_loss_in_pipeline_split"):
         values[flag] = (view[flag], bool(values[flag][1]))
     values["precision"] = (f"{TC}.bf16", _precision(tc))
+    # the recipes as the file names them (TransformerConfig defaults to delayed); `custom` is outside the plan's choices
+    values["fp8_recipe"] = (f"{TC}.fp8_recipe", tc.get("fp8_recipe") if tc.get("fp8") else None)
+    values["fp4_recipe"] = (f"{TC}.fp4_recipe", tc.get("fp4_recipe") if tc.get("fp4") else None)
+    values["fp8_param_gather"] = (f"{TC}.fp8_param", bool(tc.get("fp8_param")))
     selective = tc.get("recompute_granularity") == "selective"
     # Megatron-Core's default [core_attn] is left out of the file by the generator; () is the plan's "not selective"
     values["recompute_modules"] = (f"{TC}.recompute_modules",
@@ -221,7 +227,8 @@ def _plan_rules(config: dict) -> list[Problem]:
     options = {name: value for name, (_, value) in megatron_plan_view(config).items()
                if name not in ("gpus", "dp", "grad_accum")}
     # an unknown value, or fp8 / CP with the local spec, get the layer-spec rules' own messages below
-    local = tc.get("transformer_impl") == "local" and not (tc.get("fp8") or tc.get("context_parallel_size", 1) > 1)
+    local = tc.get("transformer_impl") == "local" and not (tc.get("fp8") or tc.get("fp4")
+                                                           or tc.get("context_parallel_size", 1) > 1)
     options.update(gpus_per_node=schedule["world_size"], transformer_impl="local" if local else None,
                    recompute_modules=_modelled_recompute_modules(tc),
                    optimizer=options["optimizer"] if options["optimizer"] in OPTIMIZERS else None)
@@ -271,8 +278,8 @@ def _runtime_rules(config: dict) -> list[Problem]:
     spec = tc.get("transformer_impl", "transformer_engine")
     if spec not in LAYER_SPECS:
         problems.append(Problem(f"{TC}.transformer_impl", f"{spec!r}: use one of {', '.join(LAYER_SPECS)} for training"))
-    elif spec == "local" and (cp > 1 or tc.get("fp8")):
-        what = f"context_parallel_size {cp}" if cp > 1 else "fp8"
+    elif spec == "local" and (cp > 1 or tc.get("fp8") or tc.get("fp4")):
+        what = f"context_parallel_size {cp}" if cp > 1 else "fp8" if tc.get("fp8") else "fp4"
         problems.append(Problem(f"{TC}.transformer_impl", f"{what} needs Transformer Engine modules; set it to "
                                                           f"transformer_engine (GPU)"))
     if gpt.get("position_embedding_type") == "learned_absolute" and schedule["seq_length"] > gpt["max_sequence_length"]:

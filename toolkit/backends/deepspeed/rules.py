@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserInputError
+from toolkit.spec.quantization import LOW_PRECISION
 
 if TYPE_CHECKING:
     from toolkit.spec.plan import Plan
@@ -48,8 +49,9 @@ def check(p: Plan) -> None:
         raise UserInputError("--vpp", "DeepSpeed's pipeline has no interleaved schedule; use --backend megatron")
     if p.recompute == "selective":
         raise UserInputError("--recompute", "HF models checkpoint whole layers: use none or full with deepspeed")
-    if p.precision == "fp8":
-        raise UserInputError("--precision", "fp8 training is modelled for --backend megatron (Transformer Engine)")
+    if p.precision in LOW_PRECISION:
+        raise UserInputError("--precision", f"{p.precision} training is modelled for --backend megatron (Transformer "
+                                            f"Engine)")
     if p.offload_params != "none" and p.zero != 3:
         raise UserInputError("--offload-params", "parameter offload needs --zero 3")
     if p.offload_optimizer != "none" and p.zero == 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from toolkit.estimate.explain import experts_sharding
 from toolkit.spec.plan import Plan
+from toolkit.spec.quantization import plan_recipe
 
 
 def one_replica(plan: Plan) -> dict:
@@ -22,9 +23,18 @@ def sharding(plan: Plan) -> str:
 
 def weights(plan: Plan) -> tuple[str | None, str | None]:
     """(what the weights are, why they differ from the rule of thumb)."""
-    if plan.precision == "fp8":
-        return f"{plan.precision} parameters, plus Transformer Engine's 1-byte fp8 copy of each weight", None
-    return None, None
+    recipe = plan_recipe(plan)
+    if recipe is None:
+        return None, None
+    copy = (f"Transformer Engine's {recipe.name} copy of each GEMM weight, row- and column-wise, "
+            f"{recipe.weight_copy_bytes:.3g} B/param with scales (cached across micro-batches)")
+    if plan.fp8_param_gather:
+        return (f"the GEMM weights themselves in fp8 (--fp8-param-gather: no bf16 copy), {copy}; bf16 norms and "
+                f"embeddings", f"the GEMM weights cost {recipe.weight_copy_bytes:.3g} B/param instead of 2 + "
+                              f"{recipe.weight_copy_bytes:.3g}: the fp32 master in the optimizer is the only other copy")
+    return (f"bf16 parameters, plus {copy}", f"{plan.precision} keeps the bf16 weights beside their {recipe.name} "
+                                             f"copies: {recipe.weight_copy_bytes:.3g} B per GEMM weight more "
+                                             f"(--fp8-param-gather drops the bf16 one)")
 
 
 def gradients(plan: Plan) -> tuple[str, str]:

@@ -11,10 +11,7 @@ from toolkit.estimate.memory import FP32, ModelStates, StageParams, optimizer_by
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import PRECISION_BYTES, Plan
-
-# Transformer Engine keeps an fp8 copy of each linear weight next to the bf16 one.
-FP8_WEIGHT_CACHE_BYTES = 1
-
+from toolkit.spec.quantization import plan_recipe
 
 padded_vocab = megatron_padded_vocab  # the memory part's hook: Megatron pads to 128 x tp
 
@@ -30,13 +27,24 @@ def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params:
     (adapters are refused for it, spec/finetune.py) and offloads nothing."""
     w = PRECISION_BYTES[plan.precision]
     opt_bytes = optimizer_bytes(plan.optimizer, plan.precision != "fp32")
-    weights = params.total * (w + (FP8_WEIGHT_CACHE_BYTES if plan.precision == "fp8" else 0))
+    weights = weight_bytes(plan, params)
     gradients = params.total * FP32  # fp32 main-grad buffers (grad_reduce_in_fp32)
     if plan.distributed_optimizer:
         optimizer = opt_bytes * (params.dense / (plan.dp * plan.cp) + params.expert / plan.expert_dp)
     else:
         optimizer = opt_bytes * params.total
     return weights, gradients, int(optimizer), {}, 0
+
+
+def weight_bytes(plan: Plan, params: StageParams) -> int:
+    """The model's weights on one GPU: every parameter in the training dtype, and in fp8 / fp4 each GEMM weight's
+    quantized copy in both usages (spec/quantization.py), which with --fp8-param-gather replaces its bf16 one."""
+    w = PRECISION_BYTES[plan.precision]
+    recipe = plan_recipe(plan)
+    if recipe is None:
+        return params.total * w
+    high_precision = params.total - params.gemm if plan.fp8_param_gather else params.total
+    return int(high_precision * w + params.gemm * recipe.weight_copy_bytes)
 
 
 def alive_at_backward_start(plan: Plan, gradients: int, buffers: dict[str, int]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from toolkit.errors import UserInputError
+from toolkit.spec.quantization import LOW_PRECISION
 
 if TYPE_CHECKING:
     from toolkit.spec.plan import Plan
@@ -43,8 +44,11 @@ def check_steps(steps: int, warmup: int, key: str) -> None:
 
 
 def check(p: Plan) -> None:
-    if p.transformer_impl == "local" and p.precision == "fp8":
-        raise UserInputError("--precision", f"fp8 needs {TE_MODULES}")
+    if p.transformer_impl == "local" and p.precision in LOW_PRECISION:
+        raise UserInputError("--precision", f"{p.precision} needs {TE_MODULES}")
+    if p.fp8_param_gather and not p.distributed_optimizer:  # Megatron-LM's validate_args
+        raise UserInputError("--fp8-param-gather", "is only supported with the distributed optimizer: add "
+                                                   "--distributed-optimizer")
     if p.transformer_impl == "local" and p.cp > 1:
         raise UserInputError("--cp", f"context parallelism needs {TE_MODULES}")
     if p.sequence_parallel and p.tp == 1:

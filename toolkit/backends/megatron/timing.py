@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import MEGATRON_LOCAL, MEGATRON_TE, ExecutionPath
-from toolkit.estimate.memory import FP32, layer_params
+from toolkit.estimate.memory import FP32, layer_params, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import exposed_after_backward, exposed_after_cooldown, optimizer_step_s
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
+from toolkit.spec.quantization import plan_recipe
 
 
 def execution_path(plan: Plan) -> ExecutionPath:
@@ -22,13 +23,12 @@ def execution_path(plan: Plan) -> ExecutionPath:
 def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float,
                                 params_total: int, trainable: int) -> tuple[float, float, float]:
     """(exposed gradient reduction, optimizer step, 0: nothing offloaded) per step, in seconds."""
-    a = PRECISION_BYTES[plan.precision]
     dp_group = plan.dp * plan.cp
     link = network.link(dp_group, plan.tp)  # tp is innermost; the dp x cp group sits right above it
     grad_bytes = params_total * FP32  # fp32 main grads
     if plan.distributed_optimizer:
         comm = collective_time("reduce_scatter", grad_bytes, dp_group, link)
-        comm += collective_time("all_gather", params_total * a, dp_group, link)
+        comm += collective_time("all_gather", gathered_param_bytes(spec, plan, params_total), dp_group, link)
     else:
         comm = collective_time("all_reduce", grad_bytes, dp_group, link)
     partition = params_total / (dp_group if plan.distributed_optimizer else 1)
@@ -39,6 +39,18 @@ def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: 
         exposed = exposed_after_cooldown([comm * share / params_total for share in shares],
                                          compute_micro * 2 / 3 / plan.vpp, plan.pp)
     return exposed, optimizer_step_s(partition, gpu), 0.0
+
+
+def gathered_param_bytes(spec: ModelSpec, plan: Plan, params_total: int) -> float:
+    """Bytes the distributed optimizer all-gathers of the first stage's parameters: all in the training dtype, or with
+    --fp8-param-gather the GEMM weights in their recipe's row-wise usage (Megatron-Core gathers the fp8 data and
+    makes the column-wise one after it, fp8_utils.post_all_gather_processing)."""
+    a = PRECISION_BYTES[plan.precision]
+    recipe = plan_recipe(plan)
+    if not plan.fp8_param_gather or recipe is None:
+        return params_total * a
+    gemm = stage_params(spec, count_params(spec), plan, 0).gemm
+    return (params_total - gemm) * a + gemm * (recipe.element_bytes + recipe.weight_scale_bytes)
 
 
 def first_rank_chunk_params(spec: ModelSpec, plan: Plan, params_total: int) -> list[int]:

@@ -30,7 +30,7 @@ from toolkit.errors import UserInputError
 from toolkit.estimate.measure import peak_live_bytes
 from toolkit.generate.megatron import megatron_config
 from toolkit.readers import hf_tokenizer
-from toolkit.runtime import faults
+from toolkit.runtime import faults, inprocess
 from toolkit.runtime.guard import LossGuard, read_grad_norm
 from toolkit.runtime.metrics import (
     MetricsWriter,
@@ -347,6 +347,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
                                        {**metrics.measure(step), **memory}, digest)
             if wandb is not None:
                 wandb.log(record)
+        inprocess.record_resumed(output_dir, step)  # the first step after an in-process restart: its time
         saves.poll()  # a background write that finished is completed (manifest, `latest`) now
         stop = save_and_exit_requested(output_dir)
         if stop or step == last or (save_every and step % save_every == 0):
