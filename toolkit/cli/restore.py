@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from toolkit.backends.megatron.checkpoint import expert_resharding_problem
 from toolkit.checkpoint.restore import LAUNCHERS, WORKDIR_ENTRIES, restore_test
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
@@ -82,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
         if plan.backend != "megatron":
             raise UserInputError("--resume-ep", f"expert parallelism is Megatron-Core's; the {plan.backend} backend "
                                                 f"has none")
-        from toolkit.backends.megatron.checkpoint import expert_resharding_problem
-
         problem = expert_resharding_problem(plan.ep, args.resume_ep)
         if problem:
             raise UserInputError("--resume-ep", problem)
