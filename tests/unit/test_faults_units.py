@@ -335,7 +335,8 @@ def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_
     script = _generated_launch(tmp_path, 2)
     text = script.read_text()
     assert "Usage: launch.sh [deepspeed|accelerate|torchrun|ft_launcher]" in text
-    assert ('exec ft_launcher --ft-cfg-path "$HERE/ft_config.yaml" \\\n      --max-restarts "$MAX_RESTARTS" '
+    assert ('exec ft_launcher --ft-cfg-path "$HERE/ft_config.yaml" \\\n      --ft-enable-nic-monitor false \\\n'
+            '      --max-restarts "$MAX_RESTARTS" '
             '--rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$MASTER_PORT"') in text
     config_path = script.parent / "ft_config.yaml"
     hang = load_recipe(tmp_path / "recipe.yaml").training.hang_timeout_s
@@ -347,12 +348,13 @@ def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_
     sbatch = tmp_path / "ft.sbatch"  # the Slurm script: one ft_launcher per node with the generated directory's file
     assert main(["slurm", "render", str(tmp_path / "recipe.yaml"), "--plan", str(script.parent), "--launcher",
                  "ft_launcher", "--out", str(sbatch)]) == 0
-    assert f"exec ft_launcher --ft-cfg-path={config_path} --nnodes=$SLURM_NNODES" in sbatch.read_text()
+    assert (f"exec ft_launcher --ft-cfg-path={config_path} --ft-enable-nic-monitor=false "
+            "--nnodes=$SLURM_NNODES") in sbatch.read_text()  # the command line's NIC default would beat the file's
     assert main(["slurm", "render", str(tmp_path / "recipe.yaml"), "--launcher", "ft_launcher"]) == 2
     assert "--launcher: ft_launcher reads the ft_config.yaml" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)  # the Kubernetes manifests: the image holds this directory at /workspace
-    for kind, command in (("jobset", "ft_launcher --ft-cfg-path gen/ft_config.yaml -m toolkit.train"),
-                          ("pytorchjob", "exec ft_launcher --ft-cfg-path gen/ft_config.yaml -m toolkit.train \"$@\"")):
+    ft = "ft_launcher --ft-cfg-path gen/ft_config.yaml --ft-enable-nic-monitor false -m toolkit.train"
+    for kind, command in (("jobset", ft), ("pytorchjob", f'exec {ft} "$@"')):
         manifest = tmp_path / f"{kind}.yaml"
         assert main(["k8s", "render", "recipe.yaml", "--plan", "gen", "--kind", kind, "--image", "reg.io/dmt:1",
                      "--launcher", "ft_launcher", "--out", str(manifest)]) == 0

@@ -42,3 +42,9 @@ def ft_config_text(recipe: Recipe) -> str:
               "(launch.sh ft_launcher, --ft-cfg-path).\n# Timeouts from training.hang_timeout_s; NVRx replaces them "
               "with ones calculated from observed heartbeats.\n")
     return header + yaml.safe_dump({SECTION: fault_tolerance_config(recipe)}, sort_keys=False)
+
+
+def nic_monitor_flag(recipe: Recipe) -> str:
+    """ft_launcher's --ft-enable-nic-monitor value: NVRx 0.4.1's command line defaults it to true, and a value on the
+    command line wins over the file's (FaultToleranceConfig.from_args), so every launch passes the file's own."""
+    return "true" if fault_tolerance_config(recipe)["enable_nic_monitor"] else "false"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from toolkit.generate.ft_launcher import nic_monitor_flag
 from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
 from toolkit.spec.recipe import Recipe
@@ -112,7 +113,7 @@ def launch_script(recipe: Recipe, plan: Plan, recipe_path: str) -> str:
     values = dict(name=recipe.name, gpus=plan.gpus, nodes=nodes, per_node=per_node, last_node=nodes - 1,
                   recipe=shlex.quote(recipe_path),
                   backend=plan.backend, spares=recipe.training.spare_ranks, launchers="|".join(launchers),
-                  default_launcher=launchers[0],
+                  default_launcher=launchers[0], ft_nic_monitor=nic_monitor_flag(recipe),
                   environment=launch_environment(plan), max_restarts=recipe.training.max_restarts,
                   multi_note="\n# Several nodes: run it on each with NODE_RANK and MASTER_ADDR set (and HOSTFILE for "
                              "deepspeed)." if nodes > 1 else "")

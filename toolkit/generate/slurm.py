@@ -11,6 +11,7 @@ from pathlib import Path
 from string import Template
 
 from toolkit.errors import UserInputError
+from toolkit.generate.ft_launcher import nic_monitor_flag
 from toolkit.generate.launch import FT_LAUNCHER, export_lines, job_variables, launch_environment, preflight_flags
 from toolkit.spec.backends import backend_of
 from toolkit.spec.plan import Plan
@@ -149,6 +150,7 @@ def render_sbatch(
         accelerate_config=shlex.quote(str(Path(accelerate_config).resolve())) if accelerate_config else "",
         launcher=launcher,
         ft_config=shlex.quote(str(Path(ft_config).resolve())) if ft_config else "",
+        ft_nic_monitor=nic_monitor_flag(recipe),
         launch_comment=LAUNCHERS[launcher],
         max_restarts=recipe.training.max_restarts,
         convert_direction=backend.conversion,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from toolkit.errors import UserInputError
+from toolkit.generate.ft_launcher import nic_monitor_flag
 from toolkit.generate.k8s import names, nvlink
 from toolkit.generate.k8s.shm import quantity, shm_bytes
 from toolkit.generate.k8s.vendored import stock_runtime
@@ -156,7 +157,8 @@ def _trainer(job: K8sJob) -> list[str]:
     """The training command: torchrun, or NVRx's ft_launcher (its drop-in, same PET_* variables) with ft_config.yaml."""
     if job.ft_config is None:
         return _torchrun(TRAIN_MODULE, *job.train_args)
-    return [FT_LAUNCHER, "--ft-cfg-path", job.ft_config, "-m", TRAIN_MODULE, *job.train_args]
+    return [FT_LAUNCHER, "--ft-cfg-path", job.ft_config, "--ft-enable-nic-monitor", nic_monitor_flag(job.recipe),
+            "-m", TRAIN_MODULE, *job.train_args]
 
 
 def _job_env(job: K8sJob) -> list[dict]:
