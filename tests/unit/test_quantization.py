@@ -48,7 +48,7 @@ def _estimate(capsys, *flags: str) -> tuple[int, list[str]]:
     (("--precision", "fp8", "--fp8-recipe", "blockwise", "--gpu", "l40s"),
      "--fp8-recipe: blockwise needs Transformer Engine's block-scaled GEMM (compute capability 9.0 or higher); l40s"),
     (("--precision", "fp8", "--gpu", "a100-80gb"), "--precision: fp8 needs fp8 tensor cores"),
-    (("--precision", "fp8", "--gpu", "cpu"), "--precision: fp8 runs Transformer Engine's CUDA kernels"),
+    (("--precision", "fp8", "--gpu", "cpu"), "--precision: fp8 runs CUDA kernels"),
     (("--fp8-recipe", "tensorwise"), "--fp8-recipe: applies to --precision fp8, not bf16"),
     (("--precision", "fp8", "--fp4-recipe", "nvfp4"), "--fp4-recipe: applies to --precision fp4, not fp8"),
     (("--fp8-param-gather", "--distributed-optimizer"), "--fp8-param-gather: keeps the weights in fp8: it needs "
