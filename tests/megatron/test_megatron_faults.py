@@ -66,7 +66,8 @@ def test_a_rank_stopped_mid_training_is_named_and_every_rank_ends(megatron_recip
 
     rc = _torchrun(out, recipe, tmp_path / "hang.log", stop_rank_1_in_step_3, "slow=30@rank=1,step=3,phase=train")
     assert stopped and rc != 0, (tmp_path / "hang.log").read_text()[-3000:]
-    [hang] = read_incidents(out)
+    hang, collectives = read_incidents(out)  # the hang, then the flight recorder's analysis (rank 0's dump alone)
+    assert collectives["event"] == "collectives" and collectives["dumps"] == [0], collectives
     [named] = hang["unresponsive"]
     # its last published heartbeat (the thread publishes a phase change a moment after it, and may not have yet)
     assert (named["rank"], named["pid"]) == (1, stopped["pid"]) and named["step"] >= 2, hang

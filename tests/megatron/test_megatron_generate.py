@@ -34,7 +34,8 @@ def test_each_example_validates_at_its_own_world_size(name):
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_megatron_args_parse_as_megatron_lm_parses_them(name):
     """Every flag known to Megatron-LM's parser at core_v0.16.1, each value of its type and among its choices (the
-    real parse_args and validate_args accept all five examples: record_megatron_lm_flags.py --check)."""
+    real parse_args and validate_args accept every example, the folded MoE ones and the pipeline layout included:
+    record_megatron_lm_flags.py --check, run at core_v0.16.1 on 2026-12-02)."""
     text = (OUT / f"{name}.args.txt").read_text()
     assert [line for line in text.splitlines() if line.startswith("--")]
     assert megatron_lm_problems(text) == []
@@ -174,3 +175,27 @@ def test_train_refuses_a_megatron_yaml_that_contradicts_plan_json(tmp_path):
     assert lines[0] == (f"train.py: error: {out / 'megatron.yaml'}: ddp_config.use_distributed_optimizer is True but "
                         f"plan.json says distributed_optimizer False; run `dmt generate` again, or edit only what the "
                         f"plan does not set")
+
+
+def test_every_mapped_moe_preset_has_a_folded_example():
+    """Each MoE preset Megatron-Core can build has a committed example with its experts folded (ETP != TP or EP beyond
+    DP x CP), so the tests above run Megatron-LM's parser table and Megatron-Core's TransformerConfig on it."""
+    from toolkit.families import MAPPED
+    from toolkit.spec.model import load_model_spec, preset_names
+
+    moe = {name for name in preset_names() if (spec := load_model_spec(name)).is_moe and spec.family in MAPPED}
+    folded = set()
+    for name in EXAMPLES:
+        config = yaml.safe_load((OUT / f"{name}.yaml").read_text())
+        tc, schedule = config["transformer_config"], config["schedule"]
+        expert_tp = tc.get("expert_tensor_parallel_size", tc["tensor_model_parallel_size"])
+        data = schedule["data_parallel_size"] * tc["context_parallel_size"]
+        if expert_tp != tc["tensor_model_parallel_size"] or tc["expert_model_parallel_size"] > data:
+            folded.add(EXAMPLES[name].model or load_recipe_model(EXAMPLES[name].recipe))
+    assert moe and moe <= folded, moe - folded
+
+
+def load_recipe_model(recipe: str) -> str:
+    from toolkit.spec.recipe import load_recipe
+
+    return load_recipe(ROOT / "recipes" / recipe).model.source

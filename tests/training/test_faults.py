@@ -117,8 +117,11 @@ def frozen(launch, recipe):
 
 def test_a_frozen_rank_is_named_and_the_job_ends_with_code_3(frozen):
     assert frozen.rc == 3, frozen.tail()
-    [hang] = read_incidents(frozen.out)
+    hang, collectives = read_incidents(frozen.out)
     [named] = hang["unresponsive"]
+    # a frozen rank writes no flight recorder dump: torch's analysis covers rank 0's and says what it cannot decide
+    assert collectives["event"] == "collectives" and collectives["dumps"] == [0], collectives
+    assert collectives["analysis"], collectives
     assert (named["rank"], named["step"], named["phase"]) == (1, 4, "manifest"), hang
     assert named["pid"] and named["host"] and "no heartbeat" in named["reason"]
     assert named["ended_by_watchdog"] == "SIGKILL"  # the launcher need not wait its 30 s SIGTERM grace for it

@@ -80,13 +80,22 @@ def _is_folded(plan: dict) -> bool:
     return plan.get("etp") not in (None, plan["tp"]) or plan["ep"] > plan["dp"] * plan["cp"]
 
 
-def test_moe_search_ranks_folded_layouts_beside_unfolded_ones(capsys):
-    ranked = _json(capsys, "plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--seq-len", "4096",
-                   "--global-batch", "256", "--backend", "megatron", "--top", "400")["plans"]
-    folded = [r["plan"] for r in ranked if _is_folded(r["plan"])]
-    assert folded and len(folded) < len(ranked)
+def test_moe_search_ranks_folded_layouts_beside_unfolded_ones():
+    from toolkit.estimate.comm import Network
+    from toolkit.planner.search import search
+    from toolkit.spec.cluster import get_gpu
+    from toolkit.spec.model import load_model_spec
+
+    gpu = get_gpu("h100-80gb")
+    ranked = search(load_model_spec("qwen3-30b-a3b"), 64, gpu, Network.from_catalogue(gpu, 8), ("megatron",),
+                    seq_len=4096, global_batch=256).ranked
+    plans = [c.plan.as_dict() for c in ranked]
+    folded = [p for p in plans if _is_folded(p)]
+    assert folded and len(folded) < len(plans)
     assert any(p.get("etp") == 1 and p["tp"] > 1 for p in folded)  # expert TP 1 under attention TP
     assert any(p["ep"] > p["dp"] * p["cp"] for p in folded)  # EP over ranks attention spends on TP / PP
+    times = [c.time.total_s for c in ranked]
+    assert times == sorted(times)  # one ranking, folded and unfolded together
 
 
 def test_folded_ranked_plans_generate_and_validate(tmp_path, capsys):

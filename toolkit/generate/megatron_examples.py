@@ -26,6 +26,8 @@ class MegatronExample:
     recipe: str
     overrides: dict = field(default_factory=dict)
     about: str = ""
+    model: str | None = None  # another model (a preset) on the recipe's data, training and plan
+    gpus: int | None = None  # another cluster size
 
 
 EXAMPLES = {
@@ -33,6 +35,26 @@ EXAMPLES = {
         "mixtral-8x7b-megatron.yaml", {},
         "Mixtral 8x7B on 16 x H100: EP 8 x TP 2 with sequence parallelism, distributed optimizer, selective "
         "recompute (the recipe's own plan)"),
+    # Megatron-Core's parallel folding: the experts on ETP 1 x EP over the ranks attention spends on TP 2
+    "mixtral-8x7b-tp2-ep8-etp1": MegatronExample(
+        "mixtral-8x7b-megatron.yaml", dict(tp=2, ep=8, etp=1),
+        "Mixtral 8x7B on 16 x H100, folded: attention TP 2 x DP 8, experts ETP 1 x EP 8 x EDP 2 over the same ranks"),
+    "qwen3-30b-a3b-tp2-ep16-etp1": MegatronExample(
+        "mixtral-8x7b-megatron.yaml", dict(tp=2, ep=16, etp=1),
+        "Qwen3-30B-A3B on 16 x H100, folded: EP 16 reaches beyond DP 8 into the TP 2 ranks (ETP 1)",
+        model="qwen3-30b-a3b"),
+    "qwen3-235b-a22b-pp8-vpp4-ep8-etp1": MegatronExample(
+        "mixtral-8x7b-megatron.yaml",
+        dict(tp=2, pp=8, vpp=4, ep=8, etp=1, account_for_embedding_in_pipeline_split=True,
+             account_for_loss_in_pipeline_split=True, recompute="selective",
+             recompute_modules=("moe_act", "layernorm"), global_batch=1024),
+        "Qwen3-235B-A22B on 256 x H100: PP 8 x VPP 4 (94 layers + embedding + loss = 8 x 4 x 3), attention TP 2, "
+        "experts ETP 1 x EP 8 folded, MoE activation and norm recompute", model="qwen3-235b-a22b", gpus=256),
+    "qwen3-235b-a22b-pp16-vpp2-layout": MegatronExample(
+        "mixtral-8x7b-megatron.yaml",
+        dict(tp=2, pp=16, ep=8, etp=1, pipeline_model_parallel_layout="Et*2|(ttt|)*30,ttL", global_batch=1024),
+        "Qwen3-235B-A22B on 256 x H100 with Megatron-Core's pipeline layout: PP 16 x VPP 2, the embedding and the "
+        "loss each in a layer's place (--pipeline-model-parallel-layout)", model="qwen3-235b-a22b", gpus=256),
     "llama-3.1-70b-tp8-pp4-vpp5": MegatronExample(
         "llama-3.1-70b-64xh100.yaml",
         dict(backend="megatron", zero=0, tp=8, pp=4, vpp=5, micro_batch=1, sequence_parallel=True,
@@ -66,6 +88,10 @@ def example_config(example: MegatronExample) -> tuple[str, dict]:
     """(recipe name, megatron.yaml dict) of one example: the recipe with its overrides, resolved like `dmt generate`."""
     recipe = load_recipe(RECIPES / example.recipe)
     recipe = recipe.model_copy(update={"plan": recipe.plan.model_copy(update={"auto": False})})
+    if example.model is not None:
+        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"source": example.model})})
+    if example.gpus is not None:
+        recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"gpus": example.gpus})})
     model = recipe_model(recipe)
     plan = recipe_plan(recipe, model, **example.overrides)
     return recipe.name, megatron_config(recipe, model, plan, recipe_hf_config(recipe))

@@ -238,7 +238,9 @@ def record_restart(output_dir: Path, resume_from: str | None) -> None:
     stopped is not restarted: the same data would stop it again (GuardStop, exit code 4)."""
     if not is_restart():
         return
-    previous = [e for e in read_incidents(output_dir) if e.get("attempt") != restart_counts()]
+    # what ended the last attempt: its last event but the flight recorder's analysis, which follows a hang's report
+    previous = [e for e in read_incidents(output_dir) if e.get("attempt") != restart_counts()
+                and e.get("event") != "collectives"]
     ending = previous[-1] if previous else {}  # what ended the last attempt, when the toolkit could say
     fatal = ending.get("event") in ("hang", "failure") or (ending.get("event"), ending.get("action")) == ("guard", "stop")
     cause = ending if fatal else None

@@ -324,10 +324,10 @@ def _check_moe_options(p: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--recompute-modules", f"mla_up_proj needs multi-latent attention; {model.name} has none")
     if model is not None and model.is_moe and "shared_experts" in modules and not model.shared_expert_ffn_hidden_size:
         raise UserInputError("--recompute-modules", f"shared_experts: {model.name} has no shared experts")
-    if p.precision == "fp8" and modules & {"moe_act", "layernorm"} and getattr(p, "fp8_recipe", None) in (
-            None, "delayed"):
+    if p.precision == "fp8" and modules & {"moe_act", "layernorm"} and p.fp8_recipe in (None, "delayed"):
         raise UserInputError("--recompute-modules", "moe_act and layernorm recompute refuse fp8's delayed scaling "
-                                                    "(TransformerConfig); drop them or use another fp8 recipe")
+                                                    "(TransformerConfig); drop them or set --fp8-recipe tensorwise, "
+                                                    "blockwise or mxfp8")
 
 
 def smallest_world(tp: int, cp: int, pp: int, ep: int, etp: int) -> int:
