@@ -15,6 +15,8 @@ FOREIGN = {
     "cp": "context parallelism runs with --backend megatron or fsdp; with deepspeed use --sp (Ulysses)",
     "distributed_optimizer": "is a Megatron-Core option; with DeepSpeed use --zero 1",
     "transformer_impl": "is a Megatron-Core option; DeepSpeed trains the HF modules",
+    "fp8_recipe": "is a recipe of --precision fp8, which DeepSpeed does not train here (Accelerate refuses "
+                  "mixed_precision beside a deepspeed_config_file); use --backend fsdp or megatron",
 }
 
 
