@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from megatron_helpers import BIN, SAVE_AT, STEPS, TINY_MEGATRON, TRAIN
+from megatron_helpers import BIN, MOE_STEPS, SAVE_AT, STEPS, TINY_MEGATRON, TINY_MOE, TRAIN
 
 from helpers import PROFILED, Launch, free_port
 
@@ -96,5 +96,19 @@ def layout_run(torchrun, distopt_recipe, megatron_recipe, tmp_path_factory):
                           "dp2": (distopt_recipe,)}[layout]
         return torchrun(layout, "--recipe", str(recipe), *flags, "--max-steps", str(STEPS),
                         "--save-steps", str(SAVE_AT))
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def moe_run(torchrun, megatron_recipe):
+    """moe_run(family, *plan_flags) -> the Launch of the family's tiny MoE model (megatron_helpers.TINY_MOE) trained
+    MOE_STEPS steps by Megatron-Core on 2 ranks with the given plan flags (e.g. "--ep", "2"), saving at step 3 and at
+    the end; each (family, flags) runs once per session."""
+
+    def run(family: str, *flags: str) -> Launch:
+        recipe = megatron_recipe(f"tiny-{family}-megatron", model={"config": TINY_MOE[family]})
+        name = "-".join((family, *(flag.strip("-") for flag in flags)))
+        return torchrun(name, "--recipe", str(recipe), *flags, "--max-steps", str(MOE_STEPS), "--save-steps", "3")
 
     return run

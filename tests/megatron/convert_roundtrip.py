@@ -24,7 +24,7 @@ def bitwise_equal(a: dict, b: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--cases", required=True, help="family:tp:pp,...")
+    parser.add_argument("--cases", required=True, help="family:tp:pp[:ep[:etp]],...")
     args = parser.parse_args()
 
     import torch
@@ -35,17 +35,20 @@ def main() -> None:
 
     results = {}
     for case in args.cases.split(","):
-        family, tp, pp = case.split(":")
+        family, tp, pp, *experts = case.split(":")
+        ep, etp = (int(experts[0]) if experts else 1), (int(experts[1]) if len(experts) > 1 else None)
         hf_dir = args.work / family / "hf"
         if not hf_dir.is_dir():
             torch.manual_seed(0)
             config = dict(FAMILIES[family], vocab_size=300)
             AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(hf_dir)
-        mcore, back = args.work / family / f"mcore-tp{tp}-pp{pp}", args.work / family / f"back-tp{tp}-pp{pp}"
-        conversion = hf_to_megatron(hf_dir, mcore, tp=int(tp), pp=int(pp))
+        layout = f"tp{tp}-pp{pp}" + "".join(f"-{k}{v}" for k, v in (("ep", ep), ("etp", etp)) if v not in (1, None))
+        mcore, back = args.work / family / f"mcore-{layout}", args.work / family / f"back-{layout}"
+        conversion = hf_to_megatron(hf_dir, mcore, tp=int(tp), pp=int(pp), ep=ep, etp=etp)
         megatron_to_hf(mcore, back)
         original, returned = load_file(hf_dir / "model.safetensors"), load_file(back / "model.safetensors")
         results[case] = {"differing": bitwise_equal(original, returned), "tensors": len(original),
+                         "layout": json.loads((mcore / "dmt_manifest.json").read_text())["layout"],
                          "padded_vocab": conversion.padded_vocab,
                          "config_equal": json.loads((back / "config.json").read_text()) ==
                                          json.loads((hf_dir / "config.json").read_text())}

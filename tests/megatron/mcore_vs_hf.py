@@ -18,6 +18,8 @@ FAMILIES = {
     "qwen2": dict(SMALL, model_type="qwen2"),
     "qwen3": dict(SMALL, model_type="qwen3", head_dim=32),
     "mixtral": dict(SMALL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(SMALL, model_type="qwen3_moe", head_dim=16, moe_intermediate_size=48, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
                  resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0),
 }

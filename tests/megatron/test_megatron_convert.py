@@ -12,8 +12,9 @@ from megatron_helpers import BIN, STEPS
 
 pytestmark = pytest.mark.launch
 HERE = Path(__file__).resolve().parent
+# family:tp:pp[:ep[:etp]]; the MoE families also at the experts' layouts
 ROUND_TRIPS = ["llama:2:1", "llama:1:2", "llama:2:2", "mistral:2:2", "qwen2:2:2", "qwen3:2:2", "mixtral:2:2",
-               "gpt2:2:2"]
+               "mixtral:1:2:2", "qwen3_moe:2:2", "qwen3_moe:2:1:4", "gpt2:2:2"]
 
 
 def dmt(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -35,19 +36,26 @@ def test_hf_megatron_hf_round_trip_is_bitwise(round_trips, case):
     assert results[case]["differing"] == [], results[case]
     assert results[case]["tensors"] > 10 and results[case]["config_equal"]
     assert results[case]["padded_vocab"] == 128 * int(case.split(":")[1]) * -(-300 // (128 * int(case.split(":")[1])))
+    tp, pp, *experts = (int(v) for v in case.split(":")[1:])
+    ep = experts[0] if experts else 1
+    layout = results[case]["layout"]
+    assert (layout["tp"], layout["pp"], layout["ep"], layout["etp"]) == (tp, pp, ep, experts[1] if experts[1:] else tp)
 
 
 @pytest.mark.parametrize("family, flags", [("llama", ("--tp", "2")), ("gpt2", ("--pp", "2")),
-                                           ("mixtral", ("--tp", "2"))])
-def test_megatron_core_at_tp2_or_pp2_gives_the_hf_logits(round_trips, family, flags):
+                                           ("mixtral", ("--tp", "2", "--ep", "2", "--etp", "1")),
+                                           ("qwen3_moe", ("--ep", "2"))])
+def test_megatron_core_at_tp2_pp2_or_ep2_gives_the_hf_logits(round_trips, family, flags):
     """Real Megatron-Core, 2 gloo ranks, loads the converted checkpoint resharded and runs the forward pass (the
-    pipeline schedule for PP); gpt2 also ties the output layer to the embedding across the two stages."""
+    pipeline schedule for PP; at EP 2 each rank loads half of the experts and the alltoall dispatcher routes tokens
+    between them, for mixtral folded over TP 2 with the experts unsplit by TP, ETP 1, on the same 2 ranks); gpt2
+    also ties the output layer to the embedding across the two stages."""
     work, _ = round_trips
-    tp, pp = (flags[1], "1") if flags[0] == "--tp" else ("1", flags[1])
+    layout = {"tp": 1, "pp": 1, "ep": 1, **{flag.strip("-"): int(value) for flag, value in zip(flags[::2], flags[1::2])}}
     result = dmt("convert", "check", str(work / family / "hf"), str(work / family / "mcore-tp2-pp2"), *flags, "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["passed"] and (report["tp"], report["pp"]) == (int(tp), int(pp))
+    assert report["passed"] and {k: report[k] for k in layout} == layout
     assert report["max_abs_diff"] < 1e-5 and report["logit_scale"] > 0.1, report
 
 

@@ -102,12 +102,13 @@ def test_every_family_declares_its_weights():
 @pytest.mark.launch
 def test_hf_checkpoints_give_megatron_core_the_same_logits_through_the_tables(torchrun):
     """llama (also llama3 rope scaling and tied embeddings), mistral, qwen2 (q/k/v biases), qwen3 (q/k norms),
-    mixtral (MoE router and experts) and gpt2 (Conv1D, fused c_attn, learned positions, LayerNorm, biases)."""
+    mixtral and qwen3_moe (MoE router and experts) and gpt2 (Conv1D, fused c_attn, learned positions, LayerNorm, biases)."""
     run = torchrun("mcore-vs-hf", script=SCRIPT, nproc=1)
     path = run.out / "logits.json"
     assert path.is_file(), run.tail()
     results = json.loads(path.read_text())
-    assert set(results) == {"llama", "llama3-rope-scaling", "mistral", "qwen2", "qwen3", "mixtral", "gpt2"}
+    assert set(results) == {"llama", "llama3-rope-scaling", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+                            "gpt2"}
     for family, result in results.items():
         assert result["scale"] > 0.1, family  # real logits
         assert result["max_abs_diff"] < 1e-5, (family, result)  # a wrong mapping is off by ~1e-2 here

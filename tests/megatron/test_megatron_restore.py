@@ -1,12 +1,13 @@
-"""`dmt restore-test --backend megatron`: Megatron-Core at TP=2 on 2 gloo ranks, training on a prepared blend,
-SIGKILLed right after its dist checkpoint at step 3 (written in the background) is complete, resumed from it,
-continues exactly as the uninterrupted run."""
+"""`dmt restore-test --backend megatron`: the tiny Qwen3-MoE under Megatron-Core at EP=2 on 2 gloo ranks (each rank
+holding half of the experts), training on a prepared blend, SIGKILLed right after its dist checkpoint at step 3
+(written in the background) is complete, resumed from it, continues exactly as the uninterrupted run, routing every
+token to the same experts."""
 
 import json
 from pathlib import Path
 
 import pytest
-from megatron_helpers import TINY_MEGATRON
+from megatron_helpers import TINY_MEGATRON, TINY_MOE
 
 from toolkit.checkpoint.manifest import read_manifest
 from toolkit.checkpoint.verify import verify
@@ -37,12 +38,18 @@ def _on_a_blend(recipe: Path, directory: Path) -> Path:
     return recipe
 
 
+# the experts' layout of the restore test (EP 2: each rank holds half of the experts)
+MOE_FLAGS = ("--ep", "2")
+
+
 def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys, megatron_recipe, tmp_path_factory):
-    """From a blend: the resumed run reads on from the checkpoint's consumed samples and stays bitwise."""
-    recipe = _on_a_blend(megatron_recipe("tiny-megatron-async", training={"async_save": True}),  # saved in the
-                         tmp_path_factory.mktemp("prepared"))  # background
+    """From a blend: the resumed MoE run reads on from the checkpoint's consumed samples and stays bitwise, its
+    routing included (restore-test compares each step's tokens per expert too)."""
+    recipe = _on_a_blend(megatron_recipe("tiny-moe-megatron-async", model={"config": TINY_MOE["qwen3_moe"]},
+                                         training={"async_save": True}),  # saved in the background
+                         tmp_path_factory.mktemp("prepared"))
     capsys.readouterr()
-    code = main(["restore-test", "--recipe", str(recipe), "--backend", "megatron", "--tp", "2", "--steps",
+    code = main(["restore-test", "--recipe", str(recipe), "--backend", "megatron", *MOE_FLAGS, "--steps",
                  str(STEPS), "--save-at", "3", "--workdir", str(tmp_path), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["passed"] and result["identical"], result["mismatches"]
@@ -51,7 +58,12 @@ def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys, megatron_rec
     assert Path(result["checkpoint"]).name == "checkpoint-3"
     report = verify(Path(result["checkpoint"]))
     assert report.ok and report.format == "megatron-dist", report.problems
-    assert read_metrics(tmp_path / "reference")[-1]["step"] == STEPS
+    reference = read_metrics(tmp_path / "reference")
+    assert reference[-1]["step"] == STEPS
+    resumed = read_metrics(tmp_path / "interrupted")
+    assert [r["moe_tokens_per_expert"] for r in resumed] == [r["moe_tokens_per_expert"] for r in reference[3:]]
+    layout = json.loads((tmp_path / "interrupted" / "moe_layout.json").read_text())
+    assert [rank["layers"]["decoder.layers.0.mlp"]["experts"] for rank in layout["ranks"]] == [[0, 1], [2, 3]]
     # the kill reached the ranks (torchrun puts them in sessions of their own): nothing trained on after it
     killed = [json.loads(line)["step"] for line in (tmp_path / "interrupted/killed.metrics.jsonl").read_text().splitlines()]
     assert max(killed) == result["killed_at_step"]
@@ -79,3 +91,17 @@ def test_megatron_restore_at_another_world_size_reports_the_drift(tmp_path, caps
     assert "layout changed" in resumed_log  # really resharded, not a same-layout reload
     assert read_manifest(Path(result["checkpoint"]))["optimizer_sharding"] == "dp_reshardable"
 
+
+
+
+def test_a_resume_from_ep2_at_ep1_is_refused_before_anything_runs(tmp_path, capsys, megatron_recipe):
+    """Megatron-Core 0.16.1 chains a separate expert optimizer only at EP > 1: a checkpoint saved at EP 2 does not
+    load at EP 1 (measured: the chained optimizer keys are missing), so restore-test says so in one line at once
+    (the 2 CPU ranks hold no other EP than 1 and 2; unit: tests/unit/test_megatron_sharding.py)."""
+    recipe = megatron_recipe("tiny-moe-megatron", model={"config": TINY_MOE["qwen3_moe"]})
+    capsys.readouterr()
+    code = main(["restore-test", "--recipe", str(recipe), *MOE_FLAGS, "--resume-ep", "1", "--workdir",
+                 str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--resume-ep" in err[0] and "EP > 1" in err[0], err
+    assert not (tmp_path / "work" / "reference").exists()

@@ -5,11 +5,13 @@ dist checkpoints (written in the background, each with its record); a resume rep
 import json
 
 import pytest
-from megatron_helpers import RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON
+import torch
+from megatron_helpers import MOE_STEPS, RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON, TINY_MOE
 
 from helpers import assert_profiled, free_port, launch_watched, rank_processes, wandb_history
 from toolkit.checkpoint.dcp import DistCheckpointReader
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
+from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 from toolkit.runtime.incident import read_incidents
@@ -148,6 +150,100 @@ def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, d
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
     assert_checkpoint(run, STEPS, **{k: v for k, v in LAYOUTS[target].items() if k != "distributed_optimizer"})
     assert run.rc == 0, run.tail()
+
+
+# each MoE family's tiny model at EP 2 on 2 ranks (the experts' plan flags; conftest.moe_run)
+MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "mixtral": ("--ep", "2")}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_LAYOUTS))
+def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, capsys):
+    """Megatron-Core's own MoE layer at EP 2 on 2 gloo ranks: each rank holds only its half of the experts (global
+    experts 0-1 on EP rank 0, 2-3 on EP rank 1, the alltoall dispatcher between them), the loss falls, and every
+    step's record has the tokens routed to each expert, the measured imbalance and the router's load-balancing
+    loss; `dmt report` sets that imbalance beside the plan's --moe-imbalance."""
+    from toolkit.cli.main import main
+    from toolkit.report.runs import read_run
+    from toolkit.spec.options import MOE_IMBALANCE_DEFAULT
+
+    run = moe_run(family, *MOE_LAYOUTS[family])
+    assert run.rc == 0, run.tail()
+    config = TINY_MOE[family]
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    layout = json.loads((run.out / "moe_layout.json").read_text())
+    assert (layout["num_experts"], layout["ep"]) == (experts, 2)
+    fc1 = [2 * config.get("moe_intermediate_size", config["intermediate_size"]), config["hidden_size"]]
+    for ep_rank, rank in enumerate(layout["ranks"]):
+        assert rank["ep_rank"] == ep_rank
+        assert set(rank["layers"]) == {f"decoder.layers.{i}.mlp" for i in range(config["num_hidden_layers"])}
+        for layer in rank["layers"].values():
+            assert layer["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+            assert layer["experts"] == [ep_rank * 2, ep_rank * 2 + 1]  # this rank's half, no more
+            params = layer["expert_parameters"]
+            assert sorted(params) == [f"local_experts.{e}.linear_fc{n}.weight" for e in (0, 1) for n in (1, 2)]
+            assert params["local_experts.0.linear_fc1.weight"] == fc1
+    # what each rank wrote to the checkpoint: expert e's weights in EP rank e // 2's files (__<rank>_<n>.distcp)
+    writers = {(tuple(index.offset)[1], info.relative_path.split("_")[2])
+               for index, info in read_dcp_metadata(run.out / f"checkpoint-{MOE_STEPS}").storage_data.items()
+               if index.fqn == "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
+    assert writers == {(expert, str(expert // 2)) for expert in range(experts)}
+    records = read_metrics(run.out)
+    assert [r["step"] for r in records] == list(range(1, MOE_STEPS + 1)), run.tail()
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    routed = 2 * 16 * 64  # top 2 of every token of the global batch, in each MoE layer
+    for record in records:
+        tokens = torch.tensor(record["moe_tokens_per_expert"])
+        assert tokens.shape == (config["num_hidden_layers"], experts) and (tokens.sum(dim=1) == routed).all()
+        per_ep_rank = tokens.view(-1, 2, experts // 2).sum(dim=2).double()
+        assert record["moe_imbalance"] == pytest.approx((per_ep_rank.max(1).values / per_ep_rank.mean(1)).max())
+        assert record["moe_load_balancing_loss"] >= 1.0 - 1e-6  # Switch's loss is 1 when balanced, more when not
+    report = read_run(run.out, warmup=0)
+    seen = [r["moe_imbalance"] for r in records]
+    planned = MOE_IMBALANCE_DEFAULT  # the recipe states none
+    assert report.moe["imbalance_max"] == max(seen) and report.moe["planned_imbalance"] == planned
+    assert report.moe["above_plan"] == (max(seen) > planned)
+    capsys.readouterr()
+    assert main(["report", str(run.out), "--warmup", "0"]) == 0
+    assert f"max {max(seen):.3g} over {MOE_STEPS} steps; the plan assumed {planned:.3g}" in capsys.readouterr().out
+
+
+def test_an_ep_sharded_checkpoint_converts_in_one_process_one_expert_at_a_time(moe_run, tmp_path):
+    """The qwen3_moe run's checkpoint, written by 2 EP ranks (each its own experts' file), read back in this one
+    process: `dmt ckpt inspect` says what its experts are, megatron-to-hf holds at most one expert tensor's bytes
+    beyond the largest non-expert one and gives a model transformers loads; a truncated expert file is found by
+    `dmt ckpt verify` and is one line naming the file and the expert."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.backends.megatron.convert import megatron_to_hf
+    from toolkit.checkpoint.dcp import LiveBytes
+    from toolkit.checkpoint.verify import inspect
+    from toolkit.errors import UserInputError
+
+    run = moe_run("qwen3_moe", *MOE_LAYOUTS["qwen3_moe"])
+    ckpt = run.out / f"checkpoint-{MOE_STEPS}"
+    config = TINY_MOE["qwen3_moe"]
+    experts = inspect(ckpt)["experts"]
+    fc1, fc2 = 2 * config["moe_intermediate_size"] * 64, 64 * config["moe_intermediate_size"]
+    assert {k: experts[k] for k in ("count", "moe_layers", "ep", "etp", "bytes_per_expert")} == \
+           {"count": 4, "moe_layers": 2, "ep": 2, "etp": 1, "bytes_per_expert": (fc1 + fc2) * 4}
+    live = LiveBytes()
+    megatron_to_hf(ckpt, tmp_path / "hf", live=live)
+    largest = 512 * 64 * 4  # the embedding and the output layer (vocabulary 512, fp32)
+    assert 0 < live.peak <= 2 * largest and live.live == 0, live.peak
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "__1_0.distcp").write_bytes((broken / "__1_0.distcp").read_bytes()[:1000])  # EP rank 1's experts
+    report = verify(broken)
+    assert not report.ok and any("__1_0.distcp" in p["file"] for p in report.problems)
+    with pytest.raises(UserInputError) as refused:
+        megatron_to_hf(broken, tmp_path / "out")
+    message = str(refused.value)
+    assert "__1_0.distcp" in message and "truncated" in message and "expert 2 of layer 0" in message
+    assert "\n" not in message and not (tmp_path / "out").exists()
 
 
 def _model_tensors(ckpt) -> dict:

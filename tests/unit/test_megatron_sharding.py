@@ -9,6 +9,7 @@ from toolkit.backends.megatron.checkpoint import (
     ASYNC_SHARDING,
     MODEL_PARALLEL_KEYS,
     SYNC_SHARDING,
+    check_expert_resharding,
     layout,
     optimizer_sharding,
 )
@@ -44,3 +45,17 @@ def test_a_background_save_reshards_in_data_parallelism_only():
     plain = tp2.model_copy(update={"distributed_optimizer": False})
     assert optimizer_sharding(manifest(ASYNC_SHARDING), Path("checkpoint-4"), plain) == "dp_reshardable"
     assert set(MODEL_PARALLEL_KEYS) <= set(layout(SAVED))
+
+
+def test_expert_optimizer_state_moves_between_ep_sizes_above_one_only():
+    """At EP > 1 Megatron-Core 0.16.1 chains a separate optimizer for the experts, at EP 1 it has one: a checkpoint
+    saved at EP 2 resumes at EP 4 (or EP 2 at another data-parallel size), not at EP 1, refused in one line."""
+    ep2 = SAVED.model_copy(update={"ep": 2})
+    saved = {"layout": layout(ep2)}
+    check_expert_resharding(saved, Path("checkpoint-4"), SAVED.model_copy(update={"ep": 4, "gpus": 4, "dp": 4}))
+    check_expert_resharding(saved, Path("checkpoint-4"), ep2)
+    for other, resumed in ((saved, SAVED), ({"layout": layout(SAVED)}, ep2)):
+        with pytest.raises(UserInputError) as refused:
+            check_expert_resharding(other, Path("checkpoint-4"), resumed)
+        assert refused.value.key == "--resume" and "checkpoint-4" in str(refused.value)
+        assert "EP > 1" in str(refused.value) and "\n" not in str(refused.value)

@@ -193,6 +193,19 @@ def test_invalid_plans_name_the_flag(options, flag):
     assert err.value.key == flag
 
 
+@pytest.mark.parametrize("backend, reason", [("deepspeed", "AutoEP does not run with transformers 5.23"),
+                                             ("fsdp", "no expert-parallel axis")])
+def test_hf_backends_refuse_expert_parallelism_saying_why(backend, reason):
+    """The HF path trains an MoE model's experts sharded as ordinary parameters: EP is refused in one line that says
+    why the pinned libraries' own mechanisms do not apply (read and run here: backends/*/rules.py EP_REFUSAL)."""
+    moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
+    extra = {"dp_shard": 8} if backend == "fsdp" else {}
+    resolve_plan(moe, 8, backend=backend, seq_len=128, **extra)  # at EP 1 the plan stands
+    with pytest.raises(UserInputError) as refused:
+        resolve_plan(moe, 8, backend=backend, ep=2, seq_len=128, **extra)
+    assert refused.value.key == "--ep" and reason in refused.value.message and "\n" not in refused.value.message
+
+
 def test_megatron_keeps_the_mtp_modules_on_the_last_stage():
     from toolkit.spec.model import load_model_spec
 

@@ -24,6 +24,9 @@ from toolkit.runtime.ports import free_port
 
 TRAIN = Path(__file__).resolve().parent.parent / "train.py"
 COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
+# compared exactly where the test is bitwise: an MoE run's routing (toolkit/backends/megatron/moe.py), the same
+# tokens to the same experts at every step; a resharded resume may route a near-tie the other way
+ROUTING = ("moe_tokens_per_expert",)
 LAUNCHERS = {"deepspeed": "--num_gpus", "torchrun": "--nproc_per_node"}  # the launchers it runs: their count flag
 
 
@@ -112,8 +115,9 @@ WORKDIR_ENTRIES = (REFERENCE, INTERRUPTED, *LOGS.values())
 
 def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: int, resume_nprocs: int | None = None,
                  launcher: str = "deepspeed", tolerance: float = 0.0, timeout: float = 900,
-                 train_args: tuple[str, ...] = ()) -> RestoreResult:
-    """`train_args` (e.g. ("--zero", "3")) go to every launch of toolkit/train.py."""
+                 train_args: tuple[str, ...] = (), resume_args: tuple[str, ...] = ()) -> RestoreResult:
+    """`train_args` (e.g. ("--zero", "3")) go to every launch of toolkit/train.py, `resume_args` (e.g. ("--ep", "1"),
+    a layout the checkpoint reshards to) to the resumed one after them."""
     if not 0 < save_at < steps:
         raise UserInputError("--save-at", f"must be between 1 and --steps - 1 = {steps - 1}, got {save_at}")
     resharded = resume_nprocs is not None and resume_nprocs != nprocs  # train.py reshards: dist / universal ckpt
@@ -134,7 +138,7 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
                                          log["interrupted"], timeout)
     os.replace(run / METRICS_FILE, run / f"killed.{METRICS_FILE}")
     checkpoint = resolve_latest(run)
-    resume_args = train_args + (("--gpus", str(resume_nprocs)) if resharded else ())
+    resume_args = train_args + (("--gpus", str(resume_nprocs)) if resharded else ()) + resume_args
     rc = _run(_command(launcher, resume_nprocs or nprocs, recipe, run, steps, steps, True, resume_args),
               log["resumed"], timeout, "the resumed run")
     resumed = _by_step(read_metrics(run))
@@ -152,7 +156,10 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
                     mismatches.append(f"step {step} {key}: {a} vs {b}")
             elif a != b:
                 mismatches.append(f"step {step} {key}: {a} vs {b}")
-    identical = all(ref[s].get(k) == resumed.get(s, {}).get(k) for s in compared for k in COMPARED)
+        for key in ROUTING if tolerance == 0 else ():
+            if ref[step].get(key) != resumed.get(step, {}).get(key):
+                mismatches.append(f"step {step} {key}: {ref[step].get(key)} vs {resumed.get(step, {}).get(key)}")
+    identical = all(ref[s].get(k) == resumed.get(s, {}).get(k) for s in compared for k in COMPARED + ROUTING)
     return RestoreResult(
         steps=steps, save_at=save_at, killed_at_step=killed_at,
         reference_losses=[ref[s]["loss"] for s in compared],

@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_mcore.add_argument("out_dir", type=output_arg, metavar="OUT_DIR", help="new directory for the dist checkpoint")
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"), ("ep", "expert")):
         to_mcore.add_argument(f"--{flag}", type=bounded_int, default=1, help=f"{what} parallel size it is meant for")
+    to_mcore.add_argument("--etp", type=bounded_int, default=None,
+                          help="expert tensor-parallel size it is meant for (parallel folding; default: --tp)")
     to_mcore.add_argument("--check", action="store_true", help="then compare logits with the HF model at --tp/--pp")
     to_mcore.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -50,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("megatron_dir", type=path_arg, metavar="MEGATRON_DIR")
     check.add_argument("--tp", type=bounded_int, default=1)
     check.add_argument("--pp", type=bounded_int, default=1)
+    check.add_argument("--ep", type=bounded_int, default=1, help="expert-parallel size (folded over TP x DP)")
+    check.add_argument("--etp", type=bounded_int, default=None, help="expert tensor-parallel size (default: --tp)")
     check.add_argument("--tolerance", type=finite_float, default=1e-4, help="largest max-abs logit difference that passes")
     check.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -104,18 +108,20 @@ def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
 
 
 def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:
-    result = run_check(hf_dir, ckpt, tp=tp, pp=pp, tolerance=tolerance)
+    ep, etp = args.ep, args.etp
+    result = run_check(hf_dir, ckpt, tp=tp, pp=pp, tolerance=tolerance, ep=ep, etp=etp)
     summary = {"max_abs_diff": result.max_abs_diff, "logit_scale": result.logit_scale, "tolerance": tolerance,
-               "tp": tp, "pp": pp, "passed": result.passed}
+               "tp": tp, "pp": pp, "ep": result.ep, "etp": result.etp, "passed": result.passed}
     verdict = "passed" if result.passed else "FAILED"
-    _print(args, summary, f"logits at tp={tp} pp={pp}: max abs difference {result.max_abs_diff:.3g} (logits up to "
+    experts = f" ep={result.ep} etp={result.etp}" if result.ep > 1 else ""
+    _print(args, summary, f"logits at tp={tp} pp={pp}{experts}: max abs difference {result.max_abs_diff:.3g} (logits up to "
                           f"{result.logit_scale:.3g}, tolerance {tolerance:g}): {verdict}")
     return 0 if result.passed else 1
 
 
 def _hf_to_megatron(args: argparse.Namespace) -> int:
     result = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                            progress=_interactive())
+                            progress=_interactive(), etp=args.etp)
     summary = {"out_dir": str(result.out_dir), "tensors": result.tensors, "parameters": result.parameters,
                "layout": result.layout, "padded_vocab": result.padded_vocab}
     if not args.check:

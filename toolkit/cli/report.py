@@ -152,6 +152,8 @@ def _print_table(reports, warmup: int) -> None:
         if r.measured["mfu"] is None and r.status == "completed":
             notes.append("MFU not measured: the device that ran has no catalogue peak (a CPU run of a GPU recipe)")
         console.print(f"{r.run_dir}: " + "; ".join(notes))
+        if r.moe is not None:
+            console.print(f"{r.run_dir}: {_moe_line(r.moe)}")
         if r.launch_prediction is not None:
             console.print(f"{r.run_dir}: {_against_launch(r)}")
 
@@ -165,3 +167,14 @@ def _against_launch(r) -> str:
     return (f"{head}{_with_error(r.predicted['step_time_s'], '.3g', r.error['step_time'], ' s')} with the calibration, "
             f"{_with_error(launch['step_time_s'], '.3g', launch['step_time_error'], ' s')} at its launch ({how}, "
             f"run_plan.json)")
+
+
+def _moe_line(moe: dict) -> str:
+    """One line: the routing imbalance the run saw against the one its plan assumed (--moe-imbalance)."""
+    seen = (f"MoE imbalance (busiest expert-parallel rank's routed tokens / mean) median {moe['imbalance_median']:.3g}, "
+            f"max {moe['imbalance_max']:.3g} over {moe['steps']} steps")
+    if moe["planned_imbalance"] is None:
+        return f"{seen}; the plan states none"
+    verdict = ("above it: the busiest expert rank's memory and time were planned too low" if moe["above_plan"]
+               else "within it")
+    return f"{seen}; the plan assumed {moe['planned_imbalance']:.3g} (--moe-imbalance): {verdict}"

@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from toolkit.backends.megatron.checkpoint import expert_resharding_problem
 from toolkit.checkpoint.restore import LAUNCHERS, WORKDIR_ENTRIES, restore_test
 from toolkit.cli.options import add_plan_flags, option_argv, plan_overrides
 from toolkit.cli.paths import output_arg, path_arg
@@ -29,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-world-size", type=bounded_int, default=None,
                         help="processes of the resumed run (DeepSpeed: through a universal checkpoint; Megatron-Core "
                              "and FSDP2: the DCP checkpoint reshards on load)")
+    parser.add_argument("--resume-ep", type=bounded_int, default=None,
+                        help="expert-parallel size of the resumed run (Megatron-Core: its dist checkpoint reshards "
+                             "the experts on load)")
     parser.add_argument("--launcher", choices=tuple(LAUNCHERS), default=None,
                         help="launcher of the deepspeed backend (default deepspeed; megatron and fsdp run under "
                              "torchrun)")
@@ -43,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--resume-world-size", args.resume_world_size), ("--timeout", args.timeout)):
+    for flag, value in (("--resume-world-size", args.resume_world_size), ("--resume-ep", args.resume_ep),
+                        ("--timeout", args.timeout)):
         if value is not None and value <= 0:
             raise UserInputError(flag, f"must be positive, got {value}")
     if args.tolerance is not None and args.tolerance < 0:
@@ -73,11 +78,22 @@ def run(args: argparse.Namespace) -> int:
     scratch = workdir is None  # no --workdir: a temp dir of the command's own, removed if the test passes
     workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
     train_args = tuple(option_argv({"backend": plan.backend, **overrides}))
-    resharded = args.resume_world_size not in (None, recipe.cluster.gpus)
+    resume_args = ()
+    if args.resume_ep not in (None, plan.ep):
+        if plan.backend != "megatron":
+            raise UserInputError("--resume-ep", f"expert parallelism is Megatron-Core's; the {plan.backend} backend "
+                                                f"has none")
+        problem = expert_resharding_problem(plan.ep, args.resume_ep)
+        if problem:
+            raise UserInputError("--resume-ep", problem)
+        with recipe_names(overrides):  # the resumed run's plan, resolved now: a bad one is one line here
+            recipe_plan(recipe, recipe_model(recipe), **{**overrides, "ep": args.resume_ep})
+        resume_args = ("--ep", str(args.resume_ep))
+    resharded = args.resume_world_size not in (None, recipe.cluster.gpus) or bool(resume_args)
     tolerance = args.tolerance if args.tolerance is not None else RESHARDED_TOLERANCE if resharded else 0.0
     with removed_if_interrupted(workdir, whole=fresh):
         result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
-                              launcher, tolerance, args.timeout, train_args)
+                              launcher, tolerance, args.timeout, train_args, resume_args)
     kept = not (scratch and result.passed)  # a failure keeps its runs and logs (an error's line names its log)
     if not kept:
         shutil.rmtree(workdir)
@@ -104,8 +120,10 @@ def _report(args, result, recipe, tolerance: float, resharded: bool, workdir: Pa
         verdict = "PASSED" if result.passed else "FAILED"
         kind = "identical to the bit" if result.identical else f"max |loss diff| {result.max_abs_diff:.3g} " \
                                                               f"(tolerance {tolerance:g})"
-        if resharded:
+        if args.resume_world_size not in (None, recipe.cluster.gpus):
             kind += f", resumed on {args.resume_world_size} processes instead of {recipe.cluster.gpus}"
+        if args.resume_ep is not None:
+            kind += f", resumed at EP {args.resume_ep}"
         print(f"restore-test {verdict}: saved at step {result.save_at}, killed at step {result.killed_at_step}, "
               f"resumed from {result.checkpoint}; steps {result.save_at + 1}-{result.steps} {kind}")
         for line in result.mismatches[:10]:

@@ -4,7 +4,8 @@ Megatron-Core is written for GPUs. On a machine without one (CI, the demo) it tr
 module answers each, in one place, only while `cuda_on_cpu()` is active and only when no GPU is present (every
 name it patches or reaches into is in `SEAMS`; torch's private ones through toolkit.compat.torch_seams):
 
-1. `torch.cuda.current_device()` / `synchronize()` / `set_device()` -- answered as device 0 / no-ops;
+1. `torch.cuda.current_device()` / `synchronize()` / `set_device()` -- answered as device 0 / no-ops, and the
+   streams MoE's alltoall dispatcher copies on (`Stream`, `current_stream`, `stream`) -- one in-order CPU stream;
 2. tensors created with a literal `device="cuda"` (grad-norm and loss-scale scalars, DDP buffers) and `.cuda()`
    -- a torch function mode puts them on the CPU;
 3. dtype checks that spell CUDA type names (`param.type() == "torch.cuda.FloatTensor"` in the optimizers) -- the
@@ -29,11 +30,16 @@ from toolkit.compat.torch_seams import backward_entry_points, function_mode_acti
 log = logging.getLogger(__name__)
 _RANDOM = "megatron.core.tensor_parallel.random"
 _TRACKER = f"{_RANDOM}.CudaRNGStatesTracker"
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 SEAMS = [
     *(Seam("torch", f"torch.cuda.{name}", f"patched while the layer is on: {why}") for name, why in (
         ("current_device", "Megatron-Core asks for the current CUDA device everywhere; device 0 on CPU"),
         ("synchronize", "a no-op without a GPU"),
         ("set_device", "a no-op without a GPU"),
+        ("Stream", "MoE's alltoall token dispatcher makes a side stream for its device-to-host copies; on CPU one "
+                   "stream that runs everything in order"),
+        ("current_stream", "the dispatcher compares its side stream with the current one; the same CPU stream"),
+        ("stream", "the dispatcher's `with torch.cuda.stream(...)`: a no-op context on CPU"),
         ("manual_seed", "Megatron's seeding seeds the CUDA generator; on CPU the CPU generator is the device's"),
         ("get_rng_state", "Megatron saves the CUDA generator's state; on CPU the CPU generator's"),
     )),
@@ -46,6 +52,10 @@ SEAMS = [
          "the state save of activation recomputation (CheckpointFunction), pointed at the CPU generator"),
     Seam("megatron-core", f"{_RANDOM}._set_cuda_rng_state",
          "the state restore of activation recomputation, pointed at the CPU generator"),
+    Seam("megatron-core", f"{_DISPATCHER}.maybe_move_tensor_to_cpu",
+         "the alltoall dispatcher's device-to-host copy of its split sizes: on a GPU they arrive as numpy arrays, which "
+         "all_to_all_single takes; on CPU the library's helper leaves them tensors, so the CPU tensors are handed over "
+         "as the same numpy arrays"),
     Seam("megatron-core", f"{_TRACKER}._is_initialized", kind="in_source",
          why="the CPU tracker subclass keeps the base class's bookkeeping (is_initialized() reads it)"),
     Seam("megatron-core", f"{_TRACKER}._current_state_name", kind="in_source",
@@ -146,12 +156,47 @@ def _install_rng(patches: list) -> None:
     ]
 
 
+class CpuStream:
+    """The one CPU "stream": work runs in program order, so waiting for it, or for its events, is already done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self  # an event of an in-order stream is complete when recorded: synchronize() is a no-op
+
+
+_CPU_STREAM = CpuStream()
+
+
 def _install_device(patches: list) -> None:
     patches += [
+        (torch.cuda, "Stream", CpuStream),
+        (torch.cuda, "current_stream", lambda *args, **kwargs: _CPU_STREAM),
+        (torch.cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext()),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (torch.cuda, "set_device", lambda *args, **kwargs: None),
     ]
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu as a GPU run sees it: a tensor (here already on the host), as numpy if asked."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().numpy()
+    return tensor
+
+
+def _install_moe(patches: list) -> None:
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    patches.append((dispatcher, "maybe_move_tensor_to_cpu", _host_copy))
 
 
 def _install_backward(patches: list, mode: TorchFunctionMode) -> None:
@@ -181,6 +226,7 @@ def cuda_on_cpu():
     mode = CudaTensorsOnCpu()
     _install_device(patches)
     _install_rng(patches)
+    _install_moe(patches)
     _install_backward(patches, mode)
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:

@@ -4,6 +4,7 @@ It routes like Mixtral when `norm_topk_prob` is true (see mixtral.py). In transf
 it is not in mlp_only_layers and (i + 1) is a multiple of decoder_sparse_step; the others are dense.
 """
 
+from toolkit.errors import UserInputError
 from toolkit.families import qwen3
 from toolkit.families.family import Family, HFConfig
 from toolkit.families.lineage import LLAMA_WEIGHTS, MOE_ROUTING, moe_weights
@@ -22,8 +23,15 @@ def read(cfg: HFConfig) -> dict:
                       moe_ffn_hidden_size=cfg.integer("moe_intermediate_size"), moe_layers=moe_layers)
 
 
+def _num_local_experts(cfg: dict) -> int:
+    """A config.json written by transformers' save_pretrained says num_local_experts (the attribute_map's name)."""
+    if "num_local_experts" not in cfg:
+        raise UserInputError("model.config.num_experts", "is required for a qwen3_moe model")
+    return cfg["num_local_experts"]
+
+
 CONFIG = qwen3.CONFIG + (
-    Field("num_experts", "transformer_config.num_moe_experts"),
+    Field("num_experts", "transformer_config.num_moe_experts", _num_local_experts),
     Field("num_experts_per_tok", "transformer_config.moe_router_topk"),
     Field("moe_intermediate_size", "transformer_config.moe_ffn_hidden_size"),
     Field("router_aux_loss_coef", "transformer_config.moe_aux_loss_coeff", 0.001, float),

@@ -87,6 +87,11 @@ class MetricsRecord(BaseModel):
     gpu_max_reserved_bytes: Count | None = None
     gpu_max_allocated_bytes_per_rank: list[Count] | None = None
     gpu_max_reserved_bytes_per_rank: list[Count] | None = None
+    # MoE runs (toolkit/backends/megatron/moe.py): tokens routed to each expert per MoE layer, the busiest expert-
+    # parallel rank's tokens over the mean (at least 1 by definition), the router's load-balancing loss
+    moe_tokens_per_expert: list[list[Count]] | None = None
+    moe_imbalance: Annotated[float, Field(ge=1.0, allow_inf_nan=False)] | None = None
+    moe_load_balancing_loss: Finite | None = None
 
 
 class CheckpointRecord(BaseModel):

@@ -57,6 +57,7 @@ class RunReport:
     # set where `dmt report --calibration` re-predicted the run: what its launch predicted (run_plan.json), the
     # prediction the calibration replaced, kept beside it: {step_time_s, step_time_error, calibration}
     launch_prediction: dict | None = None
+    moe: dict | None = None  # MoE runs: the routing imbalance measured against the plan's (moe_summary)
     # `dmt report --breakdown`: the profiled steps' measured terms beside the predicted ones
     # (toolkit/report/breakdown.py); None without the flag or without profiled steps
     breakdown: dict | None = None
@@ -107,6 +108,21 @@ def checkpoint_summary(steps: list[dict], checkpoints: list[dict]) -> dict:
             "stall_fraction": blocked / elapsed if elapsed > 0 else None}
 
 
+def moe_summary(steps: list[dict], plan: dict | None) -> dict | None:
+    """What an MoE run's routing did against what its plan assumed: the measured imbalance (the busiest expert-
+    parallel rank's routed tokens over the mean, each step's worst layer; toolkit/backends/megatron/moe.py) as its
+    median and maximum over the logged steps, the plan's `moe_imbalance` (the planner's memory and step time assume
+    it), and whether the run went above it. None for a run that logged no routing."""
+    seen = [r["moe_imbalance"] for r in steps if r.get("moe_imbalance") is not None]
+    if not seen:
+        return None
+    planned = (plan or {}).get("moe_imbalance")
+    losses = [r["moe_load_balancing_loss"] for r in steps if r.get("moe_load_balancing_loss") is not None]
+    return {"steps": len(seen), "imbalance_median": statistics.median(seen), "imbalance_max": max(seen),
+            "planned_imbalance": planned, "above_plan": None if planned is None else max(seen) > planned,
+            "load_balancing_loss_last": losses[-1] if losses else None}
+
+
 def allocator_comparable(prediction: Prediction | RunRecord) -> int | None:
     """The predicted bytes the allocator's max_memory_allocated can be compared with: the estimate less what lives
     outside PyTorch's allocator (the CUDA context) and its fragmentation margin (as benchmarks/gpu_check.py does)."""
@@ -155,6 +171,7 @@ def read_run(run_dir: Path, warmup: int = DEFAULT_WARMUP, key: str = "RUN_DIR") 
                        plan=(record or {}).get("plan"), gpu=(record or {}).get("gpu"),
                        execution_path=(record or {}).get("execution_path"),
                        calibration=(record or {}).get("calibration"))
+    report.moe = moe_summary(metrics, report.plan)
     if files.prediction is not None:
         report.predicted = predicted_figures(files.prediction)
     if status != "completed":

@@ -41,6 +41,15 @@ def check_pipeline(pp: int) -> None:
                                      "parallelism")
 
 
+# Read in DeepSpeed 0.19.8's source and run here (2 gloo ranks, a tiny Mixtral, AutoEP's own `mixtral` preset):
+# deepspeed.initialize fails in auto_ep.replace_moe_layers, whose output-recorder retargeting calls transformers
+# 5.23's _CanRecordRegistry.get(key, default), which takes no default. Its older deepspeed.moe.layer.MoE needs the
+# model rewritten around it, which is a hand-written expert-parallel wrapper.
+EP_REFUSAL = ("DeepSpeed 0.19.8's AutoEP does not run with transformers 5.23 (its MoE layer replacement fails on "
+              "transformers' output recorders); the experts train ZeRO-sharded as ordinary parameters at --ep 1, or "
+              "use --backend megatron for expert parallelism")
+
+
 def check(p: Plan) -> None:
     check_pipeline(p.pp)
     if p.tp > 1:  # launched for real: HF's DeepSpeed config check counts the TP ranks as data-parallel ones
@@ -49,6 +58,8 @@ def check(p: Plan) -> None:
                                      "--backend megatron for tensor parallelism")
     if p.vpp > 1:
         raise UserInputError("--vpp", "DeepSpeed's pipeline has no interleaved schedule; use --backend megatron")
+    if p.ep > 1:  # the experts train as ordinary parameters (ZeRO shards them with the rest)
+        raise UserInputError("--ep", EP_REFUSAL)
     if p.recompute == "selective":
         raise UserInputError("--recompute", "HF models checkpoint whole layers: use none or full with deepspeed")
     if p.precision in LOW_PRECISION:

@@ -46,13 +46,22 @@ def check_steps(steps: int, warmup: int, key: str) -> None:
     """A run of `steps` optimizer steps after `warmup` warm-up steps: any length (HF's schedulers take both)."""
 
 
+# Read in transformers 5.23 and accelerate 1.15: transformers' expert parallelism (DistributedConfig ep_size) shards
+# the experts while from_pretrained loads the model on its device mesh; Accelerate's FSDP2 plugin has no expert axis
+# and the HF Trainer path this backend runs loads the model unsharded, so neither applies here.
+EP_REFUSAL = ("Accelerate 1.15's FSDP2 has no expert-parallel axis and transformers 5.23's (DistributedConfig "
+              "ep_size) applies only to a model from_pretrained loads on its own device mesh, which the HF Trainer "
+              "path does not; the experts train FSDP2-sharded at --ep 1, or use --backend megatron")
+
+
 def check(p: Plan) -> None:
     missing = [name for name in OWN_OPTIONS if getattr(p, name) is None]
     if missing:
         raise UserInputError(flag(missing[0]), "must be set for an fsdp plan")
-    for name, why in (("pp", "pipeline parallelism"), ("ep", "expert parallelism")):
-        if getattr(p, name) > 1:
-            raise UserInputError(flag(name), f"{why} {_NOT_PART}")
+    if p.pp > 1:
+        raise UserInputError("--pp", f"pipeline parallelism {_NOT_PART}")
+    if p.ep > 1:  # the experts train FSDP2-sharded as ordinary parameters
+        raise UserInputError("--ep", EP_REFUSAL)
     if p.recompute == "selective":
         raise UserInputError("--recompute", "FSDP2 checkpoints whole decoder layers: use none or full with fsdp")
     if p.tp > 1:  # Accelerate applies TP only to a model transformers loaded sharded by a TP plan (DistributedConfig)

@@ -68,6 +68,7 @@ def initialize_parallel(config: dict) -> None:
         virtual_pipeline_model_parallel_size=tc.get("virtual_pipeline_model_parallel_size"),
         context_parallel_size=tc["context_parallel_size"],
         expert_model_parallel_size=tc["expert_model_parallel_size"],
+        expert_tensor_parallel_size=tc.get("expert_tensor_parallel_size"),  # None: the attention's TP
     )
     model_parallel_cuda_manual_seed(config["schedule"]["seed"])
 

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.backends.megatron.build import unwrapped
-from toolkit.backends.megatron.convert import megatron_to_hf
+from toolkit.backends.megatron.convert import MOE_EXPERTS_KEY, megatron_to_hf
 from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT  # the part's hook: the format's name
 from toolkit.checkpoint.dcp_check import check_dcp, dcp_contents
 from toolkit.checkpoint.manifest import data_position, point_latest, read_manifest, write_manifest
+from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.compat.megatron_seams import torch_adam_distributed_load
 from toolkit.errors import UserInputError
 from toolkit.spec.backend import HFConversion
@@ -42,7 +43,7 @@ TO_HF = HFConversion(
 # synchronous save any layout can load, a background one with nothing in its pause but this rank's own partition
 SYNC_SHARDING, ASYNC_SHARDING = "fully_reshardable", "dp_reshardable"
 # what a dp_reshardable checkpoint cannot change: its optimizer buffers are laid out per model-parallel rank
-MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep")
+MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp")
 LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp", "ep", "distributed_optimizer", "micro_batch", "grad_accum",
                "global_batch")
 
@@ -94,7 +95,14 @@ def _gathered_params(setup: MegatronSetup) -> None:
 
 
 def layout(plan) -> dict:
-    return {k: getattr(plan, k) for k in LAYOUT_KEYS}
+    """The manifest's layout of a plan, with the expert layers' TP (`etp`: parallel folding's, else the TP)."""
+    return {**{k: getattr(plan, k) for k in LAYOUT_KEYS}, "etp": plan.expert_tp}
+
+
+def saved_layout(manifest: dict) -> dict:
+    """A manifest's layout; one written before the manifest named `etp` had the expert layers at the TP."""
+    saved = manifest.get("layout", {})
+    return {"etp": saved.get("tp"), **saved}
 
 
 def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, identity: dict, saves,
@@ -156,12 +164,13 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
         raise UserInputError("--resume", f"{ckpt} has no manifest: it was not completely saved by the toolkit")
     if manifest.get("format") != MANIFEST_FORMAT:
         raise UserInputError("--resume", f"{ckpt} is a {manifest.get('format')} checkpoint, not {MANIFEST_FORMAT}")
-    saved_layout = manifest.get("layout", {})
-    if saved_layout.get("distributed_optimizer") != plan.distributed_optimizer:
+    saved = saved_layout(manifest)
+    if saved.get("distributed_optimizer") != plan.distributed_optimizer:
         raise UserInputError("--resume", f"{ckpt.name} was saved with distributed_optimizer="
-                                         f"{saved_layout.get('distributed_optimizer')}; resume with the same setting")
+                                         f"{saved.get('distributed_optimizer')}; resume with the same setting")
     sharding = optimizer_sharding(manifest, ckpt, plan)
-    same_layout = saved_layout == layout(plan)
+    check_expert_resharding(manifest, ckpt, plan)
+    same_layout = saved == layout(plan)
     with torch_adam_distributed_load(setup.optimizer):
         state = dist_checkpointing.load(_sharded_state(setup, 0, is_loading=True, with_rng=same_layout,
                                                        sharding=sharding), str(ckpt))
@@ -180,7 +189,7 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
         get_cuda_rng_tracker().set_states(rng["tracker"])
     else:
         log.info("layout changed (%s -> %s): model and optimizer resharded, RNG streams reseeded",
-                 saved_layout, layout(plan))
+                 saved, layout(plan))
     return int(state["iteration"])
 
 
@@ -188,9 +197,9 @@ def optimizer_sharding(manifest: dict, ckpt: Path, plan) -> str:
     """The distributed optimizer's format `ckpt` was saved in (a checkpoint from before the manifest recorded it is
     fully_reshardable, the only one then); a dp_reshardable one loads at another data-parallel size only."""
     sharding = manifest.get("optimizer_sharding", SYNC_SHARDING)
-    saved = manifest.get("layout", {})
-    changed = [f"{key} {saved.get(key)} -> {getattr(plan, key)}" for key in MODEL_PARALLEL_KEYS
-               if saved.get(key) != getattr(plan, key)]
+    saved, current = saved_layout(manifest), layout(plan)
+    changed = [f"{key} {saved.get(key)} -> {current.get(key)}" for key in MODEL_PARALLEL_KEYS
+               if saved.get(key) != current.get(key)]
     if sharding == ASYNC_SHARDING and plan.distributed_optimizer and changed:
         raise UserInputError("--resume", f"{ckpt.name} was saved in the background (training.async_save), its "
                                          f"distributed optimizer state {ASYNC_SHARDING}, which reshards in data "
@@ -198,6 +207,25 @@ def optimizer_sharding(manifest: dict, ckpt: Path, plan) -> str:
                                          f"{'/'.join(MODEL_PARALLEL_KEYS)} and save once with training.async_save: "
                                          f"false ({SYNC_SHARDING}) to change them")
     return sharding
+
+
+def check_expert_resharding(manifest: dict, ckpt: Path, plan) -> None:
+    """Megatron-Core 0.16.1 keeps the experts' optimizer state in an optimizer of its own only at EP > 1 (a
+    ChainedOptimizer, its sharded keys prefixed chained_0/chained_1); at EP 1 the experts join the dense optimizer.
+    A checkpoint's model reshards between any EP sizes, its optimizer state only between sizes above 1 (measured:
+    EP 2 -> 1 fails in dist_checkpointing.load with the chained keys missing)."""
+    saved = saved_layout(manifest).get("ep", 1)
+    problem = expert_resharding_problem(saved, plan.ep)
+    if problem:
+        raise UserInputError("--resume", f"{ckpt.name} was saved at EP {saved}: {problem}")
+
+
+def expert_resharding_problem(saved_ep: int, ep: int) -> str | None:
+    """Why a checkpoint saved at `saved_ep` cannot resume at `ep` (check_expert_resharding), or None."""
+    if (saved_ep > 1) == (ep > 1):
+        return None
+    return (f"Megatron-Core 0.16.1 keeps the experts' optimizer state apart only at EP > 1, so its optimizer state "
+            f"moves between EP sizes above 1, not from EP {saved_ep} to EP {ep}")
 
 
 def detect(path: Path) -> str | None:
@@ -209,7 +237,30 @@ def verify(path: Path, report, deep: bool) -> None:
 
 
 def inspect(path: Path) -> dict:
-    return dcp_contents(path)
+    info = dcp_contents(path)
+    experts = expert_contents(path)
+    return {**info, "experts": experts} if experts else info
+
+
+def expert_contents(path: Path) -> dict | None:
+    """What a checkpoint's MoE experts are: how many per MoE layer, in how many layers, the bytes of one expert's
+    weights in one layer, and the EP/ETP layout they were saved at (the manifest's; a checkpoint reshards on load,
+    so that is where they came from, not a limit). None for a dense model."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(path)
+    weights = {key: meta for key, meta in metadata.state_dict_metadata.items()
+               if MOE_EXPERTS_KEY in key and "optimizer" not in key and isinstance(meta, TensorStorageMetadata)}
+    if not weights:
+        return None
+    shapes = [tuple(meta.size) for meta in weights.values()]  # [layers, experts, ...] each (SequentialMLP's keys)
+    per_expert = sum(math.prod(shape[2:]) * meta.properties.dtype.itemsize
+                     for shape, meta in zip(shapes, weights.values()))
+    saved = saved_layout(read_manifest(path) or {})
+    return {"count": shapes[0][1], "moe_layers": shapes[0][0], "bytes_per_expert": per_expert,
+            "tensors": sorted(weights), "ep": saved.get("ep"), "etp": saved.get("etp")}
 
 
 def to_hf(ckpt_dir: Path, out_dir: Path, dtype: str, max_shard_size: str, config: Path | None,

@@ -38,7 +38,7 @@ from toolkit.families.mapping import PADDED_VOCAB
 from toolkit.readers import read_safetensors_header
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import spec_from_hf_dict
-from toolkit.spec.plan import resolve_plan
+from toolkit.spec.plan import resolve_plan, smallest_world
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -53,16 +53,33 @@ class MegatronConversion:
     padded_vocab: int
 
 
-def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int) -> None:
-    """The layout rules of `toolkit.spec.plan` (heads and kv groups by TP, layers by PP x VPP, experts by EP)."""
+MOE_EXPERTS_KEY = ".mlp.experts.experts."  # Megatron-Core's sharded key prefix of the experts' weights
+
+
+def layout_world(tp: int, pp: int, ep: int, etp: int | None = None) -> int:
+    """The fewest ranks of a layout (the plan's rule, spec/plan.smallest_world; no context parallelism here)."""
+    return smallest_world(tp, 1, pp, ep, etp or tp)
+
+
+def check_layout(hf_config: dict, tp: int, pp: int, vpp: int, ep: int, etp: int | None = None) -> None:
+    """The layout rules of `toolkit.spec.plan` (heads and kv groups by TP, layers by PP x VPP, experts by EP and
+    ETP) on the fewest ranks the layout takes."""
     model = spec_from_hf_dict(hf_config, hf_config.get("model_type", "model"))
-    resolve_plan(model, tp * pp * ep, backend="megatron", gpus_per_node=tp * pp * ep, tp=tp, pp=pp, vpp=vpp, ep=ep,
+    world = layout_world(tp, pp, ep, etp)
+    # MoE training at TP > 1 needs sequence parallelism, and that Transformer Engine's norms (spec/plan.py); a
+    # checkpoint is meant for such a run, and a forward pass (`check`) needs neither: the layout is checked as that
+    # run's plan
+    training_rules = {"sequence_parallel": True, "transformer_impl": "transformer_engine"} \
+        if model.is_moe and tp > 1 else {}
+    resolve_plan(model, world, backend="megatron", gpus_per_node=world, tp=tp, pp=pp, vpp=vpp, ep=ep,
+                 **({"etp": etp} if etp is not None else {}), **training_rules,
                  micro_batch=1, seq_len=min(128, model.max_position_embeddings or 128))
 
 
 def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
-                          padded_vocab: int | None = None) -> dict:
-    """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec)."""
+                          padded_vocab: int | None = None, etp: int | None = None) -> dict:
+    """The megatron.yaml sections a GPTModel of this HF config needs (fp32, CPU initialisation, local layer spec);
+    `etp`: the expert layers' tensor-parallel size under parallel folding (None: --tp's)."""
     sections = megatron_fields(hf_config)
     vocab = sections["model"]["vocab_size"]
     return {
@@ -72,7 +89,9 @@ def megatron_model_config(hf_config: dict, tp: int = 1, pp: int = 1, vpp: int = 
                                "pipeline_model_parallel_size": pp,
                                "virtual_pipeline_model_parallel_size": vpp if vpp > 1 else None,
                                "context_parallel_size": 1, "expert_model_parallel_size": ep,
-                               "use_cpu_initialization": True, "transformer_impl": "local"},
+                               "use_cpu_initialization": True, "transformer_impl": "local",
+                               **({"expert_tensor_parallel_size": etp} if etp is not None else {}),
+                               **({"moe_token_dispatcher_type": "alltoall"} if ep > 1 else {})},
         "gpt_model": {**sections["gpt_model"], "vocab_size": padded_vocab or megatron_padded_vocab(vocab, tp)},
     }
 
@@ -166,14 +185,14 @@ def meta_sharded_state_dict(config: dict):
 
 
 def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
-                   progress: bool = False, live: LiveBytes | None = None) -> MegatronConversion:
+                   progress: bool = False, live: LiveBytes | None = None, etp: int | None = None) -> MegatronConversion:
     """HF safetensors -> a Megatron-Core dist checkpoint that loads at tp/pp/vpp/ep (and other layouts of the same
     vocabulary padding), with config.json beside it and a manifest. Streamed: each Megatron tensor is made from its
     HF tensors when the writer reaches it and dropped after (`live` counts what is held)."""
     import shutil
 
     hf_config = read_hf_config(hf_dir, "HF_DIR")
-    check_layout(hf_config, tp, pp, vpp, ep)
+    check_layout(hf_config, tp, pp, vpp, ep, etp)
     check_output_dir(out_dir, inputs=[hf_dir])
     import torch
     from tqdm import tqdm
@@ -213,7 +232,7 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
         for side in HF_SIDE_FILES:
             if (hf_dir / side).is_file():
                 shutil.copyfile(hf_dir / side, tmp / side)
-        layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "padded_vocab": padded}
+        layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp or tp, "padded_vocab": padded}
         write_manifest(tmp, step=0, world_size=1, layout=layout, fmt=MANIFEST_FORMAT,
                        extra={"converted_from": str(hf_dir.resolve())})
     log.info("wrote %s (%d tensors, %d parameters)", out_dir, len(by_name), parameters)
@@ -244,6 +263,15 @@ def load_weights(model, ckpt: Path) -> None:
     model.load_state_dict(loaded, strict=False)
 
 
+def describe_entry(entry) -> str:
+    """A checkpoint tensor as a user knows it: an expert's weight by its expert and layer (SequentialMLP's
+    ShardedTensors are [layer, expert, ...] slices of one tensor per projection)."""
+    if MOE_EXPERTS_KEY in entry.key and len(entry.global_offset) > 2:
+        layer, expert = entry.global_offset[:2]
+        return f"expert {expert} of layer {layer}, {entry.key}"
+    return entry.key
+
+
 def model_tensor(reader: DistCheckpointReader, entry):
     """The whole local tensor a meta ShardedTensor or ShardedTensorFactory of a TP=1 model stands for, read from
     the checkpoint behind `reader`."""
@@ -251,8 +279,11 @@ def model_tensor(reader: DistCheckpointReader, entry):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if isinstance(entry, ShardedTensor):
-        return reader.read(entry.key, entry.global_offset, chunk_shape(entry), entry.global_shape).reshape(
-            entry.local_shape)
+        try:
+            return reader.read(entry.key, entry.global_offset, chunk_shape(entry), entry.global_shape).reshape(
+                entry.local_shape)
+        except UserInputError as exc:  # a damaged file: say which tensor (which expert) it held
+            raise UserInputError(exc.key, f"{exc.message} (reading {describe_entry(entry)})") from None
     loaded = dict_list_map_inplace(lambda part: model_tensor(reader, part), entry.build())  # the parts; merged
     return reader.track(entry.merge_fn(loaded))
 

@@ -22,6 +22,7 @@ from toolkit.backends.megatron.convert import (
     check_layout,
     checkpoint_vocab,
     hf_weight_map,
+    layout_world,
     load_weights,
     megatron_model,
     megatron_model_config,
@@ -45,6 +46,8 @@ class LogitCheck:
     tolerance: float
     tp: int
     pp: int
+    ep: int = 1
+    etp: int = 1  # the expert layers' TP (attention's without parallel folding)
 
     @property
     def passed(self) -> bool:
@@ -69,14 +72,14 @@ def hf_logits(hf_dir: Path, tokens):
         return model(tokens).logits
 
 
-def megatron_logits(ckpt: Path, hf_config: dict, tp: int, pp: int, tokens):
+def megatron_logits(ckpt: Path, hf_config: dict, tp: int, pp: int, tokens, ep: int = 1, etp: int | None = None):
     """Full-vocabulary logits on the last pipeline stage (None on the other ranks)."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    config = megatron_model_config(hf_config, tp=tp, pp=pp, padded_vocab=checkpoint_vocab(ckpt))
+    config = megatron_model_config(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, padded_vocab=checkpoint_vocab(ckpt))
     config["transformer_config"]["pipeline_dtype"] = "float32"
     vocab = config["model"]["vocab_size"]
     with megatron_model(config) as model:
@@ -103,11 +106,12 @@ def megatron_logits(ckpt: Path, hf_config: dict, tp: int, pp: int, tokens):
         return logits[..., :vocab].detach().clone()
 
 
-def compare(hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float) -> LogitCheck | None:
+def compare(hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float, ep: int = 1,
+            etp: int | None = None) -> LogitCheck | None:
     """This rank's part of the comparison; the result on the rank that holds the logits (None elsewhere)."""
     hf_config = read_hf_config(hf_dir, "HF_DIR")
     tokens = _tokens(hf_config)
-    got = megatron_logits(ckpt, hf_config, tp, pp, tokens)
+    got = megatron_logits(ckpt, hf_config, tp, pp, tokens, ep, etp)
     if got is None:
         return None
     import torch.distributed as dist
@@ -115,7 +119,7 @@ def compare(hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float) -> Log
     if dist.is_initialized() and dist.get_world_size() > 1 and not _writer(tp, pp):
         return None
     want = hf_logits(hf_dir, tokens)
-    return LogitCheck(float((got - want).abs().max()), float(want.abs().max()), tolerance, tp, pp)
+    return LogitCheck(float((got - want).abs().max()), float(want.abs().max()), tolerance, tp, pp, ep, etp or tp)
 
 
 def _writer(tp: int, pp: int) -> bool:
@@ -125,28 +129,32 @@ def _writer(tp: int, pp: int) -> bool:
     return dist.get_rank() == (pp - 1) * (dist.get_world_size() // pp)
 
 
-def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: float = 1e-4) -> LogitCheck:
-    """Compare in this process (TP x PP = 1) or in a torchrun launch of TP x PP processes."""
-    check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, 1)
+def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: float = 1e-4, ep: int = 1,
+              etp: int | None = None) -> LogitCheck:
+    """Compare in this process (a layout of one rank) or in a torchrun launch of the layout's ranks (TP x PP, with
+    the experts' ETP x EP folded over them: layout_world)."""
+    check_layout(read_hf_config(hf_dir, "HF_DIR"), tp, pp, 1, ep, etp)
+    world = layout_world(tp, pp, ep, etp)
     hf_weight_map(hf_dir)  # the HF side's weights exist, before any model is built or rank launched
     if not ckpt.is_dir():
         raise UserInputError("MEGATRON_DIR", f"{ckpt} is not a directory")
     check_checkpoint(ckpt, "MEGATRON_DIR")  # refused here, before any model is built or rank launched
-    if tp * pp == 1:
+    if world == 1:
         with single_process_group():
-            return compare(hf_dir, ckpt, tp, pp, tolerance)
+            return compare(hf_dir, ckpt, tp, pp, tolerance, ep, etp)
     with tempfile.TemporaryDirectory(prefix="dmt-check-") as tmp:
         out = Path(tmp) / "check.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                "--master_port", str(free_port()), "-m", "toolkit.backends.megatron.logit_check",
-               "--hf-dir", str(hf_dir), "--ckpt", str(ckpt), "--tp", str(tp), "--pp", str(pp),
+               "--hf-dir", str(hf_dir), "--ckpt", str(ckpt), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
+               *(("--etp", str(etp)) if etp is not None else ()),
                "--tolerance", str(tolerance), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        with Children(f"the {tp * pp}-process logit check") as children:  # torchrun's workers: sessions of their own
+        with Children(f"the {world}-process logit check") as children:  # torchrun's workers: sessions of their own
             process = children.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             stdout, stderr = process.communicate()
         if not out.is_file():
-            raise RuntimeError(f"the {tp * pp}-process logit check failed (rc={process.returncode}):\n"
+            raise RuntimeError(f"the {world}-process logit check failed (rc={process.returncode}):\n"
                                f"{stdout[-2000:]}\n{stderr[-3000:]}")
         data = json.loads(out.read_text())
         if "error" in data:
@@ -160,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--tolerance", type=finite_float, default=1e-4)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -168,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     try:
-        result = compare(args.hf_dir, args.ckpt, args.tp, args.pp, args.tolerance)
+        result = compare(args.hf_dir, args.ckpt, args.tp, args.pp, args.tolerance, args.ep, args.etp)
     except UserInputError as exc:  # handed to the launching `dmt convert check`, which prints it as one line
         args.out.write_text(json.dumps({"error": [exc.key, exc.message]}))
         result = None
     if result is not None:
         args.out.write_text(json.dumps({k: getattr(result, k) for k in ("max_abs_diff", "logit_scale",
-                                                                        "tolerance", "tp", "pp")}))
+                                                                        "tolerance", "tp", "pp", "ep", "etp")}))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -22,6 +22,7 @@ from toolkit.backends.loop import (
 )
 from toolkit.backends.megatron.build import build, destroy, device_context, init_distributed, unwrapped
 from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.backends.megatron.moe import RoutingMetrics, write_expert_layout
 from toolkit.backends.megatron.saves import CheckpointSaves
 from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
 from toolkit.compat.megatron_seams import chained_step
@@ -290,6 +291,8 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
 
     setup = build(config)
     step = load_checkpoint(setup, resume_path, plan) if resume_path else 0
+    write_expert_layout(unwrapped(setup), output_dir)
+    routing = RoutingMetrics(unwrapped(setup), setup.transformer_config)
     rank0 = dist.get_rank() == 0
     guard = StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)), output_dir,
                       dist.get_rank())
@@ -331,6 +334,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
                                   seq_length=plan.seq_len, micro_batch_size=plan.micro_batch, forward_only=False)
         watch.phase(step, "optimizer")
         loss = _global_loss(losses)
+        moe = routing.collect(step, plan.grad_accum) if routing else {}
         digest = batches.fingerprint(step, rank_batch)
         guard.begin_step()
         with profiler.span(OPTIMIZER):
@@ -344,7 +348,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         memory = gpu_memory_of_ranks() if logged else {}  # a collective (GPUs only): every rank takes part
         if metrics and logged:
             record = write_step_record(metrics, guard, step, loss, grad_norm, learning_rate,
-                                       {**metrics.measure(step), **memory}, digest)
+                                       {**metrics.measure(step), **memory}, digest, **moe)
             if wandb is not None:
                 wandb.log(record)
         inprocess.record_resumed(output_dir, step)  # the first step after an in-process restart: its time
