@@ -168,8 +168,9 @@ class PlanOptions(BaseModel):
     # low-precision GEMMs (Megatron-Core's --fp8-recipe / --fp4-recipe / --fp8-param-gather): spec/quantization.py
     fp8_recipe: Fp8Recipe | None = option(
         None, "with --precision fp8: Transformer Engine's scaling recipe (delayed and tensorwise: one scale per tensor; "
-              "blockwise: DeepSeek-V3's 1x128 / 128x128 blocks; mxfp8: Blackwell's 32-element blocks)",
-        default_note="delayed with --precision fp8", backends=MEGATRON)
+              "blockwise: DeepSeek-V3's 1x128 / 128x128 blocks; mxfp8: Blackwell's 32-element blocks; with fsdp, Accelerate's: delayed and mxfp8 through Transformer "
+              "Engine, tensorwise through torchao)",
+        default_note="delayed with --precision fp8", backends=MEGATRON + FSDP)
     fp4_recipe: Fp4Recipe | None = option(
         None, "with --precision fp4: Transformer Engine's recipe (nvfp4: Blackwell's 16-element blocks with fp8 "
               "scales)", default_note="nvfp4 with --precision fp4", backends=MEGATRON)
