@@ -42,6 +42,7 @@ from toolkit.spec.backends import backend_of  # noqa: E402
 from toolkit.spec.cluster import load_catalogue  # noqa: E402
 from toolkit.spec.lr_scaling import lr_schedule  # noqa: E402
 from toolkit.spec.options import CPU_ATTENTION  # noqa: E402
+from toolkit.spec.quantization import refuse_on_cpu  # noqa: E402
 from toolkit.spec.recipe import (  # noqa: E402
     ProfileSection,
     load_recipe,
@@ -116,6 +117,8 @@ def _run(args: argparse.Namespace) -> int:
         recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update=updates)})
     recipe = _profiled(recipe, args.profile_steps, run.plan.gpus)
     check_attention_device(run.plan, recipe.cluster.accelerator)
+    if not trains_on_cuda(recipe.cluster.accelerator):  # a GPU plan launched where CUDA is missing, every backend
+        refuse_on_cpu(run.plan.precision)
     output_dir = args.output_dir or Path("runs") / recipe.name
     throughput = _record_launch(run, recipe, output_dir, argv=sys.argv)
     in_process = recipe.training.restart == "in_process"

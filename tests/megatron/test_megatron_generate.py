@@ -120,7 +120,7 @@ def _train_py(*flags: str) -> subprocess.CompletedProcess:
     (("--tp", "4"), "train.py: error: --tp: 4 must divide attention heads (4) and kv heads (2)"),
     (("--cp", "2"), "train.py: error: --cp: context parallelism needs Transformer Engine layer modules"),
     (("--zero", "1"), "train.py: error: --zero: is a DeepSpeed option; with Megatron use --distributed-optimizer"),
-    (("--precision", "fp8"), "train.py: error: --precision: fp8 runs Transformer Engine's CUDA kernels; CPU ranks"),
+    (("--precision", "fp8"), "train.py: error: --precision: fp8 runs CUDA kernels (Transformer Engine's, torchao's); CPU ranks"),
 ])
 def test_train_py_validates_plan_overrides_before_launching(flags, says, tmp_path):
     result = _train_py(*flags, "--output-dir", str(tmp_path / "run"))

@@ -73,3 +73,34 @@ def test_the_loss_peak_is_three_fp32_logits_as_the_estimate_counts():
     logits = 4 * 32000 * 512
     assert head > memory.activations + 1.9 * logits  # two beside the one the activations keep
     assert "head_backward" in memory.overhead_detail  # the loss's peak sets the estimate's total here
+
+
+MOE_CONFIGS = {  # tiny configs of every HF MoE family, all layers MoE (DeepSeek-V3 with its shared expert)
+    "qwen3_moe": dict(num_key_value_heads=2, head_dim=32, intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=96),
+    "mixtral": dict(num_key_value_heads=2, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(num_key_value_heads=4, intermediate_size=256, q_lora_rank=None, kv_lora_rank=32,
+                        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=96, n_shared_experts=1, n_group=1, topk_group=1,
+                        first_k_dense_replace=0),
+    "gpt_oss": dict(num_key_value_heads=2, head_dim=32, intermediate_size=96, num_local_experts=4,
+                    num_experts_per_tok=2, layer_types=["full_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+def test_hf_moe_activation_estimate_within_10_percent_of_saved_tensors(family):
+    """transformers' MoE blocks keep, per chosen expert, the token's copy, the expert MLP's tensors and the expert's
+    output that the routing weight multiplies (for that weight's gradient), plus the router's fp32 scores and the
+    shared experts' MLP. Eager attention: GPT-OSS has no sdpa path, MLA no fused CPU kernel."""
+    config = AutoConfig.for_model(family, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
+                                  pad_token_id=0, **MOE_CONFIGS[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.bfloat16).train()
+    ids = torch.randint(0, 1000, (2, 64))
+    measured = saved_activation_bytes(model, input_ids=ids, labels=ids)
+    spec = spec_from_hf_dict(config.to_dict(), family, filled=True)
+    assert spec.is_moe and all(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    plan = resolve_plan(spec, 1, zero=0, micro_batch=2, seq_len=64, precision="bf16", attention="eager")
+    estimated = estimate_memory(spec, plan).activations
+    assert estimated == pytest.approx(measured, rel=0.10), f"estimated {estimated}, measured {measured}"

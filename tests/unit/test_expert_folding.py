@@ -135,3 +135,30 @@ def test_unfolded_moe_files_state_the_expert_mesh_and_dense_files_do_not(tmp_pat
     assert _parallel(plan, MIXTRAL)["expert_tensor_parallel_size"] == 2
     dense = load_model_spec("llama-3.1-8b")
     assert "expert_tensor_parallel_size" not in _parallel(resolve_plan(dense, 8, backend="megatron"), dense)
+
+
+def test_mtp_layers_reach_megatron_yaml_and_megatron_lm_flags(tmp_path):
+    """A model with multi-token prediction modules (DeepSeek-V3: num_nextn_predict_layers 1) gets mtp_num_layers /
+    --mtp-num-layers, which Megatron-Core's TransformerConfig and Megatron-LM's parser accept; validate reads it back
+    into the model its plan rules check (a layout placing another number of MTP layers is refused)."""
+    from toolkit.generate.megatron import megatron_config
+    from toolkit.generate.megatron_args import megatron_args_text
+    from toolkit.planner.recipe import recipe_plan
+    from toolkit.spec.recipe import load_recipe, recipe_hf_config, recipe_model
+
+    recipe = load_recipe(_recipe(tmp_path, dict(ep=2)))
+    model = recipe_model(recipe).model_copy(update={"mtp_layers": 1})
+    plan = recipe_plan(recipe, model)
+    config = megatron_config(recipe, model, plan, recipe_hf_config(recipe))
+    assert config["transformer_config"]["mtp_num_layers"] == 1
+    assert validate_megatron_config(config, 2) == []
+    args = megatron_args_text(config, "mtp")
+    assert "--mtp-num-layers 1" in args.splitlines() and megatron_lm_problems(args) == []
+    # read back: a layout must place the one MTP layer (or none); two are refused, naming the layout flag
+    config["transformer_config"].update(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tmmL")
+    problems = validate_megatron_config(config, 2)
+    assert any("places 2 MTP layers (m); the model has 1" in p.message for p in problems), problems
+    # a model without them writes neither
+    plain = megatron_config(recipe, recipe_model(recipe), recipe_plan(recipe, recipe_model(recipe)),
+                            recipe_hf_config(recipe))
+    assert "mtp_num_layers" not in plain["transformer_config"]

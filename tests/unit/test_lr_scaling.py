@@ -90,3 +90,58 @@ def test_a_rule_without_its_reference_batch_is_one_line(tmp_path, capsys):
     assert main(["generate", str(path), "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "training" in lines[0] and "lr_reference_batch" in lines[0], lines
+
+
+def _edit_json(path, keys, value):
+    data = json.loads(path.read_text())
+    node = data
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    path.write_text(json.dumps(data))
+
+
+def _edit_yaml(path, keys, value):
+    data = yaml.safe_load(path.read_text())
+    data[keys[0]][keys[1]] = value
+    path.write_text(yaml.safe_dump(data))
+
+
+def _edit_args(path, flag, value):
+    lines = [f"{flag} {value}" if line.startswith(f"{flag} ") else line for line in path.read_text().splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+# each launcher's learning rate and warm-up, edited away from plan.json's lr_scaling (linear from batch 8: 0.01, 2)
+EDITS = {
+    "deepspeed": [("trainer_args.json", lambda p: _edit_json(p, ["warmup_steps"], 3), "trainer_args.json warmup_steps"),
+                  ("deepspeed.json", lambda p: _edit_json(p, ["scheduler", "params", "warmup_num_steps"], 3),
+                   "DeepSpeed config scheduler.params.warmup_num_steps"),
+                  ("deepspeed.json", lambda p: _edit_json(p, ["optimizer", "params", "lr"], 0.005),
+                   "DeepSpeed config optimizer.params.lr")],
+    "fsdp": [("trainer_args.json", lambda p: _edit_json(p, ["learning_rate"], 0.005), "trainer_args.json learning_rate"),
+             ("trainer_args.json", lambda p: _edit_json(p, ["warmup_steps"], 3), "trainer_args.json warmup_steps")],
+    "megatron": [("megatron.yaml", lambda p: _edit_yaml(p, ["scheduler", "lr_warmup_steps"], 3),
+                  "megatron.yaml scheduler.lr_warmup_steps"),
+                 ("megatron_args.txt", lambda p: _edit_args(p, "--lr", 0.005), "megatron_args.txt --lr"),
+                 ("megatron_args.txt", lambda p: _edit_args(p, "--lr-warmup-iters", 3),
+                  "megatron_args.txt --lr-warmup-iters")],
+}
+
+
+@pytest.mark.parametrize("backend", sorted(EDITS))
+def test_dmt_validate_checks_every_launchers_rate_and_warmup(tmp_path, capsys, backend):
+    """`dmt validate DIR`: the generated files agree with plan.json's lr_scaling; an edit to any launcher's learning
+    rate or warm-up is one line naming the file and key, exit 2 (one generate per backend, each edit undone)."""
+    _, out = _generate(tmp_path, backend, lr_scaling="linear", lr_reference_batch=8)
+    capsys.readouterr()
+    assert main(["validate", str(out)]) == 0, capsys.readouterr().err
+    for name, edit, says in EDITS[backend]:
+        original = (out / name).read_text()
+        edit(out / name)
+        capsys.readouterr()
+        assert main(["validate", str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "regenerate" in lines[0], lines
+        (out / name).write_text(original)
+    assert main(["validate", str(out / "plan.json")]) == 0

@@ -68,7 +68,7 @@ def test_mtp_modules_sit_on_megatrons_last_stage_and_nowhere_on_the_hf_path():
     assert stage_params(spec, counts, fsdp, 0) == stage_params(without, count_params(without), fsdp, 0)
 
 
-@pytest.mark.parametrize("backend, said", [("megatron", "Megatron-Core trains"), ("fsdp", "does not build")])
+@pytest.mark.parametrize("backend, said", [("megatron", "counted in memory and step time"), ("fsdp", "fsdp drops")])
 def test_estimate_says_where_the_mtp_modules_count(capsys, backend, said):
     assert main(["estimate", "--model", "deepseek-v3", "--gpus", "256", "--backend", backend, "--seq-len", "1024"]) == 0
     summary = capsys.readouterr().out.splitlines()[0]

@@ -110,3 +110,41 @@ def test_explain_states_the_routing_imbalance_and_its_source(capsys):
 
 def test_tiny_moe_config_is_the_folding_tests_one():
     assert TINY_MOE["num_experts"] == _tiny_moe().num_experts == 4
+
+
+GPT_OSS = load_model_spec("gpt-oss-20b")
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_attention_sinks_refuse_sdpa_and_default_to_eager_on_the_hf_backends(backend):
+    """transformers' GptOss has no sdpa path (_supports_sdpa = False: a ValueError at load); the plan refuses it in one
+    line naming --attention, resolves the default to eager, and the planner's search proposes no sdpa plan."""
+    with pytest.raises(UserInputError) as info:
+        resolve_plan(GPT_OSS, 8, backend=backend, attention="sdpa")
+    assert info.value.key == "--attention" and "valid: eager, flash_attention_2" in info.value.message
+    assert "\n" not in info.value.message
+    assert resolve_plan(GPT_OSS, 8, backend=backend).attention == "eager"
+    assert resolve_plan(GPT_OSS, 8, backend=backend, attention="flash_attention_2").attention == "flash_attention_2"
+    assert resolve_plan(QWEN3_30B, 8, backend=backend).attention == "sdpa"  # no sinks: the usual default
+    from toolkit.estimate.comm import Network
+    from toolkit.planner.search import search
+    from toolkit.spec.cluster import get_gpu
+
+    gpu = get_gpu("h100-80gb")
+    result = search(GPT_OSS, 16, gpu, Network.from_catalogue(gpu, 8), (backend,), seq_len=4096)
+    assert result.ranked and {c.plan.attention for c in result.ranked} == {"eager"}
+
+
+def test_transformers_gpt_oss_refuses_sdpa_and_builds_eager():
+    """What the rule above mirrors, on transformers' own GptOss (a tiny config on the meta device)."""
+    pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_oss", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
+                                  num_experts_per_tok=2, vocab_size=97, layer_types=["sliding_attention",
+                                                                                     "full_attention"])
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"

@@ -5,7 +5,8 @@ merges and waits cost, and `dmt plan --explain` names what sets the winner apart
 
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import expert_gemm_efficiency, gemm_efficiency
-from toolkit.estimate.timing import attention_block_rate, expert_rows, step_time
+from toolkit.estimate.flops import model_flops_per_token, mtp_forward_flops
+from toolkit.estimate.timing import attention_block_rate, expert_rows, step_time, useful_flops_per_token
 from toolkit.planner.tuned_layouts import TUNED_LAYOUTS, against_tuned, tuned_step
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
@@ -77,3 +78,23 @@ def test_explain_names_what_sets_the_winner_apart_from_the_tuned_layout():
         assert "s less tp comm" in line
     other = resolve_plan(model, 64, **{**QWEN, "seq_len": 2048})
     assert against_tuned(model, other, winner, H100, NETWORK) is None
+
+
+def test_megatron_trains_the_mtp_modules_on_the_last_stage_and_hf_backends_drop_them():
+    """DeepSeek-V3's one multi-token prediction module: Megatron-Core runs it after the last layer (one more MoE block,
+    its eh_proj and the shared head), so the step takes longer, the EP exchange covers 59 MoE blocks instead of 58 and
+    MFU counts its FLOPs; transformers builds none, so on an HF backend the model times as if it had none."""
+    model = load_model_spec("deepseek-v3")
+    without = model.model_copy(update={"mtp_layers": 0, "name": "deepseek-v3-no-mtp"})
+    assert model.mtp_layers == 1 and sum(model.is_moe_layer(i) for i in range(model.num_layers)) == 58
+    options = dict(QWEN, global_batch=1024, ep=64)
+    mtp, plain = (step_time(m, resolve_plan(m, 256, **options), H100, NETWORK) for m in (model, without))
+    assert mtp.compute_s > plain.compute_s
+    assert abs(mtp.ep_comm_s / plain.ep_comm_s - 59 / 58) < 1e-9
+    megatron = resolve_plan(model, 256, **options)
+    assert useful_flops_per_token(model, megatron) == model_flops_per_token(model, 4096, mtp=True) == (
+        model_flops_per_token(model, 4096) + 3 * mtp_forward_flops(model, 4096))
+    hf = dict(micro_batch=1, global_batch=1024, seq_len=4096, precision="bf16", recompute="none", backend="fsdp")
+    fsdp = resolve_plan(model, 256, **hf)
+    assert useful_flops_per_token(model, fsdp) == model_flops_per_token(model, 4096)
+    assert step_time(model, fsdp, H100, NETWORK) == step_time(without, resolve_plan(without, 256, **hf), H100, NETWORK)

@@ -110,8 +110,9 @@ def print_report(report: Prediction) -> None:
         + (f"; {plan.finetune.method}: {params.trainable:,} trainable adapter parameters"
            if plan.finetune.method != "full" else "")
         + (f"; {params.mtp / 1e9:.3f}B in multi-token prediction modules besides, which "
-           + ("Megatron-Core trains (counted in memory)" if not backend_of(plan).hf_modules else
-              "transformers' model does not build (not counted)") if params.mtp else "")
+           + ("Megatron-Core trains on the last stage (counted in memory and step time)"
+              if not backend_of(plan).hf_modules else
+              f"{plan.backend} drops: transformers' model does not build them (not counted)") if params.mtp else "")
     )
     console.print(
         f"{plan.backend} on {plan.gpus} x {report.gpu}: {layout} {sharding_text(plan)} "

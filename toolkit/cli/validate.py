@@ -12,6 +12,7 @@ from toolkit.backends.deepspeed.rules import check_pipeline as check_deepspeed_p
 from toolkit.cli import validate_megatron
 from toolkit.cli.paths import path_arg
 from toolkit.errors import UserInputError
+from toolkit.generate.files import PLAN_FILE
 from toolkit.generate.ft_launcher import SECTION as FT_SECTION
 from toolkit.generate.k8s.vendored import SCHEMAS, release
 from toolkit.numeric import bounded_int, json_text
@@ -22,7 +23,7 @@ from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import choices, default
 from toolkit.validate.accelerate_fsdp import validate_accelerate_deepspeed, validate_accelerate_fsdp
 from toolkit.validate.deepspeed import finetune_problems, memory_problem, validate_deepspeed_config
-from toolkit.validate.generated import read_ft_config
+from toolkit.validate.generated import read_ft_config, read_generated
 from toolkit.validate.k8s.manifests import is_manifest, validate_manifest
 
 
@@ -34,8 +35,10 @@ def choices_of(annotation) -> list:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=path_arg, metavar="FILE",
-                        help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP), megatron.yaml, or a "
-                             "Kubernetes manifest (TrainJob, JobSet, PyTorchJob)")
+                        help="DeepSpeed JSON (generated or hand-written), accelerate.yaml (FSDP), megatron.yaml, a "
+                             "Kubernetes manifest (TrainJob, JobSet, PyTorchJob), or a directory `dmt generate` wrote "
+                             "(or its plan.json): every file checked against the plan, learning rate and warm-up "
+                             "included")
     parser.add_argument("--world-size", type=bounded_int, default=None,
                         help="processes the job will launch (a Kubernetes manifest: default the plan it records)")
     # not offered: DeepSpeed plans have one pipeline stage; taken only to refuse it in the plans' own words
@@ -64,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.world_size is not None and args.world_size < 1:
         raise UserInputError("--world-size", f"must be positive, got {args.world_size}")
+    if args.file.is_dir() or args.file.name == PLAN_FILE:
+        return _generated(args)
     if args.file.suffix in (".yaml", ".yml"):  # accelerate.yaml (FSDP), megatron.yaml, or a Kubernetes manifest
 
         what = "an accelerate.yaml, a megatron.yaml or a Kubernetes manifest"
@@ -110,6 +115,18 @@ def run(args: argparse.Namespace) -> int:
 
     return report(args, validate_deepspeed_config(config, args.world_size, trainer_args=trainer, memory_check=check,
                                                   config_path=args.file) + finetune_problems(config, args.finetune))
+
+
+def _generated(args: argparse.Namespace) -> int:
+    """A generated directory, read as train.py --plan reads it (toolkit/validate/generated.py): its plan against the
+    recipe, each file against the plan, the learning rate and warm-up against plan.json's lr_scaling; the first
+    disagreement is one line (exit 2)."""
+    run = read_generated(args.file)
+    if args.json:
+        print(json_text({"ok": True, "problems": []}))
+    else:
+        print(f"{run.directory}: plan.json and its files agree ({run.plan.backend}, {run.plan.gpus} processes)")
+    return 0
 
 
 def _require_world_size(args: argparse.Namespace) -> None:

@@ -285,8 +285,12 @@ def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -
         mlp = sum(moe_bytes_per_token(spec, setup).values())
     elif moe:
         k, e = spec.experts_top_k, spec.num_experts
-        # router: logits (fp32 softmax output) per expert; each token's hidden copy and MLP per chosen expert
-        mlp = FP32 * e + k * (a * h + mlp_bytes_per_token(spec, a, spec.moe_ffn_hidden_size, setup))
+        # router: logits (fp32 softmax output) per expert; per chosen expert the token's hidden copy, its MLP, and the
+        # expert's output that the routing weight multiplies (kept for the weight's gradient); the shared experts
+        # (DeepSeek-V3) are a dense MLP every token passes
+        shared = spec.shared_expert_ffn_hidden_size
+        mlp = (FP32 * e + k * (2 * a * h + mlp_bytes_per_token(spec, a, spec.moe_ffn_hidden_size, setup))
+               + (mlp_bytes_per_token(spec, a, shared, setup) if shared else 0))
     else:
         mlp = mlp_bytes_per_token(spec, a, spec.ffn_hidden_size, setup)
     dropout = 2 * MASK * h if setup.hidden_dropout > 0 else 0

@@ -80,13 +80,19 @@ def head_forward_flops(spec: ModelSpec) -> float:
     return 2.0 * (spec.embed_proj_dim or spec.hidden_size) * spec.vocab_size
 
 
+def mtp_projection_flops(spec: ModelSpec) -> float:
+    """Forward FLOPs per token of one multi-token prediction module outside its block: eh_proj (2h -> h) and the
+    shared output head."""
+    return 2.0 * 2 * spec.hidden_size ** 2 + head_forward_flops(spec)
+
+
 def mtp_forward_flops(spec: ModelSpec, seq_len: float) -> float:
     """Forward FLOPs per token of the multi-token prediction modules Megatron-Core trains (0 without any): each runs
     eh_proj (2h -> h), one block like the model's last, and the shared output head (transformers builds none)."""
     if not spec.mtp_layers:
         return 0.0
     block = layer_forward_flops(spec, spec.num_layers - 1, seq_len).total
-    return spec.mtp_layers * (2.0 * 2 * spec.hidden_size ** 2 + block + head_forward_flops(spec))
+    return spec.mtp_layers * (block + mtp_projection_flops(spec))
 
 
 @lru_cache(maxsize=256)

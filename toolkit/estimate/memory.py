@@ -122,7 +122,7 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
         dense += vocab_shard + counts.position_embedding + counts.embed_proj
     if last:
         dense += counts.final_norm
-        if counts.mtp_layers and not backend_of(plan).hf_modules:
+        if trains_mtp(spec, plan):
             # Megatron-Core builds the multi-token prediction modules after the last stage's layers (transformers
             # builds none): each a block like the last layer, its norms and eh_proj (column parallel)
             for layer in counts.mtp_layers:
@@ -331,3 +331,9 @@ def estimate_memory(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     stages = (estimate_stage_memory(spec, plan, s, counts) for s in representative_stages(spec, plan))
     return max(stages, key=lambda m: m.total)
 
+
+
+def trains_mtp(spec: ModelSpec, plan: Plan) -> bool:
+    """Whether the plan's backend trains the model's multi-token prediction modules: Megatron-Core builds them on
+    the last pipeline stage (--mtp-num-layers); transformers builds none, so the HF backends drop them."""
+    return bool(spec.mtp_layers) and not backend_of(plan).hf_modules

@@ -25,10 +25,16 @@ from toolkit.estimate.efficiency import (
     expert_gemm_efficiency,
     gemm_efficiency,
 )
-from toolkit.estimate.flops import head_forward_flops, layer_forward_flops, model_flops_per_token, recomputed_forward
+from toolkit.estimate.flops import (
+    head_forward_flops,
+    layer_forward_flops,
+    model_flops_per_token,
+    mtp_projection_flops,
+    recomputed_forward,
+)
 from toolkit.estimate.long_context import tile_recompute_forwards
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
-from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params
+from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params, trains_mtp
 from toolkit.estimate.packed_attention import attended_tokens
 from toolkit.estimate.params import count_params
 from toolkit.spec.backends import backend_of
@@ -157,15 +163,20 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     # trains: a frozen base (LoRA) skips the latter, a third of its matmul work; its adapters train in full
     ft = plan.finetune
     matmul_passes = 2 if ft.peft else 3
+    mtp = trains_mtp(spec, plan)
     for stage in representative_stages(spec, plan):
         layers = stage_layers(spec.num_layers, plan, stage)
+        last = stage == plan.pp - 1
+        # Megatron-Core runs the multi-token prediction modules after the last stage's layers, each a block like the
+        # model's last (recomputed as it is) besides its eh_proj and the shared head (below)
+        blocks = (*layers, *[spec.num_layers - 1] * (spec.mtp_layers if last and mtp else 0))
         recomputed = recomputed_layers(spec, plan, stage)
         work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
         attention_run = 0.0  # of those, attention's score and value products (at attention_rate)
         expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
         collectives = 0
         sp_exchanges = 0.0
-        for i in layers:
+        for i in blocks:
             f = layer_forward_flops(spec, i, attended)
             whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
             again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
@@ -182,15 +193,16 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
             attention += f.attention * attention_work
             memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
             collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
-        if stage == plan.pp - 1:
-            work += matmul_passes * head_forward_flops(spec)
+        if last:
+            work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
+                                                                   if mtp else 0.0))
         compute = (tokens * (work / plan.tp / rate + attention_run / plan.tp / attention_rate + memory_bound)
                    + tokens * expert_work * routed / plan.tp / expert_rate)
         attention_time = tokens * attention * 3 / plan.tp / attention_rate
         # the ring's exchange hides behind attention; its steps' merges and waits do not
         # cp ring steps per attention pass: forward, backward, and a recomputed forward (as Ulysses' exchanges)
-        cp_comm = max(0.0, len(layers) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s
-        ep_comm = sum(spec.is_moe_layer(i) for i in layers) * ep_per_moe_layer
+        cp_comm = max(0.0, len(blocks) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s
+        ep_comm = sum(spec.is_moe_layer(i) for i in blocks) * ep_per_moe_layer
         tp_comm = collectives * tp_collective
         pp_comm = pipeline_exchanges(plan, stage) * p2p
         sp_comm = sp_exchanges * sp_forward
@@ -343,7 +355,7 @@ def useful_flops_per_token(spec: ModelSpec, plan: Plan, packed: PackedAttention 
     attended = attended_tokens(plan.seq_len, packed)
     if plan.finetune.peft:  # no weight gradients of the base, the adapters' three passes
         return _finetune_model_flops(spec, plan, attended)
-    return model_flops_per_token(spec, attended)
+    return model_flops_per_token(spec, attended, mtp=trains_mtp(spec, plan))
 
 
 def _finetune_model_flops(spec: ModelSpec, plan: Plan, attended: float) -> float:

@@ -15,10 +15,12 @@ from toolkit.compat.transformers_seams import no_split_modules
 from toolkit.errors import UserInputError
 from toolkit.generate.parallelism import yaml_section
 from toolkit.spec.plan import Plan
+from toolkit.spec.quantization import accelerate_fp8_config
 from toolkit.spec.recipe import Recipe
 
-# Accelerate's mixed_precision of each plan precision (the Trainer's bf16 / fp16 flags say the same)
-MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+# Accelerate's mixed_precision of each plan precision (the Trainer's bf16 / fp16 flags say the same; for fp8 both stay
+# false, so the Trainer keeps the ACCELERATE_MIXED_PRECISION `accelerate launch` sets, TrainingArguments.__post_init__)
+MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no", "fp8": "fp8"}
 STATE_DICT_TYPE = "SHARDED_STATE_DICT"  # DCP checkpoints, one file per rank: pytorch_model_fsdp_0/, optimizer_0/
 
 
@@ -90,6 +92,9 @@ def accelerate_fsdp_config(recipe: Recipe, plan: Plan, layer_classes: list[str])
         "same_network": True,
         "use_cpu": recipe.cluster.accelerator == "cpu",
     }
+    fp8 = accelerate_fp8_config(plan)
+    if fp8:
+        config["fp8_config"] = fp8
     sizes = parallelism_sizes(plan)
     if sizes:
         config["parallelism_config"] = yaml_section(sizes)

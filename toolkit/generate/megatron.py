@@ -115,6 +115,8 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
                    "transformer_impl": plan.transformer_impl}
     if model.is_moe:
         transformer.update(_moe(plan, model, transformer))
+    if model.mtp_layers:  # Megatron-Core trains the multi-token prediction modules on the last stage (memory counts them)
+        transformer["mtp_num_layers"] = model.mtp_layers
     if on_cpu:
         transformer["use_cpu_initialization"] = True  # build weights on the CPU (Megatron-Core defaults to the GPU)
     precision = _precision(plan)

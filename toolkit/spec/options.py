@@ -63,6 +63,10 @@ FUSED_ATTENTION: tuple[str, ...] = ("sdpa", "flash_attention_2")
 # position ids that restart into cu_seqlens (modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids),
 # so attention costs the documents' squares, not the sequence's (sdpa and eager mask the whole score matrix)
 VARIABLE_LENGTH_ATTENTION: tuple[str, ...] = ("flash_attention_2",)
+# attention kernels transformers runs a model with attention sinks (GPT-OSS) on: GptOssPreTrainedModel sets
+# _supports_sdpa = False, so sdpa raises a ValueError at load (transformers 5.x modeling_gpt_oss.py); eager adds the
+# sinks to its softmax and flash_attention_2 is swapped for a sinks-aware kernel (_compatible_flash_implementations)
+SINK_ATTENTION: tuple[str, ...] = ("eager", "flash_attention_2")
 # what the CUDA-only kernels leave to CPU ranks (flash-attn is a CUDA extension)
 CPU_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
 
@@ -164,8 +168,9 @@ class PlanOptions(BaseModel):
     # low-precision GEMMs (Megatron-Core's --fp8-recipe / --fp4-recipe / --fp8-param-gather): spec/quantization.py
     fp8_recipe: Fp8Recipe | None = option(
         None, "with --precision fp8: Transformer Engine's scaling recipe (delayed and tensorwise: one scale per tensor; "
-              "blockwise: DeepSeek-V3's 1x128 / 128x128 blocks; mxfp8: Blackwell's 32-element blocks)",
-        default_note="delayed with --precision fp8", backends=MEGATRON)
+              "blockwise: DeepSeek-V3's 1x128 / 128x128 blocks; mxfp8: Blackwell's 32-element blocks; with fsdp, Accelerate's: delayed and mxfp8 through Transformer "
+              "Engine, tensorwise through torchao)",
+        default_note="delayed with --precision fp8", backends=MEGATRON + FSDP)
     fp4_recipe: Fp4Recipe | None = option(
         None, "with --precision fp4: Transformer Engine's recipe (nvfp4: Blackwell's 16-element blocks with fp8 "
               "scales)", default_note="nvfp4 with --precision fp4", backends=MEGATRON)
@@ -175,7 +180,8 @@ class PlanOptions(BaseModel):
     attention: Attention = option(
         "sdpa", "the HF models' attention kernels (transformers' attn_implementation): sdpa keeps no s x s matrix, "
                 "eager keeps the probabilities, flash_attention_2 (flash-attn, CUDA) keeps packed documents apart in "
-                "a variable-length kernel", backends=DEEPSPEED + FSDP)
+                "a variable-length kernel", default_note="sdpa; eager for models with attention sinks (GPT-OSS)",
+        backends=DEEPSPEED + FSDP)
     optimizer: Optimizer = option("adamw", "optimizer")
     offload_optimizer: Offload = option("none", "DeepSpeed ZeRO optimizer-state offload", backends=DEEPSPEED)
     offload_params: Offload = option("none", "DeepSpeed ZeRO-3 parameter offload; with fsdp, cpu is FSDP2's "

@@ -23,6 +23,7 @@ from toolkit.spec.options import (
     MOE_IMBALANCE_MAX,
     OPTION_NAMES,
     RECOMPUTE_MODULES,
+    SINK_ATTENTION,
     VARIABLE_LENGTH_ATTENTION,
     PlanOptions,
     PositiveInt,
@@ -160,6 +161,8 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
     backend.rules.fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
+    if model.attention_sinks and "attention" not in given and for_backend("attention", values["backend"]):
+        values["attention"] = SINK_ATTENTION[0]  # transformers' own default where sdpa cannot run (GPT-OSS: eager)
     if model.is_moe and for_backend("moe_dispatcher", values["backend"]):
         _fill_moe(values, model)
     values["finetune"] = finetune_options(finetune)
@@ -228,7 +231,7 @@ def check_rules(plan: Plan, model: ModelSpec | None) -> None:
     _check_own_options(p, rules.FOREIGN)
     _check_recompute(p)
     _check_precision(p)
-    _check_attention(p)
+    _check_attention(p, model)
     _check_batch(p)
     check_finetune(p, model)
 
@@ -418,9 +421,14 @@ def _check_precision(p: Plan) -> None:
                                                    f"{p.precision}")
 
 
-def _check_attention(p: Plan) -> None:
+def _check_attention(p: Plan, model: ModelSpec | None) -> None:
     """flash-attn computes in 16 bits only ("FlashAttention only supports fp16 and bf16 data type"): with fp32
-    training transformers hands it the fp32 projections (no autocast to cast them down)."""
+    training transformers hands it the fp32 projections (no autocast to cast them down). A model with attention
+    sinks (GPT-OSS) has no sdpa path in transformers (SINK_ATTENTION)."""
+    if (model is not None and model.attention_sinks and for_backend("attention", p.backend)
+            and p.attention not in SINK_ATTENTION):
+        raise UserInputError("--attention", f"{p.attention}: transformers runs {model.name}'s attention sinks with "
+                                            f"{' or '.join(SINK_ATTENTION)} only; valid: {', '.join(SINK_ATTENTION)}")
     if p.attention in VARIABLE_LENGTH_ATTENTION and p.precision == "fp32":
         raise UserInputError("--attention", f"{p.attention} computes in bf16 or fp16 only; use --precision bf16 or "
                                             f"fp16, or --attention sdpa with fp32")

@@ -39,6 +39,35 @@ DEFAULT_RECIPE = {FP8: "delayed", FP4: "nvfp4"}  # TransformerConfig's defaults 
 FORMAT = {FP8: "hybrid", FP4: "e2m1"}
 
 
+# Accelerate 1.15's FP8 on the HF path (accelerate.yaml `mixed_precision: fp8` and its `fp8_config`, the keys
+# `accelerate launch` turns into the ACCELERATE_FP8_* variables TERecipeKwargs / AORecipeKwargs read;
+# accelerate/utils/dataclasses.py): Transformer Engine's DelayedScaling (TERecipeKwargs' default) and MXFP8BlockScaling
+# (use_mxfp8_block_scaling), torchao's Float8LinearConfig (its default: dynamic tensorwise scaling). Accelerate has no
+# blockwise recipe, and none for fp4.
+ACCELERATE_FP8: dict[str, dict] = {
+    "delayed": {"backend": "TE", "fp8_format": "HYBRID"},
+    "mxfp8": {"backend": "TE", "fp8_format": "HYBRID", "use_mxfp8_block_scaling": True},
+    "tensorwise": {"backend": "AO"},
+}
+
+
+def accelerate_fp8_config(plan) -> dict | None:
+    """accelerate.yaml's fp8_config of an fp8 plan on the HF path (None for other precisions)."""
+    if plan.precision != FP8:
+        return None
+    return dict(ACCELERATE_FP8[plan.fp8_recipe or DEFAULT_RECIPE[FP8]])
+
+
+def check_accelerate(plan) -> None:
+    """What Accelerate's FP8 can train, in one line: fp8 with a recipe ACCELERATE_FP8 has, no fp4."""
+    if plan.precision == FP4:
+        raise UserInputError("--precision", "Accelerate has no fp4 recipe; fp4 trains with --backend megatron")
+    recipe = plan_recipe(plan)
+    if recipe is not None and recipe.name not in ACCELERATE_FP8:
+        raise UserInputError("--fp8-recipe", f"Accelerate's FP8 has no {recipe.name} recipe; use one of "
+                                             f"{', '.join(ACCELERATE_FP8)} or --backend megatron")
+
+
 @dataclass(frozen=True)
 class QuantRecipe:
     """One Transformer Engine recipe: the bytes of what it stores, and the peak its GEMMs run at."""
@@ -95,8 +124,8 @@ def gemm_peak_key(plan, gpu: GPU) -> str | None:
 def refuse_on_cpu(precision: str) -> None:
     """CPU ranks (gloo) have no Transformer Engine kernels: an fp8 / fp4 plan stops before anything is written."""
     if precision in LOW_PRECISION:
-        raise UserInputError("--precision", f"{precision} runs Transformer Engine's CUDA kernels; CPU ranks train in "
-                                            f"bf16, fp16 or fp32")
+        raise UserInputError("--precision", f"{precision} runs CUDA kernels (Transformer Engine's, torchao's); CPU "
+                                            f"ranks train in bf16, fp16 or fp32")
 
 
 def check_on_gpu(plan, gpu: GPU) -> None:

@@ -76,6 +76,7 @@ def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None
     fsdp = {(key if key.startswith("fsdp_") else f"fsdp_{key}"): value for key, value in fsdp.items()}
     problems += _fsdp_keys(fsdp)
     problems += _sizes(config, world_size)
+    problems += _fp8(config)
     if trainer is not None:
         problems += _against_trainer(config, fsdp, trainer)
     if not problems:
@@ -93,8 +94,46 @@ def validate_accelerate_deepspeed(config: dict, world_size: int, trainer: dict |
         problems.append(Problem("distributed_type", f"is {kind}; the deepspeed backend launches with DEEPSPEED "
                                                     f"(regenerate it with `dmt generate`)"))
     problems += _sizes(config, world_size, fsdp=False)
+    if "mixed_precision" in config and (config.get("deepspeed_config") or {}).get("deepspeed_config_file"):
+        problems.append(Problem("mixed_precision", "is refused by Accelerate beside deepspeed_config_file "
+                                                   "(DeepSpeedPlugin); say the precision in the DeepSpeed JSON"))
+    problems += _fp8(config)
     if trainer is not None:
         problems += _parallelism_against_trainer(config, trainer)
+    return problems
+
+
+def _fp8(config: dict) -> list[Problem]:
+    """accelerate.yaml's fp8_config against Accelerate's own recipe dataclasses (TERecipeKwargs, AORecipeKwargs,
+    accelerate/utils/dataclasses.py): `accelerate launch` turns each key into ACCELERATE_FP8_<KEY>, and a key the
+    recipe's dataclass has no field for is dropped without a word. The classes are read, not built: building one needs
+    Transformer Engine or torchao installed, which the training machine has and this one need not."""
+    import dataclasses
+    from typing import get_args
+
+    from accelerate.utils.dataclasses import AmaxComputeAlgorithm, AORecipeKwargs, FP8Format, TERecipeKwargs
+
+    section = config.get("fp8_config")
+    mixed = str(config.get("mixed_precision") or "no")
+    if not section:
+        return [Problem("fp8_config", "is missing: mixed_precision fp8 needs its backend (TE or AO)")] \
+            if mixed == "fp8" else []
+    if not isinstance(section, dict):
+        return [Problem("fp8_config", "must be a mapping (backend: TE or AO, and that recipe's keys)")]
+    if mixed != "fp8":
+        return [Problem("fp8_config", f"is read only with mixed_precision fp8 (it is {mixed}); remove it")]
+    kinds = {"TE": TERecipeKwargs, "AO": AORecipeKwargs}
+    backend = str(section.get("backend", "")).upper()
+    if backend not in kinds:
+        return [Problem("fp8_config.backend", f"is {section.get('backend')!r}; the toolkit's recipes run TE "
+                                              f"(Transformer Engine) or AO (torchao)")]
+    known = {f.name for f in dataclasses.fields(kinds[backend]) if f.name != "config"} | {"backend"}
+    problems = [_unknown(key, "fp8_config.", known, f"{backend} reads {', '.join(sorted(known))}") for key in section
+                if key.removeprefix("fp8_") not in known and key not in known]
+    for key, allowed in (("fp8_format", FP8Format), ("amax_compute_algo", AmaxComputeAlgorithm)):
+        if key in section and str(section[key]).upper() not in {str(v).upper() for v in get_args(allowed)}:
+            problems.append(Problem(f"fp8_config.{key}", f"is {section[key]!r}; Accelerate takes "
+                                                         f"{', '.join(get_args(allowed))}"))
     return problems
 
 
@@ -188,7 +227,7 @@ def _against_trainer(config: dict, fsdp: dict, trainer: dict) -> list[Problem]:
     problems = []
     precision = "bf16" if trainer.get("bf16") else "fp16" if trainer.get("fp16") else "no"
     mixed = str(config.get("mixed_precision") or "no")
-    if mixed != precision:
+    if mixed != precision and not (mixed == "fp8" and precision == "no"):  # fp8: the Trainer keeps Accelerate's
         problems.append(Problem("mixed_precision", f"is {mixed} but the trainer arguments train in {precision} "
                                                    f"(bf16/fp16); make them the same"))
     checkpointing = next((key for key in TRAINER_CHECKPOINTING if trainer.get(key)), None)
@@ -266,7 +305,7 @@ def accelerate_plan_view(config: dict) -> dict[str, tuple[str, object]]:
     """The plan options an accelerate.yaml (FSDP2's, or DeepSpeed's with Ulysses) states: option -> (its key, its
     value)."""
     fsdp = {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in (config.get("fsdp_config") or {}).items()}
-    precisions = {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}
+    precisions = {"bf16": "bf16", "fp16": "fp16", "no": "fp32", "fp8": "fp8"}
     view = {"backend": ("distributed_type", "fsdp" if config.get("distributed_type") == "FSDP" else
                         str(config.get("distributed_type")).lower()),
             "gpus": ("num_processes", config.get("num_processes"))}

@@ -143,16 +143,51 @@ def _check_learning_rate(plan_path: Path, record: dict, recipe: Recipe, contents
     if record.get("lr_scaling") != expected:
         raise UserInputError(f"{plan_path}: lr_scaling", f"{record.get('lr_scaling')} but the recipe's "
                                                          f"training.lr_scaling gives {expected}: regenerate")
-    rate = scaled_training(recipe.training).learning_rate
-    found = {"trainer_args.json learning_rate": (contents.get("trainer_args") or {}).get("learning_rate"),
-             "DeepSpeed config optimizer.params.lr":
-                 ((contents.get("deepspeed") or {}).get("optimizer") or {}).get("params", {}).get("lr"),
-             "megatron.yaml optimizer_config.lr": ((contents.get("megatron") or {}).get("optimizer_config") or {}).get("lr")}
+    scaled = scaled_training(recipe.training)
+    rate = scaled.learning_rate
+    trainer, deepspeed, megatron = (contents.get(k) or {} for k in ("trainer_args", "deepspeed", "megatron"))
+    ds_scheduler = (deepspeed.get("scheduler") or {}).get("params") or {}
+    mg_scheduler = megatron.get("scheduler") or {}
+    found = {"trainer_args.json learning_rate": trainer.get("learning_rate"),
+             "DeepSpeed config optimizer.params.lr": ((deepspeed.get("optimizer") or {}).get("params") or {}).get("lr"),
+             "DeepSpeed config scheduler.params.warmup_max_lr": ds_scheduler.get("warmup_max_lr"),
+             "megatron.yaml optimizer_config.lr": (megatron.get("optimizer_config") or {}).get("lr"),
+             "megatron.yaml scheduler.max_lr": mg_scheduler.get("max_lr"),
+             "megatron_args.txt --lr": _argument(plan_path.parent, record, "--lr", float)}
     for where, value in found.items():
         if isinstance(value, (int, float)) and not math.isclose(value, rate, rel_tol=1e-6):  # "auto": HF fills it
             raise UserInputError(f"{plan_path.parent}: {where}", f"{value} but the plan trains at {rate:g} "
                                                                  f"(training.learning_rate{' scaled' if expected else ''}): "
                                                                  f"regenerate")
+    if not (expected and expected["recipe_warmup_steps"]):  # no warm-up: each writer's own minimum stands
+        return
+    found = {"trainer_args.json warmup_steps": trainer.get("warmup_steps"),
+             "DeepSpeed config scheduler.params.warmup_num_steps": ds_scheduler.get("warmup_num_steps"),
+             "megatron.yaml scheduler.lr_warmup_steps": mg_scheduler.get("lr_warmup_steps"),
+             "megatron_args.txt --lr-warmup-iters": _argument(plan_path.parent, record, "--lr-warmup-iters", int)}
+    for where, value in found.items():
+        if isinstance(value, int) and value != expected["warmup_steps"]:
+            raise UserInputError(f"{plan_path.parent}: {where}", f"{value} but plan.json's lr_scaling warms up over "
+                                                                 f"{expected['warmup_steps']} steps (training.warmup_steps "
+                                                                 f"{expected['recipe_warmup_steps']} scaled): regenerate")
+
+
+MEGATRON_ARGS = "megatron_args.txt"  # the Megatron-LM flags `dmt generate` writes beside megatron.yaml (spec/backends.py)
+
+
+def _argument(directory: Path, record: dict, flag: str, kind):
+    """A flag's value in the generated megatron_args.txt (Megatron-LM's own command line, one `--flag value` a line);
+    None where the directory has no such file or flag, or the value is not a number."""
+    if MEGATRON_ARGS not in record.get("files", []) or not (directory / MEGATRON_ARGS).is_file():
+        return None
+    for line in (directory / MEGATRON_ARGS).read_text().splitlines():
+        name, _, value = line.strip().partition(" ")
+        if name == flag:
+            try:
+                return kind(value.strip())
+            except ValueError:
+                return None
+    return None
 
 
 # TrainingArguments that send the model or the metrics elsewhere: training honours them only as `dmt generate` wrote

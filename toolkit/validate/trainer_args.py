@@ -163,7 +163,9 @@ def trainer_plan_view(trainer: dict) -> dict[str, tuple[str, object]]:
     for name, key in (("micro_batch", "per_device_train_batch_size"), ("grad_accum", "gradient_accumulation_steps")):
         if key in trainer:
             view[name] = (key, trainer[key])
-    if "bf16" in trainer or "fp16" in trainer:
+    # neither flag: fp32, or under FSDP the mixed_precision Accelerate's launch sets (fp8 too, which the Trainer has no
+    # flag for): there the accelerate.yaml beside it states the precision
+    if trainer.get("bf16") or trainer.get("fp16") or ("bf16" in trainer or "fp16" in trainer) and not trainer.get("fsdp"):
         view["precision"] = ("bf16", "bf16" if trainer.get("bf16") else "fp16" if trainer.get("fp16") else "fp32")
     for key in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5's name, and the former one
         if key in trainer:

@@ -15,6 +15,8 @@ FOREIGN = {
     "cp": "context parallelism runs with --backend megatron or fsdp; with deepspeed use --sp (Ulysses)",
     "distributed_optimizer": "is a Megatron-Core option; with DeepSpeed use --zero 1",
     "transformer_impl": "is a Megatron-Core option; DeepSpeed trains the HF modules",
+    "fp8_recipe": "is a recipe of --precision fp8, which DeepSpeed does not train here (Accelerate refuses "
+                  "mixed_precision beside a deepspeed_config_file); use --backend fsdp or megatron",
 }
 
 
@@ -61,8 +63,12 @@ def check(p: Plan) -> None:
     if p.recompute == "selective":
         raise UserInputError("--recompute", "HF models checkpoint whole layers: use none or full with deepspeed")
     if p.precision in LOW_PRECISION:
-        raise UserInputError("--precision", f"{p.precision} training is modelled for --backend megatron (Transformer "
-                                            f"Engine)")
+        # Accelerate 1.15 refuses mixed_precision beside deepspeed_config_file (DeepSpeedPlugin's ignored
+        # ACCELERATE_MIXED_PRECISION), and a DeepSpeed JSON has no fp8 section: the toolkit's DeepSpeed launch cannot
+        # ask for Accelerate's FP8
+        raise UserInputError("--precision", f"{p.precision} with DeepSpeed needs mixed_precision in accelerate.yaml, "
+                                            f"which Accelerate refuses beside a deepspeed_config_file; use --backend "
+                                            f"fsdp or megatron")
     if p.offload_params != "none" and p.zero != 3:
         raise UserInputError("--offload-params", "parameter offload needs --zero 3")
     if p.offload_optimizer != "none" and p.zero == 0:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.errors import UserInputError
 from toolkit.spec.options import flag
-from toolkit.spec.quantization import LOW_PRECISION
+from toolkit.spec.quantization import check_accelerate
 
 if TYPE_CHECKING:
     from toolkit.spec.plan import Plan
@@ -68,9 +68,7 @@ def check(p: Plan) -> None:
         raise UserInputError("--tp", "FSDP2 with tensor parallelism needs the model loaded sharded by a TP plan "
                                      "(transformers' DistributedConfig), which the fsdp backend does not do; use "
                                      "--backend megatron for tensor parallelism")
-    if p.precision in LOW_PRECISION:
-        raise UserInputError("--precision", f"{p.precision} training is modelled for --backend megatron (Transformer "
-                                            f"Engine)")
+    check_accelerate(p)
     if p.offload_params == "nvme":
         raise UserInputError("--offload-params", "FSDP2 offloads to cpu memory only; use --offload-params cpu")
     if p.optimizer == "adamw8bit":

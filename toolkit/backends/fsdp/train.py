@@ -31,7 +31,8 @@ def mixed_precision_policy(precision: str):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    # fp8: Accelerate's recipe runs the linear layers' GEMMs in fp8, everything else (and the gathers) in bf16
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if dtype is None:
         return None
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=dtype)
