@@ -29,8 +29,8 @@ LAUNCHERS = {
                 "allocation, each with a new store (pytorch/pytorch#135712); variables expanded in each task's own "
                 "environment (single quotes).",
     "ft_launcher": "one NVIDIA Resiliency Extension ft_launcher (torchrun's drop-in) per node (torchrun's rendezvous and restarts), with "
-                   "a rank monitor per rank that ends a rank whose heartbeats stop (ft_config.yaml of `dmt generate`, "
-                   "then NVRx's calculated timeouts) for an in-job restart.",
+                   "a rank monitor per rank that ends a rank whose heartbeats stop (timeouts: ft_config.yaml of `dmt "
+                   "generate`) for an in-job restart.",
     "accelerate": "one `accelerate launch` per node; machine rank from each task's own environment (single quotes: "
                   "expanded there).",
     "deepspeed": "a hostfile from the allocation, then one `deepspeed --no_ssh` per node with its own node rank "
