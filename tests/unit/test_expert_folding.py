@@ -60,7 +60,7 @@ def test_etp_defaults_to_tp_and_equal_is_stored_unset():
     (load_model_spec("llama-3.1-8b"), 8, dict(tp=2, etp=1), "--etp", "expert tensor parallelism needs an MoE model"),
     (QWEN3_30B, 512, dict(tp=1, etp=512), "--etp", "512 must divide the experts' inner size 768"),
     (QWEN3_30B, 8, dict(backend="deepspeed", ep=16), "--ep", "16 must divide dp x cp = 8"),  # HF backends: EP in DP
-    (QWEN3_30B, 8, dict(backend="deepspeed", ep=2, etp=2), "--etp", "Megatron"),
+    (QWEN3_30B, 8, dict(backend="deepspeed", etp=2), "--etp", "Megatron"),
 ])
 def test_each_refusal_names_its_option(model, gpus, options, key, says):
     options = {"backend": "megatron", "sequence_parallel": options.get("tp", 1) > 1, **options}

@@ -3,6 +3,8 @@ modules, the routing imbalance): their rules as Megatron-Core 0.16.1's Transform
 them, the defaults a resolved plan states, and what megatron.yaml / megatron_args.txt carry to Megatron-Core and
 Megatron-LM's parser."""
 
+import json
+
 import pytest
 import yaml
 from test_expert_folding import TINY_MOE, _recipe, _tiny_moe
@@ -148,3 +150,22 @@ def test_transformers_gpt_oss_refuses_sdpa_and_builds_eager():
         AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     assert model.config._attn_implementation == "eager"
+
+
+def test_plan_offers_no_expert_parallelism_on_the_hf_backends_and_explain_says_why(capsys):
+    """The HF backends train an MoE model's experts as ordinary sharded parameters: the search tries no --ep > 1 for
+    them (so no plan of theirs is rejected for it), and `dmt plan --explain` says why in one line per backend."""
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--global-batch", "64", "--seq-len", "4096",
+            "--top", "40", "--json"]
+    for backends, ep in (("deepspeed,fsdp", lambda e: e == 1), ("megatron", lambda e: e > 1)):
+        assert main(argv + ["--backends", backends]) == 0
+        record = json.loads(capsys.readouterr().out)
+        assert not any("--ep" in why for why in record["rejected"])
+        assert any(ep(p["plan"]["ep"]) for p in record["plans"])
+        assert backends == "megatron" or all(p["plan"]["ep"] == 1 for p in record["plans"])
+    assert main(argv[:-1] + ["--backends", "deepspeed,fsdp,megatron", "--explain"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for backend in ("deepspeed", "fsdp"):
+        said = [line for line in lines if line.startswith(f"{backend}: no expert parallelism searched: ")]
+        assert len(said) == 1 and "--backend megatron" in said[0]
+    assert not any(line.startswith("megatron: no expert parallelism") for line in lines)

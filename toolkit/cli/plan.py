@@ -28,7 +28,7 @@ from toolkit.planner.plot import write_memory_plot
 from toolkit.planner.predict import MFU_NOTE, plan_label, plan_record
 from toolkit.planner.search import rank_by_training_days, search, why_first_beats_second
 from toolkit.planner.tuned_layouts import against_tuned
-from toolkit.spec.backends import NAMES
+from toolkit.spec.backends import NAMES, backend_of
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import PlanOptions
@@ -68,6 +68,7 @@ class PlanOutcome:
     gpu: GPU
     top: list[Candidate]  # the ranked plans the record holds, as the search returned them
     network: object = None  # the Network the search priced communication on
+    backends: tuple[str, ...] = ()  # the backends searched
 
 
 def plan_results(args: argparse.Namespace) -> PlanOutcome:
@@ -97,7 +98,7 @@ def plan_results(args: argparse.Namespace) -> PlanOutcome:
     add_training_time(plans, args)
     record = RankedPlans(plans=plans, rejected=dict(result.rejected.most_common()), considered=result.considered,
                          calibration=None if calibration is None else calibration.describe())
-    return PlanOutcome(record, model, gpu, top, network)
+    return PlanOutcome(record, model, gpu, top, network, tuple(backends))
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"winner: {_fewer_days(*plans[:2])}")
         else:
             print(f"winner: {why_first_beats_second(outcome.top[0], outcome.top[1])}")
+    if args.explain and outcome.model.is_moe:  # why a backend's plans keep every expert on every rank
+        for name in outcome.backends:
+            if (why := backend_of(name).rules.EP_REFUSAL) is not None:
+                print(f"{name}: no expert parallelism searched: {why}")
     if args.explain and outcome.top:
         line = against_tuned(outcome.model, outcome.top[0].plan, outcome.top[0].time, outcome.gpu, outcome.network)
         print(line or "no tuned published layout of this model, cluster and batch to compare with "

@@ -80,9 +80,8 @@ def run(args: argparse.Namespace) -> int:
     train_args = tuple(option_argv({"backend": plan.backend, **overrides}))
     resume_args = ()
     if args.resume_ep not in (None, plan.ep):
-        if plan.backend != "megatron":
-            raise UserInputError("--resume-ep", f"expert parallelism is Megatron-Core's; the {plan.backend} backend "
-                                                f"has none")
+        if (why := backend_of(plan).rules.EP_REFUSAL) is not None:
+            raise UserInputError("--resume-ep", f"the {plan.backend} backend trains no expert parallelism: {why}")
         problem = expert_resharding_problem(plan.ep, args.resume_ep)
         if problem:
             raise UserInputError("--resume-ep", problem)

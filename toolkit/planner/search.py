@@ -113,22 +113,21 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
             for vpp, cp in itertools.product(axis("vpp", vpps), axis("cp", cps)):
                 if vpp > 1 and not fixed.get("global_batch") and "vpp" not in fixed:
                     continue  # one micro-batch per step (the default batch) never interleaves (_check_batch)
-                dp = gpus // (tp * pp * cp)
-                for ep, etp in expert_meshes(model, gpus // pp, tp, dp * cp, megatron, fixed, axis):
+                for ep, etp in expert_meshes(model, gpus // pp, tp, megatron, fixed, axis):
                     for state in states(tp):
                         yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, **etp, **split, **state)
 
 
-def expert_meshes(model: ModelSpec, stage_ranks: int, tp: int, data_ranks: int, megatron: bool, fixed: dict,
+def expert_meshes(model: ModelSpec, stage_ranks: int, tp: int, megatron: bool, fixed: dict,
                   axis) -> list[tuple[int, dict]]:
-    """(ep, {etp}) pairs to try. The HF backends keep EP inside the data-parallel ranks; Megatron-Core folds it
-    (spec/plan.py _check_expert_mesh): the expert TP of attention's TP or 1, and EP up to MAX_EP wherever EP x ETP
+    """(ep, {etp}) pairs to try. The HF backends train no expert parallelism (their rules' EP_REFUSAL says why:
+    `dmt plan --explain` prints it); Megatron-Core folds it (spec/plan.py _check_expert_mesh): the expert TP of attention's TP or 1, and EP up to MAX_EP wherever EP x ETP
     divides a pipeline stage's ranks, beyond DP x CP too."""
     if not model.is_moe:
         return [(1, {})]
-    experts = divisors(model.num_experts, MAX_EP if megatron else None)
     if not megatron:
-        return [(e, {}) for e in axis("ep", [e for e in experts if data_ranks % e == 0])]
+        return [(e, {}) for e in axis("ep", [1])]  # a pinned --ep > 1 is tried, for the rules' one-line refusal
+    experts = divisors(model.num_experts, MAX_EP)
     pairs = []
     for etp in axis("etp", sorted({tp, 1})):
         for ep in axis("ep", experts):

@@ -47,6 +47,7 @@ TrainContext = Any  # toolkit.backends.context.TrainContext: what train.py hands
 class RulesPart(Protocol):
     FOREIGN: Mapping[str, str]  # another backend's option set on this backend's plan -> the one-line refusal
     FINETUNE_REFUSED: Mapping[str, str]  # fine-tuning method this backend cannot train -> why
+    EP_REFUSAL: str | None  # why this backend trains no expert parallelism, in one line (None: it does)
 
     def check(self, p: Plan) -> None: """Refuse (UserInputError naming the key) a plan this backend cannot run."""
     def fill(self, values: dict) -> None: """Derive this backend's defaults into a plan's values being resolved."""

@@ -5,6 +5,7 @@ from toolkit.spec.options import flag
 
 FOREIGN: dict[str, str] = {}
 FINETUNE_REFUSED: dict[str, str] = {}
+EP_REFUSAL = "DDP replicates every expert on every rank"
 
 
 def fill(values: dict) -> None:
