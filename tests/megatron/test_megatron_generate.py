@@ -82,7 +82,7 @@ def test_dmt_generate_writes_the_megatron_files_of_the_resolved_plan(generated):
 
     out = generated("--pp", "2")
     assert {p.name for p in out.iterdir()} == {"plan.json", "megatron.yaml", "megatron_args.txt", "launch.sh", RECORD,
-                                              "slurm.sbatch"}
+                                              "slurm.sbatch", "ft_config.yaml"}
     plan = json.loads((out / "plan.json").read_text())["plan"]
     config = yaml.safe_load((out / "megatron.yaml").read_text())
     tc, schedule = config["transformer_config"], config["schedule"]

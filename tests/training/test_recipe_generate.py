@@ -158,7 +158,7 @@ def test_a_bad_plan_in_a_recipe_is_named_by_its_recipe_key_and_a_bad_flag_by_the
                                                "micro-batch x dp = 4 x 2; try 16")
     bad.write_text(TINY.read_text().replace("precision: bf16", "precision: fp8"))
     assert main(["generate", str(bad), "--out", str(tmp_path / "gen")]) == 2
-    assert capsys.readouterr().err.strip().startswith("dmt generate: error: plan.precision: fp8 training is modelled")
+    assert capsys.readouterr().err.strip().startswith("dmt generate: error: plan.precision: fp8 runs CUDA kernels")
     assert main(["generate", str(TINY), "--out", str(tmp_path / "gen"), "--zero", "0", "--offload-optimizer",
                  "cpu"]) == 2
     assert capsys.readouterr().err.strip().startswith("dmt generate: error: --offload-optimizer: optimizer offload "

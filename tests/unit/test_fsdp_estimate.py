@@ -40,7 +40,8 @@ def test_defaults_shard_over_every_data_parallel_rank():
     (dict(dp_shard=3), "--dp-shard", "must equal the data-parallel ranks gpus / tp = 16"),
     (dict(dp_replicate=16), "--dp-replicate", "FSDP2 has nothing to shard over"),
     (dict(sequence_parallel=True), "--sequence-parallel", "is a Megatron-Core option"),
-    (dict(precision="fp8"), "--precision", "fp8 training is modelled for --backend megatron"),
+    (dict(precision="fp4"), "--precision", "Accelerate has no fp4 recipe"),
+    (dict(precision="fp8", fp8_recipe="blockwise"), "--fp8-recipe", "Accelerate's FP8 has no blockwise recipe"),
 ])
 def test_rules_name_the_flag_at_fault(options, key, says):
     with pytest.raises(UserInputError) as caught:

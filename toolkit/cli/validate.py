@@ -121,6 +121,9 @@ def _generated(args: argparse.Namespace) -> int:
     """A generated directory, read as train.py --plan reads it (toolkit/validate/generated.py): its plan against the
     recipe, each file against the plan, the learning rate and warm-up against plan.json's lr_scaling; the first
     disagreement is one line (exit 2)."""
+    if args.file.is_dir() and not (args.file / PLAN_FILE).is_file():
+        raise UserInputError("FILE", f"{args.file} is a directory without {PLAN_FILE}; expected a directory `dmt "
+                                     f"generate` wrote, or one file it wrote")
     run = read_generated(args.file)
     if args.json:
         print(json_text({"ok": True, "problems": []}))
