@@ -15,6 +15,7 @@ from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
 from toolkit.runtime.metrics import read_metrics
+from toolkit.spec.options import OPTION_NAMES, recipe_key
 
 pytestmark = pytest.mark.launch
 VARIED = ("backend", "zero", "offload_optimizer", "offload_params", "recompute", "recompute_modules",
@@ -67,8 +68,9 @@ def test_one_plan_per_searched_option_value_trains_two_steps(tiny4, launch, caps
     assert {r["plan"]["backend"] for r in chosen} == {"deepspeed", "megatron", "fsdp"}
     failures = []
     for index, record in enumerate(chosen):
-        plan = {k: v for k, v in record["plan"].items()
-                if k not in ("gpus", "gpus_per_node", "seq_len", "global_batch", "dp", "grad_accum", "finetune")}
+        # the options a recipe keeps under `plan:`; the cluster's and training's sizes stay the base recipe's, and
+        # what the plan derives (gpus, dp, grad_accum) is derived again
+        plan = {k: v for k, v in record["plan"].items() if k in OPTION_NAMES and recipe_key(k) == f"plan.{k}"}
         recipe = directory / f"plan-{index}.yaml"
         recipe.write_text(yaml.safe_dump({**base, "name": f"plan-{index}", "plan": plan}, sort_keys=False))
         config = directory / f"gen-{index}"
