@@ -111,6 +111,9 @@ def flight_recorder_dump() -> bytes:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
+    # not from elsewhere: the bytes are this process's own recorder, pickled by torch's C++ a line above (never read
+    # from a file or a peer), so the unrestricted loader runs nothing another party wrote. torch's analyser
+    # (runtime/incident.py) unpickles only the dumps this job's own ranks wrote into this attempt's incident directory
     dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
     config = {name: entry for name, entry in (dump.get("pg_config") or {}).items() if name}
     for group, name in distributed_c10d._world.pg_names.items():
