@@ -29,6 +29,7 @@ TINY_MOE = {
     "gpt_oss": dict(_TINY_MOE_COMMON, architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16,
                     intermediate_size=32, num_local_experts=4, layer_types=["full_attention", "full_attention"]),
 }
+MOE_SAVED = ("mixtral", "deepseek_v3", "gpt_oss")  # the families conftest.zero_checkpoints saves at ZeRO-3 (~4 s each)
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:

@@ -1,6 +1,6 @@
 """`dmt convert zero-to-hf` on checkpoints written by real 2-rank DeepSpeed runs: bitwise equal to zero_to_fp32, for
-the tiny Llama at each ZeRO stage and for each MoE family at ZeRO-3 (transformers' fused expert tensors, DeepSeek-V3's
-routing-bias buffer, GPT-OSS's expert biases and attention sinks)."""
+the tiny Llama at each ZeRO stage and for the MoE families at ZeRO-3 (transformers' fused expert tensors, DeepSeek-V3's
+routing-bias buffer, GPT-OSS's expert biases and attention sinks; Qwen3-MoE's: tests/training/test_train_launch.py)."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_MOE
+from helpers import MOE_SAVED, TINY_MOE
 from toolkit.backends.deepspeed.convert import convert_zero_to_hf
 from toolkit.cli.main import main
 
@@ -21,7 +21,7 @@ def _reference(ckpt) -> dict:
     return {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ckpt)).items()}
 
 
-@pytest.mark.parametrize("name", ["zero1-tied", "zero2", "zero3", *(f"zero3-{family}" for family in TINY_MOE)])
+@pytest.mark.parametrize("name", ["zero1-tied", "zero2", "zero3", *(f"zero3-{family}" for family in MOE_SAVED)])
 def test_conversion_equals_deepspeeds_zero_to_fp32_and_loads(zero_checkpoints, tmp_path, capsys, name):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

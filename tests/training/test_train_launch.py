@@ -84,8 +84,10 @@ def _zero3_rank_files(checkpoint) -> tuple[list[dict], list[dict]]:
     import torch
 
     tag = checkpoint / (checkpoint / "latest").read_text().strip()
-    load = lambda pattern: [torch.load(f, map_location="cpu", weights_only=False)  # noqa: E731
-                            for f in sorted(tag.glob(pattern))]
+
+    def load(pattern: str) -> list[dict]:  # the suite's own run: its pickles are DeepSpeed's objects
+        return [torch.load(f, map_location="cpu", weights_only=False) for f in sorted(tag.glob(pattern))]
+
     return load("zero_pp_rank_*_mp_rank_00_model_states.pt"), load("*_zero_pp_rank_*_mp_rank_00_optim_states.pt")
 
 
