@@ -157,11 +157,18 @@ def _bad_target(sandbox: Path, kind: str, target: str, suffix: str) -> str:
         return ""
     if kind == "the-input-itself":
         return str(sandbox / "recipe.yaml")
+    if kind in ("a-symlink", "a-dangling-symlink"):  # writing it would write where the link points, elsewhere
+        (sandbox / "elsewhere").mkdir()
+        victim = sandbox / "elsewhere" / f"victim{suffix}"
+        if kind == "a-symlink":
+            victim.write_text("the user's, kept elsewhere\n")
+        (sandbox / f"link{suffix}").symlink_to(victim)
+        return str(sandbox / f"link{suffix}")
     raise ValueError(kind)
 
 
 OUTPUT_KINDS = ("a-file-for-a-directory", "a-directory-for-a-file", "under-a-file", "unwritable", "empty",
-                "the-input-itself")
+                "the-input-itself", "a-symlink", "a-dangling-symlink")
 
 
 @pytest.mark.parametrize("kind", OUTPUT_KINDS)
@@ -171,6 +178,8 @@ def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, ver
     if (kind == "a-file-for-a-directory" and target == "file") or \
             (kind == "a-directory-for-a-file" and target == "dir"):
         pytest.skip("a valid target of this kind")
+    if kind == "a-symlink" and target == "dir":
+        pytest.skip("a link to a directory is that directory; one to a file is a-file-for-a-directory")
     if kind == "the-input-itself" and verb in ("health --output", "report --plot"):
         pytest.skip("reads no file a .png could be: dmt health none, dmt report directories (a directory is refused "
                     "as a plot in the a-directory-for-a-file case)")
@@ -189,12 +198,17 @@ def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, ver
         out = str(sandbox / "corpus")
         (sandbox / "corpus.dmt.json").write_text('{"text": "a user\'s corpus"}\n')
         argv_template = [*argv_template[:3], out + ".dmt.json", *argv_template[4:]]
+    elif kind.endswith("symlink") and verb == "data prepare --output-prefix":  # a link where it writes its sidecar
+        (sandbox / "link.dmt.json").symlink_to(Path(out).resolve(strict=False))
+        Path(out).unlink()
     before = _snapshot(sandbox)
     argv = [part.format(out=out, recipe=sandbox / "recipe.yaml", run=run) for part in argv_template]
     code, err = _run(capsys, argv)
     _assert_refused(code, err, flag if kind != "the-input-itself" or not suffix else "")
     assert _snapshot(sandbox) == before
     assert not Path("/proc/dmt-fuzz").exists()
+    if kind.endswith("symlink"):
+        assert "symbolic link" in err[-1], err
 
 
 def test_generate_never_replaces_what_it_did_not_write_and_cleans_its_own(sandbox, capsys):
