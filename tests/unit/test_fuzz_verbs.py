@@ -384,6 +384,41 @@ def test_a_sidecar_that_does_not_describe_its_files_is_not_trusted_for_token_ids
     assert not list(scratch.glob("dmt-restore-*"))
 
 
+def test_a_sidecar_whose_max_token_id_alone_is_false_is_caught_in_the_first_batch(sandbox):
+    """Its counts the .idx's, its max_token_id false (0): check_blend believes it (what the sidecar is for: no .bin
+    read at start on every rank), but every batch training reads is checked against the vocabulary where it is read
+    (TokenBound: a max over the batch; the Megatron loop's batches with their dataset ids, the HF Trainer's input_ids
+    without), and one past it is one line naming the prefix's key, the token and the false record, not an
+    embedding's IndexError (a device-side assert on a GPU)."""
+    from toolkit.backends.megatron.convert import single_process_group
+    from toolkit.data.blend import TokenBound, build_datasets, check_blend, stack_samples
+    from toolkit.errors import UserInputError
+    from toolkit.spec.recipe import load_recipe
+
+    names = _blend_inputs(sandbox)
+    record = Path(f"{names['prefix']}.dmt.json")
+    data = json.loads(record.read_text())
+    largest, vocab = data["datasets"]["text"]["max_token_id"], 300
+    assert largest >= vocab
+    data["datasets"]["text"]["max_token_id"] = 0
+    record.write_text(json.dumps(data))
+    (sandbox / "blend.yaml").write_text(_blend_recipe(names))
+    recipe = load_recipe(sandbox / "blend.yaml")
+    sources = check_blend(recipe, vocab)  # believed
+    with single_process_group():  # Megatron-Core's dataset builder asks the rank
+        train, _ = build_datasets(recipe, 64, 16, sandbox / "run", vocab)
+    batch = stack_samples([train[index] for index in range(8)])
+    assert "dataset_id" in batch and int(batch["tokens"].max()) >= vocab
+    for ids in (batch["dataset_id"], None):
+        with pytest.raises(UserInputError) as refused:
+            train.bound.check(batch["tokens"], ids)
+        key, message = refused.value.key, refused.value.message
+        assert key in ("data.blend.0.prefix", "data.blend.1.prefix") and str(names["prefix"]) in message, message
+        assert f"token id {int(batch['tokens'].max())}" in message and "max_token_id 0" in message, message
+        assert "\n" not in str(refused.value)
+    TokenBound(largest + 1, tuple(sources)).check(batch["tokens"], batch["dataset_id"])  # a true bound: no word
+
+
 # megatron.yaml of the sound blend recipe edited by hand: (section, key, value) -> the key `dmt validate` names
 MEGATRON_YAML_EDITS = {
     "prefix with a line break": (("data", "blend", 0, "prefix"), "corpus\n--load /tmp/x", "data.blend[0].prefix"),
