@@ -211,6 +211,26 @@ def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, ver
         assert "symbolic link" in err[-1], err
 
 
+def test_validate_given_a_recipe_says_what_to_validate_in_one_line(sandbox, capsys):
+    """A recipe read as a megatron.yaml was a page of 'section missing' lines: it is one line saying what validate
+    checks and how to get those files from the recipe."""
+    for extra in (["--world-size", "2"], []):
+        code, err = _run(capsys, ["validate", str(sandbox / "recipe.yaml"), *extra])
+        _assert_refused(code, err, "FILE", "recipe.yaml is a recipe", "dmt generate")
+        assert len(err) == 1
+
+
+def test_validate_takes_the_accelerate_yaml_generate_writes_for_deepspeed(sandbox, capsys):
+    """The accelerate.yaml `dmt generate` writes for the deepspeed backend was refused by `dmt validate` as 'not
+    FSDP': it is checked as what it is (Accelerate's keys, the process count)."""
+    assert main(["generate", str(sandbox / "recipe.yaml"), "--out", str(sandbox / "gen")]) == 0
+    capsys.readouterr()
+    code, err = _run(capsys, ["validate", str(sandbox / "gen" / "accelerate.yaml"), "--world-size", "2"])
+    assert code == 0 and not err, err
+    code, err = _run(capsys, ["validate", str(sandbox / "gen" / "accelerate.yaml"), "--world-size", "3"])
+    assert code == 2 and len(err) == 1 and "num_processes" in err[0], err
+
+
 def test_generate_never_replaces_what_it_did_not_write_and_cleans_its_own(sandbox, capsys):
     """A deepspeed.json of the user's stops `dmt generate` (--force replaces it); switching the recipe to Megatron
     removes the files generate wrote for DeepSpeed and keeps the user's own files and run directory."""
