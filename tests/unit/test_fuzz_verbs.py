@@ -571,6 +571,12 @@ FLAG_VALUES = [  # argv -> the flag the error must name
      "--top"),
     (["slurm", "render", "{recipe}", "--output-dir", "runs\n#SBATCH --qos=high/x"], "--output-dir"),
     (["slurm", "render", "{recipe}", "--time", "1 day"], "--time"),
+    # an empty value (`--queue "$QUEUE"` with QUEUE unset) is a mistake, never read as "not given"
+    (["slurm", "render", "{recipe}", "--output-dir", ""], "--output-dir"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--queue", ""], "--queue"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--namespace", ""], "--namespace"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--checkpoint-pvc", ""],
+     "--checkpoint-pvc"),
     (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1\nkind: Secret"], "--image"),
     (["k8s", "render", "{recipe}", "--kind", "cronjob", "--image", "reg.io/dmt:1"], "--kind"),
     (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--namespace", "$(id)"],
