@@ -231,6 +231,19 @@ def test_validate_takes_the_accelerate_yaml_generate_writes_for_deepspeed(sandbo
     assert code == 2 and len(err) == 1 and "num_processes" in err[0], err
 
 
+@pytest.mark.parametrize("flags", [["--resume-world-size", "3"], ["--resume-ep", "3"]])
+def test_restore_test_refuses_a_resume_it_cannot_run_before_anything_runs(sandbox, capsys, monkeypatch,
+                                                                          tmp_path_factory, flags):
+    """The resumed run's plan is resolved with the others, before the reference run: 3 processes cannot train a
+    global batch of 16 in micro-batches of 4 (it was found after two runs, in a worker's log), and the refusal leaves
+    no scratch directory (one was made before the --resume-ep check)."""
+    scratch = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code, err = _run(capsys, ["restore-test", "--recipe", str(sandbox / "recipe.yaml"), *flags])
+    _assert_refused(code, err, flags[0])
+    assert not list(scratch.iterdir())
+
+
 def test_generate_never_replaces_what_it_did_not_write_and_cleans_its_own(sandbox, capsys):
     """A deepspeed.json of the user's stops `dmt generate` (--force replaces it); switching the recipe to Megatron
     removes the files generate wrote for DeepSpeed and keeps the user's own files and run directory."""

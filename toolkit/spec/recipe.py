@@ -511,6 +511,13 @@ def recipe_hf_config(recipe: Recipe) -> dict:
                                          f"hub id)")
 
 
+def recipe_at_world_size(recipe: Recipe, gpus: int) -> Recipe:
+    """The recipe launched on `gpus` processes instead of cluster.gpus (train.py --gpus: a resume at another world
+    size), as many per node as fit."""
+    cluster = {"gpus": gpus, "gpus_per_node": min(gpus, recipe.cluster.gpus_per_node)}
+    return recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=cluster)})
+
+
 def recipe_vocab_size(recipe: Recipe) -> int:
     """The vocabulary of the recipe's model: its config's (the weights' own config for a pretrained model)."""
     if recipe.model.pretrained:
