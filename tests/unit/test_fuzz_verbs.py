@@ -241,7 +241,7 @@ def test_restore_test_refuses_a_resume_it_cannot_run_before_anything_runs(sandbo
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     code, err = _run(capsys, ["restore-test", "--recipe", str(sandbox / "recipe.yaml"), *flags])
     _assert_refused(code, err, flags[0])
-    assert not list(scratch.iterdir())
+    assert not list(scratch.glob("dmt-restore-*"))
 
 
 def test_generate_never_replaces_what_it_did_not_write_and_cleans_its_own(sandbox, capsys):
