@@ -559,6 +559,7 @@ FLAG_VALUES = [  # argv -> the flag the error must name
      "--recompute-modules"),
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", "many"], "--train-tokens"),
     (["plan", "--model", "llama-3.1-8b", "--gpus", "0", "--seq-len", "512", "--global-batch", "8"], "--gpus"),
+    (["estimate", "--model", "{recipe}", "--gpus", "8"], "--model"),  # a recipe is no model spec: said so, in one line
     # long-context options (spec/options.py): bad values, and the libraries' rules
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--sp", "0"], "--sp"),
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--sp", "two"], "--sp"),
