@@ -112,12 +112,12 @@ def output_file(path: Path | str, flag: str, inputs: Iterable[Path] = (), suffix
     """A file a command will write: not a link, not a directory, not one of its inputs, in an existing directory it
     can write."""
     target = _resolved(path, flag)
-    not_a_link(path, flag, "name the file itself or another name")
     if suffix is not None and target.suffix.lower() != suffix:
         raise UserInputError(flag, f"expects a {suffix} file name, got {path}")
     if target.is_dir():
         raise UserInputError(flag, f"{target} is a directory; give a file name")
-    _refuse_input(target, flag, inputs)
+    _refuse_input(target, flag, inputs)  # first: a link to an input is refused as what it would replace
+    not_a_link(path, flag, "name the file itself or another name")
     if not target.parent.exists():
         raise UserInputError(flag, f"directory {target.parent} does not exist")
     _writable_directory(target.parent, flag, target)

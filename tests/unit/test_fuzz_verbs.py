@@ -290,6 +290,8 @@ RECIPE_VALUES = {  # a recipe line replaced -> the key the error must name
     "negative seq": ("seq_len: 64", "seq_len: -64", "training.seq_len"),
     "tp not dividing heads": ("zero: 2", "zero: 2\n  tp: 3", "plan.tp"),
     "unknown plan key": ("zero: 2", "zero: 2\n  zerro: 1", "plan.zerro"),
+    # the misspelt section is named, not the 'Field required' of the one it was meant to be
+    "misspelt section": ("training:\n", "trainig:\n", "trainig: unknown key"),
 }
 
 
@@ -613,6 +615,8 @@ FLAG_VALUES = [  # argv -> the flag the error must name
       "--json-keys", "text", "text"], "--json-keys"),
     (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
       "--json-keys", "body"], "--json-keys"),
+    (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
+      "--json-keys", "text,title"], "--json-keys text title"),  # one key per word, said so
     (["data", "prepare", "--input", "{ds}", "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out"],
      "--input"),
     (["data", "inspect", ""], "PREFIX"),

@@ -174,8 +174,10 @@ def documents(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[list[str]]]
             raise BadDocument(number, f"holds a JSON {type(record).__name__}, not an object")
         for key in keys:
             if key not in record:
+                words = f"; --json-keys takes one key per word (--json-keys {' '.join(key.split(','))})" \
+                    if "," in key else ""
                 raise BadDocument(number, f"has no key {key!r} (--json-keys); its keys: "
-                                          f"{', '.join(map(repr, list(record)[:10]))}")
+                                          f"{', '.join(map(repr, list(record)[:10]))}{words}")
             found[key].append(_sentences(record[key], key, number))
     return found, len(lines)
 
