@@ -13,8 +13,9 @@ from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError
 from toolkit.spec.model import load_model_spec
+from toolkit.spec.moe_rules import MOE_OPTIONS
 from toolkit.spec.options import MOE_IMBALANCE_DEFAULT, RECOMPUTE_MODULES, flag
-from toolkit.spec.plan import MOE_OPTIONS, resolve_plan
+from toolkit.spec.plan import resolve_plan
 from toolkit.validate.megatron import validate_megatron_config
 
 LLAMA = load_model_spec("llama-3.1-8b")
