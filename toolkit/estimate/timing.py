@@ -46,6 +46,17 @@ from toolkit.spec.prediction import PackedAttention
 from toolkit.spec.quantization import gemm_peak_key, plan_recipe
 
 DP_OVERLAP = 0.8
+# Seconds each MoE layer's forward (and its recomputation) costs beyond its FLOPs, bytes and all-to-alls, on every
+# dispatcher: Megatron-Core's token dispatchers wait for the device to copy the tokens-per-expert counts to the host
+# before the all-to-all can be sized (token_dispatcher.py: _maybe_dtoh_and_synchronize at cuda_sync_point
+# "before_ep_alltoall" with ep or tp > 1, "before_finish" otherwise), which drains the GPU's queue, and then the
+# host launches the permutation, the all-to-all, the sort and the grouped GEMM's per-expert setup while the GPU waits.
+# Fitted, the one constant fitted on published MoE runs (issue 42 allows four rows; benchmarks/step_time_accuracy.md
+# names them and refits it): least squares of the relative step-time error over Megatron-Bridge 26.04.01's Qwen3
+# 30B-A3B FP8 EP 16 on 16 H100 and Qwen3 30B-A3B MXFP8 EP 8 micro-batch 4 on 8 B200 (the two runs with neither
+# pipeline nor overlap, on Hopper and Blackwell), which give 2.65 and 1.84 ms alone: 2.36 ms. No other MoE row
+# informed it. Only Megatron-Core's dispatchers (plans with a moe_dispatcher) pay it.
+MOE_LAYER_OVERHEAD_S = 2.36e-3
 # Adam over a parameter partition touches ~28 B/param of HBM (read master, m, v, grad; write master, m, v, bf16 copy)
 OPTIMIZER_BYTES_TOUCHED = 28
 HBM_EFFICIENCY = 0.7
@@ -64,8 +75,8 @@ ATTENTION_KERNEL_EFFICIENCY = 0.5
 # AttnFuncWithCPAndKVP2P), which is where short blocks cost more than their FLOPs.
 ATTENTION_BLOCK_RATE = ((512, 467 / 648), (1024, 565 / 648), (2048, 625 / 648), (4096, 638 / 648), (8192, 646 / 648),
                         (16384, 1.0))
-STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
-                   "optimizer_s", "offload_s", "fixed_s")
+STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "moe_overhead_s", "pp_comm_s",
+                   "bubble_s", "dp_comm_s", "optimizer_s", "offload_s", "fixed_s")
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,7 @@ class StepTime:
     cp_comm_s: float
     sp_comm_s: float  # Ulysses' all-to-alls (DeepSpeed's UlyssesSPAttentionHF), on the critical path
     ep_comm_s: float
+    moe_overhead_s: float  # each MoE layer's fixed host-side cost per pass (MOE_LAYER_OVERHEAD_S)
     pp_comm_s: float
     bubble_s: float
     dp_comm_s: float
@@ -174,6 +186,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
         attention_run = 0.0  # of those, attention's score and value products (at attention_rate)
         expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
+        moe_passes = 0  # MoE layer forwards (recomputed ones again), each paying MOE_LAYER_OVERHEAD_S
         collectives = 0
         sp_exchanges = 0.0
         for i in blocks:
@@ -185,6 +198,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
             attention_run += (3 * f.attention + again.attention) * attention_work
             work += f.mlp_matmul * tile_recompute_forwards(plan.tiled_mlp)  # TiledMLP's forward again in backward
             if f.expert_matmul:
+                moe_passes += 2 if whole or "moe" in plan.recompute_modules else 1
                 memory_bound += routed_traffic_s * (2 if whole or "moe" in plan.recompute_modules else 1)
                 again_expert = f.expert_matmul if whole or "moe" in plan.recompute_modules else 0.0
                 work -= matmul_passes * f.expert_matmul + again_expert
@@ -203,12 +217,15 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         # cp ring steps per attention pass: forward, backward, and a recomputed forward (as Ulysses' exchanges)
         cp_comm = max(0.0, len(blocks) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s
         ep_comm = sum(spec.is_moe_layer(i) for i in blocks) * ep_per_moe_layer
+        moe_overhead = moe_passes * MOE_LAYER_OVERHEAD_S if plan.moe_dispatcher is not None else 0.0
+        if plan.overlap_moe_expert_parallel_comm:  # behind the paired micro-batch's compute stream, waits included
+            ep_comm -= min(ep_comm, compute + moe_overhead) * expert_overlap_share(plan)
         tp_comm = collectives * tp_collective
         pp_comm = pipeline_exchanges(plan, stage) * p2p
         sp_comm = sp_exchanges * sp_forward
-        stages.append((compute + tp_comm + cp_comm + sp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, sp_comm,
-                       ep_comm, pp_comm, stage))
-    micro, compute_micro, tp_comm, cp_comm, sp_comm, ep_comm, pp_comm, _ = max(stages)
+        stages.append((compute + tp_comm + cp_comm + sp_comm + ep_comm + moe_overhead + pp_comm, compute, tp_comm,
+                       cp_comm, sp_comm, ep_comm, moe_overhead, pp_comm, stage))
+    micro, compute_micro, tp_comm, cp_comm, sp_comm, ep_comm, moe_overhead, pp_comm, _ = max(stages)
 
     m = plan.grad_accum
     bubble = pipeline_bubble_s(plan, {stage[-1]: stage[0] for stage in stages})
@@ -225,6 +242,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         cp_comm_s=m * cp_comm,
         sp_comm_s=m * sp_comm,
         ep_comm_s=m * ep_comm,
+        moe_overhead_s=m * moe_overhead,
         pp_comm_s=m * pp_comm,
         bubble_s=bubble,
         dp_comm_s=dp_comm,
@@ -293,6 +311,18 @@ def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> fl
     return 3 * forward * PRECISION_BYTES[plan.precision]
 
 
+def expert_overlap_share(plan: Plan) -> float:
+    """The share of a rank's micro-batch passes that Megatron-Core's combined 1F1B schedule runs paired (one
+    micro-batch's forward with another's backward, each one's all-to-alls on the communication stream beside the
+    other's compute: overlap_moe_expert_parallel_comm, pipeline_parallel/combined_1f1b.py). Without a pipeline only
+    the first forward and the last backward run alone (combined_1f1b_schedule_for_no_pipelining): (m-1)/m. With
+    interleaving, the first rank's warm-up forwards, one more than the interleaved schedule's 2(p-1) + (v-1)p
+    ("we schedule one extra micro-batch", schedules.py), and as many cool-down backwards run alone, of its m x v."""
+    chunks = plan.grad_accum * plan.vpp
+    alone = 1 if plan.pp == 1 else min(chunks, 2 * (plan.pp - 1) + (plan.vpp - 1) * plan.pp + 1)
+    return max(0.0, 1 - alone / chunks)
+
+
 def expert_parallel_domain(plan: Plan) -> int:
     """GPUs joined by the NVLink domain an EP x ETP group stays inside to avoid the network: the plan's resolved
     nvlink_domain (the GPU's, e.g. 72 on GB200 NVL72, else the node), which the network's all-to-all reads too."""
@@ -308,12 +338,28 @@ def expert_parallel_exchange_s(spec: ModelSpec, plan: Plan, network: Network, ac
     if not spec.is_moe:
         return 0.0
     copies = act * spec.experts_top_k / plan.tp * routed
-    exchange = 4 * network.all_to_all_time(copies, plan.ep, plan.expert_tp)
+    remote = None
+    if plan.moe_dispatcher == "flex" and network.crosses_domain(plan.ep, plan.expert_tp):
+        remote = act / plan.tp * routed * remote_domains_per_token(spec, plan, network)
+    exchange = 4 * network.all_to_all_time(copies, plan.ep, plan.expert_tp, remote)
     if plan.expert_tp > 1:
         link = network.link(plan.expert_tp, 1)
         exchange += 2 * (collective_time("all_gather", copies * plan.expert_tp, plan.expert_tp, link)
                          + collective_time("reduce_scatter", copies * plan.expert_tp, plan.expert_tp, link))
     return exchange
+
+
+def remote_domains_per_token(spec: ModelSpec, plan: Plan, network: Network) -> float:
+    """Other NVLink domains of the EP group one token's k experts lie in, on average under uniform routing: what a
+    hierarchical dispatch sends across the network per token. The flex dispatcher's kernels (DeepEP, HybridEP) send a
+    token once to each domain holding one of its experts and fan it out over NVLink there (DeepSeek-V3 report,
+    arXiv:2412.19437 Sec. 3.2.2; deepseek-ai/DeepEP README, "NVLink-to-RDMA forwarding"), where NCCL's all-to-all
+    sends each of the k copies. A domain holds E/N of the E experts; it holds none of a token's k distinct experts
+    with probability C(E - E/N, k) / C(E, k). Group-limited routing (DeepSeek-V3's topk_group) can only lower it."""
+    domains = plan.ep // network.ranks_per_domain(plan.ep, plan.expert_tp)
+    experts, k = spec.num_experts, spec.experts_top_k
+    outside = experts - experts // domains
+    return (domains - 1) * (1 - math.comb(outside, k) / math.comb(experts, k))
 
 
 def pipeline_exchanges(plan: Plan, stage: int) -> int:
