@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.errors import UserInputError
-from toolkit.estimate import timing
+from toolkit.estimate import moe_timing
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
 from toolkit.estimate.flops import model_flops_per_token
@@ -289,7 +289,7 @@ def precision_pairs(refs: list[dict]) -> None:
     print(PRECISION_NOTES)
 MOE_NOTES = """
 Notes on the MoE rows:
-- What the model prices per MoE layer (toolkit/estimate/timing.py): the routed experts' GEMMs at the rate of one GEMM
+- What the model prices per MoE layer (toolkit/estimate/moe_timing.py): the routed experts' GEMMs at the rate of one GEMM
   of the rows each local expert gets (TOKEN_SCALE, cited to DeepGEMM's published H800 table), the router, the
   memory-bound permutation, sort and activation traffic of the routed copies (routed_token_traffic_bytes, from
   Megatron-Core 0.16.1's moe_utils), and the dispatch and combine all-to-alls over EP, whose share bound for other
@@ -371,13 +371,13 @@ def refit_moe_overhead(refs: dict) -> tuple[float, list[float]]:
     """MOE_LAYER_OVERHEAD_S refitted on the fitted rows alone (least squares of the relative error; the step is
     linear in it), and the value each fitted row would give alone: the check that the constant in the code is theirs."""
     fitted = {"rows": [r for r in refs["rows"] if r["name"] in refs["fitted"]], "fitted": refs["fitted"]}
-    kept, runs = timing.MOE_LAYER_OVERHEAD_S, []
+    kept, runs = moe_timing.MOE_LAYER_OVERHEAD_S, []
     try:
         for value in (0.0, 1e-3):
-            timing.MOE_LAYER_OVERHEAD_S = value
+            moe_timing.MOE_LAYER_OVERHEAD_S = value
             runs.append(moe_rows(fitted)[0])
     finally:
-        timing.MOE_LAYER_OVERHEAD_S = kept
+        moe_timing.MOE_LAYER_OVERHEAD_S = kept
     slopes = [((b["predicted_s"] - a["predicted_s"]) / 1e-3 / a["published_s"],
                (a["predicted_s"] - a["published_s"]) / a["published_s"]) for a, b in zip(*runs)]
     best = -sum(s * e for s, e in slopes) / sum(s * s for s, _ in slopes)
@@ -391,9 +391,9 @@ def moe_report(refs: dict) -> None:
           f"{', '.join(refs['fitted']) or 'none (every row measures prediction)'}.")
     if refs["fitted"]:
         best, alone = refit_moe_overhead(refs)
-        print(f"\nThe one constant fitted on them: MOE_LAYER_OVERHEAD_S (toolkit/estimate/timing.py), least squares of "
+        print(f"\nThe one constant fitted on them: MOE_LAYER_OVERHEAD_S (toolkit/estimate/moe_timing.py), least squares of "
               f"their relative error: {best * 1e3:.3g} ms per MoE layer forward (each alone: "
-              f"{', '.join(f'{v * 1e3:.3g}' for v in alone)} ms; the code's: {timing.MOE_LAYER_OVERHEAD_S * 1e3:.3g} "
+              f"{', '.join(f'{v * 1e3:.3g}' for v in alone)} ms; the code's: {moe_timing.MOE_LAYER_OVERHEAD_S * 1e3:.3g} "
               f"ms). No other row informed any constant.")
     print()
     print("| reference | published step s | predicted step s | error | predicted terms (s) |\n|---|---:|---:|---:|---|")

@@ -213,3 +213,14 @@ def test_expert_overlap_reaches_megatron_core_and_megatron_lm(tmp_path):
     plain = _recipe(tmp_path, dict(ep=2))
     assert main(["generate", plain, "--out", str(tmp_path / "plain")]) == 0
     assert "overlap_moe" not in (tmp_path / "plain" / "megatron.yaml").read_text()
+
+
+def test_explain_names_the_overlap_the_flex_exchange_and_the_dispatchers_cost(capsys):
+    assert main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--backend", "megatron", "--ep", "16",
+                 "--moe-dispatcher", "flex", "--overlap-moe-expert-parallel-comm", "--global-batch", "64",
+                 "--explain"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "moe_overhead" in text and "2.36 ms of host-side dispatch per MoE layer forward" in text
+    # 4 micro-batches: the first forward and the last backward run alone (combined_1f1b_schedule_for_no_pipelining)
+    assert "hidden behind the paired micro-batch's compute in 75% of the passes" in text
+    assert "flex: a token crosses the network once per remote domain" in text

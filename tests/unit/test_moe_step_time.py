@@ -8,7 +8,8 @@ from pytest import approx
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import expert_gemm_efficiency, gemm_efficiency
 from toolkit.estimate.flops import model_flops_per_token, mtp_forward_flops
-from toolkit.estimate.timing import attention_block_rate, expert_rows, step_time, useful_flops_per_token
+from toolkit.estimate.moe_timing import expert_rows
+from toolkit.estimate.timing import attention_block_rate, step_time, useful_flops_per_token
 from toolkit.planner.tuned_layouts import TUNED_LAYOUTS, against_tuned, tuned_step
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
@@ -106,7 +107,7 @@ def test_the_overlap_hides_the_all_to_all_behind_the_paired_micro_batch():
     """Megatron-Core's combined 1F1B schedule (overlap_moe_expert_parallel_comm) runs one micro-batch's all-to-alls
     beside another's compute: without a pipeline all but the first forward and the last backward are paired
     ((m-1)/m), interleaved all but the first rank's warm-up, 2(p-1) + (v-1)p + 1 chunks, and its cool-down."""
-    from toolkit.estimate.timing import expert_overlap_share
+    from toolkit.estimate.moe_timing import expert_overlap_share
 
     model = load_model_spec("qwen3-30b-a3b")
     plain, hidden = (_time(model, 16, ep=16, overlap_moe_expert_parallel_comm=flag) for flag in (False, True))
@@ -127,7 +128,7 @@ def test_flex_sends_a_token_across_the_network_once_per_remote_domain():
     token across, not 8 x 8/16 copies; inside one node the two cost the same."""
     import math
 
-    from toolkit.estimate.timing import remote_domains_per_token
+    from toolkit.estimate.moe_timing import remote_domains_per_token
 
     model = load_model_spec("qwen3-30b-a3b")
     plan = resolve_plan(model, 16, **{**QWEN, "ep": 16, "moe_dispatcher": "flex"})
@@ -141,7 +142,7 @@ def test_flex_sends_a_token_across_the_network_once_per_remote_domain():
 def test_every_moe_layer_forward_pays_the_dispatchers_fixed_cost():
     """MOE_LAYER_OVERHEAD_S once per MoE layer forward of every micro-batch, again where the MoE layer is recomputed;
     never for dense layers, nor on the HF backends (no Megatron-Core dispatcher)."""
-    from toolkit.estimate.timing import MOE_LAYER_OVERHEAD_S
+    from toolkit.estimate.moe_timing import MOE_LAYER_OVERHEAD_S
 
     model = load_model_spec("qwen3-30b-a3b")  # 48 MoE layers
     t = _time(model, 16, ep=8)
