@@ -318,13 +318,21 @@ Notes on the MoE rows:
   device-to-host copy of the tokens per expert (token_dispatcher.py _maybe_dtoh_and_synchronize), which drains the
   GPU's queue, and the host then launches the permutation, exchange and grouped GEMM while the GPU waits. With the
   overlap, the paired micro-batch's compute stream (these waits included) is what hides the all-to-all.
-- Misses and what the model does not describe: Qwen3 235B on B200 (EP 8 in one node, NCCL all-to-all, no CUDA
-  graphs, no overlap) is predicted 22% fast and GPT-OSS 120B on H100 25% fast: both ran without Bridge's CUDA graphs
-  of the router and dispatch preprocessing, whose host cost a single per-layer constant fitted on graphed runs does
-  not carry (each row alone would fit 4.8 and 7.0 ms against the fitted 2.36). Qwen3 235B on GB200 is 18% slow:
-  its HybridEP exchange over the NVL72 fabric and its CUDA graphs are faster than NCCL's all-to-all priced at the
-  NVLink bus rate. Not modelled: MXFP8's quantisation of every GEMM input (row- and column-wise with scales),
-  Bridge's CUDA graphs and fused router, DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from the GEMMs),
+- Misses and what the model does not describe. GPT-OSS 120B, the one BF16 family, is predicted fast on all three
+  systems (H100 -25%, B200 -17%, GB200 -41%): Bridge measured 18-23% of the BF16 peak where the model reaches about
+  twice that, and the per-layer constant cannot close it (GPT-OSS's micro-batches carry 4x the tokens of a layer
+  pass of the Qwen3 rows). The GB200 row (EP 64 with 2 experts a rank, the overlap on) was not in this table
+  before; it is the one 26.04.01 MoE row on a catalogued GPU with a preset that the table lacked, and it is kept
+  though it misses. What sets GPT-OSS apart and is not priced: attention sinks (softmax_type "learnable",
+  Bridge's gpt_oss_bridge.py) in Transformer Engine's fused attention at head dim 64 with 128-token windows on half
+  the layers, the experts' fc2 bias applied per expert outside the grouped GEMM (experts.py _apply_bias), and a
+  hidden size of 2880, not a multiple of 128 (partial GEMM tiles). Qwen3 235B on B200 (EP 8 in one node, NCCL
+  all-to-all, no CUDA graphs, no overlap) is predicted 22% fast: like GPT-OSS's runs it ran without Bridge's CUDA
+  graphs of the router and dispatch preprocessing, whose host cost the constant fitted on graphed runs does not
+  carry (the row alone would fit 4.8 ms against the fitted 2.36). Qwen3 235B on GB200 is 18% slow: its HybridEP
+  exchange over the NVL72 fabric and its CUDA graphs are faster than NCCL's all-to-all priced at the NVLink bus
+  rate. Not modelled: MXFP8's quantisation of every GEMM input (row- and column-wise with scales), Bridge's CUDA
+  graphs and fused router, DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from the GEMMs),
   delay_wgrad_compute (Bridge sets it with the overlap).
 - The GB200 rows run on the catalogue's NVL72 (4 GPUs a node, 72 on one NVLink domain: the plan's nvlink_domain,
   which the EP exchange reads through expert_parallel_domain()): Qwen3 235B's EP 32 and DeepSeek-V3's EP 64 stay on
