@@ -301,11 +301,13 @@ Notes on the MoE rows:
   --overlap-moe-expert-parallel-comm), the selective recompute modules, the fp8 recipe and DeepSeek-V3's pipeline
   layouts (Et*4|(t*4|)*14tmL at pp 8 vpp 2 and at pp 4 vpp 4, Bridge's own). Before these rows stated them the
   H100 rows were predicted 25-39% slow and DeepSeek-V3's could not be evaluated.
-- Four mechanisms came with them, three read from the libraries, none fitted:
+- Four mechanisms came with them: three read from the libraries' code and papers (nothing fitted), and one
+  fitted constant:
   (1) --overlap-moe-expert-parallel-comm, Megatron-Core's combined 1F1B schedule: one micro-batch's all-to-alls run
   on the communication stream beside another's forward or backward, so all but the unpaired passes (the first
   forward and last backward, or an interleaved first rank's warm-up and cool-down) hide their exchange behind the
-  compute stream's work (expert_overlap_share). Qwen3 235B on H100 (EP 32 across 4 nodes): +39.0% -> -2.1%.
+  compute stream's work (expert_overlap_share). Qwen3 235B on H100 (EP 32 across 4 nodes): +39.0% -> -2.5% with
+  the overlap alone, -2.1% with the rest.
   (2) The flex dispatcher's kernels (DeepEP, HybridEP) send a token across the network once per NVLink domain that
   holds one of its experts and fan it out over NVLink there (DeepSeek-V3 report, arXiv:2412.19437 Sec. 3.2.2; DeepEP
   README), where NCCL's all-to-all sends each copy (remote_domains_per_token): Qwen3 30B at EP 16 over 2 nodes
@@ -320,8 +322,8 @@ Notes on the MoE rows:
   overlap, the paired micro-batch's compute stream (these waits included) is what hides the all-to-all.
 - Misses and what the model does not describe. GPT-OSS 120B, the one BF16 family, is predicted fast on all three
   systems (H100 -25%, B200 -17%, GB200 -41%): Bridge measured 18-23% of the BF16 peak where the model reaches about
-  twice that, and the per-layer constant cannot close it (GPT-OSS's micro-batches carry 4x the tokens of a layer
-  pass of the Qwen3 rows). The GB200 row (EP 64 with 2 experts a rank, the overlap on) was not in this table
+  twice that, and a fixed cost per layer pass cannot close it (a GPT-OSS layer pass carries far more work than a
+  Qwen3 30B one, so the fitted cost is a small share of it: 0.4 of 5.0 s on B200). The GB200 row (EP 64 with 2 experts a rank, the overlap on) was not in this table
   before; it is the one 26.04.01 MoE row on a catalogued GPU with a preset that the table lacked, and it is kept
   though it misses. What sets GPT-OSS apart and is not priced: attention sinks (softmax_type "learnable",
   Bridge's gpt_oss_bridge.py) in Transformer Engine's fused attention at head dim 64 with 128-token windows on half
@@ -330,8 +332,8 @@ Notes on the MoE rows:
   all-to-all, no CUDA graphs, no overlap) is predicted 22% fast: like GPT-OSS's runs it ran without Bridge's CUDA
   graphs of the router and dispatch preprocessing, whose host cost the constant fitted on graphed runs does not
   carry (the row alone would fit 4.8 ms against the fitted 2.36). Qwen3 235B on GB200 is 18% slow: its HybridEP
-  exchange over the NVL72 fabric and its CUDA graphs are faster than NCCL's all-to-all priced at the NVLink bus
-  rate. Not modelled: MXFP8's quantisation of every GEMM input (row- and column-wise with scales), Bridge's CUDA
+  exchange over the NVL72 fabric and its CUDA graphs are, likely, faster than NCCL's all-to-all priced at the
+  NVLink bus rate. Not modelled: MXFP8's quantisation of every GEMM input (row- and column-wise with scales), Bridge's CUDA
   graphs and fused router, DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from the GEMMs),
   delay_wgrad_compute (Bridge sets it with the overlap).
 - The GB200 rows run on the catalogue's NVL72 (4 GPUs a node, 72 on one NVLink domain: the plan's nvlink_domain,
