@@ -75,6 +75,7 @@ def _check_moe_options(p: Plan, model: ModelSpec | None) -> None:
             model.moe_router_score != "sigmoid"):
         raise UserInputError("--moe-load-balancing", f"expert_bias needs a sigmoid router (TransformerConfig); "
                                                      f"{model.name} routes with {model.moe_router_score}: use aux_loss")
+    _check_expert_overlap(p, model)
     modules = set(p.recompute_modules)
     if "moe_act" in modules and not p.moe_grouped_gemm:
         raise UserInputError("--recompute-modules", "moe_act is recomputed with grouped GEMM only (TransformerConfig); "
@@ -87,6 +88,36 @@ def _check_moe_options(p: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--recompute-modules", "moe_act and layernorm recompute refuse fp8's delayed scaling "
                                                     "(TransformerConfig); drop them or set --fp8-recipe tensorwise, "
                                                     "blockwise or mxfp8")
+
+
+def _check_expert_overlap(p: Plan, model: ModelSpec | None) -> None:
+    """overlap_moe_expert_parallel_comm as Megatron-Core 0.16.1 takes it (TransformerConfig.__post_init__): expert
+    parallelism, the alltoall or flex dispatcher, no full recomputation, a bf16 / fp16 model (fp8 and fp4 run on
+    bf16 parameters), interleaving when pipelined, and at most one MTP layer (with one, a pipeline); the combined
+    schedule runs its all-to-alls on a CUDA communication stream (pipeline_parallel/utils.py set_streams)."""
+    if not p.overlap_moe_expert_parallel_comm:
+        return
+    key = "--overlap-moe-expert-parallel-comm"
+    if model is not None and not model.is_moe:
+        raise UserInputError(key, f"is an MoE option; {model.name} has no experts")
+    if p.ep == 1:
+        raise UserInputError(key, "needs expert parallelism (--ep > 1): there is no all-to-all to hide")
+    if p.moe_dispatcher not in ("alltoall", "flex"):
+        raise UserInputError(key, f"needs --moe-dispatcher alltoall or flex, got {p.moe_dispatcher}")
+    if p.recompute == "full":
+        raise UserInputError(key, "refuses full recomputation (TransformerConfig); use --recompute selective or none")
+    if p.precision == "fp32":
+        raise UserInputError(key, "needs a bf16 or fp16 model (TransformerConfig); set --precision bf16, fp8 or fp4")
+    if p.pp > 1 and p.vpp == 1:
+        raise UserInputError(key, "with --pp > 1 needs an interleaved schedule (TransformerConfig: "
+                                  "virtual_pipeline_model_parallel_size); set --vpp 2 or more")
+    if p.transformer_impl == "local":
+        raise UserInputError(key, "runs its all-to-alls on a CUDA stream: not with the local (CPU) layer modules")
+    if model is not None and model.mtp_layers > 1:
+        raise UserInputError(key, f"takes at most one MTP layer (TransformerConfig); {model.name} has "
+                                  f"{model.mtp_layers}")
+    if model is not None and model.mtp_layers == 1 and p.pp == 1:
+        raise UserInputError(key, "with an MTP layer needs a pipeline (TransformerConfig): set --pp 2 or more")
 
 
 def smallest_world(tp: int, cp: int, pp: int, ep: int, etp: int) -> int:
