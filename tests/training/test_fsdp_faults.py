@@ -19,6 +19,8 @@ from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_sav
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
+from toolkit.generate.ft_launcher import calculated_bounds
+from toolkit.runtime.ftmonitor import STATE_FILE
 from toolkit.runtime.incident import read_incidents
 from toolkit.runtime.metrics import METRICS_FILE, read_checkpoint_records, read_metrics
 
@@ -113,15 +115,19 @@ def test_the_guard_reads_one_gradient_norm_per_fsdp_step(fsdp_launch, reference)
 def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_run(fsdp_launch, reference):
     """Under launch.sh's ft_launcher (NVIDIA Resiliency Extension's torchrun drop-in, ft_config.yaml): its in-job
     restart after the kill, and every rank of the restarted attempt sent its step heartbeats to NVRx's rank monitor
-    (toolkit.runtime.ftmonitor). torchrun's own restart: the DeepSpeed and Megatron-Core twins."""
+    (toolkit.runtime.ftmonitor). At each save NVRx calculated the heartbeat and section timeouts from the intervals it
+    observed on both ranks and the toolkit set them within hang_timeout_s's bounds; the first attempt's calculation
+    (at step 2's save, before the kill) is where the restarted attempt's timeouts started. torchrun's own restart: the
+    DeepSpeed and Megatron-Core twins."""
     killed = []
+    hang = 4 * HANG_TIMEOUT_S  # calculated timeouts are kept at least a quarter of it: a save is never near that here
 
     # rank 1 is held 20 s at the start of step 3 (the first launch only), so the kill lands after the save. It must
     # land within ~HANG_TIMEOUT_S (10 s) of rank 0 blocking in step 3's first collective, or the watchdog ends the
     # job as a hang (incident 'hang', not 'failure'); it comes within a 50 ms poll and a ~0.1 s process scan of
     # `latest` naming checkpoint-2: ~50x margin idle (the DeepSpeed twin in test_faults.py says the same).
     rc, out, log = fsdp_launch("restarted", kill_rank_after_save("checkpoint-2", killed),
-                               "slow=20@rank=1,step=3,phase=train", launcher="ft_launcher")
+                               "slow=20@rank=1,step=3,phase=train", launcher="ft_launcher", hang_timeout_s=hang)
     assert killed and rc == 0, log.read_text()[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
@@ -133,6 +139,21 @@ def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_ru
     assert verify(resolve_latest(out)).ok
     sent = [int(n) for n in re.findall(r"ft_launcher: (\d+) heartbeats sent to NVRx's rank monitor", log.read_text())]
     assert len(sent) == 2 and min(sent) >= STEPS - 2, sent  # both ranks of the restarted attempt, each step at least
+    # NVRx's calculation at the last save (step 6), the restarted attempt's third: every timeout it calculated, and
+    # the one in force, NVRx's within the bounds; the first heartbeat and out of section as ft_config.yaml says
+    state = json.loads((out / STATE_FILE).read_text())
+    low, high = calculated_bounds(hang)
+    calculated, in_force = state["calculated"], state["current_timeouts"]
+    assert state["step"] == STEPS and calculated["heartbeat"]["were_calculated"], state
+    assert in_force["heartbeat"] == {"initial": 2 * hang, "were_calculated": True,
+                                     "subsequent": min(max(calculated["heartbeat"]["subsequent"], low), high)}, state
+    assert sorted(calculated["section"]["calculated_sections"]) == ["checkpointing", "step"], state
+    for name in ("step", "checkpointing"):
+        assert 0 < calculated["section"]["section"][name], state
+        assert in_force["section"]["section"][name] == min(max(calculated["section"]["section"][name], low), high)
+    assert in_force["section"]["out_of_section"] == hang and not in_force["section"]["is_out_of_section_calculated"]
+    # both ranks of the restarted attempt began from the first attempt's calculation, which ended in ft_state.json
+    assert log.read_text().count(f"(calculated before, from {STATE_FILE})") == 2
 
 
 def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_restart_ends_as_the_reference(

@@ -89,7 +89,7 @@ class TrainingWatchdog:
         """Every rank, once the process group exists (under deepspeed, rank 0 hosts the store from then on)."""
         from torch.distributed import PrefixStore
 
-        ftmonitor.start()  # under ft_launcher: NVRx's rank monitor watches this rank's heartbeats (a no-op otherwise)
+        ftmonitor.start(self.output_dir, self.timeout)  # under ft_launcher: NVRx's rank monitor watches (else a no-op)
         if self.timeout <= 0 or self.env is None or self.env.world_size < 2 or self.watchdog is not None:
             return
         env, prefix = self.env, f"dmt-train/{attempt_tag()}"  # a restart's heartbeats are not the last attempt's
@@ -105,7 +105,7 @@ class TrainingWatchdog:
     def phase(self, step: int, name: str) -> None:
         if self.watchdog is not None:
             self.watchdog.step(f"step {step} {name}")
-        ftmonitor.beat()  # under ft_launcher: a heartbeat to NVRx's rank monitor
+        ftmonitor.phase(step, name)  # under ft_launcher: a heartbeat and a section to NVRx's rank monitor
         inprocess.ping()  # training.restart: in_process: NVRx's progress timeout (a no-op otherwise)
         faults.at_phase(step, name, self.rank, wake=self.output_dir / SAVE_AND_EXIT)
 
