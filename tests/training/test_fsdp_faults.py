@@ -4,7 +4,8 @@ ends as the uninterrupted run does, to the bit), a rank SIGKILLed while a checkp
 (training.async_save: `latest` stays on the checkpoint before, the restarted job ends as the uninterrupted run), a
 rank frozen while a checkpoint is written (named, the job fails, `latest` stays on the verified checkpoint before),
 the guard's skip (no parameter shard or Adam moment moves) and its rollback (the DCP shards of the last verified
-checkpoint reloaded in place). The uninterrupted run saves in the background (async_save), the others as CPU ranks
+checkpoint reloaded in place); and NVRx's in-process restart (training.restart: in_process), a hot spare replacing
+a killed rank inside the surviving process. The uninterrupted run saves in the background (async_save), the others as CPU ranks
 do by default (synchronously): each compares with the other to the bit.
 The DeepSpeed and Megatron-Core versions: tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
 
@@ -15,7 +16,7 @@ import re
 import pytest
 import torch
 
-from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_save, launch_watched
+from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_save, launch_watched, rank_processes
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
@@ -37,13 +38,13 @@ def fsdp_launch(variant, tmp_path_factory):
     an FSDP2 variant of the tiny recipe under torchrun (one generation per training change)."""
     root = tmp_path_factory.mktemp("fsdp-faults")
 
-    def run(name: str, act=None, fault: str = "", launcher: str = "torchrun", **training):
+    def run(name: str, act=None, fault: str = "", launcher: str = "torchrun", env: dict | None = None, **training):
         recipe = variant(f"tiny-fsdp-{name}", training={**FAULTY, **training}, replace={"plan": FSDP_PLAN})
         generated = root / f"{name}-generated"
         assert main(["generate", str(recipe), "--out", str(generated)]) == 0
         out = root / name
         changes = {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "DMT_FAULT": fault,
-                   **guard_probe_env(run.probe(name))}
+                   **guard_probe_env(run.probe(name)), **(env or {})}
         rc = launch_watched(["bash", str(generated / "launch.sh"), launcher], root / f"{name}.log",
                             (lambda process: act(process, out)) if act else (lambda process: True), changes)
         return rc, out, root / f"{name}.log"
@@ -154,6 +155,45 @@ def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_ru
     assert in_force["section"]["out_of_section"] == hang and not in_force["section"]["is_out_of_section_calculated"]
     # both ranks of the restarted attempt began from the first attempt's calculation, which ended in ft_state.json
     assert log.read_text().count(f"(calculated before, from {STATE_FILE})") == 2
+
+
+def test_in_process_restart_replaces_a_killed_fsdp_rank_and_ends_as_the_uninterrupted_run(fsdp_launch, reference,
+                                                                                        tmp_path):
+    """training.restart: in_process on FSDP2 (NVRx's in-process Wrapper around the HF Trainer, Accelerate's FSDP2
+    plugin, fully_shard over 2 gloo ranks) through launch.sh's `inprocess` launcher: 2 ranks and a hot spare. Rank 1 is
+    SIGKILLed at the start of step 3, after checkpoint-2: rank 0's process is not relaunched (same pid), it builds its
+    process group, Trainer, FSDP2 model and optimizer again and loads checkpoint-2's DCP shards, the spare becomes
+    rank 1, every step is logged once, each equal to the uninterrupted run's, and so is every tensor of the final
+    checkpoint (model and optimizer) to the bit."""
+    pids: dict = {}
+
+    def note_the_ranks(process, out):  # as launched, before the kill (their environment names the rank)
+        for rank in (0, 1, 2):
+            if rank not in pids:
+                found = rank_processes(process, rank=rank)
+                if found:
+                    pids[rank] = found[0].pid
+        return len(pids) == 3
+
+    # OMP_NUM_THREADS=1 as torchrun sets it for the reference's ranks: the same kernels, the same bits
+    rc, out, log = fsdp_launch("in-process", note_the_ranks, "kill@rank=1,step=3,phase=train", launcher="inprocess",
+                               env={"OMP_NUM_THREADS": "1"}, restart="in_process", spare_ranks=1, async_save=False,
+                               hang_timeout_s=120)
+    text = log.read_text()
+    assert rc == 0 and "fault injection: kill on rank 1" in text, text[-3000:]
+    failure, restart, resumed = read_incidents(out)
+    assert failure["event"] == "failure" and "TERMINATED on ranks={1}" in failure["reason"], failure
+    assert restart["resume_from"] == "checkpoint-2" and restart["attempt"]["in_process"] == 1, restart
+    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == 3, resumed
+    assert f"in-process restart iteration 1: rank 1 of 2 (pid {pids[2]})" in text
+    assert resumed["restart_s"] > 0  # measured and recorded
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [{k: r[k] for k in COMPARED} for r in records] == [{k: r[k] for k in COMPARED} for r in reference]
+    got = _dcp(out / f"checkpoint-{STEPS}", tmp_path)
+    want = _dcp(fsdp_launch.out("reference") / f"checkpoint-{STEPS}", tmp_path)
+    assert got and _same(got, want)
+    assert verify(resolve_latest(out)).ok
 
 
 def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_restart_ends_as_the_reference(

@@ -301,8 +301,8 @@ def test_a_launcher_sigterm_during_a_failure_report_does_not_cut_it_short(tmp_pa
 
 
 def test_in_process_restart_is_refused_where_it_cannot_run_and_its_launcher_starts_ranks_and_spares(tmp_path, capsys):
-    """training.restart: in_process: a DeepSpeed recipe is refused in one line naming the key and the backend that
-    takes it; a Megatron-Core one gets launch.sh's `inprocess` launcher as the default, starting cluster.gpus ranks
+    """training.restart: in_process: a DeepSpeed recipe is refused in one line naming the key, the backends that
+    take it and why DeepSpeed does not; a Megatron-Core one gets launch.sh's `inprocess` launcher as the default, starting cluster.gpus ranks
     and training.spare_ranks spares as processes of their own (no torchrun agent to end the survivors)."""
     data = yaml.safe_load(TINY.read_text())
     data["data"]["train_files"] = [str(TINY.parent / f) for f in data["data"]["train_files"]]
@@ -311,7 +311,8 @@ def test_in_process_restart_is_refused_where_it_cannot_run_and_its_launcher_star
     path.write_text(yaml.safe_dump(data))
     assert main(["generate", str(path), "--out", str(tmp_path / "ds")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "training.restart" in err and "Megatron-Core" in err, err
+    assert len(err.splitlines()) == 1 and "training.restart" in err and "Megatron-Core or FSDP2" in err, err
+    assert "deepspeed.utils.groups" in err, err
     megatron = Path(__file__).resolve().parents[2] / "recipes" / "tiny-llama-megatron-cpu.yaml"
     data = yaml.safe_load(megatron.read_text())
     data["data"]["train_files"] = [str(megatron.parent / f) for f in data["data"]["train_files"]]

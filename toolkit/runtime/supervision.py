@@ -190,8 +190,12 @@ class TrainingWatchdog:
             log.error("hang: rank %s (%s, pid %s) at step %s, phase %s: %s for %.0f s; ending the job",
                       entry["rank"], entry["host"], entry["pid"], entry["step"], entry["phase"],
                       entry.get("reason"), entry.get("silent_s") or 0)
-        ended = [e for e in named if e["pid"] and e["host"] == self.env.host and e["pid"] != os.getpid()
-                 and heartbeat_stopped(e)]
+        # under ft_launcher NVRx's rank monitor ends a silent rank itself (SIGCONT, then ft_config.yaml's SIGKILL, once
+        # its heartbeat timeout, at most hang_timeout_s, has passed): the toolkit's own kill is torchrun's and the
+        # deepspeed launcher's only
+        ended = [] if ftmonitor.under_ft_launcher() else [
+            e for e in named if e["pid"] and e["host"] == self.env.host and e["pid"] != os.getpid()
+            and heartbeat_stopped(e)]
         for entry in ended:
             entry["ended_by_watchdog"] = "SIGKILL"
         # its last words add torch's analysis of the collectives, from every rank but the frozen ones' dumps
