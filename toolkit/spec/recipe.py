@@ -287,9 +287,9 @@ class TrainingSection(_Strict):
         "relaunch", description="How a failed job continues from the latest verified checkpoint. relaunch: every rank "
                                 "is ended and the launcher starts them all again (training.max_restarts times). "
                                 "in_process: NVIDIA Resiliency Extension's in-process restart (Megatron-Core "
-                                "backend): the training function restarts inside the surviving processes, a hot spare "
-                                "(training.spare_ranks) replacing a rank that died or hung; launch.sh's `inprocess` "
-                                "launcher (docs/faults.md).")
+                                "and FSDP2 backends): the training function restarts inside the surviving processes, "
+                                "a hot spare (training.spare_ranks) replacing a rank that died or hung; launch.sh's "
+                                "`inprocess` launcher (docs/faults.md).")
     spare_ranks: int = Field(1, ge=0, description="training.restart: in_process: processes launched beyond "
                                                   "cluster.gpus that wait as hot spares and take the place of a "
                                                   "rank lost during training (one loss each).")
