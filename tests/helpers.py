@@ -20,8 +20,8 @@ TINY_MOE = {
                       decoder_sparse_step=1, mlp_only_layers=[]),
     "mixtral": dict(_TINY_MOE_COMMON, architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=32,
                     num_local_experts=4),
-    # the HF path only (Megatron-Core 0.16.1 builds neither; tests/unit/test_moe_families.py): MLA with a shared expert
-    # and the routing bias; attention sinks with biased, clamped experts
+    # the HF path only (the Megatron-Core mapping refuses both: tests/unit/test_moe_families.py): MLA with a shared
+    # expert and the routing bias; attention sinks with biased, clamped experts
     "deepseek_v3": dict(_TINY_MOE_COMMON, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                         num_key_value_heads=4, intermediate_size=128, q_lora_rank=None, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,
@@ -30,6 +30,10 @@ TINY_MOE = {
                     intermediate_size=32, num_local_experts=4, layer_types=["full_attention", "full_attention"]),
 }
 MOE_SAVED = ("mixtral", "deepseek_v3", "gpt_oss")  # the families conftest.zero_checkpoints saves at ZeRO-3 (~4 s each)
+# toolkit/train.py as every launcher starts it (deepspeed's runner spells it --module only; torchrun and accelerate
+# take the same), and as one plain process
+TRAIN = ("--module", "toolkit.train")
+PYTHON_TRAIN = (sys.executable, "-m", "toolkit.train")
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:
@@ -162,6 +166,33 @@ def processes_with_env(name: str, value: str, grace_s: float = 60.0) -> list[int
         time.sleep(0.2)
 
 
+def pid_recorder(pids: dict, ranks=(0, 1, 2)):
+    """A launch watcher's callback that records the pid of each of `ranks` as launched (their environment names the
+    rank), before any fault; done once every rank is seen."""
+    def record(process, *_) -> bool:
+        for rank in ranks:
+            if rank not in pids:
+                found = rank_processes(process, rank=rank)
+                if found:
+                    pids[rank] = found[0].pid
+        return len(pids) == len(ranks)
+    return record
+
+
+def assert_restarted_in_process(out: Path, text: str, pids: dict, resume_from: str, step: int) -> None:
+    """An in-process restart (NVRx's Wrapper, launch.sh's `inprocess` launcher, one spare launched as rank 2) after
+    rank 1 was SIGKILLed: the failure named, training resumed from `resume_from` at `step` in rank 0's own process
+    (not relaunched), the spare now rank 1, and the restart's time measured."""
+    from toolkit.runtime.incident import read_incidents
+
+    failure, restart, resumed = read_incidents(out)
+    assert failure["event"] == "failure" and "TERMINATED on ranks={1}" in failure["reason"], failure
+    assert restart["resume_from"] == resume_from and restart["attempt"]["in_process"] == 1, restart
+    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == step, resumed
+    assert f"in-process restart iteration 1: rank 1 of 2 (pid {pids[2]})" in text
+    assert resumed["restart_s"] > 0  # measured and recorded (benchmarks/restart_time.md compares the figures)
+
+
 def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list:
     """The training processes (toolkit/train.py) below a launcher: all, or the one of `rank` in the launcher's
     first attempt (their environment says which)."""
@@ -177,7 +208,7 @@ def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list
             environ, cmdline = child.environ(), " ".join(child.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if "train.py" not in cmdline or "RANK" not in environ:
+        if "toolkit.train" not in cmdline or "RANK" not in environ:
             continue
         if rank is None or (environ["RANK"] == str(rank) and environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt):
             found.append(child)

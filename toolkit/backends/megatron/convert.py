@@ -28,7 +28,7 @@ from toolkit.backends.megatron.build import (
 from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT, chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
-from toolkit.checkpoint.hf_config import config_file, copy_side_file, read_hf_config
+from toolkit.checkpoint.hf_config import config_file, copy_side_file, found_side_files, read_hf_config
 from toolkit.checkpoint.manifest import write_manifest
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import DTYPES, ShardedSafetensorsWriter, parse_size, safetensors_weight_map
@@ -38,7 +38,8 @@ from toolkit.families.mapping import PADDED_VOCAB
 from toolkit.readers import read_safetensors_header
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import spec_from_hf_dict
-from toolkit.spec.plan import resolve_plan, smallest_world
+from toolkit.spec.moe_rules import smallest_world
+from toolkit.spec.plan import resolve_plan
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -57,7 +58,7 @@ MOE_EXPERTS_KEY = ".mlp.experts.experts."  # Megatron-Core's sharded key prefix 
 
 
 def layout_world(tp: int, pp: int, ep: int, etp: int | None = None) -> int:
-    """The fewest ranks of a layout (the plan's rule, spec/plan.smallest_world; no context parallelism here)."""
+    """The fewest ranks of a layout (the plan's rule, spec/moe_rules.smallest_world; no context parallelism here)."""
     return smallest_world(tp, 1, pp, ep, etp or tp)
 
 
@@ -312,6 +313,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     hf_config = read_hf_config(config_path, "--config" if config else str(config_file(config_path)))
     inputs = [ckpt, config_path]
     check_output_dir(out_dir, inputs=inputs)
+    sides = found_side_files([ckpt], ckpt, "MEGATRON_DIR", HF_SIDE_FILES)
     reader = DistCheckpointReader(ckpt, live, metadata=metadata)
     items, geometry = megatron_mapping(hf_config.get("model_type")).weight_table(hf_config)
     config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
@@ -330,8 +332,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
                         del piece
             writer.close()
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-            for side in HF_SIDE_FILES:
-                if (ckpt / side).is_file():
-                    copy_side_file(ckpt / side, tmp / side, ckpt, "MEGATRON_DIR")
+            for side, path in sides.items():
+                copy_side_file(path, tmp / side, ckpt, "MEGATRON_DIR")
     return {"out_dir": str(out_dir), "tensors": len(layout), "parameters": sum(math.prod(s) for _, s, _ in layout),
             "shards": len(writer.shards)}
