@@ -17,6 +17,11 @@ SEAMS = [
          "the Python 3 (module, name) pickle's Unpickler imports for a Python 2 global (protocol 2, torch.save's): "
          "checkpoint/safe_load.py allows or refuses the name pickle will really import; pickle has no public table"),
     Seam("python", "_compat_pickle.IMPORT_MAPPING", "the same table for module names"),
+    Seam("python", "tempfile.tempdir",
+         "set for the moment `import wandb` runs (tempfile's documented default directory): wandb creates its media "
+         "and artifact temp dirs at import, in the default directory, and removes them only at interpreter exit, "
+         "which a rank ending by os._exit never reaches; pointed into the run's directory they are removed with it",
+         used_in="toolkit/runtime/metrics.py: configure_wandb's import of wandb"),
 ]
 
 
