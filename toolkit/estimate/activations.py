@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.model import ModelSpec, moe_layer_flags, per_model
 from toolkit.spec.options import FUSED_ATTENTION
 
 FP32 = 4
@@ -260,7 +259,7 @@ def ulysses_kv_copies(spec: ModelSpec, sp: int) -> float:
     return max(1.0, sp / spec.num_kv_heads)
 
 
-@lru_cache(maxsize=4096)
+@per_model
 def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -> float:
     """Bytes one transformer block (MoE or dense) keeps for backward, per token of the micro-batch, on one rank."""
     a, h = setup.act_bytes, spec.hidden_size
@@ -363,13 +362,15 @@ def _kept_and_working(spec: ModelSpec, setup: ActivationSetup, alive_layers: Seq
     """Bytes per token kept through the step, and of the block backward recomputes (stage_activation_bytes)."""
     by_layer = Counter(alive_layers)
     full = setup.recompute == "full"
-    checkpointed = {i for i in by_layer if full and (recomputed is None or i in recomputed)}
-    block_bytes = {moe: _block_bytes_per_token(spec, moe, setup) for moe in {spec.is_moe_layer(i) for i in by_layer}}
+    checkpointed = {i for i in by_layer if recomputed is None or i in recomputed} if full else set()
+    moe_flags = moe_layer_flags(spec)
+    block_bytes = {moe: _block_bytes_per_token(spec, moe, setup) for moe in {moe_flags[i] for i in by_layer}}
+    checkpoint = checkpointed_layer_bytes_per_token(spec, setup)
     kept = working = 0.0
     for i, n in by_layer.items():
-        layer = block_bytes[spec.is_moe_layer(i)]
+        layer = block_bytes[moe_flags[i]]
         if i in checkpointed:
-            kept += checkpointed_layer_bytes_per_token(spec, setup) * n
+            kept += checkpoint * n
             working = max(working, layer)  # backward recomputes one block at a time, for one micro-batch
         else:
             kept += layer * n

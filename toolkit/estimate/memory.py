@@ -11,7 +11,6 @@ memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from toolkit.estimate.activations import (
     ActivationSetup,
@@ -23,12 +22,12 @@ from toolkit.estimate.activations import (
 )
 from toolkit.estimate.long_context import sequence_working_bytes
 from toolkit.estimate.lora import NF4_BYTES, FinetuneCounts, adapter_activation_bytes, finetune_counts
-from toolkit.estimate.params import ParamCounts, count_params
+from toolkit.estimate.params import LayerParams, ParamCounts, count_params
 from toolkit.estimate.pipeline import peak_forwards
 from toolkit.numeric import GiB
 from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.model import ModelSpec, per_model
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.quantization import plan_recipe
@@ -100,20 +99,26 @@ def stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
 
 def layer_params(counts: ParamCounts, plan: Plan, index: int) -> tuple[int, int]:
     """(dense, expert) parameters of layer `index` on one rank of its tensor- and expert-parallel groups."""
-    layer = counts.layers[index]
-    dense = (layer.attention_sharded + layer.mlp_sharded) // plan.tp + layer.replicated + layer.router
-    return dense, layer.experts // (plan.ep * plan.expert_tp)
+    return layer_shard(counts.layers[index], plan.tp, plan.ep * plan.expert_tp)
+
+
+def layer_shard(layer: LayerParams, tp: int, expert_split: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one block on one rank: its attention and dense MLP over TP, its experts over
+    EP x ETP (`expert_split`)."""
+    return (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router, (
+        layer.experts // expert_split)
 
 
 def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:
     tp = plan.tp
+    expert_split = plan.ep * plan.expert_tp
     dense = expert = gemm = 0
-    for index in stage_layers(spec.num_layers, plan, stage):
-        layer_dense, layer_expert = layer_params(counts, plan, index)
-        dense += layer_dense
-        expert += layer_expert
-        layer = counts.layers[index]
-        gemm += (layer.attention_sharded + layer.mlp_sharded) // tp + layer_expert
+    split = PipelineSplit.of(spec.num_layers, plan)
+    for layer, n in counts.kinds_of(split, stage):  # integers: in any order, the same sums
+        layer_dense, layer_expert = layer_shard(layer, tp, expert_split)
+        dense += n * layer_dense
+        expert += n * layer_expert
+        gemm += n * ((layer.attention_sharded + layer.mlp_sharded) // tp + layer_expert)
     emb_dim = counts.token_embedding // spec.vocab_size
     vocab = backend_of(plan).memory.padded_vocab(spec.vocab_size, tp)
     vocab_shard = vocab * emb_dim // tp
@@ -126,8 +131,9 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
             # Megatron-Core builds the multi-token prediction modules after the last stage's layers (transformers
             # builds none): each a block like the last layer, its norms and eh_proj (column parallel)
             for layer in counts.mtp_layers:
-                dense += (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router
-                expert += layer.experts // (plan.ep * plan.expert_tp)
+                layer_dense, layer_expert = layer_shard(layer, tp, expert_split)
+                dense += layer_dense
+                expert += layer_expert
             dense += counts.mtp_eh_proj // tp + counts.mtp_norms
         if counts.lm_head:
             dense += vocab_shard
@@ -313,7 +319,7 @@ def representative_stages(spec: ModelSpec, plan: Plan) -> list[int]:
     return _representative_stages(spec, PipelineSplit.of(spec.num_layers, plan))
 
 
-@lru_cache(maxsize=4096)
+@per_model
 def _representative_stages(spec: ModelSpec, split: PipelineSplit) -> list[int]:
     layer_kinds = count_params(spec).layers
     seen, stages = set(), []
