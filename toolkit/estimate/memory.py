@@ -221,13 +221,31 @@ def frozen_base(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: 
                       layer_bytes=layer_params * (w if plan.finetune.method == "lora" else NF4_BYTES))
 
 
-def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: ParamCounts | None = None) -> MemoryBreakdown:
+def stage_model_states(spec: ModelSpec, plan: Plan, stage: int,
+                       counts: ParamCounts | None = None) -> tuple[StageParams, ModelStates]:
+    """(parameters, model states) of one rank of pipeline stage `stage`: the backend's weights, gradients, optimizer
+    states, buffers and host bytes over the stage's parameters (its memory part's model_states)."""
     counts = counts or count_params(spec)
     params = stage_params(spec, counts, plan, stage)
-    layers = stage_layers(spec.num_layers, plan, stage)
-    largest_layer = max((counts.layers[i].total for i in layers), default=0) // plan.tp
+    kinds = counts.kinds_of(PipelineSplit.of(spec.num_layers, plan), stage)
+    largest_layer = max((layer.total for layer, _ in kinds), default=0) // plan.tp
+    return params, backend_of(plan).memory.model_states(spec, plan, params, largest_layer)
+
+
+def memory_floor(spec: ModelSpec, plan: Plan) -> int:
+    """A lower bound of estimate_memory(spec, plan).total that skips the activations: the largest weights, gradients
+    and optimizer states of a representative stage, and the CUDA context. Every other term of a stage's total
+    (activations, buffers, working tensors, the allocator's margin, the loss's peak) is a count of bytes, never
+    negative, and the plan's total is its fullest stage's. The plan search refuses what this alone does not fit
+    without estimating the rest (tests/unit/test_search_equivalence.py checks the bound)."""
+    counts = count_params(spec)
+    states = (sum(stage_model_states(spec, plan, stage, counts)[1][:3]) for stage in representative_stages(spec, plan))
+    return max(states) + CUDA_CONTEXT_BYTES
+
+
+def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: ParamCounts | None = None) -> MemoryBreakdown:
+    params, (weights, gradients, optimizer, buffers, host) = stage_model_states(spec, plan, stage, counts)
     memory = backend_of(plan).memory
-    weights, gradients, optimizer, buffers, host = memory.model_states(spec, plan, params, largest_layer)
     setup = activation_setup(spec, plan)
     last = stage == plan.pp - 1
     alive, embedding_forwards = alive_forwards(spec, plan, stage)

@@ -41,6 +41,7 @@ from toolkit.spec.quantization import DEFAULT_RECIPE, FP4, FP8
 # Bytes of one parameter / activation element stored in each training precision (fp8 and fp4 keep bf16 weights and
 # activations; what Transformer Engine's recipes add or save in fewer bytes is spec/quantization.py's).
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "fp4": 2}
+FULL_TRAINING = FinetuneOptions()  # what trains when nothing says: every parameter (frozen, so one value serves all)
 
 
 class Plan(PlanOptions):
@@ -55,7 +56,7 @@ class Plan(PlanOptions):
     recompute_modules: tuple[RecomputeModule, ...] = ()
     moe_imbalance: float = MOE_IMBALANCE_DEFAULT  # resolved: the plan's, or the default (spec/options.py)
     nvlink_domain: PositiveInt  # resolved: the plan's, the GPU's (spec/cluster.py topology_defaults), else the node
-    finetune: FinetuneOptions = FinetuneOptions()  # what trains (spec/finetune.py): all of it, or LoRA adapters
+    finetune: FinetuneOptions = FULL_TRAINING  # what trains (spec/finetune.py): all of it, or LoRA adapters
 
     @property
     def model_parallel(self) -> int:
@@ -186,6 +187,8 @@ def finetune_options(given: FinetuneOptions | dict | None) -> FinetuneOptions:
     """FinetuneOptions from its fields (a recipe section or flags), with the one-line error naming the flag."""
     if isinstance(given, FinetuneOptions):
         return given
+    if not given:  # every parameter trains: one frozen value for every plan
+        return FULL_TRAINING
     try:
         return FinetuneOptions.model_validate(given or {})
     except ValidationError as exc:
