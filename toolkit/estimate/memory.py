@@ -11,6 +11,7 @@ memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from toolkit.estimate.activations import (
     ActivationSetup,
@@ -27,7 +28,7 @@ from toolkit.estimate.pipeline import peak_forwards
 from toolkit.numeric import GiB
 from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU
-from toolkit.spec.model import ModelSpec, per_model
+from toolkit.spec.model import ModelSpec, by_identity, per_model
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.quantization import plan_recipe
@@ -142,14 +143,19 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
     return StageParams(dense=dense, expert=expert, gemm=gemm)
 
 
-def alive_forwards(spec: ModelSpec, plan: Plan, stage: int) -> tuple[list[int], int]:
+def alive_forwards(spec: ModelSpec, plan: Plan, stage: int) -> tuple[tuple[int, ...], int]:
     """(layers once per forward alive at the rank's peak, forwards through the embedding) under Megatron's schedule.
 
     DeepSpeed's pipeline engine runs the same 1F1B order as Megatron's non-interleaved schedule.
     """
-    chunks = PipelineSplit.of(spec.num_layers, plan).chunks()[stage]
-    forwards = peak_forwards(plan.pp, plan.vpp, stage, plan.grad_accum)
-    alive = [layer for chunk in forwards for layer in chunks[chunk]]
+    return _alive_forwards(PipelineSplit.of(spec.num_layers, plan), stage, plan.grad_accum)
+
+
+@lru_cache(maxsize=4096)
+def _alive_forwards(split: PipelineSplit, stage: int, micro_batches: int) -> tuple[tuple[int, ...], int]:
+    chunks = split.chunks()[stage]
+    forwards = peak_forwards(split.pp, split.vpp, stage, micro_batches)
+    alive = tuple(layer for chunk in forwards for layer in chunks[chunk])
     return alive, forwards.count(0) if stage == 0 else 0
 
 
@@ -158,10 +164,15 @@ def recomputed_layers(spec: ModelSpec, plan: Plan, stage: int) -> frozenset[int]
     (Megatron-Core's block method, TransformerBlock._checkpointed_forward); None: every layer (or no full recompute)."""
     if plan.recompute != "full" or plan.recompute_num_layers is None:
         return None
-    chunks = PipelineSplit.of(spec.num_layers, plan).chunks()[stage]
-    return frozenset(layer for chunk in chunks for layer in chunk[: plan.recompute_num_layers])
+    return _first_layers_of_chunks(PipelineSplit.of(spec.num_layers, plan), stage, plan.recompute_num_layers)
 
 
+@lru_cache(maxsize=4096)
+def _first_layers_of_chunks(split: PipelineSplit, stage: int, layers: int) -> frozenset[int]:
+    return frozenset(layer for chunk in split.chunks()[stage] for layer in chunk[:layers])
+
+
+@by_identity(2)
 def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
     return ActivationSetup(
         hf_modules=backend_of(plan).hf_modules,
@@ -221,11 +232,12 @@ def frozen_base(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: 
                       layer_bytes=layer_params * (w if plan.finetune.method == "lora" else NF4_BYTES))
 
 
-def stage_model_states(spec: ModelSpec, plan: Plan, stage: int,
-                       counts: ParamCounts | None = None) -> tuple[StageParams, ModelStates]:
+@by_identity(2)
+def stage_model_states(spec: ModelSpec, plan: Plan, stage: int) -> tuple[StageParams, ModelStates]:
     """(parameters, model states) of one rank of pipeline stage `stage`: the backend's weights, gradients, optimizer
-    states, buffers and host bytes over the stage's parameters (its memory part's model_states)."""
-    counts = counts or count_params(spec)
+    states, buffers and host bytes over the stage's parameters (its memory part's model_states). Remembered per
+    plan: the search's memory_floor and estimate_memory, and step_time, ask for the same."""
+    counts = count_params(spec)
     params = stage_params(spec, counts, plan, stage)
     kinds = counts.kinds_of(PipelineSplit.of(spec.num_layers, plan), stage)
     largest_layer = max((layer.total for layer, _ in kinds), default=0) // plan.tp
@@ -238,13 +250,12 @@ def memory_floor(spec: ModelSpec, plan: Plan) -> int:
     (activations, buffers, working tensors, the allocator's margin, the loss's peak) is a count of bytes, never
     negative, and the plan's total is its fullest stage's. The plan search refuses what this alone does not fit
     without estimating the rest (tests/unit/test_search_equivalence.py checks the bound)."""
-    counts = count_params(spec)
-    states = (sum(stage_model_states(spec, plan, stage, counts)[1][:3]) for stage in representative_stages(spec, plan))
+    states = (sum(stage_model_states(spec, plan, stage)[1][:3]) for stage in representative_stages(spec, plan))
     return max(states) + CUDA_CONTEXT_BYTES
 
 
-def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: ParamCounts | None = None) -> MemoryBreakdown:
-    params, (weights, gradients, optimizer, buffers, host) = stage_model_states(spec, plan, stage, counts)
+def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int) -> MemoryBreakdown:
+    params, (weights, gradients, optimizer, buffers, host) = stage_model_states(spec, plan, stage)
     memory = backend_of(plan).memory
     setup = activation_setup(spec, plan)
     last = stage == plan.pp - 1
@@ -351,8 +362,7 @@ def _representative_stages(spec: ModelSpec, split: PipelineSplit) -> list[int]:
 
 def estimate_memory(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     """The most loaded pipeline stage's per-GPU breakdown (the one that decides whether the plan fits)."""
-    counts = count_params(spec)
-    stages = (estimate_stage_memory(spec, plan, s, counts) for s in representative_stages(spec, plan))
+    stages = (estimate_stage_memory(spec, plan, s) for s in representative_stages(spec, plan))
     return max(stages, key=lambda m: m.total)
 
 

@@ -34,9 +34,14 @@ from toolkit.estimate.flops import (
 )
 from toolkit.estimate.long_context import tile_recompute_forwards
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
-from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params, trains_mtp
+from toolkit.estimate.memory import (
+    recomputed_layers,
+    representative_stages,
+    stage_layers,
+    stage_model_states,
+    trains_mtp,
+)
 from toolkit.estimate.packed_attention import attended_tokens
-from toolkit.estimate.params import count_params
 from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
@@ -389,7 +394,7 @@ def _data_parallel_and_optimizer(
 ) -> tuple[float, float, float]:
     """(exposed data-parallel communication, optimizer step, offload transfers) per step, in seconds: the backend's
     own (its timing part), over the first stage's parameters and those of them that train."""
-    params = stage_params(spec, count_params(spec), plan, 0)
+    params, _ = stage_model_states(spec, plan, 0)
     # gradients are reduced and the optimizer steps over the trainable parameters only (LoRA: the adapters)
     trainable = finetune_counts(spec, plan.finetune).adapters if plan.finetune.peft else params.total
     return backend_of(plan).timing.data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro,

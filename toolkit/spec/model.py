@@ -286,27 +286,35 @@ def _from_hub(hub_id: str) -> ModelSpec:
     return spec_from_hf_dict(config.to_dict(), hub_id, filled=True)
 
 
-def per_model(function: Callable[..., T]) -> Callable[..., T]:
-    """`function(spec, *args)` memoised by the spec's identity and the (hashable) args. A ModelSpec is frozen, so
-    the same object always gives the same answer; hashing one hashes every field, which costs more than most of what
-    the estimators derive from it, and the plan search asks for those derived figures of every candidate. Each entry
-    keeps its spec alive, so the id names no other spec while the entry exists."""
-    cache: dict[tuple, tuple[ModelSpec, T]] = {}
+def by_identity(frozen: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """`function(*objects, *args)` memoised by the identity of its first `frozen` arguments (frozen pydantic models:
+    a ModelSpec, a Plan) and the value of the (hashable) rest. A frozen object always gives the same answer; hashing
+    one hashes every field, which costs more than most of what the estimators derive from it, and the plan search
+    asks for those figures of every candidate. Each entry keeps its objects alive, so their ids name no others while
+    the entry exists."""
 
-    @functools.wraps(function)
-    def memoised(spec: ModelSpec, *args, **kwargs) -> T:
-        key = (id(spec), *args, *kwargs.items()) if kwargs else (id(spec), *args)
-        hit = cache.get(key)
-        if hit is None or hit[0] is not spec:
-            if len(cache) >= PER_MODEL_ENTRIES:
-                cache.clear()
-            hit = cache[key] = (spec, function(spec, *args, **kwargs))
-        return hit[1]
+    def decorate(function: Callable[..., T]) -> Callable[..., T]:
+        cache: dict[tuple, tuple[tuple, T]] = {}
 
-    memoised.cache_clear = cache.clear  # type: ignore[attr-defined]
-    return memoised
+        @functools.wraps(function)
+        def memoised(*args, **kwargs) -> T:
+            objects = args[:frozen]
+            key = (*[id(a) for a in objects], *args[frozen:], *kwargs.items()) if frozen > 1 or kwargs else (
+                id(args[0]), *args[1:])
+            hit = cache.get(key)
+            if hit is None or hit[0] != objects:  # identity first: a frozen model's == is `is` for itself
+                if len(cache) >= PER_MODEL_ENTRIES:
+                    cache.clear()
+                hit = cache[key] = (objects, function(*args, **kwargs))
+            return hit[1]
+
+        memoised.cache_clear = cache.clear  # type: ignore[attr-defined]
+        return memoised
+
+    return decorate
 
 
+per_model = by_identity(1)  # function(spec, *args), by the spec's identity
 PER_MODEL_ENTRIES = 8192  # per memoised function: a search's layouts of a few models, not a process's lifetime
 
 

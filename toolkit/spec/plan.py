@@ -8,6 +8,7 @@ Each rule names the flag at fault; recipes rename it to their key (spec/recipe.p
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -253,14 +254,20 @@ def check_nvlink_domain(p: Plan) -> None:
 def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:
     """An option that belongs to other backends (its `backends` in spec/options.py) is refused when set, in the
     words of this backend's rules where it has some (`FOREIGN`)."""
-    for name in OPTION_NAMES:
+    for name in _foreign_options(p.backend):
         value = getattr(p, name)
-        if for_backend(name, p.backend) or is_unused(name, value):
+        if is_unused(name, value):
             continue
         if name not in foreign:
             owner = backend_of(option_backends(name)[0])
             raise UserInputError(flag(name), f"is {owner.article} {owner.label} option; use --backend {owner.name}")
         raise UserInputError(flag(name), foreign[name])
+
+
+@functools.cache
+def _foreign_options(backend: str) -> tuple[str, ...]:
+    """The plan options that mean nothing to a backend, in declaration order (asked of every plan resolved)."""
+    return tuple(name for name in OPTION_NAMES if not for_backend(name, backend))
 
 
 def _check_experts(p: Plan, model: ModelSpec | None) -> None:
