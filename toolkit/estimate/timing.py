@@ -46,7 +46,7 @@ from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
 from toolkit.spec.finetune import FinetuneOptions
-from toolkit.spec.model import ModelSpec, per_model
+from toolkit.spec.model import ModelSpec, by_identity
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.prediction import PackedAttention
 from toolkit.spec.quantization import gemm_peak_key, plan_recipe
@@ -178,7 +178,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         blocks = (*layers, *[spec.num_layers - 1] * (spec.mtp_layers if last and mtp else 0))
         recomputed = recomputed_layers(spec, plan, stage)
         work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks = _layer_passes(
-            spec, blocks, attended, plan.recompute, plan.recompute_modules, recomputed, ft, plan.tiled_mlp,
+            spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed, plan.tiled_mlp,
             matmul_passes, attention_work, routed_traffic_s, score_forward_s, score_backward_s)
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
@@ -227,11 +227,11 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     )
 
 
-@per_model
-def _layer_passes(spec: ModelSpec, blocks: tuple[int, ...], attended: float, recompute: str,
-                  recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, ft: FinetuneOptions,
-                  tiled_mlp: bool, matmul_passes: int, attention_work: float, routed_traffic_s: float,
-                  score_forward_s: float, score_backward_s: float) -> tuple[float, float, float, float, float, int, float, int]:
+@by_identity(2)
+def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...], attended: float, recompute: str,
+                  recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, tiled_mlp: bool,
+                  matmul_passes: int, attention_work: float, routed_traffic_s: float, score_forward_s: float,
+                  score_backward_s: float) -> tuple[float, float, float, float, float, int, float, int]:
     """What one pipeline rank's blocks run per token and micro-batch (step_time): (FLOPs at the GEMMs' rate,
     attention's FLOPs, memory-bound seconds, attention's work at its rate, the routed experts' FLOPs, tensor-parallel
     collectives, sequence-split exchanges, MoE blocks). Remembered: a search asks the same of every micro-batch of a layout."""
