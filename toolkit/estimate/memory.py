@@ -244,14 +244,19 @@ def stage_model_states(spec: ModelSpec, plan: Plan, stage: int) -> tuple[StagePa
     return params, backend_of(plan).memory.model_states(spec, plan, params, largest_layer)
 
 
-def memory_floor(spec: ModelSpec, plan: Plan) -> int:
+def memory_floor(spec: ModelSpec, plan: Plan, enough: int | None = None) -> int:
     """A lower bound of estimate_memory(spec, plan).total that skips the activations: the largest weights, gradients
     and optimizer states of a representative stage, and the CUDA context. Every other term of a stage's total
     (activations, buffers, working tensors, the allocator's margin, the loss's peak) is a count of bytes, never
-    negative, and the plan's total is its fullest stage's. The plan search refuses what this alone does not fit
-    without estimating the rest (tests/unit/test_search_equivalence.py checks the bound)."""
-    states = (sum(stage_model_states(spec, plan, stage)[1][:3]) for stage in representative_stages(spec, plan))
-    return max(states) + CUDA_CONTEXT_BYTES
+    negative, and the plan's total is its fullest stage's. With `enough`, the stages stop at the first whose bound
+    exceeds it (still a lower bound). The plan search refuses what this alone does not fit without estimating the
+    rest (tests/unit/test_search_equivalence.py checks the bound)."""
+    floor = 0
+    for stage in representative_stages(spec, plan):
+        floor = max(floor, sum(stage_model_states(spec, plan, stage)[1][:3]) + CUDA_CONTEXT_BYTES)
+        if enough is not None and floor > enough:
+            break
+    return floor
 
 
 def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int) -> MemoryBreakdown:

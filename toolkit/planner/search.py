@@ -236,7 +236,7 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
 
     def attempt(**extra):
         plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings, **extra)
-        if memory_floor(model, plan) > gpu.memory_bytes:  # its model states alone do not fit: nor can the rest
+        if memory_floor(model, plan, gpu.memory_bytes) > gpu.memory_bytes:  # its model states alone do not fit
             return None
         memory = estimate_memory(model, plan)
         return (plan, memory) if exceeded(memory, gpu, plan.gpus_per_node) is None else None

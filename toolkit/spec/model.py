@@ -296,17 +296,24 @@ def by_identity(frozen: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
     def decorate(function: Callable[..., T]) -> Callable[..., T]:
         cache: dict[tuple, tuple[tuple, T]] = {}
 
+        def compute(key: tuple, objects: tuple, args: tuple, kwargs: dict) -> T:
+            if len(cache) >= PER_MODEL_ENTRIES:
+                cache.clear()
+            cache[key] = (objects, value := function(*args, **kwargs))
+            return value
+
         @functools.wraps(function)
         def memoised(*args, **kwargs) -> T:
+            if frozen == 1 and not kwargs:  # the common case, kept short: it runs for every layer of every plan
+                first = args[0]
+                hit = cache.get(key := (id(first), *args[1:]))
+                return hit[1] if hit is not None and hit[0][0] is first else compute(key, (first,), args, kwargs)
             objects = args[:frozen]
-            key = (*[id(a) for a in objects], *args[frozen:], *kwargs.items()) if frozen > 1 or kwargs else (
-                id(args[0]), *args[1:])
+            key = (*[id(a) for a in objects], *args[frozen:], *kwargs.items())
             hit = cache.get(key)
-            if hit is None or hit[0] != objects:  # identity first: a frozen model's == is `is` for itself
-                if len(cache) >= PER_MODEL_ENTRIES:
-                    cache.clear()
-                hit = cache[key] = (objects, function(*args, **kwargs))
-            return hit[1]
+            if hit is not None and all(a is b for a, b in zip(hit[0], objects)):
+                return hit[1]
+            return compute(key, objects, args, kwargs)
 
         memoised.cache_clear = cache.clear  # type: ignore[attr-defined]
         return memoised

@@ -42,6 +42,7 @@ from toolkit.spec.quantization import DEFAULT_RECIPE, FP4, FP8
 # Bytes of one parameter / activation element stored in each training precision (fp8 and fp4 keep bf16 weights and
 # activations; what Transformer Engine's recipes add or save in fewer bytes is spec/quantization.py's).
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "fp4": 2}
+OPTION_SET = frozenset(OPTION_NAMES)
 FULL_TRAINING = FinetuneOptions()  # what trains when nothing says: every parameter (frozen, so one value serves all)
 
 
@@ -137,7 +138,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject. `finetune`:
     what trains (FinetuneOptions or its fields; default every parameter)."""
     given = {k: v for k, v in options.items() if v is not None}
-    unknown = set(given) - set(OPTION_NAMES)
+    unknown = given.keys() - OPTION_SET
     if unknown:
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
