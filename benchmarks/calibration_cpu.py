@@ -64,7 +64,7 @@ def launch(name: str, recipe: Path, flags: list[str], work: Path, port: int) -> 
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PATH=f"{Path(sys.executable).parent}:"
                f"{os.environ['PATH']}")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-               str(REPO / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir", str(out), *flags]
+               "--module", "toolkit.train", "--recipe", str(recipe), "--output-dir", str(out), *flags]
     with open(work / f"{name}.log", "w") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=900, cwd=REPO)
     return out

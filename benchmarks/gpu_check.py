@@ -125,7 +125,7 @@ def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int, profile:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29511"]
     else:
         launch = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29511"]
-    command = launch + [str(REPO / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir", str(out)]
+    command = launch + ["--module", "toolkit.train", "--recipe", str(recipe), "--output-dir", str(out)]
     command += ["--backend", "megatron"] if backend == "megatron" else []
     profiled = f"{WARMUP_STEPS + 1}-{WARMUP_STEPS + 2}"
     command += ["--profile-steps", profiled] if profile else []
@@ -340,7 +340,7 @@ def context_parallel_case(work: Path, corpus: Path, gpu: str, steps: int) -> dic
             f"save_steps: 0}}",
             f"plan: {{backend: fsdp, micro_batch: 1, precision: bf16, recompute: full, cp: {cp}}}"]) + "\n")
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cp), "--master_port",
-                   "29512", str(REPO / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir",
+                   "29512", "--module", "toolkit.train", "--recipe", str(recipe), "--output-dir",
                    str(case_dir / "run")]
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         metrics = case_dir / "run" / "metrics.jsonl"

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.errors import UserInputError
+from toolkit.estimate import moe_timing
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path
 from toolkit.estimate.flops import model_flops_per_token
@@ -88,9 +89,8 @@ Notes on the misses and on the Llama 3 layout:
   configs do not enable and the model does not credit (16% of the 70B FP8 step is TP all-reduces here). FP8 runs the
   GEMMs at the fp8 peak times the same curve and attention at bf16's, as Transformer Engine does with
   fp8_dot_product_attention off (Bridge's recipes): the FP8 rows moved from -3%, +2% and +1% (attention at the fp8
-  peak) to +6%, +7% and +9%, the TP overlap not credited being the likeliest rest. The Qwen3 MoE row ran Bridge's
-  HybridEP dispatcher; the model sends each rank's expert tokens through its own NIC for the share bound for the
-  other node.
+  peak) to +6%, +7% and +9%, the TP overlap not credited being the likeliest rest. The MoE rows are below, with their
+  dispatchers (HybridEP and DeepEP are --moe-dispatcher flex).
 - The 70B and 405B FP8 rows were "fits: False" (83.0 GiB and over 79.1 GiB on rank 0): three terms were too large, none of
   them the interleaved schedule's in-flight count, which is Megatron-Core's own (2(p-r-1) + (v-1)p warm-up forwards,
   47 chunks of 2 layers on rank 0: get_pp_rank_microbatches in schedules.py, replayed in tests/unit/
@@ -289,26 +289,56 @@ def precision_pairs(refs: list[dict]) -> None:
     print(PRECISION_NOTES)
 MOE_NOTES = """
 Notes on the MoE rows:
-- What the model prices per MoE layer (toolkit/estimate/timing.py): the routed experts' GEMMs at the rate of one GEMM
+- What the model prices per MoE layer (toolkit/estimate/moe_timing.py): the routed experts' GEMMs at the rate of one GEMM
   of the rows each local expert gets (TOKEN_SCALE, cited to DeepGEMM's published H800 table), the router, the
   memory-bound permutation, sort and activation traffic of the routed copies (routed_token_traffic_bytes, from
   Megatron-Core 0.16.1's moe_utils), and the dispatch and combine all-to-alls over EP, whose share bound for other
   nodes goes through each GPU's own NIC; the busiest EP rank sets the pace (--moe-imbalance, 1 here: the runs forced
   balanced routing, moe_router_force_load_balancing in Bridge's perf recipes).
-- The errors are large and of both signs, so nothing is fitted: one scale would move the B200 and GB200 rows
-  (predicted 21-51% fast: Bridge's own MoE runs reach 12-16% of the B200's dense peak against 37% for its dense
-  Llama 3 70B FP8 on H100)
-  and the H100 rows (16% and 33% slow) apart, not together. The H100 Qwen3 235B row ran moe_a2a_overlap (EP
-  all-to-all hidden under the other micro-batch's compute, Bridge perf_recipes/qwen/h100/qwen3_moe.py) and the H100
-  Qwen3 30B row HybridEP with CUDA graphs; the toolkit's plans have no option for either yet, so the model puts the
-  whole all-to-all on the critical path (69.5 s of the 235B row's 102 s). What the B200 rows miss is not in any
-  term yet: per-layer host synchronisation of the alltoall dispatcher (tokens per expert copied to the host),
-  many small kernels between the GEMMs, and MXFP8's quantisation of every GEMM input, none of which the dense
-  curve carries.
+- Each row runs the settings its release ran (Megatron-Bridge v0.4.2, the 26.04.01 container:
+  scripts/performance/configs/<family>/*_workload_base_configs.py; step_time_references.yaml says which): the
+  dispatcher (HybridEP or DeepEP is --moe-dispatcher flex), the EP all-to-all overlap (moe_a2a_overlap is
+  --overlap-moe-expert-parallel-comm), the selective recompute modules, the fp8 recipe and DeepSeek-V3's pipeline
+  layouts (Et*4|(t*4|)*14tmL at pp 8 vpp 2 and at pp 4 vpp 4, Bridge's own). Before these rows stated them the
+  H100 rows were predicted 25-39% slow and DeepSeek-V3's could not be evaluated.
+- Four mechanisms came with them: three read from the libraries' code and papers (nothing fitted), and one
+  fitted constant:
+  (1) --overlap-moe-expert-parallel-comm, Megatron-Core's combined 1F1B schedule: one micro-batch's all-to-alls run
+  on the communication stream beside another's forward or backward, so all but the unpaired passes (the first
+  forward and last backward, or an interleaved first rank's warm-up and cool-down) hide their exchange behind the
+  compute stream's work (expert_overlap_share). Qwen3 235B on H100 (EP 32 across 4 nodes): +39.0% -> -2.5% with
+  the overlap alone, -2.1% with the rest.
+  (2) The flex dispatcher's kernels (DeepEP, HybridEP) send a token across the network once per NVLink domain that
+  holds one of its experts and fan it out over NVLink there (DeepSeek-V3 report, arXiv:2412.19437 Sec. 3.2.2; DeepEP
+  README), where NCCL's all-to-all sends each copy (remote_domains_per_token): Qwen3 30B at EP 16 over 2 nodes
+  sends 1.0 of a token across instead of 4 copies (ep comm 22.5 s -> 7.0 s).
+  (3) The experts' gradients are reduced (and their optimizer shards gathered) over expert data parallelism, world /
+  (pp x ep x etp) ranks ep x etp apart (Megatron-Core's expert RankGenerator), which with EP filling the node is one
+  rank per node on its own NIC; the model reduced them with the dense parameters over every NIC of the node. GPT-OSS
+  120B on 64 B200 (EP 8, 14 B expert parameters a rank, 5 micro-batches to hide them): dp comm 0.03 s -> 1.65 s.
+  (4) MOE_LAYER_OVERHEAD_S, the one fitted constant (above): each MoE layer forward waits for the dispatcher's
+  device-to-host copy of the tokens per expert (token_dispatcher.py _maybe_dtoh_and_synchronize), which drains the
+  GPU's queue, and the host then launches the permutation, exchange and grouped GEMM while the GPU waits. With the
+  overlap, the paired micro-batch's compute stream (these waits included) is what hides the all-to-all.
+- Misses and what the model does not describe. GPT-OSS 120B, the one BF16 family, is predicted fast on all three
+  systems (H100 -25%, B200 -17%, GB200 -41%): Bridge measured 18-23% of the BF16 peak where the model reaches about
+  twice that, and a fixed cost per layer pass cannot close it (a GPT-OSS layer pass carries far more work than a
+  Qwen3 30B one, so the fitted cost is a small share of it: 0.4 of 5.0 s on B200). The GB200 row (EP 64 with 2 experts a rank, the overlap on) was not in this table
+  before; it is the one 26.04.01 MoE row on a catalogued GPU with a preset that the table lacked, and it is kept
+  though it misses. What sets GPT-OSS apart and is not priced: attention sinks (softmax_type "learnable",
+  Bridge's gpt_oss_bridge.py) in Transformer Engine's fused attention at head dim 64 with 128-token windows on half
+  the layers, the experts' fc2 bias applied per expert outside the grouped GEMM (experts.py _apply_bias), and a
+  hidden size of 2880, not a multiple of 128 (partial GEMM tiles). Qwen3 235B on B200 (EP 8 in one node, NCCL
+  all-to-all, no CUDA graphs, no overlap) is predicted 22% fast: like GPT-OSS's runs it ran without Bridge's CUDA
+  graphs of the router and dispatch preprocessing, whose host cost the constant fitted on graphed runs does not
+  carry (the row alone would fit 4.8 ms against the fitted 2.36). Qwen3 235B on GB200 is 18% slow: its HybridEP
+  exchange over the NVL72 fabric and its CUDA graphs are, likely, faster than NCCL's all-to-all priced at the
+  NVLink bus rate. Not modelled: MXFP8's quantisation of every GEMM input (row- and column-wise with scales), Bridge's CUDA
+  graphs and fused router, DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from the GEMMs),
+  delay_wgrad_compute (Bridge sets it with the overlap).
 - The GB200 rows run on the catalogue's NVL72 (4 GPUs a node, 72 on one NVLink domain: the plan's nvlink_domain,
-  which the EP exchange reads through expert_parallel_domain()): Qwen3 235B's EP 32 stays on NVLink there (6.3 s of
-  all-to-all against 69.5 s across H100 nodes). DeepSeek-V3's interleaved layouts (61 layers over pp 8 v 2 and
-  pp 4 v 4) wait for a --pipeline-model-parallel-layout option: no even split of 61 layers interleaves.
+  which the EP exchange reads through expert_parallel_domain()): Qwen3 235B's EP 32 and DeepSeek-V3's EP 64 stay on
+  NVLink there.
 """
 
 
@@ -324,8 +354,10 @@ def moe_rows(refs: dict) -> tuple[list[dict], list[tuple[str, str]]]:
                                                      distributed_optimizer=True, recompute="none", moe_imbalance=1.0),
                                               **ref["plan"]})  # the GPU's node size and NVLink domain (NVL72)
             vpp = options.pop("vpp", 1)
-            splits = (pipeline_splits(model.num_layers, options["pp"], megatron=True) if options.get("pp", 1) > 1
-                      else [({}, [1])])
+            # a published layout (--pipeline-model-parallel-layout) places every layer itself
+            splits = (pipeline_splits(model.num_layers, options["pp"], megatron=True)
+                      if options.get("pp", 1) > 1 and "pipeline_model_parallel_layout" not in options
+                      else [({}, [vpp])])
             plans = [resolve_plan(model, ref["gpus"], vpp=vpp, **split, **options) for split, vpps in splits
                      if vpp in vpps]
         except UserInputError as refused:
@@ -345,11 +377,35 @@ def moe_rows(refs: dict) -> tuple[list[dict], list[tuple[str, str]]]:
     return rows, skipped
 
 
+def refit_moe_overhead(refs: dict) -> tuple[float, list[float]]:
+    """MOE_LAYER_OVERHEAD_S refitted on the fitted rows alone (least squares of the relative error; the step is
+    linear in it), and the value each fitted row would give alone: the check that the constant in the code is theirs."""
+    fitted = {"rows": [r for r in refs["rows"] if r["name"] in refs["fitted"]], "fitted": refs["fitted"]}
+    kept, runs = moe_timing.MOE_LAYER_OVERHEAD_S, []
+    try:
+        for value in (0.0, 1e-3):
+            moe_timing.MOE_LAYER_OVERHEAD_S = value
+            runs.append(moe_rows(fitted)[0])
+    finally:
+        moe_timing.MOE_LAYER_OVERHEAD_S = kept
+    slopes = [((b["predicted_s"] - a["predicted_s"]) / 1e-3 / a["published_s"],
+               (a["predicted_s"] - a["published_s"]) / a["published_s"]) for a, b in zip(*runs)]
+    best = -sum(s * e for s, e in slopes) / sum(s * s for s, _ in slopes)
+    return best, [-e / s for s, e in slopes]
+
+
 def moe_report(refs: dict) -> None:
     rows, skipped = moe_rows(refs)
     print(f"\nMoE rows, one release ({refs['source']}; forced-balanced routing, predicted at --moe-imbalance 1; "
           f"step time from the published tokens/s/GPU, never the source's model TFLOP/s). Fitted: "
-          f"{', '.join(refs['fitted']) or 'none (every row measures prediction)'}.\n")
+          f"{', '.join(refs['fitted']) or 'none (every row measures prediction)'}.")
+    if refs["fitted"]:
+        best, alone = refit_moe_overhead(refs)
+        print(f"\nThe one constant fitted on them: MOE_LAYER_OVERHEAD_S (toolkit/estimate/moe_timing.py), least squares of "
+              f"their relative error: {best * 1e3:.3g} ms per MoE layer forward (each alone: "
+              f"{', '.join(f'{v * 1e3:.3g}' for v in alone)} ms; the code's: {moe_timing.MOE_LAYER_OVERHEAD_S * 1e3:.3g} "
+              f"ms). No other row informed any constant.")
+    print()
     print("| reference | published step s | predicted step s | error | predicted terms (s) |\n|---|---:|---:|---:|---|")
     errors = []
     for r in rows:
@@ -363,9 +419,10 @@ def moe_report(refs: dict) -> None:
         median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
         print(f"\n{len(errors)} MoE rows not fitted: median |error| {median:.1%}, largest {errors[-1]:.1%} (target: "
               f"median <= 15%, none beyond 30%): {'met' if median <= 0.15 and errors[-1] <= 0.30 else 'NOT met'}")
-    print("\nMoE rows not evaluated yet:\n\n| reference | why |\n|---|---|")
-    for name, why in skipped:
-        print(f"| {name} | {why} |")
+    if skipped:
+        print("\nMoE rows not evaluated yet:\n\n| reference | why |\n|---|---|")
+        for name, why in skipped:
+            print(f"| {name} | {why} |")
     print(MOE_NOTES)
 
 

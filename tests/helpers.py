@@ -9,6 +9,10 @@ from toolkit.runtime.ports import free_port  # noqa: F401  (the tests' launches 
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-cpu.yaml"
+# toolkit/train.py as every launcher starts it (deepspeed's runner spells it --module only; torchrun and accelerate
+# take the same), and as one plain process
+TRAIN = ("--module", "toolkit.train")
+PYTHON_TRAIN = (sys.executable, "-m", "toolkit.train")
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:
@@ -156,7 +160,7 @@ def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list
             environ, cmdline = child.environ(), " ".join(child.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if "train.py" not in cmdline or "RANK" not in environ:
+        if "toolkit.train" not in cmdline or "RANK" not in environ:
             continue
         if rank is None or (environ["RANK"] == str(rank) and environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt):
             found.append(child)

@@ -3,8 +3,8 @@ accept. Declared once: the pydantic types and config, the argparse types of numb
 non-finite number in parsed JSON or YAML, and the JSON/YAML writers that refuse to write one; and the one binary
 unit memory is shown in (GiB)."""
 
-# named numeric, not numbers: toolkit/train.py runs as a script, with toolkit/ first on sys.path, where a numbers.py
-# would stand in for the standard library's (which numpy and torch import)
+# named numeric, not numbers: toolkit/train.py run by its path (the launchers run `-m toolkit.train`) puts toolkit/
+# first on sys.path, where a numbers.py would stand in for the standard library's (which numpy and torch import)
 from __future__ import annotations
 
 import argparse
@@ -187,3 +187,9 @@ def yaml_text(data: Any, what: str = "the YAML output", **kwargs) -> str:
 
     _check_finite(data, what)
     return yaml.safe_dump(data, **kwargs)
+
+
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    """The divisors of n in ascending order, at most `limit` (the sizes a parallel axis of n can take)."""
+    # no divisor exceeds n: a limit of --gpus-per-node 10**100 must not count to it
+    return [d for d in range(1, min(limit or n, n) + 1) if n % d == 0]

@@ -10,47 +10,44 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script by a launcher: make `toolkit` importable from the repo checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from toolkit.backends.context import TrainContext  # noqa: E402
-from toolkit.cli.main import quiet_library_warnings  # noqa: E402
-from toolkit.cli.options import add_plan_flags, plan_overrides  # noqa: E402
-from toolkit.cli.paths import output_arg, path_arg  # noqa: E402
-from toolkit.errors import UserInputError, error_line  # noqa: E402
-from toolkit.health.checks import match_gpu  # noqa: E402
-from toolkit.planner.recipe import recipe_plan, recipe_prediction  # noqa: E402
-from toolkit.planner.save_interval import is_auto, run_save_steps  # noqa: E402
-from toolkit.runtime import inprocess  # noqa: E402
-from toolkit.runtime.guard import GuardStop  # noqa: E402
-from toolkit.runtime.incident import (  # noqa: E402
+from toolkit.backends.context import TrainContext
+from toolkit.cli.main import quiet_library_warnings
+from toolkit.cli.options import add_plan_flags, plan_overrides
+from toolkit.cli.paths import output_arg, path_arg
+from toolkit.errors import UserInputError, error_line
+from toolkit.health.checks import match_gpu
+from toolkit.planner.recipe import recipe_plan, recipe_prediction
+from toolkit.planner.save_interval import is_auto, run_save_steps
+from toolkit.runtime import inprocess
+from toolkit.runtime.guard import GuardStop
+from toolkit.runtime.incident import (
     flight_recorder_environment,
     gloo_flight_recorder_environment,
     last_words_dir,
 )
-from toolkit.runtime.metrics import (  # noqa: E402
+from toolkit.runtime.metrics import (
     Throughput,
     end_run_record,
     run_throughput,
     start_run_record,
     trains_on_cuda,
 )
-from toolkit.runtime.profile import parse_step_range  # noqa: E402
-from toolkit.runtime.supervision import TrainingWatchdog  # noqa: E402
-from toolkit.runtime.watchdog import exit_now  # noqa: E402
-from toolkit.spec.backends import backend_of  # noqa: E402
-from toolkit.spec.cluster import load_catalogue  # noqa: E402
-from toolkit.spec.lr_scaling import lr_schedule  # noqa: E402
-from toolkit.spec.options import CPU_ATTENTION  # noqa: E402
-from toolkit.spec.quantization import refuse_on_cpu  # noqa: E402
-from toolkit.spec.recipe import (  # noqa: E402
+from toolkit.runtime.profile import parse_step_range
+from toolkit.runtime.supervision import TrainingWatchdog
+from toolkit.runtime.watchdog import exit_now
+from toolkit.spec.backends import backend_of
+from toolkit.spec.cluster import load_catalogue
+from toolkit.spec.lr_scaling import lr_schedule
+from toolkit.spec.options import CPU_ATTENTION
+from toolkit.spec.quantization import refuse_on_cpu
+from toolkit.spec.recipe import (
     ProfileSection,
     load_recipe,
     recipe_calibration,
     recipe_model,
     recipe_names,
 )
-from toolkit.validate.generated import GeneratedRun, read_generated  # noqa: E402
+from toolkit.validate.generated import GeneratedRun, read_generated
 
 
 class _Parser(argparse.ArgumentParser):

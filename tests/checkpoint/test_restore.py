@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, TINY, free_port
+from helpers import ROOT, TINY, TRAIN, free_port
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
@@ -52,7 +52,7 @@ def test_restore_at_another_world_size_goes_through_a_universal_checkpoint(tmp_p
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
     out = tmp_path / "run"
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(ROOT / "toolkit/train.py"), "--recipe", str(TINY), "--max-steps", "30", "--save-steps", "2",
+           *TRAIN, "--recipe", str(TINY), "--max-steps", "30", "--save-steps", "2",
            "--output-dir", str(out)]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)

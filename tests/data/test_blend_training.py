@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, free_port
+from helpers import ROOT, TRAIN, free_port
 
 pytestmark = pytest.mark.launch
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER = HERE / "tokenizer"
 CORPUS = ROOT / "recipes" / "data" / "tiny_corpus.txt"
-TRAIN = ROOT / "toolkit" / "train.py"
 STEPS, SAVE_AT, KILL_AT, GLOBAL_BATCH = 8, 4, 6, 16
 
 
@@ -53,7 +52,7 @@ def _recipe(directory: Path, base: str, prefixes: list[Path]) -> Path:
 
 def _torchrun(recipe: Path, out: Path, log: Path, env: dict, *flags: str) -> int:
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(TRAIN), "--recipe", str(recipe), "--output-dir", str(out), *flags]
+           *TRAIN, "--recipe", str(recipe), "--output-dir", str(out), *flags]
     with open(log, "w") as handle:
         return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=1800,
                               env=dict(os.environ, HF_HUB_OFFLINE="1", **env)).returncode

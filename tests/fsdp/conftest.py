@@ -27,7 +27,7 @@ def accelerate_run(fsdp_generated, tmp_path_factory) -> Launch:
     root = tmp_path_factory.mktemp("fsdp-accelerate")
     out, log = root / "run", root / "train.log"
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(fsdp_generated / "accelerate.yaml"),
-           "--main_process_port", str(free_port()), str(TRAIN), "--plan", str(fsdp_generated / "plan.json"),
+           "--main_process_port", str(free_port()), *TRAIN, "--plan", str(fsdp_generated / "plan.json"),
            "--output-dir", str(out), "--max-steps", str(STEPS), "--save-steps", str(STEPS // 2),
            "--profile-steps", "-".join(PROFILED)]
     with open(log, "w") as handle:

@@ -6,10 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import ROOT
+from helpers import ROOT, TRAIN  # noqa: F401  (the FSDP tests import it from here)
 
 BIN = Path(sys.executable).parent
-TRAIN = ROOT / "toolkit" / "train.py"
 TINY_FSDP = ROOT / "recipes" / "tiny-llama-fsdp-cpu.yaml"
 PROBE = Path(__file__).resolve().parent / "fsdp_fallback_probe.py"
 STEPS = 12  # the tiny corpus's loss falls by more than 1 in 12 steps; a checkpoint every 6

@@ -37,11 +37,12 @@ def torchrun(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron-launches")
     done: dict[str, Launch] = {}
 
-    def run(name: str, *args: str, script: Path = TRAIN, nproc: int = 2) -> Launch:
+    def run(name: str, *args: str, script: Path | None = None, nproc: int = 2) -> Launch:
         if name in done:
             return done[name]
         out, log = root / name, root / f"{name}.log"
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(script),
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+               *(TRAIN if script is None else (str(script),)),
                *args, "--output-dir", str(out)]
         env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         with open(log, "w") as handle:

@@ -3,10 +3,9 @@
 import sys
 from pathlib import Path
 
-from helpers import ROOT
+from helpers import ROOT, TRAIN  # noqa: F401  (the Megatron tests import it from here)
 
 BIN = Path(sys.executable).parent
-TRAIN = ROOT / "toolkit" / "train.py"
 TINY_MEGATRON = ROOT / "recipes" / "tiny-llama-megatron-cpu.yaml"
 STEPS, SAVE_AT = 8, 4  # enough for the tiny corpus's loss to fall clearly; the resume tests restart at SAVE_AT
 RESAVE_AT = SAVE_AT + 2  # the dp2 run resumed from its background save saves synchronously here (conftest.dp2_resumed)

@@ -23,7 +23,7 @@ FAULTY = {"max_steps": STEPS, "save_steps": 2, "hang_timeout_s": HANG_TIMEOUT_S,
 
 
 def _torchrun(out, recipe, log, act=lambda process: True, fault: str = "", *flags: str, env=None) -> int:
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *TRAIN,
            "--recipe", str(recipe), "--output-dir", str(out), *flags]
     return launch_watched(cmd, log, act, {"OMP_NUM_THREADS": "1", "DMT_FAULT": fault, **(env or {})})
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from megatron_helpers import TINY_MEGATRON, TRAIN
+from megatron_helpers import TINY_MEGATRON
 
 from helpers import ROOT
 from megatron_lm_args import problems as megatron_lm_problems
@@ -111,7 +111,7 @@ def test_generate_refuses_a_family_without_a_mapping(tmp_path, capsys):
 
 def _train_py(*flags: str) -> subprocess.CompletedProcess:
     """train.py as one process that believes it is one of 2 ranks: enough to reach the checks made before training."""
-    return subprocess.run([sys.executable, str(TRAIN), "--recipe", str(TINY_MEGATRON), *flags],
+    return subprocess.run([sys.executable, "-m", "toolkit.train", "--recipe", str(TINY_MEGATRON), *flags],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, WORLD_SIZE="2", HF_HUB_OFFLINE="1"))
 
@@ -157,7 +157,6 @@ def test_train_refuses_a_megatron_yaml_that_contradicts_plan_json(tmp_path):
     import subprocess
     import sys
 
-    from helpers import ROOT
     from toolkit.cli.main import main
 
     recipe = tmp_path / "recipe.yaml"
@@ -168,7 +167,7 @@ def test_train_refuses_a_megatron_yaml_that_contradicts_plan_json(tmp_path):
     for section in ("ddp_config", "optimizer_config"):  # valid for Megatron-Core, but not the plan
         config[section]["use_distributed_optimizer"] = True
     (out / "megatron.yaml").write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, str(ROOT / "toolkit" / "train.py"), "--plan", str(out / "plan.json")],
+    result = subprocess.run([sys.executable, "-m", "toolkit.train", "--plan", str(out / "plan.json")],
                             capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="2"))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]

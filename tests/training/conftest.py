@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, TINY, Launch, free_port
+from helpers import TINY, TRAIN, Launch, free_port
 from toolkit.runtime.ds_shm import segments
 
 BIN = Path(sys.executable).parent
-TRAIN = ROOT / "toolkit" / "train.py"
 
 
 def recipe_variant(directory: Path, name: str, replace: dict | None = None, base: Path = TINY, **changes) -> Path:
@@ -65,7 +64,7 @@ def launch(tmp_path_factory):
             return done[name]
         out, log = root / name / "run", root / name / "train.log"
         port = str(free_port())
-        train = [str(TRAIN), "--recipe", str(recipe), "--output-dir", str(out), *flags]
+        train = [*TRAIN, "--recipe", str(recipe), "--output-dir", str(out), *flags]
         if launcher == "deepspeed":
             cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, *train]
         elif launcher == "accelerate":  # the generated files: accelerate.yaml, and plan.json with the rest

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, free_port, run_logged, tiny_llama_config
+from helpers import TRAIN, free_port, run_logged, tiny_llama_config
 from toolkit.backends.long_context import ATTENTION_RECORD_DIR, RECORD_ATTENTION_ENV
 
 pytestmark = pytest.mark.launch
@@ -32,7 +32,7 @@ def reference(variant, tmp_path_factory):
                      cluster={"gpus": 1, "gpus_per_node": 1})
     root = tmp_path_factory.mktemp("sp1")
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()),
-           str(ROOT / "toolkit" / "train.py"), "--recipe", str(recipe), "--output-dir", str(root / "run")]
+           *TRAIN, "--recipe", str(recipe), "--output-dir", str(root / "run")]
     rc = run_logged(cmd, root / "train.log", timeout=1800)
     assert rc == 0, (root / "train.log").read_text()[-4000:]
     return root / "run"

@@ -25,7 +25,7 @@ def straggler(variant, tmp_path_factory):
     recipe = variant("tiny-straggler", training={"max_steps": 5, "save_steps": 0, "hang_timeout_s": 10.0,
                                                  "max_restarts": 0})
     out = tmp_path_factory.mktemp("straggler") / "run"
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(TRAIN),
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *TRAIN,
            "--recipe", str(recipe), "--backend", "fsdp", "--output-dir", str(out), "--profile-steps", "2-3"]
     rc = run_logged(cmd, out.parent / "train.log", {"DMT_FAULT": FAULT, "OMP_NUM_THREADS": "1"})
     return rc, out, (out.parent / "train.log").read_text()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import PYTHON_TRAIN, ROOT, TRAIN
 from toolkit.cli.main import main
 from toolkit.estimate.calibrate import STRADDLE
 from toolkit.estimate.flops import model_flops_per_token
@@ -25,7 +25,6 @@ from toolkit.spec.model import ModelSpec
 pytestmark = pytest.mark.launch
 STEPS = 10
 WARMUP = 3
-TRAIN = ROOT / "toolkit" / "train.py"
 PERFORMANCE = ("step_time_s", "tokens_per_s", "mfu", "data_wait_s")
 
 
@@ -115,7 +114,7 @@ def test_a_failed_run_and_one_shorter_than_the_warm_up_have_no_numbers(runs, hos
     """train.py fails after it recorded its launch (one process told it is one of 3, for a plan of 2); the
     micro-batch-2 run reported with a warm-up as long as it logged."""
     failed = tmp_path / "failed"
-    result = subprocess.run([sys.executable, str(TRAIN), "--recipe", str(host_recipe), "--output-dir", str(failed)],
+    result = subprocess.run([*PYTHON_TRAIN, "--recipe", str(host_recipe), "--output-dir", str(failed)],
                             capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="3"))
     assert result.returncode == 2, result.stderr[-2000:]
     assert read_run_record(failed)["status"] == "failed"
@@ -244,7 +243,7 @@ def test_a_run_killed_mid_training_is_reported_unfinished(host_recipe, tmp_path,
     out = tmp_path / "killed"
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-               str(TRAIN), "--recipe", str(host_recipe), "--output-dir", str(out), "--max-steps", "500"]
+               *TRAIN, "--recipe", str(host_recipe), "--output-dir", str(out), "--max-steps", "500"]
     with open(tmp_path / "killed.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:

@@ -5,11 +5,10 @@ checkpoint are on disk. Runs are judged by what they wrote as well as by the exi
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from helpers import PROFILED, ROOT, TINY, assert_profiled, assert_step_cost, wandb_history
+from helpers import PROFILED, PYTHON_TRAIN, TINY, assert_profiled, assert_step_cost, wandb_history
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_metrics, read_run_record
@@ -20,7 +19,6 @@ STEPS = 20  # enough for the tiny corpus's loss to fall clearly, few enough for 
 # A generated DeepSpeed JSON carries the recipe's schedule (total_num_steps 30): a launch with it keeps max_steps,
 # since train.py refuses a --max-steps that disagrees with an explicit total_num_steps (HF Trainer would too)
 RECIPE_STEPS = 30
-TRAIN = ROOT / "toolkit" / "train.py"
 
 
 def assert_trained(run, steps: int = STEPS, zero: int | None = None) -> list[dict]:
@@ -163,7 +161,7 @@ def test_fine_tuning_starts_from_pretrained_weights_on_disk(launch, wandb_recipe
 
 def _train_py(recipe, output_dir) -> subprocess.CompletedProcess:
     """train.py as one process that believes it is one of 2 ranks: enough to reach the checks made before training."""
-    return subprocess.run([sys.executable, str(TRAIN), "--recipe", str(recipe), "--output-dir", str(output_dir)],
+    return subprocess.run([*PYTHON_TRAIN, "--recipe", str(recipe), "--output-dir", str(output_dir)],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="2"))
 
 
@@ -220,7 +218,7 @@ def test_a_generated_directory_that_no_longer_matches_is_refused_with_one_line(v
     assert main(["generate", str(recipe), "--out", str(gen)]) == 0
     change, message = GENERATED_EDITS[edit]
     change(gen, recipe)
-    result = subprocess.run([sys.executable, str(TRAIN), "--plan", str(gen / "plan.json"), "--output-dir",
+    result = subprocess.run([*PYTHON_TRAIN, "--plan", str(gen / "plan.json"), "--output-dir",
                              str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, WORLD_SIZE="2"))
     assert result.returncode == 2, result.stderr[-2000:]

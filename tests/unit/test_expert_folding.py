@@ -12,7 +12,8 @@ from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError
 from toolkit.spec.model import ModelSpec, load_model_spec
-from toolkit.spec.plan import resolve_plan, smallest_world
+from toolkit.spec.moe_rules import smallest_world
+from toolkit.spec.plan import resolve_plan
 from toolkit.validate.generated import read_generated
 from toolkit.validate.megatron import validate_megatron_config
 

@@ -175,7 +175,7 @@ def test_plan_where_nothing_fits_in_memory_is_still_an_answer(capsys):
 
 
 def test_train_py_refuses_an_unknown_flag_in_one_line():
-    result = subprocess.run([sys.executable, str(ROOT / "toolkit" / "train.py"), "--recipee", "r.yaml"],
+    result = subprocess.run([sys.executable, "-m", "toolkit.train", "--recipee", "r.yaml"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.splitlines() == [
         "train.py: error: unrecognized arguments: --recipee r.yaml"], result.stderr
@@ -331,7 +331,7 @@ def _interrupt_when(argv: list[str], ready, timeout: float = 300) -> tuple[subpr
 
 
 def _ranks_training(tree: list) -> bool:
-    """Both ranks of toolkit/train.py are running (`python -u .../train.py`, as deepspeed and torchrun start them),
+    """Both ranks of toolkit/train.py are running (`python -u -m toolkit.train`, as deepspeed and torchrun start them),
     not only their launchers."""
     ranks = 0
     for process in tree:
@@ -339,7 +339,7 @@ def _ranks_training(tree: list) -> bool:
             cmd = process.cmdline()
         except psutil.NoSuchProcess:
             continue
-        ranks += len(cmd) > 2 and cmd[1] == "-u" and cmd[2].endswith("train.py")
+        ranks += cmd[1:4] == ["-u", "-m", "toolkit.train"]
     return ranks >= 2
 
 

@@ -13,8 +13,9 @@ from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError
 from toolkit.spec.model import load_model_spec
+from toolkit.spec.moe_rules import MOE_OPTIONS
 from toolkit.spec.options import MOE_IMBALANCE_DEFAULT, RECOMPUTE_MODULES, flag
-from toolkit.spec.plan import MOE_OPTIONS, resolve_plan
+from toolkit.spec.plan import resolve_plan
 from toolkit.validate.megatron import validate_megatron_config
 
 LLAMA = load_model_spec("llama-3.1-8b")
@@ -169,3 +170,58 @@ def test_plan_offers_no_expert_parallelism_on_the_hf_backends_and_explain_says_w
         said = [line for line in lines if line.startswith(f"{backend}: no expert parallelism searched: ")]
         assert len(said) == 1 and "--backend megatron" in said[0]
     assert not any(line.startswith("megatron: no expert parallelism") for line in lines)
+
+
+@pytest.mark.parametrize("model, gpus, options, says", [
+    (LLAMA, 8, dict(ep=1), "has no experts"),
+    (None, 8, dict(ep=1), "needs expert parallelism"),
+    (None, 8, dict(ep=2, moe_dispatcher="allgather"), "alltoall or flex, got allgather"),
+    (None, 8, dict(ep=2, recompute="full"), "refuses full recomputation"),
+    (None, 8, dict(ep=2, precision="fp32"), "bf16 or fp16 model"),
+    (None, 8, dict(ep=2, pp=2), "needs an interleaved schedule"),
+    (None, 8, dict(ep=2, transformer_impl="local", moe_grouped_gemm=False), "CUDA stream"),
+    (DEEPSEEK_V3, 128, dict(ep=64), "with an MTP layer needs a pipeline"),
+    (DEEPSEEK_V3.model_copy(update={"mtp_layers": 2}), 128, dict(ep=64, pp=2, vpp=2,
+                                                                  pipeline_model_parallel_layout="Et*15|(t*15|)*2t*16mmL"),
+     "at most one MTP layer"),
+])
+def test_each_overlap_refusal_is_megatron_cores_and_names_the_flag(model, gpus, options, says):
+    """TransformerConfig.__post_init__'s overlap_moe_expert_parallel_comm asserts (Megatron-Core 0.16.1), each as one
+    line naming --overlap-moe-expert-parallel-comm."""
+    with pytest.raises(UserInputError) as info:
+        resolve_plan(model or _tiny_moe(), gpus, backend="megatron", overlap_moe_expert_parallel_comm=True,
+                     **options)
+    assert info.value.key == "--overlap-moe-expert-parallel-comm", info.value
+    assert says in info.value.message and "\n" not in info.value.message, info.value
+
+
+def test_expert_overlap_reaches_megatron_core_and_megatron_lm(tmp_path):
+    """The overlap is written where Megatron-Core's TransformerConfig (built by validate) and Megatron-LM's parser
+    take it, read back into the plan, and refused by validate where the file breaks its rule."""
+    recipe = _recipe(tmp_path, dict(ep=2, overlap_moe_expert_parallel_comm=True))
+    out = tmp_path / "out"
+    assert main(["generate", recipe, "--out", str(out)]) == 0
+    config = yaml.safe_load((out / "megatron.yaml").read_text())
+    assert config["transformer_config"]["overlap_moe_expert_parallel_comm"] is True
+    assert validate_megatron_config(config, 2) == []
+    args = (out / "megatron_args.txt").read_text()
+    assert "--overlap-moe-expert-parallel-comm" in args.splitlines() and megatron_lm_problems(args) == []
+    assert json.loads((out / "plan.json").read_text())["plan"]["overlap_moe_expert_parallel_comm"] is True
+    config["transformer_config"]["moe_token_dispatcher_type"] = "allgather"
+    problems = validate_megatron_config(config, 2)
+    assert problems and problems[0].key == "transformer_config.overlap_moe_expert_parallel_comm", problems
+    # without it nothing is written: the files of every other plan stay as they were
+    plain = _recipe(tmp_path, dict(ep=2))
+    assert main(["generate", plain, "--out", str(tmp_path / "plain")]) == 0
+    assert "overlap_moe" not in (tmp_path / "plain" / "megatron.yaml").read_text()
+
+
+def test_explain_names_the_overlap_the_flex_exchange_and_the_dispatchers_cost(capsys):
+    assert main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--backend", "megatron", "--ep", "16",
+                 "--moe-dispatcher", "flex", "--overlap-moe-expert-parallel-comm", "--global-batch", "64",
+                 "--explain"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "moe_overhead" in text and "2.36 ms of host-side dispatch per MoE layer forward" in text
+    # 4 micro-batches: the first forward and the last backward run alone (combined_1f1b_schedule_for_no_pipelining)
+    assert "hidden behind the paired micro-batch's compute in 75% of the passes" in text
+    assert "flex: a token crosses the network once per remote domain" in text

@@ -3,10 +3,13 @@ priced by the rows each local expert gets, the EP exchange by where its group li
 merges and waits cost, and `dmt plan --explain` names what sets the winner apart from a tuned published layout."""
 
 
+from pytest import approx
+
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import expert_gemm_efficiency, gemm_efficiency
 from toolkit.estimate.flops import model_flops_per_token, mtp_forward_flops
-from toolkit.estimate.timing import attention_block_rate, expert_rows, step_time, useful_flops_per_token
+from toolkit.estimate.moe_timing import expert_rows
+from toolkit.estimate.timing import attention_block_rate, step_time, useful_flops_per_token
 from toolkit.planner.tuned_layouts import TUNED_LAYOUTS, against_tuned, tuned_step
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
@@ -98,3 +101,76 @@ def test_megatron_trains_the_mtp_modules_on_the_last_stage_and_hf_backends_drop_
     fsdp = resolve_plan(model, 256, **hf)
     assert useful_flops_per_token(model, fsdp) == model_flops_per_token(model, 4096)
     assert step_time(model, fsdp, H100, NETWORK) == step_time(without, resolve_plan(without, 256, **hf), H100, NETWORK)
+
+
+def test_the_overlap_hides_the_all_to_all_behind_the_paired_micro_batch():
+    """Megatron-Core's combined 1F1B schedule (overlap_moe_expert_parallel_comm) runs one micro-batch's all-to-alls
+    beside another's compute: without a pipeline all but the first forward and the last backward are paired
+    ((m-1)/m), interleaved all but the first rank's warm-up, 2(p-1) + (v-1)p + 1 chunks, and its cool-down."""
+    from toolkit.estimate.moe_timing import expert_overlap_share
+
+    model = load_model_spec("qwen3-30b-a3b")
+    plain, hidden = (_time(model, 16, ep=16, overlap_moe_expert_parallel_comm=flag) for flag in (False, True))
+    m = 256 // 16
+    share = expert_overlap_share(resolve_plan(model, 16, **{**QWEN, "ep": 16}))
+    assert share == (m - 1) / m
+    per_micro = (plain.compute_s + plain.moe_overhead_s) / m
+    exposed = plain.ep_comm_s / m - min(plain.ep_comm_s / m, per_micro) * share
+    assert hidden.ep_comm_s == approx(m * exposed) and hidden.ep_comm_s < plain.ep_comm_s
+    assert (hidden.compute_s, hidden.moe_overhead_s) == (plain.compute_s, plain.moe_overhead_s)
+    interleaved = resolve_plan(model, 64, **{**QWEN, "ep": 16, "pp": 4, "vpp": 2})
+    assert expert_overlap_share(interleaved) == 1 - (2 * 3 + 1 * 4 + 1) / (interleaved.grad_accum * 2)
+
+
+def test_flex_sends_a_token_across_the_network_once_per_remote_domain():
+    """DeepEP / HybridEP (the flex dispatcher) forward a token over NVLink inside each domain holding one of its
+    experts, where NCCL's all-to-all sends every copy: EP 16 over two 8-GPU nodes sends 1 - C(64,8)/C(128,8) of a
+    token across, not 8 x 8/16 copies; inside one node the two cost the same."""
+    import math
+
+    from toolkit.estimate.moe_timing import remote_domains_per_token
+
+    model = load_model_spec("qwen3-30b-a3b")
+    plan = resolve_plan(model, 16, **{**QWEN, "ep": 16, "moe_dispatcher": "flex"})
+    assert remote_domains_per_token(model, plan, NETWORK) == approx(1 - math.comb(64, 8) / math.comb(128, 8))
+    across = {d: _time(model, 16, ep=16, moe_dispatcher=d).ep_comm_s for d in ("alltoall", "flex")}
+    assert across["flex"] < across["alltoall"] / 3
+    inside = {d: _time(model, 16, ep=8, moe_dispatcher=d).ep_comm_s for d in ("alltoall", "flex")}
+    assert inside["flex"] == inside["alltoall"]
+
+
+def test_every_moe_layer_forward_pays_the_dispatchers_fixed_cost():
+    """MOE_LAYER_OVERHEAD_S once per MoE layer forward of every micro-batch, again where the MoE layer is recomputed;
+    never for dense layers, nor on the HF backends (no Megatron-Core dispatcher)."""
+    from toolkit.estimate.moe_timing import MOE_LAYER_OVERHEAD_S
+
+    model = load_model_spec("qwen3-30b-a3b")  # 48 MoE layers
+    t = _time(model, 16, ep=8)
+    assert t.moe_overhead_s == approx(48 * (256 // 16) * MOE_LAYER_OVERHEAD_S)
+    again = _time(model, 16, ep=8, recompute="selective", recompute_modules="moe")
+    assert again.moe_overhead_s == approx(2 * t.moe_overhead_s)
+    assert _time(load_model_spec("llama-3.1-8b"), 16).moe_overhead_s == 0.0
+    hf = step_time(model, resolve_plan(model, 16, backend="deepspeed", seq_len=4096, global_batch=256), H100, NETWORK)
+    assert hf.moe_overhead_s == 0.0
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
+    """Megatron-Core reduces the experts' gradients over EDP = world / (pp x ep x etp), whose ranks are ep x etp apart:
+    with EP 8 filling each node that is one rank per node, on its own NIC, where the dense gradients' group of 16 runs
+    through every NIC of both nodes."""
+    from toolkit.backends.megatron.timing import data_parallel_and_optimizer
+    from toolkit.estimate.comm import collective_time
+    from toolkit.estimate.memory import stage_params
+    from toolkit.estimate.params import count_params
+
+    model = load_model_spec("qwen3-30b-a3b")
+    plan = resolve_plan(model, 16, **{**QWEN, "ep": 8})
+    network = NETWORK.for_plan(plan)
+    params = stage_params(model, count_params(model), plan, 0)
+    exposed, _, _ = data_parallel_and_optimizer(model, plan, H100, network, 0.0, params.total, params.total)
+    dense_link, expert_link = network.link(16, 1), network.link(2, 8)
+    assert expert_link.bus_bw < dense_link.bus_bw
+    expected = sum(collective_time(op, n * b, group, link) for n, group, link in (
+        (params.dense, 16, dense_link), (params.expert, 2, expert_link)) for op, b in (
+        ("reduce_scatter", 4), ("all_gather", 2)))
+    assert exposed == approx(expected)

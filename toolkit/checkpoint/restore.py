@@ -22,7 +22,7 @@ from toolkit.runtime.ds_shm import release
 from toolkit.runtime.metrics import METRICS_FILE, read_metrics
 from toolkit.runtime.ports import free_port
 
-TRAIN = Path(__file__).resolve().parent.parent / "train.py"
+TRAIN = ("--module", "toolkit.train")  # every launcher's spelling (deepspeed's runner has no -m)
 COMPARED = ("loss", "grad_norm", "learning_rate", "data_sha")
 # compared exactly where the test is bitwise: an MoE run's routing (toolkit/backends/megatron/moe.py), the same
 # tokens to the same experts at every step; a resharded resume may route a near-tie the other way
@@ -53,7 +53,7 @@ def _command(launcher: str, nprocs: int, recipe: Path, out: Path, steps: int, sa
     if launcher not in LAUNCHERS:
         raise UserInputError("--launcher", f"'{launcher}' is not supported; use {' or '.join(LAUNCHERS)}")
     head = [str(Path(sys.executable).parent / launcher), LAUNCHERS[launcher], str(nprocs), "--master_port",
-            str(free_port()), str(TRAIN)]
+            str(free_port()), *TRAIN]
     tail = ["--recipe", str(recipe), "--output-dir", str(out), "--max-steps", str(steps), "--save-steps", str(save_steps)]
     return head + tail + list(extra) + (["--resume", "latest"] if resume else [])
 

@@ -153,17 +153,21 @@ class Network:
             return gbps * 1e9
         return gbps * 1e9 * (ACHIEVABLE_BUS_FRACTION if tier == "intra" else SCALE_OUT[self.scale_out].efficiency)
 
-    def all_to_all_time(self, size_bytes: float, group_size: int, stride: int) -> float:
+    def all_to_all_time(self, size_bytes: float, group_size: int, stride: int,
+                        remote_bytes: float | None = None) -> float:
         """Seconds for an all-to-all of `size_bytes` per rank over `group_size` ranks `stride` apart. Each rank sends
         (n-1)/n of its data; when the group spans NVLink domains only the share addressed to other domains crosses the
         network (NCCL's all-to-all sends to ranks in the same domain over NVLink, to the others through the GPU's own
-        NIC, at the same time), so the slower of the two sets the time."""
+        NIC, at the same time), so the slower of the two sets the time. `remote_bytes`: what crosses the network
+        when that is not the even share (a hierarchical dispatch that sends a token once per domain)."""
         if group_size <= 1 or size_bytes <= 0:
             return 0.0
         if not self.crosses_domain(group_size, stride):
             return collective_time("all_to_all", size_bytes, group_size, self.link(group_size, stride))
         local = self.ranks_per_domain(group_size, stride)
-        remote = (group_size - local) / group_size * size_bytes / self.nic()  # through this GPU's own NIC
+        if remote_bytes is None:
+            remote_bytes = (group_size - local) / group_size * size_bytes
+        remote = remote_bytes / self.nic()  # through this GPU's own NIC
         near = (local - 1) / group_size * size_bytes / self.link(local, stride).bus_bw if local > 1 else 0.0
         return max(remote, near) + LATENCY_STEPS["all_to_all"](group_size) * SCALE_OUT[self.scale_out].latency_s
 

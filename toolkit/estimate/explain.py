@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from toolkit.estimate.activations import head_bytes_per_token, mlp_bytes_per_token, moe_bytes_per_token
 from toolkit.estimate.flops import layer_forward_flops, model_flops_per_token, six_n_flops_per_token
 from toolkit.estimate.memory import activation_setup, alive_forwards, estimate_memory
+from toolkit.estimate.moe_timing import MOE_LAYER_OVERHEAD_S, expert_overlap_share, expert_parallel_domain
 from toolkit.estimate.packed_attention import attended_tokens
-from toolkit.estimate.timing import expert_parallel_domain
 from toolkit.estimate.training_time import SECONDS_PER_DAY
 from toolkit.numeric import GiB
 from toolkit.spec.backend import ExplainPart
@@ -275,7 +275,14 @@ def _step_time(model: ModelSpec, report: Prediction) -> dict:
         shares += (f"; MoE: the busiest EP rank sets the pace at {plan.moe_imbalance:g} x the mean routed tokens "
                    f"(--moe-imbalance, capped at ep = {plan.ep}), expert GEMMs at the rate of their rows per expert, "
                    f"the EP all-to-alls {'inside' if plan.ep * plan.expert_tp <= expert_parallel_domain(plan) else 'across'} "
-                   f"the NVLink domain")
+                   f"the NVLink domain"
+                   + (" (flex: a token crosses the network once per remote domain)" if plan.moe_dispatcher == "flex"
+                      else "")
+                   + (f", hidden behind the paired micro-batch's compute in {expert_overlap_share(plan):.0%} of the "
+                      f"passes (--overlap-moe-expert-parallel-comm)" if plan.overlap_moe_expert_parallel_comm else "")
+                   + (f"; moe_overhead: {MOE_LAYER_OVERHEAD_S * 1e3:.3g} ms of host-side dispatch per MoE layer "
+                      f"forward (the dispatcher's device-to-host sync and launches; fitted on two published runs)"
+                      if plan.moe_dispatcher is not None else ""))
     return _entry("step_time", total, f"{total:.3g} s per step: {shares}",
                   f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,
                   f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {attended:,.0f} tokens per token adds to 6·N); "

@@ -1,7 +1,8 @@
 """Predicted time of one optimizer step: compute, exposed communication, pipeline bubble, optimizer and offload.
 
-Overlap is explicit, not assumed perfect: tensor-parallel and expert all-to-all traffic sits on the critical path
-(Megatron-Core overlaps neither without Transformer Engine userbuffers); data-parallel gradient reduction overlaps
+Overlap is explicit, not assumed perfect: tensor-parallel traffic sits on the critical path (Megatron-Core does not
+overlap it without Transformer Engine userbuffers), and so does the expert all-to-all unless the plan runs
+Megatron-Core's combined 1F1B schedule (--overlap-moe-expert-parallel-comm); data-parallel gradient reduction overlaps
 with the last micro-batch's backward up to DP_OVERLAP of it; context-parallel KV exchange hides behind attention
 compute. What each backend sends for its data-parallel ranks, how its optimizer steps and what it offloads (ZeRO's
 gathers and buckets, FSDP2's, Megatron-Core's distributed optimizer) are its timing part,
@@ -41,6 +42,13 @@ from toolkit.estimate.memory import (
     stage_model_states,
     trains_mtp,
 )
+from toolkit.estimate.moe_timing import (
+    expert_overlap_share,
+    expert_parallel_exchange_s,
+    expert_rows,
+    moe_layer_overhead_s,
+    routed_token_traffic_bytes,
+)
 from toolkit.estimate.packed_attention import attended_tokens
 from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
@@ -70,8 +78,8 @@ ATTENTION_KERNEL_EFFICIENCY = 0.5
 # AttnFuncWithCPAndKVP2P), which is where short blocks cost more than their FLOPs.
 ATTENTION_BLOCK_RATE = ((512, 467 / 648), (1024, 565 / 648), (2048, 625 / 648), (4096, 638 / 648), (8192, 646 / 648),
                         (16384, 1.0))
-STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s",
-                   "optimizer_s", "offload_s", "fixed_s")
+STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "moe_overhead_s", "pp_comm_s",
+                   "bubble_s", "dp_comm_s", "optimizer_s", "offload_s", "fixed_s")
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ class StepTime:
     cp_comm_s: float
     sp_comm_s: float  # Ulysses' all-to-alls (DeepSpeed's UlyssesSPAttentionHF), on the critical path
     ep_comm_s: float
+    moe_overhead_s: float  # each MoE layer's fixed host-side cost per pass (MOE_LAYER_OVERHEAD_S)
     pp_comm_s: float
     bubble_s: float
     dp_comm_s: float
@@ -177,9 +186,10 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         # model's last (recomputed as it is) besides its eh_proj and the shared head (below)
         blocks = (*layers, *[spec.num_layers - 1] * (spec.mtp_layers if last and mtp else 0))
         recomputed = recomputed_layers(spec, plan, stage)
-        work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks = _layer_passes(
-            spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed, plan.tiled_mlp,
-            matmul_passes, attention_work, routed_traffic_s, score_forward_s, score_backward_s)
+        (work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks,
+         moe_passes) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed,
+                                     plan.tiled_mlp, matmul_passes, attention_work, routed_traffic_s, score_forward_s,
+                                     score_backward_s)
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
                                                                    if mtp else 0.0))
@@ -190,12 +200,15 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         # cp ring steps per attention pass: forward, backward, and a recomputed forward (as Ulysses' exchanges)
         cp_comm = max(0.0, len(blocks) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s
         ep_comm = moe_blocks * ep_per_moe_layer
+        moe_overhead = moe_passes * moe_layer_overhead_s(plan)
+        if plan.overlap_moe_expert_parallel_comm:  # behind the paired micro-batch's compute stream, waits included
+            ep_comm -= min(ep_comm, compute + moe_overhead) * expert_overlap_share(plan)
         tp_comm = collectives * tp_collective
         pp_comm = pipeline_exchanges(plan, stage) * p2p
         sp_comm = sp_exchanges * sp_forward
-        stages.append((compute + tp_comm + cp_comm + sp_comm + ep_comm + pp_comm, compute, tp_comm, cp_comm, sp_comm,
-                       ep_comm, pp_comm, stage))
-    micro, compute_micro, tp_comm, cp_comm, sp_comm, ep_comm, pp_comm, _ = max(stages)
+        stages.append((compute + tp_comm + cp_comm + sp_comm + ep_comm + moe_overhead + pp_comm, compute, tp_comm,
+                       cp_comm, sp_comm, ep_comm, moe_overhead, pp_comm, stage))
+    micro, compute_micro, tp_comm, cp_comm, sp_comm, ep_comm, moe_overhead, pp_comm, _ = max(stages)
 
     m = plan.grad_accum
     bubble = pipeline_bubble_s(plan, {stage[-1]: stage[0] for stage in stages})
@@ -212,6 +225,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         cp_comm_s=m * cp_comm,
         sp_comm_s=m * sp_comm,
         ep_comm_s=m * ep_comm,
+        moe_overhead_s=m * moe_overhead,
         pp_comm_s=m * pp_comm,
         bubble_s=bubble,
         dp_comm_s=dp_comm,
@@ -231,13 +245,15 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
 def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...], attended: float, recompute: str,
                   recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, tiled_mlp: bool,
                   matmul_passes: int, attention_work: float, routed_traffic_s: float, score_forward_s: float,
-                  score_backward_s: float) -> tuple[float, float, float, float, float, int, float, int]:
+                  score_backward_s: float) -> tuple[float, float, float, float, float, int, float, int, int]:
     """What one pipeline rank's blocks run per token and micro-batch (step_time): (FLOPs at the GEMMs' rate,
     attention's FLOPs, memory-bound seconds, attention's work at its rate, the routed experts' FLOPs, tensor-parallel
-    collectives, sequence-split exchanges, MoE blocks). Remembered: a search asks the same of every micro-batch of a layout."""
+    collectives, sequence-split exchanges, MoE blocks, MoE layer forwards). Remembered: a search asks the same of
+    every micro-batch of a layout."""
     work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
     attention_run = 0.0  # of those, attention's score and value products (at attention_rate)
     expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
+    moe_passes = 0  # MoE layer forwards (recomputed ones again), each paying the dispatcher's fixed cost
     collectives = 0
     sp_exchanges = 0.0
     for i in blocks:
@@ -249,6 +265,7 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
         attention_run += (3 * f.attention + again.attention) * attention_work
         work += f.mlp_matmul * tile_recompute_forwards(tiled_mlp)  # TiledMLP's forward again in backward
         if f.expert_matmul:
+            moe_passes += 2 if whole or "moe" in recompute_modules else 1
             memory_bound += routed_traffic_s * (2 if whole or "moe" in recompute_modules else 1)
             again_expert = f.expert_matmul if whole or "moe" in recompute_modules else 0.0
             work -= matmul_passes * f.expert_matmul + again_expert
@@ -258,7 +275,7 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
         memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
         collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
     moe_blocks = sum(spec.is_moe_layer(i) for i in blocks)
-    return work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks
+    return work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks, moe_passes
 
 
 def attention_block_rate(block_tokens: float) -> float:
@@ -287,54 +304,6 @@ def context_parallel_ring_step_s(spec: ModelSpec, plan: Plan, tokens: float, hbm
     forward = 2 * FP32 * (q + spec.num_attention_heads / plan.tp) * tokens
     backward = 2 * FP32 * (q + 2 * kv) * tokens
     return latency_s + (forward + backward) / 2 / hbm
-
-
-def expert_rows(spec: ModelSpec, plan: Plan, tokens: float, routed: float) -> float:
-    """Rows of each local expert's GEMM on the busiest expert rank per micro-batch: the rank's tokens (split by TP
-    with sequence parallelism, which Megatron-Core requires of MoE under TP), gathered over its ETP group, k copies
-    each, times the imbalance, over the experts it holds."""
-    local_experts = max(1.0, spec.num_experts / plan.ep)
-    return tokens / plan.tp * plan.expert_tp * spec.experts_top_k * routed / local_experts
-
-
-def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> float:
-    """HBM bytes per token (before the split over TP) one MoE layer's forward and backward move outside its GEMMs, the
-    memory-bound work Megatron-Core's alltoall path runs on the routed copies (moe_utils.permute / unpermute, and
-    sort_chunks_by_idxs before and after the experts when a rank holds several of them under EP): permutation reads
-    each token and writes its k copies, each sort reads and writes them, the fused weighted SwiGLU reads fc1's 2 ffn
-    and writes ffn per copy, unpermute reads the copies and writes the token; backward moves about twice forward.
-    On the busiest rank the copies are `routed` times the mean, gathered over ETP with ffn split by it."""
-    if not spec.is_moe:
-        return 0.0
-    h, k = spec.hidden_size, spec.experts_top_k
-    ffn = spec.moe_ffn_hidden_size * (3 if spec.gated_mlp else 2) / 2  # the activation's reads and write per copy
-    sorts = 2 if plan.ep > 1 and spec.num_experts > plan.ep else 0
-    copies = k * routed * plan.expert_tp
-    forward = 2 * h + copies * ((2 + 2 * sorts) * h + 2 * ffn / plan.expert_tp)
-    return 3 * forward * PRECISION_BYTES[plan.precision]
-
-
-def expert_parallel_domain(plan: Plan) -> int:
-    """GPUs joined by the NVLink domain an EP x ETP group stays inside to avoid the network: the plan's resolved
-    nvlink_domain (the GPU's, e.g. 72 on GB200 NVL72, else the node), which the network's all-to-all reads too."""
-    return plan.nvlink_domain
-
-
-def expert_parallel_exchange_s(spec: ModelSpec, plan: Plan, network: Network, act: float, routed: float) -> float:
-    """Seconds of one MoE layer's token exchange per micro-batch, forward and backward: dispatch and combine
-    all-to-alls over EP (each rank's k copies of its sequence-parallel tokens; the busiest rank receives `routed`
-    times the mean, and sets the pace) and, with expert TP, the all-gather and reduce-scatter over ETP. Megatron-Core's
-    expert mesh puts ETP innermost, then EP (parallel_state's expert RankGenerator), so EP ranks are ETP apart: an
-    EP x ETP group within expert_parallel_domain stays on NVLink, a larger one crosses the network."""
-    if not spec.is_moe:
-        return 0.0
-    copies = act * spec.experts_top_k / plan.tp * routed
-    exchange = 4 * network.all_to_all_time(copies, plan.ep, plan.expert_tp)
-    if plan.expert_tp > 1:
-        link = network.link(plan.expert_tp, 1)
-        exchange += 2 * (collective_time("all_gather", copies * plan.expert_tp, plan.expert_tp, link)
-                         + collective_time("reduce_scatter", copies * plan.expert_tp, plan.expert_tp, link))
-    return exchange
 
 
 def pipeline_exchanges(plan: Plan, stage: int) -> int:

@@ -87,10 +87,13 @@ AUX_LOSS_COEFF = 1e-3  # router_aux_loss_coef of Mixtral's and Qwen3-MoE's HF co
 
 
 def _moe(plan: Plan, model: ModelSpec, mapped: dict) -> dict:
-    """TransformerConfig's MoE fields the plan decides: dispatcher, grouped GEMM, capacity and load balancing."""
+    """TransformerConfig's MoE fields the plan decides: dispatcher, grouped GEMM, capacity, the all-to-all overlap
+    and load balancing."""
     fields = {"moe_token_dispatcher_type": plan.moe_dispatcher, "moe_grouped_gemm": plan.moe_grouped_gemm}
     if plan.moe_capacity_factor is not None:  # tokens beyond the capacity are dropped (lowest probabilities first)
         fields["moe_expert_capacity_factor"] = plan.moe_capacity_factor
+    if plan.overlap_moe_expert_parallel_comm:  # ModelParallelConfig's: the combined 1F1B schedule
+        fields["overlap_moe_expert_parallel_comm"] = True
     if plan.moe_load_balancing == "expert_bias":  # DeepSeek-V3: a complementary sequence loss at most
         fields["moe_router_enable_expert_bias"] = True
         if mapped.get("moe_router_load_balancing_type") not in ("seq_aux_loss", "none"):

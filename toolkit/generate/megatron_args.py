@@ -31,6 +31,7 @@ VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("transformer_config", "moe_grouped_gemm", "--moe-grouped-gemm"),
     ("transformer_config", "moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
     ("transformer_config", "moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+    ("transformer_config", "overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
     ("transformer_config", "mtp_num_layers", "--mtp-num-layers"),
     ("transformer_config", "tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("transformer_config", "pipeline_model_parallel_size", "--pipeline-model-parallel-size"),

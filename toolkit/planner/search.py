@@ -13,13 +13,14 @@ from toolkit.estimate.lora import trainable_params
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded, memory_floor
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
+from toolkit.numeric import divisors
 from toolkit.spec.backends import NAMES, backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import default
 from toolkit.spec.pipeline import PipelineSplit, balanced_layout
-from toolkit.spec.plan import Plan, divisors, resolve_plan
+from toolkit.spec.plan import Plan, resolve_plan
 from toolkit.spec.quantization import check_on_gpu
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -121,7 +122,7 @@ def grid_layouts(model: ModelSpec, gpus: int, fixed: dict, axis, tps: list[int],
 def expert_meshes(model: ModelSpec, stage_ranks: int, tp: int, megatron: bool, fixed: dict,
                   axis) -> list[tuple[int, dict]]:
     """(ep, {etp}) pairs to try. The HF backends train no expert parallelism (their rules' EP_REFUSAL says why:
-    `dmt plan --explain` prints it); Megatron-Core folds it (spec/plan.py _check_expert_mesh): the expert TP of attention's TP or 1, and EP up to MAX_EP wherever EP x ETP
+    `dmt plan --explain` prints it); Megatron-Core folds it (spec/moe_rules.py _check_expert_mesh): the expert TP of attention's TP or 1, and EP up to MAX_EP wherever EP x ETP
     divides a pipeline stage's ranks, beyond DP x CP too."""
     if not model.is_moe:
         return [(1, {})]

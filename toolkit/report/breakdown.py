@@ -24,7 +24,7 @@ PREDICTED_AS = {"compute_s": ("compute_s", "offload_s"),
                 "communication_exposed_s": ("tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "pp_comm_s",
                                             "dp_comm_s"),
                 "data_wait_s": (), "optimizer_s": ("optimizer_s",), "checkpoint_s": (),
-                "idle_s": ("bubble_s", "fixed_s")}
+                "idle_s": ("bubble_s", "fixed_s", "moe_overhead_s")}  # the GPU waits on the MoE dispatcher's host
 # what makes a rank the one the others wait for (exposed communication and idle are the waiting)
 WORK_TERMS = ("compute_s", "data_wait_s", "optimizer_s", "checkpoint_s")
 

@@ -125,6 +125,11 @@ class PlanOptions(BaseModel):
               "aux-loss-free score bias; sigmoid routers)", default_note="expert_bias for models routed with one "
                                                                           "(DeepSeek-V3), aux_loss otherwise",
         backends=MEGATRON)
+    overlap_moe_expert_parallel_comm: StrictBool = option(
+        False, "MoE: hide the expert-parallel all-to-alls behind another micro-batch's compute (Megatron-Core's "
+               "combined 1F1B schedule, TransformerConfig.overlap_moe_expert_parallel_comm; Megatron-Bridge's "
+               "moe_a2a_overlap). Needs ep > 1, the alltoall or flex dispatcher, no full recompute, vpp > 1 with "
+               "pp > 1, and at most one MTP layer", backends=MEGATRON)
     zero: ZeroStage | None = option(None, "DeepSpeed ZeRO stage", default_note="1 with deepspeed, 0 otherwise",
                                     backends=DEEPSPEED, off=0)
     dp_shard: PositiveInt | None = option(

@@ -43,6 +43,7 @@ PLAN_KEYS = {
     "--moe-dispatcher": f"{TC}.moe_token_dispatcher_type", "--moe-grouped-gemm": f"{TC}.moe_grouped_gemm",
     "--moe-capacity-factor": f"{TC}.moe_expert_capacity_factor",
     "--moe-load-balancing": f"{TC}.moe_router_enable_expert_bias",
+    "--overlap-moe-expert-parallel-comm": f"{TC}.overlap_moe_expert_parallel_comm",
 }
 LAYER_SPECS = tuple(sorted(TRANSFORMER_IMPLS))  # the layer specs the toolkit builds
 
@@ -202,6 +203,8 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
     values["fp8_recipe"] = (f"{TC}.fp8_recipe", tc.get("fp8_recipe") if tc.get("fp8") else None)
     values["fp4_recipe"] = (f"{TC}.fp4_recipe", tc.get("fp4_recipe") if tc.get("fp4") else None)
     values["fp8_param_gather"] = (f"{TC}.fp8_param", bool(tc.get("fp8_param")))
+    values["overlap_moe_expert_parallel_comm"] = (f"{TC}.overlap_moe_expert_parallel_comm",
+                                                  bool(tc.get("overlap_moe_expert_parallel_comm")))
     selective = tc.get("recompute_granularity") == "selective"
     # Megatron-Core's default [core_attn] is left out of the file by the generator; () is the plan's "not selective"
     values["recompute_modules"] = (f"{TC}.recompute_modules",

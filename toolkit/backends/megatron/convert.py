@@ -38,7 +38,8 @@ from toolkit.families.mapping import PADDED_VOCAB
 from toolkit.readers import read_safetensors_header
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import spec_from_hf_dict
-from toolkit.spec.plan import resolve_plan, smallest_world
+from toolkit.spec.moe_rules import smallest_world
+from toolkit.spec.plan import resolve_plan
 
 log = logging.getLogger(__name__)
 HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -57,7 +58,7 @@ MOE_EXPERTS_KEY = ".mlp.experts.experts."  # Megatron-Core's sharded key prefix 
 
 
 def layout_world(tp: int, pp: int, ep: int, etp: int | None = None) -> int:
-    """The fewest ranks of a layout (the plan's rule, spec/plan.smallest_world; no context parallelism here)."""
+    """The fewest ranks of a layout (the plan's rule, spec/moe_rules.smallest_world; no context parallelism here)."""
     return smallest_world(tp, 1, pp, ep, etp or tp)
 
 

@@ -26,7 +26,7 @@ FOREIGN = {
 
 
 # fine-tuning methods this backend cannot train -> why (spec/finetune.py)
-EP_REFUSAL = None  # Megatron-Core's own MoE layer, folded over its expert mesh (spec/plan.py _check_expert_mesh)
+EP_REFUSAL = None  # Megatron-Core's own MoE layer, folded over its expert mesh (spec/moe_rules.py _check_expert_mesh)
 FINETUNE_REFUSED = {method: f"{method} trains PEFT adapters on the HF modules; Megatron-Core 0.16 has no LoRA of its own "
                             f"(Megatron-Bridge's PEFT is not part of it): use --backend deepspeed or fsdp"
                     for method in ("lora", "qlora")}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from toolkit.numeric import divisors
 from toolkit.planner.search import grid_layouts, zero_sharding_text
-from toolkit.spec.plan import divisors
 
 
 def layouts(model, gpus: int, nvlink_domain: int, fixed: dict, axis) -> Iterator[dict]:

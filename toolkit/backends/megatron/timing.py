@@ -22,16 +22,30 @@ def execution_path(plan: Plan) -> ExecutionPath:
 
 def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, compute_micro: float,
                                 params_total: int, trainable: int) -> tuple[float, float, float]:
-    """(exposed gradient reduction, optimizer step, 0: nothing offloaded) per step, in seconds."""
+    """(exposed gradient reduction, optimizer step, 0: nothing offloaded) per step, in seconds.
+
+    The routed experts' weights are reduced (and, with the distributed optimizer, sharded and gathered) over the
+    expert-data-parallel group, not the dense one: Megatron-Core's expert mesh (parallel_state's expert
+    RankGenerator, ETP innermost, then EP, then EDP) makes it world / (pp x ep x etp) ranks, ep x etp apart, so an EP
+    group that fills the NVLink domain leaves one rank of each EDP group per domain, on that rank's NIC."""
     dp_group = plan.dp * plan.cp
     link = network.link(dp_group, plan.tp)  # tp is innermost; the dp x cp group sits right above it
-    grad_bytes = params_total * FP32  # fp32 main grads
-    if plan.distributed_optimizer:
-        comm = collective_time("reduce_scatter", grad_bytes, dp_group, link)
-        comm += collective_time("all_gather", gathered_param_bytes(spec, plan, params_total), dp_group, link)
-    else:
-        comm = collective_time("all_reduce", grad_bytes, dp_group, link)
-    partition = params_total / (dp_group if plan.distributed_optimizer else 1)
+    # the experts' share of the first stage's parameters (a frozen base trains adapters only: all dense)
+    expert = 0 if plan.finetune.peft else min(params_total, stage_params(spec, count_params(spec), plan, 0).expert)
+    expert_group = plan.dp * plan.cp * plan.tp // (plan.ep * plan.expert_tp)
+    groups = ((params_total - expert, dp_group, link),
+              (expert, expert_group, network.link(expert_group, plan.ep * plan.expert_tp)))
+    gathered = gathered_param_bytes(spec, plan, params_total) / max(1, params_total)  # bytes per parameter
+    comm = partition = 0.0
+    for params, group, group_link in groups:
+        if not params:
+            continue
+        if plan.distributed_optimizer:
+            comm += collective_time("reduce_scatter", params * FP32, group, group_link)  # fp32 main grads
+            comm += collective_time("all_gather", params * gathered, group, group_link)
+        else:
+            comm += collective_time("all_reduce", params * FP32, group, group_link)
+        partition += params / (group if plan.distributed_optimizer else 1)
     if plan.vpp == 1:  # the first rank turns its gradient hooks on for its last backward (schedules.py, 1F1B)
         exposed = exposed_after_backward(comm, compute_micro)
     else:
