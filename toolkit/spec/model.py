@@ -308,6 +308,12 @@ def by_identity(frozen: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
                 first = args[0]
                 hit = cache.get(key := (id(first), *args[1:]))
                 return hit[1] if hit is not None and hit[0][0] is first else compute(key, (first,), args, kwargs)
+            if frozen == 2 and not kwargs:  # (spec, plan): every stage of every plan
+                first, second = args[0], args[1]
+                hit = cache.get(key := (id(first), id(second), *args[2:]))
+                if hit is not None and hit[0][0] is first and hit[0][1] is second:
+                    return hit[1]
+                return compute(key, (first, second), args, kwargs)
             objects = args[:frozen]
             key = (*[id(a) for a in objects], *args[frozen:], *kwargs.items())
             hit = cache.get(key)
