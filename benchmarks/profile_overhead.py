@@ -40,9 +40,11 @@ def _model():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _run(mode: str, steps: int, directory: Path) -> tuple[list[float], float]:
-    """Step times (s) of steps 2..steps+1 (step 1 warms up), and the export time of the recording (0 without one).
-    The memory mode records its first 2 steps only: its timeline's export analyses every allocation recorded."""
+def _run(mode: str, steps: int, directory: Path) -> tuple[list[float], list[float], float]:
+    """CPU and wall times (s) of steps 2..steps+1 (step 1 warms up), and the CPU time of the recording's export (0
+    without one). The memory mode records its first 2 steps only: its timeline's export analyses every allocation
+    recorded. CPU time (the process's, every thread of it: the profiler's own threads count) is what the comparison
+    reads: on a machine shared with other jobs the wall time of a step moves by tens of per cent with their load."""
     import torch
 
     model, optimizer = _model()
@@ -52,10 +54,10 @@ def _run(mode: str, steps: int, directory: Path) -> tuple[list[float], float]:
         last = min(steps + 1, 3) if mode.endswith("memory") else steps + 1
         profiler = StepProfiler(directory, 0, first=2 if recording else 0, last=last if recording else -1,
                                 memory=mode.endswith("memory"), active=recording)
-    times = []
+    times, walls = [], []
     generator = torch.Generator().manual_seed(1)
     for step in range(1, (min(steps + 1, 3) if mode.endswith("memory") else steps + 1) + 1):
-        start = time.perf_counter()
+        start, wall = time.process_time(), time.perf_counter()
         if profiler is not None:
             profiler.begin_step(step)
         with profiler.span(DATA) if profiler is not None else _nothing():
@@ -67,11 +69,12 @@ def _run(mode: str, steps: int, directory: Path) -> tuple[list[float], float]:
         optimizer.zero_grad()
         if profiler is not None:
             profiler.leave(OPTIMIZER)
-        times.append(time.perf_counter() - start)
-    export = time.perf_counter()
+        times.append(time.process_time() - start)
+        walls.append(time.perf_counter() - wall)
+    export = time.process_time()
     if profiler is not None:
         profiler.close()
-    return times[1:], time.perf_counter() - export
+    return times[1:], walls[1:], time.process_time() - export
 
 
 class _nothing:
@@ -92,13 +95,15 @@ def main() -> int:
 
     torch.set_num_threads(1)
     results: dict[str, list[float]] = {mode: [] for mode in MODES}
+    wall_results: dict[str, list[float]] = {mode: [] for mode in MODES}
     exports: dict[str, list[float]] = {mode: [] for mode in MODES}
     load = os.getloadavg()[0]
     for repeat in range(args.repeats):  # the modes interleaved, so a change of the machine's load falls on all
         for mode in MODES if repeat == 0 else MODES[:-1]:  # the memory mode once: its export takes minutes
             with tempfile.TemporaryDirectory() as directory:
-                times, export = _run(mode, args.steps, Path(directory))
+                times, walls, export = _run(mode, args.steps, Path(directory))
             results[mode].append(statistics.median(times))
+            wall_results[mode].append(statistics.median(walls))
             exports[mode].append(export)
     base = statistics.median(results["no profiler"])
     lines = ["# Profiled steps: what recording costs", "",
@@ -108,12 +113,15 @@ def main() -> int:
              f"{platform.python_version()}, torch {torch.__version__}, 1 thread, load average {load:.1f} before "
              f"the runs (a machine shared with other developers' runs)",
              "model: random-init HF Llama (hidden 256, 4 layers, vocab 1024), batch 8 x 128 tokens, AdamW, one "
-             "CPU process; step time = median of the steps after the first, median over the repeats (the memory "
-             "mode: 2 recorded steps, once)", "",
-             "| mode | step s | vs no profiler | export after the window s |", "|---|---:|---:|---:|"]
+             "CPU process; a step's time = its CPU time (the process's, all threads), median of the steps after the "
+             "first, median over the repeats (the memory mode: 2 recorded steps, once); wall time beside it, "
+             f"which the machine's other load moves (load average {os.getloadavg()[0]:.1f} after the runs)", "",
+             "| mode | CPU s a step | vs no profiler | wall s a step | export after the window, CPU s |",
+             "|---|---:|---:|---:|---:|"]
     for mode in MODES:
         step = statistics.median(results[mode])
-        lines.append(f"| {mode} | {step:.4f} | {step / base - 1:+.1%} | {statistics.median(exports[mode]):.2f} |")
+        lines.append(f"| {mode} | {step:.4f} | {step / base - 1:+.1%} | {statistics.median(wall_results[mode]):.4f} "
+                     f"| {statistics.median(exports[mode]):.2f} |")
     lines += ["", "The export runs inside the first step after the window (on_trace_ready): that step is longer by it, "
               "and a recording with memory must end well within training.hang_timeout_s.",
               "", "Reference: torch's profiler documentation (https://pytorch.org/docs/stable/profiler.html) names "

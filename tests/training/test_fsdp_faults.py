@@ -4,7 +4,8 @@ ends as the uninterrupted run does, to the bit), a rank SIGKILLed while a checkp
 (training.async_save: `latest` stays on the checkpoint before, the restarted job ends as the uninterrupted run), a
 rank frozen while a checkpoint is written (named, the job fails, `latest` stays on the verified checkpoint before),
 the guard's skip (no parameter shard or Adam moment moves) and its rollback (the DCP shards of the last verified
-checkpoint reloaded in place). The uninterrupted run saves in the background (async_save), the others as CPU ranks
+checkpoint reloaded in place); and NVRx's in-process restart (training.restart: in_process), a hot spare replacing
+a killed rank inside the surviving process. The uninterrupted run saves in the background (async_save), the others as CPU ranks
 do by default (synchronously): each compares with the other to the bit.
 The DeepSpeed and Megatron-Core versions: tests/training/test_faults.py and tests/megatron/test_megatron_faults.py."""
 
@@ -15,10 +16,20 @@ import re
 import pytest
 import torch
 
-from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_save, launch_watched
+from helpers import (
+    assert_restarted_in_process,
+    free_port,
+    guard_looks,
+    guard_probe_env,
+    kill_rank_after_save,
+    launch_watched,
+    pid_recorder,
+)
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
+from toolkit.generate.ft_launcher import calculated_bounds
+from toolkit.runtime.ftmonitor import STATE_FILE
 from toolkit.runtime.incident import read_incidents
 from toolkit.runtime.metrics import METRICS_FILE, read_checkpoint_records, read_metrics
 
@@ -35,13 +46,13 @@ def fsdp_launch(variant, tmp_path_factory):
     an FSDP2 variant of the tiny recipe under torchrun (one generation per training change)."""
     root = tmp_path_factory.mktemp("fsdp-faults")
 
-    def run(name: str, act=None, fault: str = "", launcher: str = "torchrun", **training):
+    def run(name: str, act=None, fault: str = "", launcher: str = "torchrun", env: dict | None = None, **training):
         recipe = variant(f"tiny-fsdp-{name}", training={**FAULTY, **training}, replace={"plan": FSDP_PLAN})
         generated = root / f"{name}-generated"
         assert main(["generate", str(recipe), "--out", str(generated)]) == 0
         out = root / name
         changes = {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "DMT_FAULT": fault,
-                   **guard_probe_env(run.probe(name))}
+                   **guard_probe_env(run.probe(name)), **(env or {})}
         rc = launch_watched(["bash", str(generated / "launch.sh"), launcher], root / f"{name}.log",
                             (lambda process: act(process, out)) if act else (lambda process: True), changes)
         return rc, out, root / f"{name}.log"
@@ -113,15 +124,20 @@ def test_the_guard_reads_one_gradient_norm_per_fsdp_step(fsdp_launch, reference)
 def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_run(fsdp_launch, reference):
     """Under launch.sh's ft_launcher (NVIDIA Resiliency Extension's torchrun drop-in, ft_config.yaml): its in-job
     restart after the kill, and every rank of the restarted attempt sent its step heartbeats to NVRx's rank monitor
-    (toolkit.runtime.ftmonitor). torchrun's own restart: the DeepSpeed and Megatron-Core twins."""
+    (toolkit.runtime.ftmonitor). At each save NVRx calculated the heartbeat and section timeouts from the intervals it
+    observed on both ranks and the toolkit set them within hang_timeout_s's bounds; the first attempt's calculation
+    (at step 2's save, before the kill) is where the restarted attempt's timeouts started. torchrun's own restart: the
+    DeepSpeed and Megatron-Core twins."""
     killed = []
+    hang = 4 * HANG_TIMEOUT_S  # calculated timeouts are kept at least a quarter of it: a save is never near that here
 
     # rank 1 is held 20 s at the start of step 3 (the first launch only), so the kill lands after the save. It must
-    # land within ~HANG_TIMEOUT_S (10 s) of rank 0 blocking in step 3's first collective, or the watchdog ends the
-    # job as a hang (incident 'hang', not 'failure'); it comes within a 50 ms poll and a ~0.1 s process scan of
-    # `latest` naming checkpoint-2: ~50x margin idle (the DeepSpeed twin in test_faults.py says the same).
+    # land within the step section's timeout NVRx calculated at step 2's save (at least hang / 4 = 10 s) of the hold,
+    # or NVRx's rank monitor ends rank 1 first, and within `hang` of rank 0 blocking in step 3's first collective, or
+    # the watchdog ends the job as a hang (incident 'hang', not 'failure'); it comes within a 50 ms poll and a ~0.1 s
+    # process scan of `latest` naming checkpoint-2: ~50x margin idle (the DeepSpeed twin in test_faults.py says so).
     rc, out, log = fsdp_launch("restarted", kill_rank_after_save("checkpoint-2", killed),
-                               "slow=20@rank=1,step=3,phase=train", launcher="ft_launcher")
+                               "slow=20@rank=1,step=3,phase=train", launcher="ft_launcher", hang_timeout_s=hang)
     assert killed and rc == 0, log.read_text()[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
@@ -133,6 +149,46 @@ def test_a_killed_fsdp_rank_restarts_the_job_and_it_ends_as_the_uninterrupted_ru
     assert verify(resolve_latest(out)).ok
     sent = [int(n) for n in re.findall(r"ft_launcher: (\d+) heartbeats sent to NVRx's rank monitor", log.read_text())]
     assert len(sent) == 2 and min(sent) >= STEPS - 2, sent  # both ranks of the restarted attempt, each step at least
+    # NVRx's calculation at the last save (step 6), the restarted attempt's third: every timeout it calculated, and
+    # the one in force, NVRx's within the bounds; the first heartbeat and out of section as ft_config.yaml says
+    state = json.loads((out / STATE_FILE).read_text())
+    low, high = calculated_bounds(hang)
+    calculated, in_force = state["calculated"], state["current_timeouts"]
+    assert state["step"] == STEPS and calculated["heartbeat"]["were_calculated"], state
+    assert in_force["heartbeat"] == {"initial": 2 * hang, "were_calculated": True,
+                                     "subsequent": min(max(calculated["heartbeat"]["subsequent"], low), high)}, state
+    assert sorted(calculated["section"]["calculated_sections"]) == ["checkpointing", "step"], state
+    for name in ("step", "checkpointing"):
+        assert 0 < calculated["section"]["section"][name], state
+        assert in_force["section"]["section"][name] == min(max(calculated["section"]["section"][name], low), high)
+    assert in_force["section"]["out_of_section"] == hang and not in_force["section"]["is_out_of_section_calculated"]
+    # both ranks of the restarted attempt began from the first attempt's calculation, which ended in ft_state.json
+    assert log.read_text().count(f"(calculated before, from {STATE_FILE})") == 2
+
+
+def test_in_process_restart_replaces_a_killed_fsdp_rank_and_ends_as_the_uninterrupted_run(fsdp_launch, reference,
+                                                                                        tmp_path):
+    """training.restart: in_process on FSDP2 (NVRx's in-process Wrapper around the HF Trainer, Accelerate's FSDP2
+    plugin, fully_shard over 2 gloo ranks) through launch.sh's `inprocess` launcher: 2 ranks and a hot spare. Rank 1 is
+    SIGKILLed at the start of step 3, after checkpoint-2: rank 0's process is not relaunched (same pid), it builds its
+    process group, Trainer, FSDP2 model and optimizer again and loads checkpoint-2's DCP shards, the spare becomes
+    rank 1, every step is logged once, each equal to the uninterrupted run's, and so is every tensor of the final
+    checkpoint (model and optimizer) to the bit."""
+    pids: dict = {}
+    # OMP_NUM_THREADS=1 as torchrun sets it for the reference's ranks: the same kernels, the same bits
+    rc, out, log = fsdp_launch("in-process", pid_recorder(pids), "kill@rank=1,step=3,phase=train", launcher="inprocess",
+                               env={"OMP_NUM_THREADS": "1"}, restart="in_process", spare_ranks=1, async_save=False,
+                               hang_timeout_s=120)
+    text = log.read_text()
+    assert rc == 0 and "fault injection: kill on rank 1" in text, text[-3000:]
+    assert_restarted_in_process(out, text, pids, "checkpoint-2", 3)
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [{k: r[k] for k in COMPARED} for r in records] == [{k: r[k] for k in COMPARED} for r in reference]
+    got = _dcp(out / f"checkpoint-{STEPS}", tmp_path)
+    want = _dcp(fsdp_launch.out("reference") / f"checkpoint-{STEPS}", tmp_path)
+    assert got and _same(got, want)
+    assert verify(resolve_latest(out)).ok
 
 
 def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_restart_ends_as_the_reference(

@@ -301,8 +301,8 @@ def test_a_launcher_sigterm_during_a_failure_report_does_not_cut_it_short(tmp_pa
 
 
 def test_in_process_restart_is_refused_where_it_cannot_run_and_its_launcher_starts_ranks_and_spares(tmp_path, capsys):
-    """training.restart: in_process: a DeepSpeed recipe is refused in one line naming the key and the backend that
-    takes it; a Megatron-Core one gets launch.sh's `inprocess` launcher as the default, starting cluster.gpus ranks
+    """training.restart: in_process: a DeepSpeed recipe is refused in one line naming the key, the backends that
+    take it and why DeepSpeed does not; a Megatron-Core one gets launch.sh's `inprocess` launcher as the default, starting cluster.gpus ranks
     and training.spare_ranks spares as processes of their own (no torchrun agent to end the survivors)."""
     data = yaml.safe_load(TINY.read_text())
     data["data"]["train_files"] = [str(TINY.parent / f) for f in data["data"]["train_files"]]
@@ -311,7 +311,8 @@ def test_in_process_restart_is_refused_where_it_cannot_run_and_its_launcher_star
     path.write_text(yaml.safe_dump(data))
     assert main(["generate", str(path), "--out", str(tmp_path / "ds")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "training.restart" in err and "Megatron-Core" in err, err
+    assert len(err.splitlines()) == 1 and "training.restart" in err and "Megatron-Core or FSDP2" in err, err
+    assert "deepspeed.utils.groups" in err, err
     megatron = Path(__file__).resolve().parents[2] / "recipes" / "tiny-llama-megatron-cpu.yaml"
     data = yaml.safe_load(megatron.read_text())
     data["data"]["train_files"] = [str(megatron.parent / f) for f in data["data"]["train_files"]]
@@ -342,6 +343,8 @@ def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_
     hang = load_recipe(tmp_path / "recipe.yaml").training.hang_timeout_s
     config = FaultToleranceConfig.from_yaml_file(str(config_path), ignore_not_recognized=False)
     assert config.rank_heartbeat_timeout == hang and config.initial_rank_heartbeat_timeout == 2 * hang
+    assert config.rank_section_timeouts == {"step": hang, "checkpointing": hang}  # until NVRx calculates them
+    assert config.rank_out_of_section_timeout == hang
     assert config.enable_nic_monitor is False  # a CPU recipe: no NICs for NVRx's NIC monitor to map
     assert main(["validate", str(config_path)]) == 0
     assert "valid (NVRx's FaultToleranceConfig" in capsys.readouterr().out
@@ -375,3 +378,43 @@ def test_ft_launcher_is_a_launcher_with_its_config_from_the_recipe_read_by_nvrx_
     with pytest.raises(UserInputError, match="must be a positive"):  # the generated directory's own read refuses it too
         from toolkit.validate.generated import read_generated
         read_generated(script.parent / "plan.json")
+
+
+def test_nvrx_calculated_timeouts_are_kept_within_the_recipes_bounds():
+    """NVRx's own calculation (TimeoutsCalc, fed observed intervals; what RankMonitorClient.calculate_and_set_*
+    sends) put through ftmonitor.bounded: a calculated timeout below a quarter of hang_timeout_s is raised to it, one
+    above hang_timeout_s lowered to it, one in between kept; the first heartbeat's and the out-of-section timeouts
+    stay as ft_config.yaml says; the result is a state NVRx's client loads."""
+    import dataclasses
+
+    from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts, SectionAction, SectionTimeouts
+    from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClient
+    from nvidia_resiliency_ext.fault_tolerance.timeouts_calc import TimeoutsCalc
+
+    from toolkit.generate.ft_launcher import SECTIONS, fault_tolerance_timeouts
+    from toolkit.runtime.ftmonitor import STATE_KEY, bounded
+
+    hang = 100.0
+    calc = TimeoutsCalc(sections=SECTIONS, start_time=0.0, safety_factor=5.0)
+    for at in (1.0, 2.0, 3.0, 33.0):  # the longest interval between heartbeats: 30 s -> 150 s calculated
+        calc.update_on_heartbeat(hb_time=at)
+    calc.update_on_section_event("step", SectionAction.OPEN, event_time=40.0)
+    calc.update_on_section_event("step", SectionAction.CLOSE, event_time=41.0)  # 1 s -> 5 s
+    calc.update_on_section_event("checkpointing", SectionAction.OPEN, event_time=41.0)
+    calc.update_on_section_event("checkpointing", SectionAction.CLOSE, event_time=51.0)  # 10 s -> 50 s
+    configured = fault_tolerance_timeouts(hang)
+    current = SectionTimeouts(section=configured["rank_section_timeouts"],
+                              out_of_section=configured["rank_out_of_section_timeout"], calculated_sections={},
+                              is_out_of_section_calculated=False)
+    state = {STATE_KEY: {
+        "heartbeat": dataclasses.asdict(calc.get_hb_timeouts()),
+        "section": {**dataclasses.asdict(calc.get_section_timeouts(SECTIONS, False, current)),
+                    "calculated_sections": sorted(SECTIONS)}}}
+    assert state[STATE_KEY]["heartbeat"]["subsequent"] == 150.0
+    kept = bounded(state, hang)[STATE_KEY]
+    assert kept["heartbeat"] == {"initial": 2 * hang, "subsequent": hang, "were_calculated": True}
+    assert kept["section"]["section"] == {"step": hang / 4, "checkpointing": 50.0}
+    assert kept["section"]["out_of_section"] == hang and not kept["section"]["is_out_of_section_calculated"]
+    client = RankMonitorClient()
+    client.load_state_dict(bounded(state, hang))  # NVRx's own loader takes it (before its monitor connection)
+    assert client.loaded_hb_timeouts == HeartbeatTimeouts(initial=2 * hang, subsequent=hang, were_calculated=True)

@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 
 from toolkit.backends.loop import save_and_exit_requested, write_checkpoint_record, write_step_record
 from toolkit.checkpoint.manifest import data_position, point_latest, write_manifest
+from toolkit.runtime import inprocess
 from toolkit.runtime.profile import CHECKPOINT, OPTIMIZER
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class ToolkitCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.launch.guard.end_step(self.trainer)
+        inprocess.record_resumed(self.launch.context.output_dir, state.global_step)  # after an in-process restart
         if save_and_exit_requested(self.launch.context.output_dir):
             control.should_save = True
             control.should_training_stop = True

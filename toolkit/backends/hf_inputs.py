@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -13,10 +14,12 @@ from toolkit.backends.data import build_tokenizer, load_texts, training_datasets
 from toolkit.backends.loop import check_world
 from toolkit.backends.peft_model import finetune_model
 from toolkit.backends.sft_data import keep_examples_apart
+from toolkit.compat.accelerate_seams import reset_process_state
 from toolkit.data.blend import build_datasets, hf_batch, hf_flat_batch
 from toolkit.errors import UserInputError
 from toolkit.generate.trainer_args import trainer_arguments
 from toolkit.readers import hf_tokenizer
+from toolkit.runtime import inprocess
 from toolkit.runtime.metrics import configure_wandb
 from toolkit.spec.backends import BACKENDS, backend_of
 from toolkit.spec.options import VARIABLE_LENGTH_ATTENTION
@@ -63,13 +66,16 @@ def training_arguments(context: TrainContext, path: HFPath, world: int, resharde
     from transformers import TrainingArguments
 
     recipe, plan, output_dir, run = context.recipe, context.plan, context.output_dir, context.run
-    if run.trainer_args is not None:
-        args_dict = {**run.trainer_args, **context.updates, "output_dir": str(output_dir)}
+    if run.trainer_args is not None:  # a copy to the bottom: the Trainer fills in accelerator_config's dicts (num_steps),
+        # and an in-process restart (training.restart: in_process) builds its arguments again from the same record
+        args_dict = {**copy.deepcopy(run.trainer_args), **context.updates, "output_dir": str(output_dir)}
     else:
         args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
     path.arguments(args_dict, recipe, plan, world, context.deepspeed_json, run.deepspeed, resharded)
     long_context.build_parallelism_config(args_dict)
     configure_wandb(recipe.training.report_to, output_dir)
+    if inprocess.iteration() > 0:  # the Trainer again in this process (training.restart: in_process)
+        reset_process_state()  # Accelerate's singletons as the last call left them: as a fresh process has none
     return TrainingArguments(**installed_field_names(args_dict))
 
 

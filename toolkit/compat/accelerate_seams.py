@@ -1,5 +1,5 @@
-"""Accelerate's seam: the one CPU compatibility step for its FSDP2 (without it an FSDP run on CPU ranks silently
-trains unsharded).
+"""Accelerate's seams: the one CPU compatibility step for its FSDP2 (without it an FSDP run on CPU ranks silently
+trains unsharded), and the reset of its process-wide state before an in-process restart builds a Trainer again.
 
 On CPU (gloo) processes Accelerate's PartialState says `DistributedType.MULTI_CPU`, and AcceleratorState turns an
 FSDP plugin into `DistributedType.FSDP` only for GPU-like types (accelerate/state.py, AcceleratorState.__init__: the
@@ -28,7 +28,24 @@ SEAMS = [
          "patched while the Trainer builds its Accelerator on CPU ranks: the branch that turns an FSDP plugin into "
          "DistributedType.FSDP runs inside it, for GPU-like types only, and Accelerate has no public hook after it "
          "and before the Accelerator reads the type"),
+    Seam("accelerate", "accelerate.state.AcceleratorState._reset_state",
+         "training.restart: in_process builds the HF Trainer again in the same process: AcceleratorState and "
+         "PartialState are singletons (one _shared_state per process) that a new Accelerator reuses as the first "
+         "call left them (its FSDP plugin, rank, world), so the restarted Trainer's optimizer state was not loaded "
+         "on a reused rank (every Adam moment fresh); Accelerate's own tests reset them this way, nothing public does",
+         parameters=("reset_partial_state",)),
+    Seam("accelerate", "accelerate.state.GradientState._reset_state",
+         "the same for GradientState, the third singleton (its gradient accumulation plugin and dataloaders)"),
 ]
+
+
+def reset_process_state() -> None:
+    """Forget Accelerate's process-wide state (AcceleratorState, PartialState, GradientState), as a fresh process
+    has none: before an in-process restart builds the Trainer again. Its process group is the caller's to make."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 @contextlib.contextmanager

@@ -4,10 +4,13 @@ torchrun's drop-in, NVRx 0.4.1), from the recipe; launch.sh, slurm.sbatch and th
 
 What ft_launcher adds over torchrun: a rank monitor process beside every rank that ends a rank whose heartbeat
 (toolkit.runtime.ftmonitor, sent from every phase of every step) stops for `rank_heartbeat_timeout`, and restarts
-the workers in the job (`--max-restarts`), the launcher's agents staying up. The timeouts come from
-training.hang_timeout_s (the toolkit's own watchdog deadline: one number). Not done: NVRx's calculated timeouts
-(RankMonitorClient.calculate_and_set_hb_timeouts, observed intervals x safety_factor: a collective every rank's loop
-would call) and sections; safety_factor is written for them.
+the workers in the job (`--max-restarts`), the launcher's agents staying up, and its sections: a rank whose `step`
+or `checkpointing` section (SECTIONS, opened and closed by the step phases) stays open too long is ended too.
+
+The timeouts written here come from training.hang_timeout_s (the toolkit's own watchdog deadline: one number) and
+are the ones in force until NVRx has seen the run: at every save, toolkit.runtime.ftmonitor has NVRx calculate them
+from the intervals it observed (RankMonitorClient.calculate_and_set_hb_timeouts / _section_timeouts: the longest
+interval x safety_factor, the maximum over the ranks) and keeps each within calculated_bounds().
 """
 
 from __future__ import annotations
@@ -18,19 +21,38 @@ from toolkit.spec.recipe import Recipe
 
 FILE = "ft_config.yaml"
 SECTION = "fault_tolerance"  # the key NVRx's FaultToleranceConfig.from_yaml_file looks for
-STARTUP_FACTOR = 2  # the first heartbeat waits for imports, model build and the checkpoint load: twice the deadline
+STARTUP_FACTOR = 2  # the first heartbeat, timed by NVRx from the rank's connection (ftmonitor.start): twice the deadline
 NO_DEADLINE_S = 3600.0  # training.hang_timeout_s 0 (no watchdog): NVRx's own default for the first heartbeat
+SECTIONS = ("step", "checkpointing")  # NVRx's sections: a step's compute, a save (Megatron-LM's ft_integration's names)
+# A calculated timeout is kept at least this fraction of hang_timeout_s: below it a pause a loaded machine takes now
+# and then (a save, a collective) that the first steps did not show would be taken for a hang
+CALCULATED_FLOOR = 0.25
 
 
-def fault_tolerance_config(recipe: Recipe) -> dict:
-    """FaultToleranceConfig's fields (names as NVRx spells them) for this recipe."""
-    hang = recipe.training.hang_timeout_s
+def calculated_bounds(hang_timeout_s: float) -> tuple[float, float]:
+    """(lowest, highest) a timeout NVRx calculated may be set to: hang_timeout_s stays the upper bound (what the recipe
+    calls a hang), CALCULATED_FLOOR of it the lower."""
+    return CALCULATED_FLOOR * hang_timeout_s, hang_timeout_s
+
+
+def fault_tolerance_timeouts(hang_timeout_s: float) -> dict:
+    """FaultToleranceConfig's timeouts (names as NVRx spells them) for training.hang_timeout_s."""
+    hang = hang_timeout_s
     return {
         # NVRx checks every rank this often; the toolkit's watchdog period rule: 20 per deadline, within [0.25, 5] s
         "workload_check_interval": min(max(hang / 20, 0.25), 5.0) if hang > 0 else 5.0,
         "initial_rank_heartbeat_timeout": STARTUP_FACTOR * hang if hang > 0 else NO_DEADLINE_S,
         "rank_heartbeat_timeout": hang if hang > 0 else None,
-        "safety_factor": 5.0,  # NVRx's default: calculated timeout = longest observed interval x 5
+        "rank_section_timeouts": {name: hang if hang > 0 else None for name in SECTIONS},
+        "rank_out_of_section_timeout": hang if hang > 0 else None,  # between sections: a step's log, the first step
+    }
+
+
+def fault_tolerance_config(recipe: Recipe) -> dict:
+    """FaultToleranceConfig's fields (names as NVRx spells them) for this recipe."""
+    return {
+        **fault_tolerance_timeouts(recipe.training.hang_timeout_s),
+        "safety_factor": 5.0,  # NVRx's default: calculated timeout = longest observed interval x 5 (ftmonitor)
         "rank_termination_signal": "SIGKILL",
         # NVRx's NIC monitor reads GPU-to-NIC topology through NVML and /sys/class/infiniband: GPUs only
         "enable_nic_monitor": recipe.cluster.accelerator != "cpu",

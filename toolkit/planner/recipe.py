@@ -66,16 +66,16 @@ def check_data_format(recipe: Recipe, plan: Plan) -> None:
 
 
 def check_restart(recipe: Recipe, plan: Plan) -> None:
-    """training.restart: in_process needs a training function that can run again in the same process (the toolkit's
-    Megatron-Core loop; the HF Trainer keeps process-wide distributed state: Accelerate's PartialState, deepspeed.comm)
-    and, today, launch.sh's one-node `inprocess` launcher."""
+    """training.restart: in_process needs a training function that can run again in the same process (the backend's
+    `in_process_restart`, docs/faults.md says which and why) and, today, launch.sh's one-node `inprocess` launcher."""
     if recipe.training.restart != "in_process":
         return
     backend = backend_of(plan)
     if not backend.in_process_restart:
         able = [b.label for b in BACKENDS.values() if b.in_process_restart]
+        why = f" ({backend.in_process_refused})" if backend.in_process_refused else ""
         raise UserInputError("training.restart", f"in_process runs with the {' or '.join(able)} backend, not "
-                                                 f"{backend.label}; use relaunch")
+                                                 f"{backend.label}{why}; use relaunch")
     if recipe.cluster.num_nodes > 1:
         raise UserInputError("training.restart", "in_process is launched on one node (launch.sh inprocess); use "
                                                  "relaunch for several nodes")

@@ -89,7 +89,7 @@ class TrainingWatchdog:
         """Every rank, once the process group exists (under deepspeed, rank 0 hosts the store from then on)."""
         from torch.distributed import PrefixStore
 
-        ftmonitor.start()  # under ft_launcher: NVRx's rank monitor watches this rank's heartbeats (a no-op otherwise)
+        ftmonitor.start(self.output_dir, self.timeout)  # under ft_launcher: NVRx's rank monitor watches (else a no-op)
         if self.timeout <= 0 or self.env is None or self.env.world_size < 2 or self.watchdog is not None:
             return
         env, prefix = self.env, f"dmt-train/{attempt_tag()}"  # a restart's heartbeats are not the last attempt's
@@ -105,7 +105,7 @@ class TrainingWatchdog:
     def phase(self, step: int, name: str) -> None:
         if self.watchdog is not None:
             self.watchdog.step(f"step {step} {name}")
-        ftmonitor.beat()  # under ft_launcher: a heartbeat to NVRx's rank monitor
+        ftmonitor.phase(step, name)  # under ft_launcher: a heartbeat and a section to NVRx's rank monitor
         inprocess.ping()  # training.restart: in_process: NVRx's progress timeout (a no-op otherwise)
         faults.at_phase(step, name, self.rank, wake=self.output_dir / SAVE_AND_EXIT)
 
@@ -190,8 +190,12 @@ class TrainingWatchdog:
             log.error("hang: rank %s (%s, pid %s) at step %s, phase %s: %s for %.0f s; ending the job",
                       entry["rank"], entry["host"], entry["pid"], entry["step"], entry["phase"],
                       entry.get("reason"), entry.get("silent_s") or 0)
-        ended = [e for e in named if e["pid"] and e["host"] == self.env.host and e["pid"] != os.getpid()
-                 and heartbeat_stopped(e)]
+        # under ft_launcher NVRx's rank monitor ends a silent rank itself (SIGCONT, then ft_config.yaml's SIGKILL, once
+        # its heartbeat timeout, at most hang_timeout_s, has passed): the toolkit's own kill is torchrun's and the
+        # deepspeed launcher's only
+        ended = [] if ftmonitor.under_ft_launcher() else [
+            e for e in named if e["pid"] and e["host"] == self.env.host and e["pid"] != os.getpid()
+            and heartbeat_stopped(e)]
         for entry in ended:
             entry["ended_by_watchdog"] = "SIGKILL"
         # its last words add torch's analysis of the collectives, from every rank but the frozen ones' dumps

@@ -169,6 +169,7 @@ class Backend:
     article: str = "a"  # before its label, as in "is an FSDP2 option"
     async_save: bool = False  # can write checkpoints in the background (training.async_save)
     in_process_restart: bool = False  # its training function restarts inside NVRx's in-process Wrapper (docs/faults.md)
+    in_process_refused: str = ""  # where it cannot: why (training.restart's refusal line)
 
     def saves_async(self, asked: bool | None, accelerator: str = "gpu") -> bool:
         """Whether its checkpoints are written in the background: the recipe's training.async_save where this backend

@@ -11,13 +11,16 @@ from toolkit.spec.backend import Backend
 
 DEEPSPEED = Backend(name="deepspeed", label="DeepSpeed", hf_modules=True, default_zero=1,
                     launchers=("deepspeed", "accelerate", "torchrun"), conversion="zero-to-hf",
-                    files=("deepspeed.json", "accelerate.yaml", "trainer_args.json"))
+                    files=("deepspeed.json", "accelerate.yaml", "trainer_args.json"),
+                    in_process_refused="deepspeed.initialize called again reuses the process groups "
+                                       "deepspeed.utils.groups keeps from the first call, destroyed by then, while "
+                                       "a spare makes new ones: the restart fails or waits")
 MEGATRON = Backend(name="megatron", label="Megatron-Core", hf_modules=False, default_zero=0, launchers=("torchrun",),
                    conversion="megatron-to-hf", files=("megatron.yaml", "megatron_args.txt"), async_save=True,
                    in_process_restart=True)
 FSDP = Backend(name="fsdp", label="FSDP2", hf_modules=True, default_zero=0, launchers=("accelerate", "torchrun"),
                conversion="fsdp-to-hf", files=("accelerate.yaml", "trainer_args.json"), article="an",
-               async_save=True)
+               async_save=True, in_process_restart=True)
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (DEEPSPEED, MEGATRON, FSDP)}
 NAMES: tuple[str, ...] = tuple(BACKENDS)
