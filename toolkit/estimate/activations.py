@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.model import ModelSpec, moe_layer_flags, per_model
 from toolkit.spec.options import FUSED_ATTENTION
 
 FP32 = 4
@@ -260,7 +259,7 @@ def ulysses_kv_copies(spec: ModelSpec, sp: int) -> float:
     return max(1.0, sp / spec.num_kv_heads)
 
 
-@lru_cache(maxsize=4096)
+@per_model
 def _block_bytes_per_token(spec: ModelSpec, moe: bool, setup: ActivationSetup) -> float:
     """Bytes one transformer block (MoE or dense) keeps for backward, per token of the micro-batch, on one rank."""
     a, h = setup.act_bytes, spec.hidden_size
@@ -361,27 +360,45 @@ def recompute_working_bytes(spec: ModelSpec, setup: ActivationSetup, alive_layer
 def _kept_and_working(spec: ModelSpec, setup: ActivationSetup, alive_layers: Sequence[int], embedding_forwards: int,
                       recomputed: Collection[int] | None) -> tuple[float, float]:
     """Bytes per token kept through the step, and of the block backward recomputes (stage_activation_bytes)."""
-    by_layer = Counter(alive_layers)
     full = setup.recompute == "full"
-    checkpointed = {i for i in by_layer if full and (recomputed is None or i in recomputed)}
-    block_bytes = {moe: _block_bytes_per_token(spec, moe, setup) for moe in {spec.is_moe_layer(i) for i in by_layer}}
+    if not full or recomputed is None or isinstance(recomputed, frozenset):
+        checkpoints = recomputed if full else None
+    else:
+        checkpoints = frozenset(recomputed)
+    layers, every_one_checkpointed, checkpointed_forwards = _alive_structure(
+        spec, alive_layers if isinstance(alive_layers, tuple) else tuple(alive_layers), checkpoints, full)
+    block_bytes = {moe: _block_bytes_per_token(spec, moe, setup) for moe in {moe for moe, _, _ in layers}}
+    checkpoint = checkpointed_layer_bytes_per_token(spec, setup)
     kept = working = 0.0
-    for i, n in by_layer.items():
-        layer = block_bytes[spec.is_moe_layer(i)]
-        if i in checkpointed:
-            kept += checkpointed_layer_bytes_per_token(spec, setup) * n
+    for moe, n, checkpointed in layers:
+        layer = block_bytes[moe]
+        if checkpointed:
+            kept += checkpoint * n
             working = max(working, layer)  # backward recomputes one block at a time, for one micro-batch
         else:
             kept += layer * n
-    if len(checkpointed) < len(by_layer):
+    if not every_one_checkpointed:
         # block method: a chunk's checkpointed layers come first, so by the time backward recomputes one of them the
         # micro-batch's later, fully kept layers (at least as large) have been freed
         working = 0.0
-    if setup.offload_activations and checkpointed:
+    if setup.offload_activations and checkpointed_forwards:
         # the checkpointed inputs live in host memory (offloaded_activation_bytes); the one being copied stays
-        kept -= checkpointed_layer_bytes_per_token(spec, setup) * (sum(by_layer[i] for i in checkpointed) - 1)
+        kept -= checkpointed_layer_bytes_per_token(spec, setup) * (checkpointed_forwards - 1)
     kept += embedding_bytes_per_token(spec, setup) * embedding_forwards
     return kept, working
+
+
+@per_model
+def _alive_structure(spec: ModelSpec, alive_layers: tuple[int, ...], recomputed: Collection[int] | None,
+                     full: bool) -> tuple[tuple[tuple[bool, int, bool], ...], bool, int]:
+    """What _kept_and_working needs of the alive layers, the same for every plan with the same ones: each distinct
+    layer (in the order it first occurs) as (an MoE layer?, forwards alive, checkpointed by full recompute?);
+    whether every one is checkpointed; and the forwards of checkpointed layers alive."""
+    by_layer = Counter(alive_layers)
+    checkpointed = {i for i in by_layer if recomputed is None or i in recomputed} if full else set()
+    moe_flags = moe_layer_flags(spec)
+    layers = tuple((moe_flags[i], n, i in checkpointed) for i, n in by_layer.items())
+    return layers, len(checkpointed) == len(by_layer), sum(by_layer[i] for i in checkpointed)
 
 
 def offloaded_activation_bytes(spec: ModelSpec, setup: ActivationSetup, alive_layers: Sequence[int],

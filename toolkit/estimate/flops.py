@@ -9,10 +9,9 @@ report MFU. Recomputation adds forward FLOPs to the hardware FLOPs but never to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from toolkit.estimate.params import count_params
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.model import ModelSpec, per_model
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def _mla_matmul(spec: ModelSpec) -> tuple[int, int]:
     return down + up + heads * v * h, up
 
 
-@lru_cache(maxsize=4096)
+@per_model
 def _block_flops(spec: ModelSpec, moe: bool, seq_len: float) -> LayerFlops:
     h, hd, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
     mla_up = 0
@@ -95,7 +94,7 @@ def mtp_forward_flops(spec: ModelSpec, seq_len: float) -> float:
     return spec.mtp_layers * (block + mtp_projection_flops(spec))
 
 
-@lru_cache(maxsize=256)
+@per_model
 def model_flops_per_token(spec: ModelSpec, seq_len: float, mtp: bool = False) -> float:
     """Forward + backward FLOPs of one token with no recomputation (the MFU numerator); `mtp`: with the
     multi-token prediction modules, where the backend trains them (Megatron-Core)."""

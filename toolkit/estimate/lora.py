@@ -10,12 +10,11 @@ blocks; transformers' bnb quantizer converts every linear module but the output 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from toolkit.estimate.params import count_params
 from toolkit.families.linears import LINEARS, Linear
 from toolkit.spec.finetune import NF4_BLOCK, NF4_SCALE_BLOCK, FinetuneOptions, lora_linears
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.model import ModelSpec, per_model
 
 # bytes per quantised weight: two nf4 values per byte, the uint8 block scale, and its fp32 scale per 256 blocks
 NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALE_BLOCK)
@@ -64,7 +63,7 @@ class FinetuneCounts:
         return sum(self.quantized_layers) + self.quantized_outside
 
 
-@lru_cache(maxsize=1024)
+@per_model
 def finetune_counts(spec: ModelSpec, finetune: FinetuneOptions) -> FinetuneCounts:
     targets = lora_linears(spec.family, finetune.target_modules) if finetune.peft else ()
     every = LINEARS.get(spec.family, ())

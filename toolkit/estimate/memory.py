@@ -23,12 +23,12 @@ from toolkit.estimate.activations import (
 )
 from toolkit.estimate.long_context import sequence_working_bytes
 from toolkit.estimate.lora import NF4_BYTES, FinetuneCounts, adapter_activation_bytes, finetune_counts
-from toolkit.estimate.params import ParamCounts, count_params
+from toolkit.estimate.params import LayerParams, ParamCounts, count_params
 from toolkit.estimate.pipeline import peak_forwards
 from toolkit.numeric import GiB
 from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.model import ModelSpec, by_identity, per_model
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.quantization import plan_recipe
@@ -100,20 +100,26 @@ def stage_layers(num_layers: int, plan: Plan, stage: int) -> list[int]:
 
 def layer_params(counts: ParamCounts, plan: Plan, index: int) -> tuple[int, int]:
     """(dense, expert) parameters of layer `index` on one rank of its tensor- and expert-parallel groups."""
-    layer = counts.layers[index]
-    dense = (layer.attention_sharded + layer.mlp_sharded) // plan.tp + layer.replicated + layer.router
-    return dense, layer.experts // (plan.ep * plan.expert_tp)
+    return layer_shard(counts.layers[index], plan.tp, plan.ep * plan.expert_tp)
+
+
+def layer_shard(layer: LayerParams, tp: int, expert_split: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one block on one rank: its attention and dense MLP over TP, its experts over
+    EP x ETP (`expert_split`)."""
+    return (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router, (
+        layer.experts // expert_split)
 
 
 def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -> StageParams:
     tp = plan.tp
+    expert_split = plan.ep * plan.expert_tp
     dense = expert = gemm = 0
-    for index in stage_layers(spec.num_layers, plan, stage):
-        layer_dense, layer_expert = layer_params(counts, plan, index)
-        dense += layer_dense
-        expert += layer_expert
-        layer = counts.layers[index]
-        gemm += (layer.attention_sharded + layer.mlp_sharded) // tp + layer_expert
+    split = PipelineSplit.of(spec.num_layers, plan)
+    for layer, n in counts.kinds_of(split, stage):  # integers: in any order, the same sums
+        layer_dense, layer_expert = layer_shard(layer, tp, expert_split)
+        dense += n * layer_dense
+        expert += n * layer_expert
+        gemm += n * ((layer.attention_sharded + layer.mlp_sharded) // tp + layer_expert)
     emb_dim = counts.token_embedding // spec.vocab_size
     vocab = backend_of(plan).memory.padded_vocab(spec.vocab_size, tp)
     vocab_shard = vocab * emb_dim // tp
@@ -126,8 +132,9 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
             # Megatron-Core builds the multi-token prediction modules after the last stage's layers (transformers
             # builds none): each a block like the last layer, its norms and eh_proj (column parallel)
             for layer in counts.mtp_layers:
-                dense += (layer.attention_sharded + layer.mlp_sharded) // tp + layer.replicated + layer.router
-                expert += layer.experts // (plan.ep * plan.expert_tp)
+                layer_dense, layer_expert = layer_shard(layer, tp, expert_split)
+                dense += layer_dense
+                expert += layer_expert
             dense += counts.mtp_eh_proj // tp + counts.mtp_norms
         if counts.lm_head:
             dense += vocab_shard
@@ -136,14 +143,19 @@ def stage_params(spec: ModelSpec, counts: ParamCounts, plan: Plan, stage: int) -
     return StageParams(dense=dense, expert=expert, gemm=gemm)
 
 
-def alive_forwards(spec: ModelSpec, plan: Plan, stage: int) -> tuple[list[int], int]:
+def alive_forwards(spec: ModelSpec, plan: Plan, stage: int) -> tuple[tuple[int, ...], int]:
     """(layers once per forward alive at the rank's peak, forwards through the embedding) under Megatron's schedule.
 
     DeepSpeed's pipeline engine runs the same 1F1B order as Megatron's non-interleaved schedule.
     """
-    chunks = PipelineSplit.of(spec.num_layers, plan).chunks()[stage]
-    forwards = peak_forwards(plan.pp, plan.vpp, stage, plan.grad_accum)
-    alive = [layer for chunk in forwards for layer in chunks[chunk]]
+    return _alive_forwards(PipelineSplit.of(spec.num_layers, plan), stage, plan.grad_accum)
+
+
+@lru_cache(maxsize=4096)
+def _alive_forwards(split: PipelineSplit, stage: int, micro_batches: int) -> tuple[tuple[int, ...], int]:
+    chunks = split.chunks()[stage]
+    forwards = peak_forwards(split.pp, split.vpp, stage, micro_batches)
+    alive = tuple(layer for chunk in forwards for layer in chunks[chunk])
     return alive, forwards.count(0) if stage == 0 else 0
 
 
@@ -152,10 +164,15 @@ def recomputed_layers(spec: ModelSpec, plan: Plan, stage: int) -> frozenset[int]
     (Megatron-Core's block method, TransformerBlock._checkpointed_forward); None: every layer (or no full recompute)."""
     if plan.recompute != "full" or plan.recompute_num_layers is None:
         return None
-    chunks = PipelineSplit.of(spec.num_layers, plan).chunks()[stage]
-    return frozenset(layer for chunk in chunks for layer in chunk[: plan.recompute_num_layers])
+    return _first_layers_of_chunks(PipelineSplit.of(spec.num_layers, plan), stage, plan.recompute_num_layers)
 
 
+@lru_cache(maxsize=4096)
+def _first_layers_of_chunks(split: PipelineSplit, stage: int, layers: int) -> frozenset[int]:
+    return frozenset(layer for chunk in split.chunks()[stage] for layer in chunk[:layers])
+
+
+@by_identity(2)
 def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
     return ActivationSetup(
         hf_modules=backend_of(plan).hf_modules,
@@ -215,13 +232,36 @@ def frozen_base(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: 
                       layer_bytes=layer_params * (w if plan.finetune.method == "lora" else NF4_BYTES))
 
 
-def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int, counts: ParamCounts | None = None) -> MemoryBreakdown:
-    counts = counts or count_params(spec)
+@by_identity(2)
+def stage_model_states(spec: ModelSpec, plan: Plan, stage: int) -> tuple[StageParams, ModelStates]:
+    """(parameters, model states) of one rank of pipeline stage `stage`: the backend's weights, gradients, optimizer
+    states, buffers and host bytes over the stage's parameters (its memory part's model_states). Remembered per
+    plan: the search's memory_floor and estimate_memory, and step_time, ask for the same."""
+    counts = count_params(spec)
     params = stage_params(spec, counts, plan, stage)
-    layers = stage_layers(spec.num_layers, plan, stage)
-    largest_layer = max((counts.layers[i].total for i in layers), default=0) // plan.tp
+    kinds = counts.kinds_of(PipelineSplit.of(spec.num_layers, plan), stage)
+    largest_layer = max((layer.total for layer, _ in kinds), default=0) // plan.tp
+    return params, backend_of(plan).memory.model_states(spec, plan, params, largest_layer)
+
+
+def memory_floor(spec: ModelSpec, plan: Plan, enough: int | None = None) -> int:
+    """A lower bound of estimate_memory(spec, plan).total that skips the activations: the largest weights, gradients
+    and optimizer states of a representative stage, and the CUDA context. Every other term of a stage's total
+    (activations, buffers, working tensors, the allocator's margin, the loss's peak) is a count of bytes, never
+    negative, and the plan's total is its fullest stage's. With `enough`, the stages stop at the first whose bound
+    exceeds it (still a lower bound). The plan search refuses what this alone does not fit without estimating the
+    rest (tests/unit/test_search_equivalence.py checks the bound)."""
+    floor = 0
+    for stage in representative_stages(spec, plan):
+        floor = max(floor, sum(stage_model_states(spec, plan, stage)[1][:3]) + CUDA_CONTEXT_BYTES)
+        if enough is not None and floor > enough:
+            break
+    return floor
+
+
+def estimate_stage_memory(spec: ModelSpec, plan: Plan, stage: int) -> MemoryBreakdown:
+    params, (weights, gradients, optimizer, buffers, host) = stage_model_states(spec, plan, stage)
     memory = backend_of(plan).memory
-    weights, gradients, optimizer, buffers, host = memory.model_states(spec, plan, params, largest_layer)
     setup = activation_setup(spec, plan)
     last = stage == plan.pp - 1
     alive, embedding_forwards = alive_forwards(spec, plan, stage)
@@ -313,7 +353,7 @@ def representative_stages(spec: ModelSpec, plan: Plan) -> list[int]:
     return _representative_stages(spec, PipelineSplit.of(spec.num_layers, plan))
 
 
-@lru_cache(maxsize=4096)
+@per_model
 def _representative_stages(spec: ModelSpec, split: PipelineSplit) -> list[int]:
     layer_kinds = count_params(spec).layers
     seen, stages = set(), []
@@ -327,8 +367,7 @@ def _representative_stages(spec: ModelSpec, split: PipelineSplit) -> list[int]:
 
 def estimate_memory(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     """The most loaded pipeline stage's per-GPU breakdown (the one that decides whether the plan fits)."""
-    counts = count_params(spec)
-    stages = (estimate_stage_memory(spec, plan, s, counts) for s in representative_stages(spec, plan))
+    stages = (estimate_stage_memory(spec, plan, s) for s in representative_stages(spec, plan))
     return max(stages, key=lambda m: m.total)
 
 

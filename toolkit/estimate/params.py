@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from dataclasses import dataclass, field
+from functools import cached_property
 
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.model import ModelSpec, per_model
+from toolkit.spec.pipeline import PipelineSplit
+
+KINDS_ENTRIES = 65536  # (split, stage) pairs one model's counts remember: a search's, not a process's
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,22 @@ class ParamCounts:
     mtp_layers: tuple[LayerParams, ...] = ()  # multi-token prediction modules' blocks
     mtp_eh_proj: int = 0  # their eh_proj (2h -> h, column parallel), summed over the modules
     mtp_norms: int = 0  # their enorm, hnorm and final norm
+    # kinds_of's answers: the same model's layer groups are asked of every plan a search tries
+    _kinds: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def kinds_of(self, split: PipelineSplit, stage: int) -> tuple[tuple[LayerParams, int], ...]:
+        """The distinct blocks pipeline rank `stage` holds under `split`, each with how many of them it holds (in the
+        order they first occur): all a sum over the rank's layers' parameters needs."""
+        hit = self._kinds.get((split, stage))
+        if hit is None:
+            kinds: dict[LayerParams, int] = {}
+            for index in split.stage_layers(stage):
+                layer = self.layers[index]
+                kinds[layer] = kinds.get(layer, 0) + 1
+            if len(self._kinds) >= KINDS_ENTRIES:
+                self._kinds.clear()
+            hit = self._kinds[(split, stage)] = tuple(kinds.items())
+        return hit
 
     @cached_property
     def layers_total(self) -> int:
@@ -110,7 +129,7 @@ def _mla_params(spec: ModelSpec) -> tuple[int, int]:
     return sharded, replicated
 
 
-@lru_cache(maxsize=1024)
+@per_model
 def _block_params(spec: ModelSpec, moe: bool) -> LayerParams:
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_kv_heads * hd
@@ -144,7 +163,7 @@ def _block_params(spec: ModelSpec, moe: bool) -> LayerParams:
     return LayerParams(attention, mlp, 0, 0, 0, replicated + mlp_repl)
 
 
-@lru_cache(maxsize=256)
+@per_model
 def count_params(spec: ModelSpec) -> ParamCounts:
     emb_dim = spec.embed_proj_dim or spec.hidden_size
     token_embedding = spec.vocab_size * emb_dim

@@ -35,7 +35,13 @@ from toolkit.estimate.flops import (
 )
 from toolkit.estimate.long_context import tile_recompute_forwards
 from toolkit.estimate.lora import adapter_forward_flops, finetune_counts
-from toolkit.estimate.memory import recomputed_layers, representative_stages, stage_layers, stage_params, trains_mtp
+from toolkit.estimate.memory import (
+    recomputed_layers,
+    representative_stages,
+    stage_layers,
+    stage_model_states,
+    trains_mtp,
+)
 from toolkit.estimate.moe_timing import (
     expert_overlap_share,
     expert_parallel_exchange_s,
@@ -44,11 +50,11 @@ from toolkit.estimate.moe_timing import (
     routed_token_traffic_bytes,
 )
 from toolkit.estimate.packed_attention import attended_tokens
-from toolkit.estimate.params import count_params
 from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU
-from toolkit.spec.model import ModelSpec
+from toolkit.spec.finetune import FinetuneOptions
+from toolkit.spec.model import ModelSpec, by_identity
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.prediction import PackedAttention
 from toolkit.spec.quantization import gemm_peak_key, plan_recipe
@@ -180,30 +186,10 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         # model's last (recomputed as it is) besides its eh_proj and the shared head (below)
         blocks = (*layers, *[spec.num_layers - 1] * (spec.mtp_layers if last and mtp else 0))
         recomputed = recomputed_layers(spec, plan, stage)
-        work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
-        attention_run = 0.0  # of those, attention's score and value products (at attention_rate)
-        expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
-        moe_passes = 0  # MoE layer forwards (recomputed ones again), each paying the dispatcher's fixed cost
-        collectives = 0
-        sp_exchanges = 0.0
-        for i in blocks:
-            f = layer_forward_flops(spec, i, attended)
-            whole = plan.recompute == "full" and (recomputed is None or i in recomputed)
-            again = recomputed_forward(f, plan.recompute, plan.recompute_modules, whole)
-            work += matmul_passes * f.matmul + 3 * adapter_forward_flops(spec, ft, i)
-            work += again.matmul
-            attention_run += (3 * f.attention + again.attention) * attention_work
-            work += f.mlp_matmul * tile_recompute_forwards(plan.tiled_mlp)  # TiledMLP's forward again in backward
-            if f.expert_matmul:
-                moe_passes += 2 if whole or "moe" in plan.recompute_modules else 1
-                memory_bound += routed_traffic_s * (2 if whole or "moe" in plan.recompute_modules else 1)
-                again_expert = f.expert_matmul if whole or "moe" in plan.recompute_modules else 0.0
-                work -= matmul_passes * f.expert_matmul + again_expert
-                expert_work += matmul_passes * f.expert_matmul + again_expert
-            sp_exchanges += 2 + (1 if again.attention else 0)  # forward, backward, and a recomputed forward
-            attention += f.attention * attention_work
-            memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
-            collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
+        (work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks,
+         moe_passes) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed,
+                                     plan.tiled_mlp, matmul_passes, attention_work, routed_traffic_s, score_forward_s,
+                                     score_backward_s)
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
                                                                    if mtp else 0.0))
@@ -213,7 +199,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         # the ring's exchange hides behind attention; its steps' merges and waits do not
         # cp ring steps per attention pass: forward, backward, and a recomputed forward (as Ulysses' exchanges)
         cp_comm = max(0.0, len(blocks) * cp_per_layer - attention_time) + plan.cp * sp_exchanges * ring_step_s
-        ep_comm = sum(spec.is_moe_layer(i) for i in blocks) * ep_per_moe_layer
+        ep_comm = moe_blocks * ep_per_moe_layer
         moe_overhead = moe_passes * moe_layer_overhead_s(plan)
         if plan.overlap_moe_expert_parallel_comm:  # behind the paired micro-batch's compute stream, waits included
             ep_comm -= min(ep_comm, compute + moe_overhead) * expert_overlap_share(plan)
@@ -253,6 +239,43 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         execution_path=path.name,
         peak_tflops=peak / 1e12,
     )
+
+
+@by_identity(2)
+def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...], attended: float, recompute: str,
+                  recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, tiled_mlp: bool,
+                  matmul_passes: int, attention_work: float, routed_traffic_s: float, score_forward_s: float,
+                  score_backward_s: float) -> tuple[float, float, float, float, float, int, float, int, int]:
+    """What one pipeline rank's blocks run per token and micro-batch (step_time): (FLOPs at the GEMMs' rate,
+    attention's FLOPs, memory-bound seconds, attention's work at its rate, the routed experts' FLOPs, tensor-parallel
+    collectives, sequence-split exchanges, MoE blocks, MoE layer forwards). Remembered: a search asks the same of
+    every micro-batch of a layout."""
+    work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
+    attention_run = 0.0  # of those, attention's score and value products (at attention_rate)
+    expert_work = 0.0  # the routed experts' share, at their grouped GEMMs' rate, on the busiest EP rank
+    moe_passes = 0  # MoE layer forwards (recomputed ones again), each paying the dispatcher's fixed cost
+    collectives = 0
+    sp_exchanges = 0.0
+    for i in blocks:
+        f = layer_forward_flops(spec, i, attended)
+        whole = recompute == "full" and (recomputed is None or i in recomputed)
+        again = recomputed_forward(f, recompute, recompute_modules, whole)
+        work += matmul_passes * f.matmul + 3 * adapter_forward_flops(spec, ft, i)
+        work += again.matmul
+        attention_run += (3 * f.attention + again.attention) * attention_work
+        work += f.mlp_matmul * tile_recompute_forwards(tiled_mlp)  # TiledMLP's forward again in backward
+        if f.expert_matmul:
+            moe_passes += 2 if whole or "moe" in recompute_modules else 1
+            memory_bound += routed_traffic_s * (2 if whole or "moe" in recompute_modules else 1)
+            again_expert = f.expert_matmul if whole or "moe" in recompute_modules else 0.0
+            work -= matmul_passes * f.expert_matmul + again_expert
+            expert_work += matmul_passes * f.expert_matmul + again_expert
+        sp_exchanges += 2 + (1 if again.attention else 0)  # forward, backward, and a recomputed forward
+        attention += f.attention * attention_work
+        memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
+        collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
+    moe_blocks = sum(spec.is_moe_layer(i) for i in blocks)
+    return work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks, moe_passes
 
 
 def attention_block_rate(block_tokens: float) -> float:
@@ -340,7 +363,7 @@ def _data_parallel_and_optimizer(
 ) -> tuple[float, float, float]:
     """(exposed data-parallel communication, optimizer step, offload transfers) per step, in seconds: the backend's
     own (its timing part), over the first stage's parameters and those of them that train."""
-    params = stage_params(spec, count_params(spec), plan, 0)
+    params, _ = stage_model_states(spec, plan, 0)
     # gradients are reduced and the optimizer steps over the trainable parameters only (LoRA: the adapters)
     trainable = finetune_counts(spec, plan.finetune).adapters if plan.finetune.peft else params.total
     return backend_of(plan).timing.data_parallel_and_optimizer(spec, plan, gpu, network, compute_micro,

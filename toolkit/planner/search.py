@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
-from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
+from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded, memory_floor
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
 from toolkit.numeric import divisors
@@ -237,6 +237,8 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
 
     def attempt(**extra):
         plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings, **extra)
+        if memory_floor(model, plan, gpu.memory_bytes) > gpu.memory_bytes:  # its model states alone do not fit
+            return None
         memory = estimate_memory(model, plan)
         return (plan, memory) if exceeded(memory, gpu, plan.gpus_per_node) is None else None
 

@@ -22,6 +22,7 @@ the spec (which it may not import) are typed `Any` under their own names, with t
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,7 +184,8 @@ class Backend:
 
     def _module(self, part: str):
         """The part's module, imported on first use (the one place a part is named by string)."""
-        return importlib.import_module(f"toolkit.backends.{self.name}.{part}")
+        name = f"toolkit.backends.{self.name}.{part}"
+        return sys.modules.get(name) or importlib.import_module(name)  # the planner asks per candidate
 
     @property
     def rules(self) -> RulesPart:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -13,6 +15,8 @@ from toolkit.errors import UserInputError
 from toolkit.families import family_for
 from toolkit.numeric import FINITE
 from toolkit.readers import not_a_file, one_line, read_json, read_yaml
+
+T = TypeVar("T")
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets" / "models"
 
@@ -143,7 +147,8 @@ class ModelSpec(BaseModel):
     def is_moe_layer(self, index: int) -> bool:
         if not self.num_experts:
             return False
-        return self.moe_layers is None or index in _layer_set(self.moe_layers)
+        flags = moe_layer_flags(self)
+        return flags[index] if 0 <= index < len(flags) else self.moe_layers is None or index in self.moe_layers
 
     @property
     def num_moe_layers(self) -> int:
@@ -285,15 +290,55 @@ def _from_hub(hub_id: str) -> ModelSpec:
     return spec_from_hf_dict(config.to_dict(), hub_id, filled=True)
 
 
-_LAYER_SETS: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+def by_identity(frozen: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """`function(*objects, *args)` memoised by the identity of its first `frozen` arguments (frozen pydantic models:
+    a ModelSpec, a Plan) and the value of the (hashable) rest. A frozen object always gives the same answer; hashing
+    one hashes every field, which costs more than most of what the estimators derive from it, and the plan search
+    asks for those figures of every candidate. Each entry keeps its objects alive, so their ids name no others while
+    the entry exists."""
+
+    def decorate(function: Callable[..., T]) -> Callable[..., T]:
+        cache: dict[tuple, tuple[tuple, T]] = {}
+
+        def compute(key: tuple, objects: tuple, args: tuple, kwargs: dict) -> T:
+            if len(cache) >= PER_MODEL_ENTRIES:
+                cache.clear()
+            cache[key] = (objects, value := function(*args, **kwargs))
+            return value
+
+        @functools.wraps(function)
+        def memoised(*args, **kwargs) -> T:
+            if frozen == 1 and not kwargs:  # the common case, kept short: it runs for every layer of every plan
+                first = args[0]
+                hit = cache.get(key := (id(first), *args[1:]))
+                return hit[1] if hit is not None and hit[0][0] is first else compute(key, (first,), args, kwargs)
+            if frozen == 2 and not kwargs:  # (spec, plan): every stage of every plan
+                first, second = args[0], args[1]
+                hit = cache.get(key := (id(first), id(second), *args[2:]))
+                if hit is not None and hit[0][0] is first and hit[0][1] is second:
+                    return hit[1]
+                return compute(key, (first, second), args, kwargs)
+            objects = args[:frozen]
+            key = (*[id(a) for a in objects], *args[frozen:], *kwargs.items())
+            hit = cache.get(key)
+            if hit is not None and all(a is b for a, b in zip(hit[0], objects)):
+                return hit[1]
+            return compute(key, objects, args, kwargs)
+
+        memoised.cache_clear = cache.clear  # type: ignore[attr-defined]
+        return memoised
+
+    return decorate
 
 
-def _layer_set(layers: tuple[int, ...]) -> frozenset[int]:
-    """A layer-index tuple as a set, made once per tuple (kept alive here, so its id names it): the estimators ask
-    of every layer of every plan the search tries."""
-    hit = _LAYER_SETS.get(id(layers))
-    if hit is None or hit[0] is not layers:
-        if len(_LAYER_SETS) > 1024:
-            _LAYER_SETS.clear()
-        hit = _LAYER_SETS[id(layers)] = (layers, frozenset(layers))
-    return hit[1]
+per_model = by_identity(1)  # function(spec, *args), by the spec's identity
+PER_MODEL_ENTRIES = 8192  # per memoised function: a search's layouts of a few models, not a process's lifetime
+
+
+@per_model
+def moe_layer_flags(spec: ModelSpec) -> tuple[bool, ...]:
+    """Whether each decoder layer is an MoE layer, as one tuple (the estimators ask of every layer of every plan)."""
+    if not spec.num_experts:
+        return (False,) * spec.num_layers
+    moe = None if spec.moe_layers is None else frozenset(spec.moe_layers)
+    return tuple(moe is None or i in moe for i in range(spec.num_layers))

@@ -61,6 +61,10 @@ def balanced_layout(num_layers: int, pp: int, vpp: int = 1, mtp_layers: int = 0)
     return "|".join(text)
 
 
+_SPLITS: dict[tuple[int, int], tuple[object, PipelineSplit]] = {}  # PipelineSplit.of's, by the frozen plan's identity
+SPLIT_ENTRIES = 8192
+
+
 @dataclass(frozen=True)
 class PipelineSplit:
     """How the decoder layers are cut over pipeline ranks and virtual stages (Megatron-Core's config fields)."""
@@ -76,9 +80,18 @@ class PipelineSplit:
 
     @classmethod
     def of(cls, num_layers: int, plan) -> PipelineSplit:
-        return cls(num_layers, plan.pp, plan.vpp, plan.first_stage_layers, plan.last_stage_layers,
-                   plan.account_for_embedding_in_pipeline_split, plan.account_for_loss_in_pipeline_split,
-                   getattr(plan, "pipeline_model_parallel_layout", None))
+        key = (id(plan), num_layers)
+        hit = _SPLITS.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        split = cls(num_layers, plan.pp, plan.vpp, plan.first_stage_layers, plan.last_stage_layers,
+                    plan.account_for_embedding_in_pipeline_split, plan.account_for_loss_in_pipeline_split,
+                    getattr(plan, "pipeline_model_parallel_layout", None))
+        if getattr(type(plan), "model_config", {}).get("frozen"):  # a frozen Plan: its split is asked again and again
+            if len(_SPLITS) >= SPLIT_ENTRIES:
+                _SPLITS.clear()
+            _SPLITS[key] = (plan, split)  # the entry keeps the plan alive: its id names no other meanwhile
+        return split
 
     @property
     def uneven(self) -> bool:
@@ -114,6 +127,7 @@ class PipelineSplit:
                                  "virtual stage")
         return None
 
+    @lru_cache(maxsize=4096)  # noqa: B019 (frozen and small: the plan search asks of the same splits)
     def problem(self, mtp_layers: int | None = None) -> tuple[str, str] | None:
         """(flag, message) for a split Megatron-Core refuses, else None."""
         if self.layout is not None:

@@ -8,6 +8,7 @@ Each rule names the flag at fault; recipes rename it to their key (spec/recipe.p
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
@@ -41,6 +42,8 @@ from toolkit.spec.quantization import DEFAULT_RECIPE, FP4, FP8
 # Bytes of one parameter / activation element stored in each training precision (fp8 and fp4 keep bf16 weights and
 # activations; what Transformer Engine's recipes add or save in fewer bytes is spec/quantization.py's).
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "fp4": 2}
+OPTION_SET = frozenset(OPTION_NAMES)
+FULL_TRAINING = FinetuneOptions()  # what trains when nothing says: every parameter (frozen, so one value serves all)
 
 
 class Plan(PlanOptions):
@@ -55,7 +58,7 @@ class Plan(PlanOptions):
     recompute_modules: tuple[RecomputeModule, ...] = ()
     moe_imbalance: float = MOE_IMBALANCE_DEFAULT  # resolved: the plan's, or the default (spec/options.py)
     nvlink_domain: PositiveInt  # resolved: the plan's, the GPU's (spec/cluster.py topology_defaults), else the node
-    finetune: FinetuneOptions = FinetuneOptions()  # what trains (spec/finetune.py): all of it, or LoRA adapters
+    finetune: FinetuneOptions = FULL_TRAINING  # what trains (spec/finetune.py): all of it, or LoRA adapters
 
     @property
     def model_parallel(self) -> int:
@@ -135,7 +138,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     """Fill defaults, derive dp and gradient accumulation, and reject plans the libraries would reject. `finetune`:
     what trains (FinetuneOptions or its fields; default every parameter)."""
     given = {k: v for k, v in options.items() if v is not None}
-    unknown = set(given) - set(OPTION_NAMES)
+    unknown = given.keys() - OPTION_SET
     if unknown:
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -186,6 +189,8 @@ def finetune_options(given: FinetuneOptions | dict | None) -> FinetuneOptions:
     """FinetuneOptions from its fields (a recipe section or flags), with the one-line error naming the flag."""
     if isinstance(given, FinetuneOptions):
         return given
+    if not given:  # every parameter trains: one frozen value for every plan
+        return FULL_TRAINING
     try:
         return FinetuneOptions.model_validate(given or {})
     except ValidationError as exc:
@@ -250,14 +255,20 @@ def check_nvlink_domain(p: Plan) -> None:
 def _check_own_options(p: Plan, foreign: dict[str, str]) -> None:
     """An option that belongs to other backends (its `backends` in spec/options.py) is refused when set, in the
     words of this backend's rules where it has some (`FOREIGN`)."""
-    for name in OPTION_NAMES:
+    for name in _foreign_options(p.backend):
         value = getattr(p, name)
-        if for_backend(name, p.backend) or is_unused(name, value):
+        if is_unused(name, value):
             continue
         if name not in foreign:
             owner = backend_of(option_backends(name)[0])
             raise UserInputError(flag(name), f"is {owner.article} {owner.label} option; use --backend {owner.name}")
         raise UserInputError(flag(name), foreign[name])
+
+
+@functools.cache
+def _foreign_options(backend: str) -> tuple[str, ...]:
+    """The plan options that mean nothing to a backend, in declaration order (asked of every plan resolved)."""
+    return tuple(name for name in OPTION_NAMES if not for_backend(name, backend))
 
 
 def check_sequence_split(p: Plan, model: ModelSpec | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import MEGATRON_LOCAL, MEGATRON_TE, ExecutionPath
-from toolkit.estimate.memory import FP32, layer_params, stage_params
+from toolkit.estimate.memory import FP32, layer_params, stage_model_states
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import exposed_after_backward, exposed_after_cooldown, optimizer_step_s
 from toolkit.spec.cluster import GPU
@@ -31,7 +31,7 @@ def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: 
     dp_group = plan.dp * plan.cp
     link = network.link(dp_group, plan.tp)  # tp is innermost; the dp x cp group sits right above it
     # the experts' share of the first stage's parameters (a frozen base trains adapters only: all dense)
-    expert = 0 if plan.finetune.peft else min(params_total, stage_params(spec, count_params(spec), plan, 0).expert)
+    expert = 0 if plan.finetune.peft else min(params_total, stage_model_states(spec, plan, 0)[0].expert)
     expert_group = plan.dp * plan.cp * plan.tp // (plan.ep * plan.expert_tp)
     groups = ((params_total - expert, dp_group, link),
               (expert, expert_group, network.link(expert_group, plan.ep * plan.expert_tp)))
@@ -63,7 +63,7 @@ def gathered_param_bytes(spec: ModelSpec, plan: Plan, params_total: int) -> floa
     recipe = plan_recipe(plan)
     if not plan.fp8_param_gather or recipe is None:
         return params_total * a
-    gemm = stage_params(spec, count_params(spec), plan, 0).gemm
+    gemm = stage_model_states(spec, plan, 0)[0].gemm
     return (params_total - gemm) * a + gemm * (recipe.element_bytes + recipe.weight_scale_bytes)
 
 
