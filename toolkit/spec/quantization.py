@@ -78,6 +78,9 @@ class QuantRecipe:
     activation_scale_bytes: float  # scale bytes per element of a saved GEMM input
     weight_scale_bytes: float  # scale bytes per element of a quantized weight, in one usage
     peak_keys: tuple[str, ...]  # the catalogue's peak_tflops keys its GEMMs run at, the first the part lists
+    # the oldest Transformer Engine Megatron-Core 0.16.1 builds the recipe with (fp8_utils.get_fp8_recipe: 2.1.0 for
+    # delayed and mxfp8, 2.2.0.dev0 tensorwise, 2.3.0.dev0 blockwise; fp4_utils.get_fp4_recipe: 2.7.0.dev0 nvfp4)
+    te_version: str = "2.1.0"
 
     @property
     def saved_input_bytes(self) -> float:
@@ -92,14 +95,14 @@ class QuantRecipe:
 
 RECIPES: dict[str, QuantRecipe] = {recipe.name: recipe for recipe in (
     # one fp32 scale (and amax history) per tensor: nothing per element
-    QuantRecipe("delayed", FP8, 1.0, 0.0, 0.0, ("fp8",)),
-    QuantRecipe("tensorwise", FP8, 1.0, 0.0, 0.0, ("fp8",)),
+    QuantRecipe("delayed", FP8, 1.0, 0.0, 0.0, ("fp8",), "2.1.0"),
+    QuantRecipe("tensorwise", FP8, 1.0, 0.0, 0.0, ("fp8",), "2.2.0.dev0"),
     # Float8BlockScaling: 1 x 128 blocks of activations, 128 x 128 blocks of weights, fp32 scales
-    QuantRecipe("blockwise", FP8, 1.0, 4 / 128, 4 / (128 * 128), ("fp8",)),
+    QuantRecipe("blockwise", FP8, 1.0, 4 / 128, 4 / (128 * 128), ("fp8",), "2.3.0.dev0"),
     # MXFP8BlockScaling: one E8M0 byte per 32 consecutive elements, in each layout
-    QuantRecipe("mxfp8", FP8, 1.0, 1 / 32, 1 / 32, ("mxfp8", "fp8")),
+    QuantRecipe("mxfp8", FP8, 1.0, 1 / 32, 1 / 32, ("mxfp8", "fp8"), "2.1.0"),
     # NVFP4BlockScaling: two E2M1 values a byte, one E4M3 scale per 16 elements (and one fp32 per tensor)
-    QuantRecipe("nvfp4", FP4, 0.5, 1 / 16, 1 / 16, ("nvfp4",)),
+    QuantRecipe("nvfp4", FP4, 0.5, 1 / 16, 1 / 16, ("nvfp4",), "2.7.0.dev0"),
 )}
 
 
