@@ -50,6 +50,8 @@ def _estimate(capsys, *flags: str) -> tuple[int, list[str]]:
     (("--precision", "fp8", "--fp8-recipe", "mxfp8"), "--fp8-recipe: mxfp8 is Blackwell's (compute capability 10.x); "
                                                       "h100-80gb is compute capability 9.0"),
     (("--precision", "fp4"), "--fp4-recipe: nvfp4 is Blackwell's (compute capability 10.0 or higher); h100-80gb"),
+    (("--precision", "fp4", "--gpu", "mi355x"), "--fp4-recipe: nvfp4 is Blackwell's (compute capability 10.0 or "
+                                                "higher); mi355x is an amd part: use --precision fp8"),
     (("--precision", "fp8", "--fp8-recipe", "blockwise", "--gpu", "l40s"),
      "--fp8-recipe: blockwise needs Transformer Engine's block-scaled GEMM (compute capability 9.0 or higher); l40s"),
     (("--precision", "fp8", "--gpu", "a100-80gb"), "--precision: fp8 needs fp8 tensor cores"),
@@ -67,15 +69,41 @@ def test_each_refusal_is_one_line_naming_the_option(capsys, flags, says):
     assert code == 2 and len(lines) == 1 and says in lines[0], lines
 
 
-@pytest.mark.parametrize("flags", [
-    ("--precision", "fp8", "--fp8-recipe", "blockwise"),  # Hopper has the block-scaled GEMM
-    ("--precision", "fp8", "--fp8-recipe", "mxfp8", "--gpu", "b200"),
-    ("--precision", "fp4", "--gpu", "b200"),
-    ("--precision", "fp8", "--fp8-recipe", "tensorwise", "--gpu", "l40s"),  # Ada: per-tensor fp8
+@pytest.mark.parametrize("gpu, options, peak", [
+    ("h100-80gb", dict(precision="fp8", fp8_recipe="blockwise"), "fp8"),  # Hopper has the block-scaled GEMM
+    ("b200", dict(precision="fp8", fp8_recipe="mxfp8"), "mxfp8"),
+    ("b200", dict(precision="fp4"), "nvfp4"),
+    ("l40s", dict(precision="fp8", fp8_recipe="tensorwise"), "fp8"),  # Ada: per-tensor fp8
 ])
-def test_what_transformer_engine_runs_is_estimated(capsys, flags):
-    code, lines = _estimate(capsys, *flags)
+def test_what_transformer_engine_runs_is_estimated(capsys, gpu, options, peak):
+    """Estimated without a word, and at the recipe's own peak: faster than the same plan in bf16 (B200's fp4 GEMMs at
+    its 9,000 dense TFLOP/s, not bf16's 2,250)."""
+    flags = [f for key, value in options.items() for f in (f"--{key.replace('_', '-')}", value)]
+    code, lines = _estimate(capsys, *flags, "--gpu", gpu)
     assert code == 0 and lines == []
+    model, part = load_model_spec("llama-3.1-8b"), get_gpu(gpu)
+    plan = dict(backend="megatron", tp=2, micro_batch=1, seq_len=8192, distributed_optimizer=True)
+    network = Network.from_catalogue(part, 8)
+    bf16 = step_time(model, resolve_plan(model, 8, **plan), part, network)
+    low = step_time(model, resolve_plan(model, 8, **plan, **options), part, network)
+    assert low.peak_tflops == part.peak_tflops[peak] > part.peak_tflops["bf16"]
+    assert bf16.compute_s / (part.peak_tflops[peak] / part.peak_tflops["bf16"]) < low.compute_s < bf16.compute_s
+
+
+def test_a_part_without_the_recipes_peak_is_refused_not_priced_at_bf16():
+    """A catalogue entry that lists no peak for the plan's GEMMs: one line naming the recipe, never bf16's rate."""
+    from toolkit.errors import UserInputError
+    from toolkit.estimate.device_peak import peak_flops
+    from toolkit.spec.quantization import check_on_gpu
+
+    model, b200 = load_model_spec("llama-3.1-8b"), get_gpu("b200")
+    bare = b200.model_copy(update={"peak_tflops": {k: v for k, v in b200.peak_tflops.items() if k != "nvfp4"}})
+    plan = resolve_plan(model, 8, backend="megatron", tp=2, precision="fp4", distributed_optimizer=True)
+    with pytest.raises(UserInputError, match="b200's catalogue entry has no dense nvfp4 peak for nvfp4's GEMMs"):
+        check_on_gpu(plan, bare)
+    with pytest.raises(UserInputError, match="no dense nvfp4 peak for fp4"):
+        peak_flops(bare, "fp4")
+    check_on_gpu(plan, b200)
 
 
 def test_the_other_backends_refuse_the_recipes(capsys):

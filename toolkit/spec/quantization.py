@@ -117,11 +117,17 @@ def plan_recipe(plan) -> QuantRecipe | None:
 
 def gemm_peak_key(plan, gpu: GPU) -> str | None:
     """The peak_tflops key the plan's GEMMs run at on a GPU: its recipe's, where the part lists it; None for 16- and
-    32-bit plans (their precision's key, spec/cluster.py peak_key)."""
+    32-bit plans (their precision's key, spec/cluster.py peak_key). A part that lists none of the recipe's peaks is
+    refused in one line: pricing its GEMMs at another precision's rate would be a silent guess."""
     recipe = plan_recipe(plan)
     if recipe is None:
         return None
-    return next((key for key in recipe.peak_keys if key in gpu.peak_tflops), recipe.peak_keys[-1])
+    key = next((key for key in recipe.peak_keys if key in gpu.peak_tflops), None)
+    if key is None and not gpu.host:
+        raise UserInputError("--fp4-recipe" if recipe.precision == FP4 else "--fp8-recipe",
+                             f"{gpu.name}'s catalogue entry has no dense {' or '.join(recipe.peak_keys)} peak for "
+                             f"{recipe.name}'s GEMMs (toolkit/presets/gpus.yaml peak_tflops)")
+    return key or recipe.peak_keys[-1]
 
 
 def refuse_on_cpu(precision: str) -> None:
@@ -142,7 +148,8 @@ def check_on_gpu(plan, gpu: GPU) -> None:
         refuse_on_cpu(plan.precision)
     flag = "--fp4-recipe" if recipe.precision == FP4 else "--fp8-recipe"
     cc = capability(gpu)
-    arch = f"compute capability {gpu.compute_capability}" if cc else f"a {gpu.vendor} part"
+    arch = f"compute capability {gpu.compute_capability}" if cc else \
+        f"{'an' if gpu.vendor[:1].lower() in 'aeiou' else 'a'} {gpu.vendor} part"
     if "fp8" not in gpu.peak_tflops:
         raise UserInputError("--precision", f"{plan.precision} needs fp8 tensor cores (compute capability 8.9 or "
                                             f"higher); {gpu.name} has none")
@@ -155,3 +162,4 @@ def check_on_gpu(plan, gpu: GPU) -> None:
     if recipe.name == "nvfp4" and (cc is None or cc < (10, 0)):
         raise UserInputError(flag, f"nvfp4 is Blackwell's (compute capability 10.0 or higher); {gpu.name} is {arch}: "
                                    f"use --precision fp8")
+    gemm_peak_key(plan, gpu)  # a part without the recipe's peak is refused here, before any figure
