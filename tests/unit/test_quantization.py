@@ -220,3 +220,16 @@ def test_a_transformer_engine_check_answers_as_the_recipes_oldest_te():
     assert "transformer-engine>=2.6.0dev0" in problem.message and "taken as 2.2.0.dev0" in problem.message
     config["transformer_config"].update(fp8_recipe="delayed", recompute_modules=["core_attn"])
     assert _library_checks(config) == []
+
+
+@pytest.mark.parametrize("precision, says", [
+    ("fp4", "(Megatron-Core has no fp4 primary weights: the bf16 one stays)"),
+    ("fp8", "(--fp8-param-gather drops the bf16 one)"),
+])
+def test_explain_offers_fp8_param_gather_only_where_it_is_accepted(capsys, precision, says):
+    """--fp8-param-gather is refused with fp4: fp4's --explain names no remedy that would be refused."""
+    capsys.readouterr()
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--backend", "megatron", "--tp", "2",
+                 "--gpu", "b200", "--precision", precision, "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert says in out and ("--fp8-param-gather" in out) is (precision == "fp8")
