@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="toolkit/train.py", description=__doc__)
+    parser = _Parser(prog="toolkit/train.py", description=__doc__, allow_abbrev=False)  # whole option names only
     parser.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",
                         help="train the plan `dmt generate` wrote, with the generated files beside plan.json")
     parser.add_argument("--recipe", type=path_arg, default=None,

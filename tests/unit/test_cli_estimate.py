@@ -227,3 +227,20 @@ def test_hub_id_is_read_through_autoconfig_from_the_local_cache(tmp_path):
     missing = run("acme/not-cached")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert "--model" in missing.stderr and "HF_HUB_OFFLINE" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_an_option_is_never_matched_by_its_prefix(capsys, tmp_path):
+    """`dmt generate` has no --gpu (the recipe names the GPU): argparse's prefix matching took `--gpu gb200` for
+    --gpus-per-node and refused "expects an integer"; every parser of the toolkit matches whole option names."""
+    from helpers import ROOT
+    from toolkit.train import build_parser as train_parser
+
+    recipe = ROOT / "recipes" / "tiny-llama-megatron-cpu.yaml"
+    capsys.readouterr()
+    assert main(["generate", str(recipe), "--out", str(tmp_path / "out"), "--gpu", "gb200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "dmt: error: unrecognized arguments: --gpu gb200" and not (tmp_path / "out").exists()
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--micro", "2"]) == 2
+    assert "unrecognized arguments: --micro 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_parser().parse_args(["--max-step", "3"])

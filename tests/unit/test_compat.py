@@ -363,3 +363,26 @@ def test_the_checker_finds_planted_seams(tmp_path):
                      "_load_from_checkpoint", "_is_overflow", "_get_train_sampler", "_get_eval_sampler", "forward"}
     lines = {(line, name) for line, name, _ in found}
     assert {(21, "_get_train_sampler"), (22, "_get_eval_sampler"), (28, "forward"), (29, "forward")} <= lines
+
+
+def test_te_version_assumed_answers_megatrons_te_checks_without_te():
+    """Without Transformer Engine, TransformerConfig's MoE fp8 check compares None with a Version (TypeError, not a
+    verdict); under te_version_assumed it answers for the stated version, refusing one older than Megatron-Core asks
+    for, and restores the library's function afterwards."""
+    from megatron.core import utils
+    from megatron.core.transformer import transformer_config
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from toolkit.compat.megatron_seams import te_version_assumed
+
+    if utils.get_te_version() is not None:
+        pytest.skip("Transformer Engine is installed: its own version answers")
+    moe_fp8 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, fp8="hybrid")
+    with pytest.raises(TypeError):
+        TransformerConfig(**moe_fp8)
+    original = transformer_config.is_te_min_version
+    with te_version_assumed("2.1.0"):
+        assert TransformerConfig(**moe_fp8).fp8 == "hybrid"
+    with te_version_assumed("1.6.0"), pytest.raises(ValueError, match="transformer-engine>=1.7.0 supports MoE FP8"):
+        TransformerConfig(**moe_fp8)
+    assert transformer_config.is_te_min_version is original

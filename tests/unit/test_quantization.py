@@ -1,16 +1,21 @@
 """fp8 and fp4 plans: the recipes in Megatron-Core's own words, Transformer Engine's hardware rules as one-line
 refusals, and what each recipe stores (weights beside or instead of bf16, GEMM inputs saved in fp8)."""
 
+from pathlib import Path
 from typing import get_args
 
 import pytest
+import yaml
 
+from helpers import ROOT
+from megatron_lm_args import CONNECTIONS_ASSERT
+from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import estimate_memory, stage_params
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import step_time
-from toolkit.spec.cluster import get_gpu
+from toolkit.spec.cluster import capability, get_gpu
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import choices
 from toolkit.spec.plan import resolve_plan
@@ -45,6 +50,8 @@ def _estimate(capsys, *flags: str) -> tuple[int, list[str]]:
     (("--precision", "fp8", "--fp8-recipe", "mxfp8"), "--fp8-recipe: mxfp8 is Blackwell's (compute capability 10.x); "
                                                       "h100-80gb is compute capability 9.0"),
     (("--precision", "fp4"), "--fp4-recipe: nvfp4 is Blackwell's (compute capability 10.0 or higher); h100-80gb"),
+    (("--precision", "fp4", "--gpu", "mi355x"), "--fp4-recipe: nvfp4 is Blackwell's (compute capability 10.0 or "
+                                                "higher); mi355x is an amd part: use --precision fp8"),
     (("--precision", "fp8", "--fp8-recipe", "blockwise", "--gpu", "l40s"),
      "--fp8-recipe: blockwise needs Transformer Engine's block-scaled GEMM (compute capability 9.0 or higher); l40s"),
     (("--precision", "fp8", "--gpu", "a100-80gb"), "--precision: fp8 needs fp8 tensor cores"),
@@ -62,15 +69,41 @@ def test_each_refusal_is_one_line_naming_the_option(capsys, flags, says):
     assert code == 2 and len(lines) == 1 and says in lines[0], lines
 
 
-@pytest.mark.parametrize("flags", [
-    ("--precision", "fp8", "--fp8-recipe", "blockwise"),  # Hopper has the block-scaled GEMM
-    ("--precision", "fp8", "--fp8-recipe", "mxfp8", "--gpu", "b200"),
-    ("--precision", "fp4", "--gpu", "b200"),
-    ("--precision", "fp8", "--fp8-recipe", "tensorwise", "--gpu", "l40s"),  # Ada: per-tensor fp8
+@pytest.mark.parametrize("gpu, options, peak", [
+    ("h100-80gb", dict(precision="fp8", fp8_recipe="blockwise"), "fp8"),  # Hopper has the block-scaled GEMM
+    ("b200", dict(precision="fp8", fp8_recipe="mxfp8"), "mxfp8"),
+    ("b200", dict(precision="fp4"), "nvfp4"),
+    ("l40s", dict(precision="fp8", fp8_recipe="tensorwise"), "fp8"),  # Ada: per-tensor fp8
 ])
-def test_what_transformer_engine_runs_is_estimated(capsys, flags):
-    code, lines = _estimate(capsys, *flags)
+def test_what_transformer_engine_runs_is_estimated(capsys, gpu, options, peak):
+    """Estimated without a word, and at the recipe's own peak: faster than the same plan in bf16 (B200's fp4 GEMMs at
+    its 9,000 dense TFLOP/s, not bf16's 2,250)."""
+    flags = [f for key, value in options.items() for f in (f"--{key.replace('_', '-')}", value)]
+    code, lines = _estimate(capsys, *flags, "--gpu", gpu)
     assert code == 0 and lines == []
+    model, part = load_model_spec("llama-3.1-8b"), get_gpu(gpu)
+    plan = dict(backend="megatron", tp=2, micro_batch=1, seq_len=8192, distributed_optimizer=True)
+    network = Network.from_catalogue(part, 8)
+    bf16 = step_time(model, resolve_plan(model, 8, **plan), part, network)
+    low = step_time(model, resolve_plan(model, 8, **plan, **options), part, network)
+    assert low.peak_tflops == part.peak_tflops[peak] > part.peak_tflops["bf16"]
+    assert bf16.compute_s / (part.peak_tflops[peak] / part.peak_tflops["bf16"]) < low.compute_s < bf16.compute_s
+
+
+def test_a_part_without_the_recipes_peak_is_refused_not_priced_at_bf16():
+    """A catalogue entry that lists no peak for the plan's GEMMs: one line naming the recipe, never bf16's rate."""
+    from toolkit.errors import UserInputError
+    from toolkit.estimate.device_peak import peak_flops
+    from toolkit.spec.quantization import check_on_gpu
+
+    model, b200 = load_model_spec("llama-3.1-8b"), get_gpu("b200")
+    bare = b200.model_copy(update={"peak_tflops": {k: v for k, v in b200.peak_tflops.items() if k != "nvfp4"}})
+    plan = resolve_plan(model, 8, backend="megatron", tp=2, precision="fp4", distributed_optimizer=True)
+    with pytest.raises(UserInputError, match="b200's catalogue entry has no dense nvfp4 peak for nvfp4's GEMMs"):
+        check_on_gpu(plan, bare)
+    with pytest.raises(UserInputError, match="no dense nvfp4 peak for fp4"):
+        peak_flops(bare, "fp4")
+    check_on_gpu(plan, b200)
 
 
 def test_the_other_backends_refuse_the_recipes(capsys):
@@ -132,3 +165,71 @@ def test_fp8_gemms_run_at_the_fp8_peak_and_attention_at_bf16s():
     # the GEMMs twice as fast, attention and the rest not: between the two
     assert bf16.compute_s / 2 < fp8.compute_s < bf16.compute_s
     assert fp8.peak_tflops == gpu.peak_tflops["fp8"]
+
+
+QWEN3_MOE = ROOT / "recipes" / "qwen3-30b-a3b-megatron-gb200-nvl72.yaml"
+# (GPU, precision flags): each recipe on a GPU whose Transformer Engine has its kernels (check_on_gpu)
+MOE_RECIPES = [
+    ("h100-80gb", ("--precision", "fp8", "--fp8-recipe", "delayed")),
+    ("h100-80gb", ("--precision", "fp8", "--fp8-recipe", "tensorwise")),
+    ("h100-80gb", ("--precision", "fp8", "--fp8-recipe", "blockwise")),
+    ("h100-80gb", ("--precision", "fp8", "--fp8-recipe", "tensorwise", "--fp8-param-gather")),
+    ("b200", ("--precision", "fp8", "--fp8-recipe", "mxfp8")),
+    ("b200", ("--precision", "fp4", "--fp4-recipe", "nvfp4")),
+]
+
+
+def _moe_recipe(tmp_path, gpu: str) -> Path:
+    """The Qwen3-30B-A3B MoE recipe on 64 GPUs of one HGX-style part (8 a node, its own NVLink domain)."""
+    recipe = yaml.safe_load(QWEN3_MOE.read_text())
+    recipe["cluster"] = {"gpus": 64, "gpu": gpu}
+    path = tmp_path / f"qwen3-moe-{gpu}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.parametrize("gpu, flags", MOE_RECIPES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+def test_an_moe_plan_in_each_recipe_generates_and_validates(tmp_path, capsys, gpu, flags):
+    """Megatron-Core 0.16.1's TransformerConfig checks Transformer Engine's version for MoE fp8; without TE (here)
+    `dmt validate` answers that check as the oldest TE Megatron-Core builds the recipe with, instead of failing on
+    None >= Version. Megatron-LM's parser table (tests/megatron_lm_args.py) accepts every flag written."""
+    out = tmp_path / "out"
+    assert main(["generate", str(_moe_recipe(tmp_path, gpu)), "--out", str(out), *flags]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(out)]) == 0, capsys.readouterr().err
+    args = (out / "megatron_args.txt").read_text()
+    assert megatron_lm_problems(args) == []
+    tc = yaml.safe_load((out / "megatron.yaml").read_text())["transformer_config"]
+    precision, recipe = flags[1], flags[3]
+    assert tc["num_moe_experts"] and tc[f"{precision}_recipe"] == recipe and f"--{precision}-recipe {recipe}" in args
+    assert ("--fp8-param-gather" in args.splitlines()) is ("--fp8-param-gather" in flags)
+    if capability(get_gpu(gpu)) < (10, 0):  # validate_args: TP before Blackwell needs one connection per device
+        assert CONNECTIONS_ASSERT in (out / "launch.sh").read_text()
+
+
+def test_a_transformer_engine_check_answers_as_the_recipes_oldest_te():
+    """The assumed version is the recipe's oldest: a Megatron-Core check that needs a newer TE still refuses, and
+    says which version it assumed (tensorwise 2.2 with moe_act recomputed, which needs TE 2.6)."""
+    from toolkit.validate.megatron import _library_checks
+
+    config = {"transformer_config": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_grouped_gemm=True,
+                                         bf16=True, fp8="hybrid", fp8_recipe="tensorwise", recompute_granularity=
+                                         "selective", recompute_modules=["moe_act"]),
+              "ddp_config": {}, "optimizer_config": {"optimizer": "adam", "lr": 1e-4}}
+    [problem] = _library_checks(config)
+    assert "transformer-engine>=2.6.0dev0" in problem.message and "taken as 2.2.0.dev0" in problem.message
+    config["transformer_config"].update(fp8_recipe="delayed", recompute_modules=["core_attn"])
+    assert _library_checks(config) == []
+
+
+@pytest.mark.parametrize("precision, says", [
+    ("fp4", "(Megatron-Core has no fp4 primary weights: the bf16 one stays)"),
+    ("fp8", "(--fp8-param-gather drops the bf16 one)"),
+])
+def test_explain_offers_fp8_param_gather_only_where_it_is_accepted(capsys, precision, says):
+    """--fp8-param-gather is refused with fp4: fp4's --explain names no remedy that would be refused."""
+    capsys.readouterr()
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--backend", "megatron", "--tp", "2",
+                 "--gpu", "b200", "--precision", precision, "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert says in out and ("--fp8-param-gather" in out) is (precision == "fp8")

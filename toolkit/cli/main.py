@@ -44,6 +44,11 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line, with exit code 2; built with `exit_on_error=False` (a verb's
     parser in `dmt explore`), it raises the error instead (see parse_arguments)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        # options are matched whole, never by prefix: `--gpu gb200` to a verb without --gpu is not --gpus-per-node
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         if not self.exit_on_error:
             raise UsageError(None, message)

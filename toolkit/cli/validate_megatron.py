@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.cli.validate_megatron", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m toolkit.cli.validate_megatron", description=__doc__,
+                                     allow_abbrev=False)
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))

@@ -34,6 +34,13 @@ SEAMS = [
     Seam("megatron-core", "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
          "the clipping ChainedOptimizer.step applies per optimizer, called by chained_step with its keywords",
          parameters=("parameters", "max_norm", "total_norm", "use_decoupled_grad")),
+    Seam("megatron-core", "megatron.core.transformer.transformer_config.is_te_min_version",
+         "TransformerConfig.__post_init__ compares Transformer Engine's version for MoE fp8 (and a few options) "
+         "through this name, which raises TypeError without TE (None >= Version): answered for a stated version "
+         "while `dmt validate` constructs the config on a machine without TE (te_version_assumed)",
+         parameters=("version", "check_equality")),
+    Seam("megatron-core", "megatron.core.transformer.transformer_config.get_te_version",
+         "named in the same checks' messages: answers the assumed version beside is_te_min_version"),
 ]
 
 
@@ -45,6 +52,32 @@ def moe_without_transformer_engine() -> None:
 
     if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+@contextlib.contextmanager
+def te_version_assumed(version: str | None):
+    """While a TransformerConfig is constructed without Transformer Engine installed (`dmt validate` on a CPU
+    machine), its version checks answer as if TE `version` were installed; where TE is installed, or `version` is
+    None, nothing changes. Megatron-Core 0.16.1's __post_init__ calls is_te_min_version for MoE fp8 (1.7.0.dev0,
+    1.11.0 with grouped GEMM) and compares None with a Version without TE: a TypeError, not a verdict."""
+    from megatron.core import utils
+    from megatron.core.transformer import transformer_config
+    from packaging.version import Version
+
+    if version is None or utils.get_te_version() is not None:
+        yield
+        return
+    assumed = Version(version)
+
+    def is_te_min_version(version, check_equality=True):
+        return assumed >= Version(version) if check_equality else assumed > Version(version)
+
+    saved = transformer_config.is_te_min_version, transformer_config.get_te_version
+    transformer_config.is_te_min_version, transformer_config.get_te_version = is_te_min_version, lambda: assumed
+    try:
+        yield
+    finally:
+        transformer_config.is_te_min_version, transformer_config.get_te_version = saved
 
 
 def _torch_adam_inners(optimizer) -> list:

@@ -14,6 +14,7 @@ import os
 import time
 from functools import lru_cache
 
+from toolkit.errors import UserInputError
 from toolkit.spec.cluster import GPU, peak_key
 
 log = logging.getLogger(__name__)
@@ -92,4 +93,7 @@ def peak_flops(gpu: GPU, precision: str, ranks_per_node: int = 1, key: str | Non
     if gpu.host:
         tflops = gpu.peak_tflops.get(key) or host_matmul_tflops(key)
         return tflops * 1e12 / max(1, ranks_per_node)
-    return gpu.peak_tflops.get(key, gpu.peak_tflops["bf16"]) * 1e12
+    if key not in gpu.peak_tflops:  # never another precision's rate in its place
+        raise UserInputError("--precision", f"{gpu.name}'s catalogue entry has no dense {key} peak for {precision} "
+                                            f"(toolkit/presets/gpus.yaml peak_tflops)")
+    return gpu.peak_tflops[key] * 1e12

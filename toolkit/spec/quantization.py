@@ -78,6 +78,9 @@ class QuantRecipe:
     activation_scale_bytes: float  # scale bytes per element of a saved GEMM input
     weight_scale_bytes: float  # scale bytes per element of a quantized weight, in one usage
     peak_keys: tuple[str, ...]  # the catalogue's peak_tflops keys its GEMMs run at, the first the part lists
+    # the oldest Transformer Engine Megatron-Core 0.16.1 builds the recipe with (fp8_utils.get_fp8_recipe: 2.1.0 for
+    # delayed and mxfp8, 2.2.0.dev0 tensorwise, 2.3.0.dev0 blockwise; fp4_utils.get_fp4_recipe: 2.7.0.dev0 nvfp4)
+    te_version: str = "2.1.0"
 
     @property
     def saved_input_bytes(self) -> float:
@@ -92,14 +95,14 @@ class QuantRecipe:
 
 RECIPES: dict[str, QuantRecipe] = {recipe.name: recipe for recipe in (
     # one fp32 scale (and amax history) per tensor: nothing per element
-    QuantRecipe("delayed", FP8, 1.0, 0.0, 0.0, ("fp8",)),
-    QuantRecipe("tensorwise", FP8, 1.0, 0.0, 0.0, ("fp8",)),
+    QuantRecipe("delayed", FP8, 1.0, 0.0, 0.0, ("fp8",), "2.1.0"),
+    QuantRecipe("tensorwise", FP8, 1.0, 0.0, 0.0, ("fp8",), "2.2.0.dev0"),
     # Float8BlockScaling: 1 x 128 blocks of activations, 128 x 128 blocks of weights, fp32 scales
-    QuantRecipe("blockwise", FP8, 1.0, 4 / 128, 4 / (128 * 128), ("fp8",)),
+    QuantRecipe("blockwise", FP8, 1.0, 4 / 128, 4 / (128 * 128), ("fp8",), "2.3.0.dev0"),
     # MXFP8BlockScaling: one E8M0 byte per 32 consecutive elements, in each layout
-    QuantRecipe("mxfp8", FP8, 1.0, 1 / 32, 1 / 32, ("mxfp8", "fp8")),
+    QuantRecipe("mxfp8", FP8, 1.0, 1 / 32, 1 / 32, ("mxfp8", "fp8"), "2.1.0"),
     # NVFP4BlockScaling: two E2M1 values a byte, one E4M3 scale per 16 elements (and one fp32 per tensor)
-    QuantRecipe("nvfp4", FP4, 0.5, 1 / 16, 1 / 16, ("nvfp4",)),
+    QuantRecipe("nvfp4", FP4, 0.5, 1 / 16, 1 / 16, ("nvfp4",), "2.7.0.dev0"),
 )}
 
 
@@ -114,11 +117,17 @@ def plan_recipe(plan) -> QuantRecipe | None:
 
 def gemm_peak_key(plan, gpu: GPU) -> str | None:
     """The peak_tflops key the plan's GEMMs run at on a GPU: its recipe's, where the part lists it; None for 16- and
-    32-bit plans (their precision's key, spec/cluster.py peak_key)."""
+    32-bit plans (their precision's key, spec/cluster.py peak_key). A part that lists none of the recipe's peaks is
+    refused in one line: pricing its GEMMs at another precision's rate would be a silent guess."""
     recipe = plan_recipe(plan)
     if recipe is None:
         return None
-    return next((key for key in recipe.peak_keys if key in gpu.peak_tflops), recipe.peak_keys[-1])
+    key = next((key for key in recipe.peak_keys if key in gpu.peak_tflops), None)
+    if key is None and not gpu.host:
+        raise UserInputError("--fp4-recipe" if recipe.precision == FP4 else "--fp8-recipe",
+                             f"{gpu.name}'s catalogue entry has no dense {' or '.join(recipe.peak_keys)} peak for "
+                             f"{recipe.name}'s GEMMs (toolkit/presets/gpus.yaml peak_tflops)")
+    return key or recipe.peak_keys[-1]
 
 
 def refuse_on_cpu(precision: str) -> None:
@@ -139,7 +148,8 @@ def check_on_gpu(plan, gpu: GPU) -> None:
         refuse_on_cpu(plan.precision)
     flag = "--fp4-recipe" if recipe.precision == FP4 else "--fp8-recipe"
     cc = capability(gpu)
-    arch = f"compute capability {gpu.compute_capability}" if cc else f"a {gpu.vendor} part"
+    arch = f"compute capability {gpu.compute_capability}" if cc else \
+        f"{'an' if gpu.vendor[:1].lower() in 'aeiou' else 'a'} {gpu.vendor} part"
     if "fp8" not in gpu.peak_tflops:
         raise UserInputError("--precision", f"{plan.precision} needs fp8 tensor cores (compute capability 8.9 or "
                                             f"higher); {gpu.name} has none")
@@ -152,3 +162,4 @@ def check_on_gpu(plan, gpu: GPU) -> None:
     if recipe.name == "nvfp4" and (cc is None or cc < (10, 0)):
         raise UserInputError(flag, f"nvfp4 is Blackwell's (compute capability 10.0 or higher); {gpu.name} is {arch}: "
                                    f"use --precision fp8")
+    gemm_peak_key(plan, gpu)  # a part without the recipe's peak is refused here, before any figure

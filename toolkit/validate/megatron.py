@@ -9,6 +9,7 @@ import difflib
 import inspect
 from pathlib import Path
 
+from toolkit.compat.megatron_seams import te_version_assumed
 from toolkit.errors import UserInputError
 from toolkit.families.activations import MEGATRON_ACTIVATIONS
 from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS, library_kwargs
@@ -19,6 +20,7 @@ from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import RECOMPUTE_MODULES, TRANSFORMER_IMPLS
 from toolkit.spec.plan import resolve_plan
+from toolkit.spec.quantization import DEFAULT_RECIPE, FP4, FP8, RECIPES
 from toolkit.validate import Problem
 from toolkit.validate.megatron_fields import DATA_KEYS, MODEL_TYPES, SCHEDULE_KEYS, SCHEDULE_OPTIONAL, field_problems
 
@@ -302,16 +304,33 @@ def _library_checks(config: dict) -> list[Problem]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     problems = []
+    te_version = _assumed_te_version(config[TC])
     for section, cls in ((TC, TransformerConfig), ("ddp_config", DistributedDataParallelConfig),
                          ("optimizer_config", OptimizerConfig)):
         try:
-            cls(**library_kwargs(section, config[section]))
+            with te_version_assumed(te_version):
+                cls(**library_kwargs(section, config[section]))
         except (ValueError, AssertionError, TypeError, AttributeError) as exc:
             text = " ".join(str(exc).split()) or type(exc).__name__
+            if te_version and section == TC and ("transformer-engine" in text or "TE " in text):
+                text += (f" (Transformer Engine is not installed here: taken as {te_version}, the oldest Megatron-Core "
+                         f"builds this recipe with; on the GPU the installed one decides)")
             named = [k for k in sorted(config[section], key=len, reverse=True) if k in text]
             key = f"{section}.{min(named, key=text.index)}" if named else section
             problems.append(Problem(key, f"Megatron-Core's {cls.__name__} rejects it: {text}"))
     return problems
+
+
+def _assumed_te_version(tc: dict) -> str | None:
+    """The Transformer Engine version TransformerConfig's checks assume where TE is absent (te_version_assumed): the
+    oldest one Megatron-Core builds the file's fp8 / fp4 recipe with, so that a check passes only if every TE able to
+    run the recipe passes it (MoE fp8's TE >= 1.7 and grouped GEMM's >= 1.11 do). None (nothing assumed) for 16- and
+    32-bit plans and recipes outside the plan's choices."""
+    precision = FP8 if tc.get("fp8") else FP4 if tc.get("fp4") else None
+    if precision is None:
+        return None
+    recipe = RECIPES.get(tc.get(f"{precision}_recipe") or DEFAULT_RECIPE[precision])
+    return recipe.te_version if recipe is not None and recipe.precision == precision else None
 
 
 def validate_megatron_config(config: dict, world_size: int | None = None) -> list[Problem]:

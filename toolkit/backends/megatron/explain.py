@@ -32,9 +32,11 @@ def weights(plan: Plan) -> tuple[str | None, str | None]:
         return (f"the GEMM weights themselves in fp8 (--fp8-param-gather: no bf16 copy), {copy}; bf16 norms and "
                 f"embeddings", f"the GEMM weights cost {recipe.weight_copy_bytes:.3g} B/param instead of 2 + "
                               f"{recipe.weight_copy_bytes:.3g}: the fp32 master in the optimizer is the only other copy")
+    remedy = "--fp8-param-gather drops the bf16 one" if plan.precision == "fp8" else \
+        "Megatron-Core has no fp4 primary weights: the bf16 one stays"
     return (f"bf16 parameters, plus {copy}", f"{plan.precision} keeps the bf16 weights beside their {recipe.name} "
                                              f"copies: {recipe.weight_copy_bytes:.3g} B per GEMM weight more "
-                                             f"(--fp8-param-gather drops the bf16 one)")
+                                             f"({remedy})")
 
 
 def gradients(plan: Plan) -> tuple[str, str]:

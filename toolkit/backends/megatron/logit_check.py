@@ -163,7 +163,7 @@ def run_check(hf_dir: Path, ckpt: Path, tp: int = 1, pp: int = 1, tolerance: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.backends.megatron.logit_check")
+    parser = argparse.ArgumentParser(prog="python -m toolkit.backends.megatron.logit_check", allow_abbrev=False)
     parser.add_argument("--hf-dir", type=Path, required=True)
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
