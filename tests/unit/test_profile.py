@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import tiny_prediction, write_run
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError
-from toolkit.report.breakdown import largest_gap, stragglers
+from toolkit.report.breakdown import ESTIMATOR_LABELS, estimator_terms, largest_gap, ratio_words, stragglers
 from toolkit.runtime.incident import analyse_collectives
 from toolkit.runtime.profile import DATA, OPTIMIZER, TERMS, StepProfiler, parse_step_range
 from toolkit.spec.recipe import load_recipe
@@ -135,6 +136,74 @@ def test_the_largest_gap_is_one_sentence():
     assert "does not model" in largest_gap(_terms(data_wait_s=0.9), {**predicted, "communication_exposed_s": 0.0,
                                                                       "compute_s": 0.0, "optimizer_s": 0.0})
     assert largest_gap(measured, None) is None
+
+
+def _prediction(**terms) -> dict:
+    """A prediction's terms (StepTime's): zero but for `terms`."""
+    return {**dict.fromkeys(ESTIMATOR_LABELS, 0.0), **terms}
+
+
+def test_the_gap_is_named_by_the_estimators_own_term_where_one_stands_behind_it():
+    measured = _terms(compute_s=0.2, communication_exposed_s=0.42, optimizer_s=0.05)
+    prediction = _prediction(compute_s=0.2, dp_comm_s=0.2, optimizer_s=0.05)
+    predicted = {"compute_s": 0.2, "communication_exposed_s": 0.2, "optimizer_s": 0.05, "data_wait_s": None,
+                 "checkpoint_s": None, "idle_s": 0.0}
+    terms = estimator_terms(prediction)
+    assert terms["dp_comm_s"] == {"label": "exposed data-parallel communication", "predicted_s": 0.2,
+                                  "measured_as": "communication_exposed_s"}
+    assert set(terms) == set(ESTIMATOR_LABELS)
+    assert largest_gap(measured, predicted, terms) == ("largest gap: exposed data-parallel communication 2.1x "
+                                                       "predicted (0.42 s measured, 0.2 s predicted)")
+    # several predicted communication terms: the measured one is their sum, the largest named as the likely one
+    terms = estimator_terms(_prediction(compute_s=0.2, tp_comm_s=0.05, dp_comm_s=0.15, optimizer_s=0.05))
+    sentence = largest_gap(measured, predicted, terms)
+    assert sentence.startswith("largest gap: exposed communication 2.1x predicted (0.42 s measured, 0.2 s predicted)")
+    assert "largest of which is exposed data-parallel communication (0.15 s of the 0.2 s predicted)" in sentence
+
+
+def test_a_measured_term_below_the_prediction_is_worded_as_a_fraction_never_0x():
+    assert ratio_words(0.0786, 6.53) == "83x below predicted (at 1.2% of it)"
+    assert ratio_words(0.8, 1.0) == "1.2x below predicted (at 80% of it)"
+    assert ratio_words(0.001, 10.0) == "10000x below predicted (at 0.01% of it)"
+    assert ratio_words(0.42, 0.2) == "2.1x predicted" and ratio_words(25.0, 1.0) == "25x predicted"
+    measured = _terms(compute_s=0.0786)
+    predicted = {"compute_s": 6.53, "communication_exposed_s": 0.0, "optimizer_s": 0.0, "data_wait_s": None,
+                 "checkpoint_s": None, "idle_s": 0.0}
+    sentence = largest_gap(measured, predicted, estimator_terms(_prediction(compute_s=6.53)))
+    assert sentence == ("largest gap: compute 83x below predicted (at 1.2% of it) (0.0786 s measured, "
+                        "6.53 s predicted)")
+    assert "0.0x" not in sentence
+
+
+def _profiled_run(tmp_path, step_time_breakdown_s: dict) -> Path:
+    """A run directory with run_plan.json (the tiny recipe's prediction with these terms) and two ranks' profiled
+    steps as train.py writes them, rank 1 slower by compute."""
+    prediction = tiny_prediction()
+    prediction["step_time_breakdown_s"] = {**prediction["step_time_breakdown_s"], **step_time_breakdown_s}
+    run = write_run(tmp_path / "run", prediction)
+    (run / "profile" / "breakdown").mkdir(parents=True)
+    for rank, (step_s, compute, communication) in enumerate(((0.8, 0.2, 0.5), (0.85, 0.5, 0.25))):
+        steps = [{"step": step, **_terms(step_s=step_s, compute_s=compute, communication_exposed_s=communication,
+                                         optimizer_s=0.05, idle_s=0.05)} for step in (2, 3)]
+        (run / "profile" / "breakdown" / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+    return run
+
+
+def test_report_breakdown_shows_the_estimators_terms_and_the_per_rank_spread(tmp_path, capsys):
+    run = _profiled_run(tmp_path, _prediction(compute_s=0.3, dp_comm_s=0.1, optimizer_s=0.05))
+    assert main(["report", str(run), "--breakdown", "--json"]) == 0
+    breakdown = json.loads(capsys.readouterr().out)["runs"][0]["breakdown"]
+    assert breakdown["predicted"]["communication_exposed_s"] == pytest.approx(0.1)  # the merged terms stay
+    assert breakdown["predicted_terms"]["dp_comm_s"]["predicted_s"] == pytest.approx(0.1)
+    assert breakdown["predicted_terms"]["bubble_s"]["measured_as"] == "idle_s"
+    assert breakdown["gap"].startswith("largest gap: exposed data-parallel communication 3.8x predicted"), breakdown
+    assert breakdown["stragglers"]["spread_s"]["compute_s"] == pytest.approx(0.3)
+    assert main(["report", str(run), "--breakdown"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "│ exposed data-parallel communication │ 0.1 │ exposed communication │ 0.375 │" in text, text
+    assert "pipeline bubble" not in text  # predicted 0: in the JSON, not the table
+    assert "per-rank spread" in text and "step 0.05 s, most in compute (0.3 s)" in text, text
+    assert "slowest rank: 1, by compute" in text
 
 
 def test_report_breakdown_of_a_run_without_profiled_steps_says_so(tmp_path, capsys):
