@@ -11,7 +11,14 @@ import yaml
 from helpers import tiny_prediction, write_run
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError
-from toolkit.report.breakdown import ESTIMATOR_LABELS, estimator_terms, largest_gap, ratio_words, stragglers
+from toolkit.report.breakdown import (
+    ESTIMATOR_LABELS,
+    estimator_terms,
+    largest_gap,
+    ratio_words,
+    read_breakdown,
+    stragglers,
+)
 from toolkit.runtime.incident import analyse_collectives
 from toolkit.runtime.profile import DATA, OPTIMIZER, TERMS, StepProfiler, parse_step_range
 from toolkit.spec.recipe import load_recipe
@@ -204,6 +211,48 @@ def test_report_breakdown_shows_the_estimators_terms_and_the_per_rank_spread(tmp
     assert "pipeline bubble" not in text  # predicted 0: in the JSON, not the table
     assert "per-rank spread" in text and "step 0.05 s, most in compute (0.3 s)" in text, text
     assert "slowest rank: 1, by compute" in text
+
+
+def _kineto_trace(directory: Path, rank: int) -> None:
+    """A Kineto GPU trace as torch.profiler writes it, built to known figures: two profiled steps of 1000 us, in each
+    a GEMM at 0-400 us, an NCCL all-reduce on its own stream at 300-600 us (100 us under the GEMM) and a memory copy
+    at 600-650 us, then nothing: per step the GPU computes 450 us (GEMM and copy), communicates 300 us (100
+    overlapped, 200 exposed) and idles 350 us."""
+    kernels = (("ampere_sgemm_128x64_nn", "kernel", 7, 0, 400),
+               ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 20, 300, 300),
+               ("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 7, 600, 50))
+    events = []
+    for index, start in enumerate((1000, 2000)):
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{index + 2}", "pid": 1, "tid": 1,
+                       "ts": start, "dur": 1000, "args": {}})
+        for number, (name, category, stream, offset, duration) in enumerate(kernels):
+            correlation = 100 * index + number + 1
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                           "ts": start + 1 + number, "dur": 1, "args": {"correlation": correlation}})
+            events.append({"ph": "X", "cat": category, "name": name, "pid": 0, "tid": stream, "ts": start + offset,
+                           "dur": duration, "args": {"stream": stream, "correlation": correlation, "device": 0}})
+    body = {"distributedInfo": {"rank": rank, "world_size": 2}, "traceEvents": events}
+    (directory / f"rank{rank}.2.pt.trace.json").write_text(json.dumps(body))
+
+
+def test_gpu_traces_are_split_by_holistic_trace_analysis_as_constructed(tmp_path):
+    breakdown_dir = tmp_path / "profile" / "breakdown"
+    breakdown_dir.mkdir(parents=True)
+    for rank, data_wait in ((0, 0.0), (1, 1e-4)):  # rank 1's host waits 100 us for data, the GPU idle meanwhile
+        _kineto_trace(tmp_path / "profile", rank)
+        steps = [{"step": step, **_terms(step_s=1e-3, compute_s=1e-3, data_wait_s=data_wait)} for step in (2, 3)]
+        (breakdown_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "device": "cuda", "steps": steps}))
+    breakdown = read_breakdown(tmp_path, None)
+    assert breakdown["source"].startswith("Holistic Trace Analysis")
+    rows = {(row["step"], row["rank"]): row for row in breakdown["steps"]}
+    assert sorted(rows) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    close = {"rel": 1e-3}  # HTA rounds its overlap to 0.01%
+    for row in rows.values():
+        assert row["communication_exposed_s"] == pytest.approx(200e-6, **close)  # the copy is not communication
+        assert row["communication_overlapped_s"] == pytest.approx(100e-6, **close)
+        assert row["compute_s"] == pytest.approx(450e-6, **close)  # the GEMM's 400 us and the copy's 50 us
+        assert row["idle_s"] == pytest.approx(350e-6 - row["data_wait_s"])  # HTA's idle, less the host's wait
+        assert sum(row[t] for t in TERMS) == pytest.approx(row["step_s"])
 
 
 def test_report_breakdown_of_a_run_without_profiled_steps_says_so(tmp_path, capsys):

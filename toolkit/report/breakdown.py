@@ -176,14 +176,21 @@ def spread_sentence(stragglers_: dict) -> str | None:
 
 
 def with_hta(directory: Path, recorded: list[dict]) -> list[dict]:
-    """GPU traces: compute, exposed and overlapped communication from Holistic Trace Analysis (its temporal breakdown
-    and communication/computation overlap over each rank's trace), shared out per profiled step; idle is what the
-    step leaves (so the terms still add up to it)."""
+    """GPU traces, from Holistic Trace Analysis over each rank's whole recording, shared out evenly per profiled step:
+    communication is its communication kernels' time (get_gpu_kernel_breakdown: NCCL kernels, never memory copies
+    or sets), overlapped by its communication/computation overlap, the rest exposed; idle is its temporal
+    breakdown's idle time (gaps between kernels) plus the recorded steps' time outside its first to last kernel;
+    compute is the rest of the kernel span (computation kernels, and memory copies or sets under no computation).
+    These partition the steps. The host terms (data wait, optimizer, checkpoint) come from the events; the GPU is
+    taken to idle through them (the host fetching data, checkpointing or stepping the optimizer), so they are taken
+    out of idle, and what exceeds idle out of compute: the terms still add up to the step."""
     from hta.trace_analysis import TraceAnalysis  # lazy: hta
 
     analysis = TraceAnalysis(trace_dir=str(directory), include_last_profiler_step=True)  # every step
     temporal = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
     overlap = analysis.get_comm_comp_overlap(visualize=False).set_index("rank")
+    _, kernels = analysis.get_gpu_kernel_breakdown(visualize=False, include_memory_kernels=True)
+    communication_us = kernels[kernels["kernel_type"] == "COMMUNICATION"].groupby("rank")["sum (us)"].sum()
     updated = []
     for rank in recorded:
         steps = rank.get("steps", [])
@@ -191,16 +198,21 @@ def with_hta(directory: Path, recorded: list[dict]) -> list[dict]:
             updated.append(rank)
             continue
         share = 1e-6 / len(steps)  # HTA's microseconds over the whole recording -> seconds per step
-        compute = float(temporal.loc[rank["rank"], "compute_time(us)"]) * share
-        communication = float(temporal.loc[rank["rank"], "non_compute_time(us)"]) * share
-        overlapped = communication * float(overlap.loc[rank["rank"], "comp_comm_overlap_pctg"] or 0.0) / 100 \
+        row = temporal.loc[rank["rank"]]
+        communication = float(communication_us.get(rank["rank"], 0.0)) * share
+        ratio = float(overlap.loc[rank["rank"], "comp_comm_overlap_pctg"] or 0.0) / 100 \
             if rank["rank"] in overlap.index else 0.0
+        overlapped = communication * ratio
+        exposed = communication - overlapped
+        busy = float(row["kernel_time(us)"] - row["idle_time(us)"]) * share
+        outside = max(sum(step["step_s"] for step in steps) - float(row["kernel_time(us)"]) * 1e-6, 0.0) / len(steps)
+        gpu_idle = float(row["idle_time(us)"]) * share + outside
+        compute = max(busy - exposed, 0.0)
         new_steps = []
         for step in steps:
-            host = {t: step[t] for t in ("data_wait_s", "optimizer_s", "checkpoint_s")}
-            exposed = max(communication - overlapped, 0.0)
-            used = min(compute + exposed + sum(host.values()), step["step_s"])
-            new_steps.append({**step, "compute_s": compute, "communication_exposed_s": exposed,
-                              "communication_overlapped_s": overlapped, "idle_s": step["step_s"] - used})
+            host = sum(step[t] for t in ("data_wait_s", "optimizer_s", "checkpoint_s"))
+            new_steps.append({**step, "compute_s": max(compute - max(host - gpu_idle, 0.0), 0.0),
+                              "communication_exposed_s": exposed, "communication_overlapped_s": overlapped,
+                              "idle_s": max(gpu_idle - host, 0.0)})
         updated.append({**rank, "steps": new_steps})
     return updated
