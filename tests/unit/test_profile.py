@@ -19,6 +19,7 @@ from toolkit.report.breakdown import (
     read_breakdown,
     stragglers,
 )
+from toolkit.report.plot import predicted_by
 from toolkit.runtime.incident import analyse_collectives
 from toolkit.runtime.profile import DATA, OPTIMIZER, TERMS, StepProfiler, parse_step_range
 from toolkit.spec.recipe import load_recipe
@@ -211,6 +212,10 @@ def test_report_breakdown_shows_the_estimators_terms_and_the_per_rank_spread(tmp
     assert "pipeline bubble" not in text  # predicted 0: in the JSON, not the table
     assert "per-rank spread" in text and "step 0.05 s, most in compute (0.3 s)" in text, text
     assert "slowest rank: 1, by compute" in text
+    plot = tmp_path / "breakdown.png"
+    assert main(["report", str(run), "--breakdown", "--plot", str(plot)]) == 0 and plot.stat().st_size > 0
+    assert predicted_by(breakdown, "communication_exposed_s") == "exposed data-parallel communication 0.1"
+    assert predicted_by(breakdown, "data_wait_s") == ""
 
 
 def _kineto_trace(directory: Path, rank: int) -> None:
