@@ -160,7 +160,8 @@ def run_case(name: str, work: Path, corpus: Path, gpu: str, steps: int, profile:
                                 cwd=REPO, capture_output=True, text=True)
         if report.returncode == 0:
             breakdown = json.loads(report.stdout)["runs"][0]["breakdown"] or {}
-            result["breakdown"] = {k: breakdown.get(k) for k in ("source", "measured", "predicted", "gap", "steps")}
+            result["breakdown"] = {k: breakdown.get(k) for k in ("source", "measured", "predicted", "predicted_terms",
+                                                                 "gap", "stragglers", "steps")}
         else:
             result["breakdown_error"] = (report.stdout + report.stderr)[-2000:]
     for checkpoint in out.glob("checkpoint-*"):  # tens of GB; metrics.jsonl and run_plan.json stay for calibrate

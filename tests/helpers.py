@@ -450,5 +450,11 @@ def assert_profiled(out: Path, ranks=(0, 1)) -> dict:
         terms = sum(row[t] for t in PROFILE_TERMS)
         assert abs(terms - row["step_s"]) <= 0.1 * row["step_s"], row
         assert 0 < terms - row["idle_s"] <= row["step_s"] * (1 + 1e-9) and row["compute_s"] > 0, row
+    logged = {record["step"]: record.get("step_time_s")
+              for record in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in record}
+    for row in (r for r in rows if r["rank"] == 0):
+        terms, step_time = sum(row[t] for t in PROFILE_TERMS), logged.get(row["step"])
+        assert step_time is not None and abs(terms - step_time) <= 0.1 * step_time, (row, step_time)
     assert breakdown["predicted"] is not None and breakdown["gap"].startswith("largest gap: "), breakdown
+    assert set(breakdown["predicted_terms"]) >= {"compute_s", "dp_comm_s", "bubble_s", "optimizer_s"}, breakdown
     return breakdown

@@ -8,9 +8,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import tiny_prediction, write_run
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError
-from toolkit.report.breakdown import largest_gap, stragglers
+from toolkit.report.breakdown import (
+    ESTIMATOR_LABELS,
+    estimator_terms,
+    largest_gap,
+    ratio_words,
+    read_breakdown,
+    stragglers,
+)
+from toolkit.report.plot import predicted_by
 from toolkit.runtime.incident import analyse_collectives
 from toolkit.runtime.profile import DATA, OPTIMIZER, TERMS, StepProfiler, parse_step_range
 from toolkit.spec.recipe import load_recipe
@@ -135,6 +144,120 @@ def test_the_largest_gap_is_one_sentence():
     assert "does not model" in largest_gap(_terms(data_wait_s=0.9), {**predicted, "communication_exposed_s": 0.0,
                                                                       "compute_s": 0.0, "optimizer_s": 0.0})
     assert largest_gap(measured, None) is None
+
+
+def _prediction(**terms) -> dict:
+    """A prediction's terms (StepTime's): zero but for `terms`."""
+    return {**dict.fromkeys(ESTIMATOR_LABELS, 0.0), **terms}
+
+
+def test_the_gap_is_named_by_the_estimators_own_term_where_one_stands_behind_it():
+    measured = _terms(compute_s=0.2, communication_exposed_s=0.42, optimizer_s=0.05)
+    prediction = _prediction(compute_s=0.2, dp_comm_s=0.2, optimizer_s=0.05)
+    predicted = {"compute_s": 0.2, "communication_exposed_s": 0.2, "optimizer_s": 0.05, "data_wait_s": None,
+                 "checkpoint_s": None, "idle_s": 0.0}
+    terms = estimator_terms(prediction)
+    assert terms["dp_comm_s"] == {"label": "exposed data-parallel communication", "predicted_s": 0.2,
+                                  "measured_as": "communication_exposed_s"}
+    assert set(terms) == set(ESTIMATOR_LABELS)
+    assert largest_gap(measured, predicted, terms) == ("largest gap: exposed data-parallel communication 2.1x "
+                                                       "predicted (0.42 s measured, 0.2 s predicted)")
+    # several predicted communication terms: the measured one is their sum, the largest named as the likely one
+    terms = estimator_terms(_prediction(compute_s=0.2, tp_comm_s=0.05, dp_comm_s=0.15, optimizer_s=0.05))
+    sentence = largest_gap(measured, predicted, terms)
+    assert sentence.startswith("largest gap: exposed communication 2.1x predicted (0.42 s measured, 0.2 s predicted)")
+    assert "largest of which is exposed data-parallel communication (0.15 s of the 0.2 s predicted)" in sentence
+
+
+def test_a_measured_term_below_the_prediction_is_worded_as_a_fraction_never_0x():
+    assert ratio_words(0.0786, 6.53) == "83x below predicted (at 1.2% of it)"
+    assert ratio_words(0.8, 1.0) == "1.2x below predicted (at 80% of it)"
+    assert ratio_words(0.001, 10.0) == "10000x below predicted (at 0.01% of it)"
+    assert ratio_words(0.42, 0.2) == "2.1x predicted" and ratio_words(25.0, 1.0) == "25x predicted"
+    measured = _terms(compute_s=0.0786)
+    predicted = {"compute_s": 6.53, "communication_exposed_s": 0.0, "optimizer_s": 0.0, "data_wait_s": None,
+                 "checkpoint_s": None, "idle_s": 0.0}
+    sentence = largest_gap(measured, predicted, estimator_terms(_prediction(compute_s=6.53)))
+    assert sentence == ("largest gap: compute 83x below predicted (at 1.2% of it) (0.0786 s measured, "
+                        "6.53 s predicted)")
+    assert "0.0x" not in sentence
+
+
+def _profiled_run(tmp_path, step_time_breakdown_s: dict) -> Path:
+    """A run directory with run_plan.json (the tiny recipe's prediction with these terms) and two ranks' profiled
+    steps as train.py writes them, rank 1 slower by compute."""
+    prediction = tiny_prediction()
+    prediction["step_time_breakdown_s"] = {**prediction["step_time_breakdown_s"], **step_time_breakdown_s}
+    run = write_run(tmp_path / "run", prediction)
+    (run / "profile" / "breakdown").mkdir(parents=True)
+    for rank, (step_s, compute, communication) in enumerate(((0.8, 0.2, 0.5), (0.85, 0.5, 0.25))):
+        steps = [{"step": step, **_terms(step_s=step_s, compute_s=compute, communication_exposed_s=communication,
+                                         optimizer_s=0.05, idle_s=0.05)} for step in (2, 3)]
+        (run / "profile" / "breakdown" / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+    return run
+
+
+def test_report_breakdown_shows_the_estimators_terms_and_the_per_rank_spread(tmp_path, capsys):
+    run = _profiled_run(tmp_path, _prediction(compute_s=0.3, dp_comm_s=0.1, optimizer_s=0.05))
+    assert main(["report", str(run), "--breakdown", "--json"]) == 0
+    breakdown = json.loads(capsys.readouterr().out)["runs"][0]["breakdown"]
+    assert breakdown["predicted"]["communication_exposed_s"] == pytest.approx(0.1)  # the merged terms stay
+    assert breakdown["predicted_terms"]["dp_comm_s"]["predicted_s"] == pytest.approx(0.1)
+    assert breakdown["predicted_terms"]["bubble_s"]["measured_as"] == "idle_s"
+    assert breakdown["gap"].startswith("largest gap: exposed data-parallel communication 3.8x predicted"), breakdown
+    assert breakdown["stragglers"]["spread_s"]["compute_s"] == pytest.approx(0.3)
+    assert main(["report", str(run), "--breakdown"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "│ exposed data-parallel communication │ 0.1 │ exposed communication │ 0.375 │" in text, text
+    assert "pipeline bubble" not in text  # predicted 0: in the JSON, not the table
+    assert "per-rank spread" in text and "step 0.05 s, most in compute (0.3 s)" in text, text
+    assert "slowest rank: 1, by compute" in text
+    plot = tmp_path / "breakdown.png"
+    assert main(["report", str(run), "--breakdown", "--plot", str(plot)]) == 0 and plot.stat().st_size > 0
+    assert predicted_by(breakdown, "communication_exposed_s") == "exposed data-parallel communication 0.1"
+    assert predicted_by(breakdown, "data_wait_s") == ""
+
+
+def _kineto_trace(directory: Path, rank: int) -> None:
+    """A Kineto GPU trace as torch.profiler writes it, built to known figures: two profiled steps of 1000 us, in each
+    a GEMM at 0-400 us, an NCCL all-reduce on its own stream at 300-600 us (100 us under the GEMM) and a memory copy
+    at 600-650 us, then nothing: per step the GPU computes 450 us (GEMM and copy), communicates 300 us (100
+    overlapped, 200 exposed) and idles 350 us."""
+    kernels = (("ampere_sgemm_128x64_nn", "kernel", 7, 0, 400),
+               ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 20, 300, 300),
+               ("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 7, 600, 50))
+    events = []
+    for index, start in enumerate((1000, 2000)):
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{index + 2}", "pid": 1, "tid": 1,
+                       "ts": start, "dur": 1000, "args": {}})
+        for number, (name, category, stream, offset, duration) in enumerate(kernels):
+            correlation = 100 * index + number + 1
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                           "ts": start + 1 + number, "dur": 1, "args": {"correlation": correlation}})
+            events.append({"ph": "X", "cat": category, "name": name, "pid": 0, "tid": stream, "ts": start + offset,
+                           "dur": duration, "args": {"stream": stream, "correlation": correlation, "device": 0}})
+    body = {"distributedInfo": {"rank": rank, "world_size": 2}, "traceEvents": events}
+    (directory / f"rank{rank}.2.pt.trace.json").write_text(json.dumps(body))
+
+
+def test_gpu_traces_are_split_by_holistic_trace_analysis_as_constructed(tmp_path):
+    breakdown_dir = tmp_path / "profile" / "breakdown"
+    breakdown_dir.mkdir(parents=True)
+    for rank, data_wait in ((0, 0.0), (1, 1e-4)):  # rank 1's host waits 100 us for data, the GPU idle meanwhile
+        _kineto_trace(tmp_path / "profile", rank)
+        steps = [{"step": step, **_terms(step_s=1e-3, compute_s=1e-3, data_wait_s=data_wait)} for step in (2, 3)]
+        (breakdown_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "device": "cuda", "steps": steps}))
+    breakdown = read_breakdown(tmp_path, None)
+    assert breakdown["source"].startswith("Holistic Trace Analysis")
+    rows = {(row["step"], row["rank"]): row for row in breakdown["steps"]}
+    assert sorted(rows) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    close = {"rel": 1e-3}  # HTA rounds its overlap to 0.01%
+    for row in rows.values():
+        assert row["communication_exposed_s"] == pytest.approx(200e-6, **close)  # the copy is not communication
+        assert row["communication_overlapped_s"] == pytest.approx(100e-6, **close)
+        assert row["compute_s"] == pytest.approx(450e-6, **close)  # the GEMM's 400 us and the copy's 50 us
+        assert row["idle_s"] == pytest.approx(350e-6 - row["data_wait_s"])  # HTA's idle, less the host's wait
+        assert sum(row[t] for t in TERMS) == pytest.approx(row["step_s"])
 
 
 def test_report_breakdown_of_a_run_without_profiled_steps_says_so(tmp_path, capsys):

@@ -12,7 +12,7 @@ from toolkit.errors import UserInputError
 from toolkit.numeric import GiB, bounded_int, json_text
 from toolkit.outputs import output_file
 from toolkit.planner.predict import plan_label
-from toolkit.report.breakdown import read_breakdown
+from toolkit.report.breakdown import LABELS, read_breakdown, spread_sentence
 from toolkit.report.plot import write_report_plot
 from toolkit.report.records import read_metrics_records, read_run_plan
 from toolkit.report.runs import DEFAULT_WARMUP, read_run, repredict
@@ -97,7 +97,18 @@ def _print_breakdown(report) -> None:
                                               ("not modelled" if predicted[term] is None else
                                                _number(predicted[term], ".3g")) for term in terms[1:]))
     console.print(table)
-    for line in (breakdown["gap"], breakdown["stragglers"]["sentence"]):
+    terms_predicted = breakdown.get("predicted_terms")
+    if terms_predicted:
+        estimator = Table(title=f"{report.run_dir}: the estimator's terms (those it predicts above 0) beside the "
+                                f"measured term each is part of (the profile does not split communication by parallel "
+                                f"dimension, nor idle into bubble and fixed cost)", title_justify="left")
+        for column in ("estimator term", "predicted s", "measured as", "measured s"):
+            estimator.add_column(column, justify="right")
+        for entry in (entry for entry in terms_predicted.values() if entry["predicted_s"] > 0):
+            estimator.add_row(entry["label"], _number(entry["predicted_s"], ".3g"), LABELS[entry["measured_as"]],
+                              _number(breakdown["measured"][entry["measured_as"]], ".3g"))
+        console.print(estimator)
+    for line in (breakdown["gap"], spread_sentence(breakdown["stragglers"]), breakdown["stragglers"]["sentence"]):
         if line:
             console.print(f"{report.run_dir}: {line}")
 
