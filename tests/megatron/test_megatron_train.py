@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from megatron_helpers import MOE_STEPS, RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON, TINY_MOE
 
 from helpers import assert_profiled, free_port, launch_watched, rank_processes, wandb_history
@@ -259,14 +260,18 @@ def _model_tensors(ckpt) -> dict:
 def test_in_process_restart_replaces_a_killed_rank_and_ends_as_the_uninterrupted_run(layout_run, megatron_recipe,
                                                                                      tmp_path):
     """training.restart: in_process (NVRx's in-process Wrapper) through the generated launch.sh's `inprocess`
-    launcher: 2 ranks and a hot spare. Rank 1 is SIGKILLed in step 5, after checkpoint-4: rank 0's process is not
-    relaunched (same pid before and after), the spare becomes rank 1, training continues from checkpoint-4 and every
-    step is logged once, each equal to the uninterrupted dp2 run's to the bit, and so are the final weights."""
+    launcher: 2 ranks and a hot spare, with node-local checkpoints (checkpoint.local, NVRx's LocalCheckpointManager)
+    at the odd steps between the persistent ones. Rank 1 is SIGKILLed in step 6, after checkpoint-4 and the local
+    checkpoint of step 5: rank 0's process is not relaunched (same pid before and after), the spare becomes rank 1,
+    training continues from the local checkpoint of step 5 (newer than `latest`, checkpoint-4) and every step is
+    logged once, each equal to the uninterrupted dp2 run's to the bit, and so are the final weights."""
     import torch
 
+    local_dir = tmp_path / "node-local"
     recipe = megatron_recipe("tiny-megatron-inprocess", plan={"distributed_optimizer": True},
                              training={"max_steps": STEPS, "save_steps": 2, "async_save": False,
-                                       "restart": "in_process", "spare_ranks": 1, "hang_timeout_s": 120})
+                                       "restart": "in_process", "spare_ranks": 1, "hang_timeout_s": 120},
+                             checkpoint={"local": {"dir": str(local_dir), "every": 1}})
     generated, out, log = tmp_path / "gen", tmp_path / "run", tmp_path / "inprocess.log"
     assert main(["generate", str(recipe), "--out", str(generated)]) == 0
     pids: dict = {}
@@ -281,14 +286,17 @@ def test_in_process_restart_replaces_a_killed_rank_and_ends_as_the_uninterrupted
 
     rc = launch_watched(["bash", str(generated / "launch.sh"), "inprocess"], log, note_the_ranks,
                         {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-                         "DMT_FAULT": f"kill@rank=1,step={SAVE_AT + 1},phase=train"})
+                         "DMT_FAULT": f"kill@rank=1,step={SAVE_AT + 2},phase=train"})
     text = log.read_text()
     assert rc == 0 and "fault injection: kill on rank 1" in text, text[-3000:]
-    failure, restart, resumed = read_incidents(out)
+    failure, restart, local, resumed = read_incidents(out)
     assert failure["event"] == "failure" and "TERMINATED on ranks={1}" in failure["reason"], failure
     assert restart["resume_from"] == f"checkpoint-{SAVE_AT}" and restart["attempt"]["in_process"] == 1, restart
+    # the local checkpoint of step 5, newer than the persistent checkpoint-4, is what the restart read
+    assert local["event"] == "local_resume" and local["step"] == SAVE_AT + 1, local
+    assert local["persistent"] == f"checkpoint-{SAVE_AT}" and local["dir"] == str(local_dir), local
     # not relaunched: rank 0 is the process launch.sh started; the spare (launched as rank 2) is rank 1 now
-    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == SAVE_AT + 1, resumed
+    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == SAVE_AT + 2, resumed
     assert f"in-process restart iteration 1: rank 1 of 2 (pid {pids[2]})" in text
     assert resumed["restart_s"] > 0  # measured and recorded (benchmarks/restart_time.md compares the figures)
     reference = read_metrics(layout_run("dp2").out)
@@ -299,3 +307,9 @@ def test_in_process_restart_replaces_a_killed_rank_and_ends_as_the_uninterrupted
     got, want = _model_tensors(out / f"checkpoint-{STEPS}"), _model_tensors(layout_run("dp2").out / f"checkpoint-{STEPS}")
     assert got.keys() == want.keys() and got and all(torch.equal(got[k], want[k]) for k in got)
     assert verify(resolve_latest(out)).ok
+    # NVRx kept each rank's newest local checkpoint (step 7: 8 is persistent), written under the run's name
+    name = yaml.safe_load(recipe.read_text())["name"]
+    assert sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*.pt")) == [
+        f"{name}/{rank}/iter_{STEPS - 1:07d}_{rank}_local.pt" for rank in (0, 1)]
+    report = verify(local_dir)
+    assert report.ok and report.format == "nvrx-local" and report.files_checked == 2, report.problems
