@@ -6,6 +6,7 @@ test (tests/megatron/test_megatron_train.py)."""
 import torch
 
 from toolkit.backends.megatron.local import ALGO
+from toolkit.checkpoint.allow_lists import REFUSED
 from toolkit.checkpoint.verify import NVRX_LOCAL, inspect, verify
 
 
@@ -48,3 +49,12 @@ def test_nvrx_local_manager_saves_and_loads_a_megatron_state_on_cpu_and_verify_c
     problems = [p["problem"] for p in verify(tmp_path).problems]
     assert any("did not finish (.dirty)" in p for p in problems), problems
     assert any("no step every rank holds" in p and "0: [3]" in p and "1: [2]" in p for p in problems), problems
+    # a pickle naming anything beyond Megatron-Core's state classes is refused before NVRx's torch.load would run it
+    torch.save({"x": Payload()}, tmp_path / "run" / "0" / "iter_0000004_0_local.pt")
+    problems = verify(tmp_path).problems
+    assert any("iter_0000004_0_local.pt" in p["file"] and "test_local_checkpoints.Payload" in p["problem"]
+               and REFUSED in p["problem"] for p in problems), problems
+
+
+class Payload:
+    """Stands for anything a hostile local checkpoint could name."""

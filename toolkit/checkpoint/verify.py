@@ -58,8 +58,8 @@ class VerifyReport:
 
 HF_SAFETENSORS, HF_TRAINER, DCP = "hf-safetensors", "hf-trainer", "dcp"  # the formats of no backend
 # NVRx's LocalCheckpointManager's (checkpoint.local): DIR/<session>/<rank>/iter_<7 digits>_<rank>_local.pt, each a
-# torch.save of a TensorAwareStateDict (a pickle of the library's classes, not unpickled here), written as
-# ...local.dirty.pt and renamed when complete (nvidia_resiliency_ext/checkpointing/local/ckpt_managers/local_manager.py)
+# torch.save of a TensorAwareStateDict, written as ...local.dirty.pt and renamed when complete
+# (nvidia_resiliency_ext/checkpointing/local/ckpt_managers/local_manager.py)
 NVRX_LOCAL = "nvrx-local"
 NVRX_LOCAL_FILES = re.compile(r"iter_(\d{7})_(\d+)_local(\.dirty)?\.pt")
 
@@ -143,8 +143,8 @@ def nvrx_local_files(path: Path) -> dict[Path, re.Match]:
 
 def _check_nvrx_local(path: Path, report: VerifyReport) -> None:
     """NVRx's local checkpoints: no save left half-written (`.dirty`), no empty file, and a step that every rank
-    directory holds (the one NVRx's find_latest resumes; without replication a rank reads only its own files). The
-    files are NVRx's pickles of the library's classes: their contents are read by NVRx's manager on resume only."""
+    directory holds (the one NVRx's find_latest resumes; without replication a rank reads only its own files). Their
+    pickles are checked against their allow-list with every checkpoint's (_check_pickles, allow_lists.NVRX_LOCAL)."""
     steps: dict[Path, set[int]] = {}
     for file, match in sorted(nvrx_local_files(path).items()):
         if match.group(3):

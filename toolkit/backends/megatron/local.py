@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 
 from toolkit.backends.megatron.checkpoint import ASYNC_SHARDING, _gathered_params, _sharded_state, apply_state, layout
+from toolkit.checkpoint.safe_load import check_checkpoint
 from toolkit.compat.megatron_seams import torch_adam_distributed_load
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class LocalCheckpoints:
     def load(self, setup) -> int | None:
         """Every rank: the latest local checkpoint (after `latest`) into model, optimizer, scheduler and RNG; its
         step, or None (nothing loaded) when it was written by another run or at another layout."""
+        check_checkpoint(self.manager.local_ckpt_dir, "checkpoint.local.dir")  # NVRx torch.loads them unrestricted
         loaded, ckpt_id = self.manager.load()
         if loaded.common.get("local_checkpoint") != self.stamp:
             log.warning("local checkpoint %s was written by another run or layout: resuming from the persistent one",
