@@ -32,11 +32,11 @@ echo; echo "== 3. dmt generate: launch files for the tiny CPU recipe, predicted 
 dmt generate recipes/tiny-llama-cpu.yaml --out "$OUT/config"
 dmt validate "$OUT/config/deepspeed.json" --world-size 2 --trainer-args "$OUT/config/trainer_args.json"
 
-echo; echo "== 4. deepspeed --num_gpus 2 toolkit/train.py --plan $OUT/config/plan.json (2 CPU ranks, gloo, ZeRO-2),"
+echo; echo "== 4. deepspeed --num_gpus 2 --module toolkit.train --plan $OUT/config/plan.json (2 CPU ranks, gloo, ZeRO-2),"
 echo "      then dmt report: what the run measured against what step 3 predicted for it"
 # train.py trains the generated files (plan.json, deepspeed.json, trainer_args.json), and refuses if they no longer
 # match the recipe; $OUT/config/launch.sh runs the same command under deepspeed, accelerate or torchrun
-deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/config/plan.json" --output-dir "$OUT/run" > "$OUT/train.log" 2>&1 \
+deepspeed --num_gpus 2 --module toolkit.train --plan "$OUT/config/plan.json" --output-dir "$OUT/run" > "$OUT/train.log" 2>&1 \
   || { tail -30 "$OUT/train.log"; exit 1; }
 losses "$OUT/run" "trained {steps} steps: loss"
 dmt report "$OUT/run"
@@ -98,7 +98,7 @@ echo; echo "== 10. Fine-tuning: QLoRA (4-bit nf4 base, bitsandbytes on CPU) on p
 dmt estimate --model llama-3.1-70b --gpus 8 --zero 3 --recompute full --finetune qlora --lora-r 16
 dmt generate recipes/tiny-llama-qlora-cpu.yaml --out "$OUT/qlora-config" > /dev/null
 # the generated deepspeed.json fixes the schedule's length (30 steps): train.py refuses a --max-steps against it
-deepspeed --num_gpus 2 toolkit/train.py --plan "$OUT/qlora-config/plan.json" --output-dir "$OUT/qlora" \
+deepspeed --num_gpus 2 --module toolkit.train --plan "$OUT/qlora-config/plan.json" --output-dir "$OUT/qlora" \
   > "$OUT/qlora.log" 2>&1 || { tail -30 "$OUT/qlora.log"; exit 1; }
 losses "$OUT/qlora" "trained the adapters {steps} steps: loss on the completions"
 dmt convert merge-lora "$OUT/qlora/base" "$OUT/qlora/checkpoint-30" "$OUT/qlora-merged"

@@ -145,6 +145,34 @@ def processes_with_env(name: str, value: str, grace_s: float = 60.0) -> list[int
         time.sleep(0.2)
 
 
+def pid_recorder(pids: dict, ranks=(0, 1, 2)):
+    """A launch watcher's callback that records the pid of each of `ranks` as launched (their environment names the
+    rank), before any fault; done once every rank is seen."""
+    def record(process, *_) -> bool:
+        for rank in ranks:
+            if rank not in pids:
+                found = rank_processes(process, rank=rank)
+                if found:
+                    pids[rank] = found[0].pid
+        return len(pids) == len(ranks)
+    return record
+
+
+def assert_restarted_in_process(out: Path, text: str, pids: dict, resume_from: str, step: int) -> None:
+    """An in-process restart (NVRx's Wrapper, launch.sh's `inprocess` launcher, one spare launched as rank 2) after
+    rank 1 was SIGKILLed: the failure named, training resumed from `resume_from` at `step` in rank 0's own process
+    (not relaunched), the spare now rank 1, and the restart's time measured."""
+    from toolkit.runtime.incident import read_incidents
+
+    # (a resume from a node-local checkpoint adds its own event: checkpoint.local's tests assert it)
+    failure, restart, resumed = [event for event in read_incidents(out) if event["event"] != "local_resume"]
+    assert failure["event"] == "failure" and "TERMINATED on ranks={1}" in failure["reason"], failure
+    assert restart["resume_from"] == resume_from and restart["attempt"]["in_process"] == 1, restart
+    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == step, resumed
+    assert f"in-process restart iteration 1: rank 1 of 2 (pid {pids[2]})" in text
+    assert resumed["restart_s"] > 0  # measured and recorded (benchmarks/restart_time.md compares the figures)
+
+
 def rank_processes(process, rank: int | None = None, attempt: str = "0") -> list:
     """The training processes (toolkit/train.py) below a launcher: all, or the one of `rank` in the launcher's
     first attempt (their environment says which)."""

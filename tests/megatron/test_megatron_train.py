@@ -9,7 +9,14 @@ import torch
 import yaml
 from megatron_helpers import MOE_STEPS, RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON, TINY_MOE
 
-from helpers import assert_profiled, free_port, launch_watched, rank_processes, wandb_history
+from helpers import (
+    assert_profiled,
+    assert_restarted_in_process,
+    free_port,
+    launch_watched,
+    pid_recorder,
+    wandb_history,
+)
 from toolkit.checkpoint.dcp import DistCheckpointReader
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.safe_load import read_dcp_metadata
@@ -275,30 +282,17 @@ def test_in_process_restart_replaces_a_killed_rank_and_ends_as_the_uninterrupted
     generated, out, log = tmp_path / "gen", tmp_path / "run", tmp_path / "inprocess.log"
     assert main(["generate", str(recipe), "--out", str(generated)]) == 0
     pids: dict = {}
-
-    def note_the_ranks(process):  # the processes as launched, before the kill (their environment names the rank)
-        for rank in (0, 1, 2):
-            if rank not in pids:
-                found = rank_processes(process, rank=rank)
-                if found:
-                    pids[rank] = found[0].pid
-        return len(pids) == 3
-
-    rc = launch_watched(["bash", str(generated / "launch.sh"), "inprocess"], log, note_the_ranks,
+    rc = launch_watched(["bash", str(generated / "launch.sh"), "inprocess"], log, pid_recorder(pids),
                         {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
                          "DMT_FAULT": f"kill@rank=1,step={SAVE_AT + 2},phase=train"})
     text = log.read_text()
     assert rc == 0 and "fault injection: kill on rank 1" in text, text[-3000:]
-    failure, restart, local, resumed = read_incidents(out)
-    assert failure["event"] == "failure" and "TERMINATED on ranks={1}" in failure["reason"], failure
-    assert restart["resume_from"] == f"checkpoint-{SAVE_AT}" and restart["attempt"]["in_process"] == 1, restart
-    # the local checkpoint of step 5, newer than the persistent checkpoint-4, is what the restart read
-    assert local["event"] == "local_resume" and local["step"] == SAVE_AT + 1, local
-    assert local["persistent"] == f"checkpoint-{SAVE_AT}" and local["dir"] == str(local_dir), local
     # not relaunched: rank 0 is the process launch.sh started; the spare (launched as rank 2) is rank 1 now
-    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == SAVE_AT + 2, resumed
-    assert f"in-process restart iteration 1: rank 1 of 2 (pid {pids[2]})" in text
-    assert resumed["restart_s"] > 0  # measured and recorded (benchmarks/restart_time.md compares the figures)
+    assert_restarted_in_process(out, text, pids, f"checkpoint-{SAVE_AT}", SAVE_AT + 2)
+    # the local checkpoint of step 5, newer than the persistent checkpoint-4, is what the restart read
+    [local] = [event for event in read_incidents(out) if event["event"] == "local_resume"]
+    assert local["step"] == SAVE_AT + 1 and local["persistent"] == f"checkpoint-{SAVE_AT}", local
+    assert local["dir"] == str(local_dir), local
     reference = read_metrics(layout_run("dp2").out)
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

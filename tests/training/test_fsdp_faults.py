@@ -16,7 +16,15 @@ import re
 import pytest
 import torch
 
-from helpers import free_port, guard_looks, guard_probe_env, kill_rank_after_save, launch_watched, rank_processes
+from helpers import (
+    assert_restarted_in_process,
+    free_port,
+    guard_looks,
+    guard_probe_env,
+    kill_rank_after_save,
+    launch_watched,
+    pid_recorder,
+)
 from toolkit.checkpoint.manifest import MANIFEST, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
@@ -167,27 +175,13 @@ def test_in_process_restart_replaces_a_killed_fsdp_rank_and_ends_as_the_uninterr
     rank 1, every step is logged once, each equal to the uninterrupted run's, and so is every tensor of the final
     checkpoint (model and optimizer) to the bit."""
     pids: dict = {}
-
-    def note_the_ranks(process, out):  # as launched, before the kill (their environment names the rank)
-        for rank in (0, 1, 2):
-            if rank not in pids:
-                found = rank_processes(process, rank=rank)
-                if found:
-                    pids[rank] = found[0].pid
-        return len(pids) == 3
-
     # OMP_NUM_THREADS=1 as torchrun sets it for the reference's ranks: the same kernels, the same bits
-    rc, out, log = fsdp_launch("in-process", note_the_ranks, "kill@rank=1,step=3,phase=train", launcher="inprocess",
+    rc, out, log = fsdp_launch("in-process", pid_recorder(pids), "kill@rank=1,step=3,phase=train", launcher="inprocess",
                                env={"OMP_NUM_THREADS": "1"}, restart="in_process", spare_ranks=1, async_save=False,
                                hang_timeout_s=120)
     text = log.read_text()
     assert rc == 0 and "fault injection: kill on rank 1" in text, text[-3000:]
-    failure, restart, resumed = read_incidents(out)
-    assert failure["event"] == "failure" and "TERMINATED on ranks={1}" in failure["reason"], failure
-    assert restart["resume_from"] == "checkpoint-2" and restart["attempt"]["in_process"] == 1, restart
-    assert resumed["event"] == "resumed" and resumed["pid"] == pids[0] and resumed["step"] == 3, resumed
-    assert f"in-process restart iteration 1: rank 1 of 2 (pid {pids[2]})" in text
-    assert resumed["restart_s"] > 0  # measured and recorded
+    assert_restarted_in_process(out, text, pids, "checkpoint-2", 3)
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [{k: r[k] for k in COMPARED} for r in records] == [{k: r[k] for k in COMPARED} for r in reference]
