@@ -3,6 +3,8 @@ saves and loads Megatron-Core's MCoreTensorAwareStateDict (toolkit.backends.mega
 `dmt ckpt verify` checks the files it writes. The training loop's use of it is the Megatron-Core in-process restart
 test (tests/megatron/test_megatron_train.py)."""
 
+from pathlib import Path
+
 import torch
 
 from toolkit.backends.megatron.local import ALGO
@@ -58,3 +60,42 @@ def test_nvrx_local_manager_saves_and_loads_a_megatron_state_on_cpu_and_verify_c
 
 class Payload:
     """Stands for anything a hostile local checkpoint could name."""
+
+
+def test_restore_test_compares_the_steps_after_the_local_checkpoint_the_resume_read(tmp_path, monkeypatch):
+    """`dmt restore-test` with checkpoint.local: when the interrupted run wrote a local checkpoint after the persistent
+    one it was killed at, the resumed run continues after it (incident.json's local_resume), and the comparison
+    starts there, not at --save-at (those steps are neither trained again nor in the resumed metrics). The launches
+    are stood in for by what they write (the real launch: the Megatron-Core in-process restart test)."""
+    import json
+
+    from toolkit.checkpoint import restore
+    from toolkit.runtime.incident import append_incident
+
+    def records(out, steps):
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "metrics.jsonl", "a") as handle:
+            for step in steps:
+                handle.write(json.dumps({"step": step, "loss": 10.0 / step, "grad_norm": 1.0, "learning_rate": 1e-3,
+                                         "data_sha": f"sha{step}"}) + "\n")
+
+    def run(cmd, log, timeout, name):
+        out = Path(cmd[cmd.index("--output-dir") + 1])
+        if "--resume" in cmd:  # the resume read the local checkpoint of step 5, newer than checkpoint-4
+            append_incident(out, {"event": "local_resume", "step": 5, "dir": str(out / "local"),
+                                  "persistent": "checkpoint-4"})
+            records(out, range(6, 9))
+        else:
+            records(out, range(1, 9))
+        return 0
+
+    def killed(cmd, out, save_at, log, timeout):
+        records(out, range(1, 6))
+        return 5
+
+    monkeypatch.setattr(restore, "_run", run)
+    monkeypatch.setattr(restore, "_run_and_kill_after_save", killed)
+    result = restore.restore_test(tmp_path / "recipe.yaml", tmp_path / "work", 8, 4, 2, launcher="torchrun")
+    assert result.passed and result.identical and result.resumed_at == 5, result.mismatches
+    assert result.reference_losses == [10.0 / s for s in (6, 7, 8)] and result.resumed_losses == result.reference_losses
+    assert result.checkpoint == f"the local checkpoint of step 5 in {tmp_path / 'work' / 'interrupted' / 'local'}"
