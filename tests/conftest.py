@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, launch_scheduler, remove_segments_since, tiny_llama_config
+from helpers import MOE_SAVED, TINY_MOE, free_port, launch_scheduler, remove_segments_since, tiny_llama_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -27,10 +27,16 @@ TESTS = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 
 
-def launch_ds_saves(saves: dict[Path, tuple[int, bool]], steps: int = 2) -> None:
+def launch_ds_saves(saves: dict[Path, tuple[int, bool | dict]], steps: int = 2) -> None:
     """Run tests/distributed/ds_save_tiny.py under `deepspeed --num_gpus 2` once, saving into each directory of
-    `saves` at its (ZeRO stage, tied embeddings)."""
-    specs = [f"--save={stage}:{out}" + (":tied" if tied else "") for out, (stage, tied) in saves.items()]
+    `saves` at its (ZeRO stage, model): the tiny Llama with its embeddings tied (True) or not (False), or the model of
+    an HF config dict."""
+    specs = []
+    for out, (stage, model) in saves.items():
+        if isinstance(model, dict):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(model))
+        specs.append(f"--save={stage}:{out}" + (":config" if isinstance(model, dict) else ":tied" if model else ""))
     cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            str(TESTS / "distributed" / "ds_save_tiny.py"), *specs, "--steps", str(steps)]
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
@@ -55,10 +61,13 @@ def gloo_group_of_one(monkeypatch):
 
 @pytest.fixture(scope="session")
 def zero_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """ZeRO-1 (tied embeddings), ZeRO-2 and ZeRO-3 checkpoints of a tiny Llama, each saved by 2 ranks."""
+    """ZeRO-1 (tied embeddings), ZeRO-2 and ZeRO-3 checkpoints of a tiny Llama, and ZeRO-3 ones of the tiny MoE
+    families of helpers.TINY_MOE ("zero3-<family>": its fused experts partitioned like any parameter), each saved by
+    2 ranks. Not qwen3_moe's: the ZeRO-3 launch of tests/training/test_train_launch.py trains and converts it."""
     root = tmp_path_factory.mktemp("zero")
-    saves = {"zero1-tied": (1, True), "zero2": (2, False), "zero3": (3, False)}
-    launch_ds_saves({root / name: spec for name, spec in saves.items()})  # one launch, three engines in turn
+    saves = {"zero1-tied": (1, True), "zero2": (2, False), "zero3": (3, False),
+             **{f"zero3-{family}": (3, TINY_MOE[family]) for family in MOE_SAVED}}
+    launch_ds_saves({root / name: spec for name, spec in saves.items()})  # one launch, one engine after another
     return {name: root / name for name in saves}
 
 

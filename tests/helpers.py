@@ -9,6 +9,27 @@ from toolkit.runtime.ports import free_port  # noqa: F401  (the tests' launches 
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-llama-cpu.yaml"
+# tiny HF configs of the MoE families (4 experts, top 2): Megatron-Core trains them at EP 2 (tests/megatron/conftest.py
+# moe_run), DeepSpeed ZeRO-3 and FSDP2 with the experts sharded as ordinary parameters (tests/training, tests/fsdp)
+_TINY_MOE_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=512, max_position_embeddings=128, tie_word_embeddings=False, hidden_act="silu",
+                        bos_token_id=0, eos_token_id=0, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+TINY_MOE = {
+    "qwen3_moe": dict(_TINY_MOE_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=4, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": dict(_TINY_MOE_COMMON, architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=32,
+                    num_local_experts=4),
+    # the HF path only (the Megatron-Core mapping refuses both: tests/unit/test_moe_families.py): MLA with a shared
+    # expert and the routing bias; attention sinks with biased, clamped experts
+    "deepseek_v3": dict(_TINY_MOE_COMMON, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                        num_key_value_heads=4, intermediate_size=128, q_lora_rank=None, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                        moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0),
+    "gpt_oss": dict(_TINY_MOE_COMMON, architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16,
+                    intermediate_size=32, num_local_experts=4, layer_types=["full_attention", "full_attention"]),
+}
+MOE_SAVED = ("mixtral", "deepseek_v3", "gpt_oss")  # the families conftest.zero_checkpoints saves at ZeRO-3 (~4 s each)
 # toolkit/train.py as every launcher starts it (deepspeed's runner spells it --module only; torchrun and accelerate
 # take the same), and as one plain process
 TRAIN = ("--module", "toolkit.train")

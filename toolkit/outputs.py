@@ -47,6 +47,20 @@ def _resolved(path: Path | str, flag: str) -> Path:
     return Path(path).expanduser().resolve()
 
 
+def not_a_link(path: Path | str, flag: str, fix: str) -> None:
+    """An output named by a symbolic link is refused: writing it would write through the link to wherever it points
+    (another user's file, another directory), which the name given does not say. A link among the directories above
+    it (a scratch directory linked into a home) is the user's layout and is followed."""
+    given = Path(path).expanduser()
+    if given.is_symlink():
+        try:
+            points = os.readlink(given)
+        except OSError:
+            points = "?"
+        raise UserInputError(flag, f"{path} is a symbolic link (to {points}); an output is never written through a "
+                                   f"link: {fix}")
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
@@ -95,13 +109,15 @@ def _writable_directory(directory: Path, flag: str, target: Path) -> None:
 
 
 def output_file(path: Path | str, flag: str, inputs: Iterable[Path] = (), suffix: str | None = None) -> Path:
-    """A file a command will write: not a directory, not one of its inputs, in an existing directory it can write."""
+    """A file a command will write: not a link, not a directory, not one of its inputs, in an existing directory it
+    can write."""
     target = _resolved(path, flag)
     if suffix is not None and target.suffix.lower() != suffix:
         raise UserInputError(flag, f"expects a {suffix} file name, got {path}")
     if target.is_dir():
         raise UserInputError(flag, f"{target} is a directory; give a file name")
-    _refuse_input(target, flag, inputs)
+    _refuse_input(target, flag, inputs)  # first: a link to an input is refused as what it would replace
+    not_a_link(path, flag, "name the file itself or another name")
     if not target.parent.exists():
         raise UserInputError(flag, f"directory {target.parent} does not exist")
     _writable_directory(target.parent, flag, target)
@@ -110,8 +126,11 @@ def output_file(path: Path | str, flag: str, inputs: Iterable[Path] = (), suffix
 
 def output_directory(path: Path | str, flag: str, inputs: Iterable[Path] = (), names: Iterable[str] = ()) -> Path:
     """A directory a command will create or write into: not a file, not an input, creatable; none of the `names` it
-    will write into it (an input inside it, or inside an input directory, by one of those names) is an input."""
+    will write into it (an input inside it, or inside an input directory, by one of those names) is an input. A link
+    to an existing directory is that directory; a dangling one is refused (it would create a directory elsewhere)."""
     target = _resolved(path, flag)
+    if not os.path.isdir(Path(path).expanduser()):
+        not_a_link(path, flag, "give a real directory")
     if target.exists() and not target.is_dir():
         raise UserInputError(flag, f"{target} is a file; give a directory")
     inputs = list(inputs)

@@ -162,6 +162,22 @@ def _finite(data: Any, path: Path | str, key: str | None, what: str) -> Any:
 _TOO_DEEP = object()  # parse_json's mark for a document its parser could not descend
 
 
+class DuplicateKey(ValueError):
+    """A mapping that names one key twice; its message says which (and, in YAML, on which lines)."""
+
+
+def unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    """json.loads' object_pairs_hook: the object, or DuplicateKey for a key given twice. Python's json (like YAML's
+    loader) keeps the last silently, so `{"stage": 3, ..., "stage": 0}` would quietly mean something its writer may
+    not have meant; every JSON and YAML file the toolkit reads refuses it instead, naming the key."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise DuplicateKey(f"holds the key {twice!r} twice in one object, of which only one would be used")
+    return data
+
+
 def _too_deep(data: Any) -> bool:
     """Whether parsed JSON nests deeper than MAX_DEPTH (walked without recursion)."""
     stack = [(data, 1)]
@@ -182,7 +198,9 @@ def parse_json(text: str | bytes, source: Path | str, key: str | None = None, ex
     `expect`, every number finite unless `finite=False` (a file another library writes with NaN in it on purpose);
     `source` names where it came from."""
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise problem(source, key, f"{exc}; expected {what} with each key once") from None
     except json.JSONDecodeError as exc:
         raise problem(source, key, f"is not valid JSON ({exc.msg} at line {exc.lineno}); expected {what}") from None
     except UnicodeDecodeError:
@@ -242,6 +260,24 @@ def bounded_yaml_loader() -> type:
                 raise BoundExceeded(f"expands to more than {MAX_YAML_VALUES} values with its aliases (an alias bomb)")
             if len(self.heights) - 1 + height > MAX_DEPTH:
                 raise BoundExceeded(f"nests deeper than {MAX_DEPTH} levels")
+
+        def construct_mapping(self, node, deep=False):
+            """Refuses a key given twice in one mapping (yaml keeps the last silently); keys a merge (`<<: *base`)
+            brings in may be overridden, as YAML's merge means."""
+            if isinstance(node, yaml.MappingNode):
+                lines: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    name, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                    try:
+                        if name in lines:
+                            raise DuplicateKey(f"holds the key {name!r} twice in one mapping (lines {lines[name]} "
+                                               f"and {line}), of which only one would be used")
+                        lines[name] = line
+                    except TypeError:  # an unhashable key: yaml's own error says so
+                        continue
+            return super().construct_mapping(node, deep=deep)
 
         def compose_node(self, parent, index):
             anchor = self.peek_event().anchor
@@ -307,6 +343,8 @@ def _load_yaml(text: str, source: Path | str, key: str | None, what: str, read) 
         return read(loader)
     except BoundExceeded as exc:
         raise problem(source, key, f"{exc}; expected {what}") from None
+    except DuplicateKey as exc:
+        raise problem(source, key, f"{exc}; expected {what} with each key once") from None
     except yaml.YAMLError as exc:
         raise problem(source, key, f"is not valid YAML ({one_line(exc)}); expected {what}") from None
     except ValueError as exc:  # a value yaml resolves but Python refuses: an integer of more than 4300 digits
@@ -357,7 +395,9 @@ def read_safetensors_header(path: Path, key: str | None = None) -> dict[str, dic
     except OSError as exc:
         raise UserInputError(fault, f"cannot read {path} ({exc.strerror or one_line(exc)}); expected {what}") from None
     try:
-        header = json.loads(text)
+        header = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise UserInputError(fault, f"{path}: its header {exc}; expected {what}") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise UserInputError(fault, f"{path}: its header is not JSON; expected {what}") from None
     if not isinstance(header, dict):

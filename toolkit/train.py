@@ -43,6 +43,7 @@ from toolkit.spec.quantization import refuse_on_cpu
 from toolkit.spec.recipe import (
     ProfileSection,
     load_recipe,
+    recipe_at_world_size,
     recipe_calibration,
     recipe_model,
     recipe_names,
@@ -292,8 +293,7 @@ def _quick(args: argparse.Namespace):
         raise UserInputError("--recipe", "is required without --plan")
     recipe = load_recipe(args.recipe)
     if args.gpus is not None:
-        cluster = {"gpus": args.gpus, "gpus_per_node": min(args.gpus, recipe.cluster.gpus_per_node)}
-        recipe = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=cluster)})
+        recipe = recipe_at_world_size(recipe, args.gpus)
     with recipe_names(plan_overrides(args)):
         model = recipe_model(recipe)
         plan = recipe_plan(recipe, model, **plan_overrides(args))

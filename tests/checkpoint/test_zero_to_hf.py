@@ -1,4 +1,6 @@
-"""`dmt convert zero-to-hf` on checkpoints written by real 2-rank DeepSpeed runs: bitwise equal to zero_to_fp32."""
+"""`dmt convert zero-to-hf` on checkpoints written by real 2-rank DeepSpeed runs: bitwise equal to zero_to_fp32, for
+the tiny Llama at each ZeRO stage and for the MoE families at ZeRO-3 (transformers' fused expert tensors, DeepSeek-V3's
+routing-bias buffer, GPT-OSS's expert biases and attention sinks; Qwen3-MoE's: tests/training/test_train_launch.py)."""
 
 import json
 from pathlib import Path
@@ -6,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import MOE_SAVED, TINY_MOE
 from toolkit.backends.deepspeed.convert import convert_zero_to_hf
 from toolkit.cli.main import main
 
@@ -18,7 +21,7 @@ def _reference(ckpt) -> dict:
     return {k: v.contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ckpt)).items()}
 
 
-@pytest.mark.parametrize("name", ["zero1-tied", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["zero1-tied", "zero2", "zero3", *(f"zero3-{family}" for family in MOE_SAVED)])
 def test_conversion_equals_deepspeeds_zero_to_fp32_and_loads(zero_checkpoints, tmp_path, capsys, name):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -38,6 +41,9 @@ def test_conversion_equals_deepspeeds_zero_to_fp32_and_loads(zero_checkpoints, t
                 seen.add(key)
     tied_alias = {"lm_head.weight"} if name.endswith("tied") else set()
     assert seen == set(reference) - tied_alias
+    family = TINY_MOE.get(name.removeprefix("zero3-"))
+    if family is not None:  # the fused experts, gate_up_proj and down_proj per layer, under the model's own names
+        assert sum(".mlp.experts." in key for key in seen) >= 2 * family["num_hidden_layers"], sorted(seen)
     model = AutoModelForCausalLM.from_pretrained(out)
     for key, value in model.state_dict().items():
         assert torch.equal(value, reference[key]), key

@@ -1,8 +1,9 @@
 """Train a tiny random-init HF Llama for a few steps with bare DeepSpeed ZeRO on CPU ranks and save a checkpoint, once
 per --save, one engine after the other in the same launch (a launch's start costs more than a tiny model's steps).
 
-Run as: deepspeed --num_gpus 2 tests/distributed/ds_save_tiny.py --save STAGE:DIR[:tied] [--save ...]
+Run as: deepspeed --num_gpus 2 tests/distributed/ds_save_tiny.py --save STAGE:DIR[:tied|:config] [--save ...]
 [--hidden H --layers L]
+`:config` builds the model DIR/config.json describes (an HF config with its model_type: the MoE families) instead.
 Writes DIR/<tag>/ (DeepSpeed's own layout, `latest` pointer), DIR/config.json (the HF config) and
 DIR/model_states_rank<r>.json: the bytes of model state each rank holds after the step, read from DeepSpeed's live
 objects, which tests compare with the memory model.
@@ -15,7 +16,7 @@ import os
 import deepspeed
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 
 def _bytes(tensors, seen: set) -> int:
@@ -54,16 +55,21 @@ def model_state_bytes(engine, stage: int) -> dict:
     }
 
 
-def save(stage: int, out: str, tied: bool, args: argparse.Namespace) -> None:
+def save(stage: int, out: str, model_from: str, args: argparse.Namespace) -> None:
     """One model, seeded alike whatever came before it in the launch, trained args.steps steps at `stage` and saved
-    into `out`."""
+    into `out`: a tiny Llama (`model_from` "tied": its embeddings tied), or out/config.json's model ("config")."""
     torch.manual_seed(0)
-    heads = max(4, args.hidden // 64)
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                         num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=args.vocab,
-                         max_position_embeddings=max(64, args.seq),
-                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
-    model = LlamaForCausalLM(config)
+    if model_from == "config":
+        with open(os.path.join(out, "config.json")) as handle:
+            config = AutoConfig.for_model(**json.load(handle))
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        heads = max(4, args.hidden // 64)
+        config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                             num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                             vocab_size=args.vocab, max_position_embeddings=max(64, args.seq),
+                             tie_word_embeddings=model_from == "tied", bos_token_id=0, eos_token_id=0)
+        model = LlamaForCausalLM(config)
     ds_config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -90,7 +96,7 @@ def save(stage: int, out: str, tied: bool, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--save", action="append", required=True, metavar="STAGE:DIR[:tied]")
+    parser.add_argument("--save", action="append", required=True, metavar="STAGE:DIR[:tied|:config]")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -99,8 +105,8 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     for spec in args.save:
-        stage, out, *tied = spec.split(":")
-        save(int(stage), out, tied == ["tied"], args)
+        stage, out, *model_from = spec.split(":")
+        save(int(stage), out, "".join(model_from), args)
     dist.destroy_process_group()
     os._exit(0)  # gloo can abort at interpreter exit after all work is done
 

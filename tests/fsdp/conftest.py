@@ -1,13 +1,14 @@
 """Fixtures of the FSDP2 tests: `dmt generate` of the tiny FSDP recipe, and real 2-rank CPU launches (gloo) shared by
-every test that asserts something about them (each runs once per session)."""
+every test that asserts something about them (each runs once per session): the dense tiny Llama, and a tiny Mixtral
+whose experts FSDP2 shards as ordinary parameters."""
 
 import subprocess
 from pathlib import Path
 
 import pytest
-from fsdp_helpers import BIN, STEPS, TINY_FSDP, TRAIN, environment, restore_test
+from fsdp_helpers import BIN, MOE_FAMILY, MOE_SAVE_AT, MOE_STEPS, STEPS, TINY_FSDP, TRAIN, environment, restore_test
 
-from helpers import PROFILED, TINY, Launch, free_port
+from helpers import PROFILED, TINY, TINY_MOE, Launch, free_port
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +52,20 @@ def torchrun_restore(tmp_path_factory) -> tuple[Path, dict]:
     workdir = root / "work"
     return workdir, restore_test(workdir, "--recipe", str(root / "tiny-async.yaml"), "--backend", "fsdp", "--steps",
                                  str(STEPS), "--save-at", str(STEPS // 2))
+
+
+@pytest.fixture(scope="session")
+def moe_reshard(tmp_path_factory) -> tuple[Path, dict]:
+    """`dmt restore-test --recipe R --steps 8 --save-at 4 --resume-world-size 1`, R the FSDP tiny recipe with the
+    tiny Mixtral of helpers.TINY_MOE as its model: the reference run trains it on 2 ranks (workdir/reference, its
+    checkpoints DCP shards of both ranks), the interrupted one resumes its step-4 checkpoint on one rank."""
+    import yaml
+
+    root = tmp_path_factory.mktemp("fsdp-moe")
+    recipe = yaml.safe_load(TINY_FSDP.read_text())
+    recipe["data"]["train_files"] = [str(TINY_FSDP.parent / f) for f in recipe["data"]["train_files"]]
+    recipe.update(name=f"tiny-{MOE_FAMILY}-fsdp-cpu", model={"config": TINY_MOE[MOE_FAMILY]})
+    (root / "tiny-moe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    workdir = root / "work"
+    return workdir, restore_test(workdir, "--recipe", str(root / "tiny-moe.yaml"), "--steps", str(MOE_STEPS),
+                                 "--save-at", str(MOE_SAVE_AT), "--resume-world-size", "1")

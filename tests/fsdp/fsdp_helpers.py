@@ -12,6 +12,8 @@ BIN = Path(sys.executable).parent
 TINY_FSDP = ROOT / "recipes" / "tiny-llama-fsdp-cpu.yaml"
 PROBE = Path(__file__).resolve().parent / "fsdp_fallback_probe.py"
 STEPS = 12  # the tiny corpus's loss falls by more than 1 in 12 steps; a checkpoint every 6
+MOE_FAMILY = "mixtral"  # what conftest.moe_reshard trains (helpers.TINY_MOE: transformers' fused 3-D expert tensors)
+MOE_STEPS, MOE_SAVE_AT = 8, 4  # its loss falls by more than 1 in 8 steps
 
 
 def environment() -> dict:

@@ -1,13 +1,14 @@
 """`dmt convert fsdp-to-hf` on the checkpoint the accelerate launch saved: the same tensors, bit for bit, as
-`accelerate merge-weights` writes; shards by --max-shard-size; loads with from_pretrained. `dmt ckpt verify` names a
-damaged shard, with or without the manifest; `dmt ckpt inspect` describes the checkpoint."""
+`accelerate merge-weights` writes; shards by --max-shard-size; loads with from_pretrained. The same for the tiny
+Mixtral's checkpoint (its experts under transformers' names). `dmt ckpt verify` names a damaged shard, with or without
+the manifest; `dmt ckpt inspect` describes the checkpoint."""
 
 import json
 import shutil
 import subprocess
 
 import pytest
-from fsdp_helpers import BIN, STEPS, environment
+from fsdp_helpers import BIN, MOE_STEPS, STEPS, environment
 
 pytestmark = pytest.mark.launch
 
@@ -49,6 +50,27 @@ def test_conversion_equals_accelerate_merge_weights_bit_for_bit(checkpoint, tmp_
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
         assert ours[name].numpy().tobytes() == tensor.numpy().tobytes(), name
+
+
+def test_moe_conversion_equals_accelerates_merge_and_loads(moe_reshard, tmp_path, capsys):
+    """The tiny Mixtral's 2-rank checkpoint: Accelerate's merge_fsdp_weights and fsdp-to-hf give the same tensors,
+    the fused expert ones included; from_pretrained takes them as they are."""
+    import torch
+    from accelerate.utils import merge_fsdp_weights
+    from transformers import AutoModelForCausalLM
+
+    workdir, _ = moe_reshard
+    checkpoint = workdir / "reference" / f"checkpoint-{MOE_STEPS}"
+    code, out, _ = _dmt(capsys, "convert", "fsdp-to-hf", str(checkpoint), str(tmp_path / "hf"), "--json")
+    assert code == 0 and json.loads(out)["rank_files"] == 2
+    merge_fsdp_weights(str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged"), safe_serialization=True)
+    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "merged")
+    assert sorted(ours) == sorted(theirs) and sum(".mlp.experts." in name for name in ours) == 4, sorted(ours)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
+        assert ours[name].numpy().tobytes() == tensor.numpy().tobytes(), name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    assert sorted(loaded) == sorted(ours) and all(torch.equal(loaded[k], ours[k]) for k in ours)
 
 
 def test_sharded_output_loads_with_from_pretrained(checkpoint, tmp_path, capsys):

@@ -2,15 +2,16 @@
 plan.json, and torchrun with `--backend fsdp` (inside `dmt restore-test`). Each run trains the tiny recipe (the loss
 falls), writes metrics.jsonl and DCP checkpoints with a manifest, and its parameters were DTensor shards holding half
 of every tensor on each rank (sharding.json, written by the post-preparation check; a silent DDP fallback stops that
-check, as the last test shows with the libraries alone). Resume is bitwise, and DCP reshards onto one rank."""
+check, as the last test shows with the libraries alone). Resume is bitwise, and DCP reshards onto one rank. A tiny
+Mixtral trains the same way, its experts sharded as ordinary parameters (no expert parallelism)."""
 
 import json
 import subprocess
 
 import pytest
-from fsdp_helpers import BIN, PROBE, STEPS, TINY_FSDP, environment, restore_test
+from fsdp_helpers import BIN, MOE_FAMILY, MOE_STEPS, PROBE, STEPS, environment
 
-from helpers import assert_profiled, assert_step_cost, free_port
+from helpers import TINY_MOE, assert_profiled, assert_step_cost, free_port
 from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT as FSDP_FORMAT
 from toolkit.backends.fsdp.train import SHARDING_FILE
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
@@ -92,12 +93,26 @@ def test_torchrun_backend_fsdp_trains_and_resumes_to_the_bit(torchrun_restore):
     assert result["killed_at_step"] >= STEPS // 2 and result["checkpoint"].endswith(f"checkpoint-{STEPS // 2}")
 
 
-def test_resume_on_one_rank_reshards_the_dcp_checkpoint(tmp_path):
-    result = restore_test(tmp_path / "work", "--recipe", str(TINY_FSDP), "--steps", "8", "--save-at", "4",
-                          "--resume-world-size", "1")
+def test_moe_experts_train_as_dtensor_shards_and_resume_resharded_on_one_rank(moe_reshard):
+    """The tiny Mixtral on 2 ranks: the loss falls; every parameter, the fused [experts, ...] tensors included, was a
+    DTensor holding half of it (sharding.json), and each rank saved half of every expert tensor, two whole experts
+    (dim 0) each. No expert parallelism: FSDP2 gathers them all for each forward. Its checkpoint resumes on one rank
+    (DCP reshards) within the stated tolerance."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    workdir, result = moe_reshard
+    reference = workdir / "reference"
+    assert_trained(reference, MOE_STEPS)
+    assert_sharded_in_halves(reference)
+    metadata = FileSystemReader(str(reference / f"checkpoint-{MOE_STEPS}" / "pytorch_model_fsdp_0")).read_metadata()
+    experts = {key: meta for key, meta in metadata.state_dict_metadata.items() if ".mlp.experts." in key}
+    assert len(experts) == 2 * TINY_MOE[MOE_FAMILY]["num_hidden_layers"], sorted(metadata.state_dict_metadata)
+    for key, meta in experts.items():
+        assert meta.size[0] == TINY_MOE[MOE_FAMILY]["num_local_experts"] and len(meta.size) == 3, key
+        assert sorted((tuple(c.offsets)[0], tuple(c.sizes)[0]) for c in meta.chunks) == [(0, 2), (2, 2)], key
     assert result["passed"], result["mismatches"]
     assert result["tolerance"] == pytest.approx(1e-3) and result["max_abs_diff"] <= 1e-3
-    manifest = read_manifest(tmp_path / "work" / "interrupted" / "checkpoint-8")
+    manifest = read_manifest(workdir / "interrupted" / f"checkpoint-{MOE_STEPS}")
     assert manifest["world_size"] == 1 and manifest["layout"]["dp_shard"] == 1
 
 

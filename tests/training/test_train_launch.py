@@ -1,6 +1,8 @@
 """toolkit/train.py under `deepspeed` (ZeRO 1, 2, 3), `accelerate launch` (ZeRO 2, 3) and torchrun (through the
 generated launch.sh), 2 CPU ranks, tiny recipe: each run exits 0, its loss falls, metrics.jsonl and a verified
-checkpoint are on disk. Runs are judged by what they wrote as well as by the exit code (gloo may abort at exit)."""
+checkpoint are on disk. Runs are judged by what they wrote as well as by the exit code (gloo may abort at exit).
+The ZeRO-3 launch trains a tiny Qwen3-MoE instead: its experts are ZeRO-3 partitions like every other parameter, and
+its checkpoint converts to HF as DeepSpeed's zero_to_fp32 reconstructs it."""
 
 import json
 import os
@@ -8,7 +10,7 @@ import subprocess
 
 import pytest
 
-from helpers import PROFILED, PYTHON_TRAIN, TINY, assert_profiled, assert_step_cost, wandb_history
+from helpers import PROFILED, PYTHON_TRAIN, TINY, TINY_MOE, assert_profiled, assert_step_cost, wandb_history
 from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.verify import verify
 from toolkit.runtime.metrics import read_metrics, read_run_record
@@ -48,17 +50,94 @@ def wandb_recipe(variant):
     return variant("tiny-wandb", training={"report_to": ["wandb"]})
 
 
-def deepspeed_run(launch, wandb_recipe, zero: int):
+MOE_FAMILY = "qwen3_moe"  # what the ZeRO-3 launch trains (transformers' fused 3-D expert tensors, a router)
+
+
+@pytest.fixture(scope="module")
+def moe_recipe(variant):
+    return variant(f"tiny-{MOE_FAMILY}", replace={"name": f"tiny-{MOE_FAMILY}-cpu",
+                                                  "model": {"config": TINY_MOE[MOE_FAMILY]}})
+
+
+def deepspeed_run(launch, wandb_recipe, zero: int, moe_recipe=None):
     if zero == 2:  # this one also logs to wandb with no API key anywhere: it must go offline by itself
         env = {"WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": os.devnull}
         return launch("ds-zero2", "deepspeed", wandb_recipe, "--zero", "2", "--max-steps", str(STEPS), env=env)
+    if zero == 3:  # a tiny MoE model, its experts ZeRO-3 partitioned as ordinary parameters (no expert parallelism)
+        return launch(f"ds-zero3-{MOE_FAMILY}", "deepspeed", moe_recipe, "--zero", "3", "--max-steps", str(STEPS))
     profiled = ("--profile-steps", "-".join(PROFILED)) if zero == 1 else ()  # the DeepSpeed launch that profiles
     return launch(f"ds-zero{zero}", "deepspeed", TINY, "--zero", str(zero), "--max-steps", str(STEPS), *profiled)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_deepspeed_launcher_trains_and_checkpoints(launch, wandb_recipe, zero):
-    assert_trained(deepspeed_run(launch, wandb_recipe, zero), zero=zero)
+def test_deepspeed_launcher_trains_and_checkpoints(launch, wandb_recipe, moe_recipe, zero):
+    run = deepspeed_run(launch, wandb_recipe, zero, moe_recipe)
+    assert_trained(run, zero=zero)
+    if zero == 3:
+        assert_experts_zero3_partitioned(resolve_latest(run.out))
+
+
+def _zero3_rank_files(checkpoint) -> tuple[list[dict], list[dict]]:
+    """Each rank's model-state and optimizer-state objects of a ZeRO-3 checkpoint, as DeepSpeed saved them."""
+    import torch
+
+    tag = checkpoint / (checkpoint / "latest").read_text().strip()
+
+    def load(pattern: str) -> list[dict]:  # the suite's own run: its pickles are DeepSpeed's objects
+        return [torch.load(f, map_location="cpu", weights_only=False) for f in sorted(tag.glob(pattern))]
+
+    return load("zero_pp_rank_*_mp_rank_00_model_states.pt"), load("*_zero_pp_rank_*_mp_rank_00_optim_states.pt")
+
+
+def assert_experts_zero3_partitioned(checkpoint) -> None:
+    """What each of the 2 ranks held when it saved, in DeepSpeed's own files: every expert tensor (transformers' fused
+    [experts, ...] parameters) is among ZeRO-3's parameters, its 16-bit module copy an empty placeholder (the rank
+    held a partition, not the tensor), and each rank's fp32 master partition is half of every parameter, the experts'
+    included (ceil(numel / 2) each). A model whose experts escaped ZeRO (kept whole on every rank) fails here."""
+    import math
+
+    model_states, optim_states = _zero3_rank_files(checkpoint)
+    assert len(model_states) == len(optim_states) == 2
+    shapes = {name: shape for group in model_states[0]["param_shapes"] for name, shape in group.items()}
+    experts = [name for name in shapes if ".mlp.experts." in name]
+    config = TINY_MOE[MOE_FAMILY]
+    assert len(experts) == 2 * config["num_hidden_layers"], sorted(shapes)  # gate_up_proj and down_proj per layer
+    assert all(shapes[name][0] == config["num_experts"] and len(shapes[name]) == 3 for name in experts), shapes
+    half = sum(math.ceil(math.prod(shape) / 2) for shape in shapes.values())
+    for model_state, optim_state in zip(model_states, optim_states):
+        assert model_state["dp_world_size"] == 2
+        assert all(model_state["module"][name].numel() == 0 for name in experts)
+        zero = optim_state["optimizer_state_dict"]
+        assert zero["zero_stage"] == 3 and zero["partition_count"] == 2
+        assert sum(flat.numel() for flat in zero["fp32_flat_groups"]) == half
+
+
+def test_zero3_moe_checkpoint_converts_as_zero_to_fp32_and_transformers_read_it(launch, wandb_recipe, moe_recipe,
+                                                                                  tmp_path, capsys):
+    """`dmt convert zero-to-hf` of the MoE run's last checkpoint: the tensors of DeepSpeed's zero_to_fp32, bit for bit,
+    under the names the model trained with (transformers' fused experts); from_pretrained loads them unchanged, and
+    they are the 16-bit weights transformers itself saved beside them (per-expert names on disk), cast back."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.cli.main import main
+
+    checkpoint = resolve_latest(deepspeed_run(launch, wandb_recipe, 3, moe_recipe).out)
+    out = tmp_path / "hf"
+    assert main(["convert", "zero-to-hf", str(checkpoint), str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["zero_stage"] == 3
+    ours = load_file(str(out / "model.safetensors"))
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+    assert sorted(ours) == sorted(reference) and any(".mlp.experts.gate_up_proj" in name for name in ours)
+    for name, tensor in reference.items():
+        assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
+        assert ours[name].numpy().tobytes() == tensor.detach().contiguous().numpy().tobytes(), name
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert sorted(loaded) == sorted(ours) and all(torch.equal(loaded[k], ours[k]) for k in ours)
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).state_dict()  # model.safetensors
+    assert all(torch.equal(saved[k], ours[k].bfloat16()) for k in ours)
 
 
 def test_profiled_deepspeed_steps_write_traces_and_a_breakdown_that_adds_up(launch, wandb_recipe):

@@ -207,13 +207,14 @@ def test_a_latest_pointer_leading_out_of_the_checkpoint_is_refused(tmp_path, ver
     _run_verb(verb, ckpt, tmp_path / "hf", "latest", "leads outside")
 
 
-@pytest.mark.parametrize("verb", ["convert zero-to-hf", "convert fsdp-to-hf"])
-def test_a_side_file_linked_outside_the_checkpoint_is_not_carried_into_the_output(fsdp_checkpoint, tmp_path, verb):
+@pytest.mark.parametrize("verb", ["convert zero-to-hf", "convert fsdp-to-hf", "convert megatron-to-hf"])
+def test_a_side_file_linked_outside_the_checkpoint_is_not_carried_into_the_output(request, tmp_path, verb):
     """A converter copies tokenizer.json and its kind beside the weights: one linked to a file elsewhere (a key, a
-    password file) would travel into a directory that is then shared. (megatron-to-hf copies through the same
-    copy_side_file once its weights are written: tens of seconds of a loaded host, past this test's bound.)"""
+    password file) would travel into a directory that is then shared. Each converter checks its side files before
+    it writes a weight (found_side_files), so the refusal comes at once and leaves nothing."""
     ckpt = {"convert zero-to-hf": lambda: _zero_checkpoint(tmp_path / "zero", "none", tmp_path / "MARK"),
-            "convert fsdp-to-hf": lambda: fsdp_checkpoint}[verb]()
+            "convert fsdp-to-hf": lambda: request.getfixturevalue("fsdp_checkpoint"),
+            "convert megatron-to-hf": lambda: request.getfixturevalue("megatron_copy")[1]}[verb]()
     secret = tmp_path / "secret.json"
     secret.write_text('{"not": "the checkpoint\'s"}')
     (ckpt / "tokenizer.json").symlink_to(secret)

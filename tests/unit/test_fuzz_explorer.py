@@ -154,6 +154,7 @@ HOSTILE_BODIES = {
     "an integer of 5000 digits": b'{"model": "llama-3.2-1b", "gpus": 1' + b"0" * 5000 + b"}",
     "an unknown key": b'{"model": "llama-3.2-1b", "gpus": 8, "output_dir": "/tmp"}',
     "a value read as a flag": b'{"model": "llama-3.2-1b", "gpus": "--help"}',
+    "a key given twice": b'{"model": "llama-3.2-1b", "gpus": 8, "gpus": 4096}',
 }
 
 

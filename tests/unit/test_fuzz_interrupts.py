@@ -152,6 +152,49 @@ def test_ctrl_c_during_a_verb_is_one_line_and_exit_130(capsys):
     assert code == 130 and err == ["dmt plan: interrupted"], (code, err)
 
 
+# wandb makes two temporary directories when imported and leaves their removal to the interpreter's exit, which a rank
+# ending by exit_now (every launch under train.py) or killed after Ctrl-C never reaches: a rank's way of importing it
+_RANK_IMPORTING_WANDB = """
+import os, signal, sys
+from pathlib import Path
+from toolkit.runtime.metrics import import_wandb_inside
+from toolkit.runtime.watchdog import exit_now
+how, run = sys.argv[1], Path(sys.argv[2])
+if how == "plain import":
+    import wandb
+else:
+    print(import_wandb_inside(run / "wandb"), flush=True)
+if how == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+exit_now(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["plain import", "exit_now", "killed"])
+def test_a_rank_that_imported_wandb_leaves_no_temporary_directory_behind(tmp_path, how):
+    """A rank imports wandb as configure_wandb does (import_wandb_inside: its import-time directories in one of its
+    own inside the run's wandb directory) and ends by exit_now, as a completed or failed launch does: nothing of
+    wandb's is left, neither in the temporary directory nor in the run's; killed (SIGKILL, nothing runs), what is left
+    stays inside the run's directory. A plain import, as before, leaves two directories in the temporary one: the
+    control that shows the check sees them."""
+    temporary, run = tmp_path / "tmp", tmp_path / "run"
+    temporary.mkdir()
+    env = dict(os.environ, TMPDIR=str(temporary), PYTHONPATH=str(ROOT), WANDB_MODE="offline")
+    done = subprocess.run([sys.executable, "-c", _RANK_IMPORTING_WANDB, how, str(run)], env=env, capture_output=True,
+                          text=True, timeout=FUZZ_HANG_GUARD_S)  # a hang guard, no verdict on speed
+    left = sorted(p.name for p in temporary.iterdir() if "wandb" in p.name)
+    inside = sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) if run.exists() else []
+    if how == "plain import":
+        assert done.returncode == 0 and len(left) == 2, (done.stderr[-2000:], left)
+    elif how == "exit_now":
+        assert done.returncode == 0 and not left and inside == ["wandb"], (done.stderr[-2000:], left, inside)
+    else:
+        assert done.returncode == -signal.SIGKILL and not left, (done.stderr[-2000:], left)
+        mine = Path(done.stdout.split()[0])
+        assert mine.parent == run / "wandb" and sorted(p.name.rsplit("wandb-", 1)[-1] for p in mine.iterdir()) == \
+            ["artifacts", "media"], list(mine.iterdir())
+
+
 # ---- one line means one line ---------------------------------------------------------------------------------------
 
 MOE_TYPOS = [(["--ep", "3"], "--ep"), (["--ep", "16"], "--ep"), (["--tp", "3"], "--tp"), (["--pp", "5"], "--pp"),

@@ -248,3 +248,90 @@ def test_the_explorer_answers_a_deep_or_endless_body_with_4xx_and_one_line():
         assert "\n" not in response.json()["error"] and "Traceback" not in response.json()["error"]
     assert "deeper than" in answers[0].json()["error"]
     assert answers[3].json()["key"] == "model" and f"deeper than {MAX_DEPTH}" in answers[3].json()["error"]
+
+
+def _twice(text: str, suffix: str) -> tuple[str, str]:
+    """`text` with its first top-level key given twice (YAML: a second line before the first; JSON: a second member
+    at the end), and that key: a file that would otherwise be read with one of the two values silently dropped."""
+    if suffix == ".json":
+        data = json.loads(text)
+        key = next(iter(data))
+        return f"{json.dumps(data)[:-1]}, {json.dumps(key)}: {json.dumps(data[key])}}}", key
+    lines = text.splitlines(keepends=True)
+    at, match = next((i, m) for i, line in enumerate(lines) if (m := re.match(r"([A-Za-z_][\w.-]*):", line)))
+    return "".join([*lines[:at], f"{match.group(1)}: null\n", *lines[at:]]), match.group(1)
+
+
+@pytest.fixture(scope="module")
+def sound_files(tmp_path_factory) -> Path:
+    """One sound file of every kind a verb reads: a recipe, the files `dmt generate` writes for DeepSpeed and for
+    Megatron-Core, a JobSet manifest, a calibration and an HF config.json."""
+    from test_calibration import _calibration_file
+    from test_fuzz_files import MEGATRON_TEXT
+
+    from helpers import tiny_llama_config
+
+    root = tmp_path_factory.mktemp("sound")
+    (root / "recipe.yaml").write_text(RECIPE_TEXT)
+    (root / "megatron-recipe.yaml").write_text(MEGATRON_TEXT)
+    assert main(["generate", str(root / "recipe.yaml"), "--out", str(root / "ds")]) == 0
+    assert main(["generate", str(root / "megatron-recipe.yaml"), "--out", str(root / "mcore")]) == 0
+    here = os.getcwd()
+    os.chdir(root)  # the image holds the directory it is rendered from
+    try:
+        assert main(["k8s", "render", "recipe.yaml", "--kind", "jobset", "--image", "reg.io/dmt:1", "--out",
+                     "jobset.yaml"]) == 0
+    finally:
+        os.chdir(here)
+    _calibration_file(root / "calibration.yaml")
+    (root / "config.json").write_text(json.dumps(tiny_llama_config()))
+    return root
+
+
+# a file with a key given twice, wherever a verb reads one: (the sound file it is made from, argv with {file} for it
+# and {dir} for the user's directory, what the line must name besides the key and the file)
+TWICE = {
+    "generate RECIPE": ("recipe.yaml", ["generate", "{file}", "--out", "{dir}/gen"], "--recipe"),
+    "slurm render RECIPE": ("recipe.yaml", ["slurm", "render", "{file}", "--out", "{dir}/job.sbatch"], "--recipe"),
+    "k8s render RECIPE": ("recipe.yaml", ["k8s", "render", "{file}", "--kind", "jobset", "--image", "reg.io/dmt:1",
+                                          "--out", "{dir}/job.yaml"], "--recipe"),
+    "restore-test --recipe": ("recipe.yaml", ["restore-test", "--recipe", "{file}", "--workdir", "{dir}/restore"],
+                              "--recipe"),
+    "validate deepspeed.json": ("ds/deepspeed.json", ["validate", "{file}", "--world-size", "2"], "FILE"),
+    "validate accelerate.yaml": ("ds/accelerate.yaml", ["validate", "{file}", "--world-size", "2"], "FILE"),
+    "validate --trainer-args": ("ds/trainer_args.json", ["validate", "{sound}/ds/deepspeed.json", "--world-size", "2",
+                                                         "--trainer-args", "{file}"], "--trainer-args"),
+    "validate megatron.yaml": ("mcore/megatron.yaml", ["validate", "{file}", "--world-size", "2"], "FILE"),
+    "validate a JobSet manifest": ("jobset.yaml", ["validate", "{file}"], "FILE"),
+    "estimate --model": ("config.json", ["estimate", "--model", "{file}", "--gpus", "8"], ""),
+    "estimate --calibration": ("calibration.yaml", ["estimate", "--model", "llama-3.1-8b", "--gpus", "8",
+                                                    "--calibration", "{file}"], "--calibration"),
+    "plan --calibration": ("calibration.yaml", ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "512",
+                                                "--global-batch", "8", "--calibration", "{file}"], "--calibration"),
+    "report --calibration": ("calibration.yaml", ["report", "{dir}", "--calibration", "{file}"], "--calibration"),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(TWICE))
+def test_a_key_given_twice_is_refused_naming_the_key_and_the_file(sound_files, tmp_path, reader):
+    """Python's json and yaml keep the last of two equal keys without a word (`zero: 2` ... `zero: 3` trains ZeRO-3
+    though the reader saw `zero: 2` first): every JSON and YAML file a verb reads refuses it, in one line naming the
+    key and the file, and nothing is written."""
+    sound, template, flag = TWICE[reader]
+    path = tmp_path / f"twice{Path(sound).suffix}"
+    text, key = _twice((sound_files / sound).read_text(), path.suffix)
+    path.write_text(text)
+    before = sorted(tmp_path.rglob("*"))
+    argv = [part.format(file=path, dir=tmp_path, sound=sound_files) for part in template]
+    _refused(argv, flag, path.name, f"'{key}' twice")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("text, value", [("a: &a {x: 1}\nb: {<<: *a, x: 2}\n", {"x": 2}),
+                                         ("a: &a {x: 1}\nb: &b {<<: *a, x: 2}\nc: {<<: *b, y: 3}\n",
+                                          {"x": 2, "y": 3})])
+def test_a_key_a_merge_brought_in_may_still_be_overridden(tmp_path, text, value):
+    """YAML's merge (`<<: *base`) then a key of its own is an override, as YAML means it, not a key given twice."""
+    path = tmp_path / "merged.yaml"
+    path.write_text(text)
+    assert list(read_yaml(path).values())[-1] == value

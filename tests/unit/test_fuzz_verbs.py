@@ -157,11 +157,18 @@ def _bad_target(sandbox: Path, kind: str, target: str, suffix: str) -> str:
         return ""
     if kind == "the-input-itself":
         return str(sandbox / "recipe.yaml")
+    if kind in ("a-symlink", "a-dangling-symlink"):  # writing it would write where the link points, elsewhere
+        (sandbox / "elsewhere").mkdir()
+        victim = sandbox / "elsewhere" / f"victim{suffix}"
+        if kind == "a-symlink":
+            victim.write_text("the user's, kept elsewhere\n")
+        (sandbox / f"link{suffix}").symlink_to(victim)
+        return str(sandbox / f"link{suffix}")
     raise ValueError(kind)
 
 
 OUTPUT_KINDS = ("a-file-for-a-directory", "a-directory-for-a-file", "under-a-file", "unwritable", "empty",
-                "the-input-itself")
+                "the-input-itself", "a-symlink", "a-dangling-symlink")
 
 
 @pytest.mark.parametrize("kind", OUTPUT_KINDS)
@@ -171,6 +178,8 @@ def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, ver
     if (kind == "a-file-for-a-directory" and target == "file") or \
             (kind == "a-directory-for-a-file" and target == "dir"):
         pytest.skip("a valid target of this kind")
+    if kind == "a-symlink" and target == "dir":
+        pytest.skip("a link to a directory is that directory; one to a file is a-file-for-a-directory")
     if kind == "the-input-itself" and verb in ("health --output", "report --plot"):
         pytest.skip("reads no file a .png could be: dmt health none, dmt report directories (a directory is refused "
                     "as a plot in the a-directory-for-a-file case)")
@@ -189,12 +198,50 @@ def test_a_bad_output_is_refused_before_anything_is_written(sandbox, capsys, ver
         out = str(sandbox / "corpus")
         (sandbox / "corpus.dmt.json").write_text('{"text": "a user\'s corpus"}\n')
         argv_template = [*argv_template[:3], out + ".dmt.json", *argv_template[4:]]
+    elif kind.endswith("symlink") and verb == "data prepare --output-prefix":  # a link where it writes its sidecar
+        (sandbox / "link.dmt.json").symlink_to(Path(out).resolve(strict=False))
+        Path(out).unlink()
     before = _snapshot(sandbox)
     argv = [part.format(out=out, recipe=sandbox / "recipe.yaml", run=run) for part in argv_template]
     code, err = _run(capsys, argv)
     _assert_refused(code, err, flag if kind != "the-input-itself" or not suffix else "")
     assert _snapshot(sandbox) == before
     assert not Path("/proc/dmt-fuzz").exists()
+    if kind.endswith("symlink"):
+        assert "symbolic link" in err[-1], err
+
+
+def test_validate_given_a_recipe_says_what_to_validate_in_one_line(sandbox, capsys):
+    """A recipe read as a megatron.yaml was a page of 'section missing' lines: it is one line saying what validate
+    checks and how to get those files from the recipe."""
+    for extra in (["--world-size", "2"], []):
+        code, err = _run(capsys, ["validate", str(sandbox / "recipe.yaml"), *extra])
+        _assert_refused(code, err, "FILE", "recipe.yaml is a recipe", "dmt generate")
+        assert len(err) == 1
+
+
+def test_validate_takes_the_accelerate_yaml_generate_writes_for_deepspeed(sandbox, capsys):
+    """The accelerate.yaml `dmt generate` writes for the deepspeed backend was refused by `dmt validate` as 'not
+    FSDP': it is checked as what it is (Accelerate's keys, the process count)."""
+    assert main(["generate", str(sandbox / "recipe.yaml"), "--out", str(sandbox / "gen")]) == 0
+    capsys.readouterr()
+    code, err = _run(capsys, ["validate", str(sandbox / "gen" / "accelerate.yaml"), "--world-size", "2"])
+    assert code == 0 and not err, err
+    code, err = _run(capsys, ["validate", str(sandbox / "gen" / "accelerate.yaml"), "--world-size", "3"])
+    assert code == 2 and len(err) == 1 and "num_processes" in err[0], err
+
+
+@pytest.mark.parametrize("flags", [["--resume-world-size", "3"], ["--resume-ep", "3"]])
+def test_restore_test_refuses_a_resume_it_cannot_run_before_anything_runs(sandbox, capsys, monkeypatch,
+                                                                          tmp_path_factory, flags):
+    """The resumed run's plan is resolved with the others, before the reference run: 3 processes cannot train a
+    global batch of 16 in micro-batches of 4 (it was found after two runs, in a worker's log), and the refusal leaves
+    no scratch directory (one was made before the --resume-ep check)."""
+    scratch = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code, err = _run(capsys, ["restore-test", "--recipe", str(sandbox / "recipe.yaml"), *flags])
+    _assert_refused(code, err, flags[0])
+    assert not list(scratch.glob("dmt-restore-*"))
 
 
 def test_generate_never_replaces_what_it_did_not_write_and_cleans_its_own(sandbox, capsys):
@@ -243,6 +290,8 @@ RECIPE_VALUES = {  # a recipe line replaced -> the key the error must name
     "negative seq": ("seq_len: 64", "seq_len: -64", "training.seq_len"),
     "tp not dividing heads": ("zero: 2", "zero: 2\n  tp: 3", "plan.tp"),
     "unknown plan key": ("zero: 2", "zero: 2\n  zerro: 1", "plan.zerro"),
+    # the misspelt section is named, not the 'Field required' of the one it was meant to be
+    "misspelt section": ("training:\n", "trainig:\n", "trainig: unknown key"),
 }
 
 
@@ -370,6 +419,41 @@ def test_a_sidecar_that_does_not_describe_its_files_is_not_trusted_for_token_ids
     assert not list(scratch.glob("dmt-restore-*"))
 
 
+def test_a_sidecar_whose_max_token_id_alone_is_false_is_caught_in_the_first_batch(sandbox):
+    """Its counts the .idx's, its max_token_id false (0): check_blend believes it (what the sidecar is for: no .bin
+    read at start on every rank), but every batch training reads is checked against the vocabulary where it is read
+    (TokenBound: a max over the batch; the Megatron loop's batches with their dataset ids, the HF Trainer's input_ids
+    without), and one past it is one line naming the prefix's key, the token and the false record, not an
+    embedding's IndexError (a device-side assert on a GPU)."""
+    from toolkit.backends.megatron.convert import single_process_group
+    from toolkit.data.blend import TokenBound, build_datasets, check_blend, stack_samples
+    from toolkit.errors import UserInputError
+    from toolkit.spec.recipe import load_recipe
+
+    names = _blend_inputs(sandbox)
+    record = Path(f"{names['prefix']}.dmt.json")
+    data = json.loads(record.read_text())
+    largest, vocab = data["datasets"]["text"]["max_token_id"], 300
+    assert largest >= vocab
+    data["datasets"]["text"]["max_token_id"] = 0
+    record.write_text(json.dumps(data))
+    (sandbox / "blend.yaml").write_text(_blend_recipe(names))
+    recipe = load_recipe(sandbox / "blend.yaml")
+    sources = check_blend(recipe, vocab)  # believed
+    with single_process_group():  # Megatron-Core's dataset builder asks the rank
+        train, _ = build_datasets(recipe, 64, 16, sandbox / "run", vocab)
+    batch = stack_samples([train[index] for index in range(8)])
+    assert "dataset_id" in batch and int(batch["tokens"].max()) >= vocab
+    for ids in (batch["dataset_id"], None):
+        with pytest.raises(UserInputError) as refused:
+            train.bound.check(batch["tokens"], ids)
+        key, message = refused.value.key, refused.value.message
+        assert key in ("data.blend.0.prefix", "data.blend.1.prefix") and str(names["prefix"]) in message, message
+        assert f"token id {int(batch['tokens'].max())}" in message and "max_token_id 0" in message, message
+        assert "\n" not in str(refused.value)
+    TokenBound(largest + 1, tuple(sources)).check(batch["tokens"], batch["dataset_id"])  # a true bound: no word
+
+
 # megatron.yaml of the sound blend recipe edited by hand: (section, key, value) -> the key `dmt validate` names
 MEGATRON_YAML_EDITS = {
     "prefix with a line break": (("data", "blend", 0, "prefix"), "corpus\n--load /tmp/x", "data.blend[0].prefix"),
@@ -477,6 +561,7 @@ FLAG_VALUES = [  # argv -> the flag the error must name
      "--recompute-modules"),
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--train-tokens", "many"], "--train-tokens"),
     (["plan", "--model", "llama-3.1-8b", "--gpus", "0", "--seq-len", "512", "--global-batch", "8"], "--gpus"),
+    (["estimate", "--model", "{recipe}", "--gpus", "8"], "--model"),  # a recipe is no model spec: said so, in one line
     # long-context options (spec/options.py): bad values, and the libraries' rules
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--sp", "0"], "--sp"),
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--sp", "two"], "--sp"),
@@ -502,6 +587,12 @@ FLAG_VALUES = [  # argv -> the flag the error must name
      "--top"),
     (["slurm", "render", "{recipe}", "--output-dir", "runs\n#SBATCH --qos=high/x"], "--output-dir"),
     (["slurm", "render", "{recipe}", "--time", "1 day"], "--time"),
+    # an empty value (`--queue "$QUEUE"` with QUEUE unset) is a mistake, never read as "not given"
+    (["slurm", "render", "{recipe}", "--output-dir", ""], "--output-dir"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--queue", ""], "--queue"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--namespace", ""], "--namespace"),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--checkpoint-pvc", ""],
+     "--checkpoint-pvc"),
     (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1\nkind: Secret"], "--image"),
     (["k8s", "render", "{recipe}", "--kind", "cronjob", "--image", "reg.io/dmt:1"], "--kind"),
     (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--namespace", "$(id)"],
@@ -524,6 +615,8 @@ FLAG_VALUES = [  # argv -> the flag the error must name
       "--json-keys", "text", "text"], "--json-keys"),
     (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
       "--json-keys", "body"], "--json-keys"),
+    (["data", "prepare", "--input", DATA_CORPUS, "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out",
+      "--json-keys", "text,title"], "--json-keys text title"),  # one key per word, said so
     (["data", "prepare", "--input", "{ds}", "--tokenizer", DATA_TOKENIZER, "--output-prefix", "{ds}.out"],
      "--input"),
     (["data", "inspect", ""], "PREFIX"),

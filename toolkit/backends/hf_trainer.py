@@ -18,7 +18,7 @@ from toolkit.backends.loop import BatchFingerprints, StepGuard
 from toolkit.backends.peft_model import adapter_callback
 from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
 from toolkit.checkpoint.manifest import consumed_samples, read_manifest
-from toolkit.data.blend import ConsumedSampler
+from toolkit.data.blend import ConsumedSampler, ReadSamples
 from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.runtime.guard import LossGuard
 from toolkit.runtime.metrics import MetricsWriter, gpu_memory_of_ranks, logged_figures
@@ -102,6 +102,8 @@ class ToolkitTrainer(Trainer):
         self.launch.path.on_accelerator(self.accelerator, self.launch.context.plan)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
+        if isinstance(self.train_dataset, ReadSamples):  # a blend: its token ids against the vocabulary, each batch
+            self.train_dataset.bound.check(inputs["input_ids"])
         result = super().compute_loss(model, inputs, *args, **kwargs)
         if not self._guarded:
             return result

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from toolkit.errors import UserInputError, interrupted
-from toolkit.outputs import input_at
+from toolkit.outputs import input_at, not_a_link
 
 log = logging.getLogger(__name__)
 TEMP_MARK = ".tmp-"
@@ -26,7 +26,8 @@ def check_output_dir(out: Path, flag: str = "OUT_DIR", inputs: Iterable[Path | N
     out = Path(out).expanduser().absolute()
     if input_at(out, inputs, inside=False) is not None:  # `inputs` and every input the command line named
         raise UserInputError(flag, f"{out} is one of the inputs; choose a new directory for the output")
-    if out.is_file() or (out.is_symlink() and not out.is_dir()):  # a dangling link too
+    not_a_link(out, flag, "choose a new directory")  # os.replace would replace the link, after all the work
+    if out.is_file():
         raise UserInputError(flag, f"{out} is an existing file; choose a new directory")
     if out.is_dir() and any(out.iterdir()):
         raise UserInputError(flag, f"{out} already exists and is not empty; choose a new directory")

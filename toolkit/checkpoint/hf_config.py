@@ -20,6 +20,19 @@ SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json
 WHAT = "an HF config.json (a JSON object whose model_type names the architecture, e.g. llama)"
 
 
+def found_side_files(folders: list[Path], checkpoint: Path, key: str, names=SIDE_FILES) -> dict[str, Path]:
+    """The side files a converter will carry into its output (each name from the first of `folders` holding it),
+    each checked before any weight is written: a regular file inside the checkpoint, or one line naming it (a
+    tokenizer.json linked to a file elsewhere is refused at once, not after minutes of conversion)."""
+    found = {}
+    for name in names:
+        path = next((folder / name for folder in folders if (folder / name).is_file()), None)
+        if path is not None:
+            open_regular(path, key, "a side file of the checkpoint", checkpoint).close()
+            found[name] = path
+    return found
+
+
 def copy_side_file(path: Path, target: Path, checkpoint: Path, key: str) -> None:
     """Copy a side file found in a checkpoint into the conversion's output, through the one opener: a regular file
     inside the checkpoint (a tokenizer.json linked to a file elsewhere would carry that file into the output)."""

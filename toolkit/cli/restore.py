@@ -18,7 +18,14 @@ from toolkit.numeric import bounded_int, finite_float, json_text
 from toolkit.outputs import output_directory, removed_if_interrupted
 from toolkit.planner.recipe import recipe_plan
 from toolkit.spec.backends import backend_of
-from toolkit.spec.recipe import load_recipe, recipe_files, recipe_model, recipe_names, recipe_vocab_size
+from toolkit.spec.recipe import (
+    load_recipe,
+    recipe_at_world_size,
+    recipe_files,
+    recipe_model,
+    recipe_names,
+    recipe_vocab_size,
+)
 
 RESHARDED_TOLERANCE = 1e-3  # loss, grad norm and lr after resharding: only the order of the sums differs
 
@@ -74,9 +81,6 @@ def run(args: argparse.Namespace) -> int:
     warmup = recipe.training.warmup_steps
     backend_of(plan).rules.check_steps(steps, warmup, "--steps")
     launcher = _launcher(args.launcher, plan.backend)
-    fresh = workdir is None or not workdir.exists()  # interrupted, a directory this command made goes whole
-    scratch = workdir is None  # no --workdir: a temp dir of the command's own, removed if the test passes
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))
     train_args = tuple(option_argv({"backend": plan.backend, **overrides}))
     resume_args = ()
     if args.resume_ep not in (None, plan.ep):
@@ -88,8 +92,20 @@ def run(args: argparse.Namespace) -> int:
         with recipe_names(overrides):  # the resumed run's plan, resolved now: a bad one is one line here
             recipe_plan(recipe, recipe_model(recipe), **{**overrides, "ep": args.resume_ep})
         resume_args = ("--ep", str(args.resume_ep))
+    if args.resume_world_size not in (None, recipe.cluster.gpus):  # the resumed run's plan too: one line now, not
+        resized = recipe_at_world_size(recipe, args.resume_world_size)  # after the reference run and the killed one
+        try:
+            resumed = {**overrides, **({"ep": args.resume_ep} if resume_args else {})}
+            with recipe_names(resumed):
+                recipe_plan(resized, recipe_model(resized), **resumed)
+        except UserInputError as exc:
+            raise UserInputError("--resume-world-size", f"{args.resume_world_size} processes cannot resume this "
+                                                        f"plan: {exc}") from None
     resharded = args.resume_world_size not in (None, recipe.cluster.gpus) or bool(resume_args)
     tolerance = args.tolerance if args.tolerance is not None else RESHARDED_TOLERANCE if resharded else 0.0
+    fresh = workdir is None or not workdir.exists()  # interrupted, a directory this command made goes whole
+    scratch = workdir is None  # no --workdir: a temp dir of the command's own, removed if the test passes
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="dmt-restore-"))  # after every check: a refusal leaves none
     with removed_if_interrupted(workdir, whole=fresh):
         result = restore_test(args.recipe, workdir, steps, save_at, recipe.cluster.gpus, args.resume_world_size,
                               launcher, tolerance, args.timeout, train_args, resume_args)

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--partition", default=None)
         p.add_argument("--time", default="24:00:00", help="time limit (default %(default)s)")
         p.add_argument("--account", default=None)
-        p.add_argument("--output-dir", default=None, help="training output directory (default runs/<recipe name>)")
+        p.add_argument("--output-dir", type=output_arg, default=None, help="training output directory (default runs/<recipe name>)")
         p.add_argument("--deepspeed", type=source_arg, default=None,
                        help="DeepSpeed JSON to train with (default: from the recipe)")
         p.add_argument("--plan", type=path_arg, default=None, metavar="DIR/plan.json",

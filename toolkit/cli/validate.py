@@ -21,6 +21,7 @@ from toolkit.spec.cluster import DEFAULT_GPU, get_gpu
 from toolkit.spec.finetune import FinetuneOptions, finetune_flag
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import choices, default
+from toolkit.spec.recipe import Recipe
 from toolkit.validate.accelerate_fsdp import validate_accelerate_deepspeed, validate_accelerate_fsdp
 from toolkit.validate.deepspeed import finetune_problems, memory_problem, validate_deepspeed_config
 from toolkit.validate.generated import read_ft_config, read_generated
@@ -84,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
             print(json_text({"ok": True, "problems": []}) if args.json
                   else f"{args.file}: valid (NVRx's FaultToleranceConfig, as ft_launcher --ft-cfg-path reads it)")
             return 0
+        if _is_recipe(config):  # read as a megatron.yaml it is a page of missing sections
+            raise UserInputError("FILE", f"{args.file} is a recipe, not a file `dmt validate` checks ({what}); "
+                                         f"`dmt generate {args.file} --out DIR` writes them (and checks them as it "
+                                         f"does), then `dmt validate DIR` checks them again")
         _require_world_size(args)
         if "distributed_type" in config:  # Accelerate's own config: its plugin classes and launch-time rules
             if args.world_size < 1:
@@ -132,6 +137,13 @@ def _generated(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_recipe(config) -> bool:
+    """A mapping of the recipe's sections only (name, model, data, cluster, training, plan), with one of those a
+    megatron.yaml never has."""
+    return isinstance(config, dict) and set(config) <= set(Recipe.model_fields) and \
+        bool(set(config) & {"cluster", "training", "plan", "name"})
+
+
 def _require_world_size(args: argparse.Namespace) -> None:
     if args.world_size is None:  # a Kubernetes manifest states its own (nodes x processes per node)
         raise UserInputError("--world-size", "is required for a DeepSpeed JSON, an accelerate.yaml or a megatron.yaml: "
@@ -156,10 +168,11 @@ def _accelerate(args: argparse.Namespace, config: dict) -> int:
     message` per problem, exit 2 when any."""
     trainer = read_json(args.trainer_args, "--trainer-args", what="HF TrainingArguments as JSON") \
         if args.trainer_args else None
-    # DeepSpeed's accelerate.yaml says nothing to check but its ParallelismConfig (Ulysses); without one it is the
-    # DeepSpeed JSON it names that `dmt validate` checks, as the FSDP check's line says
-    ulysses = config.get("distributed_type") == "DEEPSPEED" and config.get("parallelism_config")
-    check = validate_accelerate_deepspeed if ulysses else validate_accelerate_fsdp
+    # DeepSpeed's accelerate.yaml (the one `dmt generate` writes for the deepspeed backend): Accelerate's keys, the
+    # process count, its ParallelismConfig (Ulysses); the DeepSpeed JSON it names is checked as a FILE of its own
+    # (one with an fsdp_config is an FSDP config whose distributed_type is wrong: the FSDP check says so)
+    deepspeed = config.get("distributed_type") == "DEEPSPEED" and "fsdp_config" not in config
+    check = validate_accelerate_deepspeed if deepspeed else validate_accelerate_fsdp
     return report(args, check(config, args.world_size, trainer))
 
 

@@ -123,11 +123,55 @@ def _largest_token_id(source: BlendSource) -> int:
                 and entry.get("documents") == files.documents and entry.get("tokens") == files.tokens \
                 and (largest >= 0) == (files.tokens > 0):
             return largest
+    return _largest_in_bin(source.prefix)
+
+
+def _largest_in_bin(prefix: str) -> int:
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    data = numpy.memmap(f"{source.prefix}.bin", dtype=IndexedDataset(source.prefix).index.dtype, mode="r")
+    data = numpy.memmap(f"{prefix}.bin", dtype=IndexedDataset(prefix).index.dtype, mode="r")
     return int(data.max()) if data.size else -1
+
+
+def _recorded_largest(source: BlendSource) -> int | None:
+    entries = ((source.record or {}).get("datasets") or {}).values()
+    return next((entry.get("max_token_id") for entry in entries if entry.get("prefix") == source.prefix), None)
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """The vocabulary a blend's token ids must lie below, checked again on every batch where training reads it.
+    check_blend believes a sidecar's max_token_id where its counts are the .idx's, which a sidecar edited by hand, or
+    a .bin rewritten in place with the same lengths, still passes: its ids would reach the embedding (an IndexError on
+    CPU, a device-side assert on a GPU). A max over the batch costs what the batch holds and reads nothing; only a
+    batch past the vocabulary reads the prefixes' .bin files, on the way out, to name the one that holds it."""
+
+    vocab_size: int
+    sources: tuple[BlendSource, ...]
+
+    def check(self, tokens, dataset_ids=None) -> None:
+        """`tokens`: a batch of token ids (a tensor or array, one row per sample); `dataset_ids`: each row's index
+        into the blend (BlendedDataset's dataset_id; None: not known)."""
+        if tokens.numel() == 0 or int(tokens.max()) < self.vocab_size:
+            return
+        largest = int(tokens.max())
+        if dataset_ids is not None:
+            rows = tokens.reshape(len(dataset_ids), -1).max(dim=1).values
+            culprits = [self.sources[int(dataset_ids[int((rows >= self.vocab_size).nonzero()[0])])]]
+        elif len(self.sources) == 1:
+            culprits = list(self.sources)
+        else:
+            culprits = [source for source in self.sources if _largest_in_bin(source.prefix) >= self.vocab_size]
+        if not culprits:
+            raise UserInputError("data.blend", f"a batch holds token id {largest}, beyond the model's vocabulary of "
+                                               f"{self.vocab_size} (model.config.vocab_size)")
+        source = culprits[0]
+        recorded = _recorded_largest(source)
+        said = f", though its {sidecar.SUFFIX} records max_token_id {recorded}: that record does not describe " \
+               f"its .bin; prepare it again" if recorded is not None else ""
+        raise UserInputError(source.key, f"{source.prefix} holds token id {largest}, beyond the model's vocabulary "
+                                         f"of {self.vocab_size} (model.config.vocab_size){said}")
 
 
 def cache_dir(recipe, output_dir: Path) -> Path:
@@ -178,15 +222,17 @@ def build_datasets(recipe, seq_len: int, global_batch: int, output_dir: Path, vo
                                            f"samples; give train a positive share")
     log.info("blend of %d prefixes: %d training and %d valid samples of %d tokens (index cache %s)", len(sources),
              len(train), len(valid) if valid is not None else 0, seq_len, cache)
-    return ReadSamples(train), (ReadSamples(valid) if valid is not None and len(valid) else None)
+    bound = TokenBound(vocab_size, tuple(sources))
+    return ReadSamples(train, bound), (ReadSamples(valid, bound) if valid is not None and len(valid) else None)
 
 
 class ReadSamples:
-    """A Megatron-Core dataset (BlendedDataset or GPTDataset) as a torch map-style dataset of its sample dicts;
-    with READS_ENV set, each read is recorded (test-only)."""
+    """A Megatron-Core dataset (BlendedDataset or GPTDataset) as a torch map-style dataset of its sample dicts,
+    with the bound its batches' token ids are checked against where training reads them (`bound.check`); with
+    READS_ENV set, each read is recorded (test-only)."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, dataset, bound: TokenBound):
+        self.dataset, self.bound = dataset, bound
         self.reads = os.environ.get(READS_ENV)
 
     def __len__(self) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import not_a_file
+from toolkit.readers import DuplicateKey, not_a_file, unique_keys
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 FORMAT_NAMES = "JSON lines (.jsonl, .json, also .gz), parquet (.parquet) or plain text (.txt, .text, also .gz)"
@@ -163,7 +163,9 @@ def documents(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[list[str]]]
     found = {key: [] for key in keys}
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=unique_keys)
+        except DuplicateKey as exc:
+            raise BadDocument(number, f"{exc} (which text would be tokenized is unclear)") from None
         except json.JSONDecodeError as exc:
             raise BadDocument(number, f"is not a JSON object ({exc.msg}, column {exc.colno})") from None
         except RecursionError:
@@ -172,8 +174,10 @@ def documents(chunk: Chunk, keys: list[str]) -> tuple[dict[str, list[list[str]]]
             raise BadDocument(number, f"holds a JSON {type(record).__name__}, not an object")
         for key in keys:
             if key not in record:
+                words = f"; --json-keys takes one key per word (--json-keys {' '.join(key.split(','))})" \
+                    if "," in key else ""
                 raise BadDocument(number, f"has no key {key!r} (--json-keys); its keys: "
-                                          f"{', '.join(map(repr, list(record)[:10]))}")
+                                          f"{', '.join(map(repr, list(record)[:10]))}{words}")
             found[key].append(_sentences(record[key], key, number))
     return found, len(lines)
 

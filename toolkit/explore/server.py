@@ -24,7 +24,7 @@ from toolkit.estimate.params import count_params
 from toolkit.explore.bridge import error_payload, run_verb
 from toolkit.explore.form import form_fields
 from toolkit.explore.launch_files import launch_files
-from toolkit.readers import one_line
+from toolkit.readers import DuplicateKey, one_line, unique_keys
 from toolkit.spec.cluster import load_catalogue
 from toolkit.spec.model import load_model_spec, preset_names
 
@@ -77,7 +77,9 @@ async def _body(request: Request) -> dict:
         if len(body) > MAX_BODY_BYTES:
             raise HTTPException(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most that is read")
     try:
-        data = json.loads(body, parse_constant=_refuse_constant)
+        data = json.loads(body, parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise HTTPException(400, f"the request body {exc}; expected a JSON object of options, each once") from None
     except RecursionError:
         raise HTTPException(400, f"the request body nests deeper than {MAX_BODY_DEPTH} levels") from None
     except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError, NaN, an integer of over 4300 digits

@@ -19,7 +19,10 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,6 +32,7 @@ from toolkit.errors import UserInputError
 from toolkit.estimate.timing import useful_flops_per_token
 from toolkit.outputs import write_file
 from toolkit.readers import read_json, read_json_lines, read_text
+from toolkit.runtime.watchdog import on_exit
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.prediction import PackedAttention
 
@@ -263,6 +267,30 @@ def configure_wandb(report_to: list[str], output_dir: Path) -> None:
     if "WANDB_MODE" not in os.environ and not wandb_key_configured():
         os.environ["WANDB_MODE"] = "offline"
         log.info("wandb: no API key configured, logging offline under %s", output_dir / "wandb")
+    import_wandb_inside(Path(output_dir) / "wandb")
+
+
+def import_wandb_inside(directory: Path) -> Path | None:
+    """Import wandb with the temporary directories it makes at import (`tmp*wandb-media`, `tmp*wandb-artifacts`)
+    inside `directory` (the run's own wandb directory), in one directory of this process's, removed when the rank
+    ends. wandb leaves their removal to finalizers at interpreter exit, which a rank never reaches when it ends by
+    exit_now (every launch under train.py, completed or failed) or is killed after Ctrl-C: they were left, empty, in
+    /tmp by every such run. What a kill still leaves now stays inside the run's directory. Returns that directory
+    (None: wandb was imported already, or is not installed)."""
+    if "wandb" in sys.modules:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    mine = Path(tempfile.mkdtemp(prefix=f".dmt-tmp-{os.getpid()}-", dir=directory))
+    previous, tempfile.tempdir = tempfile.tempdir, str(mine)
+    try:
+        import wandb  # noqa: F401  # lazy: wandb
+    except ImportError:
+        shutil.rmtree(mine, ignore_errors=True)
+        return None
+    finally:
+        tempfile.tempdir = previous
+    on_exit(lambda: shutil.rmtree(mine, ignore_errors=True))
+    return mine
 
 
 class WandbRun:

@@ -347,6 +347,25 @@ class Watchdog:
         exit_now(self.exit_code)
 
 
+# What a rank must undo however it ends: run by exit_now (which skips the interpreter's exit handlers) and registered
+# with atexit by whoever adds one (see on_exit)
+_ON_EXIT: list[Callable[[], None]] = []
+
+
+def on_exit(cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` when this rank ends, by exit_now (a completed launch under train.py, a failure, a hang) or by
+    the interpreter's own exit; it runs once, and must not raise."""
+    import atexit
+
+    def once() -> None:
+        if cleanup in _ON_EXIT:
+            _ON_EXIT.remove(cleanup)
+            cleanup()
+
+    _ON_EXIT.append(cleanup)
+    atexit.register(once)
+
+
 def exit_now(code: int = 1) -> None:
     """End this rank without the interpreter's teardown (it can hang or abort in a library's threads), taking its
     multiprocessing children with it: the exit handler that would stop them does not run on os._exit, and one of them
@@ -354,6 +373,12 @@ def exit_now(code: int = 1) -> None:
     outlive the rank for ever, holding its memory."""
     import multiprocessing
 
+    for cleanup in list(_ON_EXIT):
+        _ON_EXIT.remove(cleanup)
+        try:
+            cleanup()
+        except Exception:  # the rank is ending: a failed cleanup is logged, never a second failure
+            log.exception("cleanup at exit")
     children = multiprocessing.active_children()
     for child in children:
         child.terminate()

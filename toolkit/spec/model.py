@@ -219,6 +219,10 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _from_toolkit_dict(data: dict, source: str) -> ModelSpec:
+    if isinstance(data.get("model"), dict) and ({"training", "cluster", "plan"} & set(data)):
+        raise UserInputError("--model", f"{source} is a recipe, not a model spec: give the model itself (a preset, an "
+                                        f"HF config.json or a toolkit model spec), or `dmt generate {source} --out DIR` "
+                                        f"for the recipe's plan")
     data = dict(data)
     data.setdefault("name", Path(source).stem)
     return validate_spec(data, source)

@@ -431,8 +431,10 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         return Recipe(**data)
     except ValidationError as exc:
-        # a number's union (an int or a finite float) fails in both branches: the finite rule is the one to report
-        errors = sorted(exc.errors(), key=lambda err: err["type"] != "finite_number")
+        # a number's union (an int or a finite float) fails in both branches: the finite rule is the one to report;
+        # then a misspelt key (`trainig:`), which explains the 'Field required' of the key it was meant to be
+        order = {"finite_number": 0, "extra_forbidden": 1}
+        errors = sorted(exc.errors(), key=lambda err: order.get(err["type"], 2))
         key = ".".join(str(part) for part in errors[0]["loc"] if part not in ("int", "float")) or "recipe"
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         raise UserInputError(f"{path.name}: {key}", _fix_hint(errors[0]) + more) from None
@@ -529,6 +531,13 @@ def recipe_hf_config(recipe: Recipe) -> dict:
                                                  f"{str(exc).splitlines()[0]}") from None
     raise UserInputError("model.source", f"{source}: pre-training needs a config.json (preset, file, directory or "
                                          f"hub id)")
+
+
+def recipe_at_world_size(recipe: Recipe, gpus: int) -> Recipe:
+    """The recipe launched on `gpus` processes instead of cluster.gpus (train.py --gpus: a resume at another world
+    size), as many per node as fit."""
+    cluster = {"gpus": gpus, "gpus_per_node": min(gpus, recipe.cluster.gpus_per_node)}
+    return recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update=cluster)})
 
 
 def recipe_vocab_size(recipe: Recipe) -> int:

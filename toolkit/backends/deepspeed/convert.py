@@ -9,7 +9,13 @@ from pathlib import Path
 
 from toolkit.backends.deepspeed.zero_checkpoint import open_zero_checkpoint, rank_files, resolve_tag_dir
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, copy_side_file, find_config, read_hf_config
+from toolkit.checkpoint.hf_config import (
+    check_tensors_match,
+    copy_side_file,
+    find_config,
+    found_side_files,
+    read_hf_config,
+)
 from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manifest
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.errors import UserInputError
@@ -66,8 +72,7 @@ def convert_zero_to_hf(
     check_output_dir(out_dir, inputs=[ckpt_dir, config])
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     config_path, own_config = find_config(ckpt_dir, tag_dir, config)
-    sides = {side: folder / side for side in SIDE_FILES for folder in (ckpt_dir, tag_dir)
-             if (folder / side).is_file()}  # the tag directory's copy, when both have one
+    sides = found_side_files([tag_dir, ckpt_dir], ckpt_dir, "CKPT_DIR")  # the tag directory's copy, when both have one
     check_against_manifest(ckpt_dir, tag_dir, [*rank_files(tag_dir), config_path, *sides.values()])
     checkpoint = open_zero_checkpoint(ckpt_dir, tag)
     config_flag = "--config" if config is not None else str(config_path)

@@ -21,7 +21,13 @@ from pathlib import Path
 from toolkit.checkpoint.allow_lists import TENSORS
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
-from toolkit.checkpoint.hf_config import SIDE_FILES, check_tensors_match, copy_side_file, find_config, read_hf_config
+from toolkit.checkpoint.hf_config import (
+    check_tensors_match,
+    copy_side_file,
+    find_config,
+    found_side_files,
+    read_hf_config,
+)
 from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from toolkit.checkpoint.torch_zip import ITEMSIZE, index_torch_file
@@ -81,6 +87,7 @@ def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard
     layout = [(names[key], tuple(tensors[key].size), target(key)) for key in names]
     if not own_config:  # a --config (or the parent directory's) of another model would write an unloadable result
         check_tensors_match(config_data, config_path, {name: shape for name, shape, _ in layout}, config_flag)
+    sides = found_side_files([source, ckpt], ckpt, KEY)
     reader = DistCheckpointReader(source, live, metadata=metadata, key=KEY)
     written = 0
     with atomic_directory(out_dir, inputs=[ckpt, config]) as tmp:
@@ -100,11 +107,8 @@ def convert_fsdp_to_hf(ckpt: Path, out_dir: Path, dtype: str = "fp32", max_shard
                 bar.update(nbytes)
         writer.close()
         shutil.copyfile(config_path, tmp / "config.json")
-        for side in SIDE_FILES:
-            for folder in (source, ckpt):
-                if (folder / side).is_file():
-                    copy_side_file(folder / side, tmp / side, ckpt, KEY)
-                    break
+        for side, path in sides.items():
+            copy_side_file(path, tmp / side, ckpt, KEY)
     ranks = len({info.relative_path for info in metadata.storage_data.values()})
     log.info("wrote %d tensors (%d bytes) in %d shard(s) to %s", len(layout), written, len(writer.shards), out_dir)
     return {"out_dir": str(out_dir), "tensors": len(layout), "bytes": written, "shards": len(writer.shards),

@@ -28,7 +28,7 @@ from toolkit.backends.megatron.build import (
 from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT, chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
 from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
-from toolkit.checkpoint.hf_config import config_file, copy_side_file, read_hf_config
+from toolkit.checkpoint.hf_config import config_file, copy_side_file, found_side_files, read_hf_config
 from toolkit.checkpoint.manifest import write_manifest
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import DTYPES, ShardedSafetensorsWriter, parse_size, safetensors_weight_map
@@ -313,6 +313,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     hf_config = read_hf_config(config_path, "--config" if config else str(config_file(config_path)))
     inputs = [ckpt, config_path]
     check_output_dir(out_dir, inputs=inputs)
+    sides = found_side_files([ckpt], ckpt, "MEGATRON_DIR", HF_SIDE_FILES)
     reader = DistCheckpointReader(ckpt, live, metadata=metadata)
     items, geometry = megatron_mapping(hf_config.get("model_type")).weight_table(hf_config)
     config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
@@ -331,8 +332,7 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
                         del piece
             writer.close()
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-            for side in HF_SIDE_FILES:
-                if (ckpt / side).is_file():
-                    copy_side_file(ckpt / side, tmp / side, ckpt, "MEGATRON_DIR")
+            for side, path in sides.items():
+                copy_side_file(path, tmp / side, ckpt, "MEGATRON_DIR")
     return {"out_dir": str(out_dir), "tensors": len(layout), "parameters": sum(math.prod(s) for _, s, _ in layout),
             "shards": len(writer.shards)}

@@ -151,6 +151,7 @@ class BlendBatches:
         import torch
         from torch.utils.data import DataLoader
 
+        self.bound = dataset.bound  # every batch's token ids against the vocabulary (toolkit.data.blend.TokenBound)
         steps = RankSteps(plan.global_batch, dp_rank, plan.dp, first_step, last_step)
         workers = data_workers(recipe)
         loader = DataLoader(dataset, batch_sampler=steps, num_workers=workers, collate_fn=stack_samples,
@@ -163,7 +164,7 @@ class BlendBatches:
             raise RuntimeError(f"the blend's batches are read in order: step {step} after {self.step}")
         self.step = step
         batch = next(self.batches)
-        batch.pop("dataset_id", None)
+        self.bound.check(batch["tokens"], batch.pop("dataset_id", None))
         return batch
 
     def fingerprint(self, step: int, rank_batch: dict) -> str:

@@ -110,8 +110,11 @@ def make_job(recipe: Recipe, plan: Plan, image: str | None, recipe_path: Path, p
     if not image:
         raise UserInputError("--image", "is required (or cluster.k8s.image in the recipe): the container image that "
                                         f"holds the toolkit and this directory at {WORKDIR}")
-    checked = (names.image_reference(image), namespace and names.namespace(namespace),
-               checkpoint_pvc and names.claim_name(checkpoint_pvc), queue and names.queue_name(queue))
+    # an empty name given (`--queue "$QUEUE"` with QUEUE unset) is refused as a name, never read as "not given": a
+    # job meant for a Kueue queue would otherwise be submitted unqueued, into kubectl's current namespace
+    checked = (names.image_reference(image), None if namespace is None else names.namespace(namespace),
+               None if checkpoint_pvc is None else names.claim_name(checkpoint_pvc),
+               None if queue is None else names.queue_name(queue))
     if plan.gpus % recipe.cluster.num_nodes:
         raise UserInputError("cluster.nodes", f"{plan.gpus} processes do not split evenly over "
                                               f"{recipe.cluster.num_nodes} nodes")

@@ -21,6 +21,7 @@ from toolkit.generate.k8s.render import (
     SHM_MOUNT,
 )
 from toolkit.generate.k8s.shm import quantity, quantity_bytes, shm_bytes
+from toolkit.readers import unique_keys
 from toolkit.spec.plan import Plan, validated
 from toolkit.validate import Problem
 from toolkit.validate.k8s.nvlink import nvlink_problems
@@ -160,7 +161,7 @@ def _recorded_plan(job: dict, world_size: int | None) -> tuple[object, str | Non
                                                                 f"records): pass --world-size N to check it against")]
         return None, None, []
     try:
-        record = json.loads(text)
+        record = json.loads(text, object_pairs_hook=unique_keys)
         plan = validated(Plan, record["plan"])
         accelerator = record.get("accelerator")
     except (ValueError, KeyError, TypeError, UserInputError) as exc:
