@@ -36,9 +36,18 @@ TRAIN = ("--module", "toolkit.train")
 PYTHON_TRAIN = (sys.executable, "-m", "toolkit.train")
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float = 600) -> int:
-    """Run a launcher, its output into `log`; the return code (tests also judge by what the run wrote)."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+BIN = Path(sys.executable).parent  # the venv's launchers: deepspeed, torchrun, accelerate, ft_launcher
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float = 600, changes: dict | None = None) -> int:
+    """Run a launcher, its output into `log`; the return code (tests also judge by what the run wrote). `changes`
+    sets (or, with None, removes) environment variables."""
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    for key, value in (changes or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:
         return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode

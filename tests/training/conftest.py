@@ -1,18 +1,13 @@
 """Fixtures of the training tests: generated files of the tiny recipe, recipe variants, and real launches shared by
 several tests (one launch serves every assertion about it)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import TINY, TRAIN, Launch, free_port
+from helpers import BIN, TINY, TRAIN, Launch, free_port, run_logged
 from toolkit.runtime.ds_shm import segments
-
-BIN = Path(sys.executable).parent
 
 
 def recipe_variant(directory: Path, name: str, replace: dict | None = None, base: Path = TINY, **changes) -> Path:
@@ -33,22 +28,6 @@ def recipe_variant(directory: Path, name: str, replace: dict | None = None, base
 def variant(tmp_path_factory):
     directory = tmp_path_factory.mktemp("recipes")
     return lambda name, replace=None, base=TINY, **changes: recipe_variant(directory, name, replace, base, **changes)
-
-
-def run_logged(cmd: list[str], log: Path, changes: dict) -> int:
-    """Run a launcher with its output in `log`; `changes` sets (or, with None, removes) environment variables."""
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
-    for key, value in changes.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as handle:
-        # bounds a launch that ends by itself when things go well (a few tiny steps, or a 10 s hang timeout): one
-        # DeepSpeed launch took ~70 s under load ~10 on 2 cores, and its start alone has taken minutes under
-        # heavier load, so 1800 s (as launch_watched in tests/helpers.py) costs nothing and leaves ~25x at load ~10
-        return subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=1800).returncode
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +54,10 @@ def launch(tmp_path_factory):
             env = {**(env or {}), "MASTER_PORT": port, "OUTPUT_DIR": str(out), "RECIPE": str(recipe)}
         else:
             raise ValueError(launcher)
-        rc = run_logged(cmd, log, env or {})
+        # bounds a launch that ends by itself when things go well (a few tiny steps, or a 10 s hang timeout): one
+        # DeepSpeed launch took ~70 s under load ~10 on 2 cores, and its start alone has taken minutes under
+        # heavier load, so 1800 s (as launch_watched) costs nothing and leaves ~25x at load ~10
+        rc = run_logged(cmd, log, 1800, env)
         done[name] = Launch(out, rc, log, shm_left=segments(port))
         return done[name]
 

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from conftest import BIN, TRAIN, run_logged
-from helpers import free_port
+from helpers import BIN, TRAIN, free_port, run_logged
 from toolkit.cli.main import main
 from toolkit.runtime.incident import read_incidents
 
@@ -27,7 +26,7 @@ def straggler(variant, tmp_path_factory):
     out = tmp_path_factory.mktemp("straggler") / "run"
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *TRAIN,
            "--recipe", str(recipe), "--backend", "fsdp", "--output-dir", str(out), "--profile-steps", "2-3"]
-    rc = run_logged(cmd, out.parent / "train.log", {"DMT_FAULT": FAULT, "OMP_NUM_THREADS": "1"})
+    rc = run_logged(cmd, out.parent / "train.log", 1800, {"DMT_FAULT": FAULT, "OMP_NUM_THREADS": "1"})
     return rc, out, (out.parent / "train.log").read_text()
 
 
