@@ -22,7 +22,7 @@ def megatron_recipe(tmp_path_factory):
         recipe = yaml.safe_load(TINY_MEGATRON.read_text())
         recipe["data"]["train_files"] = [str(TINY_MEGATRON.parent / f) for f in recipe["data"]["train_files"]]
         for section, values in changes.items():
-            recipe[section].update(values)
+            recipe.setdefault(section, {}).update(values)
         path = directory / f"{name}.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         return path

@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+import yaml
 from megatron_helpers import BIN, TRAIN
 
 from helpers import free_port, guard_looks, guard_probe_env, launch_watched, processes_with_env, rank_processes
@@ -92,8 +93,14 @@ def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_
     without a shard of checkpoint-4 on disk (the save did not wait for its files), `latest` stays on checkpoint-2 and
     `dmt ckpt verify` rejects checkpoint-4. Rank 1, ended by the launcher, waits the bounded time for its write and
     says so; launch.sh's torchrun restarts the job (training.max_restarts), which resumes from checkpoint-2 and
-    rewrites checkpoint-4, no writer of the killed attempt writing into it."""
-    recipe = megatron_recipe("tiny-megatron-kill-in-save", training={**FAULTY, "async_save": True})
+    rewrites checkpoint-4, no writer of the killed attempt writing into it. Node-local checkpoints (checkpoint.local,
+    NVRx) were written at the odd steps; rank 1's copy of step 5 is lost when the kill comes (its node's local disk,
+    as far as this rank is concerned): step 5 is not on every rank, so the restart reads the persistent checkpoint-2,
+    not the local one, and the local checkpoints start again from there."""
+    local = tmp_path / "node-local"
+    recipe = megatron_recipe("tiny-megatron-kill-in-save", training={**FAULTY, "async_save": True},
+                             checkpoint={"local": {"dir": str(local), "every": 1}})
+    ranks = local / yaml.safe_load(recipe.read_text())["name"]
     generated = tmp_path / "gen"
     assert main(["generate", str(recipe), "--out", str(generated)]) == 0
     assert "async_save: true" in (generated / "megatron.yaml").read_text()
@@ -108,6 +115,9 @@ def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_
             seen.update(latest=resolve_latest(out).name, manifest=(partial / MANIFEST).exists(),
                         shards=sorted(p.name for p in partial.glob("*.distcp")),
                         verify=main(["ckpt", "verify", str(partial)]))
+            seen["lost"] = sorted(p.name for p in (ranks / "1").glob("*.pt"))
+            for lost in (ranks / "1").glob("*.pt"):
+                lost.unlink()
             return True
 
     log = tmp_path / "kill.log"
@@ -124,6 +134,11 @@ def test_a_rank_killed_inside_a_background_save_leaves_latest_before_it_and_the_
             f"abandoned") in log.read_text()
     [restart] = [e for e in read_incidents(out) if e["event"] == "restart"]
     assert restart["resume_from"] == "checkpoint-2" and restart["attempt"]["torchrun"] == 1
+    # the local checkpoint of step 5 was complete on both ranks when the kill came, then lost on rank 1: not read
+    assert seen["lost"] == ["iter_0000005_1_local.pt"]
+    assert not [e for e in read_incidents(out) if e["event"] == "local_resume"]
+    assert sorted(p.relative_to(ranks).as_posix() for p in ranks.rglob("*.pt")) == [
+        f"{rank}/iter_0000005_{rank}_local.pt" for rank in (0, 1)]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
     saves = read_checkpoint_records(out)
     assert [(r["checkpoint"], r["async"]) for r in saves] == [(f"checkpoint-{s}", True) for s in (2, 4, 6)]

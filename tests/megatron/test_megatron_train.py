@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from megatron_helpers import MOE_STEPS, RESAVE_AT, SAVE_AT, STEPS, TINY_MEGATRON, TINY_MOE
 
 from helpers import (
@@ -21,6 +22,7 @@ from toolkit.checkpoint.manifest import read_manifest, resolve_latest
 from toolkit.checkpoint.safe_load import read_dcp_metadata
 from toolkit.checkpoint.verify import verify
 from toolkit.cli.main import main
+from toolkit.runtime.incident import read_incidents
 from toolkit.runtime.metrics import read_checkpoint_records, read_metrics
 
 pytestmark = pytest.mark.launch
@@ -265,24 +267,32 @@ def _model_tensors(ckpt) -> dict:
 def test_in_process_restart_replaces_a_killed_rank_and_ends_as_the_uninterrupted_run(layout_run, megatron_recipe,
                                                                                      tmp_path):
     """training.restart: in_process (NVRx's in-process Wrapper) through the generated launch.sh's `inprocess`
-    launcher: 2 ranks and a hot spare. Rank 1 is SIGKILLed in step 5, after checkpoint-4: rank 0's process is not
-    relaunched (same pid before and after), the spare becomes rank 1, training continues from checkpoint-4 and every
-    step is logged once, each equal to the uninterrupted dp2 run's to the bit, and so are the final weights."""
+    launcher: 2 ranks and a hot spare, with node-local checkpoints (checkpoint.local, NVRx's LocalCheckpointManager)
+    at the odd steps between the persistent ones. Rank 1 is SIGKILLed in step 6, after checkpoint-4 and the local
+    checkpoint of step 5: rank 0's process is not relaunched (same pid before and after), the spare becomes rank 1,
+    training continues from the local checkpoint of step 5 (newer than `latest`, checkpoint-4) and every step is
+    logged once, each equal to the uninterrupted dp2 run's to the bit, and so are the final weights."""
     import torch
 
+    local_dir = tmp_path / "node-local"
     recipe = megatron_recipe("tiny-megatron-inprocess", plan={"distributed_optimizer": True},
                              training={"max_steps": STEPS, "save_steps": 2, "async_save": False,
-                                       "restart": "in_process", "spare_ranks": 1, "hang_timeout_s": 120})
+                                       "restart": "in_process", "spare_ranks": 1, "hang_timeout_s": 120},
+                             checkpoint={"local": {"dir": str(local_dir), "every": 1}})
     generated, out, log = tmp_path / "gen", tmp_path / "run", tmp_path / "inprocess.log"
     assert main(["generate", str(recipe), "--out", str(generated)]) == 0
     pids: dict = {}
     rc = launch_watched(["bash", str(generated / "launch.sh"), "inprocess"], log, pid_recorder(pids),
                         {"OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-                         "DMT_FAULT": f"kill@rank=1,step={SAVE_AT + 1},phase=train"})
+                         "DMT_FAULT": f"kill@rank=1,step={SAVE_AT + 2},phase=train"})
     text = log.read_text()
     assert rc == 0 and "fault injection: kill on rank 1" in text, text[-3000:]
     # not relaunched: rank 0 is the process launch.sh started; the spare (launched as rank 2) is rank 1 now
-    assert_restarted_in_process(out, text, pids, f"checkpoint-{SAVE_AT}", SAVE_AT + 1)
+    assert_restarted_in_process(out, text, pids, f"checkpoint-{SAVE_AT}", SAVE_AT + 2)
+    # the local checkpoint of step 5, newer than the persistent checkpoint-4, is what the restart read
+    [local] = [event for event in read_incidents(out) if event["event"] == "local_resume"]
+    assert local["step"] == SAVE_AT + 1 and local["persistent"] == f"checkpoint-{SAVE_AT}", local
+    assert local["dir"] == str(local_dir), local
     reference = read_metrics(layout_run("dp2").out)
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -291,3 +301,9 @@ def test_in_process_restart_replaces_a_killed_rank_and_ends_as_the_uninterrupted
     got, want = _model_tensors(out / f"checkpoint-{STEPS}"), _model_tensors(layout_run("dp2").out / f"checkpoint-{STEPS}")
     assert got.keys() == want.keys() and got and all(torch.equal(got[k], want[k]) for k in got)
     assert verify(resolve_latest(out)).ok
+    # NVRx kept each rank's newest local checkpoint (step 7: 8 is persistent), written under the run's name
+    name = yaml.safe_load(recipe.read_text())["name"]
+    assert sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*.pt")) == [
+        f"{name}/{rank}/iter_{STEPS - 1:07d}_{rank}_local.pt" for rank in (0, 1)]
+    report = verify(local_dir)
+    assert report.ok and report.format == "nvrx-local" and report.files_checked == 2, report.problems

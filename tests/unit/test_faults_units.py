@@ -418,3 +418,29 @@ def test_nvrx_calculated_timeouts_are_kept_within_the_recipes_bounds():
     client = RankMonitorClient()
     client.load_state_dict(bounded(state, hang))  # NVRx's own loader takes it (before its monitor connection)
     assert client.loaded_hb_timeouts == HeartbeatTimeouts(initial=2 * hang, subsequent=hang, were_calculated=True)
+
+
+def test_local_checkpoints_are_refused_where_nvrx_cannot_take_them(tmp_path, capsys):
+    """checkpoint.local: a DeepSpeed recipe is refused in one line naming the key and the backend that takes it;
+    replication > 1 on CPU ranks in one line naming checkpoint.local.replication and NVRx 0.4.1's CUDA receive
+    buffer; replication 1 on the Megatron-Core CPU recipe generates."""
+    data = yaml.safe_load(TINY.read_text())
+    data["data"]["train_files"] = [str(TINY.parent / f) for f in data["data"]["train_files"]]
+    data["checkpoint"] = {"local": {"dir": "local"}}
+    path = tmp_path / "deepspeed.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["generate", str(path), "--out", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint.local" in err and "Megatron-Core" in err, err
+    megatron = Path(__file__).resolve().parents[2] / "recipes" / "tiny-llama-megatron-cpu.yaml"
+    data = yaml.safe_load(megatron.read_text())
+    data["data"]["train_files"] = [str(megatron.parent / f) for f in data["data"]["train_files"]]
+    data["checkpoint"] = {"local": {"dir": "local", "every": 1, "replication": 2}}
+    path = tmp_path / "megatron.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["generate", str(path), "--out", str(tmp_path / "mc2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint.local.replication" in err and "CUDA buffer" in err, err
+    data["checkpoint"]["local"]["replication"] = 1
+    path.write_text(yaml.safe_dump(data))
+    assert main(["generate", str(path), "--out", str(tmp_path / "mc1")]) == 0

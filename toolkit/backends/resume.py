@@ -22,10 +22,12 @@ from toolkit.spec.recipe import Recipe
 BLEND_IDENTITY = {"blend", "split", "text_field", "reset_position_ids", "reset_attention_mask", "eod_mask_loss"}
 
 
-def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> Path | None:
+def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict, trim: bool = True) -> Path | None:
     """The checkpoint to resume from (latest: the latest verified one; auto: that if any, the way restarted and
     requeued jobs continue; or a path), checked to belong to this run. On rank 0, metrics.jsonl then drops the
-    steps after it (they are trained again) and a restarted launch says in incident.json why it restarted."""
+    steps after it (they are trained again; `trim` False: the caller does, through trim_metrics, once it knows
+    whether a newer local checkpoint resumes instead) and a restarted launch says in incident.json why it
+    restarted."""
     latest = latest_verified(output_dir) if resume in ("auto", "latest") else None
     if resume == "auto":
         resume = "latest" if latest is not None else None
@@ -37,10 +39,16 @@ def resume_checkpoint(output_dir: Path, resume: str | None, identity: dict) -> P
         check_resume_compatible(path, identity)
         check_checkpoint(path, "--resume")  # DeepSpeed's, DCP's and ds_to_universal's loaders run any pickle
     record_restart(output_dir, path.name if path is not None else None)
-    if os.environ.get("RANK", "0") == "0" and (path is not None or is_restart()):
-        # a restart without a checkpoint trains from step 1 again: the steps of the attempt that ended go too
-        keep_until(output_dir, read_manifest(path)["step"] if path is not None else 0)
+    if trim:
+        trim_metrics(output_dir, read_manifest(path)["step"] if path is not None else None)
     return path
+
+
+def trim_metrics(output_dir: Path, step: int | None) -> None:
+    """Rank 0 of a run resumed at `step` (None: from no checkpoint): metrics.jsonl drops the later steps."""
+    if os.environ.get("RANK", "0") == "0" and (step is not None or is_restart()):
+        # a restart without a checkpoint trains from step 1 again: the steps of the attempt that ended go too
+        keep_until(output_dir, step or 0)
 
 
 def guard_window(checkpoint: Path | None) -> list:

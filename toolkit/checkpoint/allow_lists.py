@@ -57,13 +57,20 @@ STORED_OBJECT = TENSORS | {
 # which its resume torch.loads: tensors, and the numpy arrays of numpy's RNG state (transformers' safe_globals)
 HF_TRAINER = TENSORS | {"numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
                         "numpy._core.multiarray._reconstruct", "numpy.dtypes.UInt32DType"}
+# NVRx's local checkpoint of a Megatron-Core run (checkpoint.local): its LocalCheckpointManager torch.saves Megatron-Core's
+# MCoreTensorAwareStateDict, dataclasses of the sharded state around the stored objects' contents
+NVRX_LOCAL = STORED_OBJECT | {
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict.MCoreTensorAwareStateDict",
+    "megatron.core.dist_checkpointing.mapping.ShardedTensor", "megatron.core.dist_checkpointing.mapping.ShardedObject",
+}
 FORMATS = {DCP_METADATA: "torch.distributed.checkpoint metadata", DEEPSPEED: "a DeepSpeed checkpoint",
            STORED_OBJECT: "a Megatron-Core or DCP stored object", TENSORS: "a tensor file",
-           HF_TRAINER: "an HF Trainer checkpoint's state file"}
+           HF_TRAINER: "an HF Trainer checkpoint's state file", NVRX_LOCAL: "an NVRx local checkpoint"}
 # where each torch.save file a library's loader opens lies in a checkpoint, and its allow-list
 TORCH_FILES = {"*_optim_states.pt": DEEPSPEED, "*_model_states.pt": DEEPSPEED, "common.pt": STORED_OBJECT,
                "rng_state*.pth": HF_TRAINER, "scheduler.pt": HF_TRAINER, "optimizer.pt": HF_TRAINER,
-               "optimizer.bin": HF_TRAINER, "scaler.pt": HF_TRAINER, "pytorch_model*.bin": HF_TRAINER}
+               "optimizer.bin": HF_TRAINER, "scaler.pt": HF_TRAINER, "pytorch_model*.bin": HF_TRAINER,
+               "iter_*_*_local*.pt": NVRX_LOCAL}
 
 
 REFUSED = "refused without running it"  # how every refusal ends (verify tells refusals from damage by it)

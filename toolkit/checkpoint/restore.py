@@ -19,6 +19,7 @@ from toolkit.checkpoint.manifest import resolve_latest
 from toolkit.errors import UserInputError, worker_error
 from toolkit.runtime.children import Children, end_tree
 from toolkit.runtime.ds_shm import release
+from toolkit.runtime.incident import read_incidents
 from toolkit.runtime.metrics import METRICS_FILE, read_metrics
 from toolkit.runtime.ports import free_port
 
@@ -43,6 +44,7 @@ class RestoreResult:
     tolerance: float
     mismatches: list[str] = field(default_factory=list)
     checkpoint: str = ""
+    resumed_at: int = 0  # the step the resumed run continued after: save_at, or a newer local checkpoint's
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -145,7 +147,13 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
     if steps not in resumed:
         raise _failed(log["resumed"], "the resumed run") or UserInputError(
             "--recipe", f"the resumed run did not reach step {steps} (rc={rc}); see {log['resumed']}")
-    compared = list(range(save_at + 1, steps + 1))
+    # a node-local checkpoint (checkpoint.local) newer than `latest`, written before the kill, is what the resume
+    # read: the steps after it are compared
+    local = [e for e in read_incidents(run) if e.get("event") == "local_resume"]
+    resumed_at = local[-1]["step"] if local else save_at
+    if local:
+        checkpoint = f"the local checkpoint of step {resumed_at} in {local[-1]['dir']}"
+    compared = list(range(resumed_at + 1, steps + 1))
     mismatches, max_diff = [], 0.0
     for step in compared:
         for key in COMPARED:
@@ -165,5 +173,5 @@ def restore_test(recipe: Path, workdir: Path, steps: int, save_at: int, nprocs: 
         reference_losses=[ref[s]["loss"] for s in compared],
         resumed_losses=[resumed.get(s, {}).get("loss") for s in compared],
         max_abs_diff=max_diff, identical=identical, passed=not mismatches, tolerance=tolerance,
-        mismatches=mismatches, checkpoint=str(checkpoint),
+        mismatches=mismatches, checkpoint=str(checkpoint), resumed_at=resumed_at,
     )

@@ -11,6 +11,7 @@ without one, every file must open and shards must agree.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -56,6 +57,11 @@ class VerifyReport:
 
 
 HF_SAFETENSORS, HF_TRAINER, DCP = "hf-safetensors", "hf-trainer", "dcp"  # the formats of no backend
+# NVRx's LocalCheckpointManager's (checkpoint.local): DIR/<session>/<rank>/iter_<7 digits>_<rank>_local.pt, each a
+# torch.save of a TensorAwareStateDict, written as ...local.dirty.pt and renamed when complete
+# (nvidia_resiliency_ext/checkpointing/local/ckpt_managers/local_manager.py)
+NVRX_LOCAL = "nvrx-local"
+NVRX_LOCAL_FILES = re.compile(r"iter_(\d{7})_(\d+)_local(\.dirty)?\.pt")
 
 
 def checkpoint_parts() -> list[ModuleType]:
@@ -78,11 +84,14 @@ def detect(path: Path) -> tuple[str, ModuleType | None]:
             return fmt, part
     if (path / ".metadata").is_file() and any(path.glob("*.distcp")):
         return DCP, None
+    if nvrx_local_files(path):
+        return NVRX_LOCAL, None
     if (path / "trainer_state.json").is_file():
         return HF_TRAINER, None
     if _has_safetensors(path):
         return HF_SAFETENSORS, None
-    raise UserInputError("PATH", f"{path}: no known checkpoint format (DeepSpeed ZeRO, HF Trainer, Megatron dist, HF safetensors)")
+    raise UserInputError("PATH", f"{path}: no known checkpoint format (DeepSpeed ZeRO, HF Trainer, Megatron dist, HF "
+                                 f"safetensors, NVRx local)")
 
 
 def _has_safetensors(path: Path) -> bool:
@@ -110,6 +119,8 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
         part.verify(path, report, deep)
     elif fmt == DCP:
         check_dcp(path, report, deep)
+    elif fmt == NVRX_LOCAL:
+        _check_nvrx_local(path, report)
     if fmt == HF_SAFETENSORS or (trainer and _has_safetensors(path)):
         _check_safetensors(path, report, deep)
     if part is None and fmt == HF_TRAINER and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
@@ -117,6 +128,39 @@ def verify(path: Path, deep: bool = False) -> VerifyReport:
     if path.is_dir():
         _check_pickles(path, report)
     return report
+
+
+def nvrx_local_files(path: Path) -> dict[Path, re.Match]:
+    """NVRx's local checkpoint files in a rank's directory, a session's (its rank directories) or the root above."""
+    found = {}
+    for pattern in ("*.pt", "*/*.pt", "*/*/*.pt"):
+        for file in path.glob(pattern):
+            match = NVRX_LOCAL_FILES.fullmatch(file.name)
+            if match and file.is_file():
+                found[file] = match
+    return found
+
+
+def _check_nvrx_local(path: Path, report: VerifyReport) -> None:
+    """NVRx's local checkpoints: no save left half-written (`.dirty`), no empty file, and a step that every rank
+    directory holds (the one NVRx's find_latest resumes; without replication a rank reads only its own files). Their
+    pickles are checked against their allow-list with every checkpoint's (_check_pickles, allow_lists.NVRX_LOCAL)."""
+    steps: dict[Path, set[int]] = {}
+    for file, match in sorted(nvrx_local_files(path).items()):
+        if match.group(3):
+            report.problem(file, "a save NVRx did not finish (.dirty): that step is not complete on this rank")
+            continue
+        if file.stat().st_size == 0:
+            report.problem(file, "empty")
+            continue
+        report.files_checked += 1
+        steps.setdefault(file.parent, set()).add(int(match.group(1)))
+    by_session: dict[Path, dict[Path, set[int]]] = {}
+    for rank_dir, held in steps.items():
+        by_session.setdefault(rank_dir.parent, {})[rank_dir] = held
+    for session, ranks in by_session.items():
+        if len(ranks) > 1 and not set.intersection(*ranks.values()):
+            report.problem(session, f"no step every rank holds ({', '.join(f'{d.name}: {sorted(s)}' for d, s in sorted(ranks.items()))}): NVRx resumes none of them")
 
 
 def _check_pickles(path: Path, report: VerifyReport) -> None:
@@ -187,6 +231,10 @@ def inspect(path: Path) -> dict:
         info.update(part.inspect(path))
     elif fmt == DCP:
         info.update(dcp_contents(path))
+    elif fmt == NVRX_LOCAL:
+        info["local_checkpoints"] = sorted(
+            ({"rank_dir": str(file.parent), "step": int(match.group(1)), "rank": int(match.group(2)),
+              "complete": not match.group(3)} for file, match in nvrx_local_files(path).items()), key=str)
     else:
         report = VerifyReport(str(path), fmt)
         headers = [read_safetensors_header(file) for file in _safetensors_files(path, report)]

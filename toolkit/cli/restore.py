@@ -140,7 +140,7 @@ def _report(args, result, recipe, tolerance: float, resharded: bool, workdir: Pa
         if args.resume_ep is not None:
             kind += f", resumed at EP {args.resume_ep}"
         print(f"restore-test {verdict}: saved at step {result.save_at}, killed at step {result.killed_at_step}, "
-              f"resumed from {result.checkpoint}; steps {result.save_at + 1}-{result.steps} {kind}")
+              f"resumed from {result.checkpoint}; steps {result.resumed_at + 1}-{result.steps} {kind}")
         for line in result.mismatches[:10]:
             print(f"  {line}")
         print(where)

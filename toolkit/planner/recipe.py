@@ -55,6 +55,7 @@ def recipe_plan(recipe: Recipe, model: ModelSpec, calibration: Calibration | Non
             plan = resolve_plan(model, recipe.cluster.gpus, **options)
     check_data_format(recipe, plan)
     check_restart(recipe, plan)
+    check_local_checkpoint(recipe, plan)
     return plan
 
 
@@ -79,6 +80,24 @@ def check_restart(recipe: Recipe, plan: Plan) -> None:
     if recipe.cluster.num_nodes > 1:
         raise UserInputError("training.restart", "in_process is launched on one node (launch.sh inprocess); use "
                                                  "relaunch for several nodes")
+
+
+def check_local_checkpoint(recipe: Recipe, plan: Plan) -> None:
+    """checkpoint.local: a backend whose state NVRx's LocalCheckpointManager takes (Megatron-Core's sharded state
+    dict as Megatron-Core's own MCoreTensorAwareStateDict); replication only on GPUs (docs/faults.md)."""
+    local = recipe.checkpoint.local
+    if local is None:
+        return
+    backend = backend_of(plan)
+    if not backend.local_checkpoints:
+        able = [b.label for b in BACKENDS.values() if b.local_checkpoints]
+        raise UserInputError("checkpoint.local", f"NVRx's local checkpoints take the {' or '.join(able)} backend's "
+                                                 f"sharded state (MCoreTensorAwareStateDict), not {backend.label}'s; "
+                                                 f"remove checkpoint.local")
+    if local.replication > 1 and recipe.cluster.accelerator == "cpu":
+        raise UserInputError("checkpoint.local.replication", f"{local.replication} needs GPUs: NVRx 0.4.1 receives "
+                                                             f"each replica through a CUDA buffer (replication/"
+                                                             f"group_utils.py); use 1 on CPU ranks")
 
 
 def recipe_prediction(recipe: Recipe, model: ModelSpec, plan: Plan, calibration: Calibration | None = None, /,

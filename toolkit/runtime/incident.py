@@ -11,6 +11,8 @@ incident.json is {"events": [...]}, oldest first. Every event has `event`, `time
            was reloaded) and dropped_steps [first, last]
   restart  resume_from (the checkpoint this attempt continues from, or null), cause (the event that ended the
            previous attempt, or why there is none)
+  local_resume  (checkpoint.local) step (the node-local checkpoint every rank held, newer than `latest`, that the
+           resume read instead), dir (checkpoint.local.dir), persistent (the checkpoint `latest` named, or null)
   resumed  (training.restart: in_process) step (the first step trained after the restart), restart_s (from the
            failure, as the surviving rank 0 saw it, to the end of that step), pid (rank 0's: unchanged), iteration
   collectives  after a hang, from the reporting rank once the ranks' last words are written: torch's flight

@@ -170,6 +170,8 @@ class Backend:
     async_save: bool = False  # can write checkpoints in the background (training.async_save)
     in_process_restart: bool = False  # its training function restarts inside NVRx's in-process Wrapper (docs/faults.md)
     in_process_refused: str = ""  # where it cannot: why (training.restart's refusal line)
+    # its state goes to NVRx's LocalCheckpointManager as a TensorAwareStateDict (checkpoint.local, docs/faults.md)
+    local_checkpoints: bool = False
 
     def saves_async(self, asked: bool | None, accelerator: str = "gpu") -> bool:
         """Whether its checkpoints are written in the background: the recipe's training.async_save where this backend

@@ -17,7 +17,7 @@ DEEPSPEED = Backend(name="deepspeed", label="DeepSpeed", hf_modules=True, defaul
                                        "a spare makes new ones: the restart fails or waits")
 MEGATRON = Backend(name="megatron", label="Megatron-Core", hf_modules=False, default_zero=0, launchers=("torchrun",),
                    conversion="megatron-to-hf", files=("megatron.yaml", "megatron_args.txt"), async_save=True,
-                   in_process_restart=True)
+                   in_process_restart=True, local_checkpoints=True)
 FSDP = Backend(name="fsdp", label="FSDP2", hf_modules=True, default_zero=0, launchers=("accelerate", "torchrun"),
                conversion="fsdp-to-hf", files=("accelerate.yaml", "trainer_args.json"), article="an",
                async_save=True, in_process_restart=True)

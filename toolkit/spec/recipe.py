@@ -346,6 +346,24 @@ class DeepSpeedSection(_Strict):
 RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"  # it names a directory, a wandb run and a Slurm job
 
 
+class LocalCheckpointSection(_Strict):
+    """Node-local checkpoints through NVIDIA Resiliency Extension's LocalCheckpointManager (docs/faults.md)."""
+
+    dir: str = Field(min_length=1, description="Node-local directory of the local checkpoints (each rank writes "
+                                               "DIR/<run name>/<rank>/); relative: to the run's output directory.")
+    every: int = Field(1, gt=0, description="A local checkpoint every N steps; the persistent ones stay at "
+                                            "training.save_steps, and a resume reads the newer of the two.")
+    replication: int = Field(1, ge=1, description="Copies of each rank's local checkpoint, kept by peer ranks on "
+                                                  "other nodes (NVRx's CliqueReplicationStrategy); 1: none. NVRx "
+                                                  "0.4.1 receives replicas through CUDA buffers: GPUs only.")
+
+
+class CheckpointSection(_Strict):
+    """Checkpoints beside the persistent ones of training.save_steps."""
+
+    local: LocalCheckpointSection | None = Field(None, description="Node-local checkpoints (NVRx), unset: none.")
+
+
 class Recipe(_Strict):
     name: str = Field(pattern=RUN_NAME, description="Run name (output directory, wandb run name, Slurm job name): "
                                                     "letters, digits, '.', '_' and '-', at most 100.")
@@ -355,6 +373,8 @@ class Recipe(_Strict):
     training: TrainingSection = Field(description="Hyper-parameters, schedule, logging and checkpointing.")
     plan: PlanSection = Field(PlanSection(), description="Parallel plan options, or `auto` for the planner's choice.")
     deepspeed: DeepSpeedSection = Field(DeepSpeedSection(), description="DeepSpeed-only options.")
+    checkpoint: CheckpointSection = Field(CheckpointSection(), description="Local checkpoints beside the persistent "
+                                                                           "ones.")
     finetune: FinetuneOptions = Field(FinetuneOptions(), description="What trains: every parameter, or LoRA / QLoRA "
                                                                      "adapters on a frozen base (PEFT).")
     base_dir: str = Field(".", description="Set by the loader: the recipe's directory, for relative paths.")

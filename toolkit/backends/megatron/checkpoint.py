@@ -155,9 +155,7 @@ def save_checkpoint(setup: MegatronSetup, output_dir: Path, step: int, plan, ide
 
 def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
     """Load model, optimizer, scheduler (and RNG when the layout is unchanged) from `ckpt`; returns its step."""
-    import torch
     from megatron.core import dist_checkpointing
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     manifest = read_manifest(ckpt)
     if manifest is None:
@@ -174,23 +172,32 @@ def load_checkpoint(setup: MegatronSetup, ckpt: Path, plan) -> int:
     with torch_adam_distributed_load(setup.optimizer):
         state = dist_checkpointing.load(_sharded_state(setup, 0, is_loading=True, with_rng=same_layout,
                                                        sharding=sharding), str(ckpt))
-        chunks = unwrapped(setup)
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
-        with torch.no_grad():  # 0.16.1's dp_reshardable load copies into the fp32 main parameters (leaves that
-            # require grad) without the no_grad its fully_reshardable load has
-            setup.optimizer.load_state_dict(state["optimizer"])
+        apply_state(setup, state, same_layout)
+    if not same_layout:
+        log.info("layout changed (%s -> %s): model and optimizer resharded, RNG streams reseeded",
+                 saved, layout(plan))
+    return int(state["iteration"])
+
+
+def apply_state(setup: MegatronSetup, state: dict, with_rng: bool) -> None:
+    """A loaded state (a dist checkpoint's, or a local checkpoint's: toolkit.backends.megatron.local) into the model,
+    optimizer, scheduler and, `with_rng`, the RNG streams; inside torch_adam_distributed_load."""
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    chunks = unwrapped(setup)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
+    with torch.no_grad():  # 0.16.1's dp_reshardable load copies into the fp32 main parameters (leaves that
+        # require grad) without the no_grad its fully_reshardable load has
+        setup.optimizer.load_state_dict(state["optimizer"])
     setup.scheduler.load_state_dict(state["scheduler"])
-    if same_layout:
+    if with_rng:
         rng = state["rng_state"]
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         get_cuda_rng_tracker().set_states(rng["tracker"])
-    else:
-        log.info("layout changed (%s -> %s): model and optimizer resharded, RNG streams reseeded",
-                 saved, layout(plan))
-    return int(state["iteration"])
 
 
 def optimizer_sharding(manifest: dict, ckpt: Path, plan) -> str:

@@ -22,9 +22,11 @@ from toolkit.backends.loop import (
 )
 from toolkit.backends.megatron.build import build, destroy, device_context, init_distributed, unwrapped
 from toolkit.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.backends.megatron.local import LocalCheckpoints
 from toolkit.backends.megatron.moe import RoutingMetrics, write_expert_layout
 from toolkit.backends.megatron.saves import CheckpointSaves
-from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity
+from toolkit.backends.resume import guard_window, resume_checkpoint, run_identity, trim_metrics
+from toolkit.checkpoint.manifest import read_manifest
 from toolkit.compat.megatron_seams import chained_step
 from toolkit.data.blend import RankSteps, build_datasets, stack_samples
 from toolkit.errors import UserInputError
@@ -33,6 +35,7 @@ from toolkit.generate.megatron import megatron_config
 from toolkit.readers import hf_tokenizer
 from toolkit.runtime import faults, inprocess
 from toolkit.runtime.guard import LossGuard, read_grad_norm
+from toolkit.runtime.incident import append_incident
 from toolkit.runtime.metrics import (
     MetricsWriter,
     Throughput,
@@ -236,7 +239,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
     watch = watch or TrainingWatchdog(output_dir, 0)  # inactive: only the phases' fault injection
     config = config if config is not None else megatron_yaml_for(recipe, model_spec, plan)
     identity = run_identity(recipe, plan)
-    resume_path = resume_checkpoint(output_dir, resume, identity)
+    resume_path = resume_checkpoint(output_dir, resume, identity, trim=recipe.checkpoint.local is None)
     output_dir.mkdir(parents=True, exist_ok=True)
     init_distributed()
     with device_context():
@@ -256,7 +259,7 @@ def train(recipe: Recipe, model_spec: ModelSpec, plan: Plan, output_dir: Path, r
                                                                  f"{len(tokenizer)}")
         hf_config = recipe_hf_config(recipe)
         return _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput,
-                           watch)
+                           watch, resume in ("auto", "latest"))
 
 
 def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) -> float:
@@ -281,8 +284,34 @@ def _optimizer_step(setup, guard, saves, step: int, loss: float, data_sha: str) 
     return grad_norm
 
 
+def _resume(recipe, plan, setup, output_dir: Path, resume_path: Path | None, identity: dict,
+            resuming: bool) -> tuple[int, LocalCheckpoints | None]:
+    """The step training continues after, and the run's local checkpoints (checkpoint.local, else None): a resume
+    (--resume auto or latest) reads the local checkpoint when every rank has one newer than the persistent
+    `resume_path`, else that (and the local ones are removed); rank 0 records a local one in incident.json
+    (`local_resume`) and trims metrics.jsonl to the step resumed."""
+    import torch.distributed as dist
+
+    if recipe.checkpoint.local is None:
+        return (load_checkpoint(setup, resume_path, plan) if resume_path else 0), None
+    local = LocalCheckpoints(recipe.checkpoint.local, output_dir, recipe.name, plan, identity)
+    persistent = read_manifest(resume_path)["step"] if resume_path else None
+    newer = local.latest() if resuming else -1
+    step = local.load(setup) if newer > (persistent or 0) else None
+    if step is not None:
+        if dist.get_rank() == 0:
+            append_incident(output_dir, {"event": "local_resume", "step": step, "dir": str(local.root),
+                                         "persistent": resume_path.name if resume_path else None})
+        log.info("resumed from the local checkpoint of step %d (persistent: %s)", step, persistent)
+    else:
+        local.clear()
+        step = load_checkpoint(setup, resume_path, plan) if resume_path else None
+    trim_metrics(output_dir, step)
+    return step or 0, local
+
+
 def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identity, hf_config, throughput,
-                watch) -> dict:
+                watch, resuming: bool) -> dict:
     import functools
     import time
 
@@ -291,7 +320,7 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     setup = build(config)
-    step = load_checkpoint(setup, resume_path, plan) if resume_path else 0
+    step, local = _resume(recipe, plan, setup, output_dir, resume_path, identity, resuming)
     write_expert_layout(unwrapped(setup), output_dir)
     routing = RoutingMetrics(unwrapped(setup), setup.transformer_config)
     rank0 = dist.get_rank() == 0
@@ -358,6 +387,11 @@ def _train_loop(recipe, plan, config, output_dir, train_set, resume_path, identi
         if stop or step == last or (save_every and step % save_every == 0):
             with profiler.span(CHECKPOINT):
                 save_checkpoint(setup, output_dir, step, plan, identity, saves, hf_config, watch, guard.window())
+        elif local is not None and local.due(step):
+            watch.phase(step, "save")
+            with profiler.span(CHECKPOINT):
+                saves.handed_over()  # (a background save's copy is complete before NVRx copies the state)
+                local.save(setup, step)
         else:
             watch.phase(step, "log")
         if stop:
