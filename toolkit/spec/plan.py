@@ -172,6 +172,18 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     return validated(Plan, values, context={"model": model})
 
 
+def with_block_recompute(plan: Plan, model: ModelSpec, layers: int) -> Plan:
+    """`plan` (resolved for `model`) with Megatron-Core's block method over the first `layers` layers of every chunk:
+    what resolve_plan gives with recompute_num_layers=layers added to the plan's options, for less (the plan search
+    bisects it). Nothing resolve_plan fills or derives reads recompute_num_layers, so only it changes; every rule
+    between options runs again (tests/unit/test_search_equivalence.py compares the two)."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise UserInputError("--recompute-num-layers", f"must be a positive integer, got {layers!r}")
+    changed = plan.model_copy(update={"recompute_num_layers": layers})
+    check_rules(changed, model)
+    return changed
+
+
 def _resolve_layout(values: dict, vpp_given: bool) -> None:
     """A pipeline layout in its expanded form, and the virtual stages it implies unless --vpp says (the rule below
     then compares them): Megatron-LM's validate_args derives the interleaving from the layout the same way."""
