@@ -175,6 +175,19 @@ def _first_layers_of_chunks(split: PipelineSplit, stage: int, layers: int) -> fr
 
 @by_identity(2)
 def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
+    setup = _activation_setup(spec, plan)
+    if len(_SETUPS) >= SETUP_ENTRIES:
+        _SETUPS.clear()
+    # one object per distinct setup: the per-layer memos keyed by it (activations.py) match it by identity, not
+    # field by field
+    return _SETUPS.setdefault(setup, setup)
+
+
+_SETUPS: dict[ActivationSetup, ActivationSetup] = {}
+SETUP_ENTRIES = 8192
+
+
+def _activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
     return ActivationSetup(
         hf_modules=backend_of(plan).hf_modules,
         micro_batch=plan.micro_batch,

@@ -143,7 +143,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise UserInputError("--gpus", f"must be a positive integer, got {gpus!r}")
-    values = validated(PlanOptions, given).model_dump()
+    values = dict(validated(PlanOptions, given).__dict__)  # flat values: model_dump's dict, without its cost
     backend = backend_of(values["backend"])
     if values["zero"] is None:  # DeepSpeed's usual start; Megatron and FSDP2 shard their own way
         values["zero"] = backend.default_zero
