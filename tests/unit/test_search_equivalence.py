@@ -13,7 +13,7 @@ from toolkit.estimate.timing import step_time
 from toolkit.planner.search import search
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
-from toolkit.spec.plan import resolve_plan
+from toolkit.spec.plan import resolve_plan, with_block_recompute
 
 DERIVED = ("dp", "grad_accum", "gpus")
 # (model, GPUs, GPU, pinned options): an MoE model over folded and unfolded expert meshes, and a dense model on every
@@ -40,10 +40,12 @@ def case(request):
 
 
 def test_ranked_figures_equal_the_public_estimate_of_each_plan(case):
+    """Each plan on its own model object: no figure of another plan of its layout (the model states the search shares
+    between them, spec/memory.py MODEL_STATE_BLIND) answers for it."""
     model, gpus, gpu, network, _, result = case
     assert len(result.ranked) > 10
-    fresh = _fresh(model)
     for candidate in result.ranked:
+        fresh = _fresh(model)
         plan = resolve_plan(fresh, gpus, **{k: v for k, v in candidate.plan.as_dict().items() if k not in DERIVED})
         assert plan == candidate.plan and plan is not candidate.plan
         memory = estimate_memory(fresh, plan)
@@ -96,3 +98,28 @@ def test_the_floor_never_exceeds_the_estimate(case):
                 assert memory_floor(model, plan) <= total and memory_floor(model, plan, 0) <= total
                 checked += 1
     assert checked > 20
+
+
+def test_block_recompute_copies_what_resolving_gives(case):
+    """The search's bisection copies a resolved full-recompute plan with recompute_num_layers (with_block_recompute):
+    the same plan resolve_plan gives with that option, and the same refusal where the rules refuse it."""
+    model, gpus, _, _, _, result = case
+    megatron = [c.plan for c in result.ranked if c.plan.backend == "megatron"]
+    assert megatron
+    for plan in megatron[::5]:
+        options = {k: v for k, v in plan.as_dict().items() if k not in DERIVED and k != "recompute_num_layers"}
+        full = resolve_plan(model, gpus, **{**options, "recompute": "full", "recompute_modules": None})
+        for layers in (1, 2, 3):
+            copied = with_block_recompute(full, model, layers)
+            assert copied == resolve_plan(model, gpus, **{**options, "recompute": "full", "recompute_modules": None,
+                                                          "recompute_num_layers": layers})
+            assert copied.recompute_num_layers == layers and full.recompute_num_layers is None
+    selective = resolve_plan(model, gpus, **{**options, "recompute": "selective", "recompute_modules": None})
+    with pytest.raises(UserInputError) as copied_error:
+        with_block_recompute(selective, model, 2)
+    with pytest.raises(UserInputError) as resolved_error:
+        resolve_plan(model, gpus, **{**options, "recompute": "selective", "recompute_modules": None,
+                                     "recompute_num_layers": 2})
+    assert (copied_error.value.key, str(copied_error.value)) == (resolved_error.value.key, str(resolved_error.value))
+    with pytest.raises(UserInputError, match="positive integer"):
+        with_block_recompute(full, model, 0)

@@ -10,6 +10,7 @@ memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -174,6 +175,19 @@ def _first_layers_of_chunks(split: PipelineSplit, stage: int, layers: int) -> fr
 
 @by_identity(2)
 def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
+    setup = _activation_setup(spec, plan)
+    if len(_SETUPS) >= SETUP_ENTRIES:
+        _SETUPS.clear()
+    # one object per distinct setup: the per-layer memos keyed by it (activations.py) match it by identity, not
+    # field by field
+    return _SETUPS.setdefault(setup, setup)
+
+
+_SETUPS: dict[ActivationSetup, ActivationSetup] = {}
+SETUP_ENTRIES = 8192
+
+
+def _activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
     return ActivationSetup(
         hf_modules=backend_of(plan).hf_modules,
         micro_batch=plan.micro_batch,
@@ -232,11 +246,47 @@ def frozen_base(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: 
                       layer_bytes=layer_params * (w if plan.finetune.method == "lora" else NF4_BYTES))
 
 
+# Plan fields no model-state term reads (the stage's parameters, a backend's model_states): the batch and how
+# activations are kept, which the plan search varies within one layout. Plans equal in every other field share
+# stage_model_states' answer (tests/unit/test_search_equivalence.py estimates each ranked plan afresh).
+MODEL_STATE_BLIND = frozenset({"micro_batch", "global_batch", "grad_accum", "recompute", "recompute_modules",
+                               "recompute_num_layers", "tiled_mlp", "tiled_loss", "offload_activations"})
+
+
+class _ModelStatesKey:
+    """A plan as stage_model_states' memo sees it: equal to every plan that differs from it only in
+    MODEL_STATE_BLIND fields."""
+
+    __slots__ = ("plan", "fields", "hash")
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.fields = _STATE_FIELDS(plan.__dict__)
+        self.hash = hash(self.fields)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ModelStatesKey) and self.fields == other.fields
+
+
+_STATE_FIELDS = operator.itemgetter(*(name for name in Plan.model_fields if name not in MODEL_STATE_BLIND))
+_model_states_key = by_identity(1)(_ModelStatesKey)  # once per plan, not per stage
+
+
 @by_identity(2)
 def stage_model_states(spec: ModelSpec, plan: Plan, stage: int) -> tuple[StageParams, ModelStates]:
     """(parameters, model states) of one rank of pipeline stage `stage`: the backend's weights, gradients, optimizer
     states, buffers and host bytes over the stage's parameters (its memory part's model_states). Remembered per
-    plan: the search's memory_floor and estimate_memory, and step_time, ask for the same."""
+    plan, and across plans that differ only in MODEL_STATE_BLIND fields: the search's memory_floor and
+    estimate_memory, and step_time, ask for the same of every micro-batch and recomputation of a layout."""
+    return _layout_model_states(spec, _model_states_key(plan), stage)
+
+
+@per_model
+def _layout_model_states(spec: ModelSpec, key: _ModelStatesKey, stage: int) -> tuple[StageParams, ModelStates]:
+    plan = key.plan
     counts = count_params(spec)
     params = stage_params(spec, counts, plan, stage)
     kinds = counts.kinds_of(PipelineSplit.of(spec.num_layers, plan), stage)
@@ -250,7 +300,13 @@ def memory_floor(spec: ModelSpec, plan: Plan, enough: int | None = None) -> int:
     (activations, buffers, working tensors, the allocator's margin, the loss's peak) is a count of bytes, never
     negative, and the plan's total is its fullest stage's. With `enough`, the stages stop at the first whose bound
     exceeds it (still a lower bound). The plan search refuses what this alone does not fit without estimating the
-    rest (tests/unit/test_search_equivalence.py checks the bound)."""
+    rest (tests/unit/test_search_equivalence.py checks the bound). Remembered like stage_model_states."""
+    return _layout_floor(spec, _model_states_key(plan), enough)
+
+
+@per_model
+def _layout_floor(spec: ModelSpec, key: _ModelStatesKey, enough: int | None) -> int:
+    plan = key.plan
     floor = 0
     for stage in representative_stages(spec, plan):
         floor = max(floor, sum(stage_model_states(spec, plan, stage)[1][:3]) + CUDA_CONTEXT_BYTES)

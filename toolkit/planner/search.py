@@ -20,7 +20,7 @@ from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import default
 from toolkit.spec.pipeline import PipelineSplit, balanced_layout
-from toolkit.spec.plan import Plan, resolve_plan
+from toolkit.spec.plan import Plan, resolve_plan, with_block_recompute
 from toolkit.spec.quantization import check_on_gpu
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -182,6 +182,7 @@ def search(
     for backend in backends:
         options = [recompute_fixed] if recompute_fixed else backend_of(backend).search.recompute_options()
         for layout in enumerate_layouts(model, gpus, nvlink_domain, backend, fixed):
+            plans: dict[tuple, Plan] = {}  # the layout's plans resolved so far (_fitting)
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
             pointless: set[int] = set()  # options with nothing to choose for this layout
             for micro in micro_batches:
@@ -198,7 +199,7 @@ def search(
                         result.rejected["out of memory"] += 1
                         continue
                     try:
-                        found = _fitting(model, gpus, gpu, micro, option, layout)
+                        found = _fitting(model, gpus, gpu, micro, option, layout, plans)
                     except UserInputError as exc:
                         result.rejected[f"invalid {exc.key}"] += 1
                         result.invalid.setdefault(f"invalid {exc.key}", exc)
@@ -230,28 +231,32 @@ class _NoChoice(Exception):
     """An option with nothing to choose for this layout."""
 
 
-def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, layout: dict):
+def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, layout: dict, plans: dict):
     """(plan, memory) of one recompute option at one micro-batch if it fits, else None. The block method takes the
-    fewest layers per chunk that fit (memory falls and time rises with each one more): a bisection."""
+    fewest layers per chunk that fit (memory falls and time rises with each one more): a bisection from the plain
+    full recompute plan, which the next option resolves again (`plans` keeps the layout's by micro-batch and
+    settings)."""
     settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
+    key = (micro, repr(settings))  # a pinned --recompute-modules may be a list
+    if key not in plans:
+        plans[key] = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
+    plan = plans[key]
 
-    def attempt(**extra):
-        plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings, **extra)
-        if memory_floor(model, plan, gpu.memory_bytes) > gpu.memory_bytes:  # its model states alone do not fit
+    def attempt(candidate: Plan):
+        if memory_floor(model, candidate, gpu.memory_bytes) > gpu.memory_bytes:  # its model states alone do not fit
             return None
-        memory = estimate_memory(model, plan)
-        return (plan, memory) if exceeded(memory, gpu, plan.gpus_per_node) is None else None
+        memory = estimate_memory(model, candidate)
+        return (candidate, memory) if exceeded(memory, gpu, candidate.gpus_per_node) is None else None
 
     if not option.get("block"):
-        return attempt()
-    plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
+        return attempt(plan)
     largest_chunk = max(max(sizes) for sizes in PipelineSplit.of(model.num_layers, plan).chunk_sizes())
     if largest_chunk < 2:
         raise _NoChoice
     low, high, found = 1, largest_chunk - 1, None  # all layers of every chunk is plain full recompute
     while low <= high:
         middle = (low + high) // 2
-        if fitting := attempt(recompute_num_layers=middle):
+        if fitting := attempt(with_block_recompute(plan, model, middle)):
             found, high = fitting, middle - 1
         else:
             low = middle + 1

@@ -143,7 +143,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
         raise TypeError(f"unknown plan options: {sorted(unknown)}")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise UserInputError("--gpus", f"must be a positive integer, got {gpus!r}")
-    values = validated(PlanOptions, given).model_dump()
+    values = dict(validated(PlanOptions, given).__dict__)  # flat values: model_dump's dict, without its cost
     backend = backend_of(values["backend"])
     if values["zero"] is None:  # DeepSpeed's usual start; Megatron and FSDP2 shard their own way
         values["zero"] = backend.default_zero
@@ -170,6 +170,18 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
         fill_moe(values, model)
     values["finetune"] = finetune_options(finetune)
     return validated(Plan, values, context={"model": model})
+
+
+def with_block_recompute(plan: Plan, model: ModelSpec, layers: int) -> Plan:
+    """`plan` (resolved for `model`) with Megatron-Core's block method over the first `layers` layers of every chunk:
+    what resolve_plan gives with recompute_num_layers=layers added to the plan's options, for less (the plan search
+    bisects it). Nothing resolve_plan fills or derives reads recompute_num_layers, so only it changes; every rule
+    between options runs again (tests/unit/test_search_equivalence.py compares the two)."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise UserInputError("--recompute-num-layers", f"must be a positive integer, got {layers!r}")
+    changed = plan.model_copy(update={"recompute_num_layers": layers})
+    check_rules(changed, model)
+    return changed
 
 
 def _resolve_layout(values: dict, vpp_given: bool) -> None:
