@@ -41,13 +41,13 @@ from toolkit.spec.lr_scaling import lr_schedule
 from toolkit.spec.options import CPU_ATTENTION
 from toolkit.spec.quantization import refuse_on_cpu
 from toolkit.spec.recipe import (
-    ProfileSection,
     load_recipe,
     recipe_at_world_size,
     recipe_calibration,
     recipe_model,
     recipe_names,
 )
+from toolkit.spec.recipe_training import ProfileSection
 from toolkit.validate.generated import GeneratedRun, read_generated
 
 

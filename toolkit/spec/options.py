@@ -1,6 +1,6 @@
 """The plan's options, declared once: each one's type, choices, default and help text.
 
-Everything else is derived from `PlanOptions`: the recipe's `plan:` section (`toolkit.spec.recipe`), the flags of
+Everything else is derived from `PlanOptions`: the recipe's `plan:` section (`toolkit.spec.recipe_cluster`), the flags of
 `dmt estimate / plan / generate / restore-test` and of `toolkit/train.py` (`toolkit.cli.options`), the choices the
 validators accept, and the resolved `Plan` (`toolkit.spec.plan`), which adds the rules between options. Adding an
 option is one field here plus its rule in plan.py.
