@@ -39,7 +39,7 @@ ModelStates = Any  # (weights, gradients, optimizer, buffers, host): toolkit.est
 ExecutionPath = Any  # toolkit.estimate.efficiency.ExecutionPath: the kernels a step runs
 GenerationContext = Any  # toolkit.generate.files.GenerationContext: what every file writer is handed
 CheckReport = Any  # toolkit.checkpoint.verify's report, which a checkpoint part adds its findings to
-HFPath = Any  # toolkit.backends.hf_path.HFPath: what DeepSpeed or FSDP2 adds to the HF Trainer's path
+TrainerHooks = Any  # toolkit.backends.hf_hooks.TrainerHooks: what DeepSpeed or FSDP2 adds to the HF Trainer
 Problem = Any  # toolkit.validate.Problem: one finding of `dmt validate`
 TrainContext = Any  # toolkit.backends.context.TrainContext: what train.py hands a backend's training
 
@@ -116,7 +116,7 @@ class ValidatePart(Protocol):
 
 @runtime_checkable
 class TrainPart(Protocol):
-    HF_PATH: HFPath | None  # what it adds to the HF Trainer's path; None where it trains Megatron-Core's modules
+    TRAINER_HOOKS: TrainerHooks | None  # what it adds to the HF Trainer; None where it trains Megatron-Core's modules
 
     def train(self, context: TrainContext) -> dict:
         """train.py's entry: trains the generated files of the launch `context` names; the run's summary."""
