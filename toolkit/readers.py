@@ -1,4 +1,4 @@
-"""The one reading path per file format: any read, decode or shape error becomes one UserInputError line naming the
+"""The one reader per file format: any read, decode or shape error becomes one UserInputError line naming the
 file and what was expected, never a traceback."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The launchable training entry: `deepspeed|accelerate launch|torchrun toolkit/train.py --plan DIR/plan.json` trains
 the files `dmt generate` wrote into DIR (and refuses when they no longer match the recipe); `--recipe R` alone
-resolves the plan from the recipe in memory, with the same generators (the quick path)."""
+resolves the plan from the recipe in memory, with the same generators (a launch without --plan)."""
 
 from __future__ import annotations
 
@@ -41,13 +41,13 @@ from toolkit.spec.lr_scaling import lr_schedule
 from toolkit.spec.options import CPU_ATTENTION
 from toolkit.spec.quantization import refuse_on_cpu
 from toolkit.spec.recipe import (
-    ProfileSection,
     load_recipe,
     recipe_at_world_size,
     recipe_calibration,
     recipe_model,
     recipe_names,
 )
+from toolkit.spec.recipe_training import ProfileSection
 from toolkit.validate.generated import GeneratedRun, read_generated
 
 
@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train the plan `dmt generate` wrote, with the generated files beside plan.json")
     parser.add_argument("--recipe", type=path_arg, default=None,
                         help="the recipe (with --plan: default the one plan.json names, and it must be unchanged)")
-    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON for the quick path (default: generated from "
-                                                          "the recipe's plan)")
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON for a launch without --plan (default: "
+                                                          "generated from the recipe's plan)")
     parser.add_argument("--output-dir", type=output_arg, default=None, help="default: runs/<recipe name>")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (overrides the recipe)")

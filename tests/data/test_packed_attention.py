@@ -113,7 +113,7 @@ def test_transformers_flash_path_takes_the_flattened_batch_apart_at_the_document
     eod = json.loads(Path(f"{prefixes[0]}.dmt.json").read_text())["tokenizer"]["eod"]
     micro = samples[:4]
     rows = hf_batch(micro)
-    # the micro-batch as rows: transformers' flash path would run causal attention over each whole row
+    # the micro-batch as rows: transformers' flash-attention code would run causal attention over each whole row
     assert rows["position_ids"].shape == (4, SEQ_LEN) and not flash_takes_documents_apart(rows["position_ids"])
     flat = hf_flat_batch(micro)
     assert {key: tuple(value.shape) for key, value in flat.items()} == {

@@ -19,7 +19,7 @@ from toolkit.health.analysis import find_slow_links, find_stragglers, find_suspe
 from toolkit.health.checks import match_gpu, parse_cpulist
 from toolkit.health.collectives import OPS, bandwidths, element_count, ring_pair_phases
 from toolkit.health.options import HealthOptions, rank_env
-from toolkit.health.report import HealthReport, incomplete, judge, thresholds_for
+from toolkit.health.verdict import HealthReport, incomplete, judge, thresholds_for
 from toolkit.runtime.watchdog import Beat, LivenessTracker, Observation, find_unresponsive, parse_beat
 
 DMT = [sys.executable, "-m", "toolkit"]

@@ -84,7 +84,7 @@ def layout_run(torchrun, distopt_recipe, megatron_recipe, tmp_path_factory):
     """layout_run("tp2" | "pp2" | "dp2") -> the Launch of that 2-rank layout, training STEPS steps with a checkpoint
     every SAVE_AT: TP=2 from the files `dmt generate --tp 2` wrote (train.py --plan, megatron.yaml as generated;
     steps PROFILED recorded by torch.profiler);
-    PP=2 (1F1B) and DP=2 with the distributed optimizer from the recipe (the quick path)."""
+    PP=2 (1F1B) and DP=2 with the distributed optimizer from the recipe (a launch without --plan)."""
     from toolkit.cli.main import main
 
     def run(layout: str) -> Launch:

@@ -1,7 +1,7 @@
-"""The loop closed on real runs: the tiny recipe on the host entry (`cluster.gpu: cpu`, peak measured here), trained
-by `deepspeed` on 2 CPU ranks at micro-batches 2, 4 and 8. Each run keeps its prediction (run_plan.json) and writes
-its step times, tokens/s, MFU and data-loader wait to metrics.jsonl; `dmt report` puts them side by side (table,
---json, --plot); `dmt calibrate` fits the hf path's compute scale and fixed per-step cost on the runs at 2 and 4, holds
+"""The loop closed on real runs: the tiny recipe on the host entry (`cluster.gpu: cpu`, peak measured here), trained by
+`deepspeed` on 2 CPU ranks at micro-batches 2, 4 and 8. Each run keeps its prediction (run_plan.json) and writes its
+step times, tokens/s, MFU and data-loader wait to metrics.jsonl; `dmt report` puts them side by side (table, --json,
+--plot); `dmt calibrate` fits execution path hf's compute scale and fixed per-step cost on the runs at 2 and 4, holds
 them to the bound the fit guarantees, and `dmt report --calibration` predicts the run at 8 with it, the launch's own
 prediction beside. Whether that brings the prediction closer is the machine's to say (the step times are its), so
 benchmarks/calibration_cpu.py measures it, not this file. A train.py that fails, and a run shorter than the warm-up,

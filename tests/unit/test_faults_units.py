@@ -17,7 +17,7 @@ from toolkit.checkpoint.manifest import latest_verified, point_latest, write_man
 from toolkit.cli.main import main
 from toolkit.errors import UserInputError, worker_error
 from toolkit.runtime import faults
-from toolkit.runtime.guard import GuardStop, LossGuard, report
+from toolkit.runtime.guard import GuardStop, LossGuard, record_verdict
 from toolkit.runtime.incident import append_incident, read_incidents, restart_counts
 from toolkit.runtime.metrics import DISCARDED_FILE, MetricsWriter, keep_until, read_metrics
 from toolkit.runtime.supervision import kill_later, record_restart, where
@@ -59,7 +59,7 @@ def test_a_stop_is_reported_by_rank_0_and_raised_on_every_rank(tmp_path):
     verdict = LossGuard().judge(7, math.nan)
     for rank in (1, 0):
         with pytest.raises(GuardStop, match="step 7"):
-            report(tmp_path, rank, 7, verdict, "abc")
+            record_verdict(tmp_path, rank, 7, verdict, "abc")
     events = read_incidents(tmp_path)
     assert len(events) == 1 and events[0]["event"] == "guard" and events[0]["step"] == 7
     assert events[0]["action"] == "stop" and events[0]["data_sha"] == "abc"
@@ -119,7 +119,7 @@ def test_a_restart_records_what_ended_the_previous_attempt(tmp_path, monkeypatch
 def test_a_run_the_guard_stopped_is_not_restarted(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     with pytest.raises(GuardStop):
-        report(tmp_path, 0, 3, LossGuard().judge(3, math.nan), None)
+        record_verdict(tmp_path, 0, 3, LossGuard().judge(3, math.nan), None)
     monkeypatch.setenv("DMT_RESTART_COUNT", "1")
     with pytest.raises(GuardStop, match="not restarting: the guard stopped this run at step 3"):
         record_restart(tmp_path, "checkpoint-2")

@@ -74,7 +74,7 @@ def test_gpt_oss_sliding_layers_attend_the_window_only():
 
 def test_mtp_adds_its_block_projection_and_head_where_trained():
     """DeepSeek-V3's MTP module: eh_proj (2h -> h), one MoE block like the last layer, the shared output head, forward
-    and backward; transformers' model has none, so the HF path's count leaves it out."""
+    and backward; transformers' model has none, so the count under HF Trainer leaves it out."""
     spec = spec_from_hf_dict({"model_type": "deepseek_v3", **CONFIGS["deepseek_v3-q_lora"], "vocab_size": 97}, "mtp")
     s, h = 64, spec.hidden_size
     extra = model_flops_per_token(spec, s, mtp=True) - model_flops_per_token(spec, s)

@@ -1,4 +1,4 @@
-"""fp8 on the HF path: Accelerate's FP8 (Transformer Engine or torchao) in the fsdp backend's accelerate.yaml, read
+"""fp8 under HF Trainer: Accelerate's FP8 (Transformer Engine or torchao) in the fsdp backend's accelerate.yaml, read
 back through `accelerate launch`'s own argument handling into the ACCELERATE_FP8_* variables its recipe dataclasses
 read; what Accelerate cannot train refused in one line; `dmt validate` checks fp8_config against those dataclasses;
 train.py refuses an fp8 plan on CPU ranks before writing anything."""

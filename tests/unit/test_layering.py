@@ -21,7 +21,7 @@ LAYERS = (
     ("toolkit", "errors", "presets", "numeric"),  # numeric: not `numbers`, which train.py run as a script would shadow
     ("compat",),  # every private-API seam of a library, used from any layer above
     ("readers",),
-    ("outputs",),  # reads the record of `dmt generate` through the one reading path
+    ("outputs",),  # reads the record of `dmt generate` through the one reader of its format
     ("data",),  # prepared token datasets: read by training (backends) and the CLI, below the spec that names them
     ("families",),
     ("spec",),

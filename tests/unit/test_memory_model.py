@@ -196,7 +196,7 @@ def test_invalid_plans_name_the_flag(options, flag):
 @pytest.mark.parametrize("backend, reason", [("deepspeed", "AutoEP does not run with transformers 5.23"),
                                              ("fsdp", "no expert-parallel axis")])
 def test_hf_backends_refuse_expert_parallelism_saying_why(backend, reason):
-    """The HF path trains an MoE model's experts sharded as ordinary parameters: EP is refused in one line that says
+    """HF Trainer trains an MoE model's experts sharded as ordinary parameters: EP is refused in one line that says
     why the pinned libraries' own mechanisms do not apply (read and run here: backends/*/rules.py EP_REFUSAL)."""
     moe = DENSE.model_copy(update={"num_experts": 8, "experts_top_k": 2, "moe_ffn_hidden_size": 1024})
     extra = {"dp_shard": 8} if backend == "fsdp" else {}

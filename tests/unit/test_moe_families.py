@@ -55,7 +55,7 @@ def test_bad_gpt_oss_layer_types_name_the_key():
     assert err.value.key.endswith("layer_types")
 
 
-def test_mtp_modules_sit_on_megatrons_last_stage_and_nowhere_on_the_hf_path():
+def test_mtp_modules_sit_on_megatrons_last_stage_and_nowhere_under_hf_trainer():
     spec = load_model_spec("deepseek-v3")
     counts = count_params(spec)
     one = counts.mtp_layers[0]
@@ -139,7 +139,7 @@ def test_explain_counts_gpt_oss_windows_and_says_so(capsys):
 
 def test_gpt_oss_clamped_swiglu_keeps_seven_ffn_wide_tensors():
     """GPT-OSS's expert activation (transformers' GptOssExperts._apply_gate) and down_proj's input, measured with
-    saved_tensors_hooks on the module itself: what mlp_bytes_per_token counts for it on the HF path."""
+    saved_tensors_hooks on the module itself: what mlp_bytes_per_token counts for it under HF Trainer."""
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts

@@ -39,7 +39,8 @@ def test_every_plan_option_is_a_flag_of_every_command_that_takes_a_plan(module):
 
 
 def test_every_plan_option_has_its_recipe_key():
-    from toolkit.spec.recipe import PlanSection, Recipe
+    from toolkit.spec.recipe import Recipe
+    from toolkit.spec.recipe_cluster import PlanSection
 
     for name in OPTION_NAMES:
         section, field = recipe_key(name).split(".")

@@ -1,5 +1,5 @@
 """The plan search's shortcuts change no answer: every ranked plan's memory and step time equal what the public
-estimate path gives for that plan afresh (its memos bypassed), and the plans the search skips without estimating
+estimate gives for that plan afresh (its memos bypassed), and the plans the search skips without estimating
 their activations (memory_floor) are exactly the ones an unpruned search finds out of memory. Speed is measured in
 benchmarks/plan_search_speed.py, never here."""
 

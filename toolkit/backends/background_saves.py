@@ -25,7 +25,7 @@ from pathlib import Path
 
 from toolkit.backends.loop import reduced_flag, write_checkpoint_record
 from toolkit.checkpoint.manifest import hash_files
-from toolkit.spec.recipe import TrainingSection
+from toolkit.spec.recipe_training import TrainingSection
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # between the polls of a wait

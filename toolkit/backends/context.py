@@ -1,5 +1,5 @@
 """TrainContext: what toolkit/train.py hands every backend's `train` (toolkit/backends/<name>/train.py) for a launch;
-HFLaunch: what the HF Trainer's path adds to it, shared by ToolkitTrainer and ToolkitCallback."""
+HFLaunch: what a launch under the HF Trainer adds to it, shared by ToolkitTrainer and ToolkitCallback."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from toolkit.backends.hf_guard import TrainerGuard
-    from toolkit.backends.hf_path import HFPath
+    from toolkit.backends.hf_hooks import TrainerHooks
     from toolkit.backends.hf_saves import TrainerSaves
     from toolkit.backends.loop import BatchFingerprints
     from toolkit.runtime.metrics import MetricsWriter, Throughput
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TrainContext:
-    # the plan and the generated files' contents (plan.json's directory); the quick path's run has the plan only, and
+    # the plan and the generated files' contents (plan.json's directory); a launch without --plan has the plan only, and
     # the backend's generators make its files in memory
     run: GeneratedRun
     # the run's recipe with the command line's step overrides applied (its schedule, the generated DeepSpeed config
@@ -31,7 +31,7 @@ class TrainContext:
     recipe: Recipe
     output_dir: Path  # checkpoints, metrics.jsonl, run_plan.json
     resume: str | None  # --resume: "latest", "auto", a checkpoint's path, or None (a fresh start)
-    deepspeed_json: str | None  # --deepspeed: a DeepSpeed JSON for the quick path
+    deepspeed_json: str | None  # --deepspeed: a DeepSpeed JSON for a launch without --plan
     # the command line's step overrides (max_steps, save_steps) under the trainer arguments' names: what
     # trainer_args.json takes over its own values
     updates: dict
@@ -49,10 +49,10 @@ class TrainContext:
 
 @dataclass(frozen=True)
 class HFLaunch:
-    """One launch on the HF Trainer's path: what ToolkitTrainer and ToolkitCallback act through."""
+    """One launch under the HF Trainer: what ToolkitTrainer and ToolkitCallback act through."""
 
     context: TrainContext
-    path: HFPath  # what DeepSpeed or FSDP2 adds to the HF Trainer's path (the backend's train.py HF_PATH)
+    hooks: TrainerHooks  # what DeepSpeed or FSDP2 adds to the HF Trainer (the backend's train.py TRAINER_HOOKS)
     world: int  # the launch's processes
     identity: dict  # the run a checkpoint belongs to (toolkit.backends.resume.run_identity)
     consumed: int  # samples the checkpoint resumed from had consumed: a blend's sampler reads on from there

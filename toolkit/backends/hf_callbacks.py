@@ -74,11 +74,11 @@ class ToolkitCallback(TrainerCallback):
         import torch.distributed as dist
 
         launch, context = self.launch, self.launch.context
-        output_dir, plan, path, watch = context.output_dir, context.plan, launch.path, context.watch
+        output_dir, plan, hooks, watch = context.output_dir, context.plan, launch.hooks, context.watch
         ckpt = output_dir / f"checkpoint-{state.global_step}"
         if dist.is_initialized():
             dist.barrier()  # every rank's files are on disk before they are hashed
-        path.on_save(model, ckpt, state.is_world_process_zero)
+        hooks.on_save(model, ckpt, state.is_world_process_zero)
         step, started, self.save_started = state.global_step, self.save_started, None
 
         def complete(files=None):  # every rank, once its files are written; `files`: hashed already
@@ -87,10 +87,10 @@ class ToolkitCallback(TrainerCallback):
                 dist.barrier()  # every rank arrived: none stopped before its files were complete
             manifest = None
             if state.is_world_process_zero:
-                layout = {k: getattr(plan, k) for k in (*path.layout_keys, "micro_batch", "grad_accum",
+                layout = {k: getattr(plan, k) for k in (*hooks.layout_keys, "micro_batch", "grad_accum",
                                                         "global_batch")}
                 manifest = write_manifest(ckpt, step=step, world_size=launch.world, layout=layout,
-                                          fmt=path.checkpoint_format,
+                                          fmt=hooks.checkpoint_format,
                                           extra={"run": launch.identity, "guard_window": launch.guard.guard.window(),
                                                  **data_position(step, launch.identity)},
                                           files=files)

@@ -28,7 +28,7 @@ from toolkit.spec.recipe import Recipe, recipe_hf_config, recipe_vocab_size
 
 if TYPE_CHECKING:
     from toolkit.backends.context import TrainContext
-    from toolkit.backends.hf_path import HFPath
+    from toolkit.backends.hf_hooks import TrainerHooks
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def check_launch(plan: Plan) -> int:
     # `accelerate launch` with an accelerate.yaml of the other backend would mix the two (the Trainer takes its
     # plugin from the launcher's environment)
     for backend in (b for b in BACKENDS.values() if b.hf_modules):
-        variable = backend.train.HF_PATH.accelerate_variable
+        variable = backend.train.TRAINER_HOOKS.accelerate_variable
         if os.environ.get(variable, "false").lower() == "true" and backend is not backend_of(plan):
             raise UserInputError("plan.backend", f"accelerate launch was given a {backend.name} accelerate.yaml but "
                                                  f"the plan trains with {plan.backend}; launch with the plan's own "
@@ -60,9 +60,9 @@ def check_launch(plan: Plan) -> int:
     return world
 
 
-def training_arguments(context: TrainContext, path: HFPath, world: int, resharded: bool):
+def training_arguments(context: TrainContext, hooks: TrainerHooks, world: int, resharded: bool):
     """The TrainingArguments of the launch: the generated trainer_args.json with the command line's step overrides
-    (without one, the generator's for the recipe's plan), completed and checked by the backend's path."""
+    (without one, the generator's for the recipe's plan), completed and checked by the backend's hooks."""
     from transformers import TrainingArguments
 
     recipe, plan, output_dir, run = context.recipe, context.plan, context.output_dir, context.run
@@ -71,7 +71,7 @@ def training_arguments(context: TrainContext, path: HFPath, world: int, resharde
         args_dict = {**copy.deepcopy(run.trainer_args), **context.updates, "output_dir": str(output_dir)}
     else:
         args_dict = trainer_arguments(recipe, plan, str(output_dir), None)
-    path.arguments(args_dict, recipe, plan, world, context.deepspeed_json, run.deepspeed, resharded)
+    hooks.arguments(args_dict, recipe, plan, world, context.deepspeed_json, run.deepspeed, resharded)
     long_context.build_parallelism_config(args_dict)
     configure_wandb(recipe.training.report_to, output_dir)
     if inprocess.iteration() > 0:  # the Trainer again in this process (training.restart: in_process)
@@ -82,7 +82,7 @@ def training_arguments(context: TrainContext, path: HFPath, world: int, resharde
 def documents_apart(recipe: Recipe) -> bool:
     """Whether a blend's attention stays inside each document: transformers finds the documents of a packed row from
     its position ids (masking_utils.find_packed_sequence_indices: a block-causal mask for sdpa and eager, variable
-    lengths for flash attention), so reset_attention_mask takes reset_position_ids on this path."""
+    lengths for flash attention), so reset_attention_mask takes reset_position_ids here."""
     data = recipe.data
     if data.blend and data.reset_attention_mask and not data.reset_position_ids:
         log.warning("data.reset_attention_mask without data.reset_position_ids: the HF Trainer's models tell "

@@ -99,7 +99,7 @@ class ToolkitTrainer(Trainer):
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         # before preparation (FSDP2: fully_shard's precision)
-        self.launch.path.on_accelerator(self.accelerator, self.launch.context.plan)
+        self.launch.hooks.on_accelerator(self.accelerator, self.launch.context.plan)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         if isinstance(self.train_dataset, ReadSamples):  # a blend: its token ids against the vocabulary, each batch
@@ -121,11 +121,11 @@ class ToolkitTrainer(Trainer):
 def train(context: TrainContext) -> dict:
     """train.py's entry for the backends that train through the HF Trainer (toolkit/backends/<name>/train.py):
     the generated files of context.run (`dmt generate`'s deepspeed.json and trainer_args.json, with the command
-    line's step overrides) train; without them (the quick path) the same generators make them from the recipe's plan.
-    Returns a summary (steps, final loss) on every rank."""
+    line's step overrides) train; without them (a launch without --plan) the same generators make them from the
+    recipe's plan. Returns a summary (steps, final loss) on every rank."""
     recipe, plan, output_dir, watch = context.recipe, context.plan, context.output_dir, context.watch
     world = check_launch(plan)
-    path = backend_of(plan).train.HF_PATH  # what DeepSpeed or FSDP2 adds to the HF Trainer's path
+    hooks = backend_of(plan).train.TRAINER_HOOKS  # what DeepSpeed or FSDP2 adds to the HF Trainer
     asynchronous = recipe_saves_async(recipe, plan)
     if recipe.training.async_save and not asynchronous:
         log.warning("training.async_save: %s checkpoints are written synchronously under the HF Trainer (none of "
@@ -143,8 +143,8 @@ def train(context: TrainContext) -> dict:
     # checkpoints reshard on load by themselves
     resharded = resume_path is not None and (read_manifest(resume_path) or {}).get("world_size") != world
     output_dir.mkdir(parents=True, exist_ok=True)
-    args = training_arguments(context, path, world, resharded)
-    resume_path = path.before_model(recipe, resume_path, output_dir, resharded)
+    args = training_arguments(context, hooks, world, resharded)
+    resume_path = hooks.before_model(recipe, resume_path, output_dir, resharded)
     set_seed(recipe.training.seed)
     data = training_data(recipe, plan, args, output_dir)
     model = build_model(recipe, plan, output_dir, args, data)
@@ -159,15 +159,15 @@ def train(context: TrainContext) -> dict:
     guard = TrainerGuard(StepGuard(LossGuard.from_recipe(recipe.training.guard, guard_window(resume_path)),
                                    output_dir, args.process_index), fingerprints, saves)
     profiler = StepProfiler.from_recipe(recipe, output_dir, args.process_index)
-    launch = HFLaunch(context, path, world, identity, consumed, data.flat, fingerprints, metrics, guard, saves,
+    launch = HFLaunch(context, hooks, world, identity, consumed, data.flat, fingerprints, metrics, guard, saves,
                       profiler)
 
     toolkit_callback = ToolkitCallback(launch)  # the guard acts through it on the Trainer
     callbacks = [toolkit_callback]
     if plan.finetune.peft:
         callbacks.insert(0, adapter_callback(plan))  # FSDP2's adapter is written before the manifest lists the files
-    callbacks += path.callbacks(output_dir, plan)
-    with path.accelerator_building(plan):
+    callbacks += hooks.callbacks(output_dir, plan)
+    with hooks.accelerator_building(plan):
         trainer = ToolkitTrainer(launch, model=model, args=args, train_dataset=data.train_set,
                                  eval_dataset=data.eval_set, data_collator=data.collator,
                                  processing_class=data.tokenizer, callbacks=callbacks)

@@ -1,4 +1,4 @@
-"""Long sequences on the HF Trainer's path, each through the library that owns it: Ulysses sequence parallelism and
+"""Long sequences under the HF Trainer, each through the library that owns it: Ulysses sequence parallelism and
 torch context parallel come from Accelerate's ParallelismConfig (built from the generated trainer arguments), tiled MLP
 and tiled loss from DeepSpeed's sequence-tiling autograd functions, activation offload from torch's save_on_cpu.
 What the plan turned on is read from the resolved Plan; nothing here decides a size the plan has."""

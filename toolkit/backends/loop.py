@@ -13,7 +13,7 @@ from pathlib import Path
 from toolkit.checkpoint.manifest import latest_verified, read_manifest
 from toolkit.checkpoint.safe_load import check_checkpoint
 from toolkit.errors import UserInputError
-from toolkit.runtime.guard import LossGuard, Verdict, report, step_record
+from toolkit.runtime.guard import LossGuard, Verdict, record_verdict, step_record
 from toolkit.runtime.metrics import CHECKPOINT_KIND
 from toolkit.runtime.supervision import SAVE_AND_EXIT
 from toolkit.spec.plan import Plan
@@ -128,7 +128,7 @@ class StepGuard:
                          "dropped_steps": [read_manifest(self.target)["step"] + 1, step]}
         self.verdict = verdict
         self.records[step] = {"loss": verdict.loss, "guard": step_record(step, verdict)}
-        report(self.output_dir, self.rank, step, verdict, data_sha, **extra)
+        record_verdict(self.output_dir, self.rank, step, verdict, data_sha, **extra)
         return verdict
 
     def drops_step(self) -> bool:

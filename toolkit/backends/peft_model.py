@@ -150,12 +150,12 @@ def adapter_callback(plan: Plan):
     from transformers import TrainerCallback
 
     finetune = plan.finetune
-    path = backend_of(plan).train.HF_PATH
+    hooks = backend_of(plan).train.TRAINER_HOOKS
 
     class AdapterCheck(TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            path.save_adapter(model, checkpoint, state.is_world_process_zero)  # FSDP2's, beside its shards
+            hooks.save_adapter(model, checkpoint, state.is_world_process_zero)  # FSDP2's, beside its shards
             if not state.is_world_process_zero:
                 return
             problems = adapter_problems(checkpoint, finetune)

@@ -107,7 +107,7 @@ def _print(args: argparse.Namespace, summary: dict, line: str) -> None:
     print(json_text(summary) if args.json else line)
 
 
-def _check_report(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:
+def _logit_check(args: argparse.Namespace, hf_dir: Path, ckpt: Path, tp: int, pp: int, tolerance: float = 1e-4) -> int:
     ep, etp = args.ep, args.etp
     result = run_check(hf_dir, ckpt, tp=tp, pp=pp, tolerance=tolerance, ep=ep, etp=etp)
     summary = {"max_abs_diff": result.max_abs_diff, "logit_scale": result.logit_scale, "tolerance": tolerance,
@@ -130,7 +130,7 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
         return 0
     if not args.json:
         print(f"{args.hf_dir} -> {result.out_dir}: {result.tensors} tensors, {result.parameters:,} parameters")
-    return _check_report(args, args.hf_dir, args.out_dir, args.tp, args.pp)
+    return _logit_check(args, args.hf_dir, args.out_dir, args.tp, args.pp)
 
 
 def _merge_lora(args: argparse.Namespace) -> int:
@@ -142,4 +142,4 @@ def _merge_lora(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    return _check_report(args, args.hf_dir, args.megatron_dir, args.tp, args.pp, args.tolerance)
+    return _logit_check(args, args.hf_dir, args.megatron_dir, args.tp, args.pp, args.tolerance)

@@ -60,9 +60,9 @@ def result(args: argparse.Namespace) -> Prediction | Longest:
     calibration = calibration_for(args.calibration, gpu.name)
     model = load_model_spec(args.model)
     plan = resolve_plan(model, args.gpus, **topology_defaults(gpu, plan_overrides(args)))
-    report = predicted_record(model, plan, gpu, network, calibration, packed=packing(args, plan))
-    add_extras(report, model, args)
-    return report
+    prediction = predicted_record(model, plan, gpu, network, calibration, packed=packing(args, plan))
+    add_extras(prediction, model, args)
+    return prediction
 
 
 def packing(args: argparse.Namespace, plan):
@@ -83,29 +83,29 @@ def longest(args: argparse.Namespace) -> Longest:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = result(args)
+    estimated = result(args)
     if args.max_seq_len:
         if args.json:
-            print(json_text(report.as_json(), indent=2))
+            print(json_text(estimated.as_json(), indent=2))
         else:
-            print(longest_text(report))
-        return 0 if report.plan is not None else 1
+            print(longest_text(estimated))
+        return 0 if estimated.plan is not None else 1
     if args.json:
-        print(json_text(report.as_json(), indent=2))
+        print(json_text(estimated.as_json(), indent=2))
     else:
-        print_report(report)
-        print_extras(report)
+        print_prediction(estimated)
+        print_extras(estimated)
     return 0
 
 
-def print_report(report: Prediction) -> None:
+def print_prediction(prediction: Prediction) -> None:
     from rich.table import Table
 
-    plan, mem, params = report.plan, report.memory_bytes, report.params
+    plan, mem, params = prediction.plan, prediction.memory_bytes, prediction.params
     console = make_console()
     layout = " ".join(f"{k}={getattr(plan, k)}" for k in ("dp", "tp", "pp", "vpp", "cp", "ep"))
     console.print(
-        f"[bold]{report.model}[/] ({report.family}): {params.total / 1e9:.3f}B params, "
+        f"[bold]{prediction.model}[/] ({prediction.family}): {params.total / 1e9:.3f}B params, "
         f"{params.active / 1e9:.3f}B active, {params.embedding / 1e9:.3f}B in embeddings"
         + (f"; {plan.finetune.method}: {params.trainable:,} trainable adapter parameters"
            if plan.finetune.method != "full" else "")
@@ -115,38 +115,39 @@ def print_report(report: Prediction) -> None:
               f"{plan.backend} drops: transformers' model does not build them (not counted)") if params.mtp else "")
     )
     console.print(
-        f"{plan.backend} on {plan.gpus} x {report.gpu}: {layout} {sharding_text(plan)} "
+        f"{plan.backend} on {plan.gpus} x {prediction.gpu}: {layout} {sharding_text(plan)} "
         f"micro_batch={plan.micro_batch} grad_accum={plan.grad_accum} global_batch={plan.global_batch} "
         f"seq_len={plan.seq_len} recompute={recompute_label(plan)} {plan.precision}"
         + (f" layers={plan.transformer_impl}" if plan.transformer_impl else "")
     )
-    table = Table(title=f"Per GPU, stage {report.most_loaded_stage}", title_justify="left")
+    table = Table(title=f"Per GPU, stage {prediction.most_loaded_stage}", title_justify="left")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     for key in ("weights", "gradients", "optimizer", "activations", "overhead"):
         table.add_row(key, f"{getattr(mem, key) / GiB:.2f}")
     table.add_row("[bold]total[/]", f"[bold]{mem.total / GiB:.2f}[/]")
     console.print(table)
-    detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in report.overhead_bytes.items())
+    detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in prediction.overhead_bytes.items())
     console.print(f"overhead: {detail} GiB")
-    if report.host_memory_bytes_per_gpu:
-        console.print(f"host RAM for offload: {report.host_memory_bytes_per_gpu / GiB:.2f} GiB per GPU")
-    capacity = report.gpu_memory_bytes / GiB
-    verdict = "[green]fits[/]" if report.fits else "[red]does not fit[/]"
-    console.print(f"{verdict} in {capacity:.1f} GiB ({report.gpu})")
+    if prediction.host_memory_bytes_per_gpu:
+        console.print(f"host RAM for offload: {prediction.host_memory_bytes_per_gpu / GiB:.2f} GiB per GPU")
+    capacity = prediction.gpu_memory_bytes / GiB
+    verdict = "[green]fits[/]" if prediction.fits else "[red]does not fit[/]"
+    console.print(f"{verdict} in {capacity:.1f} GiB ({prediction.gpu})")
     console.print(
-        f"predicted step {report.step_time_s:.3g} s, {report.tokens_per_s:,.0f} tokens/s, "
-        f"{report.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {report.mfu:.1%} ({report.mfu_definition})"
+        f"predicted step {prediction.step_time_s:.3g} s, {prediction.tokens_per_s:,.0f} tokens/s, "
+        f"{prediction.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {prediction.mfu:.1%} "
+        f"({prediction.mfu_definition})"
     )
-    path = EXECUTION_PATHS[report.execution_path]
-    fitted = ((report.calibration or {}).get("compute_scale") or {}).get(path.name)
-    scale = f"{path.compute_scale:.2f}" if fitted is None else \
-        f"{fitted:.3g} (calibrated; published {path.compute_scale:.2f})"
-    fixed = report.step_time_breakdown_s["fixed_s"]
+    execution = EXECUTION_PATHS[prediction.execution_path]
+    fitted = ((prediction.calibration or {}).get("compute_scale") or {}).get(execution.name)
+    scale = f"{execution.compute_scale:.2f}" if fitted is None else \
+        f"{fitted:.3g} (calibrated; published {execution.compute_scale:.2f})"
+    fixed = prediction.step_time_breakdown_s["fixed_s"]
     fixed_text = f", plus a fixed {fixed:.3g} s per step (calibrated)" if fixed else ""
-    console.print(f"execution path {path.name}: {path.description}, {scale} of the fused kernels' rate{fixed_text} "
-                  f"(toolkit/estimate/efficiency.py)")
-    console.print(calibration_line(report.calibration))
+    console.print(f"execution path {execution.name}: {execution.description}, {scale} of the fused kernels' "
+                  f"rate{fixed_text} (toolkit/estimate/efficiency.py)")
+    console.print(calibration_line(prediction.calibration))
 
 
 def longest_text(found) -> str:

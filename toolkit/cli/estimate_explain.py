@@ -21,18 +21,18 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
                              "thumb (with --json: an `explain` list)")
 
 
-def add_extras(report: Prediction, model: ModelSpec, args: argparse.Namespace) -> None:
+def add_extras(prediction: Prediction, model: ModelSpec, args: argparse.Namespace) -> None:
     """training_time and explain, each only when its flag is given (the JSON is unchanged otherwise)."""
-    add_training_time([report], args)
+    add_training_time([prediction], args)
     if args.explain:
-        report.explain = explain_estimate(model, report)
+        prediction.explain = explain_estimate(model, prediction)
 
 
-def print_extras(report: Prediction) -> None:
-    if report.training_time is not None:
-        print("\n".join(training_time_lines(report)))
-    if report.explain is not None:
-        print(explain_text(report.explain))
+def print_extras(prediction: Prediction) -> None:
+    if prediction.training_time is not None:
+        print("\n".join(training_time_lines(prediction)))
+    if prediction.explain is not None:
+        print(explain_text(prediction.explain))
 
 
 def explain_text(entries: list[dict], width: int = 110) -> str:

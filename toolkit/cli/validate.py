@@ -118,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
         def check(filled: dict):
             return memory_problem(filled, model, gpu, args.world_size, args.seq_len, recompute)
 
-    return report(args, validate_deepspeed_config(config, args.world_size, trainer_args=trainer, memory_check=check,
-                                                  config_path=args.file) + finetune_problems(config, args.finetune))
+    problems = validate_deepspeed_config(config, args.world_size, trainer_args=trainer, memory_check=check,
+                                         config_path=args.file)
+    return print_problems(args, problems + finetune_problems(config, args.finetune))
 
 
 def _generated(args: argparse.Namespace) -> int:
@@ -150,7 +151,7 @@ def _require_world_size(args: argparse.Namespace) -> None:
                                              "the processes the job will launch")
 
 
-def report(args: argparse.Namespace, problems: list) -> int:
+def print_problems(args: argparse.Namespace, problems: list) -> int:
     """The problems as `dmt validate` prints them (one JSON object with --json, else one line each on stderr, or that
     the file is valid); its exit code."""
     if args.json:
@@ -173,7 +174,7 @@ def _accelerate(args: argparse.Namespace, config: dict) -> int:
     # (one with an fsdp_config is an FSDP config whose distributed_type is wrong: the FSDP check says so)
     deepspeed = config.get("distributed_type") == "DEEPSPEED" and "fsdp_config" not in config
     check = validate_accelerate_deepspeed if deepspeed else validate_accelerate_fsdp
-    return report(args, check(config, args.world_size, trainer))
+    return print_problems(args, check(config, args.world_size, trainer))
 
 
 def _manifest(args: argparse.Namespace, documents: list[dict]) -> int:
@@ -181,7 +182,7 @@ def _manifest(args: argparse.Namespace, documents: list[dict]) -> int:
     offline: `FILE: kind name: key: message` per problem, exit 2 when any."""
     problems = validate_manifest(documents, args.world_size)
     if problems or args.json:
-        return report(args, problems)
+        return print_problems(args, problems)
     checked = {SCHEMAS[(d["apiVersion"], d["kind"])]: d["kind"] for d in documents}
     against = "; ".join(f"{kind} of {release(file_name)}" for file_name, kind in checked.items())
     print(f"{args.file}: valid ({against}); submit it with `kubectl apply -f {args.file}`")

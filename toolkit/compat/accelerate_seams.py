@@ -8,7 +8,7 @@ is wrapped in DistributedDataParallel: training runs and nothing says it was nev
 (`fully_shard`) works on CPU with gloo, so the step below does, for MULTI_CPU, exactly what that branch does for a
 GPU: distributed type FSDP, the plugin's mixed precision, the plugin on the state (and CPUOffloadPolicy without
 pinned memory, which needs an accelerator). Everything after it (fully_shard,
-MixedPrecisionPolicy, DCP checkpoints) is the libraries' own code path.
+MixedPrecisionPolicy, DCP checkpoints) is the libraries' own code.
 
 Used only while the Trainer builds its Accelerator, and only when there is no GPU; the GPU path never imports it.
 toolkit/backends/fsdp/train.py checks after preparation, on every device, that the model really is sharded.

@@ -1,6 +1,6 @@
 """Megatron-Core's seams outside the CPU layer: two fixes of 0.16 as shipped, each applied only where it is needed
 (the MoE router without Transformer Engine; the distributed optimizer's load with torch's AdamW), each undone or
-harmless on the path that does not need it; and ChainedOptimizer.step's order, replicated with the guard's verdict
+harmless where it is not needed; and ChainedOptimizer.step's order, replicated with the guard's verdict
 between the gradient norm and the update."""
 
 from __future__ import annotations

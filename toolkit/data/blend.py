@@ -309,7 +309,7 @@ def hf_batch(samples: list[dict]) -> dict:
 
 def hf_flat_batch(samples: list[dict]) -> dict:
     """hf_batch as one row of micro_batch x seq_len tokens (transformers' padding-free layout, as its
-    DataCollatorWithFlattening makes it): the flash path takes packed documents apart from the position ids only in a
+    DataCollatorWithFlattening makes it): flash attention takes packed documents apart from the position ids only in a
     batch of one row (modeling_flash_attention_utils._is_packed_sequence), and every sample's position ids start at
     0, so the samples stay apart too."""
     return {key: value.reshape(1, -1) for key, value in hf_batch(samples).items()}

@@ -11,7 +11,7 @@ from toolkit.spec.engine_settings import (  # the bucket sizes the memory model 
     DS_STAGE3_PREFETCH_ELEMENTS,
 )
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import DeepSpeedSection, TrainingSection
+from toolkit.spec.recipe_training import DeepSpeedSection, TrainingSection
 
 SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
 # DeepSpeed's optimizer for each plan optimizer; None: HF Trainer builds it (bitsandbytes) and hands it to DeepSpeed

@@ -11,7 +11,8 @@ from pathlib import Path
 from toolkit.generate.deepspeed import deepspeed_config
 from toolkit.numeric import json_text
 from toolkit.planner.recipe import recipe_plan
-from toolkit.spec.recipe import DeepSpeedSection, load_recipe, recipe_model
+from toolkit.spec.recipe import load_recipe, recipe_model
+from toolkit.spec.recipe_training import DeepSpeedSection
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 OUT = ROOT / "deepspeed_configs"

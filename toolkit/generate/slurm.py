@@ -81,8 +81,8 @@ def render_sbatch(
     ft_config: str | None = None,
 ) -> str:
     """`train_flags` (plan overrides such as --zero 3) go to every toolkit/train.py launch of the job; `launcher`
-    picks slurm_templates/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF paths, deepspeed
-    for DeepSpeed)."""
+    picks slurm_templates/launch/<launcher>.tmpl (torchrun for every backend; accelerate for the HF Trainer backends,
+    deepspeed for DeepSpeed)."""
     nodes = recipe.cluster.num_nodes if nodes is None else nodes
     if nodes < 1:
         raise UserInputError("--nodes", f"must be at least 1, got {nodes}")

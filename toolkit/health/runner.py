@@ -20,7 +20,7 @@ from toolkit.estimate.device_peak import matmul_benchmark
 from toolkit.health import checks, collectives
 from toolkit.health.collectives import tier_bandwidths
 from toolkit.health.options import HealthOptions
-from toolkit.health.report import HealthReport, add_deaths, incomplete, judge
+from toolkit.health.verdict import HealthReport, add_deaths, incomplete, judge
 from toolkit.runtime.children import Children
 from toolkit.runtime.job import STORE_HOSTED_ENV, RankEnv, connect_store
 from toolkit.runtime.watchdog import (

@@ -88,7 +88,7 @@ def read_grad_norm(norm) -> float:
     return float(norm)
 
 
-def report(output_dir: Path, rank: int, step: int, verdict: Verdict, data_sha: str | None, **extra) -> None:
+def record_verdict(output_dir: Path, rank: int, step: int, verdict: Verdict, data_sha: str | None, **extra) -> None:
     """Rank 0 records the verdict in incident.json (and the log); every rank raises GuardStop for `stop`."""
     if rank == 0:
         append_incident(output_dir, {"event": "guard", "step": step, "action": verdict.action, "reason": verdict.reason,

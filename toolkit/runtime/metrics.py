@@ -160,7 +160,7 @@ def logged_figures(figures: dict) -> dict:
 
 
 def _read_records(output_dir: Path, key: str | None = None) -> list[dict]:
-    """Every record of metrics.jsonl (one JSON line each, through the one reading path); a last line cut short (the
+    """Every record of metrics.jsonl (one JSON line each, through the one reader); a last line cut short (the
     writer was killed mid-write) is not a record. `key` names the flag that gave the directory."""
     path = Path(output_dir) / METRICS_FILE
     if not os.path.lexists(path):

@@ -38,8 +38,8 @@ StageParams = Any  # toolkit.estimate.memory.StageParams: one pipeline stage's p
 ModelStates = Any  # (weights, gradients, optimizer, buffers, host): toolkit.estimate.memory.ModelStates
 ExecutionPath = Any  # toolkit.estimate.efficiency.ExecutionPath: the kernels a step runs
 GenerationContext = Any  # toolkit.generate.files.GenerationContext: what every file writer is handed
-CheckReport = Any  # toolkit.checkpoint.verify's report, which a checkpoint part adds its findings to
-HFPath = Any  # toolkit.backends.hf_path.HFPath: what DeepSpeed or FSDP2 adds to the HF Trainer's path
+VerifyReport = Any  # toolkit.checkpoint.verify's VerifyReport, which a checkpoint part adds its findings to
+TrainerHooks = Any  # toolkit.backends.hf_hooks.TrainerHooks: what DeepSpeed or FSDP2 adds to the HF Trainer
 Problem = Any  # toolkit.validate.Problem: one finding of `dmt validate`
 TrainContext = Any  # toolkit.backends.context.TrainContext: what train.py hands a backend's training
 
@@ -116,7 +116,7 @@ class ValidatePart(Protocol):
 
 @runtime_checkable
 class TrainPart(Protocol):
-    HF_PATH: HFPath | None  # what it adds to the HF Trainer's path; None where it trains Megatron-Core's modules
+    TRAINER_HOOKS: TrainerHooks | None  # what it adds to the HF Trainer; None where it trains Megatron-Core's modules
 
     def train(self, context: TrainContext) -> dict:
         """train.py's entry: trains the generated files of the launch `context` names; the run's summary."""
@@ -129,7 +129,7 @@ class CheckpointPart(Protocol):
     TO_HF: HFConversion  # what `dmt convert <Backend.conversion>` offers
 
     def detect(self, path: Path) -> str | None: """Its format's name if the directory is one of its checkpoints."""
-    def verify(self, path: Path, report: CheckReport, deep: bool) -> None: """Add its findings to the report."""
+    def verify(self, path: Path, report: VerifyReport, deep: bool) -> None: """Add its findings to the report."""
     def inspect(self, path: Path) -> dict: """What `dmt ckpt inspect` says of it."""
     to_hf: Callable[..., dict]  # the conversion to an HF model: (ckpt_dir, out_dir, dtype, max_shard_size, config,
     #                             progress, **flags) -> its JSON summary

@@ -34,17 +34,17 @@ class PathEfficiency(_Strict):
     # plausible ends (numeric.SCALE_MIN/MAX, WEEK_S): a rate a million times off the curve, or a step's fixed cost
     # past a week, is no fit of a run, and past them the predictions overflow (1e300 s a step: OverflowError)
     compute_scale: float = Field(ge=SCALE_MIN, le=SCALE_MAX, allow_inf_nan=False,
-                                 description="Fitted rate of this path's GEMMs and the work between them, relative to "
-                                             "the fused-kernel curve (ExecutionPath.compute_scale in "
+                                 description="Fitted rate of this execution path's GEMMs and the work between them, "
+                                             "relative to the fused-kernel curve (ExecutionPath.compute_scale in "
                                              "toolkit/estimate/efficiency.py; the curve's shape is kept).")
     fixed_step_s: float = Field(0.0, ge=0, le=WEEK_S, allow_inf_nan=False,
-                                description="Fitted seconds every step of this path costs whatever its size "
+                                description="Fitted seconds every step of this execution path costs whatever its size "
                                             "(ExecutionPath.fixed_step_s); 0 where it was not fitted.")
     fitted: Literal["compute_scale", "compute_scale+fixed_step"] = Field(
         "compute_scale", description="What the runs could tell apart: the scale alone (one run), or the scale and a "
                                      "fixed per-step cost (least squares over two or more runs).")
     uncalibrated: float = Field(gt=0, description="The published compute_scale the model uses without a calibration.")
-    runs: int = Field(ge=1, description="Runs of this path the value was fitted on.")
+    runs: int = Field(ge=1, description="Runs of this execution path the value was fitted on.")
 
 
 class HostPeak(_Strict):
@@ -114,7 +114,7 @@ class Calibration(_Strict):
             raise ValueError(exc.message) from None
 
     def compute_scale(self, path: str) -> float | None:
-        """The fitted compute scale of an execution path, or None where no run of that path was fitted."""
+        """The fitted compute scale of an execution path, or None where none of its runs was fitted."""
         fitted = self.efficiency.get(path)  # type: ignore[call-overload]
         return fitted.compute_scale if fitted else None
 

@@ -97,7 +97,7 @@ class ModelSpec(BaseModel):
     v_head_dim: int | None = Field(None, gt=0, description="MLA: each value head's width (head_dim when None).")
     mtp_layers: int = Field(
         0, ge=0, description="Multi-token prediction modules (num_nextn_predict_layers): Megatron-Core trains them; "
-                             "transformers' model does not build them, so counts and FLOPs on the HF path leave them out."
+                             "transformers' model does not build them, so counts and FLOPs under HF Trainer omit them."
     )
     attention_sinks: bool = Field(False, description="A learned sink logit per attention head (gpt_oss).")
     sliding_window: int | None = Field(

@@ -1,6 +1,6 @@
 """The plan's options, declared once: each one's type, choices, default and help text.
 
-Everything else is derived from `PlanOptions`: the recipe's `plan:` section (`toolkit.spec.recipe`), the flags of
+Everything else is derived from `PlanOptions`: the recipe's `plan:` section (`toolkit.spec.recipe_cluster`), the flags of
 `dmt estimate / plan / generate / restore-test` and of `toolkit/train.py` (`toolkit.cli.options`), the choices the
 validators accept, and the resolved `Plan` (`toolkit.spec.plan`), which adds the rules between options. Adding an
 option is one field here plus its rule in plan.py.
@@ -59,7 +59,7 @@ MOE_IMBALANCE_MAX = 1024.0  # the busiest of at most 1,024 EP ranks holding ever
 DEEPSPEED, MEGATRON, FSDP = ("deepspeed",), ("megatron",), ("fsdp",)
 # attention kernels that keep no s x s matrix (eager keeps the probabilities)
 FUSED_ATTENTION: tuple[str, ...] = ("sdpa", "flash_attention_2")
-# attention kernels that take packed documents apart in a variable-length kernel: transformers' flash path turns
+# attention kernels that take packed documents apart in a variable-length kernel: transformers' flash attention turns
 # position ids that restart into cu_seqlens (modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids),
 # so attention costs the documents' squares, not the sequence's (sdpa and eager mask the whole score matrix)
 VARIABLE_LENGTH_ATTENTION: tuple[str, ...] = ("flash_attention_2",)
@@ -99,7 +99,7 @@ class PlanOptions(BaseModel):
     vpp: PositiveInt = option(1, "virtual pipeline stages per rank (Megatron-Core interleaving)")
     cp: PositiveInt = option(1, "context-parallel size (Megatron-Core; FSDP2: torch context parallel through "
                                 "Accelerate's ParallelismConfig cp_size)", backends=MEGATRON + FSDP)
-    sp: PositiveInt = option(1, "Ulysses sequence-parallel degree (DeepSpeed on the HF path: Accelerate's "
+    sp: PositiveInt = option(1, "Ulysses sequence-parallel degree (DeepSpeed under HF Trainer: Accelerate's "
                                 "ParallelismConfig sp_size)", backends=DEEPSPEED)
     ep: PositiveInt = option(1, "expert-parallel size (MoE models)")
     etp: PositiveInt | None = option(
@@ -154,8 +154,9 @@ class PlanOptions(BaseModel):
                                           "whole [seq, ffn] tensor", backends=DEEPSPEED + FSDP)
     tiled_loss: StrictBool = option(False, "compute logits and loss in sequence tiles (DeepSpeed's TiledFusedLogitsLoss), "
                                            "never holding the whole [seq, vocab] logits", backends=DEEPSPEED + FSDP)
-    # HF path: torch.autograd.graph.save_on_cpu around the checkpointed layers (ALST's checkpoint offload); Megatron-Core's
-    # cpu_offloading moves whole layers' activations and refuses recomputation (TransformerConfig.__post_init__)
+    # HF Trainer backends: torch.autograd.graph.save_on_cpu around the checkpointed layers (ALST's checkpoint offload);
+    # Megatron-Core's cpu_offloading moves whole layers' activations and refuses recomputation
+    # (TransformerConfig.__post_init__)
     offload_activations: ActivationOffload = option("none", "keep checkpointed activations in host memory",
                                                     backends=DEEPSPEED + FSDP)
     recompute_modules: tuple[RecomputeModule, ...] | None = option(

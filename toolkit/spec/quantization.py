@@ -39,7 +39,7 @@ DEFAULT_RECIPE = {FP8: "delayed", FP4: "nvfp4"}  # TransformerConfig's defaults 
 FORMAT = {FP8: "hybrid", FP4: "e2m1"}
 
 
-# Accelerate 1.15's FP8 on the HF path (accelerate.yaml `mixed_precision: fp8` and its `fp8_config`, the keys
+# Accelerate 1.15's FP8 under HF Trainer (accelerate.yaml `mixed_precision: fp8` and its `fp8_config`, the keys
 # `accelerate launch` turns into the ACCELERATE_FP8_* variables TERecipeKwargs / AORecipeKwargs read;
 # accelerate/utils/dataclasses.py): Transformer Engine's DelayedScaling (TERecipeKwargs' default) and MXFP8BlockScaling
 # (use_mxfp8_block_scaling), torchao's Float8LinearConfig (its default: dynamic tensorwise scaling). Accelerate has no
@@ -52,7 +52,7 @@ ACCELERATE_FP8: dict[str, dict] = {
 
 
 def accelerate_fp8_config(plan) -> dict | None:
-    """accelerate.yaml's fp8_config of an fp8 plan on the HF path (None for other precisions)."""
+    """accelerate.yaml's fp8_config of an fp8 plan under HF Trainer (None for other precisions)."""
     if plan.precision != FP8:
         return None
     return dict(ACCELERATE_FP8[plan.fp8_recipe or DEFAULT_RECIPE[FP8]])

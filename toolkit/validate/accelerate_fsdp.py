@@ -85,7 +85,7 @@ def validate_accelerate_fsdp(config: dict, world_size: int, trainer: dict | None
 
 
 def validate_accelerate_deepspeed(config: dict, world_size: int, trainer: dict | None = None) -> list[Problem]:
-    """An accelerate.yaml for `accelerate launch` of DeepSpeed's HF path: Accelerate's keys with distributed_type
+    """An accelerate.yaml for `accelerate launch` of DeepSpeed under HF Trainer: Accelerate's keys with distributed_type
     DEEPSPEED and the job's process count."""
     if not isinstance(config, dict):
         return [Problem("accelerate.yaml", "must be a mapping of Accelerate config keys")]

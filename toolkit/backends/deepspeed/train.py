@@ -1,6 +1,7 @@
 """Training a DeepSpeed plan: the HF Trainer with the generated deepspeed.json (toolkit/backends/hf_trainer.py), and
-what DeepSpeed adds to that path: its config checked against the trainer arguments and this host, its distributed
-init before the model (ZeRO-3 partitions at construction), a universal checkpoint to resume at another world size."""
+what DeepSpeed adds to it (DeepSpeedHooks): its config checked against the trainer arguments and this host, its
+distributed init before the model (ZeRO-3 partitions at construction), a universal checkpoint to resume at another world
+size."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.backends.deepspeed.checkpoint import MANIFEST_FORMAT
 from toolkit.backends.deepspeed.universal import universal_checkpoint
-from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
+from toolkit.backends.hf_hooks import TrainerHooks, refuse_fp16_without_gpu
 from toolkit.backends.hf_trainer import train  # noqa: F401 (the backend's entry, train.py calls it)
 from toolkit.errors import UserInputError
 from toolkit.generate.deepspeed import deepspeed_config
@@ -62,7 +63,7 @@ def _check_precision_runs_here(config: dict, trainer_args: dict) -> None:
                                                    f"{accelerator.device_name()} accelerator; use bf16 or fp32 here")
 
 
-class DeepSpeedPath(HFPath):
+class DeepSpeedHooks(TrainerHooks):
     accelerate_variable = "ACCELERATE_USE_DEEPSPEED"
     checkpoint_format = MANIFEST_FORMAT
     layout_keys = ("dp", "tp", "pp", "zero")
@@ -91,4 +92,4 @@ class DeepSpeedPath(HFPath):
         return resume_path
 
 
-HF_PATH = DeepSpeedPath()
+TRAINER_HOOKS = DeepSpeedHooks()

@@ -48,7 +48,7 @@ def check_steps(steps: int, warmup: int, key: str) -> None:
 
 # Read in transformers 5.23 and accelerate 1.15: transformers' expert parallelism (DistributedConfig ep_size) shards
 # the experts while from_pretrained loads the model on its device mesh; Accelerate's FSDP2 plugin has no expert axis
-# and the HF Trainer path this backend runs loads the model unsharded, so neither applies here.
+# and the HF Trainer this backend trains under loads the model unsharded, so neither applies here.
 EP_REFUSAL = ("Accelerate 1.15's FSDP2 has no expert-parallel axis and transformers 5.23's (DistributedConfig "
               "ep_size) applies only to a model from_pretrained loads on its own device mesh, which the HF Trainer "
               "path does not; the experts train FSDP2-sharded at --ep 1, or use --backend megatron")

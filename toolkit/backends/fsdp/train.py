@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.backends.fsdp.checkpoint import MANIFEST_FORMAT
-from toolkit.backends.hf_path import HFPath, refuse_fp16_without_gpu
+from toolkit.backends.hf_hooks import TrainerHooks, refuse_fp16_without_gpu
 from toolkit.backends.peft_model import save_sharded_adapter
 from toolkit.compat.accelerate_seams import fsdp_on_cpu_ranks
 from toolkit.compat.torch_seams import fsdp_param_groups
@@ -160,7 +160,7 @@ def refuse_context_parallel_without_gpu() -> None:
                                         "sharding strategy); train cp > 1 on GPUs")
 
 
-class FsdpPath(HFPath):
+class FsdpHooks(TrainerHooks):
     accelerate_variable = "ACCELERATE_USE_FSDP"
     checkpoint_format = MANIFEST_FORMAT
     layout_keys = ("dp", "dp_shard", "dp_replicate", "tp", "reshard_after_forward")
@@ -174,7 +174,7 @@ class FsdpPath(HFPath):
             refuse_context_parallel_without_gpu()
 
     def accelerator_building(self, plan):
-        """On CPU ranks an fsdp plan needs Accelerate's FSDP path opened (toolkit/compat/accelerate_seams.py)."""
+        """On CPU ranks an fsdp plan needs Accelerate's FSDP branch opened (toolkit/compat/accelerate_seams.py)."""
         import torch
 
         if torch.cuda.is_available():
@@ -196,7 +196,7 @@ class FsdpPath(HFPath):
         save_sharded_adapter(model, checkpoint, is_main)
 
 
-HF_PATH = FsdpPath()
+TRAINER_HOOKS = FsdpHooks()
 
 
 def train(context: TrainContext) -> dict:

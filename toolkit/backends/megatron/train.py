@@ -9,7 +9,7 @@ from toolkit.backends.megatron.training import train as train_megatron
 if TYPE_CHECKING:
     from toolkit.backends.context import TrainContext
 
-HF_PATH = None  # it trains Megatron-Core's modules in its own loop, not the HF Trainer's
+TRAINER_HOOKS = None  # it trains Megatron-Core's modules in its own loop, not the HF Trainer's
 
 
 def train(context: TrainContext) -> dict:

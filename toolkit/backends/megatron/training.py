@@ -1,5 +1,5 @@
-"""Train with Megatron-Core from a recipe: megatron.yaml built and validated in-process, the HF path's tokenised data,
-Megatron-Core's pipeline schedule, metrics.jsonl, and dist checkpoints with manifests.
+"""Train with Megatron-Core from a recipe: megatron.yaml built and validated in-process, the tokenised data the HF
+Trainer backends read too, Megatron-Core's pipeline schedule, metrics.jsonl, and dist checkpoints with manifests.
 
 Launched as `torchrun --nproc_per_node N toolkit/train.py --recipe R --backend megatron` (train.py dispatches here).
 Without a GPU every Megatron-Core call runs inside `toolkit.compat.megatron_cpu.cuda_on_cpu()`; with one, that module is never imported.

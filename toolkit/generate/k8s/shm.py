@@ -10,7 +10,7 @@ import math
 import re
 
 from toolkit.spec.plan import Plan
-from toolkit.spec.recipe import IN_MEMORY_WORKERS
+from toolkit.spec.recipe_data import IN_MEMORY_WORKERS
 
 NCCL_SHM_PER_COMMUNICATOR = 33 * 10**6  # bytes, the Trainer docs' "roughly 33 MB"
 PREFETCH_FACTOR = 2  # torch DataLoader's batches in flight per worker (its default)

@@ -1,5 +1,5 @@
-"""What a backend adds to the HF Trainer's path (toolkit/backends/hf_trainer.py): each HF-Trainer backend's train.py
-declares its `HF_PATH`, an HFPath whose defaults are "nothing to add"."""
+"""What a backend adds to the HF Trainer (toolkit/backends/hf_trainer.py): each HF Trainer backend's train.py
+declares its `TRAINER_HOOKS`, a TrainerHooks whose defaults are "nothing to add"."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from toolkit.errors import UserInputError
 
 
-class HFPath:
+class TrainerHooks:
     accelerate_variable = ""  # what `accelerate launch` sets when its accelerate.yaml is this backend's
     checkpoint_format = ""  # the manifest's `format` of its checkpoints (its checkpoint.py's MANIFEST_FORMAT)
     layout_keys: tuple[str, ...] = ()  # the plan options a checkpoint's manifest records of its layout
@@ -42,7 +42,7 @@ class HFPath:
 
 def refuse_fp16_without_gpu() -> None:
     """fp16 needs Accelerate's grad scaler on a GPU, whatever DeepSpeed's CPU accelerator says of the host (one with
-    AVX-512 FP16 reports fp16 supported, and the HF path then fails inside Accelerate)."""
+    AVX-512 FP16 reports fp16 supported, and the HF Trainer then fails inside Accelerate)."""
     import torch
 
     if not torch.cuda.is_available():

@@ -1,4 +1,5 @@
-"""The `dmt health` report: thresholds (catalogue defaults, flags on top), the verdict, and the report as typed models.
+"""The `dmt health` verdict: thresholds (catalogue defaults, flags on top), the judgement, and the health report as
+typed models.
 
 `dmt health --json` prints HealthReport.as_json(); `dmt plan --measured-bw` reads its `bandwidth`. The JSON keys are a
 contract (scripts and `dmt plan` read them): a field is added here, never renamed.
