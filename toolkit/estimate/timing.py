@@ -25,6 +25,7 @@ from toolkit.estimate.efficiency import (
     execution_path,
     expert_gemm_efficiency,
     gemm_efficiency,
+    unfused_rotary_elements,
 )
 from toolkit.estimate.flops import (
     head_forward_flops,
@@ -134,6 +135,8 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     # forward and in the backward
     scores = spec.num_attention_heads / plan.tp * plan.seq_len / hbm if path.unfused_attention else 0.0
     score_forward_s, score_backward_s = scores * UNFUSED_ATTENTION_FORWARD_BYTES, scores * UNFUSED_ATTENTION_BACKWARD_BYTES
+    # seconds per token and layer of rotary embedding run eagerly where the path's rate assumes it fused
+    rotary_forward_s, rotary_backward_s = (n * a / plan.tp / hbm for n in unfused_rotary_elements(spec, path))
 
     # The slowest stage sets the pipeline's pace: every stage's micro-batch time, compute and exposed communication.
     act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
@@ -179,6 +182,8 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
          moe_passes) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed,
                                      plan.tiled_mlp, matmul_passes, (attention_work, window_work), routed_traffic_s,
                                      score_forward_s, score_backward_s)
+        again = sum(plan.recompute == "full" and (recomputed is None or i in recomputed) for i in blocks)
+        memory_bound += len(blocks) * (rotary_forward_s + rotary_backward_s) + again * rotary_forward_s
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
                                                                    if mtp else 0.0))

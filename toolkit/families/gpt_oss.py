@@ -8,6 +8,8 @@ itself included) and full_attention, sliding first, when config.json does not li
 the vocabulary is o200k_harmony's 201,088 rows.
 """
 
+import math
+
 from toolkit.errors import UserInputError
 from toolkit.families.family import Family, HFConfig
 from toolkit.families.lineage import llama_spec
@@ -21,11 +23,15 @@ def read(cfg: HFConfig) -> dict:
     if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
         raise UserInputError(f"{cfg.source}: layer_types", f"must list {layers} of {', '.join(LAYER_TYPES)}")
     window = cfg.integer("sliding_window")
+    rope = cfg.data.get("rope_scaling") or {}
+    yarn = isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("factor", 1) > 1
     bias = cfg.flag("attention_bias")
     return llama_spec(
         cfg, qkv_bias=bias, attn_out_bias=bias, attention_sinks=True, num_experts=cfg.integer("num_local_experts"),
         experts_top_k=cfg.integer("num_experts_per_tok"), moe_ffn_hidden_size=ffn, expert_bias=True, router_bias=True,
         activation_clamp=cfg.number("swiglu_limit"),
+        # YaRN's attention factor as transformers and Megatron-Core's YarnRotaryEmbedding derive it without mscale
+        rope_attention_factor=(rope.get("attention_factor") or 0.1 * math.log(rope["factor"]) + 1) if yarn else 1.0,
         sliding_window=window, sliding_layers=tuple(i for i, t in enumerate(types) if t == LAYER_TYPES[0]) if window
         else None)
 
