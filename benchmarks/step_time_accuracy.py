@@ -343,25 +343,26 @@ Notes on the MoE rows:
   The parameter and FLOP counts were checked against the HF config the preset holds (hidden 2880, 64 query heads
   and 8 key/value heads of 64, 128 experts of 2880 top 4, vocabulary 201,088): 116.8 B parameters, 5.13 B active,
   as OpenAI's model card gives.
-- What is left. GPT-OSS on GB200 is still predicted 33% fast (3.28 s against 4.92 s), on H100 18%, on B200 11%:
-  at 34.5 GFLOP a token Bridge measured 20%, 23% and 21% of the BF16 peak (H100, GB200, B200) where the model now
-  reaches 25%, 34% and 23%. Not priced, for want of a published rate or a rule in the code: Transformer Engine's attention with learnable
-  sinks, which only cuDNN's fused kernel runs (dot_product_attention/utils.py disables FlashAttention for
-  softmax_type "learnable"), at FlashAttention-3's rate here; no rate of cuDNN's sink kernels is published (Bridge's
-  26.06.01 summary footnotes a GPT-OSS pre-training regression as a known cuDNN frontend issue, NVIDIA/cudnn-frontend
-  #256, not read here). Attention is 0.31 s of the GB200 row's predicted 3.28 s: the row would be
-  within 30% (3.44 s) if that kernel ran at about 2/3 of the published rate, which no measurement says, so nothing
-  is set. Hidden size 2880 is 45 x 64 but 22.5 x 128: no waste with 64-wide GEMM tiles, 2.2% with 128-wide, 6.7%
-  with 256-wide, and which tile cuBLAS picks is its heuristic. The bias loop launches ~100 small kernels per layer
-  at 16 experts a rank (H100, B200) but ~14 at 2 (GB200). On GB200 (EP 64 over NCCL with the overlap on), NCCL's
-  all-to-all takes SMs from the paired micro-batch's compute, which the overlap treats as free. Qwen3 235B on B200
-  (EP 8 in one node, NCCL all-to-all, no CUDA graphs, no overlap) is predicted 22% fast: like GPT-OSS's runs it ran
-  without Bridge's CUDA graphs of the router and dispatch preprocessing, whose host cost the constant fitted on
-  graphed runs does not carry (the row alone would fit 4.8 ms against the fitted 2.36). Qwen3 235B on GB200 is 18%
-  slow: its HybridEP exchange over the NVL72 fabric and its CUDA graphs are, likely, faster than NCCL's all-to-all
-  priced at the NVLink bus rate. Not modelled: MXFP8's quantisation of every GEMM input (row- and column-wise with
-  scales), Bridge's CUDA graphs and fused router, DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from
-  the GEMMs), delay_wgrad_compute (Bridge sets it with the overlap).
+- What is left. GPT-OSS on GB200 is still predicted 33% fast (3.28 s against 4.92 s), on H100 18%, on B200 11%: at
+  34.5 GFLOP a token Bridge measured 20%, 23% and 21% of the BF16 peak (H100, GB200, B200) where the model now
+  reaches 25%, 34% and 23%. Not priced, for want of a published rate or a rule in the code: Transformer Engine's
+  attention with learnable sinks, which only cuDNN's fused kernel runs (dot_product_attention/utils.py disables
+  FlashAttention for softmax_type "learnable"), priced at FlashAttention-3's rate; no rate of cuDNN's sink kernels
+  is published (Bridge's 26.06.01 summary footnotes a GPT-OSS pre-training regression as a known cuDNN frontend
+  issue, NVIDIA/cudnn-frontend #256, not read here). The GB200 row needs 0.16 s more to be within 30% (3.44 s);
+  attention is 0.31 s of its predicted step, so that kernel alone would have to run below about 2/3 of the published
+  rate, which no measurement says, and nothing is set. Hidden size 2880 is 45 x 64 but 22.5 x 128: no waste with
+  64-wide GEMM tiles, 2.2% with 128-wide, 6.7% with 256-wide, and which tile cuBLAS picks is its heuristic. The bias
+  loop launches ~100 small kernels per layer at 16 experts a rank (H100, B200) but ~14 at 2 (GB200). On GB200 (EP 64
+  over NCCL with the overlap on), NCCL's all-to-all takes SMs from the paired micro-batch's compute, which the
+  overlap treats as free. Qwen3 235B on B200 (EP 8 in one node, NCCL all-to-all, no CUDA graphs, no overlap) is
+  predicted 22% fast: like GPT-OSS's runs it ran without Bridge's CUDA graphs of the router and dispatch
+  preprocessing, whose host cost the constant fitted on graphed runs does not carry (the row alone would fit 4.8 ms
+  against the fitted 2.36). Qwen3 235B on GB200 is 18% slow: its HybridEP exchange over the NVL72 fabric and its
+  CUDA graphs are, likely, faster than NCCL's all-to-all priced at the NVLink bus rate. Not modelled: MXFP8's
+  quantisation of every GEMM input (row- and column-wise with scales), Bridge's CUDA graphs and fused router,
+  DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from the GEMMs), delay_wgrad_compute (Bridge sets it
+  with the overlap).
 - The GB200 rows run on the catalogue's NVL72 (4 GPUs a node, 72 on one NVLink domain: the plan's nvlink_domain,
   which the EP exchange reads through expert_parallel_domain()): Qwen3 235B's EP 32 and DeepSeek-V3's EP 64 stay on
   NVLink there.
