@@ -53,7 +53,7 @@ Notes on the misses and on the Llama 3 layout:
   of the published layout's best plan over the best plan's.
 - Llama 3 405B at 128K (CP16): under-predicted by 20%. 57% of this step's model FLOPs are attention (counted over
   the full s x s matrix, PaLM convention). The model runs the causal half at half the GEMM efficiency
-  (ATTENTION_KERNEL_EFFICIENCY in toolkit/estimate/timing.py: FlashAttention-2 forward + backward on H100 reaches
+  (ATTENTION_KERNEL_EFFICIENCY in toolkit/estimate/attention_rate.py: FlashAttention-2 forward + backward on H100 reaches
   ~335 TFLOP/s, arXiv:2307.08691, against ~60% of peak for large GEMMs) and hides the ring exchange behind it: 48%
   MFU predicted against the published 38% (it was -40% and 64% while attention ran at GEMM efficiency). The rest
   may be the ring exchange, which is not perfectly hidden, and the paper does not say whether its TFLOP/s count the
@@ -302,7 +302,7 @@ Notes on the MoE rows:
   layouts (Et*4|(t*4|)*14tmL at pp 8 vpp 2 and at pp 4 vpp 4, Bridge's own). Before these rows stated them the
   H100 rows were predicted 25-39% slow and DeepSeek-V3's could not be evaluated.
 - Four mechanisms came with them: three read from the libraries' code and papers (nothing fitted), and one
-  fitted constant:
+  fitted constant (GPT-OSS's own five follow):
   (1) --overlap-moe-expert-parallel-comm, Megatron-Core's combined 1F1B schedule: one micro-batch's all-to-alls run
   on the communication stream beside another's forward or backward, so all but the unpaired passes (the first
   forward and last backward, or an interleaved first rank's warm-up and cool-down) hide their exchange behind the
@@ -320,22 +320,49 @@ Notes on the MoE rows:
   device-to-host copy of the tokens per expert (token_dispatcher.py _maybe_dtoh_and_synchronize), which drains the
   GPU's queue, and the host then launches the permutation, exchange and grouped GEMM while the GPU waits. With the
   overlap, the paired micro-batch's compute stream (these waits included) is what hides the all-to-all.
-- Misses and what the model does not describe. GPT-OSS 120B, the one BF16 family, is predicted fast on all three
-  systems (H100 -25%, B200 -17%, GB200 -41%): Bridge measured 18-23% of the BF16 peak where the model reaches about
-  twice that, and a fixed cost per layer pass cannot close it (a GPT-OSS layer pass carries far more work than a
-  Qwen3 30B one, so the fitted cost is a small share of it: 0.4 of 5.0 s on B200). The GB200 row (EP 64 with 2 experts a rank, the overlap on) was not in this table
-  before; it is the one 26.04.01 MoE row on a catalogued GPU with a preset that the table lacked, and it is kept
-  though it misses. What sets GPT-OSS apart and is not priced: attention sinks (softmax_type "learnable",
-  Bridge's gpt_oss_bridge.py) in Transformer Engine's fused attention at head dim 64 with 128-token windows on half
-  the layers, the experts' fc2 bias applied per expert outside the grouped GEMM (experts.py _apply_bias), and a
-  hidden size of 2880, not a multiple of 128 (partial GEMM tiles). Qwen3 235B on B200 (EP 8 in one node, NCCL
-  all-to-all, no CUDA graphs, no overlap) is predicted 22% fast: like GPT-OSS's runs it ran without Bridge's CUDA
-  graphs of the router and dispatch preprocessing, whose host cost the constant fitted on graphed runs does not
-  carry (the row alone would fit 4.8 ms against the fitted 2.36). Qwen3 235B on GB200 is 18% slow: its HybridEP
-  exchange over the NVL72 fabric and its CUDA graphs are, likely, faster than NCCL's all-to-all priced at the
-  NVLink bus rate. Not modelled: MXFP8's quantisation of every GEMM input (row- and column-wise with scales), Bridge's CUDA
-  graphs and fused router, DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from the GEMMs),
-  delay_wgrad_compute (Bridge sets it with the overlap).
+- GPT-OSS 120B, the one BF16 family (biased experts, heads of 64, 128-token windows on half the layers, YaRN), was
+  predicted fast on all three systems (H100 -24.8%, GB200 -41.1%, B200 -17.1%). Five mechanisms read from the
+  libraries' code and published kernel rates now price what sets it apart; nothing was fitted, and each row's move
+  is given in points (H100 / GB200 / B200):
+  (5) the experts' fc2 bias: Megatron-Core adds it outside the grouped GEMM, expert by expert in eager PyTorch
+  (experts.py TEGroupedMLP._apply_bias: b * p, the sum, torch.cat, in bf16: the router's probabilities take the
+  input's dtype, GPT-OSS's bridge sets no moe_router_dtype), 12 h elements per routed copy forward and backward
+  (moe_timing.expert_bias_elements): +2.5 / +3.0 / +2.1.
+  (6) YaRN's attention factor (0.1 ln 32 + 1), which Transformer Engine's fused RoPE cannot take: Megatron-Core
+  applies rotary in eager PyTorch (rope_utils.apply_rotary_pos_emb) and Bridge turns apply_rope_fusion off for
+  position_embedding_type "yarn" (fusions.validate_rope_fusion_compatibility), which its GPT-OSS bridge sets: 22
+  elements moved per query and key element per layer (efficiency.unfused_rotary_elements): +1.9 / +2.1 / +1.6.
+  (7) heads of 64: fused attention at FlashAttention-3's published head dim 64 rate, 0.71-0.77 of head dim 128's at
+  the same lengths (arXiv:2407.08608 Fig. 5; toolkit/estimate/attention_rate.py): +1.6 / +1.7 / +1.3. It moves
+  the dense rows with narrow heads too (GPT 1.7B and 3.6B, heads of 96: -17.4% -> -16.1%, -8.8% -> -7.8%; HF
+  Llama 3.2 1B, heads of 64: +1.1% -> +4.3%).
+  (8) the selective moe_act recompute the runs set: the activation runs again before fc2's backward, reading fc1's
+  output once more (moe_timing.moe_act_recomputes): +0.7 / +0.7 / +0.6.
+  (9) the sliding windows: a 128-token band has no causal half for the kernel to skip, and runs at the rate of
+  blocks as short as the window (the shortest published length's, 512): +0.2 each.
+  The parameter and FLOP counts were checked against the HF config the preset holds (hidden 2880, 64 query heads
+  and 8 key/value heads of 64, 128 experts of 2880 top 4, vocabulary 201,088): 116.8 B parameters, 5.13 B active,
+  as OpenAI's model card gives.
+- What is left. GPT-OSS on GB200 is still predicted 33% fast (3.28 s against 4.92 s), on H100 18%, on B200 11%: at
+  34.5 GFLOP a token Bridge measured 20%, 23% and 21% of the BF16 peak (H100, GB200, B200) where the model now
+  reaches 25%, 34% and 23%. Not priced, for want of a published rate or a rule in the code: Transformer Engine's
+  attention with learnable sinks, which only cuDNN's fused kernel runs (dot_product_attention/utils.py disables
+  FlashAttention for softmax_type "learnable"), priced at FlashAttention-3's rate; no rate of cuDNN's sink kernels
+  is published (Bridge's 26.06.01 summary footnotes a GPT-OSS pre-training regression as a known cuDNN frontend
+  issue, NVIDIA/cudnn-frontend #256, not read here). The GB200 row needs 0.16 s more to be within 30% (3.44 s);
+  attention is 0.31 s of its predicted step, so that kernel alone would have to run below about 2/3 of the published
+  rate, which no measurement says, and nothing is set. Hidden size 2880 is 45 x 64 but 22.5 x 128: no waste with
+  64-wide GEMM tiles, 2.2% with 128-wide, 6.7% with 256-wide, and which tile cuBLAS picks is its heuristic. The bias
+  loop launches ~100 small kernels per layer at 16 experts a rank (H100, B200) but ~14 at 2 (GB200). On GB200 (EP 64
+  over NCCL with the overlap on), NCCL's all-to-all takes SMs from the paired micro-batch's compute, which the
+  overlap treats as free. Qwen3 235B on B200 (EP 8 in one node, NCCL all-to-all, no CUDA graphs, no overlap) is
+  predicted 22% fast: like GPT-OSS's runs it ran without Bridge's CUDA graphs of the router and dispatch
+  preprocessing, whose host cost the constant fitted on graphed runs does not carry (the row alone would fit 4.8 ms
+  against the fitted 2.36). Qwen3 235B on GB200 is 18% slow: its HybridEP exchange over the NVL72 fabric and its
+  CUDA graphs are, likely, faster than NCCL's all-to-all priced at the NVLink bus rate. Not modelled: MXFP8's
+  quantisation of every GEMM input (row- and column-wise with scales), Bridge's CUDA graphs and fused router,
+  DeepEP's and HybridEP's own SM budget (they take 20-64 SMs from the GEMMs), delay_wgrad_compute (Bridge sets it
+  with the overlap).
 - The GB200 rows run on the catalogue's NVL72 (4 GPUs a node, 72 on one NVLink domain: the plan's nvlink_domain,
   which the EP exchange reads through expert_parallel_domain()): Qwen3 235B's EP 32 and DeepSeek-V3's EP 64 stay on
   NVLink there.

@@ -78,3 +78,20 @@ def test_rings_across_nodes_use_every_nic_but_all_to_all_only_its_own():
     assert inside == pytest.approx(7 / 8 * size / (NETWORK.intra_node_bw_gbps * 1e9 * ACHIEVABLE_BUS_FRACTION)
                                    + 7 * 5e-6)
     assert NETWORK.all_to_all_time(size, 1, 1) == 0.0
+
+
+def test_yarn_attention_factor_runs_rotary_eagerly_on_the_fused_path():
+    """GPT-OSS's YaRN attention factor (0.1 ln 32 + 1) is not 1, which Transformer Engine's fused RoPE cannot take, so
+    Megatron-Core applies rotary to its 64 + 8 heads of 64 eagerly: 22 elements moved per element, forward and
+    backward, on every layer. The eager paths' rate carries their own unfused rotary already."""
+    from toolkit.estimate.efficiency import unfused_rotary_elements
+
+    model = load_model_spec("gpt-oss-120b")
+    assert model.rope_attention_factor == pytest.approx(1.3466, abs=1e-4)
+    plain = model.model_copy(update={"rope_attention_factor": 1.0, "name": "gpt-oss-120b-fused-rope"})
+    assert unfused_rotary_elements(model, MEGATRON_TE) == (12 * 72 * 64, 10 * 72 * 64)
+    assert unfused_rotary_elements(plain, MEGATRON_TE) == unfused_rotary_elements(model, HF) == (0, 0)
+    options = dict(backend="megatron", ep=8, seq_len=4096, global_batch=64, micro_batch=1)
+    yarn, fused = (step_time(m, resolve_plan(m, 8, **options), H100, NETWORK) for m in (model, plain))
+    assert yarn.compute_s > fused.compute_s
+    assert load_model_spec("deepseek-v3").rope_attention_factor == 1.0  # its mscale over mscale_all_dim is 1

@@ -5,11 +5,12 @@ merges and waits cost, and `dmt plan --explain` names what sets the winner apart
 
 from pytest import approx
 
+from toolkit.estimate.attention_rate import attention_block_rate
 from toolkit.estimate.comm import Network
 from toolkit.estimate.efficiency import expert_gemm_efficiency, gemm_efficiency
 from toolkit.estimate.flops import model_flops_per_token, mtp_forward_flops
 from toolkit.estimate.moe_timing import expert_rows
-from toolkit.estimate.timing import attention_block_rate, step_time, useful_flops_per_token
+from toolkit.estimate.timing import step_time, useful_flops_per_token
 from toolkit.planner.tuned_layouts import TUNED_LAYOUTS, against_tuned, tuned_step
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
@@ -174,3 +175,37 @@ def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
         (params.dense, 16, dense_link), (params.expert, 2, expert_link)) for op, b in (
         ("reduce_scatter", 4), ("all_gather", 2)))
     assert exposed == approx(expected)
+
+
+def test_fused_attention_prices_narrow_heads_and_sliding_windows_at_their_own_rate():
+    """FlashAttention-3's published rates (arXiv:2407.08608 Fig. 5): head dim 64 runs 476 of head dim 128's 638
+    TFLOP/s at 4k tokens (between them on log2 of the head dim, head dim 128's rate above it); a sliding window's band
+    (GPT-OSS: 128 tokens on half its layers) has no masked half to skip and runs as blocks as short as the window."""
+    from toolkit.estimate.attention_rate import fused_attention_work
+
+    assert attention_block_rate(4096, head_dim=64) == approx(476 / 648)
+    assert attention_block_rate(4096, head_dim=64) < attention_block_rate(4096, head_dim=96) < attention_block_rate(4096)
+    assert attention_block_rate(4096, head_dim=256) == attention_block_rate(4096)
+    causal, band = fused_attention_work(4096, 64), fused_attention_work(4096, 64, window=128)
+    assert band == approx(2 * causal * attention_block_rate(4096, 64) / attention_block_rate(512, 64))
+    assert fused_attention_work(4096, 64, window=8192) == causal  # a window as long as the sequence changes nothing
+
+
+def test_gpt_oss_experts_pay_their_eager_bias_add_and_the_recomputed_activation():
+    """Megatron-Core adds the experts' fc2 bias expert by expert outside the grouped GEMM (TEGroupedMLP._apply_bias,
+    12 h elements per routed copy forward and backward) and runs the activation again under moe_act recompute: each
+    is memory-bound traffic of the routed copies on top of the permutation's, and each lengthens the step."""
+    from toolkit.estimate.moe_timing import routed_token_traffic_bytes
+
+    model = load_model_spec("gpt-oss-120b")
+    plain = model.model_copy(update={"expert_bias": False, "name": "gpt-oss-120b-no-expert-bias"})
+    options = dict(QWEN, ep=8, global_batch=64)
+    plan = resolve_plan(model, 8, **options)
+    copies = model.experts_top_k
+    assert routed_token_traffic_bytes(model, plan, 1.0) - routed_token_traffic_bytes(plain, plan, 1.0) == (
+        copies * 12 * model.hidden_size * 2)
+    recomputed = resolve_plan(model, 8, **{**options, "recompute": "selective", "recompute_modules": "moe_act"})
+    assert routed_token_traffic_bytes(model, recomputed, 1.0) - routed_token_traffic_bytes(model, plan, 1.0) == (
+        copies * 3 * model.moe_ffn_hidden_size * 2)  # fc1's two halves read, the activation written, in bf16
+    biased, unbiased = (step_time(m, resolve_plan(m, 8, **options), H100, NETWORK) for m in (model, plain))
+    assert biased.compute_s > unbiased.compute_s

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from toolkit.spec.backends import backend_of
 from toolkit.spec.calibration import Calibration
+from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
 
 # Best sustained fraction of dense peak for large bf16 GEMM-dominated training steps (fused kernels).
@@ -55,6 +56,8 @@ class ExecutionPath:
     # the data loader, synchronisation): 0 as published (small against a large model's step on a GPU); `dmt
     # calibrate` fits it with the compute scale where the runs can tell the two apart
     fixed_step_s: float = 0.0
+    # rotary embedding in Transformer Engine's fused kernel (its rate is the curve's), where the model allows it
+    fused_rotary: bool = False
 
 
 # The eager path's rate, from two measured runs of un-fused PyTorch modules on H100 (benchmarks/step_time_accuracy.md
@@ -74,7 +77,8 @@ HF = ExecutionPath(
     "benchmarks/gpu_check.md (HF Llama 3.2 1B, DeepSpeed ZeRO-2, one H100)")
 MEGATRON_TE = ExecutionPath(
     "megatron-te", "Megatron-Core with Transformer Engine (fused kernels, cuDNN/flash attention)", 1.0, False,
-    "arXiv:2104.04473 Table 1; arXiv:2407.21783 Table 4; Megatron-Bridge H100 performance summary")
+    "arXiv:2104.04473 Table 1; arXiv:2407.21783 Table 4; Megatron-Bridge H100 performance summary",
+    fused_rotary=True)
 MEGATRON_LOCAL = ExecutionPath(
     "megatron-local", "Megatron-Core local spec (torch norms, unfused rotary and SwiGLU, unfused core attention)",
     EAGER_COMPUTE_SCALE, True,
@@ -90,6 +94,27 @@ EXECUTION_PATHS = {path.name: path for path in (MEGATRON_TE, MEGATRON_LOCAL, HF)
 # (4 + 2), baddbmm's backward reads the scores' gradient twice (2 + 2): 41.
 UNFUSED_ATTENTION_FORWARD_BYTES = 33
 UNFUSED_ATTENTION_BACKWARD_BYTES = 41
+
+
+# Elements of the queries and keys moved per element, forward and backward, when Megatron-Core applies rotary
+# embedding in eager PyTorch (rope_utils._apply_rotary_pos_emb_bshd): forward t * cos (read, write), _rotate_half's
+# negated half and torch.cat (1 + 2), x * sin (2), the sum (3), the cat with the unrotated rest (2): 12; backward the
+# gradient times sin and times cos (2 + 2), the negation and the halves put back together (1 + 2), the two gradients
+# of t summed (3): 10.
+UNFUSED_ROTARY_FORWARD_ELEMENTS = 12
+UNFUSED_ROTARY_BACKWARD_ELEMENTS = 10
+
+
+def unfused_rotary_elements(spec: ModelSpec, path: ExecutionPath) -> tuple[int, int]:
+    """Elements moved per token and layer (forward, backward) by rotary embedding outside a fused kernel, on a path
+    whose rate assumes the fused one: Megatron-Core runs it eagerly when YaRN's attention factor is not 1
+    (rope_utils.apply_rotary_pos_emb: "mscale ... is not supported by TE's fused RoPE"; Megatron-Bridge also turns
+    apply_rope_fusion off for position_embedding_type "yarn", fusions.validate_rope_fusion_compatibility, which its
+    GPT-OSS bridge sets). The eager paths' own rate already carries their unfused rotary."""
+    if not path.fused_rotary or spec.rope_attention_factor == 1.0 or spec.position_embedding != "rope":
+        return 0, 0
+    width = (spec.num_attention_heads + spec.num_kv_heads) * spec.head_dim
+    return UNFUSED_ROTARY_FORWARD_ELEMENTS * width, UNFUSED_ROTARY_BACKWARD_ELEMENTS * width
 
 
 def execution_path(plan: Plan) -> ExecutionPath:

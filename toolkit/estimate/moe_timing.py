@@ -38,7 +38,8 @@ def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> fl
     sort_chunks_by_idxs before and after the experts when a rank holds several of them under EP): permutation reads
     each token and writes its k copies, each sort reads and writes them, the fused weighted SwiGLU reads fc1's 2 ffn
     and writes ffn per copy, unpermute reads the copies and writes the token; backward moves about twice forward.
-    On the busiest rank the copies are `routed` times the mean, gathered over ETP with ffn split by it."""
+    On the busiest rank the copies are `routed` times the mean, gathered over ETP with ffn split by it. Besides:
+    the experts' fc2 bias and the activation recomputed (expert_bias_elements, moe_act_recomputes)."""
     if not spec.is_moe:
         return 0.0
     h, k = spec.hidden_size, spec.experts_top_k
@@ -46,7 +47,27 @@ def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> fl
     sorts = 2 if plan.ep > 1 and spec.num_experts > plan.ep else 0
     copies = k * routed * plan.expert_tp
     forward = 2 * h + copies * ((2 + 2 * sorts) * h + 2 * ffn / plan.expert_tp)
-    return 3 * forward * PRECISION_BYTES[plan.precision]
+    extra = copies * (expert_bias_elements(spec) + moe_act_recomputes(spec, plan) * 2 * ffn / plan.expert_tp)
+    return (3 * forward + extra) * PRECISION_BYTES[plan.precision]
+
+
+def expert_bias_elements(spec: ModelSpec) -> int:
+    """Elements each routed copy moves, forward and backward, for its expert's fc2 bias (GPT-OSS's biased experts):
+    Megatron-Core adds it outside the grouped GEMM, expert by expert in eager PyTorch (experts.py
+    TEGroupedMLP._apply_bias: `t + b * p` over each expert's rows, then torch.cat), in the compute dtype (the router's
+    probabilities take the input's unless moe_router_dtype is set, which GPT-OSS's bridge does not). Forward: b * p
+    writes h, the sum reads it and fc2's output and writes h, cat reads and writes h (6 h). Backward: the gradients
+    of b and of p each multiply the output's gradient (read h, write h) and reduce the product (read h): 6 h. fc1's
+    bias is fused into the activation (weighted_bias_quick_geglu_impl), which moves nothing more."""
+    return 12 * spec.hidden_size if spec.expert_bias else 0
+
+
+def moe_act_recomputes(spec: ModelSpec, plan: Plan) -> int:
+    """How many more times the experts' activation runs forward (0 or 1): Megatron-Core's selective moe_act
+    recompute checkpoints it (CheckpointWithoutOutput in TEGroupedMLP) and runs it again before fc2's backward, reading
+    fc1's output and writing its own once more, unless the whole MoE layer is recomputed ("moe")."""
+    modules = plan.recompute_modules
+    return int(plan.recompute == "selective" and "moe_act" in modules and "moe" not in modules)
 
 
 def expert_overlap_share(plan: Plan) -> float:

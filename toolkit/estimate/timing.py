@@ -11,10 +11,10 @@ toolkit/backends/<name>/timing.py, reached through `backend_of(plan).timing`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from toolkit.estimate.activations import FP32, routed_token_factor, ulysses_kv_copies
+from toolkit.estimate.attention_rate import fused_attention_work
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.device_peak import peak_flops
 from toolkit.estimate.efficiency import (
@@ -25,6 +25,7 @@ from toolkit.estimate.efficiency import (
     execution_path,
     expert_gemm_efficiency,
     gemm_efficiency,
+    unfused_rotary_elements,
 )
 from toolkit.estimate.flops import (
     head_forward_flops,
@@ -65,19 +66,6 @@ OPTIMIZER_BYTES_TOUCHED = 28
 HBM_EFFICIENCY = 0.7
 # DeepSpeed's CPU Adam on a typical 2-socket host (ZeRO-Offload, arXiv:2101.06840, Sec. 5): ~1e9 params/s per node
 CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
-CAUSAL_ATTENTION_WORK = 0.5  # flash kernels skip the masked half of the score matrix
-# Fused attention (flash / cuDNN) forward + backward runs the causal half it computes at about half the rate the
-# block's GEMMs reach: FlashAttention-2 on H100, fwd+bwd at training head dims, ~335 of 989 dense TFLOP/s counting the
-# executed half (Dao, arXiv:2307.08691 Fig. 7; FlashAttention-3, arXiv:2407.08608 Fig. 5, speeds up mostly the forward)
-# against ~60% for large GEMMs (toolkit/estimate/efficiency.py). With MFU counted over the full score matrix (PaLM),
-# this also keeps every prediction at or below the GEMM efficiency's share of the peak, whatever the length.
-ATTENTION_KERNEL_EFFICIENCY = 0.5
-# Fused attention's rate by the length of the blocks it runs, relative to long ones: FlashAttention-3 forward, head
-# dim 128, H100 SXM5 BF16 (arXiv:2407.08608 Fig. 5: 467, 565, 625, 638, 646, 648 TFLOP/s at 512 ... 16k tokens).
-# Context parallelism runs its ring on blocks of seq / (2 cp) tokens (load-balanced halves, Transformer Engine's
-# AttnFuncWithCPAndKVP2P), which is where short blocks cost more than their FLOPs.
-ATTENTION_BLOCK_RATE = ((512, 467 / 648), (1024, 565 / 648), (2048, 625 / 648), (4096, 638 / 648), (8192, 646 / 648),
-                        (16384, 1.0))
 STEP_COMPONENTS = ("compute_s", "tp_comm_s", "cp_comm_s", "sp_comm_s", "ep_comm_s", "moe_overhead_s", "pp_comm_s",
                    "bubble_s", "dp_comm_s", "optimizer_s", "offload_s", "fixed_s")
 
@@ -136,13 +124,19 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     path = calibrated_path(path or execution_path(plan), calibration)
     efficiency = min(1.0, gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale)
     hbm = hbm_bytes_per_s(gpu)
-    # GEMM-rate equivalent of one attention FLOP: flash kernels skip the causal half at their own efficiency; the
+    # GEMM-rate equivalent of one attention FLOP: fused kernels on the blocks they run (the sequence, or CP's ring
+    # blocks) at their own rate (toolkit/estimate/attention_rate.py), a sliding-window layer's band at its own; the
     # unfused path computes the whole score matrix with cuBLAS batched GEMMs and moves it through memory
-    attention_work = 1.0 if path.unfused_attention else CAUSAL_ATTENTION_WORK / ATTENTION_KERNEL_EFFICIENCY
+    block = plan.seq_len / (2 * plan.cp) if plan.cp > 1 else plan.seq_len
+    attention_work = 1.0 if path.unfused_attention else fused_attention_work(block, spec.head_dim)
+    window_work = (attention_work if path.unfused_attention or spec.sliding_window is None
+                   else fused_attention_work(block, spec.head_dim, spec.sliding_window))
     # seconds per token and layer the unfused path spends moving scores (heads/tp x s elements per token) in the
     # forward and in the backward
     scores = spec.num_attention_heads / plan.tp * plan.seq_len / hbm if path.unfused_attention else 0.0
     score_forward_s, score_backward_s = scores * UNFUSED_ATTENTION_FORWARD_BYTES, scores * UNFUSED_ATTENTION_BACKWARD_BYTES
+    # seconds per token and layer of rotary embedding run eagerly where the path's rate assumes it fused
+    rotary_forward_s, rotary_backward_s = (n * a / plan.tp / hbm for n in unfused_rotary_elements(spec, path))
 
     # The slowest stage sets the pipeline's pace: every stage's micro-batch time, compute and exposed communication.
     act = tokens * spec.hidden_size * a  # one activation tensor of a micro-batch
@@ -153,8 +147,6 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     kv_bytes = 2 * tokens * spec.num_kv_heads * spec.head_dim * a / plan.tp
     cp_per_layer = 3 * collective_time("all_gather", kv_bytes * plan.cp, plan.cp, cp_link)
     ring_step_s = context_parallel_ring_step_s(spec, plan, tokens, hbm, cp_link.latency_s)
-    if not path.unfused_attention:  # fused kernels on the blocks they run: the sequence, or CP's ring blocks
-        attention_work /= attention_block_rate(plan.seq_len / (2 * plan.cp) if plan.cp > 1 else plan.seq_len)
     # Ulysses: q, k, v to the head-sharded layout before attention and the output back, each again in backward
     kv_heads = spec.num_kv_heads * ulysses_kv_copies(spec, plan.sp)
     sp_forward = (network.all_to_all_time(tokens * (spec.num_attention_heads + 2 * kv_heads) * spec.head_dim * a,
@@ -188,8 +180,10 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         recomputed = recomputed_layers(spec, plan, stage)
         (work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks,
          moe_passes) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed,
-                                     plan.tiled_mlp, matmul_passes, attention_work, routed_traffic_s, score_forward_s,
-                                     score_backward_s)
+                                     plan.tiled_mlp, matmul_passes, (attention_work, window_work), routed_traffic_s,
+                                     score_forward_s, score_backward_s)
+        again = sum(plan.recompute == "full" and (recomputed is None or i in recomputed) for i in blocks)
+        memory_bound += len(blocks) * (rotary_forward_s + rotary_backward_s) + again * rotary_forward_s
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
                                                                    if mtp else 0.0))
@@ -244,11 +238,13 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
 @by_identity(2)
 def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...], attended: float, recompute: str,
                   recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, tiled_mlp: bool,
-                  matmul_passes: int, attention_work: float, routed_traffic_s: float, score_forward_s: float,
-                  score_backward_s: float) -> tuple[float, float, float, float, float, int, float, int, int]:
+                  matmul_passes: int, attention_works: tuple[float, float], routed_traffic_s: float,
+                  score_forward_s: float, score_backward_s: float
+                  ) -> tuple[float, float, float, float, float, int, float, int, int]:
     """What one pipeline rank's blocks run per token and micro-batch (step_time): (FLOPs at the GEMMs' rate,
     attention's FLOPs, memory-bound seconds, attention's work at its rate, the routed experts' FLOPs, tensor-parallel
-    collectives, sequence-split exchanges, MoE blocks, MoE layer forwards). Remembered: a search asks the same of
+    collectives, sequence-split exchanges, MoE blocks, MoE layer forwards). `attention_works`: the GEMM-rate work of
+    one attention FLOP of a full-length layer and of a sliding-window one. Remembered: a search asks the same of
     every micro-batch of a layout."""
     work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
     attention_run = 0.0  # of those, attention's score and value products (at attention_rate)
@@ -258,6 +254,8 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
     sp_exchanges = 0.0
     for i in blocks:
         f = layer_forward_flops(spec, i, attended)
+        window = spec.attention_window(i)
+        attention_work = attention_works[window is not None and window < attended]
         whole = recompute == "full" and (recomputed is None or i in recomputed)
         again = recomputed_forward(f, recompute, recompute_modules, whole)
         work += matmul_passes * f.matmul + 3 * adapter_forward_flops(spec, ft, i)
@@ -276,19 +274,6 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
         collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
     moe_blocks = sum(spec.is_moe_layer(i) for i in blocks)
     return work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks, moe_passes
-
-
-def attention_block_rate(block_tokens: float) -> float:
-    """Fused attention's rate on blocks of `block_tokens` against long ones (ATTENTION_BLOCK_RATE, interpolated on
-    log2 of the length; the shortest published length's rate below it, 1 above the longest)."""
-    points = ATTENTION_BLOCK_RATE
-    if block_tokens <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if block_tokens <= x1:
-            w = (math.log2(block_tokens) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
-            return y0 + w * (y1 - y0)
-    return 1.0
 
 
 def context_parallel_ring_step_s(spec: ModelSpec, plan: Plan, tokens: float, hbm: float, latency_s: float) -> float:

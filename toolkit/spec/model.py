@@ -46,6 +46,10 @@ class ModelSpec(BaseModel):
     norms_per_layer: int = Field(2, ge=0, description="Norm modules in each block (gemma2 has 4).")
     final_norm: bool = True
     position_embedding: Literal["rope", "learned"] = "rope"
+    rope_attention_factor: float = Field(
+        1.0, gt=0, description="YaRN's attention factor (mscale) multiplying the rotary cos and sin (gpt_oss: "
+                               "0.1 ln(factor) + 1); Transformer Engine's fused RoPE takes none but 1."
+    )
     position_embedding_rows: int = Field(
         0, ge=0, description="Rows of a learned position table (max positions plus any offset, opt adds 2)."
     )
