@@ -30,6 +30,7 @@ import os
 import re
 from pathlib import Path
 
+from toolkit.compat.torch_seams import dump_cuda_memory_snapshot, memory_timeline, record_cuda_memory_history
 from toolkit.outputs import write_file
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,6 @@ class StepProfiler:
             log.exception("profile: could not write the recording of rank %d", self.rank)
 
     def _memory_timeline(self, profiler) -> None:
-        from toolkit.compat.torch_seams import dump_cuda_memory_snapshot, memory_timeline
-
         try:
             if _on_cuda():
                 paths = [self.directory / MEMORY_SNAPSHOT.format(rank=self.rank)]
@@ -193,8 +192,6 @@ class StepProfiler:
             self._stop_cuda_history()
 
     def _start_cuda_history(self) -> None:
-        from toolkit.compat.torch_seams import record_cuda_memory_history
-
         try:
             record_cuda_memory_history(MEMORY_HISTORY_ENTRIES)
             self._cuda_history = True
@@ -203,8 +200,6 @@ class StepProfiler:
 
     def _stop_cuda_history(self) -> None:
         if self._cuda_history:
-            from toolkit.compat.torch_seams import record_cuda_memory_history
-
             self._cuda_history = False
             record_cuda_memory_history(None)
 
