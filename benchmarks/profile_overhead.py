@@ -1,8 +1,9 @@
 """What a profiled step costs (training.profile, toolkit/runtime/profile.py): the step time of a tiny random-init HF
 Llama trained in one CPU process, steps timed in four modes: no StepProfiler at all, a StepProfiler that is off (the
 default: every training loop calls it, and it must cost nothing), one recording the steps (traces, breakdown), and one
-recording with `memory: true` (allocations, shapes and stacks, the memory timeline). The recording's own export (the
-trace, the breakdown from the events, the timeline) happens once, after its last step, and is timed apart.
+recording with `memory: true` (allocations, shapes and stacks; on CPU the memory timeline, its plot and its events).
+The recording's own export (the trace, the breakdown from the events, the timeline) happens once, after its last
+step, and is timed apart.
 
 Run: python benchmarks/profile_overhead.py [--out benchmarks/profile_overhead.md] [--steps 8] [--repeats 3]
 Reference: torch's profiler documentation (https://pytorch.org/docs/stable/profiler.html, torch 2.13) says recording
@@ -99,7 +100,7 @@ def main() -> int:
     exports: dict[str, list[float]] = {mode: [] for mode in MODES}
     load = os.getloadavg()[0]
     for repeat in range(args.repeats):  # the modes interleaved, so a change of the machine's load falls on all
-        for mode in MODES if repeat == 0 else MODES[:-1]:  # the memory mode once: its export takes minutes
+        for mode in MODES if repeat == 0 else MODES[:-1]:  # the memory mode once: its export is the slowest
             with tempfile.TemporaryDirectory() as directory:
                 times, walls, export = _run(mode, args.steps, Path(directory))
             results[mode].append(statistics.median(times))

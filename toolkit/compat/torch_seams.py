@@ -1,11 +1,14 @@
 """torch's private API the toolkit reaches into: DCP's storage entry, FSDP2's parameter groups, c10d's collective
 counter and NCCL flight recorder, the autograd engine's Python entry point (for Megatron-Core's CPU layer), the
 dispatch mode that counts live tensor bytes (toolkit/estimate/measure.py), a module's forward replaced on the instance,
-and the private functions a torch.save archive or a DCP .metadata names (checkpoint/safe_load.py allows them)."""
+the private functions a torch.save archive or a DCP .metadata names (checkpoint/safe_load.py allows them), and the
+memory recordings of a profiled step (toolkit/runtime/profile.py): the profiler's deprecated memory timeline on CPU,
+the CUDA allocator's history on GPU."""
 
 from __future__ import annotations
 
 import types
+import warnings
 
 from toolkit.compat import Seam
 
@@ -67,7 +70,28 @@ SEAMS = [
     Seam("torch", "torch.overrides._get_current_function_mode_stack",
          "whether a torch function mode is already on (the backward wrapper must not push it twice); torch.overrides "
          "has no public query of the active modes"),
+    Seam("torch", "torch.profiler.profile.export_memory_timeline", parameters=("self", "path", "device"),
+         why="the memory timeline of a CPU rank's profiled steps (training.profile.memory). Deprecated in torch 2.13 "
+             "(a FutureWarning, silenced by memory_timeline); the replacement it names, the allocator's memory "
+             "history, records the CUDA (and XPU) caching allocator only: torch 2.13 has no other CPU timeline"),
+    Seam("torch", "torch.profiler.profile.mem_tl", kind="in_source",
+         why="the timeline export_memory_timeline has just built (torch.profiler._memory_profiler."
+             "MemoryProfileTimeline): its raw events are written from it, not from a second analysis of the "
+             "recording (the analysis is most of the export's time)"),
+    Seam("torch", "torch.profiler._memory_profiler.MemoryProfileTimeline.export_memory_timeline_raw",
+         parameters=("self", "path", "device_str"),
+         why="the timeline's raw events as JSON, which export_memory_timeline writes only gzipped through a second "
+             "analysis of the recording"),
+    Seam("torch", "torch.cuda.memory._record_memory_history",
+         "the CUDA caching allocator's history of allocations and frees with their stacks over a GPU rank's profiled "
+         "steps (training.profile.memory): what torch 2.13's deprecation of export_memory_timeline points to; "
+         "torch.cuda.memory has no public switch for it"),
+    Seam("torch", "torch.cuda.memory._dump_snapshot", parameters=("filename", "augment_with_fx_traces"),
+         why="writes that history as the pickle pytorch.org/memory_viz opens (the deprecation note's "
+             "_export_memory_snapshot does not exist in torch 2.13); no public writer"),
 ]
+# the FutureWarning torch 2.13 attaches to export_memory_timeline (torch/profiler/profiler.py), matched from its start
+MEMORY_TIMELINE_DEPRECATION = r"`export_memory_timeline` is deprecated"
 
 
 def replace_forward(module, forward) -> None:
@@ -188,3 +212,33 @@ def live_storage_mode():
             self.live -= size
 
     return LiveStorage()
+
+
+def memory_timeline(profiler, plot_path, events_path, device: str) -> None:
+    """torch.profiler's memory timeline of a recording made with profile_memory, record_shapes and with_stack: the
+    plot of memory by category over time (HTML with the PNG inside; nothing is written without matplotlib) at
+    `plot_path`, and its raw events at `events_path` (JSON: one [time ns, action, bytes, category] per event, the
+    action torch.profiler._memory_profiler.Action's value, 2 a tensor created, 4 destroyed). The deprecation warning
+    is torch's notice that the function will go, not a fault of this run: it is silenced here, where the seam is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=MEMORY_TIMELINE_DEPRECATION, category=FutureWarning)
+        profiler.export_memory_timeline(str(plot_path), device=device)
+    profiler.mem_tl.export_memory_timeline_raw(str(events_path), device)
+
+
+def record_cuda_memory_history(max_entries: int | None) -> None:
+    """Start recording the CUDA caching allocator's allocations and frees with their stacks, the last `max_entries`
+    kept; None stops it and drops the history."""
+    import torch
+
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(enabled="all", max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path) -> None:
+    """The recorded history and the allocator's state as the pickle pytorch.org/memory_viz opens."""
+    import torch
+
+    torch.cuda.memory._dump_snapshot(str(path))

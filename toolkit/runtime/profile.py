@@ -1,8 +1,14 @@
 """Profiled steps (recipe `training.profile`, train.py --profile-steps A-B): torch.profiler on the chosen steps and
 ranks with its own schedule, each rank's trace written to RUN_DIR/profile/ (Chrome/Perfetto JSON, the file name
-TensorBoard's profiler and Holistic Trace Analysis read: rank<R>.<first step>.pt.trace.json), the memory timeline when
+TensorBoard's profiler and Holistic Trace Analysis read: rank<R>.<first step>.pt.trace.json), the memory recording when
 asked, and the step's measured breakdown (profile/breakdown/rank<R>.json) taken from the profiler's own events when
 the recording ends.
+
+The memory recording (`memory: true`) is torch's own, in the form torch 2.13 supports on the rank's device. On a CPU
+rank: the profiler's memory timeline (allocations recorded with shapes and stacks, then categorised by torch), as a
+plot (rank<R>.memory.html) and as its raw events (memory/rank<R>.json); torch 2.13 deprecates that export but has no
+other for CPU memory (toolkit/compat/torch_seams.py). On a GPU rank: the CUDA caching allocator's history over the
+recorded steps, the replacement torch names, as the snapshot pytorch.org/memory_viz opens (rank<R>.memory.pickle).
 
 The breakdown partitions each profiled step (the profiler's ProfilerStep#N range on the training thread) into
 checkpoint pause, data wait, exposed communication, optimizer, compute and idle, in that priority: a moment of the
@@ -24,6 +30,7 @@ import os
 import re
 from pathlib import Path
 
+from toolkit.compat.torch_seams import dump_cuda_memory_snapshot, memory_timeline, record_cuda_memory_history
 from toolkit.outputs import write_file
 
 log = logging.getLogger(__name__)
@@ -31,6 +38,11 @@ PROFILE_DIR = "profile"
 TRACE_SUFFIX = ".pt.trace.json"  # TensorBoard's profiler plugin reads <worker>[.<span>].pt.trace.json
 # beside the traces, not among them: Holistic Trace Analysis reads every .json of the directory as a trace
 BREAKDOWN_FILE = "breakdown/rank{rank}.json"
+MEMORY_PLOT, MEMORY_EVENTS_FILE = "rank{rank}.memory.html", "memory/rank{rank}.json"  # CPU ranks (events: not a trace)
+MEMORY_SNAPSHOT = "rank{rank}.memory.pickle"  # GPU ranks
+# the allocation events a GPU rank's history keeps (several KB each, the oldest dropped first): the bound PyTorch's
+# memory snapshot guide uses (https://pytorch.org/blog/understanding-gpu-memory-1/, MAX_NUM_OF_MEM_EVENTS_PER_SNAPSHOT)
+MEMORY_HISTORY_ENTRIES = 100_000
 # the training loops' ranges (record_function names)
 DATA, OPTIMIZER, CHECKPOINT = "dmt.data", "dmt.optimizer", "dmt.checkpoint"
 # the measured terms, in the order a moment of the training thread is attributed (the first that covers it wins)
@@ -64,6 +76,7 @@ class StepProfiler:
         self.first, self.last, self.memory, self.active = first, last, memory, active
         self._profiler = None
         self._launch_step: int | None = None  # the first step this launch trained (a resume starts later)
+        self._cuda_history = False  # a GPU rank's allocator history is on
         self._open: dict[str, object] = {}
         self.written: list[Path] = []
 
@@ -85,11 +98,13 @@ class StepProfiler:
                 self.active = False
                 return
             self._start(step)
-            return
-        if step > self.last + 1:  # the window's trace is out (on_trace_ready ran at the step after it): stop
+        elif step > self.last + 1:  # the window's trace is out (on_trace_ready ran at the step after it): stop
             self.close()
             return
-        self._profiler.step()
+        else:
+            self._profiler.step()
+        if self.memory and step == max(self.first, self._launch_step) and _on_cuda():
+            self._start_cuda_history()  # from the first recorded step, as the profiler records
 
     def _start(self, step: int) -> None:
         import torch
@@ -136,6 +151,7 @@ class StepProfiler:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.stop()
+        self._stop_cuda_history()
         self.active = False
 
     def _ready(self, profiler) -> None:
@@ -161,15 +177,31 @@ class StepProfiler:
             log.exception("profile: could not write the recording of rank %d", self.rank)
 
     def _memory_timeline(self, profiler) -> None:
-        import torch
-
-        device = f"cuda:{torch.cuda.current_device()}" if _on_cuda() else "cpu"
-        path = self.directory / f"rank{self.rank}.memory.html"
         try:
-            profiler.export_memory_timeline(str(path), device=device)
-            self.written.append(path)
-        except Exception as exc:  # the timeline is an extra: the trace and breakdown still count
-            log.warning("profile: no memory timeline for rank %d: %s", self.rank, exc)
+            if _on_cuda():
+                paths = [self.directory / MEMORY_SNAPSHOT.format(rank=self.rank)]
+                dump_cuda_memory_snapshot(paths[0])
+            else:
+                paths = [self.directory / name.format(rank=self.rank) for name in (MEMORY_PLOT, MEMORY_EVENTS_FILE)]
+                paths[1].parent.mkdir(parents=True, exist_ok=True)
+                memory_timeline(profiler, *paths, device="cpu")
+            self.written += [path for path in paths if path.exists()]  # no plot without matplotlib
+        except Exception as exc:  # the memory recording is an extra: the trace and breakdown still count
+            log.warning("profile: no memory recording for rank %d: %s", self.rank, exc)
+        finally:
+            self._stop_cuda_history()
+
+    def _start_cuda_history(self) -> None:
+        try:
+            record_cuda_memory_history(MEMORY_HISTORY_ENTRIES)
+            self._cuda_history = True
+        except Exception as exc:  # as a recording that cannot be written: training goes on without it
+            log.warning("profile: no allocator history for rank %d: %s", self.rank, exc)
+
+    def _stop_cuda_history(self) -> None:
+        if self._cuda_history:
+            self._cuda_history = False
+            record_cuda_memory_history(None)
 
 
 def _on_cuda() -> bool:

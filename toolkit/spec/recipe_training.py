@@ -41,8 +41,10 @@ class ProfileSection(Section):
     steps: int = Field(2, gt=0, description="Consecutive steps recorded from start_step on.")
     ranks: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Ranks that record (e.g. [0, 1]); "
                                                                               "default: every rank.")
-    memory: bool = Field(False, description="Also record allocations and write each recording rank's memory "
-                                            "timeline (profile/rank<R>.memory.html; slower).")
+    memory: bool = Field(False, description="Also record allocations: each recording CPU rank writes torch's "
+                                            "memory timeline (profile/rank<R>.memory.html and its events, "
+                                            "profile/memory/rank<R>.json), each GPU rank its allocator snapshot "
+                                            "(profile/rank<R>.memory.pickle, pytorch.org/memory_viz); slower.")
 
     @property
     def last_step(self) -> int:
