@@ -106,6 +106,7 @@ def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     spec = layer_spec(config, tc)
     if tc.num_moe_experts:
@@ -114,8 +115,13 @@ def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
+        block = spec
+        if tc.sequence_parallel and tc.transformer_impl == "local":
+            from toolkit.compat.megatron_cpu import sequence_parallel_spec  # torch norms without TE and Apex
+
+            block = sequence_parallel_spec(spec, get_num_layers_to_build(tc, vp_stage=vp_stage))
         model = GPTModel(
-            config=tc, transformer_layer_spec=spec, vp_stage=vp_stage,
+            config=tc, transformer_layer_spec=block, vp_stage=vp_stage,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
             **config["gpt_model"],
