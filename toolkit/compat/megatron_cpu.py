@@ -270,27 +270,25 @@ class SequenceParallelTorchNorm:
 
 
 def sequence_parallel_spec(spec, layers: int):
-    """The local layer `spec` as a block of `layers` layers whose torch norms (WrappedTorchNorm, which Megatron-Core
-    picks without Transformer Engine and Apex) are SequenceParallelTorchNorm, the block's final norm too; any other
-    spec is returned as it is."""
+    """The local `spec` (a layer's ModuleSpec, made a block of `layers` such layers, or a TransformerBlockSubmodules)
+    with its torch norms (WrappedTorchNorm, which Megatron-Core picks without Transformer Engine and Apex) made
+    SequenceParallelTorchNorm, the block's final norm too; every other module stays as it was."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    found = []
-
     def swap(value):
         if value is WrappedTorchNorm:
-            found.append(value)
             return SequenceParallelTorchNorm
-        if isinstance(value, ModuleSpec) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        if isinstance(value, list):
+            return [swap(item) for item in value]
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return dataclasses.replace(value, **{f.name: swap(getattr(value, f.name)) for f in dataclasses.fields(value)
                                                  if f.init})
         return value
 
-    swapped = swap(spec)
-    if not found:
-        return spec
-    return TransformerBlockSubmodules(layer_specs=[swapped] * layers, layer_norm=SequenceParallelTorchNorm)
+    if isinstance(spec, ModuleSpec):
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=WrappedTorchNorm)
+    return swap(spec)
