@@ -289,6 +289,6 @@ def sequence_parallel_spec(spec, layers: int):
                                                  if f.init})
         return value
 
-    if isinstance(spec, ModuleSpec):
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=WrappedTorchNorm)
+    if isinstance(spec, ModuleSpec):  # the final norm of the layers' kind (Apex's FusedLayerNorm stays)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=spec.submodules.input_layernorm)
     return swap(spec)
