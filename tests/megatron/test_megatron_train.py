@@ -160,16 +160,20 @@ def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, d
     assert run.rc == 0, run.tail()
 
 
-# each MoE family's tiny model at EP 2 on 2 ranks (the experts' plan flags; conftest.moe_run)
-MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "mixtral": ("--ep", "2")}
+# each MoE family's tiny model on 2 ranks (the experts' plan flags; conftest.moe_run): EP 2, and EP 2 folded over TP 2
+# (the same 2 ranks are attention's TP group and the experts' EP group, ETP 1; MoE at TP > 1 needs sequence
+# parallelism, which the local spec's torch norms get from toolkit.compat.megatron_cpu)
+FOLDED = ("--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel")
+MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "mixtral": FOLDED}
 
 
 @pytest.mark.parametrize("family", sorted(MOE_LAYOUTS))
 def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, capsys):
     """Megatron-Core's own MoE layer at EP 2 on 2 gloo ranks: each rank holds only its half of the experts (global
-    experts 0-1 on EP rank 0, 2-3 on EP rank 1, the alltoall dispatcher between them), the loss falls, and every
-    step's record has the tokens routed to each expert, the measured imbalance and the router's load-balancing
-    loss; `dmt report` sets that imbalance beside the plan's --moe-imbalance."""
+    experts 0-1 on EP rank 0, 2-3 on EP rank 1, the alltoall dispatcher between them), whole at ETP 1 even where
+    the attention is split over TP 2 (folded: the checkpoint holds each TP rank's half of linear_qkv), the loss
+    falls, and every step's record has the tokens routed to each expert, the measured imbalance and the router's
+    load-balancing loss; `dmt report` sets that imbalance beside the plan's --moe-imbalance."""
     from toolkit.cli.main import main
     from toolkit.report.runs import read_run
     from toolkit.spec.options import MOE_IMBALANCE_DEFAULT
@@ -179,7 +183,9 @@ def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, ca
     config = TINY_MOE[family]
     experts = config.get("num_experts", config.get("num_local_experts"))
     layout = json.loads((run.out / "moe_layout.json").read_text())
-    assert (layout["num_experts"], layout["ep"]) == (experts, 2)
+    assert (layout["num_experts"], layout["ep"], layout["etp"]) == (experts, 2, 1)
+    tp = 2 if MOE_LAYOUTS[family] == FOLDED else 1
+    assert [rank["tp_rank"] for rank in layout["ranks"]] == ([0, 1] if tp == 2 else [0, 0])
     fc1 = [2 * config.get("moe_intermediate_size", config["intermediate_size"]), config["hidden_size"]]
     for ep_rank, rank in enumerate(layout["ranks"]):
         assert rank["ep_rank"] == ep_rank
@@ -195,6 +201,9 @@ def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, ca
                for index, info in read_dcp_metadata(run.out / f"checkpoint-{MOE_STEPS}").storage_data.items()
                if index.fqn == "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
     assert writers == {(expert, str(expert // 2)) for expert in range(experts)}
+    qkv = read_dcp_metadata(run.out / f"checkpoint-{MOE_STEPS}").state_dict_metadata[
+        "decoder.layers.self_attention.linear_qkv.weight"]
+    assert {tuple(chunk.sizes)[1] for chunk in qkv.chunks} == {qkv.size[1] // tp}  # attention rows split over TP
     records = read_metrics(run.out)
     assert [r["step"] for r in records] == list(range(1, MOE_STEPS + 1)), run.tail()
     assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]

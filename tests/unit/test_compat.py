@@ -386,3 +386,35 @@ def test_te_version_assumed_answers_megatrons_te_checks_without_te():
     with te_version_assumed("1.6.0"), pytest.raises(ValueError, match="transformer-engine>=1.7.0 supports MoE FP8"):
         TransformerConfig(**moe_fp8)
     assert transformer_config.is_te_min_version is original
+
+
+def test_the_local_spec_gets_torch_norms_that_sum_their_gradients_over_tp_under_sequence_parallelism():
+    """Without Transformer Engine and Apex the local spec's norm is WrappedTorchNorm, which asserts
+    `not sequence_parallel`; sequence_parallel_spec puts in its place torch's same norm with its weights marked
+    `sequence_parallel` (what finalize_model_grads sums over TP), in every layer's norms, the q/k norms and the
+    block's final norm, and leaves every other module of the spec as it was."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from toolkit.compat.megatron_cpu import SequenceParallelTorchNorm, sequence_parallel_spec
+
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=2,
+                               sequence_parallel=True, normalization="RMSNorm")
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(config, 64)
+    norm = SequenceParallelTorchNorm(config, 64, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
+    assert [param.sequence_parallel for param in norm.parameters()] == [True]
+    spec = get_gpt_layer_local_spec(num_experts=4, qk_layernorm=True, normalization="RMSNorm")
+    if spec.submodules.input_layernorm is not WrappedTorchNorm:
+        pytest.skip("Apex is installed: its FusedLayerNorm handles sequence parallelism")
+    block = sequence_parallel_spec(spec, 2)
+    layer = block.layer_specs[0].submodules
+    attention = layer.self_attention.submodules
+    assert len(block.layer_specs) == 2 and block.layer_norm is SequenceParallelTorchNorm
+    assert {layer.input_layernorm, layer.pre_mlp_layernorm, attention.q_layernorm, attention.k_layernorm} == \
+           {SequenceParallelTorchNorm}
+    assert (attention.linear_qkv, layer.mlp.submodules.experts) == \
+           (spec.submodules.self_attention.submodules.linear_qkv, spec.submodules.mlp.submodules.experts)

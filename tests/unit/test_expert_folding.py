@@ -71,11 +71,14 @@ def test_each_refusal_names_its_option(model, gpus, options, key, says):
 
 
 def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
-    """Megatron-Core's MoELayer.forward raises in training with TP > 1 and no sequence parallelism, and the local
-    spec's torch norms assert without it: MoE on CPU trains at TP 1 (EP folds over DP there)."""
+    """Megatron-Core's MoELayer.forward raises in training with TP > 1 and no sequence parallelism; with it, the local
+    spec (CPU: toolkit.compat.megatron_cpu's sequence-parallel torch norms) folds EP 2 over TP 2 on 2 ranks."""
     with pytest.raises(UserInputError) as info:
         resolve_plan(_tiny_moe(), 2, backend="megatron", tp=2, ep=2, etp=1, transformer_impl="local")
-    assert info.value.key == "--sequence-parallel" and "MoE on CPU trains at --tp 1" in info.value.message
+    assert info.value.key == "--sequence-parallel" and "add --sequence-parallel" in info.value.message
+    folded = resolve_plan(_tiny_moe(), 2, backend="megatron", tp=2, ep=2, etp=1, sequence_parallel=True,
+                          transformer_impl="local")
+    assert (folded.tp, folded.ep, folded.expert_tp, folded.dp, folded.expert_dp) == (2, 2, 1, 1, 1)
     assert resolve_plan(_tiny_moe(), 2, backend="megatron", ep=2, transformer_impl="local").expert_dp == 1
 
 

@@ -106,7 +106,7 @@ def test_first_pipeline_stage_holds_pp_microbatches_in_flight():
 
 def test_recompute_reduces_activations_in_the_documented_order():
     # Megatron-Core's unfused (local) attention keeps the s x s scores that selective recompute drops (the plan's
-    # `attention` names the HF models' kernels); sequence parallelism needs Transformer Engine's norms
+    # `attention` names the HF models' kernels)
     kwargs = dict(backend="megatron", tp=2, seq_len=2048, transformer_impl="local")
     none = estimate_memory(DENSE, resolve_plan(DENSE, 8, **kwargs)).activations
     selective = estimate_memory(DENSE, resolve_plan(DENSE, 8, recompute="selective", **kwargs)).activations

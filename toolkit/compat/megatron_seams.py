@@ -17,6 +17,15 @@ SEAMS = [
     Seam("megatron-core", "megatron.core.transformer.moe.moe_utils.te_general_gemm", kind="in_source",
          why="the router tests `te_general_gemm is not None`, a global moe_utils defines only when Transformer "
              "Engine imports: defined as None without it (NameError otherwise)"),
+    Seam("megatron-core", "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+         "set False where Transformer Engine is missing (mla_without_transformer_engine): 0.16.1's MLA module reads TE "
+         "through megatron.core.extensions.transformer_engine, which imports without TE and leaves TELinear a "
+         "MagicMock, so the module says HAVE_TE and MLASelfAttention's isinstance(linear_proj, TELinear) raises"),
+    Seam("megatron-core", "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__",
+         "subclassed by the local spec's MLA core attention (local_mla_core_attention), which takes MLASelfAttention's "
+         "k_channels/v_channels keywords and hands the rest on by name",
+         parameters=("self", "config", "layer_number", "attn_mask_type", "attention_type", "attention_dropout",
+                     "softmax_scale", "cp_comm_type", "pg_collection")),
     Seam("megatron-core", f"{_DISTRIB}.HAVE_APEX_OR_TE",
          "the distributed optimizer runs torch's AdamW (the load fix below) only without Apex and Transformer Engine"),
     Seam("megatron-core", f"{_DISTRIB}.DistributedOptimizer._set_main_param_and_optimizer_states",
@@ -52,6 +61,37 @@ def moe_without_transformer_engine() -> None:
 
     if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def mla_without_transformer_engine() -> None:
+    """Megatron-Core 0.16.1's multi_latent_attention imports TELinear from megatron.core.extensions.transformer_engine,
+    which imports without Transformer Engine (its TE names are MagicMocks), so the module's HAVE_TE is True there and
+    MLASelfAttention's `isinstance(self.linear_proj, TELinear)` raises TypeError. Say what is true: no TE."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+
+
+def local_mla_core_attention():
+    """The local spec's core attention (DotProductAttention) as MLASelfAttention builds it: MLA passes k_channels (the
+    query/key head width, nope + rope) and v_channels, which 0.16.1's DotProductAttention does not take. Its scores
+    read the query/key width from the tensors and MLA hands it its own softmax_scale; only the context's width comes
+    from the config (kv_channels x heads), so the config's kv_channels must be v_channels (the builder sets it)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+            if v_channels is not None and v_channels != config.kv_channels:
+                raise ValueError(f"the local MLA core attention writes kv_channels ({config.kv_channels}) per head; "
+                                 f"v_head_dim is {v_channels}")
+            super().__init__(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+                             attention_type=attention_type, attention_dropout=attention_dropout,
+                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+    return LocalMLACoreAttention
 
 
 @contextlib.contextmanager

@@ -46,8 +46,8 @@ def read(cfg: HFConfig) -> dict:
 # (it derives qk_rope_head_dim) and defaults num_nextn_predict_layers to None where config.json has none
 FAMILY = Family("deepseek_v3", read, derived=frozenset({"num_key_value_heads", "head_dim", "num_nextn_predict_layers"}),
                 nullable=frozenset({"q_lora_rank", "attention_dropout"}),
-                unmapped="the toolkit's megatron.yaml builds a TransformerConfig and GPTModel weight tables, not yet "
-                         "Megatron-Core 0.16.1's MLATransformerConfig (multi_latent_attention), the linear_q/kv "
-                         "down/up weights, shared experts, the router's expert bias or the MTP block; and that MLA "
-                         "builds only with Transformer Engine (its local spec's DotProductAttention takes no "
-                         "k_channels), so never on CPU ranks; estimate it, or train it with fsdp")
+                unmapped="the toolkit's megatron.yaml and weight tables do not yet map it onto Megatron-Core 0.16.1's "
+                         "MLATransformerConfig (multi_latent_attention, which the Megatron backend builds, also with "
+                         "the local spec on CPU ranks), the linear_q/kv down/up weights, shared experts, the router's "
+                         "expert bias, first_k_dense_replace (moe_layer_freq) or the MTP block; estimate it, or train "
+                         "it with fsdp")

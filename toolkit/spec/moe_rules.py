@@ -148,10 +148,9 @@ def _check_expert_mesh(p: Plan, model: ModelSpec | None) -> None:
     if model is None or not model.is_moe:
         return
     if p.tp > 1 and not p.sequence_parallel:  # MoELayer.forward raises in training without it
-        local = (" (it needs Transformer Engine modules: the local spec's torch norms refuse it, so MoE on CPU "
-                 "trains at --tp 1)") if p.transformer_impl == "local" else ""
-        raise UserInputError("--sequence-parallel", f"MoE layers with tensor parallelism need sequence parallelism "
-                                                    f"(Megatron-Core's MoELayer refuses to train without it){local}")
+        raise UserInputError("--sequence-parallel", "MoE layers with tensor parallelism need sequence parallelism "
+                                                    "(Megatron-Core's MoELayer refuses to train without it): add "
+                                                    "--sequence-parallel")
     if model.moe_ffn_hidden_size and model.moe_ffn_hidden_size % etp:
         raise UserInputError("--etp", f"{etp} must divide the experts' inner size {model.moe_ffn_hidden_size}; valid: "
                                       f"{', '.join(str(d) for d in divisors(model.moe_ffn_hidden_size, p.gpus))}")

@@ -12,7 +12,11 @@ import logging
 import os
 from dataclasses import dataclass
 
-from toolkit.compat.megatron_seams import moe_without_transformer_engine
+from toolkit.compat.megatron_seams import (
+    local_mla_core_attention,
+    mla_without_transformer_engine,
+    moe_without_transformer_engine,
+)
 from toolkit.errors import UserInputError
 from toolkit.generate.megatron import library_kwargs
 
@@ -74,20 +78,23 @@ def initialize_parallel(config: dict) -> None:
 
 
 def transformer_config(config: dict):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """TransformerConfig, or MLATransformerConfig where the file asks for multi-latent attention."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     kwargs = library_kwargs("transformer_config", config["transformer_config"])
     if kwargs.get("virtual_pipeline_model_parallel_size") is None:
         kwargs.pop("virtual_pipeline_model_parallel_size", None)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
 
 
-def layer_spec(config: dict, tc):
-    """The layer spec of `transformer_impl`: Transformer Engine modules (GPU) or Megatron-Core's own (`local`, CPU)."""
+def layer_spec(config: dict, tc, vp_stage: int | None = None):
+    """The layer spec of `transformer_impl`: Transformer Engine modules (GPU) or Megatron-Core's own (`local`, CPU);
+    with multi-latent attention or dense layers among MoE ones (moe_layer_freq a list), the block spec of this stage's
+    layers (get_gpt_decoder_block_spec)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    moe = dict(num_experts=tc.num_moe_experts, moe_grouped_gemm=tc.moe_grouped_gemm, qk_layernorm=tc.qk_layernorm)
-    if tc.transformer_impl == "transformer_engine":
+    te = tc.transformer_impl == "transformer_engine"
+    if te:
         try:
             import transformer_engine  # noqa: F401
         except ImportError:
@@ -95,6 +102,17 @@ def layer_spec(config: dict, tc):
                                                                         "install it, or set megatron.transformer_impl: "
                                                                         "local in the recipe (no fp8, no context "
                                                                         "parallelism)") from None
+    if tc.multi_latent_attention or isinstance(tc.moe_layer_freq, list):
+        mla_without_transformer_engine()
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(tc, use_transformer_engine=te,
+                                                           normalization=tc.normalization, vp_stage=vp_stage)
+        if tc.multi_latent_attention and not te:
+            attention = local_mla_core_attention()
+            for layer in block.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = attention
+        return block
+    moe = dict(num_experts=tc.num_moe_experts, moe_grouped_gemm=tc.moe_grouped_gemm, qk_layernorm=tc.qk_layernorm)
+    if te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     return gpt_layer_specs.get_gpt_layer_local_spec(**moe, normalization=tc.normalization)
 
@@ -106,16 +124,21 @@ def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    spec = layer_spec(config, tc)
     if tc.num_moe_experts:
         moe_without_transformer_engine()
     vpp = tc.virtual_pipeline_model_parallel_size
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
+        block = layer_spec(config, tc, vp_stage)
+        if tc.sequence_parallel and tc.transformer_impl == "local":
+            from toolkit.compat.megatron_cpu import sequence_parallel_spec  # torch norms without TE and Apex
+
+            block = sequence_parallel_spec(block, get_num_layers_to_build(tc, vp_stage=vp_stage))
         model = GPTModel(
-            config=tc, transformer_layer_spec=spec, vp_stage=vp_stage,
+            config=tc, transformer_layer_spec=block, vp_stage=vp_stage,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
             **config["gpt_model"],

@@ -54,8 +54,5 @@ def check(p: Plan) -> None:
         raise UserInputError("--cp", f"context parallelism needs {TE_MODULES}")
     if p.sequence_parallel and p.tp == 1:
         raise UserInputError("--sequence-parallel", "needs --tp > 1")
-    if p.sequence_parallel and p.transformer_impl == "local":  # Megatron-Core's WrappedTorchNorm asserts it
-        raise UserInputError("--sequence-parallel", f"needs {TE_MODULES}: the local spec's torch norms do not "
-                                                    f"support sequence parallelism")
     if p.optimizer == "adamw8bit":
         raise UserInputError("--optimizer", "Megatron-Core supports adamw and sgd")

@@ -17,11 +17,10 @@ def layouts(model, gpus: int, nvlink_domain: int, fixed: dict, axis) -> Iterator
     # tensor parallelism never leaves the NVLink domain (the node on HGX, the rack on NVL72): its all-reduces sit on
     # the critical path of every layer
     tps = axis("tp", [t for t in divisors(model.num_kv_heads, nvlink_domain) if model.num_attention_heads % t == 0])
-    local = fixed.get("transformer_impl") == "local"  # torch norms: no sequence parallelism
 
     def states(tp: int) -> list[dict]:
         return [dict(distributed_optimizer=fixed.get("distributed_optimizer", True),
-                     sequence_parallel=fixed.get("sequence_parallel", tp > 1 and not local))]
+                     sequence_parallel=fixed.get("sequence_parallel", tp > 1))]
 
     yield from grid_layouts(model, gpus, fixed, axis, tps, axis("pp", range(1, model.num_layers + 1)), True, states)
 
