@@ -24,8 +24,10 @@ class UsageError(UserInputError):
 
 
 def error_line(program: str, exc: UserInputError) -> str:
-    """The one line a command prints for bad input (`dmt plan: error: --tp: ...`), and `dmt explore` answers."""
-    return f"{program}: error: {exc}"
+    """The one line a command prints for bad input (`dmt plan: error: --tp: ...`), and `dmt explore` answers. A line
+    break a message carries (a value quoted as given, `--time '24:00:00<newline>'`) is written as `\\n`, so that the
+    value cannot add a line of its own."""
+    return f"{program}: error: {exc}".replace("\r", "\\r").replace("\n", "\\n")
 
 
 def rename_key(exc: UserInputError, names) -> UserInputError:

@@ -3,6 +3,8 @@ as Megatron-Core's loop deals them (rank_samples) and as Accelerate deals the HF
 (its own BatchSamplerShard over ConsumedSampler), from the start and after a resume on another number of ranks; and
 the split strings Megatron's --split takes."""
 
+import os
+
 import pytest
 
 from toolkit.data.blend import ConsumedSampler, RankSteps, rank_samples, step_samples
@@ -98,3 +100,8 @@ def test_an_index_cache_holding_pickled_objects_is_refused_before_megatron_loads
     planted.write_bytes(b"not numpy")
     with pytest.raises(UserInputError, match="not a readable numpy index"):
         check_plain_arrays(tmp_path / "cache", "data.cache_dir")
+    planted.unlink()
+    os.mkfifo(planted)  # under a cache file's name it would block every rank that opens it, before any watchdog
+    with pytest.raises(UserInputError, match="is a FIFO") as refused:
+        check_plain_arrays(tmp_path / "cache", "data.cache_dir")
+    assert refused.value.key == "data.cache_dir" and str(planted) in str(refused.value)

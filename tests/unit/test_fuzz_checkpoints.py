@@ -195,6 +195,27 @@ def test_a_zero_rank_file_that_blocks_or_leads_out_is_refused(tmp_path, verb, wh
     _run_verb(verb, ckpt, tmp_path / "hf", file, POINTED[kind](file, tmp_path / "outside"))
 
 
+def _hf_shards(directory: Path) -> Path:
+    """An HF model directory of two safetensors shards and the index that names them."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(tiny_llama_config()))
+    names = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}
+    for name, file in names.items():
+        save_file({name: torch.zeros(4, 4)}, directory / file)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    return directory
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a link to /dev/zero"])  # a link out is an HF cache's way (../../blobs)
+@pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "ckpt inspect"])
+def test_a_safetensors_shard_its_index_names_that_blocks_is_refused(tmp_path, verb, kind):
+    model = _hf_shards(tmp_path / "model")
+    file = model / "model-00002-of-00002.safetensors"
+    _run_verb(verb, model, tmp_path / "hf", file, POINTED[kind](file, tmp_path / "outside"))
+
+
 @pytest.mark.parametrize("verb", ["ckpt verify", "ckpt inspect", "convert zero-to-hf", "resume"])
 def test_a_latest_pointer_leading_out_of_the_checkpoint_is_refused(tmp_path, verb):
     """DeepSpeed's `latest` names the tag directory: `../elsewhere/global_step2` (a real one) is not followed."""

@@ -587,6 +587,7 @@ FLAG_VALUES = [  # argv -> the flag the error must name
      "--top"),
     (["slurm", "render", "{recipe}", "--output-dir", "runs\n#SBATCH --qos=high/x"], "--output-dir"),
     (["slurm", "render", "{recipe}", "--time", "1 day"], "--time"),
+    (["slurm", "render", "{recipe}", "--time", "24:00:00\n"], "--time"),  # the value quoted may add no line
     # an empty value (`--queue "$QUEUE"` with QUEUE unset) is a mistake, never read as "not given"
     (["slurm", "render", "{recipe}", "--output-dir", ""], "--output-dir"),
     (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--queue", ""], "--queue"),
@@ -628,6 +629,7 @@ def test_a_wrong_flag_value_names_the_flag(sandbox, capsys, argv, flag):
     before = _snapshot(sandbox)
     code, err = _run(capsys, [part.format(recipe=sandbox / "recipe.yaml", ds=sandbox / "ds.json") for part in argv])
     _assert_refused(code, err, flag)
+    assert err[-1].startswith("dmt "), err  # the error is the last line, whole: no value adds a line of its own
     assert _snapshot(sandbox) == before
 
 

@@ -95,7 +95,7 @@ def render_sbatch(
         raise UserInputError("--nodes", f"{nodes} x {per_node} GPUs = {nodes * per_node}, the plan needs {plan.gpus}; "
                                         f"use --nodes {max(1, plan.gpus // per_node)} or change the recipe")
     if not _TIME.fullmatch(time_limit):
-        raise UserInputError("--time", f"'{time_limit}' is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
+        raise UserInputError("--time", f"{time_limit!r} is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
     for flag, value in (("--partition", partition), ("--account", account)):
         if value is not None and not _NAME.fullmatch(value):
             raise UserInputError(flag, f"{value!r} is not a Slurm name (letters, digits, _ . - and commas between names)")
