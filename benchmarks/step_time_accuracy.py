@@ -269,12 +269,14 @@ def precision_pairs(refs: list[dict]) -> None:
         model = load_model_spec(ref["model"])
         published, predicted, fits, names = [], [], [], []
         for run in ref["runs"]:
-            options = {**ref["plan"], **{k: v for k, v in run.items() if k != "tokens_per_s_per_gpu"}}
+            options = {**ref["plan"], **{k: v for k, v in run.items() if k not in ("tokens_per_s_per_gpu", "published")}}
             step, plan = fastest_split(model, ref["gpus"], gpu, options)
-            published.append(plan.global_batch * plan.seq_len / (run["tokens_per_s_per_gpu"] * plan.gpus))
+            # the step time where the source gives it, else from its tokens/s/GPU (never its model TFLOP/s)
+            published.append(run.get("published") or plan.global_batch * plan.seq_len
+                             / (run["tokens_per_s_per_gpu"] * plan.gpus))
             predicted.append(step)
             fits.append(str(estimate_memory(model, plan).total <= gpu.memory_bytes))
-            names.append(plan.fp8_recipe or plan.fp4_recipe)
+            names.append(plan.fp8_recipe or plan.fp4_recipe or plan.precision)
         ratio, predicted_ratio = published[1] / published[0], predicted[1] / predicted[0]
         errors.append(abs(predicted_ratio / ratio - 1))
         row_errors = " / ".join(f"{(p - q) / q:+.1%}" for p, q in zip(predicted, published))
