@@ -132,10 +132,10 @@ every GEMM input and output gradient, one layout for tensorwise on Blackwell, tw
 nvfp4), which is why the tensorwise/mxfp8 pairs are predicted equal where Bridge measured mxfp8 2-6% slower.
 
 BF16 against FP8 (the question a user choosing a precision asks). Megatron-Bridge's summaries publish no dense pair
-(their one same-layout BF16/FP8 pair is DeepSeek-V3 on 256 GB300, 25.11, an MoE row; not added) and the NeMo
-framework's summaries (24.07-25.07) publish FP8 only; NVIDIA's DGX Cloud Benchmarking recipes (NVIDIA/
-dgxc-benchmarking, release tags v25.02-v25.05) publish seconds per step of both precisions on one layout, which the
-pairs take as published. Their FP8 is NeMo's bf16_with_fp8_mixed: delayed scaling with fp8_params; both precisions
+(their one same-layout BF16/FP8 pair, DeepSeek-V3 on 256 GB300 in 25.11, ran a layout no Bridge config of that time
+holds, so its other settings cannot be read; not added) and the NeMo framework's summaries read (24.07, 24.12, 25.02,
+25.04, 25.07) publish FP8 only; NVIDIA's DGX Cloud Benchmarking recipes (NVIDIA/dgxc-benchmarking, release tags
+v25.02-v25.05) publish seconds per step of both precisions on one layout, which the pairs take as published. Their FP8 is NeMo's bf16_with_fp8_mixed: delayed scaling with fp8_params; both precisions
 run userbuffers TP overlap. torchtitan's Llama 3.1 8B runs (FSDP2 + torch.compile, without and with torchao's Float8,
 dynamic tensorwise) are the same question on another stack. No constant was set from these pairs.
 - The 405B pairs (H100 and GB200) predict the ratio within 2%; Llama 3.1 8B (-18%) and 70B (-13%) on H100 predict
