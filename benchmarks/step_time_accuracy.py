@@ -133,17 +133,18 @@ nvfp4), which is why the tensorwise/mxfp8 pairs are predicted equal where Bridge
 
 BF16 against FP8 (the question a user choosing a precision asks). Megatron-Bridge's summaries publish no dense pair
 (their one same-layout BF16/FP8 pair, DeepSeek-V3 on 256 GB300 in 25.11, ran a layout no Bridge config of that time
-holds, so its other settings cannot be read; not added) and the NeMo framework's summaries read (24.07, 24.12, 25.02,
-25.04, 25.07) publish FP8 only; NVIDIA's DGX Cloud Benchmarking recipes (NVIDIA/dgxc-benchmarking, release tags
-v25.02-v25.05) publish seconds per step of both precisions on one layout, which the pairs take as published. Their FP8 is NeMo's bf16_with_fp8_mixed: delayed scaling with fp8_params; both precisions
-run userbuffers TP overlap. torchtitan's Llama 3.1 8B runs (FSDP2 + torch.compile, without and with torchao's Float8,
-dynamic tensorwise) are the same question on another stack. No constant was set from these pairs.
+holds, so its other settings cannot be read; not added) and the NeMo framework's summaries read (24.07, 24.12,
+25.02, 25.04, 25.07) publish FP8 only; NVIDIA's DGX Cloud Benchmarking recipes (NVIDIA/dgxc-benchmarking, release
+tags v25.02-v25.05) publish seconds per step of both precisions on one layout, which the pairs take as published.
+Their FP8 is NeMo's: delayed scaling with fp8_params (the yaml says per release); both precisions run userbuffers TP
+overlap. torchtitan's Llama 3.1 8B runs (FSDP2 + torch.compile, without and with torchao's Float8, dynamic
+tensorwise) are the same question on another stack. No constant was set from these pairs.
 - The 405B pairs (H100 and GB200) predict the ratio within 2%; Llama 3.1 8B (-18%) and 70B (-13%) on H100 predict
-  more FP8 speedup than measured (1.60x each against 1.32x and 1.40x). The 8B pair is TP 1 with no pipeline:
-  its predicted step is compute and CP's exchange alone (13.1 -> 8.05 s of compute), so the miss is in how FP8
-  GEMMs are priced, not in communication. torchtitan's two 8B pairs, another stack (torchao's casts, compiled),
-  miss the same way (-21%: 1.63x predicted against 1.28-1.29x), and their rows' own errors are the compile the
-  model does not describe (the hf path is the eager rate), not the ratio, which the path does not move.
+  more FP8 speedup than measured (1.60x each against 1.32x and 1.40x). The 8B pair is TP 1 with no pipeline: its
+  predicted step is compute and CP's exchange alone (13.1 -> 8.05 s of compute), so the miss is in how FP8 GEMMs are
+  priced, not in communication. torchtitan's two 8B pairs, another stack (torchao's casts, compiled), miss the same
+  way (-21%: 1.63x predicted against 1.28-1.29x), and their rows' own errors are the compile the model does not
+  describe (the hf path is the eager rate), not the ratio, which the path does not move.
 - First term responsible, read in Transformer Engine's code: the quantization kernels. Under delayed (and
   tensorwise) scaling on Hopper every GEMM input and every output gradient is cast to fp8 with a transposed copy for
   the other GEMM (module/linear.py and layernorm_linear.py: the fused cast-transpose of the input, the layernorm's
@@ -155,18 +156,19 @@ dynamic tensorwise) are the same question on another stack. No constant was set 
   is why the 405B pairs (h 16384) do not show it as much. Not added to the model yet: it changes every FP8 row, the
   MoE rows' fitted constant included, and belongs with the cast traffic of the block recipes above (one change,
   checked against TE's kernels).
-- The rest (the 8B's ratio error after the casts, ~13%) is, likeliest, the FP8 GEMMs' rate: the model runs them at twice the
-  bf16 rate on bf16's width curve. Whether H100's fp8 GEMMs reach the same fraction of their peak as bf16's at these
-  widths (K 4096-14336) is not measured here (benchmarks/gpu_check.md measured bf16 only); a GEMM-rate measurement
-  of both precisions on one part is what would ground a change, not these rows.
+- The rest (the 8B's ratio error after the casts, ~13%) is, likeliest, the FP8 GEMMs' rate: the model runs them at
+  twice the bf16 rate on bf16's width curve. Whether H100's fp8 GEMMs reach the same fraction of their peak as
+  bf16's at these widths (K 4096-14336) is not measured here (benchmarks/gpu_check.md measured bf16 only); a
+  GEMM-rate measurement of both precisions on one part is what would ground a change, not these rows.
 - The 405B agreement is in part two errors cancelling: the model does not credit the TP communication overlap both
   runs used and adds the same TP all-reduces to both steps (2.96 s on H100, 0.63 s on GB200; 1.59 s for the 70B),
-  which dilutes the predicted speedup. Without them the predicted ratios would be 0.559 and 0.619 (405B H100,
-  GB200) and 0.582 (70B): every BF16/FP8 pair over-predicts the FP8 speedup, by 6-21%, consistent with the two
-  unmodelled costs above.
+  which dilutes the predicted speedup. Without them the predicted ratios would be 0.559 and 0.619 (405B H100, GB200)
+  and 0.582 (70B): every BF16/FP8 pair over-predicts the FP8 speedup, by 6-21%, consistent with the two unmodelled
+  costs above.
 - Memory: the BF16 runs of the 8B and 405B pairs ran, but are estimated 0.6-4.4 GiB over the part ("fits" False);
   among the differences, NeMo's BF16 runs reduce gradients in fp32 (bf16_mixed grad_reduce_in_fp32) and its FP8 runs
-  in bf16, while the toolkit's plans always keep fp32 main grads. Not investigated here.
+  in bf16, while the toolkit's plans always keep fp32 main grads. Not investigated here (the torchtitan runs were on
+  96 GB parts, as the note on their rows above says).
 """
 
 
