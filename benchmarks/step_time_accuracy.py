@@ -101,7 +101,7 @@ Notes on the misses and on the Llama 3 layout:
   byte, not two, while the output projection adds its own fp8 copy beside attention's bf16 output (-13% of the
   activations: 49.3 -> 42.6 GiB). (3) The bf16-plus-fp8 weights were counted at 3 B/param; they are 4 on Hopper (the
   fp8 copy and its transpose, cached across micro-batches: Megatron-Core passes is_first_microbatch), which (1)
-  removes. Rank 0 of the 70B row: 73.7 GiB of 79.1.
+  removes. Rank 0 of the 70B row: 73.7 GiB of 79.1 (69.0 since the row states Bridge's bf16 gradients, below).
 - hf: HF or eager PyTorch modules. The eager rate (0.57 of the fused one) fits torchtitan's one-node Llama 3.1 8B row
   and the toolkit's own DeepSpeed run on one H100 alike (+1% each); torchtitan's machines were Grand Teton H100s
   with 96 GB of HBM2e at 2.4 TB/s and a 500 W power limit, with selective (op) activation checkpointing (82.4 GiB:
@@ -165,10 +165,30 @@ tensorwise) are the same question on another stack. No constant was set from the
   which dilutes the predicted speedup. Without them the predicted ratios would be 0.559 and 0.619 (405B H100, GB200)
   and 0.582 (70B): every BF16/FP8 pair over-predicts the FP8 speedup, by 6-21%, consistent with the two unmodelled
   costs above.
-- Memory: the BF16 runs of the 8B and 405B pairs ran, but are estimated 0.6-4.4 GiB over the part ("fits" False);
-  among the differences, NeMo's BF16 runs reduce gradients in fp32 (bf16_mixed grad_reduce_in_fp32) and its FP8 runs
-  in bf16, while the toolkit's plans always keep fp32 main grads. Not investigated here (the torchtitan runs were on
-  96 GB parts, as the note on their rows above says).
+- Memory: the BF16 runs of the 8B and 405B pairs ran, but were estimated 0.6-4.4 GiB over the part ("fits" False),
+  and so was Bridge's 405B MXFP8 run on 256 GB200 (+1.2 GiB). One term was too large for what they ran: the
+  gradients. Megatron-Core's main-grad buffers take the parameters' dtype unless grad_reduce_in_fp32
+  (distributed_data_parallel.py: grad_dtype = torch.float if grad_reduce_in_fp32 else param.dtype), and every rank
+  keeps them whole; the model counted fp32, while NeMo's performance recipes (pretrain_performance_optimizations:
+  plugins.grad_reduce_in_fp32 = False, which MegatronStrategy copies into the DDP config; the FP8 scripts set it
+  again) and Bridge's (set_llama3(1)_common_configs: ddp.grad_reduce_in_fp32 = False) reduce in bf16, in both
+  precisions. The plan now says so (--grad-reduce-in-bf16, Megatron-LM's flag) and these rows state it: 2 B/param
+  less (8B on H100: 80.6 -> 64.9 GiB; 405B on 512 H100: 83.5 -> 71.0 GiB; 405B on 128 GB200: 184.9 -> 160.0 GiB;
+  405B MXFP8 on 256 GB200: 185.5 -> 173.1 GiB), and each now fits. A measurement agrees: the sample log line of
+  dgxc-benchmarking v25.04's llama3.1/README.md (an 8B run on 8 H100, GBS 128, 12.39 s a step) has 41.2 GiB
+  allocated after the step (the estimate's weights, bf16 gradients and optimizer shards: 41.1; with fp32 gradients
+  56.1) and 66.0 GiB reserved at the peak (the estimate, less the CUDA context: 64.2, 2.7% under), so no other term
+  (the activations under TE's fused kernels, the 5% allocator margin) is too large for that run. The rest was read
+  and is as the runs set it: no recomputation or offloading (NeMo's recommended configs: recompute_layers and
+  activation_offload_layers 0; DGX Cloud's launch scripts set neither), the 405B split with
+  account_for_embedding/loss_in_pipeline_split (NeMo's llama31_405b recipe, the rows' fastest split), the warm-up
+  forwards Megatron-Core's schedule keeps (69 chunks of 2 layers on the 405B's rank 1: 2(p-r-1) + (v-1)p + 1), the
+  optimizer sharded over dp x cp, no fp8 weight copies in the BF16 runs, and v25.05's use_precision_aware_optimizer
+  (BF16), whose default fp32 states cost what the distributed optimizer's do. The step time still prices the
+  gradients' reduce-scatter in fp32 (toolkit/backends/megatron/timing.py), an over-count of the exposed part only.
+  v25.02's 70B pair (NeMo 1, Apex's distributed_fused_adam with grad_sync_dtype bf16) states nothing: its buffers are
+  Apex's, which the megatron backend does not describe, and it fits either way. The torchtitan runs remain "fits"
+  False: they ran on 96 GB parts with selective (op) activation checkpointing, which the rows take as none.
 """
 
 

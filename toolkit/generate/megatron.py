@@ -131,7 +131,7 @@ def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dic
         "gpt_model": {**mapped["gpt_model"], "vocab_size": megatron_padded_vocab(vocab, plan.tp)},
         "ddp_config": {
             "use_distributed_optimizer": plan.distributed_optimizer,
-            "grad_reduce_in_fp32": plan.precision != "fp32",
+            "grad_reduce_in_fp32": plan.precision != "fp32" and not plan.grad_reduce_in_bf16,
             "overlap_grad_reduce": not on_cpu,
             "overlap_param_gather": plan.distributed_optimizer and not on_cpu,
         },

@@ -121,6 +121,9 @@ def _special(config: dict) -> list[str]:
     if config["optimizer_config"]["optimizer"] == "sgd":
         flags.append(_flag("--sgd-momentum", config["optimizer_config"]["sgd_momentum"],
                            "optimizer_config.sgd_momentum"))
+    if transformer.get("bf16") and not config["ddp_config"].get("grad_reduce_in_fp32"):
+        # validate_args turns --accumulate-allreduce-grads-in-fp32 on under --bf16 unless --grad-reduce-in-bf16
+        flags.append("--grad-reduce-in-bf16")
     flags.append("--ckpt-format torch_dist")
     flags += _data(config.get("data"))
     if config["schedule"]["async_save"]:  # dist_checkpointing's asynchronous save needs its persistent worker

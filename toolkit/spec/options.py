@@ -183,6 +183,10 @@ class PlanOptions(BaseModel):
     fp8_param_gather: StrictBool = option(
         False, "keep the GEMM weights themselves in fp8 (no bf16 copy beside the fp8 one) and all-gather them in fp8 "
                "(needs --distributed-optimizer)", backends=MEGATRON)
+    grad_reduce_in_bf16: StrictBool = option(
+        False, "Megatron-LM's --grad-reduce-in-bf16: accumulate and reduce the gradients in bf16 (2 B/param main-grad "
+               "buffers) instead of fp32 (NeMo's and Megatron-Bridge's performance recipes); bf16, fp8 and fp4 "
+               "training only", backends=MEGATRON)
     attention: Attention = option(
         "sdpa", "the HF models' attention kernels (transformers' attn_implementation): sdpa keeps no s x s matrix, "
                 "eager keeps the probabilities, flash_attention_2 (flash-attn, CUDA) keeps packed documents apart in "

@@ -329,6 +329,9 @@ def _check_precision(p: Plan) -> None:
     if p.fp8_param_gather and p.precision != FP8:
         raise UserInputError("--fp8-param-gather", f"keeps the weights in fp8: it needs --precision fp8, not "
                                                    f"{p.precision}")
+    if p.grad_reduce_in_bf16 and p.precision in ("fp32", "fp16"):  # Megatron-LM applies it under --bf16 only
+        raise UserInputError("--grad-reduce-in-bf16", f"reduces bf16 gradients: it needs --precision bf16, fp8 or "
+                                                      f"fp4, not {p.precision}")
 
 
 def _check_attention(p: Plan, model: ModelSpec | None) -> None:

@@ -41,6 +41,9 @@ def weights(plan: Plan) -> tuple[str | None, str | None]:
 
 def gradients(plan: Plan) -> tuple[str, str]:
     """(the rule, why it differs from 16-bit gradients on every GPU)."""
+    if plan.grad_reduce_in_bf16:
+        return ("bf16 main-grad buffers (--grad-reduce-in-bf16), one per parameter",
+                "Megatron-Core accumulates and reduces gradients in bf16: 2 B/param, the 16-bit rule")
     return ("fp32 main-grad buffers (grad_reduce_in_fp32), one per parameter",
             "Megatron-Core accumulates and reduces gradients in fp32: 4 B/param, twice the 16-bit rule")
 

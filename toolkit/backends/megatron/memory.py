@@ -1,8 +1,8 @@
 """Megatron-Core's memory terms: its padded vocabulary, fp32 main grads and the distributed optimizer's shards.
 
-Megatron keeps fp32 gradient buffers for bf16 training and its distributed optimizer shards the fp32 master weights
-and Adam moments over the data-parallel (x context-parallel) group: 6 + 12/d bytes/param (Megatron-LM
-docs/source/api-guide/dist_optimizer.md, "bf16 param, fp32 grads").
+Megatron keeps fp32 gradient buffers for bf16 training (bf16 ones with --grad-reduce-in-bf16) and its distributed
+optimizer shards the fp32 master weights and Adam moments over the data-parallel (x context-parallel) group: 6 + 12/d
+bytes/param (Megatron-LM docs/source/api-guide/dist_optimizer.md, "bf16 param, fp32 grads"; 4 + 12/d with bf16 grads).
 """
 
 from __future__ import annotations
@@ -28,12 +28,20 @@ def model_states(spec: ModelSpec, plan: Plan, params: StageParams, layer_params:
     w = PRECISION_BYTES[plan.precision]
     opt_bytes = optimizer_bytes(plan.optimizer, plan.precision != "fp32")
     weights = weight_bytes(plan, params)
-    gradients = params.total * FP32  # fp32 main-grad buffers (grad_reduce_in_fp32)
+    gradients = params.total * main_grad_bytes(plan)
     if plan.distributed_optimizer:
         optimizer = opt_bytes * (params.dense / (plan.dp * plan.cp) + params.expert / plan.expert_dp)
     else:
         optimizer = opt_bytes * params.total
     return weights, gradients, int(optimizer), {}, 0
+
+
+def main_grad_bytes(plan: Plan) -> int:
+    """Bytes per parameter of DistributedDataParallel's main-grad buffers, which every rank keeps whole (the
+    distributed optimizer shards the optimizer states, not them): fp32 unless --grad-reduce-in-bf16
+    (distributed/distributed_data_parallel.py: `grad_dtype = torch.float if self.ddp_config.grad_reduce_in_fp32 else
+    param.dtype`; Megatron-LM's validate_args turns grad_reduce_in_fp32 on for bf16 unless --grad-reduce-in-bf16)."""
+    return PRECISION_BYTES["bf16"] if plan.grad_reduce_in_bf16 else FP32
 
 
 def weight_bytes(plan: Plan, params: StageParams) -> int:
