@@ -57,6 +57,19 @@ def not_a_file(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+def link_root(directory: Path) -> Path:
+    """The folder a model directory's symlinks may lead into: the directory itself, or, for a snapshot in the
+    Hugging Face hub's cache (<cache>/models--<org>--<name>/snapshots/<revision>/, whose files link to
+    ../../blobs/<hash>), that repository's folder. Every verb that reads a model directory confines its links to it,
+    so `ckpt verify`, `ckpt inspect` and the converters agree on what is inside."""
+    directory = Path(directory)
+    repo = directory.parent.parent
+    if (directory.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--"))
+            and (repo / "blobs").is_dir()):
+        return repo
+    return directory
+
+
 def inside(root: Path, name: str | Path, key: str | None, what: str, follow: bool = True) -> Path:
     """`root / name` for a `name` that a file inside `root` gave (a checkpoint's metadata, its `latest` pointer): a
     relative path without `..` that, symlinks resolved (unless `follow=False`: an HF model directory in the hub's

@@ -208,12 +208,44 @@ def _hf_shards(directory: Path) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("kind", ["a FIFO", "a link to /dev/zero"])  # a link out is an HF cache's way (../../blobs)
+@pytest.mark.parametrize("kind", sorted(POINTED))
 @pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "ckpt inspect"])
-def test_a_safetensors_shard_its_index_names_that_blocks_is_refused(tmp_path, verb, kind):
+def test_a_safetensors_shard_its_index_names_that_blocks_or_leads_out_is_refused(tmp_path, verb, kind):
     model = _hf_shards(tmp_path / "model")
     file = model / "model-00002-of-00002.safetensors"
     _run_verb(verb, model, tmp_path / "hf", file, POINTED[kind](file, tmp_path / "outside"))
+
+
+def _hub_snapshot(tmp_path: Path) -> Path:
+    """The two-shard model as the Hugging Face hub's cache lays it out: models--org--name/snapshots/<revision>/ whose
+    files are links to ../../blobs/<hash>."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    model = _hf_shards(repo / "snapshots" / "0123abc")
+    (repo / "blobs").mkdir()
+    for file in sorted(model.iterdir()):
+        blob = repo / "blobs" / f"blob-{file.name}"
+        shutil.move(file, blob)
+        file.symlink_to(Path("..", "..", "blobs", blob.name))
+    return model
+
+
+def test_a_hub_cache_snapshot_reads_alike_in_verify_inspect_and_hf_to_megatron(tmp_path):
+    """Links into the cache's own blobs/ are inside the model (readers.link_root) for every verb that reads it; the
+    same snapshot with a shard linked past the repository folder is refused by each."""
+    model = _hub_snapshot(tmp_path)
+    for argv in (["ckpt", "verify", model], ["ckpt", "inspect", model]):
+        code, out, err, _ = _dmt(argv)
+        assert code == 0 and not err, (argv, out[-20:], err)
+    shard = model / "model-00002-of-00002.safetensors"
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.copy(shard, elsewhere)
+    shard.unlink()
+    shard.symlink_to(elsewhere)
+    _run_verb("ckpt verify", model, tmp_path / "hf", "outside")
+    _run_verb("ckpt inspect", model, tmp_path / "hf", "outside")
+    out = tmp_path / "megatron"
+    _refused(_dmt(["convert", "hf-to-megatron", model, out]), "outside")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("verb", ["ckpt verify", "ckpt inspect", "convert zero-to-hf", "resume"])

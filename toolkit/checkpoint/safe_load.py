@@ -42,7 +42,7 @@ from toolkit.checkpoint.allow_lists import (
 from toolkit.checkpoint.torch_zip import check_stored, index_torch_file
 from toolkit.compat.torch_seams import is_storage_entry
 from toolkit.errors import UserInputError
-from toolkit.readers import inside, not_a_file, one_line, open_regular, problem, read_text
+from toolkit.readers import inside, link_root, not_a_file, one_line, open_regular, problem, read_text
 
 
 def read_dcp_metadata(checkpoint: Path, key: str | None = None):
@@ -147,6 +147,7 @@ def path_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
     import os
 
     ckpt = Path(ckpt)
+    root = link_root(ckpt)  # an HF snapshot in the hub's cache links its files into the repository's blobs/
     what = "a regular file inside the checkpoint"
     for folder, dirs, files in os.walk(ckpt):  # symlinked directories are listed, not entered
         for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]):
@@ -155,7 +156,7 @@ def path_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
                 kind = not_a_file(path)
                 if kind is not None and not path.is_dir():
                     raise problem(path, key, f"is {kind}, not a regular file; expected {what}")
-                inside(ckpt, path.relative_to(ckpt), key, what)
+                inside(root, path.relative_to(root), key, what)
                 if name == "latest" and kind is None:
                     inside(path.parent, read_text(path, key, "the name of a tag directory beside it").strip(), key,
                            "the name of a tag directory beside it")

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 from toolkit.errors import UserInputError
-from toolkit.readers import open_regular, read_json, read_safetensors_header
+from toolkit.readers import inside, link_root, open_regular, read_json, read_safetensors_header
 
 # torch dtype name -> (safetensors dtype, bytes per element)
 DTYPES = {
@@ -185,8 +185,13 @@ def safetensors_weight_map(model_dir: Path, key: str | None = None) -> dict[str,
         if not isinstance(weight_map, dict) or not all(
                 isinstance(v, str) and Path(v).name == v and v.endswith(".safetensors") for v in weight_map.values()):
             raise UserInputError(key or str(index), f"{index}: its weight_map is not {what}")
+        root = link_root(model_dir)  # a shard may link elsewhere inside the hub cache's repository, nowhere else
+        for file in sorted(set(weight_map.values())):
+            inside(root, (model_dir / file).relative_to(root), key, "a safetensors shard inside the model directory")
         return weight_map
     if (model_dir / "model.safetensors").is_file():
+        inside(link_root(model_dir), (model_dir / "model.safetensors").relative_to(link_root(model_dir)), key,
+               "a safetensors file inside the model directory")
         return dict.fromkeys(read_safetensors_header(model_dir / "model.safetensors", key), "model.safetensors")
     return None
 

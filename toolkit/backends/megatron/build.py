@@ -134,7 +134,7 @@ def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
         vp_stage = stage if vpp else None
         block = layer_spec(config, tc, vp_stage)
         if tc.sequence_parallel and tc.transformer_impl == "local":
-            from toolkit.compat.megatron_cpu import sequence_parallel_spec  # torch norms without TE and Apex
+            from toolkit.compat.megatron_cpu import sequence_parallel_spec  # lazy: megatron (torch norms under SP)
 
             block = sequence_parallel_spec(block, get_num_layers_to_build(tc, vp_stage=vp_stage))
         model = GPTModel(

@@ -1,11 +1,12 @@
-"""Megatron-Core's step-time terms: its layer modules' execution path, and the fp32 main grads' reduction over the
-data-parallel x context-parallel group (with the distributed optimizer, a reduce-scatter and a parameter all-gather)."""
+"""Megatron-Core's step-time terms: its layer modules' execution path, and the main grads' reduction (fp32, or bf16
+with --grad-reduce-in-bf16) over the data-parallel x context-parallel group (with the distributed optimizer, a reduce-scatter and a parameter all-gather)."""
 
 from __future__ import annotations
 
+from toolkit.backends.megatron.memory import main_grad_bytes
 from toolkit.estimate.comm import Network, collective_time
 from toolkit.estimate.efficiency import MEGATRON_LOCAL, MEGATRON_TE, ExecutionPath
-from toolkit.estimate.memory import FP32, layer_params, stage_model_states
+from toolkit.estimate.memory import layer_params, stage_model_states
 from toolkit.estimate.params import count_params
 from toolkit.estimate.timing import exposed_after_backward, exposed_after_cooldown, optimizer_step_s
 from toolkit.spec.cluster import GPU
@@ -36,15 +37,16 @@ def data_parallel_and_optimizer(spec: ModelSpec, plan: Plan, gpu: GPU, network: 
     groups = ((params_total - expert, dp_group, link),
               (expert, expert_group, network.link(expert_group, plan.ep * plan.expert_tp)))
     gathered = gathered_param_bytes(spec, plan, params_total) / max(1, params_total)  # bytes per parameter
+    grad = main_grad_bytes(plan)  # the main-grad buffers' dtype is what the reduction moves
     comm = partition = 0.0
     for params, group, group_link in groups:
         if not params:
             continue
         if plan.distributed_optimizer:
-            comm += collective_time("reduce_scatter", params * FP32, group, group_link)  # fp32 main grads
+            comm += collective_time("reduce_scatter", params * grad, group, group_link)
             comm += collective_time("all_gather", params * gathered, group, group_link)
         else:
-            comm += collective_time("all_reduce", params * FP32, group, group_link)
+            comm += collective_time("all_reduce", params * grad, group, group_link)
         partition += params / (group if plan.distributed_optimizer else 1)
     if plan.vpp == 1:  # the first rank turns its gradient hooks on for its last backward (schedules.py, 1F1B)
         exposed = exposed_after_backward(comm, compute_micro)
