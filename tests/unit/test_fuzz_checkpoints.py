@@ -175,7 +175,8 @@ def test_a_dcp_storage_path_that_blocks_or_leads_out_is_refused(fsdp_checkpoint,
 
 
 @pytest.mark.parametrize("kind", [*sorted(POINTED), "a path with ../"])
-@pytest.mark.parametrize("verb", ["ckpt verify --deep", "ckpt inspect", "convert megatron-to-hf", "convert check"])
+@pytest.mark.parametrize("verb", ["ckpt verify", "ckpt verify --deep", "ckpt inspect", "convert megatron-to-hf",
+                                  "convert check"])
 def test_a_megatron_storage_path_that_blocks_or_leads_out_is_refused(megatron_copy, tmp_path, verb, kind):
     hf, ckpt = megatron_copy
     _run_verb(verb, ckpt, tmp_path / "out", *_storage_pointed(ckpt, kind, tmp_path / "outside"), hf=hf)

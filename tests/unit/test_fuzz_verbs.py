@@ -598,6 +598,10 @@ FLAG_VALUES = [  # argv -> the flag the error must name
     (["k8s", "render", "{recipe}", "--kind", "cronjob", "--image", "reg.io/dmt:1"], "--kind"),
     (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", "--namespace", "$(id)"],
      "--namespace"),
+    # a trailing newline (a pattern's `$` under re.match would let it through) is part of no Kubernetes name
+    *((["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1", flag, "team-a\n"], flag)
+      for flag in ("--namespace", "--queue", "--checkpoint-pvc")),
+    (["k8s", "render", "{recipe}", "--kind", "jobset", "--image", "reg.io/dmt:1\n"], "--image"),
     (["restore-test", "--recipe", "{recipe}", "--steps", "0"], "--steps"),
     (["restore-test", "--recipe", "{recipe}", "--steps", "-5"], "--steps"),
     (["restore-test", "--recipe", "{recipe}", "--backend", "megatron", "--steps", "2"], "--steps"),

@@ -5,7 +5,9 @@ test (tests/megatron/test_megatron_train.py)."""
 
 from pathlib import Path
 
+import pytest
 import torch
+from test_fuzz_checkpoints import POINTED
 
 from toolkit.backends.megatron.local import ALGO
 from toolkit.checkpoint.allow_lists import REFUSED
@@ -56,6 +58,22 @@ def test_nvrx_local_manager_saves_and_loads_a_megatron_state_on_cpu_and_verify_c
     problems = verify(tmp_path).problems
     assert any("iter_0000004_0_local.pt" in p["file"] and "test_local_checkpoints.Payload" in p["problem"]
                and REFUSED in p["problem"] for p in problems), problems
+
+
+@pytest.mark.parametrize("kind", sorted(POINTED))
+def test_a_local_checkpoint_file_that_blocks_or_leads_out_is_reported_by_verify(tmp_path, gloo_group_of_one, kind):
+    """A rank's local file made a FIFO, a link to /dev/zero or a link out of the directory: `dmt ckpt verify` (plain
+    and --deep) names it and reads nothing from it, as for every other format (tests/unit/test_fuzz_checkpoints.py)."""
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+
+    aware, _ = MCoreTensorAwareStateDict.from_state_dict(_sharded(torch.randn(4, 3), torch.randn(4)), algo=ALGO)
+    LocalCheckpointManager(tmp_path / "local", session_id="run").save(aware, 3, is_async=False)
+    file = tmp_path / "local" / "run" / "0" / "iter_0000003_0_local.pt"
+    says = POINTED[kind](file, tmp_path / "outside")
+    for deep in (False, True):
+        problems = verify(tmp_path / "local", deep=deep).problems
+        assert any(says in p["problem"] and "iter_0000003_0_local.pt" in p["file"] for p in problems), (deep, problems)
 
 
 class Payload:

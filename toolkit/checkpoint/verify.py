@@ -23,7 +23,7 @@ from toolkit.checkpoint.manifest import MANIFEST, manifest_problems, read_manife
 from toolkit.checkpoint.safe_load import path_faults, pickle_faults
 from toolkit.checkpoint.safetensors_stream import safetensors_weight_map
 from toolkit.errors import UserInputError
-from toolkit.readers import read_json, read_safetensors_header
+from toolkit.readers import not_a_file, read_json, read_safetensors_header
 from toolkit.spec.backends import BACKENDS
 
 
@@ -136,7 +136,7 @@ def nvrx_local_files(path: Path) -> dict[Path, re.Match]:
     for pattern in ("*.pt", "*/*.pt", "*/*/*.pt"):
         for file in path.glob(pattern):
             match = NVRX_LOCAL_FILES.fullmatch(file.name)
-            if match and file.is_file():
+            if match and not file.is_dir():  # a FIFO or a link by that name is one too, for path_faults to name
                 found[file] = match
     return found
 
@@ -149,6 +149,8 @@ def _check_nvrx_local(path: Path, report: VerifyReport) -> None:
     for file, match in sorted(nvrx_local_files(path).items()):
         if match.group(3):
             report.problem(file, "a save NVRx did not finish (.dirty): that step is not complete on this rank")
+            continue
+        if not_a_file(file) is not None or not file.exists():  # what it is (or where it leads): path_faults says
             continue
         if file.stat().st_size == 0:
             report.problem(file, "empty")
