@@ -555,6 +555,51 @@ def test_a_damaged_prepared_dataset_is_one_line_naming_the_file(sandbox, capsys,
     assert _snapshot(sandbox) == before
 
 
+def _outrange_cache(sandbox: Path, prefix: Path) -> None:
+    """The blend's index cache built once as training builds it, then one dataset index pointing past its datasets."""
+    import numpy
+
+    _train_loader(sandbox)
+    cache = sorted((sandbox / "run").rglob("*-BlendedDataset-train-dataset_index.npy"))[0]
+    numpy.save(cache, numpy.full_like(numpy.load(cache), 100))
+
+
+LOADER_CASES = {  # how the blend's inputs are damaged -> the key and the words the training loader's one line holds
+    "index cache values out of range": (_outrange_cache, "data.cache_dir", "outside 0 to 1"),
+    "a pointer past the .bin": (lambda sandbox, p: DAMAGED_DATASETS["a pointer past the .bin"][0](p),
+                                "data.blend.0.prefix", "sequence 1's pointer is byte 1000000000"),
+    "zero documents": (lambda sandbox, p: _empty_dataset(p), "data.blend.0.prefix", "holds no documents"),
+}
+
+
+def _train_loader(sandbox: Path) -> None:
+    """What every rank runs before its first step (check_blend, then Megatron-Core's blended datasets with the index
+    cache under the run directory), and the first samples read."""
+    from toolkit.backends.megatron.convert import single_process_group
+    from toolkit.data.blend import build_datasets, check_blend
+    from toolkit.spec.recipe import load_recipe
+
+    recipe = load_recipe(sandbox / "blend.yaml")
+    check_blend(recipe, 512)
+    with single_process_group():
+        train, _ = build_datasets(recipe, 64, 16, sandbox / "run", 512)
+    [train[i] for i in range(4)]
+
+
+@pytest.mark.parametrize("case", sorted(LOADER_CASES))
+def test_the_training_loader_refuses_a_damaged_dataset_or_cache_in_one_line(sandbox, case):
+    """A foreign index cache whose values pass the dtype check, or a prepared dataset of zero documents or pointers
+    past its .bin, is one line naming the key before a rank reads a sample (data inspect's cases are above)."""
+    from test_fuzz_checkpoints import _bounded, _refused
+
+    names = _blend_inputs(sandbox)
+    (sandbox / "blend.yaml").write_text(_blend_recipe(names))
+    damage, key, says = LOADER_CASES[case]
+    damage(sandbox, Path(f"{names['prefix']}_text_document"))
+    line = _refused(_bounded(lambda: _train_loader(sandbox) or 0), key, says)
+    assert line.startswith(f"dmt: error: {key}: "), line
+
+
 FLAG_VALUES = [  # argv -> the flag the error must name
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "0"], "--seq-len"),
     (["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--recompute-modules", "core_attn,all"],
