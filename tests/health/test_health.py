@@ -98,6 +98,16 @@ def test_unresponsive_ranks_are_named_with_the_reason():
     pairs = find_unresponsive([_seen(0, age=6.0, ops=8, uniform=False), _seen(1, age=7.0, ops=2, uniform=False)], 5.0)
     assert [u["rank"] for u in pairs] == [0, 1]  # pairwise steps issue different counts by design: no one to blame
     assert find_unresponsive([_seen(0, beat_age=60, done=True), _seen(1)], 5.0) == []  # finished is not hung
+    # before the first step (step -1, the start) a run has the startup allowance, not the step deadline; a frozen
+    # heartbeat is still named at the deadline, and once every rank is in a step the deadline holds again
+    starting = [_seen(0, step=-1, age=12.0, name="start"), _seen(1, step=-1, age=12.0, name="start")]
+    assert find_unresponsive(starting, 10.0, startup_s=20.0) == []
+    assert "never completed" in find_unresponsive(starting, 10.0, startup_s=11.0)[0]["reason"]
+    assert [u["rank"] for u in find_unresponsive(starting, 10.0)] == [0, 1]
+    behind = [_seen(0, step=0, age=12.0, name="step 1 train"), _seen(1, step=-1, age=12.0, name="start")]
+    assert find_unresponsive(behind, 10.0, startup_s=20.0) == []
+    assert find_unresponsive([starting[0], _seen(1, step=-1, beat_age=11.0)], 10.0, startup_s=20.0)[0]["rank"] == 1
+    assert find_unresponsive([_seen(0, age=12.0), _seen(1, age=12.0)], 10.0, startup_s=20.0) != []
     # frozen just after its last beat: while the others' wait passes the deadline its heartbeat is only stale, and
     # with stale_s it is named for that (stopped), not as a live rank that is late
     frozen = [_seen(0, age=6.0, ops=8), _seen(1, age=7.0, ops=5, beat_age=3.0)]

@@ -18,10 +18,10 @@ from __future__ import annotations
 import yaml
 
 from toolkit.spec.recipe import Recipe
+from toolkit.spec.recipe_training import STARTUP_FACTOR, heartbeat_interval_s
 
 FILE = "ft_config.yaml"
 SECTION = "fault_tolerance"  # the key NVRx's FaultToleranceConfig.from_yaml_file looks for
-STARTUP_FACTOR = 2  # the first heartbeat, timed by NVRx from the rank's connection (ftmonitor.start): twice the deadline
 NO_DEADLINE_S = 3600.0  # training.hang_timeout_s 0 (no watchdog): NVRx's own default for the first heartbeat
 SECTIONS = ("step", "checkpointing")  # NVRx's sections: a step's compute, a save (Megatron-LM's ft_integration's names)
 # A calculated timeout is kept at least this fraction of hang_timeout_s: below it a pause a loaded machine takes now
@@ -39,8 +39,9 @@ def fault_tolerance_timeouts(hang_timeout_s: float) -> dict:
     """FaultToleranceConfig's timeouts (names as NVRx spells them) for training.hang_timeout_s."""
     hang = hang_timeout_s
     return {
-        # NVRx checks every rank this often; the toolkit's watchdog period rule: 20 per deadline, within [0.25, 5] s
-        "workload_check_interval": min(max(hang / 20, 0.25), 5.0) if hang > 0 else 5.0,
+        # NVRx checks every rank this often: the toolkit's watchdog period
+        "workload_check_interval": heartbeat_interval_s(hang) if hang > 0 else 5.0,
+        # the first heartbeat, timed by NVRx from the rank's connection (ftmonitor.start): the start's allowance
         "initial_rank_heartbeat_timeout": STARTUP_FACTOR * hang if hang > 0 else NO_DEADLINE_S,
         "rank_heartbeat_timeout": hang if hang > 0 else None,
         "rank_section_timeouts": {name: hang if hang > 0 else None for name in SECTIONS},

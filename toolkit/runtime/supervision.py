@@ -3,7 +3,8 @@ on every rank of the job, through the job's own TCPStore (torchrun's agent store
 
 The backends call `phase(step, name)` as each rank enters a phase of a step (train, save, manifest, log). A rank
 whose heartbeat stops for `training.hang_timeout_s` (stopped, frozen, gone), or a phase no rank leaves for that long
-(a collective that never completes, a rank that never arrives), is named in OUTPUT/incident.json (rank, host, pid,
+(a collective that never completes, a rank that never arrives; before the first step, STARTUP_FACTOR times as
+long), is named in OUTPUT/incident.json (rank, host, pid,
 step, phase) by one monitor; every rank still running then writes its Python stacks (and on NCCL the flight
 recorder's record) under OUTPUT/incident/ and exits with code 3, so that the launcher or Slurm restarts the job.
 A rank that raises reports the failure the same way (naming the ranks whose heartbeat stopped) and ends the job
@@ -43,6 +44,7 @@ from toolkit.runtime.incident import (
 )
 from toolkit.runtime.job import connect_store, rank_env
 from toolkit.runtime.watchdog import Watchdog, exit_now, heartbeat_stopped, raise_terminated
+from toolkit.spec.recipe_training import STARTUP_FACTOR, heartbeat_interval_s
 
 log = logging.getLogger(__name__)
 _PHASE = re.compile(r"^step (\d+) (.+)$")  # a heartbeat's step name, as phase() writes it
@@ -82,8 +84,8 @@ class TrainingWatchdog:
 
     @property
     def interval_s(self) -> float:
-        """Heartbeat and monitor period: 20 per timeout, within [0.25, 5] s (thousands of ranks share one store)."""
-        return min(max(self.timeout / 20, 0.25), 5.0)
+        """Heartbeat and monitor period."""
+        return heartbeat_interval_s(self.timeout)
 
     def start(self) -> None:
         """Every rank, once the process group exists (under deepspeed, rank 0 hosts the store from then on)."""
@@ -97,7 +99,8 @@ class TrainingWatchdog:
         factory = lambda: PrefixStore(prefix, connect_store(env, side_timeout, master=False))  # noqa: E731
         self.watchdog = Watchdog(factory, env.rank, env.world_size, env.host, self.timeout, self.interval_s,
                                  self._report_hang, store_host_rank=None if env.agent_store else 0,
-                                 on_exit=self._last_words, exit_code=EXIT_HANG)
+                                 on_exit=self._last_words, exit_code=EXIT_HANG,
+                                 startup_s=STARTUP_FACTOR * self.timeout)
         self.watchdog.store.set(f"pid/{env.rank}", str(os.getpid()))
         self.watchdog.start()
         self._previous_term = signal.signal(signal.SIGTERM, raise_terminated)

@@ -85,7 +85,8 @@ def heartbeat_stopped(entry: dict) -> bool:
     return entry.get("reason") in (STOPPED, NEVER_STARTED)
 
 
-def find_unresponsive(observations: list[Observation], deadline_s: float, stale_s: float | None = None) -> list[dict]:
+def find_unresponsive(observations: list[Observation], deadline_s: float, stale_s: float | None = None,
+                      startup_s: float | None = None) -> list[dict]:
     """The ranks to name, each with why; [] while the job is alive.
 
     1. a heartbeat stopped for longer than the deadline: the process is stopped, frozen or gone;
@@ -95,10 +96,12 @@ def find_unresponsive(observations: list[Observation], deadline_s: float, stale_
 
     With `stale_s` (a few heartbeat periods): once 2. or 3. finds the job stuck, 1. holds with `stale_s` for the
     deadline: a rank frozen just after its last beat is otherwise named as merely late, because the others' wait
-    began before its heartbeat went silent.
+    began before its heartbeat went silent. With `startup_s`: 2. and 3. allow that long while a rank has not left
+    the start (step -1: no step entered yet), which does work no step repeats.
     """
     active = [o for o in observations if not o.beat.finished]
-    stuck = _stuck(active, deadline_s) if active else []
+    starting = startup_s is not None and any(o.beat.step < 0 for o in active)
+    stuck = _stuck(active, startup_s if starting else deadline_s) if active else []
     silent_for = stale_s if stuck and stale_s is not None else deadline_s
     silent = [_entry(o, o.beat_age_s, STOPPED if o.ever_seen else NEVER_STARTED)
               for o in active if o.beat_age_s > silent_for]
@@ -182,8 +185,9 @@ class Watchdog:
 
     def __init__(self, store_factory: Callable[[], object], rank: int, world: int, host: str, deadline_s: float,
                  interval_s: float, on_hang: Callable[[list[dict], object], None], store_host_rank: int | None,
-                 on_exit: Callable[[], None] | None = None, exit_code: int = 1):
+                 on_exit: Callable[[], None] | None = None, exit_code: int = 1, startup_s: float | None = None):
         self.rank, self.world, self.deadline_s, self.interval_s = rank, world, deadline_s, interval_s
+        self.startup_s = startup_s  # the deadline before a rank's first step (find_unresponsive); None: deadline_s
         self.stale_s = min(max(5 * interval_s, 2.5), deadline_s)  # a heartbeat this old stopped (it beats each period)
         self.on_hang, self.store_host_rank = on_hang, store_host_rank
         self.on_exit, self.exit_code = on_exit, exit_code  # last words of a rank the watchdog ends, and its code
@@ -282,7 +286,8 @@ class Watchdog:
                                  "reason": "its TCPStore does not answer (process stopped, frozen or gone)"}], own=True)
                     return
                 continue
-            unresponsive = find_unresponsive(tracker.observe(beats, hosts, now), self.deadline_s, self.stale_s)
+            unresponsive = find_unresponsive(tracker.observe(beats, hosts, now), self.deadline_s, self.stale_s,
+                                             self.startup_s)
             if unresponsive:
                 stopped = {u["rank"] for u in unresponsive if heartbeat_stopped(u)}
                 reporter = next((r for r in MONITOR_RANKS if r < self.world and r not in stopped), None)

@@ -51,6 +51,18 @@ class ProfileSection(Section):
         return self.start_step + self.steps - 1
 
 
+# A run's start (the phase before its first step: the checkpoint writer process, the data, the first heartbeat) may
+# take this many hang timeouts before the watchdog or NVRx's rank monitor calls it a hang: its bounded waits alone
+# (the checkpoint writer's start, at most half a hang timeout) must fit in it beside work no step repeats
+STARTUP_FACTOR = 2
+
+
+def heartbeat_interval_s(hang_timeout_s: float) -> float:
+    """How often every rank beats and the monitors look: 20 per hang timeout, within [0.25, 5] s (thousands of ranks
+    share one store). The toolkit's watchdog and NVRx's workload_check_interval alike."""
+    return min(max(hang_timeout_s / 20, 0.25), 5.0)
+
+
 class TrainingSection(Section):
     seq_len: int = Field(gt=0, description="Tokens per packed training sequence.")
     global_batch: int = Field(gt=0, description="Sequences per optimizer step.")

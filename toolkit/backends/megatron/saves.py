@@ -46,7 +46,7 @@ class CheckpointSaves(BackgroundSaves):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.calls = AsyncCallsQueue(persistent=True)
-        self.written = start_writer(self.calls, self.wait_s)
+        self.written = start_writer(self.calls, self.wait_s / 2)  # within the start's allowance (STARTUP_FACTOR)
         self.watch.before_exit(self.abandon)
         log.info("checkpoints are written in the background (training.async_save)")
 
