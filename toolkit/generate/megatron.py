@@ -22,7 +22,7 @@ from toolkit.planner.save_interval import recipe_saves_async
 from toolkit.spec.engine_settings import MEGATRON_VOCAB_DIVISIBLE_BY, megatron_padded_vocab
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.plan import Plan
-from toolkit.spec.quantization import FORMAT, FP4, FP8, LOW_PRECISION
+from toolkit.spec.quantization import BF16_COMPUTE, FORMAT, FP4, FP8
 from toolkit.spec.recipe import Recipe, data_workers
 
 SECTIONS = ("model", "transformer_config", "gpt_model", "ddp_config", "optimizer_config", "scheduler",
@@ -37,7 +37,7 @@ OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}  # Megatron's "adam" is AdamW (deco
 
 def _precision(plan: Plan) -> dict:
     dtype = DTYPES[plan.precision]
-    fields = {"bf16": plan.precision in ("bf16", *LOW_PRECISION), "fp16": plan.precision == "fp16",
+    fields = {"bf16": plan.precision in BF16_COMPUTE, "fp16": plan.precision == "fp16",
               "params_dtype": dtype, "pipeline_dtype": dtype}
     if plan.precision == FP8:  # E4M3 forward / E5M2 gradients, in the plan's recipe (spec/quantization.py)
         fields.update(fp8=FORMAT[FP8], fp8_recipe=plan.fp8_recipe)

@@ -37,7 +37,7 @@ from toolkit.spec.options import (
     option_backends,
 )
 from toolkit.spec.pipeline import LAYOUT_FLAG, PipelineSplit, expand_layout
-from toolkit.spec.quantization import DEFAULT_RECIPE, FP4, FP8
+from toolkit.spec.quantization import BF16_COMPUTE, DEFAULT_RECIPE, FP4, FP8
 
 # Bytes of one parameter / activation element stored in each training precision (fp8 and fp4 keep bf16 weights and
 # activations; what Transformer Engine's recipes add or save in fewer bytes is spec/quantization.py's).
@@ -329,7 +329,7 @@ def _check_precision(p: Plan) -> None:
     if p.fp8_param_gather and p.precision != FP8:
         raise UserInputError("--fp8-param-gather", f"keeps the weights in fp8: it needs --precision fp8, not "
                                                    f"{p.precision}")
-    if p.grad_reduce_in_bf16 and p.precision in ("fp32", "fp16"):  # Megatron-LM applies it under --bf16 only
+    if p.grad_reduce_in_bf16 and p.precision not in BF16_COMPUTE:  # Megatron-LM applies it under --bf16 only
         raise UserInputError("--grad-reduce-in-bf16", f"reduces bf16 gradients: it needs --precision bf16, fp8 or "
                                                       f"fp4, not {p.precision}")
 

@@ -33,6 +33,7 @@ from toolkit.spec.cluster import GPU, capability
 
 FP8, FP4 = "fp8", "fp4"
 LOW_PRECISION = (FP8, FP4)  # the precisions whose GEMMs run in Transformer Engine's recipes
+BF16_COMPUTE = ("bf16", *LOW_PRECISION)  # the precisions that run under Megatron-Core's bf16 (and --bf16)
 DEFAULT_RECIPE = {FP8: "delayed", FP4: "nvfp4"}  # TransformerConfig's defaults (fp8_recipe, fp4_recipe)
 # Megatron-Core's TransformerConfig.fp8: 'hybrid' is E4M3 forward and E5M2 gradients (Megatron-Bridge's recipes);
 # TransformerConfig.fp4: 'e2m1', the one fp4 format

@@ -206,7 +206,7 @@ def megatron_plan_view(config: dict) -> dict[str, tuple[str, object]]:
     values["fp4_recipe"] = (f"{TC}.fp4_recipe", tc.get("fp4_recipe") if tc.get("fp4") else None)
     values["fp8_param_gather"] = (f"{TC}.fp8_param", bool(tc.get("fp8_param")))
     # the gradients' dtype (DistributedDataParallelConfig): fp32 unless a 16-bit run turns it off
-    values["grad_reduce_in_bf16"] = ("ddp_config.grad_reduce_in_fp32", values["precision"][1] not in ("fp32", "fp16")
+    values["grad_reduce_in_bf16"] = ("ddp_config.grad_reduce_in_fp32", bool(tc.get("bf16"))
                                      and not config["ddp_config"].get("grad_reduce_in_fp32"))
     values["overlap_moe_expert_parallel_comm"] = (f"{TC}.overlap_moe_expert_parallel_comm",
                                                   bool(tc.get("overlap_moe_expert_parallel_comm")))
