@@ -224,3 +224,74 @@ def test_a_resume_from_a_crafted_checkpoint_is_refused_before_any_loader(tmp_pat
         resume_checkpoint(tmp_path / "run", str(ckpt), identity)
     assert refused.value.key == "--resume" and "asks for builtins.exec" in refused.value.message
     assert not mark.exists()
+
+
+def _zip_records(records: list[tuple[str, bytes]]) -> bytes:
+    import io
+    import warnings
+    import zipfile
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        warnings.simplefilter("ignore")  # a name written twice is what one case crafts
+        for name, data in records:
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("shape", ["pickle before the zip", "two folders", "a name twice"])
+def test_a_rank_file_whose_zip_is_not_what_torch_load_reads_runs_nothing(tmp_path, capsys, shape):
+    """Three files whose zip the index would scan harmlessly while torch.load unpickles the payload: a legacy pickle
+    with a harmless torch.save zip appended (torch.load reads anything not starting with a zip record as a legacy
+    pickle), a zip whose first record names another folder than the first data.pkl (torch names the archive after
+    its first record) and a data.pkl written twice (zipfile reads the last). Each is refused by the resume check and
+    by verify; torch.load of the first really runs it (what the check stands in front of)."""
+    mark = tmp_path / "MARK"
+    ckpt = _zero_checkpoint(tmp_path / "ckpt", "none", mark)
+    file = ckpt / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    payload, harmless = pickle.dumps(Payload(mark), protocol=2), pickle.dumps({"a": 1}, protocol=2)
+    tail = [("archive/version", b"3\n"), ("archive/byteorder", b"little")]
+    file.write_bytes({
+        "pickle before the zip": payload + _zip_records([("archive/data.pkl", harmless), *tail]),
+        "two folders": _zip_records([("evil/version", b"3\n"), ("archive/data.pkl", harmless),
+                                     ("evil/data.pkl", payload), ("evil/byteorder", b"little")]),
+        "a name twice": _zip_records([("archive/data.pkl", payload), ("archive/data.pkl", harmless), *tail]),
+    }[shape])
+    with pytest.raises(UserInputError, match="bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        check_checkpoint(ckpt, "--resume")
+    assert main(["ckpt", "verify", str(ckpt)]) == 1 and str(file) in capsys.readouterr().out
+    assert not mark.exists()
+    if shape == "pickle before the zip":
+        with pytest.raises(RuntimeError, match="magic number"):  # after the payload, its first object, ran
+            torch.load(file, weights_only=False)
+        assert mark.exists()
+
+
+def test_a_ranks_own_dcp_metadata_is_read_through_the_allow_list(fsdp_checkpoint, tmp_path, capsys):
+    """torch's DCP loader falls back to a rank's `__<rank>.metadata` (plain pickle.load) when `.metadata` is missing:
+    a crafted one beside the checkpoint's files is refused by the resume check and by verify, unrun."""
+    mark = tmp_path / "MARK"
+    dcp_dir = fsdp_checkpoint / "pytorch_model_fsdp_0"
+    (dcp_dir / ".metadata").unlink()
+    _crafted_pickle(dcp_dir / "__0.metadata", mark)
+    with pytest.raises(UserInputError, match="asks for builtins.exec"):
+        check_checkpoint(fsdp_checkpoint, "--resume")
+    _verify_finds(capsys, ["ckpt", "verify", str(fsdp_checkpoint)], mark, dcp_dir / "__0.metadata")
+
+
+def test_a_symlinked_folder_of_a_hub_snapshot_must_stay_inside_the_snapshot(fsdp_checkpoint, tmp_path):
+    """The hub's cache links a snapshot's files into its repository's blobs/, never a folder: a folder linked out of
+    the snapshot (even into the same repository) is refused, as the walks that scan the pickles do not enter it."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "elsewhere").mkdir()
+    (repo / "blobs").mkdir()  # what makes it the hub's cache (readers.link_root)
+    mark = tmp_path / "MARK"
+    _dcp(repo / "elsewhere" / "dcp", {"w": torch.ones(2)})
+    _crafted_pickle(repo / "elsewhere" / "dcp" / ".metadata", mark)
+    (snapshot / "config.json").write_text(json.dumps(tiny_llama_config()))
+    (snapshot / "pytorch_model_fsdp_0").symlink_to(repo / "elsewhere" / "dcp", target_is_directory=True)
+    with pytest.raises(UserInputError, match="outside"):
+        check_checkpoint(snapshot, "--resume")
+    assert not mark.exists()

@@ -4,7 +4,8 @@ in one line naming the class, before it runs.
 A pickle names the functions and classes it calls (its "globals"); unpickled without restriction, a crafted one calls
 os.system as easily as torch.Size. Every pickle the toolkit opens passes through here:
 
-- a DCP `.metadata` (a plain pickle, which torch's FileSystemReader unpickles unrestricted): read_dcp_metadata, with
+- a DCP `.metadata` or a rank's `__<rank>.metadata` (plain pickles, which torch's FileSystemReader unpickles
+  unrestricted): read_dcp_metadata, with
   RestrictedUnpickler and DCP_METADATA;
 - a torch.save archive indexed without loading its tensors (DeepSpeed's rank files, Megatron's common.pt, an object
   stored in a DCP file): torch_zip.index_torch_file, whose unpickler is a RestrictedUnpickler of DEEPSPEED or
@@ -45,13 +46,13 @@ from toolkit.errors import UserInputError
 from toolkit.readers import inside, link_root, not_a_file, one_line, open_regular, problem, read_text
 
 
-def read_dcp_metadata(checkpoint: Path, key: str | None = None):
-    """The `.metadata` of a torch.distributed.checkpoint directory: every tensor's global shape and chunks, and where
-    each chunk is stored. Unpickled with DCP_METADATA only (torch's FileSystemReader.read_metadata would run any
-    pickle); a damaged or foreign file is a UserInputError naming it."""
+def read_dcp_metadata(checkpoint: Path, key: str | None = None, name: str = ".metadata"):
+    """The `.metadata` of a torch.distributed.checkpoint directory (or its rank-local `__<rank>.metadata`, `name`):
+    every tensor's global shape and chunks, and where each chunk is stored. Unpickled with DCP_METADATA only (torch's
+    FileSystemReader.read_metadata would run any pickle); a damaged or foreign file is a UserInputError naming it."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    path = Path(checkpoint) / ".metadata"
+    path = Path(checkpoint) / name
     what = "torch.distributed.checkpoint metadata (a pickled Metadata, as dcp.save writes it)"
     try:
         with open_regular(path, key or str(path), what) as handle:
@@ -102,6 +103,9 @@ def check_storage_paths(checkpoint: Path, metadata, key: str | None) -> None:
         inside(checkpoint, info.relative_path, key, what)
 
 
+RANK_METADATA = "__*.metadata"  # a rank's own metadata (FileSystemReader.read_metadata(rank=...))
+
+
 # how torch.load(weights_only=True) names the global it refused (torch/_weights_only_unpickler.py)
 _TORCH_REFUSAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
 
@@ -141,9 +145,11 @@ def check_checkpoint(ckpt: Path, key: str | None) -> None:
 
 def path_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
     """Each entry of `ckpt` a loader could open that would block it, read without end or lead outside: a FIFO, a
-    device or a socket (a symlink judged by its target), a symlink resolving outside `ckpt`, a `latest` pointer
-    naming anything but a directory beside it. The libraries' loaders (DeepSpeed's, Accelerate's, Megatron-Core's,
-    HF Trainer's json and torch.load) open what they find as given."""
+    device or a socket (a symlink judged by its target), a symlink resolving outside `ckpt` (a file's may resolve
+    into the hub cache's repository, link_root; a directory's only inside `ckpt`, where the walk below and
+    pickle_faults' see what it holds: they do not enter a symlinked directory), a `latest` pointer naming anything
+    but a directory beside it. The libraries' loaders (DeepSpeed's, Accelerate's, Megatron-Core's, HF Trainer's json
+    and torch.load) open what they find as given."""
     import os
 
     ckpt = Path(ckpt)
@@ -156,7 +162,8 @@ def path_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
                 kind = not_a_file(path)
                 if kind is not None and not path.is_dir():
                     raise problem(path, key, f"is {kind}, not a regular file; expected {what}")
-                inside(root, path.relative_to(root), key, what)
+                within = ckpt if path.is_dir() else root  # the hub links files only
+                inside(within, path.relative_to(within), key, what)
                 if name == "latest" and kind is None:
                     inside(path.parent, read_text(path, key, "the name of a tag directory beside it").strip(), key,
                            "the name of a tag directory beside it")
@@ -173,9 +180,11 @@ def pickle_faults(ckpt: Path, key: str | None) -> Iterator[UserInputError]:
 
     ckpt = Path(ckpt)
     archives = []  # (file, its region or None for the whole file, allow-list) of every torch.save archive
-    for marker in sorted(ckpt.rglob(".metadata")):
+    # torch's DCP loader reads a rank's `__<rank>.metadata` (with plain pickle.load) when `.metadata` is missing or
+    # unreadable: every one is read here too
+    for marker in sorted({*ckpt.rglob(".metadata"), *ckpt.rglob(RANK_METADATA)}):
         try:
-            metadata = read_dcp_metadata(marker.parent, key)
+            metadata = read_dcp_metadata(marker.parent, key, marker.name)
         except UserInputError as exc:
             yield exc
             continue

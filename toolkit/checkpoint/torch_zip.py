@@ -28,6 +28,7 @@ from toolkit.readers import open_regular, problem
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
+_ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks for at the start to read a file as a zip (serialization._is_zipfile)
 
 
 # torch's legacy typed storage classes (what torch.save pickles as a storage's type) -> dtype name, bytes
@@ -196,13 +197,35 @@ def index_torch_file(path: Path, region: tuple[int, int] | None = None, allowed:
                                                f"{exc})") from None
 
 
+def check_one_archive(archive: zipfile.ZipFile, raw) -> str:
+    """The name of the pickle torch.load unpickles from `archive` (open on `raw`), once the archive is one torch.load
+    reads as this module does: starting at byte 0 with a zip record (torch.load unpickles anything else as a
+    legacy pickle, so a pickle with a harmless zip appended would run while the zip is scanned), every record in
+    the one folder of the first (torch names the archive after it) and no name twice (zipfile reads the last of
+    two, torch's reader may read the first). Otherwise a ValueError saying which."""
+    raw.seek(0)
+    if raw.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+        raise ValueError("does not start with a zip record as torch.save writes it (torch.load would unpickle it "
+                         "as a legacy pickle)")
+    records = archive.infolist()
+    if not records or records[0].header_offset != 0:
+        raise ValueError("has bytes before its first zip record")
+    names = [info.filename for info in records]
+    folder = names[0].split("/", 1)[0] + "/" if "/" in names[0] else ""
+    if len(set(names)) != len(names) or not all(name.startswith(folder) for name in names):
+        raise ValueError(f"holds records outside one folder or a name twice; torch.save writes one folder "
+                         f"({folder or 'the top'}) of unique names")
+    if folder + "data.pkl" not in names:
+        raise ValueError(f"has no {folder}data.pkl")
+    return folder + "data.pkl"
+
+
 def _index(path: Path, handle, start: int, length: int | None, allowed: frozenset, key: str | None):
     raw = handle if length is None else FileSlice(handle, start, length)
     end = start + (length if length is not None else os.fstat(handle.fileno()).st_size)
     with zipfile.ZipFile(raw) as archive:
         check_stored(archive, path, key)
-        names = archive.namelist()
-        pickle_name = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
+        pickle_name = check_one_archive(archive, raw)
         prefix = pickle_name[: -len("data.pkl")]
         offsets = {}
         for info in archive.infolist():
