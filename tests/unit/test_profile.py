@@ -250,7 +250,11 @@ def test_report_breakdown_shows_the_estimators_terms_and_the_per_rank_spread(tmp
     assert "per-rank spread" in text and "step 0.05 s, most in compute (0.3 s)" in text, text
     assert "slowest rank: 1, by compute" in text
     plot = tmp_path / "breakdown.png"
-    assert main(["report", str(run), "--breakdown", "--plot", str(plot)]) == 0 and plot.stat().st_size > 0
+    assert main(["report", str(run), "--plot", str(plot)]) == 0  # --plot alone: a profiled run gets its bars
+    png = plot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "where the time went" not in capsys.readouterr().out
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (1430, 1320), (width, height)  # 13 x 12 in at 110 dpi: a third row, the bars
     assert predicted_by(breakdown, "communication_exposed_s") == "exposed data-parallel communication 0.1"
     assert predicted_by(breakdown, "data_wait_s") == ""
 

@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="logged steps left out of the medians (allocation, compilation; default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: {runs: [...]}")
     parser.add_argument("--plot", type=output_arg, default=None, metavar="FILE.png",
-                        help="loss, grad norm, tokens/s and memory over the steps, with the predicted lines (and "
-                             "with --breakdown, predicted and measured bars per term)")
+                        help="loss, grad norm, tokens/s and memory over the steps, with the predicted lines, and for runs "
+                             "with profiled steps the predicted and measured bars per term")
     parser.add_argument("--breakdown", action="store_true",
                         help="the profiled steps (train.py --profile-steps, training.profile) per step and rank: "
                              "compute, communication, data wait, optimizer, checkpoint pause and idle beside the "
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     for report in reports:
         if calibration is not None:
             repredict(report, calibration)
-    if args.breakdown:
+    if args.breakdown or args.plot is not None:  # the plot draws the profiled runs' bars
         for report in reports:
             report.breakdown = read_breakdown(Path(report.run_dir), _predicted_terms(Path(report.run_dir)))
     if args.plot is not None:

@@ -28,7 +28,7 @@ def predicted_by(breakdown: dict, term: str) -> str:
 
 
 def _breakdown_bars(ax, reports: list[RunReport]) -> None:
-    """`--breakdown`: per term, the measured seconds per step (solid) beside the predicted (hatched), run by run."""
+    """Runs with profiled steps: per term, the measured seconds per step (solid) beside the predicted (hatched), run by run."""
     terms = list(LABELS)
     width = 0.8 / (2 * len(reports))
     for index, report in enumerate(reports):

@@ -58,8 +58,8 @@ class RunReport:
     # prediction the calibration replaced, kept beside it: {step_time_s, step_time_error, calibration}
     launch_prediction: dict | None = None
     moe: dict | None = None  # MoE runs: the routing imbalance measured against the plan's (moe_summary)
-    # `dmt report --breakdown`: the profiled steps' measured terms beside the predicted ones
-    # (toolkit/report/breakdown.py); None without the flag or without profiled steps
+    # `dmt report --breakdown` (or --plot): the profiled steps' measured terms beside the predicted ones
+    # (toolkit/report/breakdown.py); None without either flag or without profiled steps
     breakdown: dict | None = None
 
     def as_dict(self) -> dict:
