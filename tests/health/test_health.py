@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port
+from toolkit.cli.health import matmul_spread
 from toolkit.errors import UserInputError
 from toolkit.health.analysis import find_slow_links, find_stragglers, find_suspects, numa_mismatch
 from toolkit.health.checks import match_gpu, parse_cpulist
@@ -190,6 +191,12 @@ def test_judge_names_wrong_results_stragglers_and_differing_nccl_settings():
     report = judge(ranks, collectives, {"intra_node_busbw_gbps": None, "inter_node_busbw_gbps": None}, [], HealthOptions())
     assert not report.ok and report.hosts == ["a", "b"]
     assert [(s.rank, s.host) for s in report.stragglers] == [(2, "b")]
+    assert "rank 2 (b) is a straggler by compute: matmul 5.00 ms vs 1.05 ms median on the other ranks (4.8x)" \
+        in report.problems  # named by its term, as `dmt report --breakdown` names a run's slowest rank
+    assert matmul_spread([{"rank": i, **facts} for i, facts in enumerate(ranks)]) == (
+        "per-rank spread (slowest less fastest rank): matmul 4.00 ms, all of it compute (the one term measured "
+        "here); slowest rank: 2 (b)")
+    assert matmul_spread([{"rank": 0, **ranks[0]}]) is None
     assert any("all_reduce of 4096 B returned wrong values" in p for p in report.problems)
     assert any(w.startswith("NCCL_IB_HCA differs") for w in report.warnings)
 

@@ -133,6 +133,8 @@ def _print_table(report: dict) -> None:
                           f"{facts['matmul_ms']:.2f}", f"{facts['matmul_gflops']:.1f}",
                           "FAILED" if facts.get("memory_check") else "ok")
         console.print(ranks)
+        if spread := matmul_spread(report["ranks"]):
+            console.print(spread)
     if report.get("collectives"):
         table = Table("op", "size", "time us", "algbw GB/s", "busbw GB/s", "correct",
                       title="collectives (nccl-tests definitions)")
@@ -152,6 +154,16 @@ def _print_table(report: dict) -> None:
         console.print(f"[red]problem:[/] {problem}")
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def matmul_spread(ranks: list[dict]) -> str | None:
+    """The per-rank spread as `dmt report --breakdown` words a training run's, for the one term a preflight measures
+    (compute: the matmul); None with one rank."""
+    if len(ranks) < 2:
+        return None
+    slowest, fastest = (max(ranks, key=lambda f: f["matmul_ms"]), min(ranks, key=lambda f: f["matmul_ms"]))
+    return (f"per-rank spread (slowest less fastest rank): matmul {slowest['matmul_ms'] - fastest['matmul_ms']:.2f} ms, "
+            f"all of it compute (the one term measured here); slowest rank: {slowest['rank']} ({slowest['host']})")
 
 
 def _size(nbytes: int) -> str:
