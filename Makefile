@@ -28,8 +28,8 @@ FAST_LANE := -m "not launch" -n 2
 # The launch lane: each test starts 2 ranks (some a server, a browser or Slurm), on 2 pytest-xdist workers. Measured
 # per test (children's CPU against wall time) a launch keeps only ~1-1.5 of the 2 cores busy and a fault test ~0.6 (a
 # held rank, a hang timeout), so two at a time are faster than one. `--dist loadgroup` schedules by the groups of
-# tests/helpers.py (launch_scheduler): a file, or a directory whose files share session launches, runs
-# whole on one worker in its order, so every shared launch runs once. Serially: `make test LAUNCH_LANE='-m launch'`.
+# tests/helpers.py (launch_scheduler): a file, or the files of a directory that share session launches
+# (SHARED_LAUNCHES), runs whole on one worker in its order, so every shared launch runs once. Serially: `make test LAUNCH_LANE='-m launch'`.
 LAUNCH_LANE ?= -m launch -n 2 --dist loadgroup
 TEST_ENV := $(RUN_ENV) HF_HUB_OFFLINE=1 WANDB_MODE=offline
 

@@ -374,17 +374,27 @@ def k8s_training_pod(kind: str, documents: list[dict]) -> dict:
     return documents[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
 
 
-# Directories whose session fixtures start launches that tests in several of their files assert on (megatron's layout
-# runs, checkpoint's ZeRO saves, fsdp's accelerate run) or hold a service one process at a time may run (Slurm's
-# daemons): each is one group, so that one worker runs all of it and every shared launch still runs once.
-SHARED_BY_DIRECTORY = {"megatron", "checkpoint", "fsdp", "slurm"}
+# The files of a directory whose tests assert on the same session-scoped launches (SESSION_LAUNCHES): one group each,
+# so that one worker runs them all and every shared launch still runs once. Every other file is a group of its own,
+# so that the long launches of one directory spread over both workers.
+SHARED_LAUNCHES = {
+    "megatron": ("test_megatron_convert.py", "test_megatron_logits.py", "test_megatron_train.py"),
+    "checkpoint": ("test_verify.py", "test_zero_to_hf.py"),
+    "fsdp": ("test_fsdp_convert.py", "test_fsdp_memory.py", "test_fsdp_train.py"),
+}
+# the session fixtures that launch (conftest.py files), whose users must share a group (tests/unit/test_launch_groups.py)
+SESSION_LAUNCHES = ("layout_run", "moe_run", "dp2_resumed", "zero_checkpoints", "accelerate_run", "torchrun_restore",
+                    "moe_reshard")
+SHARED_BY_DIRECTORY = {"slurm"}  # the Slurm daemons: one cluster at a time
 
 
 def launch_group(nodeid: str) -> str:
     """The group a test runs in on the 2-worker launch lane: its file, or its directory where launches are shared
-    across files ('tests/megatron/test_x.py::test_y' -> 'megatron')."""
+    across files ('tests/megatron/test_megatron_train.py::test_y' -> 'megatron')."""
     directory, *rest = nodeid.split("::", 1)[0].split("/")[1:]  # below tests/
-    return directory if directory in SHARED_BY_DIRECTORY or not rest else "/".join((directory, *rest))
+    if directory in SHARED_BY_DIRECTORY or not rest or rest[-1] in SHARED_LAUNCHES.get(directory, ()):
+        return directory
+    return "/".join((directory, *rest))
 
 
 def launch_scheduler(config, log):

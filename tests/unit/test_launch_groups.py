@@ -3,7 +3,10 @@ driven here with two stand-in workers, never splits a group: a directory whose s
 (one Slurm cluster, one set of Megatron launches) runs on one worker, and a file's tests run on one worker in their
 order."""
 
-from helpers import launch_group, launch_scheduler
+import re
+from pathlib import Path
+
+from helpers import SESSION_LAUNCHES, launch_group, launch_scheduler
 
 
 class Worker:
@@ -38,10 +41,12 @@ class LoadGroupConfig:
 
 def test_every_group_of_the_launch_lane_runs_whole_on_one_worker_in_file_order(request):
     collection = [f"tests/{path}::test_{i}" for path in (
-        "checkpoint/test_restore.py", "checkpoint/test_verify.py", "explore/test_explore_browser.py",
+        "checkpoint/test_restore.py", "checkpoint/test_verify.py", "checkpoint/test_zero_to_hf.py",
+        "explore/test_explore_browser.py",
         "megatron/test_megatron_train.py", "megatron/test_megatron_faults.py", "slurm/test_slurm.py",
         "training/test_faults.py", "training/test_train_launch.py") for i in range(3)]
-    assert launch_group(collection[0]) == "checkpoint"
+    assert launch_group("tests/checkpoint/test_verify.py::test_0") == "checkpoint"
+    assert launch_group(collection[0]) == "checkpoint/test_restore.py"  # launches of its own: either worker
     assert launch_group("tests/training/test_faults.py::test_0") == "training/test_faults.py"
     config = LoadGroupConfig(request.config)
     assert launch_scheduler(LoadGroupConfig(request.config, "load"), None) is None
@@ -67,3 +72,16 @@ def test_every_group_of_the_launch_lane_runs_whole_on_one_worker_in_file_order(r
         mine = [n for n in ran[name] if launch_group(n) == group]
         assert mine == [n for n in collection if launch_group(n) == group]
     assert all(ran.values())  # both workers got work
+
+
+def test_the_tests_of_each_shared_launch_are_one_group():
+    """Every test file that asks for a session fixture that launches is in that launch's group (helpers'
+    SHARED_LAUNCHES): on two workers the launch would otherwise run twice. Each fixture is defined once and used."""
+    tests = Path(__file__).parents[1]
+    files = sorted(tests.rglob("test_*.py"))
+    for fixture in SESSION_LAUNCHES:
+        defined = [p for p in tests.rglob("conftest.py") if re.search(rf"^def {fixture}\(", p.read_text(), re.M)]
+        assert len(defined) == 1, (fixture, defined)
+        users = [p for p in files if re.search(rf"\b{fixture}\b", p.read_text())]
+        groups = {launch_group(f"{p.relative_to(tests.parent).as_posix()}::test") for p in users}
+        assert users and len(groups) == 1, (fixture, groups)
