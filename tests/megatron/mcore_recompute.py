@@ -21,7 +21,10 @@ PLANS = {  # name: recipe plan overrides
 BF16 = dict(recompute="none", precision="bf16")
 LOSS_PEAK = dict(recompute="full", precision="bf16")  # the loss's peak, on a vocabulary whose logits outweigh the rest
 LOSS_VOCAB = 32000
-MOE_PLANS = {"ep2": dict(ep=2, recompute="none")}  # name: plan overrides of the MoE recipe
+# name: plan overrides of the MoE recipe: EP 2, and EP 2 folded over TP 2 (one group of 2 ranks is attention's TP
+# group and the experts' EP group, ETP 1; MoE at TP > 1 needs sequence parallelism)
+MOE_PLANS = {"ep2": dict(ep=2, recompute="none"),
+             "folded": dict(tp=2, ep=2, etp=1, sequence_parallel=True, recompute="none")}
 
 
 def run_plan(recipe, model, overrides: dict, tokens, weights):
@@ -73,7 +76,7 @@ def run_moe_plan(recipe, model, overrides: dict) -> dict:
     batch, as data parallelism gives it): saved bytes, routed tokens per MoE layer, parameters and main-grad
     elements, dense and expert (Megatron-Core marks expert parameters allreduce=False)."""
     import torch
-    import torch.distributed as dist
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from toolkit.backends.megatron.build import build, destroy, unwrapped
@@ -85,8 +88,9 @@ def run_moe_plan(recipe, model, overrides: dict) -> dict:
     setup = build(megatron_yaml_for(recipe, model, plan))
     gpt = unwrapped(setup)[0]
     gpt.train()
+    # the ranks of a TP group read the same batch
     tokens = torch.randint(0, model.vocab_size, (plan.micro_batch, recipe.training.seq_len),
-                           generator=torch.Generator().manual_seed(dist.get_rank()))
+                           generator=torch.Generator().manual_seed(parallel_state.get_data_parallel_rank()))
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     received: list[int] = []
     for module in gpt.modules():
@@ -107,8 +111,9 @@ def run_moe_plan(recipe, model, overrides: dict) -> dict:
         params["dense" if getattr(p, "allreduce", True) else "expert"] += p.numel()
     grad_elements = sum(p.main_grad.numel() for p in gpt.parameters() if getattr(p, "main_grad", None) is not None)
     destroy()
-    return dict(saved_bytes=saved, received=received, params=params, grad_elements=grad_elements,
-                tokens=plan.micro_batch * plan.seq_len)
+    # the tokens a rank routes: its part of the sequence under sequence parallelism
+    routes = plan.micro_batch * plan.seq_len // (plan.tp if plan.sequence_parallel else 1)
+    return dict(saved_bytes=saved, received=received, params=params, grad_elements=grad_elements, tokens=routes)
 
 
 def loss_peak(recipe, model, tokens) -> tuple[int, str]:

@@ -161,14 +161,16 @@ def _moe_estimate(runs, name: str, imbalance: float):
     return model, plan, estimate_memory(model, plan), stage_params(model, count_params(model), plan, 0)
 
 
-def test_moe_experts_split_over_ep_as_the_estimate_counts(runs):
-    """At EP 2 each rank holds half the routed experts (and every dense parameter): what the estimate's weights,
-    fp32 main grads and distributed-optimizer shards are counted from."""
+@pytest.mark.parametrize("name", ["ep2", "folded"])
+def test_moe_experts_split_over_ep_as_the_estimate_counts(runs, name):
+    """At EP 2 each rank holds half the routed experts (and every dense parameter; folded over TP 2, half of each
+    attention and embedding matrix too): what the estimate's weights, fp32 main grads and distributed-optimizer
+    shards are counted from."""
     from toolkit.estimate.params import count_params
 
-    ranks = runs[0]["moe"]["ep2"]
-    model, plan, memory, params = _moe_estimate(runs, "ep2", 1.0)
-    assert plan.ep == 2 and plan.expert_dp == 1
+    ranks = runs[0]["moe"][name]
+    model, plan, memory, params = _moe_estimate(runs, name, 1.0)
+    assert plan.ep == 2 and plan.expert_dp == 1 and plan.tp == (2 if name == "folded" else 1)
     for rank in ranks:
         assert rank["params"]["expert"] == params.expert > 0
         assert rank["params"]["dense"] == params.dense
@@ -178,18 +180,21 @@ def test_moe_experts_split_over_ep_as_the_estimate_counts(runs):
     assert 2 * ranks[0]["params"]["expert"] == experts  # split, not replicated
 
 
-def test_moe_activations_within_5_percent_of_what_each_ep_rank_keeps(runs):
+@pytest.mark.parametrize("name", ["ep2", "folded"])
+def test_moe_activations_within_5_percent_of_what_each_ep_rank_keeps(runs, name):
     """Each rank's kept bytes against the estimate at the routing imbalance that rank saw (its received routed
-    tokens over k x its tokens; the estimate caps nothing at EP 2 below 2): the router, the permutation and the
-    routed experts' activations, tensor by tensor. The busiest rank is the one the estimate's default stands for."""
-    ranks = runs[0]["moe"]["ep2"]
-    model = _moe_estimate(runs, "ep2", 1.0)[0]
+    tokens over k x the tokens it routes; the estimate caps nothing at EP 2 below 2): the router, the permutation
+    and the routed experts' activations, tensor by tensor; folded over TP 2, the attention's split activations and
+    the sequence-parallel parts (each rank routes its half of the sequence). The busiest rank is the one the
+    estimate's default stands for."""
+    ranks = runs[0]["moe"][name]
+    model = _moe_estimate(runs, name, 1.0)[0]
     factors = [sum(r["received"]) / (len(r["received"]) * r["tokens"] * model.experts_top_k) for r in ranks]
     assert all(len(r["received"]) == model.num_moe_layers for r in ranks)
     copies = model.experts_top_k * ranks[0]["tokens"] * model.num_moe_layers
     assert sum(sum(r["received"]) for r in ranks) == len(ranks) * copies  # dropless: every copy lands somewhere
     for rank, factor in zip(ranks, factors):
-        estimated = _moe_estimate(runs, "ep2", max(1.0, factor))[2].activations
+        estimated = _moe_estimate(runs, name, max(1.0, factor))[2].activations
         assert estimated == pytest.approx(rank["saved_bytes"], rel=0.05), (factor, estimated, rank["saved_bytes"])
     busiest = max(range(len(ranks)), key=lambda i: factors[i])
     assert ranks[busiest]["saved_bytes"] >= min(r["saved_bytes"] for r in ranks)
