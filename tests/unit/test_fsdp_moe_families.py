@@ -2,7 +2,7 @@
 GPT-OSS), in-process: the model's state dict saved as Accelerate saves FSDP2's SHARDED_STATE_DICT ({"model": ...}
 through torch DCP in checkpoint-N/pytorch_model_fsdp_0/, with its config.json beside it) converts to the same tensors,
 bit for bit, under the names transformers loads, fused and biased experts, MLA's projections and routing biases
-included. One writer holds each tensor whole here; tests/fsdp/test_fsdp_convert.py converts a 2-rank Mixtral run's
+included, as Accelerate's merge_fsdp_weights gives them. One writer holds each tensor whole here; tests/fsdp/test_fsdp_convert.py converts a 2-rank Mixtral run's
 shards against Accelerate's merge_fsdp_weights."""
 
 import json
@@ -47,5 +47,11 @@ def test_every_moe_familys_fsdp_checkpoint_converts_to_the_bit(family, tmp_path,
     assert any(".experts." in name for name in ours), sorted(ours)
     for name, tensor in ours.items():
         assert tensor.dtype == state[name].dtype and tensor.numpy().tobytes() == state[name].numpy().tobytes(), name
+    from accelerate.utils import merge_fsdp_weights
+
+    merge_fsdp_weights(str(ckpt / "pytorch_model_fsdp_0"), str(tmp_path / "merged"), safe_serialization=True)
+    theirs = _tensors(tmp_path / "merged")  # Accelerate's own tool: the same names and bytes
+    assert sorted(theirs) == sorted(ours) and all(
+        theirs[name].numpy().tobytes() == ours[name].numpy().tobytes() for name in ours), family
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[name], state[name]) for name in state), family
