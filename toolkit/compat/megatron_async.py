@@ -91,6 +91,15 @@ def start_writer(calls, ready_s: float) -> object:
 _manager = None  # the results queue's manager: kept for the rank's lifetime (collected, it would shut down)
 
 
+def start_results_queue() -> None:
+    """Make the writers' results queue now, before the first save, for synchronous saves too: torch_dist's writer
+    puts its results there whether or not the save runs in the background, and Megatron-Core would spawn the
+    queue's manager process (importing this rank's main module again) inside the first save's pause."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _results_queue(filesystem_async)
+
+
 def _results_queue(filesystem_async) -> None:
     """filesystem_async's results queue, as its _get_write_results_queue makes it (a queue on a spawned
     multiprocessing manager), on a manager process that watches this rank and ends when it is gone."""

@@ -20,7 +20,15 @@ from pathlib import Path
 
 from toolkit.backends.background_saves import BackgroundSaves, InFlight, in_thread
 from toolkit.backends.loop import reduced_flag
-from toolkit.compat.megatron_async import copied, needs_copy, prepared, released, start_writer, stop_writer
+from toolkit.compat.megatron_async import (
+    copied,
+    needs_copy,
+    prepared,
+    released,
+    start_results_queue,
+    start_writer,
+    stop_writer,
+)
 from toolkit.runtime import faults
 
 log = logging.getLogger(__name__)
@@ -40,7 +48,9 @@ class CheckpointSaves(BackgroundSaves):
         self.copying: Future | None = None  # a CPU save's copy into shared memory (the request, once copied)
 
     def start(self) -> None:
-        """Every rank, once the process group exists: the writer process starts now, not inside the first save."""
+        """Every rank, once the process group exists: the writers' results queue and (asynchronous) the writer process
+        start now, not inside the first save."""
+        start_results_queue()
         if not self.asynchronous:
             return
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
