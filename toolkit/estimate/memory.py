@@ -30,6 +30,7 @@ from toolkit.numeric import GiB
 from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec, by_identity, per_model
+from toolkit.spec.options import RECOMPUTE_KEYS
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.quantization import plan_recipe
@@ -249,8 +250,7 @@ def frozen_base(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: 
 # Plan fields no model-state term reads (the stage's parameters, a backend's model_states): the batch and how
 # activations are kept, which the plan search varies within one layout. Plans equal in every other field share
 # stage_model_states' answer (tests/unit/test_search_equivalence.py estimates each ranked plan afresh).
-MODEL_STATE_BLIND = frozenset({"micro_batch", "global_batch", "grad_accum", "recompute", "recompute_modules",
-                               "recompute_num_layers", "tiled_mlp", "tiled_loss", "offload_activations"})
+MODEL_STATE_BLIND = frozenset({"micro_batch", "global_batch", "grad_accum", *RECOMPUTE_KEYS})
 
 
 class _ModelStatesKey:
