@@ -182,7 +182,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
          moe_passes) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed,
                                      plan.tiled_mlp, matmul_passes, (attention_work, window_work), routed_traffic_s,
                                      score_forward_s, score_backward_s)
-        again = sum(plan.recompute == "full" and (recomputed is None or i in recomputed) for i in blocks)
+        again = sum(_recomputes_whole(plan.recompute, recomputed, i) for i in blocks)
         memory_bound += len(blocks) * (rotary_forward_s + rotary_backward_s) + again * rotary_forward_s
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
@@ -235,6 +235,12 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     )
 
 
+def _recomputes_whole(recompute: str, recomputed: frozenset[int] | None, layer: int) -> bool:
+    """Whether full recompute runs `layer`'s whole forward again in backward (`recomputed`: recomputed_layers'
+    answer, None for every layer)."""
+    return recompute == "full" and (recomputed is None or layer in recomputed)
+
+
 @by_identity(2)
 def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...], attended: float, recompute: str,
                   recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, tiled_mlp: bool,
@@ -256,7 +262,7 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
         f = layer_forward_flops(spec, i, attended)
         window = spec.attention_window(i)
         attention_work = attention_works[window is not None and window < attended]
-        whole = recompute == "full" and (recomputed is None or i in recomputed)
+        whole = _recomputes_whole(recompute, recomputed, i)
         again = recomputed_forward(f, recompute, recompute_modules, whole)
         work += matmul_passes * f.matmul + 3 * adapter_forward_flops(spec, ft, i)
         work += again.matmul
