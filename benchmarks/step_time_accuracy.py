@@ -144,7 +144,7 @@ tensorwise) are the same question on another stack. No constant was set from the
   predicted step is compute and CP's exchange alone (13.1 -> 8.05 s of compute), so the miss is in how FP8 GEMMs are
   priced, not in communication. torchtitan's two 8B pairs, another stack (torchao's casts, compiled), miss the same
   way (-21%: 1.63x predicted against 1.28-1.29x), and their rows' own errors are the compile the model does not
-  describe (the hf path is the eager rate), not the ratio, which the path does not move.
+  describe (the hf execution path's rate is the eager one), not the ratio, which the execution path does not move.
 - First term responsible, read in Transformer Engine's code: the quantization kernels. Under delayed (and
   tensorwise) scaling on Hopper every GEMM input and every output gradient is cast to fp8 with a transposed copy for
   the other GEMM (module/linear.py and layernorm_linear.py: the fused cast-transpose of the input, the layernorm's
@@ -561,7 +561,7 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", type=Path, help="also write the report (markdown) to this file")
+    parser.add_argument("--write", type=Path, help="also write the markdown to this file")
     args = parser.parse_args()
     buffer = io.StringIO()
     with redirect_stdout(buffer):
