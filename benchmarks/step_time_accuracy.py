@@ -184,8 +184,7 @@ tensorwise) are the same question on another stack. No constant was set from the
   account_for_embedding/loss_in_pipeline_split (NeMo's llama31_405b recipe, the rows' fastest split), the warm-up
   forwards Megatron-Core's schedule keeps (69 chunks of 2 layers on the 405B's rank 1: 2(p-r-1) + (v-1)p + 1), the
   optimizer sharded over dp x cp, no fp8 weight copies in the BF16 runs, and v25.05's use_precision_aware_optimizer
-  (BF16), whose default fp32 states cost what the distributed optimizer's do. The step time still prices the
-  gradients' reduce-scatter in fp32 (toolkit/backends/megatron/timing.py), an over-count of the exposed part only.
+  (BF16), whose default fp32 states cost what the distributed optimizer's do.
   v25.02's 70B pair (NeMo 1, Apex's distributed_fused_adam with grad_sync_dtype bf16) states nothing: its buffers are
   Apex's, which the megatron backend does not describe, and it fits either way. The torchtitan runs remain "fits"
   False: they ran on 96 GB parts with selective (op) activation checkpointing, which the rows take as none.
