@@ -4,11 +4,12 @@ runs at micro-batch 2 and 4 of each execution path, and every run re-predicted w
 --calibration`). Writes a markdown table: measured step time (median after the warm-up), the published model's
 prediction (uncalibrated, at the calibration's host peak), the prediction with the compute scale alone fitted (the
 fit before issue 30), and with the compute scale and a fixed per-step cost fitted (`dmt calibrate` now), with their
-signed errors; then each run predicted by calibrations fitted on all the *other* runs of its path (leave-one-out),
-both ways; then the demo's loop (scripts/demo.sh): a calibration fitted on one run, the other runs of its path and
-a second launch of that run's plan predicted with it, beside each launch's own uncalibrated prediction. Whether a
-calibration brings a prediction closer is measured here, on stated runs of a stated machine, not asserted in the test
-suite: the step times are the machine's, and an uncalibrated prediction can land close by chance.
+signed errors; then each run predicted by calibrations fitted on all the *other* runs of its execution path
+(leave-one-out), both ways; then the demo's loop (scripts/demo.sh): a calibration fitted on one run, the other runs
+of its execution path and a second launch of that run's plan predicted with it, beside each launch's own
+uncalibrated prediction. Whether a calibration brings a prediction closer is measured here, on stated runs of a
+stated machine, not asserted in the test suite: the step times are the machine's, and an uncalibrated prediction can
+land close by chance.
 
 Usage: python benchmarks/calibration_cpu.py --work /tmp/calibration_cpu --out benchmarks/calibration_cpu.md
 Not part of `make test`: 10 launches of about 40 s each on a 2-core machine.
@@ -59,7 +60,7 @@ def host_recipe(source: Path, work: Path, steps: int) -> Path:
 
 
 def launch(name: str, recipe: Path, flags: list[str], work: Path, port: int) -> Path:
-    """torchrun --nproc_per_node 2 toolkit/train.py: every backend's quick path, as launch.sh runs it."""
+    """torchrun --nproc_per_node 2 toolkit/train.py: a launch without --plan, as launch.sh runs it."""
     out = work / name
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PATH=f"{Path(sys.executable).parent}:"
                f"{os.environ['PATH']}")
@@ -110,12 +111,13 @@ def variant(calibration_file: Path, runs: list[Path], name: str) -> Path:
 
 def leave_one_out(runs: dict[str, Path], work: Path) -> dict[str, dict[str, dict]]:
     """Each run predicted by calibrations fitted on the other runs of its execution path (the runs' own
-    run_plan.json names the path), two-term and scale-only: {"two-term": {name: report}, "scale-only": ...}; runs
-    whose path has no other run are left out."""
-    paths = {name: json.loads((out / "run_plan.json").read_text())["execution_path"] for name, out in runs.items()}
+    run_plan.json names it), two-term and scale-only: {"two-term": {name: dmt report entry}, "scale-only": ...};
+    runs whose execution path has no other run are left out."""
+    execution_paths = {name: json.loads((out / "run_plan.json").read_text())["execution_path"]
+                       for name, out in runs.items()}
     found: dict[str, dict[str, dict]] = {"two-term": {}, "scale-only": {}}
     for name, out in runs.items():
-        others = [runs[o] for o in runs if o != name and paths[o] == paths[name]]
+        others = [runs[o] for o in runs if o != name and execution_paths[o] == execution_paths[name]]
         if not others:
             continue
         calibration = work / f"without-{name}.yaml"
@@ -136,8 +138,10 @@ def one_run_loop(runs: dict[str, Path], work: Path) -> dict[str, dict] | None:
     its execution path reported with it ({name: dmt report entry}, each with its launch's prediction beside)."""
     if DEMO_FIT not in runs:
         return None
-    paths = {name: json.loads((out / "run_plan.json").read_text())["execution_path"] for name, out in runs.items()}
-    others = [out for name, out in runs.items() if name != DEMO_FIT and paths[name] == paths[DEMO_FIT]]
+    execution_paths = {name: json.loads((out / "run_plan.json").read_text())["execution_path"]
+                       for name, out in runs.items()}
+    others = [out for name, out in runs.items()
+              if name != DEMO_FIT and execution_paths[name] == execution_paths[DEMO_FIT]]
     if not others:
         return None
     calibration = work / f"only-{DEMO_FIT}.yaml"
@@ -171,7 +175,7 @@ def one_run_markdown(loop: dict[str, dict], machine: dict) -> list[str]:
                      f"{machine['load_after'].split()[0]}): "
                      f"{_pct(demo['error']['step_time'])} on the next launch of the plan it was fitted on "
                      f"(uncalibrated {_pct(demo['launch_prediction']['step_time_error'])}); on the other plans of "
-                     f"its path median |error| {_median_abs(loop, others)}, worst {worst_text}.")
+                     f"its execution path median |error| {_median_abs(loop, others)}, worst {worst_text}.")
     return lines
 
 
@@ -205,7 +209,8 @@ def markdown(machine: dict, predictions: dict[str, dict], loo: dict[str, dict], 
         f"average (1, 5, 15 min) {machine['load_before']} before the first launch, {machine['load_after']} after the "
         f"last; {machine['date']}.",
         "",
-        "## Published, scale alone, scale and fixed cost: fitted on the micro-batch 2 and 4 runs of each path",
+        "## Published, scale alone, scale and fixed cost: fitted on the micro-batch 2 and 4 runs of each execution "
+        "path",
         "",
         "Every prediction here uses the host peak the calibration holds (measured by `dmt calibrate` at the runs' "
         f"thread count, {how.get('threads', '?')} threads, load {how.get('load_average', '?')}; the best of that and "

@@ -144,7 +144,7 @@ tensorwise) are the same question on another stack. No constant was set from the
   predicted step is compute and CP's exchange alone (13.1 -> 8.05 s of compute), so the miss is in how FP8 GEMMs are
   priced, not in communication. torchtitan's two 8B pairs, another stack (torchao's casts, compiled), miss the same
   way (-21%: 1.63x predicted against 1.28-1.29x), and their rows' own errors are the compile the model does not
-  describe (the hf path is the eager rate), not the ratio, which the path does not move.
+  describe (the hf execution path's rate is the eager one), not the ratio, which the execution path does not move.
 - First term responsible, read in Transformer Engine's code: the quantization kernels. Under delayed (and
   tensorwise) scaling on Hopper every GEMM input and every output gradient is cast to fp8 with a transposed copy for
   the other GEMM (module/linear.py and layernorm_linear.py: the fused cast-transpose of the input, the layernorm's
@@ -184,8 +184,7 @@ tensorwise) are the same question on another stack. No constant was set from the
   account_for_embedding/loss_in_pipeline_split (NeMo's llama31_405b recipe, the rows' fastest split), the warm-up
   forwards Megatron-Core's schedule keeps (69 chunks of 2 layers on the 405B's rank 1: 2(p-r-1) + (v-1)p + 1), the
   optimizer sharded over dp x cp, no fp8 weight copies in the BF16 runs, and v25.05's use_precision_aware_optimizer
-  (BF16), whose default fp32 states cost what the distributed optimizer's do. The step time still prices the
-  gradients' reduce-scatter in fp32 (toolkit/backends/megatron/timing.py), an over-count of the exposed part only.
+  (BF16), whose default fp32 states cost what the distributed optimizer's do.
   v25.02's 70B pair (NeMo 1, Apex's distributed_fused_adam with grad_sync_dtype bf16) states nothing: its buffers are
   Apex's, which the megatron backend does not describe, and it fits either way. The torchtitan runs remain "fits"
   False: they ran on 96 GB parts with selective (op) activation checkpointing, which the rows take as none.
@@ -561,7 +560,7 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", type=Path, help="also write the report (markdown) to this file")
+    parser.add_argument("--write", type=Path, help="also write the markdown to this file")
     args = parser.parse_args()
     buffer = io.StringIO()
     with redirect_stdout(buffer):

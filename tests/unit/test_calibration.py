@@ -212,8 +212,8 @@ def test_a_fixed_cost_is_added_to_every_step_and_explained(tmp_path, capsys):
 
 
 def test_a_calibration_enters_the_prediction_in_step_time(tmp_path):
-    """Its compute scale replaces the path's, its host peak the measurement, its measured links the datasheet's
-    (except on a tier this command was given its own figure for)."""
+    """Its compute scale replaces the execution path's, its host peak the measurement, its measured links the
+    datasheet's (except on a tier this command was given its own figure for)."""
     plan = _plan(zero=2, micro_batch=2, gpus=16, global_batch=32)  # two nodes: the data-parallel ring crosses them
     network = Network.from_catalogue(H100, 8)
     base = step_time(LLAMA_1B, plan, H100, network)

@@ -398,7 +398,7 @@ def test_the_local_spec_gets_torch_norms_that_sum_their_gradients_over_tp_under_
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from toolkit.compat.megatron_cpu import SequenceParallelTorchNorm, sequence_parallel_spec
+    from toolkit.compat.megatron_seams import SequenceParallelTorchNorm, sequence_parallel_spec
 
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=2,
                                sequence_parallel=True, normalization="RMSNorm")

@@ -23,8 +23,8 @@ def _plan(backend: str, **options):
     return resolve_plan(LLAMA_1B, 1, backend=backend, **options)
 
 
-def test_each_backend_trains_on_its_own_path():
-    """The plan's backend names its path (toolkit/backends/<name>/timing.py execution_path)."""
+def test_each_backend_trains_on_its_own_execution_path():
+    """The plan's backend names its execution path (toolkit/backends/<name>/timing.py execution_path)."""
     assert execution_path(_plan("deepspeed")) is HF
     assert execution_path(_plan("fsdp")) is HF
     assert execution_path(_plan("megatron")) is MEGATRON_TE  # Transformer Engine unless the plan says local
@@ -60,7 +60,7 @@ def test_local_spec_pays_for_the_score_matrix_quadratically():
     ("Megatron-Core local spec", 0.539, dict(backend="megatron", transformer_impl="local", micro_batch=1,
                                               global_batch=4)),
 ])
-def test_paths_reproduce_the_toolkits_own_h100_runs(case, measured_s, options):
+def test_execution_paths_reproduce_the_toolkits_own_h100_runs(case, measured_s, options):
     """benchmarks/gpu_check.md, Llama 3.2 1B on one H100 at seq 2048 (the DeepSpeed run is one of the two the eager
     rate was fitted on; the local spec's is predicted, not fitted)."""
     assert _step(**options).total_s == pytest.approx(measured_s, rel=0.08), case
@@ -80,10 +80,10 @@ def test_rings_across_nodes_use_every_nic_but_all_to_all_only_its_own():
     assert NETWORK.all_to_all_time(size, 1, 1) == 0.0
 
 
-def test_yarn_attention_factor_runs_rotary_eagerly_on_the_fused_path():
+def test_yarn_attention_factor_runs_rotary_eagerly_on_the_fused_execution_path():
     """GPT-OSS's YaRN attention factor (0.1 ln 32 + 1) is not 1, which Transformer Engine's fused RoPE cannot take, so
     Megatron-Core applies rotary to its 64 + 8 heads of 64 eagerly: 22 elements moved per element, forward and
-    backward, on every layer. The eager paths' rate carries their own unfused rotary already."""
+    backward, on every layer. The eager execution paths' rate carries their own unfused rotary already."""
     from toolkit.estimate.efficiency import unfused_rotary_elements
 
     model = load_model_spec("gpt-oss-120b")

@@ -72,7 +72,7 @@ def test_each_refusal_names_its_option(model, gpus, options, key, says):
 
 def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
     """Megatron-Core's MoELayer.forward raises in training with TP > 1 and no sequence parallelism; with it, the local
-    spec (CPU: toolkit.compat.megatron_cpu's sequence-parallel torch norms) folds EP 2 over TP 2 on 2 ranks."""
+    spec (toolkit.compat.megatron_seams' sequence-parallel torch norms) folds EP 2 over TP 2 on 2 ranks."""
     with pytest.raises(UserInputError) as info:
         resolve_plan(_tiny_moe(), 2, backend="megatron", tp=2, ep=2, etp=1, transformer_impl="local")
     assert info.value.key == "--sequence-parallel" and "add --sequence-parallel" in info.value.message

@@ -1,5 +1,5 @@
-"""The precision pairs of benchmarks/step_time_references.yaml are what the accuracy report says they are: one layout
-run in two precisions, each run's recipe one its GPU has, each with one published figure."""
+"""The precision pairs of benchmarks/step_time_references.yaml are what benchmarks/step_time_accuracy.md says they
+are: one layout run in two precisions, each run's recipe one its GPU has, each with one published figure."""
 
 from pathlib import Path
 

@@ -13,6 +13,7 @@ from toolkit.estimate.timing import step_time
 from toolkit.planner.search import search
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
+from toolkit.spec.options import RECOMPUTE_KEYS
 from toolkit.spec.plan import resolve_plan, with_block_recompute
 
 DERIVED = ("dp", "grad_accum", "gpus")
@@ -41,7 +42,7 @@ def case(request):
 
 def test_ranked_figures_equal_the_public_estimate_of_each_plan(case):
     """Each plan on its own model object: no figure of another plan of its layout (the model states the search shares
-    between them, spec/memory.py MODEL_STATE_BLIND) answers for it."""
+    between them, toolkit/estimate/memory.py MODEL_STATE_BLIND) answers for it."""
     model, gpus, gpu, network, _, result = case
     assert len(result.ranked) > 10
     for candidate in result.ranked:
@@ -89,7 +90,7 @@ def test_the_floor_never_exceeds_the_estimate(case):
         options = plan_search.backend_of(backend).search.recompute_options()
         for layout in list(plan_search.enumerate_layouts(model, gpus, 8, backend, fixed))[::7]:
             for micro, option in ((1, options[0]), (4, options[-1])):
-                settings = {k: v for k, v in option.items() if k in plan_search.RECOMPUTE_KEYS}
+                settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
                 try:
                     plan = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
                 except UserInputError:  # a layout the rules refuse at this micro-batch: nothing to bound

@@ -10,7 +10,7 @@ GPU: distributed type FSDP, the plugin's mixed precision, the plugin on the stat
 pinned memory, which needs an accelerator). Everything after it (fully_shard,
 MixedPrecisionPolicy, DCP checkpoints) is the libraries' own code.
 
-Used only while the Trainer builds its Accelerator, and only when there is no GPU; the GPU path never imports it.
+Used only while the Trainer builds its Accelerator, and only when there is no GPU; a GPU run never imports it.
 toolkit/backends/fsdp/train.py checks after preparation, on every device, that the model really is sharded.
 """
 

@@ -1,9 +1,8 @@
 """The one CPU compatibility layer for Megatron-Core: lets its CUDA-assuming code run on CPU ranks over gloo.
 
-Megatron-Core is written for GPUs. On a machine without one (CI, the demo) it trips over five things, and this
-module answers each, in one place: the first four only while `cuda_on_cpu()` is active and only when no GPU is
-present, the fifth in the layer spec where neither Transformer Engine nor Apex is (every name it patches, reaches
-into or stands in for is in `SEAMS`; torch's private ones through toolkit.compat.torch_seams):
+Megatron-Core is written for GPUs. On a machine without one (CI, the demo) it trips over four things, and this
+module answers each, in one place, only while `cuda_on_cpu()` is active and only when no GPU is present (every name
+it patches or reaches into is in `SEAMS`; torch's private ones through toolkit.compat.torch_seams):
 
 1. `torch.cuda.current_device()` / `synchronize()` / `set_device()` -- answered as device 0 / no-ops, and the
    streams MoE's alltoall dispatcher copies on (`Stream`, `current_stream`, `stream`) -- one in-order CPU stream;
@@ -12,13 +11,9 @@ into or stands in for is in `SEAMS`; torch's private ones through toolkit.compat
 3. dtype checks that spell CUDA type names (`param.type() == "torch.cuda.FloatTensor"` in the optimizers) -- the
    same mode answers CPU tensors with the CUDA name of their dtype;
 4. the CUDA RNG tracker (`model_parallel_cuda_manual_seed`, dropout forks, recompute) -- on CPU the CPU generator
-   *is* the device generator, so the tracker forks the CPU generator's state;
-5. sequence parallelism with the local spec: its torch norm (WrappedTorchNorm) asserts `not sequence_parallel`, as
-   only Apex's FusedLayerNorm and TE's norms mark their weights `sequence_parallel` (so that finalize_model_grads
-   sums their gradients over TP) -- `sequence_parallel_spec` builds the same torch norm with its weights so marked.
+   *is* the device generator, so the tracker forks the CPU generator's state.
 
-Nothing here changes numerics: every op still runs torch's own CPU kernel. The GPU path never imports this module
-(with TE or Apex installed, as a GPU run has them).
+Nothing here changes numerics: every op still runs torch's own CPU kernel. A GPU run never imports this module.
 """
 
 from __future__ import annotations
@@ -61,10 +56,6 @@ SEAMS = [
          "the alltoall dispatcher's device-to-host copy of its split sizes: on a GPU they arrive as numpy arrays, which "
          "all_to_all_single takes; on CPU the library's helper leaves them tensors, so the CPU tensors are handed over "
          "as the same numpy arrays"),
-    Seam("megatron-core", "megatron.core.transformer.torch_norm.WrappedTorchNorm",
-         "the local spec's norm, which asserts `not config.sequence_parallel`: sequence_parallel_spec puts "
-         "SequenceParallelTorchNorm, built with the same arguments, in its place (layers, q/k norms, final norm)",
-         parameters=("config", "hidden_size", "eps", "persist_layer_norm", "zero_centered_gamma", "normalization")),
     Seam("megatron-core", f"{_TRACKER}._is_initialized", kind="in_source",
          why="the CPU tracker subclass keeps the base class's bookkeeping (is_initialized() reads it)"),
     Seam("megatron-core", f"{_TRACKER}._current_state_name", kind="in_source",
@@ -247,48 +238,3 @@ def cuda_on_cpu():
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
-
-
-class SequenceParallelTorchNorm:
-    """WrappedTorchNorm's torch LayerNorm or RMSNorm, also under sequence parallelism: what Apex's FusedLayerNorm and
-    Transformer Engine's norms do beyond their kernels there is mark their weights `sequence_parallel`, which
-    finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) then sums over the TP group, as each TP rank
-    normalised only its own slice of the sequence. The same arguments as WrappedTorchNorm (a Seam)."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
-            raise ValueError("torch's norms have no zero-centred gamma, persistent or memory-efficient variant "
-                             "(Megatron-Core's WrappedTorchNorm asserts the same)")
-        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in kinds:
-            raise ValueError(f"torch norms under sequence parallelism: LayerNorm or RMSNorm, not {config.normalization}")
-        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel
-        return norm
-
-
-def sequence_parallel_spec(spec, layers: int):
-    """The local `spec` (a layer's ModuleSpec, made a block of `layers` such layers, or a TransformerBlockSubmodules)
-    with its torch norms (WrappedTorchNorm, which Megatron-Core picks without Transformer Engine and Apex) made
-    SequenceParallelTorchNorm, the block's final norm too; every other module stays as it was."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    def swap(value):
-        if value is WrappedTorchNorm:
-            return SequenceParallelTorchNorm
-        if isinstance(value, list):
-            return [swap(item) for item in value]
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return dataclasses.replace(value, **{f.name: swap(getattr(value, f.name)) for f in dataclasses.fields(value)
-                                                 if f.init})
-        return value
-
-    if isinstance(spec, ModuleSpec):  # the final norm of the layers' kind (Apex's FusedLayerNorm stays)
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=spec.submodules.input_layernorm)
-    return swap(spec)

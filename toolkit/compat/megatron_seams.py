@@ -1,7 +1,8 @@
 """Megatron-Core's seams outside the CPU layer: two fixes of 0.16 as shipped, each applied only where it is needed
 (the MoE router without Transformer Engine; the distributed optimizer's load with torch's AdamW), each undone or
-harmless where it is not needed; and ChainedOptimizer.step's order, replicated with the guard's verdict
-between the gradient norm and the update."""
+harmless where it is not needed; the local spec where neither Transformer Engine nor Apex is, on a CPU or a GPU
+(MLA's core attention; torch norms under sequence parallelism); and ChainedOptimizer.step's order, replicated with
+the guard's verdict between the gradient norm and the update."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ SEAMS = [
          "k_channels/v_channels keywords and hands the rest on by name",
          parameters=("self", "config", "layer_number", "attn_mask_type", "attention_type", "attention_dropout",
                      "softmax_scale", "cp_comm_type", "pg_collection")),
+    Seam("megatron-core", "megatron.core.transformer.torch_norm.WrappedTorchNorm",
+         "the local spec's norm, which asserts `not config.sequence_parallel`: sequence_parallel_spec puts "
+         "SequenceParallelTorchNorm, built with the same arguments, in its place (layers, q/k norms, final norm)",
+         parameters=("config", "hidden_size", "eps", "persist_layer_norm", "zero_centered_gamma", "normalization")),
     Seam("megatron-core", f"{_DISTRIB}.HAVE_APEX_OR_TE",
          "the distributed optimizer runs torch's AdamW (the load fix below) only without Apex and Transformer Engine"),
     Seam("megatron-core", f"{_DISTRIB}.DistributedOptimizer._set_main_param_and_optimizer_states",
@@ -92,6 +97,53 @@ def local_mla_core_attention():
                              softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
 
     return LocalMLACoreAttention
+
+
+class SequenceParallelTorchNorm:
+    """WrappedTorchNorm's torch LayerNorm or RMSNorm, also under sequence parallelism: what Apex's FusedLayerNorm and
+    Transformer Engine's norms do beyond their kernels there is mark their weights `sequence_parallel`, which
+    finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) then sums over the TP group, as each TP rank
+    normalised only its own slice of the sequence. The same arguments as WrappedTorchNorm (a Seam)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        import torch
+
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
+            raise ValueError("torch's norms have no zero-centred gamma, persistent or memory-efficient variant "
+                             "(Megatron-Core's WrappedTorchNorm asserts the same)")
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"torch norms under sequence parallelism: LayerNorm or RMSNorm, not {config.normalization}")
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sequence_parallel_spec(spec, layers: int):
+    """The local `spec` (a layer's ModuleSpec, made a block of `layers` such layers, or a TransformerBlockSubmodules)
+    with its torch norms (WrappedTorchNorm, which Megatron-Core picks without Transformer Engine and Apex) made
+    SequenceParallelTorchNorm, the block's final norm too; every other module stays as it was."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    def swap(value):
+        if value is WrappedTorchNorm:
+            return SequenceParallelTorchNorm
+        if isinstance(value, list):
+            return [swap(item) for item in value]
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{f.name: swap(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                                 if f.init})
+        return value
+
+    if isinstance(spec, ModuleSpec):  # the final norm of the layers' kind (Apex's FusedLayerNorm stays)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=spec.submodules.input_layernorm)
+    return swap(spec)
 
 
 @contextlib.contextmanager

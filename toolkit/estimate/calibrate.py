@@ -42,7 +42,7 @@ from toolkit.spec.plan import Plan
 
 # the search interval of a compute scale starts far below any real run; it ends where every run's GEMM efficiency
 # reaches the peak (step_time caps it there, so a larger scale changes nothing). A scale above 1 says the curve's
-# shape, not the path's rate, is what misses these runs; calibrate says so.
+# shape, not the execution path's rate, is what misses these runs; calibrate says so.
 LOWEST = 1e-4
 GOLDEN = (math.sqrt(5) - 1) / 2
 

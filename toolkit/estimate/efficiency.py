@@ -49,7 +49,7 @@ class ExecutionPath:
 
     name: str
     description: str
-    compute_scale: float  # rate of the path's GEMMs and the work between them, relative to gemm_efficiency
+    compute_scale: float  # rate of the execution path's GEMMs and the work between them, relative to gemm_efficiency
     unfused_attention: bool  # the core attention writes the s x s scores to memory (no flash kernel)
     source: str
     # seconds every optimizer step costs whatever its size (the Trainer's and the engine's per-step work, logging,
@@ -60,8 +60,8 @@ class ExecutionPath:
     fused_rotary: bool = False
 
 
-# The eager path's rate, from two measured runs of un-fused PyTorch modules on H100 (benchmarks/step_time_accuracy.md
-# reproduces both rows with this value):
+# The eager execution path's rate, from two measured runs of un-fused PyTorch modules on H100
+# (benchmarks/step_time_accuracy.md reproduces both rows with this value):
 # - torchtitan Llama 3.1 8B, FSDP2 on 8 H100s, local batch 2 x 8192, bf16, no torch.compile, no float8: 5,762
 #   tokens/s/GPU (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1): its RMSNorm, rotary
 #   and SwiGLU are eager PyTorch as in HF's Llama, attention SDPA's flash kernel; 2.84 s against 1.64 s on the curve.
@@ -106,11 +106,11 @@ UNFUSED_ROTARY_BACKWARD_ELEMENTS = 10
 
 
 def unfused_rotary_elements(spec: ModelSpec, path: ExecutionPath) -> tuple[int, int]:
-    """Elements moved per token and layer (forward, backward) by rotary embedding outside a fused kernel, on a path
-    whose rate assumes the fused one: Megatron-Core runs it eagerly when YaRN's attention factor is not 1
+    """Elements moved per token and layer (forward, backward) by rotary embedding outside a fused kernel, on an
+    execution path whose rate assumes the fused one: Megatron-Core runs it eagerly when YaRN's attention factor is not 1
     (rope_utils.apply_rotary_pos_emb: "mscale ... is not supported by TE's fused RoPE"; Megatron-Bridge also turns
     apply_rope_fusion off for position_embedding_type "yarn", fusions.validate_rope_fusion_compatibility, which its
-    GPT-OSS bridge sets). The eager paths' own rate already carries their unfused rotary."""
+    GPT-OSS bridge sets). The eager execution paths' own rate already carries their unfused rotary."""
     if not path.fused_rotary or spec.rope_attention_factor == 1.0 or spec.position_embedding != "rope":
         return 0, 0
     width = (spec.num_attention_heads + spec.num_kv_heads) * spec.head_dim

@@ -53,7 +53,7 @@ SOURCES = {
                  "accuracy against published runs: benchmarks/step_time_accuracy.md; Megatron-LM arXiv:2104.04473 Eq. 3",
     "attention_flops": "PaLM (Chowdhery et al., arXiv:2204.02311) Appendix B: 12·L·q·s per token over the full score "
                        "matrix; per document: toolkit/estimate/packed_attention.py (checked against GPTDataset's "
-                       "samples, tests/data/test_packed_attention.py); transformers' flash path: "
+                       "samples, tests/data/test_packed_attention.py); transformers' flash attention: "
                        "modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids",
     "goodput": "Daly, FGCS 22 (2006) 303-312 (optimum interval, expected wall time); Young, CACM 17(9) 1974; failure "
                "rate: Llama 3 arXiv:2407.21783 Sec. 3.3.4; toolkit/estimate/goodput.py, checkpoint_cost.py",
@@ -93,21 +93,21 @@ def replica_plan(plan: Plan) -> Plan:
                                        **_explain(plan).one_replica(plan)))
 
 
-def explain_estimate(model: ModelSpec, report: Prediction) -> list[dict]:
+def explain_estimate(model: ModelSpec, prediction: Prediction) -> list[dict]:
     """One entry per component of a `dmt estimate` prediction: rule, source, rule of thumb and the difference."""
-    plan = report.plan
-    mem, params = report.memory_bytes.model_dump(), report.params_per_gpu
+    plan = prediction.plan
+    mem, params = prediction.memory_bytes.model_dump(), prediction.params_per_gpu
     replica = estimate_memory(model, replica_plan(plan))
     per = {k: mem[k] / params for k in ("weights", "gradients", "optimizer")}
     unsharded = {k: getattr(replica, k) / replica.params_on_gpu for k in ("weights", "gradients", "optimizer")}
     entries = [_weights(plan, mem, params, per, unsharded), _gradients(plan, mem, params, per, unsharded),
                _optimizer(plan, mem, params, per, unsharded), _model_states(plan, mem, params, per, unsharded),
-               _activations(model, plan, report), _overhead(report), _attention_flops(model, report),
-               _step_time(model, report)]
+               _activations(model, plan, prediction), _overhead(prediction), _attention_flops(model, prediction),
+               _step_time(model, prediction)]
     if model.is_moe and not backend_of(plan).hf_modules:
-        entries.insert(5, _moe_activations(model, plan, report))
-    if report.training_time is not None:
-        entries += [_training_time(model, report), _goodput(report)]
+        entries.insert(5, _moe_activations(model, plan, prediction))
+    if prediction.training_time is not None:
+        entries += [_training_time(model, prediction), _goodput(prediction)]
     if model.is_moe:  # the routing the activations and the busiest expert rank's time assume
         for entry in entries:
             if entry["component"] in ("activations", "step_time"):
@@ -189,13 +189,13 @@ def _model_states(plan, mem, params, per, unsharded) -> dict:
                   bytes_per_param_unsharded=replica_bpp)
 
 
-def _activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
+def _activations(model: ModelSpec, plan: Plan, prediction: Prediction) -> dict:
     setup = activation_setup(model, plan)
-    alive, _ = alive_forwards(model, plan, report.most_loaded_stage)
+    alive, _ = alive_forwards(model, plan, prediction.most_loaded_stage)
     tokens, h = setup.tokens, model.hidden_size
-    last = report.most_loaded_stage == plan.pp - 1
+    last = prediction.most_loaded_stage == plan.pp - 1
     head = int(head_bytes_per_token(model, setup) * tokens) if last else 0
-    layer_bytes = report.memory_bytes.activations - head
+    layer_bytes = prediction.memory_bytes.activations - head
     per_unit = layer_bytes / (tokens * h * len(alive)) if alive else 0.0
     thumb = THUMB_ACTIVATION_BYTES * tokens * h * len(alive)
     rule = (f"what autograd saves, tensor by tensor, for {len(alive)} layer forward(s) in flight on this GPU "
@@ -216,16 +216,16 @@ def _activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
     why += f": ~{per_unit:.3g} bytes per token per hidden unit per layer, not {THUMB_ACTIVATION_BYTES}"
     if head:
         why += f"; the last stage also holds the fp32 logits ({_gib(head)}), which the rule leaves out"
-    return _entry("activations", report.memory_bytes.activations, rule,
+    return _entry("activations", prediction.memory_bytes.activations, rule,
                   f"2·b·s·h·L = 2 x {tokens} x {h} x {len(alive)} = {_gib(thumb)}", thumb, why,
                   bytes_per_token_hidden_layer=per_unit, layer_forwards_alive=len(alive), logits_bytes=head)
 
 
-def _moe_activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
+def _moe_activations(model: ModelSpec, plan: Plan, prediction: Prediction) -> dict:
     """The MoE layers' share of the activations, term by term (Megatron-Core's modules, activations.py
     moe_bytes_per_token), with the routing imbalance the routed experts' term is scaled by."""
     setup = activation_setup(model, plan)
-    alive, _ = alive_forwards(model, plan, report.most_loaded_stage)
+    alive, _ = alive_forwards(model, plan, prediction.most_loaded_stage)
     moe_forwards = sum(model.is_moe_layer(i) for i in alive)
     scale = setup.tokens * moe_forwards / plan.tp  # what activations.py divides the per-token terms by
     terms = {name: value * scale for name, value in moe_bytes_per_token(model, setup).items()}
@@ -245,28 +245,28 @@ def _moe_activations(model: ModelSpec, plan: Plan, report: Prediction) -> dict:
                                                                                        for k, v in terms.items()})
 
 
-def _overhead(report: Prediction) -> dict:
-    detail = report.overhead_bytes
-    total = report.memory_bytes.total
+def _overhead(prediction: Prediction) -> dict:
+    detail = prediction.overhead_bytes
+    total = prediction.memory_bytes.total
     items = ", ".join(f"{k} {_gib(v)}" for k, v in detail.items())
-    return _entry("overhead", report.memory_bytes.overhead, items,
+    return _entry("overhead", prediction.memory_bytes.overhead, items,
                   "usually left out", 0,
-                  f"{report.memory_bytes.overhead / total:.0%} of this GPU's total: memory outside the "
+                  f"{prediction.memory_bytes.overhead / total:.0%} of this GPU's total: memory outside the "
                   f"tensors (CUDA context, communication buckets, the allocator's fragmentation) and transient "
                   f"tensors (head_backward: the loss's own peak above the layers' backward) still "
                   f"has to fit")
 
 
-def _step_time(model: ModelSpec, report: Prediction) -> dict:
-    plan = report.plan
+def _step_time(model: ModelSpec, prediction: Prediction) -> dict:
+    plan = prediction.plan
     tokens_per_step = plan.global_batch * plan.seq_len
-    peak = report.tflops_per_gpu * 1e12 / report.mfu if report.mfu else 0.0
+    peak = prediction.tflops_per_gpu * 1e12 / prediction.mfu if prediction.mfu else 0.0
     six_n = six_n_flops_per_token(model)
     ideal = six_n * tokens_per_step / (plan.gpus * peak) if peak else 0.0
-    attended = attended_tokens(plan.seq_len, report.packed_attention)
+    attended = attended_tokens(plan.seq_len, prediction.packed_attention)
     flops_ratio = model_flops_per_token(model, attended) / six_n
-    breakdown = report.step_time_breakdown_s
-    total = report.step_time_s
+    breakdown = prediction.step_time_breakdown_s
+    total = prediction.step_time_s
     shares = ", ".join(f"{k[:-2]} {v / total:.0%}" for k, v in breakdown.items() if v > 0)
     if breakdown.get("fixed_s"):  # only a calibration sets it
         shares += (f" (fixed: {breakdown['fixed_s']:.3g} s every step costs whatever its size, fitted by dmt "
@@ -287,12 +287,13 @@ def _step_time(model: ModelSpec, report: Prediction) -> dict:
                   f"6·N·D FLOPs at the GPUs' peak: {ideal:.3g} s per step", ideal,
                   f"model FLOPs are {flops_ratio:.3g} x 6·N (attention over {attended:,.0f} tokens per token adds to 6·N); "
                   f"GEMMs reach a size-dependent share of peak; communication, pipeline bubble, recomputation and "
-                  f"the optimizer step add time: MFU {report.mfu:.1%}", seconds_at_peak=ideal, flops_vs_6n=flops_ratio)
+                  f"the optimizer step add time: MFU {prediction.mfu:.1%}", seconds_at_peak=ideal,
+                  flops_vs_6n=flops_ratio)
 
 
-def _attention_flops(model: ModelSpec, report: Prediction) -> dict:
+def _attention_flops(model: ModelSpec, prediction: Prediction) -> dict:
     """Which attention FLOPs the step time and MFU count: the whole sequence's, or a packed blend's documents'."""
-    plan, packed = report.plan, report.packed_attention
+    plan, packed = prediction.plan, prediction.packed_attention
     # the rule of thumb: every layer over the whole sequence (12·L·q·s when q, k and v heads are as wide)
     whole = 6 * model.num_layers * plan.seq_len * model.num_attention_heads * (model.head_dim + model.value_head_dim)
     attended = attended_tokens(plan.seq_len, packed)
@@ -315,22 +316,22 @@ def _attention_flops(model: ModelSpec, report: Prediction) -> dict:
                   attended_tokens=attended, counts_documents=packed is not None and packed.squared_pieces is not None)
 
 
-def _training_time(model: ModelSpec, report: Prediction) -> dict:
-    t, plan = report.training_time, report.plan
-    peak = report.tflops_per_gpu * 1e12 / report.mfu if report.mfu else 0.0
+def _training_time(model: ModelSpec, prediction: Prediction) -> dict:
+    t, plan = prediction.training_time, prediction.plan
+    peak = prediction.tflops_per_gpu * 1e12 / prediction.mfu if prediction.mfu else 0.0
     ideal_days = six_n_flops_per_token(model) * t.tokens / (plan.gpus * peak) / SECONDS_PER_DAY if peak else 0.0
     return _entry("training_time", t.days_compute * SECONDS_PER_DAY,
-                  f"{t.steps:,} steps x {report.step_time_s:.3g} s = {t.days_compute:,.1f} days, "
+                  f"{t.steps:,} steps x {prediction.step_time_s:.3g} s = {t.days_compute:,.1f} days, "
                   f"{t.gpu_hours_compute:,.0f} GPU-hours without failures",
                   f"6·N·D at 100% of peak: {ideal_days:,.1f} days on these {plan.gpus} GPUs "
                   f"({ideal_days * plan.gpus:,.0f} days on one)", ideal_days * SECONDS_PER_DAY,
-                  f"no run reaches peak: at the predicted MFU of {report.mfu:.1%} it takes "
+                  f"no run reaches peak: at the predicted MFU of {prediction.mfu:.1%} it takes "
                   f"{t.days_compute / ideal_days if ideal_days else 0:.2g} x the ideal; check a quoted '<N> days' "
                   f"against the one-GPU figure above", days=t.days_compute, days_at_peak=ideal_days)
 
 
-def _goodput(report: Prediction) -> dict:
-    t = report.training_time
+def _goodput(prediction: Prediction) -> dict:
+    t = prediction.training_time
     c = t.checkpoint
     young = (2 * c.blocking_s * t.mtbf_h * 3600) ** 0.5 if t.mtbf_h is not None else None
     return _entry("goodput", t.days * SECONDS_PER_DAY,

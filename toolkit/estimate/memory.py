@@ -2,7 +2,7 @@
 
 Pure arithmetic: no process group, no GPU. What every plan shares lives here: the parameters each pipeline stage
 holds, the activations alive at its peak (activations.py), the optimizer's bytes per parameter, the transient
-tensors (on the HF path's last stage the loss has a peak of its own, before the layers' backward: head_backward_bytes)
+tensors (under HF Trainer the last stage's loss has a peak of its own, before the layers' backward: head_backward_bytes)
 and the overhead outside the tensors. Each backend's own model states (what it shards, the buffers it keeps, which of
 them exist when backward starts), its vocabulary padding and what exists only inside its optimizer step are its
 memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan).memory`.
@@ -30,6 +30,7 @@ from toolkit.numeric import GiB
 from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU
 from toolkit.spec.model import ModelSpec, by_identity, per_model
+from toolkit.spec.options import RECOMPUTE_KEYS
 from toolkit.spec.pipeline import PipelineSplit
 from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.quantization import plan_recipe
@@ -216,7 +217,7 @@ def _activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
 
 def saved_gemm_input_bytes(plan: Plan) -> float:
     """Bytes per element Transformer Engine's GEMMs save of their inputs under the plan's fp8 / fp4 recipe (0: they
-    save the 16-bit input itself); Megatron-Core's TE layers only (the HF path runs no recipe)."""
+    save the 16-bit input itself); Megatron-Core's TE layers only (under HF Trainer no recipe runs)."""
     recipe = plan_recipe(plan)
     return recipe.saved_input_bytes if recipe is not None and not backend_of(plan).hf_modules else 0.0
 
@@ -249,8 +250,7 @@ def frozen_base(spec: ModelSpec, plan: Plan, params: StageParams, layer_params: 
 # Plan fields no model-state term reads (the stage's parameters, a backend's model_states): the batch and how
 # activations are kept, which the plan search varies within one layout. Plans equal in every other field share
 # stage_model_states' answer (tests/unit/test_search_equivalence.py estimates each ranked plan afresh).
-MODEL_STATE_BLIND = frozenset({"micro_batch", "global_batch", "grad_accum", "recompute", "recompute_modules",
-                               "recompute_num_layers", "tiled_mlp", "tiled_loss", "offload_activations"})
+MODEL_STATE_BLIND = frozenset({"micro_batch", "global_batch", "grad_accum", *RECOMPUTE_KEYS})
 
 
 class _ModelStatesKey:

@@ -46,8 +46,9 @@ def routed_token_traffic_bytes(spec: ModelSpec, plan: Plan, routed: float) -> fl
     ffn = spec.moe_ffn_hidden_size * (3 if spec.gated_mlp else 2) / 2  # the activation's reads and write per copy
     sorts = 2 if plan.ep > 1 and spec.num_experts > plan.ep else 0
     copies = k * routed * plan.expert_tp
-    forward = 2 * h + copies * ((2 + 2 * sorts) * h + 2 * ffn / plan.expert_tp)
-    extra = copies * (expert_bias_elements(spec) + moe_act_recomputes(spec, plan) * 2 * ffn / plan.expert_tp)
+    activation = 2 * ffn / plan.expert_tp  # what one copy's activation moves, its ffn split over ETP
+    forward = 2 * h + copies * ((2 + 2 * sorts) * h + activation)
+    extra = copies * (expert_bias_elements(spec) + moe_act_recomputes(plan) * activation)
     return (3 * forward + extra) * PRECISION_BYTES[plan.precision]
 
 
@@ -62,7 +63,7 @@ def expert_bias_elements(spec: ModelSpec) -> int:
     return 12 * spec.hidden_size if spec.expert_bias else 0
 
 
-def moe_act_recomputes(spec: ModelSpec, plan: Plan) -> int:
+def moe_act_recomputes(plan: Plan) -> int:
     """How many more times the experts' activation runs forward (0 or 1): Megatron-Core's selective moe_act
     recompute checkpoints it (CheckpointWithoutOutput in TEGroupedMLP) and runs it again before fc2's backward, reading
     fc1's output and writing its own once more, unless the whole MoE layer is recomputed ("moe")."""

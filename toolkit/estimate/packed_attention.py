@@ -4,7 +4,7 @@ variable-length kernel keeps documents apart, instead of the whole sequence's sq
 GPTDataset (megatron/core/datasets/gpt_dataset.py) cuts its samples of seq_len tokens out of the concatenated,
 shuffled documents of a prefix, whatever their boundaries: a sample is a window at an offset that falls anywhere in
 the stream. The pieces are the window's cuts of the documents it overlaps (with reset_position_ids the position ids
-restart after each end-of-document token, and transformers' flash path turns those restarts into cu_seqlens). The
+restart after each end-of-document token, and transformers' flash attention turns those restarts into cu_seqlens). The
 sum of a sample's squared piece lengths counts its ordered token pairs (i, j) that share a document, so its
 expectation over a window of S tokens is
 

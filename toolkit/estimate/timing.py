@@ -110,10 +110,11 @@ def calibrated(gpu: GPU, network: Network, calibration: Calibration | None) -> t
 
 def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: ExecutionPath | None = None,
               calibration: Calibration | None = None, packed: PackedAttention | None = None) -> StepTime:
-    """`path`: the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's own. `calibration`
-    (`dmt calibrate`): its compute scale and fixed per-step cost for the path and its measured hardware figures (see
-    `calibrated`) replace the published ones; this is the one place a calibration enters a prediction. `packed`: the
-    attention a recipe's packed documents cost (toolkit/estimate/packed_attention.py; None: the whole sequence)."""
+    """`path`: the execution path, the kernels the step runs (toolkit/estimate/efficiency.py); by default the plan's
+    own. `calibration` (`dmt calibrate`): its compute scale and fixed per-step cost for the execution path and its
+    measured hardware figures (see `calibrated`) replace the published ones; this is the one place a calibration
+    enters a prediction. `packed`: the attention a recipe's packed documents cost (toolkit/estimate/packed_attention.py;
+    None: the whole sequence)."""
     gpu, network = calibrated(gpu, network, calibration)
     network = network.for_plan(plan)  # the plan's node size, NVLink domain and scale-out tier
     a = PRECISION_BYTES[plan.precision]
@@ -126,16 +127,16 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     hbm = hbm_bytes_per_s(gpu)
     # GEMM-rate equivalent of one attention FLOP: fused kernels on the blocks they run (the sequence, or CP's ring
     # blocks) at their own rate (toolkit/estimate/attention_rate.py), a sliding-window layer's band at its own; the
-    # unfused path computes the whole score matrix with cuBLAS batched GEMMs and moves it through memory
+    # unfused execution path computes the whole score matrix with cuBLAS batched GEMMs and moves it through memory
     block = plan.seq_len / (2 * plan.cp) if plan.cp > 1 else plan.seq_len
     attention_work = 1.0 if path.unfused_attention else fused_attention_work(block, spec.head_dim)
     window_work = (attention_work if path.unfused_attention or spec.sliding_window is None
                    else fused_attention_work(block, spec.head_dim, spec.sliding_window))
-    # seconds per token and layer the unfused path spends moving scores (heads/tp x s elements per token) in the
-    # forward and in the backward
+    # seconds per token and layer the unfused execution path spends moving scores (heads/tp x s elements per token)
+    # in the forward and in the backward
     scores = spec.num_attention_heads / plan.tp * plan.seq_len / hbm if path.unfused_attention else 0.0
     score_forward_s, score_backward_s = scores * UNFUSED_ATTENTION_FORWARD_BYTES, scores * UNFUSED_ATTENTION_BACKWARD_BYTES
-    # seconds per token and layer of rotary embedding run eagerly where the path's rate assumes it fused
+    # seconds per token and layer of rotary embedding run eagerly where the execution path's rate assumes it fused
     rotary_forward_s, rotary_backward_s = (n * a / plan.tp / hbm for n in unfused_rotary_elements(spec, path))
 
     # The slowest stage sets the pipeline's pace: every stage's micro-batch time, compute and exposed communication.
@@ -182,7 +183,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
          moe_passes) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed,
                                      plan.tiled_mlp, matmul_passes, (attention_work, window_work), routed_traffic_s,
                                      score_forward_s, score_backward_s)
-        again = sum(plan.recompute == "full" and (recomputed is None or i in recomputed) for i in blocks)
+        again = sum(_recomputes_whole(plan.recompute, recomputed, i) for i in blocks)
         memory_bound += len(blocks) * (rotary_forward_s + rotary_backward_s) + again * rotary_forward_s
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
@@ -235,6 +236,12 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     )
 
 
+def _recomputes_whole(recompute: str, recomputed: frozenset[int] | None, layer: int) -> bool:
+    """Whether full recompute runs `layer`'s whole forward again in backward (`recomputed`: recomputed_layers'
+    answer, None for every layer)."""
+    return recompute == "full" and (recomputed is None or layer in recomputed)
+
+
 @by_identity(2)
 def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...], attended: float, recompute: str,
                   recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, tiled_mlp: bool,
@@ -256,7 +263,7 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
         f = layer_forward_flops(spec, i, attended)
         window = spec.attention_window(i)
         attention_work = attention_works[window is not None and window < attended]
-        whole = recompute == "full" and (recomputed is None or i in recomputed)
+        whole = _recomputes_whole(recompute, recomputed, i)
         again = recomputed_forward(f, recompute, recompute_modules, whole)
         work += matmul_passes * f.matmul + 3 * adapter_forward_flops(spec, ft, i)
         work += again.matmul

@@ -1,4 +1,4 @@
-"""The `dmt health` verdict: thresholds (catalogue defaults, flags on top), the judgement, and the health report as
+"""The `dmt health` verdict: thresholds (catalogue defaults, flags on top), the judgement, and the health verdict as
 typed models.
 
 `dmt health --json` prints HealthReport.as_json(); `dmt plan --measured-bw` reads its `bandwidth`. The JSON keys are a
@@ -36,8 +36,8 @@ class Thresholds:
 
 
 class _Part(BaseModel):
-    """A part of the report. Keys in `only_when_given` are written only when the code that built it set them (a
-    GPU's facts on a GPU rank, `reported_by` on a rank's report), so a null written is a null measured."""
+    """A part of the health verdict. Keys in `only_when_given` are written only when the code that built it set them
+    (a GPU's facts on a GPU rank, `reported_by` on a verdict one rank wrote), so a null written is a null measured."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     only_when_given: ClassVar[tuple[str, ...]] = ()
@@ -54,7 +54,7 @@ class _Part(BaseModel):
         return data
 
     def as_json(self) -> dict:
-        """The report as JSON types, keys in the order of the fields."""
+        """This part as JSON types, keys in the order of the fields."""
         return self.model_dump(mode="json")
 
 
@@ -171,7 +171,7 @@ class Died(_Part):
 
 
 class HealthReport(_Part):
-    """The report of one `dmt health` run (`--json`, `--output`); `ok` decides the exit code (0 only when ok)."""
+    """The verdict of one `dmt health` run (`--json`, `--output`); `ok` decides the exit code (0 only when ok)."""
 
     only_when_given = ("reported_by",)
 
@@ -273,7 +273,7 @@ def _rank_problems(ranks: list[dict], limits: Thresholds, options) -> tuple[list
 
 
 def judge(ranks: list[dict], collectives: dict, bandwidth: dict, links: list[dict], options) -> HealthReport:
-    """The full report of a run that completed on every rank."""
+    """The full verdict of a run that completed on every rank."""
     cuda = any(facts["device"].startswith("cuda") for facts in ranks)
     gpu = resolve_gpu(options, ranks)
     limits = thresholds_for(options, gpu, cuda, ranks[0].get("local_world_size"))
@@ -314,7 +314,7 @@ def judge(ranks: list[dict], collectives: dict, bandwidth: dict, links: list[dic
 
 def incomplete(world: int, hosts: list[str | None], phase: str, unresponsive: list[dict], died: list[dict],
                problems: list[str], collectives: dict | None = None) -> HealthReport:
-    """The report of a run that could not finish: who stopped, who died, and what was measured until then."""
+    """The verdict of a run that could not finish: who stopped, who died, and what was measured until then."""
     lines = [f"rank {u['rank']} ({u.get('host') or '?'}) unresponsive for {u['silent_s']} s: {u['reason']} "
              f"(step '{u.get('step')}')" for u in unresponsive]
     lines += [f"rank {d['rank']} ({d.get('host') or '?'}) died: {d['how']}" for d in died]

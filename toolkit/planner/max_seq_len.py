@@ -11,10 +11,11 @@ from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded
 from toolkit.estimate.timing import step_time
-from toolkit.planner.search import RECOMPUTE_KEYS, enumerate_layouts
+from toolkit.planner.search import enumerate_layouts
 from toolkit.spec.backends import backend_of
 from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
+from toolkit.spec.options import RECOMPUTE_KEYS
 from toolkit.spec.plan import Plan, resolve_plan
 
 SEQ_LEN_STEP = 1024

@@ -18,7 +18,7 @@ from toolkit.spec.backends import NAMES, backend_of
 from toolkit.spec.calibration import Calibration
 from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
-from toolkit.spec.options import default
+from toolkit.spec.options import RECOMPUTE_KEYS, default
 from toolkit.spec.pipeline import PipelineSplit, balanced_layout
 from toolkit.spec.plan import Plan, resolve_plan, with_block_recompute
 from toolkit.spec.quantization import check_on_gpu
@@ -221,10 +221,6 @@ def search(
                         result.rejected["slower than the same plan with other recomputation"] += len(fitting) - 1
     result.ranked.sort(key=lambda c: c.time.total_s)
     return result
-
-
-RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers", "tiled_mlp", "tiled_loss",
-                  "offload_activations")
 
 
 class _NoChoice(Exception):

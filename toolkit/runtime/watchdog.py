@@ -303,7 +303,8 @@ class Watchdog:
                 if r not in second or (r in first and first[r].count == second[r].count and not second[r].finished)]
 
     def claim_report(self, store=None) -> bool:
-        """True for the one rank that writes the report (first to claim), whichever check found the problem."""
+        """True for the one rank that records the problem (first to claim), whichever check found it: incident.json
+        in training, the health verdict under `dmt health`."""
         try:
             return int((store or self.store).add(CLAIM_KEY, 1)) == 1
         except Exception:

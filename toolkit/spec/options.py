@@ -225,6 +225,10 @@ class PlanOptions(BaseModel):
 OPTION_NAMES = tuple(PlanOptions.model_fields)
 RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 TRANSFORMER_IMPLS: tuple[str, ...] = get_args(TransformerImpl)
+# the options that say how activations are kept: the plan search tries them within one layout
+# (toolkit/planner/search.py), and no model-state term reads them (toolkit/estimate/memory.py MODEL_STATE_BLIND)
+RECOMPUTE_KEYS = ("recompute", "recompute_modules", "recompute_num_layers", "tiled_mlp", "tiled_loss",
+                  "offload_activations")
 
 
 def field_extra(info: FieldInfo, key: str) -> Any:

@@ -50,8 +50,8 @@ def check_steps(steps: int, warmup: int, key: str) -> None:
 # the experts while from_pretrained loads the model on its device mesh; Accelerate's FSDP2 plugin has no expert axis
 # and the HF Trainer this backend trains under loads the model unsharded, so neither applies here.
 EP_REFUSAL = ("Accelerate 1.15's FSDP2 has no expert-parallel axis and transformers 5.23's (DistributedConfig "
-              "ep_size) applies only to a model from_pretrained loads on its own device mesh, which the HF Trainer "
-              "path does not; the experts train FSDP2-sharded at --ep 1, or use --backend megatron")
+              "ep_size) applies only to a model from_pretrained loads on its own device mesh, while HF Trainer loads "
+              "it unsharded; the experts train FSDP2-sharded at --ep 1, or use --backend megatron")
 
 
 def check(p: Plan) -> None:

@@ -16,6 +16,7 @@ from toolkit.compat.megatron_seams import (
     local_mla_core_attention,
     mla_without_transformer_engine,
     moe_without_transformer_engine,
+    sequence_parallel_spec,
 )
 from toolkit.errors import UserInputError
 from toolkit.generate.megatron import library_kwargs
@@ -134,8 +135,6 @@ def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
         vp_stage = stage if vpp else None
         block = layer_spec(config, tc, vp_stage)
         if tc.sequence_parallel and tc.transformer_impl == "local":
-            from toolkit.compat.megatron_cpu import sequence_parallel_spec  # lazy: megatron (torch norms under SP)
-
             block = sequence_parallel_spec(block, get_num_layers_to_build(tc, vp_stage=vp_stage))
         model = GPTModel(
             config=tc, transformer_layer_spec=block, vp_stage=vp_stage,

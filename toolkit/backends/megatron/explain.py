@@ -5,8 +5,9 @@ Each function answers one question toolkit/estimate/explain.py asks every backen
 
 from __future__ import annotations
 
+from toolkit.backends.megatron.memory import main_grad_bytes
 from toolkit.estimate.explain import experts_sharding
-from toolkit.spec.plan import Plan
+from toolkit.spec.plan import PRECISION_BYTES, Plan
 from toolkit.spec.quantization import plan_recipe
 
 
@@ -40,12 +41,13 @@ def weights(plan: Plan) -> tuple[str | None, str | None]:
 
 
 def gradients(plan: Plan) -> tuple[str, str]:
-    """(the rule, why it differs from 16-bit gradients on every GPU)."""
-    if plan.grad_reduce_in_bf16:
-        return ("bf16 main-grad buffers (--grad-reduce-in-bf16), one per parameter",
-                "Megatron-Core accumulates and reduces gradients in bf16: 2 B/param, the 16-bit rule")
-    return ("fp32 main-grad buffers (grad_reduce_in_fp32), one per parameter",
-            "Megatron-Core accumulates and reduces gradients in fp32: 4 B/param, twice the 16-bit rule")
+    """(the rule, why it differs from 16-bit gradients on every GPU): the bytes are memory.py's main_grad_bytes."""
+    grad = main_grad_bytes(plan)
+    dtype, option = ("bf16", "--grad-reduce-in-bf16") if plan.grad_reduce_in_bf16 else ("fp32", "grad_reduce_in_fp32")
+    times = grad / PRECISION_BYTES["bf16"]
+    than_rule = {1: "the 16-bit rule", 2: "twice the 16-bit rule"}.get(times, f"{times:g} x the 16-bit rule")
+    return (f"{dtype} main-grad buffers ({option}), one per parameter",
+            f"Megatron-Core accumulates and reduces gradients in {dtype}: {grad} B/param, {than_rule}")
 
 
 def optimizer_offloaded(plan: Plan) -> str | None:
