@@ -432,3 +432,57 @@ def test_a_tokenizer_that_needs_its_own_code_is_refused_without_a_question(tmp_p
 
     _refused(_bounded(load), "data.tokenizer.path", directory, "its own Python code")
     assert not mark.exists()
+
+
+def _broken_tokenizer(directory: Path, outside: Path, kind: str) -> None:
+    """A tokenizer directory whose tokenizer.json is `kind`: a FIFO (a load would wait for a writer for ever), a
+    directory, missing, not JSON, JSON of another shape, or a link to a file outside the directory."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(directory)
+    planted = directory / "tokenizer.json"
+    outside.write_bytes(planted.read_bytes())  # a sound tokenizer, but another directory's
+    planted.unlink()
+    if kind == "fifo":
+        os.mkfifo(planted)
+    elif kind == "directory":
+        planted.mkdir()
+    elif kind == "garbage":
+        planted.write_bytes(b"\x00\xffnot a tokenizer")
+    elif kind == "wrong shape":
+        planted.write_text('{"version": "1.0", "model": 5}')
+    elif kind == "outside":
+        planted.symlink_to(outside)
+
+
+BROKEN_TOKENIZERS = {"fifo": "is a FIFO (named pipe), not a regular file", "directory": "is a directory",
+                     "missing": "holds no tokenizer transformers can load",
+                     "garbage": "holds no tokenizer transformers can load",
+                     "wrong shape": "holds no tokenizer transformers can load", "outside": "outside"}
+
+
+@pytest.mark.parametrize("kind", BROKEN_TOKENIZERS)
+def test_a_tokenizer_that_blocks_leads_outside_or_does_not_load_is_refused_in_one_line(tmp_path, kind):
+    """Training's tokenizer (data.tokenizer.path: build_tokenizer, as the HF and Megatron backends load it) and `dmt
+    data prepare --tokenizer` (Megatron-Core's HuggingFaceTokenizer) over a broken tokenizer.json: one line naming
+    the key or flag and what would be valid, within the child's alarm (a FIFO opened for reading would block)."""
+    from test_fuzz_verbs import RECIPE_TEXT
+
+    from toolkit.backends.data import build_tokenizer
+    from toolkit.spec.recipe import load_recipe
+
+    directory = tmp_path / "tok"
+    _broken_tokenizer(directory, tmp_path / "elsewhere.json", kind)
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(RECIPE_TEXT.replace("  tokenizer:\n", f"  tokenizer:\n    path: {directory}\n", 1))
+    recipe = load_recipe(recipe_path)
+    line = _refused(_bounded(lambda: build_tokenizer(recipe, None) and 0), "data.tokenizer.path", directory,
+                    BROKEN_TOKENIZERS[kind])
+    assert "Hugging Face tokenizer directory" in line, line
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    _refused(_dmt(["data", "prepare", "--input", corpus, "--tokenizer", directory, "--output-prefix",
+                   tmp_path / "out"]), "--tokenizer", directory, BROKEN_TOKENIZERS[kind])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "elsewhere.json", "recipe.yaml", "tok"]
