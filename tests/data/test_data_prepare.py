@@ -215,13 +215,16 @@ def test_a_worker_killed_from_outside_ends_the_run_in_one_line(tmp_path, monkeyp
     """SIGKILL to a worker while it encodes (the out-of-memory killer's signal): multiprocessing.Pool replaced the
     worker and the main process waited for its block for ever. Now the run ends at once with one line naming
     --workers and the signal, the other worker exits, and nothing is left. The block it held is slowed down to 30 s
-    so that it surely dies holding it; the run must end long before that block would have come back."""
+    so that it surely dies holding it; the run must end long before that block would have come back. The run is a
+    forked child under the fuzz files' hang guard (helpers.bounded: killed after FUZZ_HANG_GUARD_S = 120 s, four
+    times the slowed block), so a run that waits for the dead worker again fails the case instead of hanging CI."""
     import os
     import signal
     import threading
     import time
 
     import toolkit.data.prepare as prepare_module
+    from helpers import bounded
     from toolkit.errors import UserInputError
 
     _slowed(monkeypatch, prepare_module, 30.0)
@@ -239,15 +242,20 @@ def test_a_worker_killed_from_outside_ends_the_run_in_one_line(tmp_path, monkeyp
             time.sleep(0.01)
         os.kill(started[0].workers[0][0].pid, signal.SIGKILL)
 
-    killer = threading.Thread(target=kill_the_first_worker, daemon=True)
-    killer.start()
-    began = time.monotonic()
-    with pytest.raises(UserInputError, match="was killed by signal 9") as refused:
-        prepare_module.prepare([CORPUS], TOKENIZER, tmp_path / "out", ["text"], False, 2, block_bytes=4096)
-    # the other worker, holding 30 s blocks, is killed by the end of the run, not waited for (END_WAIT_S is 60 s)
-    assert refused.value.key == "--workers" and "\n" not in str(refused.value)
-    assert time.monotonic() - began < 30, "the run waited for a block of the killed worker or of its sibling"
-    assert not any(process.is_alive() for process, _, _ in started[0].workers)
+    def run() -> int:  # in the forked child: the killer thread starts there, where the workers are
+        killer = threading.Thread(target=kill_the_first_worker, daemon=True)
+        killer.start()
+        began = time.monotonic()
+        with pytest.raises(UserInputError, match="was killed by signal 9") as refused:
+            prepare_module.prepare([CORPUS], TOKENIZER, tmp_path / "out", ["text"], False, 2, block_bytes=4096)
+        # the other worker, holding 30 s blocks, is killed by the end of the run, not waited for (END_WAIT_S is 60 s)
+        assert refused.value.key == "--workers" and "\n" not in str(refused.value)
+        assert time.monotonic() - began < 30, "the run waited for a block of the killed worker or of its sibling"
+        assert not any(process.is_alive() for process, _, _ in started[0].workers)
+        return 0
+
+    code, _, err, _ = bounded(run)
+    assert code == 0, "\n".join(err)
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
