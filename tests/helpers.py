@@ -423,6 +423,68 @@ def launch_scheduler(config, log):
 # 10.6 s at load ~16 on 2 cores, past the former 10 s assert: 120 s is 11x that.
 FUZZ_HANG_GUARD_S = 120
 
+# Address space a bounded child (`bounded`) may map beyond what it forked with: importing torch maps 0.6 GiB, and a
+# read that inflates past this (a compression bomb, /dev/zero) fails the case instead of swapping the machine.
+FUZZ_HEADROOM = 2 * 2**30
+
+
+def vm_bytes() -> int:
+    """This process's mapped address space (VmSize), what `bounded` adds FUZZ_HEADROOM to."""
+    import re
+
+    return int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def bounded(call, headroom: int = FUZZ_HEADROOM) -> tuple[int, list[str], list[str], float]:
+    """(exit code, stdout lines, stderr lines, seconds) of `call()` (an exit code; a UserInputError it raises is exit
+    2 and its one line, as the CLI prints it; anything else that escapes is its traceback and exit 99) in a forked
+    child that SIGALRM kills after FUZZ_HANG_GUARD_S and that may not map more than `headroom` bytes beyond what it
+    forked with; a child killed so fails the case. The fuzz files' hang guard, and any test's whose regression would
+    block (a FIFO, a worker waited for): the alarm ends only a hang, it is no verdict on speed."""
+    import resource
+    import signal
+    import tempfile
+    import time
+    import traceback
+
+    import pytest
+
+    from toolkit.errors import UserInputError, error_line
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            code = 99  # anything that escapes is a traceback and this code
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout, sys.stderr = os.fdopen(1, "w", closefd=False), os.fdopen(2, "w", closefd=False)
+                resource.setrlimit(resource.RLIMIT_AS, (vm_bytes() + headroom, resource.RLIM_INFINITY))
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(FUZZ_HANG_GUARD_S)
+                try:
+                    code = call()
+                except UserInputError as exc:
+                    print(error_line("dmt", exc), file=sys.stderr)
+                    code = 2
+            except BaseException:  # noqa: BLE001 (a MemoryError or a failed assert too: the case reports it)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        seconds = time.monotonic() - start
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if os.WIFSIGNALED(status):
+        pytest.fail(f"killed by signal {os.WTERMSIG(status)} after {seconds:.1f} s (blocked or read without end); "
+                    f"stderr: {stderr[-2000:]}")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return os.WEXITSTATUS(status), stdout.splitlines(), lines, seconds
+
 
 PROFILED = ("2", "3")  # --profile-steps of the launches that record a profile (an existing launch per backend)
 PROFILE_TERMS = ("compute_s", "communication_exposed_s", "data_wait_s", "optimizer_s", "checkpoint_s", "idle_s")

@@ -215,13 +215,16 @@ def test_a_worker_killed_from_outside_ends_the_run_in_one_line(tmp_path, monkeyp
     """SIGKILL to a worker while it encodes (the out-of-memory killer's signal): multiprocessing.Pool replaced the
     worker and the main process waited for its block for ever. Now the run ends at once with one line naming
     --workers and the signal, the other worker exits, and nothing is left. The block it held is slowed down to 30 s
-    so that it surely dies holding it; the run must end long before that block would have come back."""
+    so that it surely dies holding it; the run must end long before that block would have come back. The run is a
+    forked child under the fuzz files' hang guard (helpers.bounded: killed after FUZZ_HANG_GUARD_S = 120 s, four
+    times the slowed block), so a run that waits for the dead worker again fails the case instead of hanging CI."""
     import os
     import signal
     import threading
     import time
 
     import toolkit.data.prepare as prepare_module
+    from helpers import bounded
     from toolkit.errors import UserInputError
 
     _slowed(monkeypatch, prepare_module, 30.0)
@@ -239,15 +242,20 @@ def test_a_worker_killed_from_outside_ends_the_run_in_one_line(tmp_path, monkeyp
             time.sleep(0.01)
         os.kill(started[0].workers[0][0].pid, signal.SIGKILL)
 
-    killer = threading.Thread(target=kill_the_first_worker, daemon=True)
-    killer.start()
-    began = time.monotonic()
-    with pytest.raises(UserInputError, match="was killed by signal 9") as refused:
-        prepare_module.prepare([CORPUS], TOKENIZER, tmp_path / "out", ["text"], False, 2, block_bytes=4096)
-    # the other worker, holding 30 s blocks, is killed by the end of the run, not waited for (END_WAIT_S is 60 s)
-    assert refused.value.key == "--workers" and "\n" not in str(refused.value)
-    assert time.monotonic() - began < 30, "the run waited for a block of the killed worker or of its sibling"
-    assert not any(process.is_alive() for process, _, _ in started[0].workers)
+    def run() -> int:  # in the forked child: the killer thread starts there, where the workers are
+        killer = threading.Thread(target=kill_the_first_worker, daemon=True)
+        killer.start()
+        began = time.monotonic()
+        with pytest.raises(UserInputError, match="was killed by signal 9") as refused:
+            prepare_module.prepare([CORPUS], TOKENIZER, tmp_path / "out", ["text"], False, 2, block_bytes=4096)
+        # the other worker, holding 30 s blocks, is killed by the end of the run, not waited for (END_WAIT_S is 60 s)
+        assert refused.value.key == "--workers" and "\n" not in str(refused.value)
+        assert time.monotonic() - began < 30, "the run waited for a block of the killed worker or of its sibling"
+        assert not any(process.is_alive() for process, _, _ in started[0].workers)
+        return 0
+
+    code, _, err, _ = bounded(run)
+    assert code == 0, "\n".join(err)
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
@@ -350,3 +358,66 @@ def test_a_compressed_line_past_the_bound_is_refused_in_bounded_memory(tmp_path)
     assert f"{bomb} line 4 is longer than 16 MiB" in err[0]
     assert int(result.stdout.split()[-1]) < 2 * 2**20  # KiB: 2 GiB
     assert [p.name for p in tmp_path.iterdir()] == ["bomb.jsonl.gz"]
+
+
+@pytest.mark.parametrize("fine_rows", [3, 10_000], ids=["alone", "among-short-rows"])
+def test_a_compressed_parquet_value_past_the_bound_is_refused_in_bounded_memory(tmp_path, fine_rows):
+    """A parquet value of 64 MiB that zstd compresses to kilobytes: pyarrow decompresses a page whole, so the reader
+    inflated it before measuring it. Its row group is now refused from the sizes the file's metadata records, before
+    any page is read: by its average row past LINE_BYTES_MAX (alone) or its inflation past PARQUET_INFLATION_MAX
+    (among short rows). The read runs in a forked child (helpers.bounded) whose pyarrow allocations (a pool of its
+    own) stay under LINE_BYTES_MAX and whose resident memory grows by less than the value: it is never held."""
+    import resource
+    import sys
+
+    import pyarrow
+    import pyarrow.compute  # noqa: F401 (imported before the measure, as the reader imports it)
+    import pyarrow.parquet
+
+    from helpers import bounded
+    from toolkit.data.sources import LINE_BYTES_MAX, chunks, source_of
+    from toolkit.errors import UserInputError, error_line
+
+    bomb = tmp_path / "bomb.parquet"
+
+    def write() -> int:  # in a child of its own: the test's allocator keeps none of the 64 MiB it builds
+        table = pyarrow.table({"text": ["fine"] * fine_rows + ["a" * (4 * LINE_BYTES_MAX)]})
+        pyarrow.parquet.write_table(table, bomb, compression="zstd")
+        return 0
+
+    assert bounded(write)[0] == 0 and bomb.stat().st_size < LINE_BYTES_MAX // 100
+
+    def read() -> int:
+        pool = pyarrow.proxy_memory_pool(pyarrow.default_memory_pool())  # counts this read's allocations alone
+        pyarrow.set_memory_pool(pool)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            list(chunks(source_of(bomb, ["text"]), ["text"]))
+        except UserInputError as exc:
+            print(error_line("dmt", exc), file=sys.stderr)
+        print(pool.max_memory(), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+        return 2
+
+    code, out, err, _ = bounded(read)
+    allocated, grown = map(int, out[-1].split())
+    assert allocated < LINE_BYTES_MAX and grown < 4 * LINE_BYTES_MAX, (allocated, grown)
+    assert code == 2 and len(err) == 1 and f"--input: {bomb} row group 0" in err[0], err
+    assert "refused unread" in err[0] and ("longer than the 16 MiB" if fine_rows == 3 else "inflates over") in err[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["bomb.parquet"]
+
+
+def test_parquet_row_groups_are_read_in_batches_of_about_a_block(tmp_path):
+    """Row groups of any size are read a batch of about BLOCK_BYTES at a time (at most PARQUET_ROWS rows), each row
+    once and in order, by the sizes the file records."""
+    import pyarrow
+    import pyarrow.parquet
+
+    from toolkit.data.sources import BLOCK_BYTES, PARQUET_ROWS, chunks, source_of
+
+    texts = [f"{i} " + "x" * 2000 for i in range(3000)]
+    path = tmp_path / "rows.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"text": texts}), path, row_group_size=2500, use_dictionary=False)
+    read = list(chunks(source_of(path, ["text"]), ["text"]))
+    assert [value for chunk in read for value in chunk.payload["text"]] == texts
+    sizes = [len(chunk.payload["text"]) for chunk in read]
+    assert max(sizes) < PARQUET_ROWS and max(sizes) * 2000 <= 1.1 * BLOCK_BYTES, sizes

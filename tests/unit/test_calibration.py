@@ -368,3 +368,50 @@ def test_a_host_peak_measured_under_load_does_not_cap_the_fit():
         assert step_time(LLAMA_1B, o.plan, cpu, network, calibration=fitted).total_s == pytest.approx(
             o.measured_step_time_s, rel=1e-3)
         assert gemm_efficiency(LLAMA_1B.hidden_size, 1, o.plan.micro_batch * 128) * fits["hf"].compute_scale <= 1
+
+
+@pytest.mark.parametrize("rate, measured", [(6.0, 0.8), (20.0, 0.1)], ids=["peak-as-measured", "measured-under-load"])
+def test_a_host_calibration_of_a_tiny_model_predicts_an_8b_model_below_the_ceiling(tmp_path, capsys, rate, measured):
+    """Issue 47: a calibration fitted to the tiny recipe's CPU runs predicted 100% MFU for Llama 3.1 8B. The fitted
+    scale (6 and 20 here against 0.57 published; 6.47 on benchmarks/calibration_cpu.md's CPU runs) carried the
+    GPU-shaped curve from width 64 to 4096, where it put every GEMM at the peak. Now the width is held at the
+    widest fitted run's, and the host peak leaves the runs' GEMMs at most HOST_GEMM_CEILING of it (0.6, the published
+    curve's own best sustained fraction of dense peak, PEAK_EFFICIENCY); MFU counts the model's FLOPs over a step
+    that also holds attention, the optimizer and the fixed cost, so the 8B prediction's MFU stays below that ceiling, whether the measured peak held (no raise) or was taken
+    under load (raised), and the fitted runs' own predictions do not move. `rate`: the runs' true compute scale at
+    a true peak of 0.8 TFLOP/s; `measured`: the peak the fit is given."""
+    from toolkit.estimate.calibrate import HOST_GEMM_CEILING, fit_host_paths
+    from toolkit.estimate.efficiency import PEAK_EFFICIENCY, gemm_efficiency
+    from toolkit.spec.model import spec_from_hf_dict
+
+    tiny = spec_from_hf_dict(yaml.safe_load(TINY.read_text())["model"]["config"], "tiny-llama-cpu")
+    big = load_model_spec("llama-3.1-8b")
+    cpu = get_gpu("cpu")
+    network = Network.from_catalogue(cpu, 2)
+    truth = provisional("cpu", {"hf": PathFit(rate, 0.01)}, {"bf16": 0.8}, None)  # the runs, made by the model
+    plans = [resolve_plan(tiny, 2, gpus_per_node=2, micro_batch=m, seq_len=128, global_batch=16) for m in (2, 4, 8)]
+    observations = [Observation(tiny, plan, step_time(tiny, plan, cpu, network, calibration=truth).total_s)
+                    for plan in plans]
+    fits, peak, raised = fit_host_paths(observations, cpu, {"bf16": measured})
+    assert (raised > 1) == (measured == 0.1) and fits["hf"].widest == tiny.hidden_size
+    fitted = provisional("cpu", fits, peak, None)
+    for o in observations:  # the fitted runs' predictions, as before the width was held
+        assert step_time(tiny, o.plan, cpu, network, calibration=fitted).total_s == pytest.approx(
+            o.measured_step_time_s, rel=1e-3)
+    big_plan = resolve_plan(big, 2, gpus_per_node=2, micro_batch=1, seq_len=8192, global_batch=16)
+    # the curve carried unheld to the 8B model's width would put its GEMMs at the peak: what the issue saw
+    assert gemm_efficiency(big.hidden_size, 1, 8192) * fits["hf"].compute_scale > 1
+    predicted = step_time(big, big_plan, cpu, network, calibration=fitted)
+    assert HOST_GEMM_CEILING == PEAK_EFFICIENCY and 0 < predicted.mfu < HOST_GEMM_CEILING, predicted.mfu
+    # the same through a calibration file and `dmt estimate`: the file keeps the width, the CLI predicts with it
+    path = _calibration_file(tmp_path / "cal.yaml", "cpu", scale=fits["hf"].compute_scale, host_peak=peak,
+                             fixed_step_s=fits["hf"].fixed_step_s)
+    data = yaml.safe_load(path.read_text())
+    data["efficiency"]["hf"]["fitted_width"] = fits["hf"].widest
+    path.write_text(yaml.safe_dump(data))
+    assert load_calibration(path).efficiency["hf"].fitted_width == tiny.hidden_size
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2",
+                 "--seq-len", "8192", "--micro-batch", "1", "--backend", "deepspeed", "--calibration", str(path),
+                 "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert 0 < answer["mfu"] < HOST_GEMM_CEILING, answer["mfu"]

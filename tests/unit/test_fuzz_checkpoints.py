@@ -9,69 +9,23 @@ fails the case instead of hanging the test; nothing is written, and no payload r
 import json
 import os
 import pickle
-import resource
 import shutil
-import signal
 import sys
-import tempfile
-import time
-import traceback
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from test_fuzz_pickles import Payload, _zero_checkpoint, fsdp_checkpoint, megatron_copy, megatron_pair  # noqa: F401
-from test_fuzz_reads import HEADROOM, SECONDS, _vm_bytes
 
-from helpers import tiny_llama_config
+from helpers import bounded, tiny_llama_config
 from toolkit.cli.main import main
-from toolkit.errors import UserInputError, error_line
 
-BOMB = 2**30  # what the compressed record inflates to: past HEADROOM with the copies a reader makes of it
-
-
-def _bounded(call) -> tuple[int, list[str], list[str], float]:
-    """(exit code, stdout lines, stderr lines, seconds) of `call()` (an exit code; a UserInputError it raises is exit
-    2 and its one line, as the CLI prints it) in a forked child that SIGALRM kills after SECONDS and that may not map
-    more than HEADROOM bytes beyond what it forked with; a child killed so fails the case."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            code = 99  # anything that escapes is a traceback and this code
-            try:
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                sys.stdout, sys.stderr = os.fdopen(1, "w", closefd=False), os.fdopen(2, "w", closefd=False)
-                resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + HEADROOM, resource.RLIM_INFINITY))
-                signal.signal(signal.SIGALRM, signal.SIG_DFL)
-                signal.alarm(SECONDS)
-                try:
-                    code = call()
-                except UserInputError as exc:
-                    print(error_line("dmt", exc), file=sys.stderr)
-                    code = 2
-            except BaseException:  # noqa: BLE001 (a MemoryError too: it is what the test is for)
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        seconds = time.monotonic() - start
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    if os.WIFSIGNALED(status):
-        pytest.fail(f"killed by signal {os.WTERMSIG(status)} after {seconds:.1f} s (blocked or read without end); "
-                    f"stderr: {stderr[-2000:]}")
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    return os.WEXITSTATUS(status), stdout.splitlines(), lines, seconds
+BOMB = 2**30  # what the compressed record inflates to: past FUZZ_HEADROOM with the copies a reader makes of it
 
 
 def _dmt(argv: list) -> tuple[int, list[str], list[str], float]:
-    return _bounded(lambda: main([str(a) for a in argv]))
+    return bounded(lambda: main([str(a) for a in argv]))
 
 
 def _resume(ckpt: Path) -> tuple[int, list[str], list[str], float]:
@@ -83,11 +37,11 @@ def _resume(ckpt: Path) -> tuple[int, list[str], list[str], float]:
     identity = {"seed": 1}
     write_manifest(ckpt, step=2, world_size=1, layout={}, fmt="test", extra={"run": identity},
                    files={})  # no hashing: the hostile files are what the check must meet, unread
-    return _bounded(lambda: resume_checkpoint(ckpt.parent, str(ckpt), identity) and 0)
+    return bounded(lambda: resume_checkpoint(ckpt.parent, str(ckpt), identity) and 0)
 
 
 def _refused(result, *says: str) -> str:
-    code, _, err, _ = result  # its time is bounded by the child's alarm (SECONDS): a hang guard, no verdict on speed
+    code, _, err, _ = result  # its time is bounded by the child's alarm (FUZZ_HANG_GUARD_S): a hang guard, no verdict on speed
     text = "\n".join(err)
     assert code == 2 and len(err) == 1 and "Traceback" not in text, (code, text)
     assert all(str(s) in text for s in says), (says, text)
@@ -339,7 +293,7 @@ def test_a_compressed_chunk_is_refused_before_torch_inflates_it(bombed_zero, tmp
             torch_load(handle, file, "CKPT")
         return 0
 
-    _refused(_bounded(load), "CKPT", file, "compressed record", "refused unread")
+    _refused(bounded(load), "CKPT", file, "compressed record", "refused unread")
 
 
 # --- HF Trainer's own pickles ---------------------------------------------------------------------------------------
@@ -430,5 +384,59 @@ def test_a_tokenizer_that_needs_its_own_code_is_refused_without_a_question(tmp_p
         build_tokenizer(recipe, None)
         return 0
 
-    _refused(_bounded(load), "data.tokenizer.path", directory, "its own Python code")
+    _refused(bounded(load), "data.tokenizer.path", directory, "its own Python code")
     assert not mark.exists()
+
+
+def _broken_tokenizer(directory: Path, outside: Path, kind: str) -> None:
+    """A tokenizer directory whose tokenizer.json is `kind`: a FIFO (a load would wait for a writer for ever), a
+    directory, missing, not JSON, JSON of another shape, or a link to a file outside the directory."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(directory)
+    planted = directory / "tokenizer.json"
+    outside.write_bytes(planted.read_bytes())  # a sound tokenizer, but another directory's
+    planted.unlink()
+    if kind == "fifo":
+        os.mkfifo(planted)
+    elif kind == "directory":
+        planted.mkdir()
+    elif kind == "garbage":
+        planted.write_bytes(b"\x00\xffnot a tokenizer")
+    elif kind == "wrong shape":
+        planted.write_text('{"version": "1.0", "model": 5}')
+    elif kind == "outside":
+        planted.symlink_to(outside)
+
+
+BROKEN_TOKENIZERS = {"fifo": "is a FIFO (named pipe), not a regular file", "directory": "is a directory",
+                     "missing": "holds no tokenizer transformers can load",
+                     "garbage": "holds no tokenizer transformers can load",
+                     "wrong shape": "holds no tokenizer transformers can load", "outside": "outside"}
+
+
+@pytest.mark.parametrize("kind", BROKEN_TOKENIZERS)
+def test_a_tokenizer_that_blocks_leads_outside_or_does_not_load_is_refused_in_one_line(tmp_path, kind):
+    """Training's tokenizer (data.tokenizer.path: build_tokenizer, as the HF and Megatron backends load it) and `dmt
+    data prepare --tokenizer` (Megatron-Core's HuggingFaceTokenizer) over a broken tokenizer.json: one line naming
+    the key or flag and what would be valid, within the child's alarm (a FIFO opened for reading would block)."""
+    from test_fuzz_verbs import RECIPE_TEXT
+
+    from toolkit.backends.data import build_tokenizer
+    from toolkit.spec.recipe import load_recipe
+
+    directory = tmp_path / "tok"
+    _broken_tokenizer(directory, tmp_path / "elsewhere.json", kind)
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(RECIPE_TEXT.replace("  tokenizer:\n", f"  tokenizer:\n    path: {directory}\n", 1))
+    recipe = load_recipe(recipe_path)
+    line = _refused(bounded(lambda: build_tokenizer(recipe, None) and 0), "data.tokenizer.path", directory,
+                    BROKEN_TOKENIZERS[kind])
+    assert "Hugging Face tokenizer directory" in line, line
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    _refused(_dmt(["data", "prepare", "--input", corpus, "--tokenizer", directory, "--output-prefix",
+                   tmp_path / "out"]), "--tokenizer", directory, BROKEN_TOKENIZERS[kind])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "elsewhere.json", "recipe.yaml", "tok"]

@@ -7,64 +7,29 @@ hanging it or the machine."""
 import json
 import os
 import re
-import resource
-import signal
-import sys
-import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 from test_fuzz_verbs import RECIPE_TEXT
 
-from helpers import FUZZ_HANG_GUARD_S
+from helpers import bounded
 from toolkit.cli.main import main
 from toolkit.readers import MAX_DEPTH, SIZE_LIMITS, read_yaml
 
-SECONDS = FUZZ_HANG_GUARD_S  # the child is killed past this: a hang guard, no verdict on speed
-HEADROOM = 2 * 2**30  # address space the child may add to what it forked with (importing torch maps 0.6 GiB)
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
 
-def _vm_bytes() -> int:
-    return int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
-
-
 def _dmt(argv: list[str]) -> tuple[int, list[str], float]:
-    """(exit code, stderr lines, seconds) of `dmt ARGV` run in a forked child that SIGALRM kills after SECONDS and
-    that may not map more than HEADROOM bytes beyond what it started with; a child killed so fails the test."""
-    argv = [str(part) for part in argv]
-    with tempfile.TemporaryFile() as err:
-        start = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # the child: its exit code is dmt's; anything that escapes main() is a traceback and code 99
-            code = 99
-            try:
-                os.dup2(err.fileno(), 2)
-                sys.stderr = os.fdopen(2, "w", closefd=False)
-                resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + HEADROOM, resource.RLIM_INFINITY))
-                signal.signal(signal.SIGALRM, signal.SIG_DFL)
-                signal.alarm(SECONDS)
-                code = main(argv)
-            except BaseException:  # noqa: BLE001 (a MemoryError too: it is what the test is for)
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        seconds = time.monotonic() - start
-        err.seek(0)
-        text = err.read().decode(errors="replace")
-    if os.WIFSIGNALED(status):
-        pytest.fail(f"dmt {' '.join(argv)} was killed by signal {os.WTERMSIG(status)} after {seconds:.1f} s (blocked "
-                    f"or read without end); stderr: {text[-2000:]}")
-    return os.WEXITSTATUS(status), [line for line in text.splitlines() if line.strip()], seconds
+    """(exit code, stderr lines, seconds) of `dmt ARGV` in a forked child under the fuzz files' time and address-space
+    limits (helpers.bounded); a child killed so fails the test."""
+    code, _, err, seconds = bounded(lambda: main([str(part) for part in argv]))
+    return code, err, seconds
 
 
 def _refused(argv: list[str], *names: str) -> str:
-    """Run dmt and check it refused in one line naming `names` (within SECONDS, or the child is killed); that line."""
+    """Run dmt and check it refused in one line naming `names` (within the hang guard, or the child is killed); that
+    line."""
     code, err, seconds = _dmt(argv)
     text = "\n".join(err)
     assert code == 2 and len(err) == 1 and "Traceback" not in text, (code, text)

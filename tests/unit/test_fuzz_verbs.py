@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FUZZ_HANG_GUARD_S, TINY
+from helpers import FUZZ_HANG_GUARD_S, TINY, bounded
 from toolkit.cli.main import main
 
 DATA_TOKENIZER = str(TINY.parents[1] / "tests" / "data" / "tokenizer")
@@ -590,13 +590,13 @@ def _train_loader(sandbox: Path) -> None:
 def test_the_training_loader_refuses_a_damaged_dataset_or_cache_in_one_line(sandbox, case):
     """A foreign index cache whose values pass the dtype check, or a prepared dataset of zero documents or pointers
     past its .bin, is one line naming the key before a rank reads a sample (data inspect's cases are above)."""
-    from test_fuzz_checkpoints import _bounded, _refused
+    from test_fuzz_checkpoints import _refused
 
     names = _blend_inputs(sandbox)
     (sandbox / "blend.yaml").write_text(_blend_recipe(names))
     damage, key, says = LOADER_CASES[case]
     damage(sandbox, Path(f"{names['prefix']}_text_document"))
-    line = _refused(_bounded(lambda: _train_loader(sandbox) or 0), key, says)
+    line = _refused(bounded(lambda: _train_loader(sandbox) or 0), key, says)
     assert line.startswith(f"dmt: error: {key}: "), line
 
 

@@ -139,7 +139,10 @@ def host_peak_text(calibration: dict) -> str:
     text = (f"host matmul peak {peaks} with {how['threads']} threads, measured at load {how['load_average']:.1f} "
             f"on {how['cores']} cores")
     if how.get("raised_by", 1) > 1:
-        text += f" and raised {how['raised_by']:.3g}x to what the runs' GEMMs reached"
+        from toolkit.estimate.calibrate import HOST_GEMM_CEILING
+
+        text += (f" and raised {how['raised_by']:.3g}x, so that the runs' GEMMs reach at most "
+                 f"{HOST_GEMM_CEILING:.0%} of it")
     if abs(now - how["load_average"]) >= max(1.0, how["cores"] / 2):
         text += (f"; this host's load is {now:.1f} now, so its step times differ from the calibration's by what that "
                  f"load takes")

@@ -28,6 +28,7 @@ from toolkit.data.indexed import (
 from toolkit.data.split import megatron_split, split_shares
 from toolkit.data.tokenizer import files_digest, megatron_tokenizer
 from toolkit.errors import UserInputError
+from toolkit.readers import tokenizer_directory
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "data_cache"  # under the run's output directory, unless data.cache_dir names one
@@ -79,7 +80,7 @@ def check_blend(recipe, vocab_size: int) -> list[BlendSource]:
     if not tokenizer.is_dir():
         raise UserInputError("data.tokenizer.path", f"{tokenizer} is not a directory; a blend needs the local "
                                                     f"tokenizer directory its prefixes were prepared with")
-    _, digest = files_digest(tokenizer)
+    _, digest = files_digest(tokenizer_directory(tokenizer, "data.tokenizer.path"))  # hashes regular files inside
     sources = blend_sources(recipe)
     for source in sources:
         named = (source.record or {}).get("tokenizer")

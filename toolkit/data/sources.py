@@ -16,11 +16,18 @@ from toolkit.readers import DuplicateKey, not_a_file, unique_keys
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 FORMAT_NAMES = "JSON lines (.jsonl, .json, also .gz), parquet (.parquet) or plain text (.txt, .text, also .gz)"
 BLOCK_BYTES = 1 << 20  # a chunk of JSON lines or text: the unit of work of one worker, and what memory holds per task
-PARQUET_ROWS = 1024  # a chunk of a parquet file
+PARQUET_ROWS = 1024  # the most rows of a chunk of a parquet file (fewer where its rows are long: _checked_row_group)
 # the longest line (document) read, uncompressed: a worker's encoding of a line takes about 40 times its bytes (a
 # 100 MB JSON line, from a 100 KB .gz, cost 4.2 GB), so a line past this is refused before it is held whole. 16 MiB is
 # some 4M tokens, longer than any sequence a document is cut into
 LINE_BYTES_MAX = 16 << 20
+# parquet decompresses a row group's values of a key (a column chunk) page by page, and a page holds at least one whole
+# value: a value past LINE_BYTES_MAX would be inflated before its length is known. The file's metadata records each
+# chunk's uncompressed and compressed sizes, so a row group is refused before any of its pages is read when they show
+# a value past the bound (more than LINE_BYTES_MAX a row on average) or an inflation no text reaches: more than
+# LINE_BYTES_MAX at over PARQUET_INFLATION_MAX times its compressed size (Apache POI's ZipSecureFile refuses a zip
+# entry that inflates over 100 times, MIN_INFLATE_RATIO = 0.01; text compresses some 3 to 10 times)
+PARQUET_INFLATION_MAX = 100
 # the reference reads its input with open(path, 'r', encoding='utf-8'): universal newlines, so \r\n, \r and \n each
 # end a line (and nothing else: not U+2028, U+0085 or a form feed, which str.splitlines would split at)
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -120,19 +127,46 @@ def _parquet_chunks(source: Source, keys: list[str], flag: str):
                                             f"columns: {', '.join(handle.schema_arrow.names)}")
     rows = max(handle.metadata.num_rows, 1)
     try:
-        for batch in handle.iter_batches(batch_size=PARQUET_ROWS, columns=keys, use_threads=False):
-            strings = [batch.column(key) for key in keys if pyarrow.types.is_string(batch.column(key).type)
-                       or pyarrow.types.is_large_string(batch.column(key).type)]
-            longest = max((pyarrow.compute.max(pyarrow.compute.binary_length(column)).as_py() or 0
-                           for column in strings), default=0)
-            if longest > LINE_BYTES_MAX:
-                raise UserInputError(flag, f"{source.path} holds a value of {longest >> 20} MiB, longer than the "
-                                           f"{LINE_BYTES_MAX >> 20} MiB a document may be")
-            columns = {key: batch.column(key).to_pylist() for key in keys}
-            text_bytes = sum(len(value.encode()) for value in columns[keys[0]] if isinstance(value, str))
-            yield Chunk(source.path, source.kind, columns, source.size * batch.num_rows // rows, text_bytes)
+        for group in range(handle.metadata.num_row_groups):
+            batch_rows = _checked_row_group(source, handle.metadata.row_group(group), group, keys, flag)
+            for batch in handle.iter_batches(batch_size=batch_rows, row_groups=[group], columns=keys,
+                                             use_threads=False):
+                strings = [batch.column(key) for key in keys if pyarrow.types.is_string(batch.column(key).type)
+                           or pyarrow.types.is_large_string(batch.column(key).type)]
+                longest = max((pyarrow.compute.max(pyarrow.compute.binary_length(column)).as_py() or 0
+                               for column in strings), default=0)
+                if longest > LINE_BYTES_MAX:
+                    raise UserInputError(flag, f"{source.path} holds a value of {longest >> 20} MiB, longer than the "
+                                               f"{LINE_BYTES_MAX >> 20} MiB a document may be")
+                columns = {key: batch.column(key).to_pylist() for key in keys}
+                text_bytes = sum(len(value.encode()) for value in columns[keys[0]] if isinstance(value, str))
+                yield Chunk(source.path, source.kind, columns, source.size * batch.num_rows // rows, text_bytes)
     except pyarrow.ArrowException as exc:
         raise UserInputError(flag, f"{source.path} cannot be read as parquet ({str(exc)[:200]})") from None
+
+
+def _checked_row_group(source: Source, group, number: int, keys: list[str], flag: str) -> int:
+    """The rows of a batch of this row group (its metadata, `group`) that hold about BLOCK_BYTES of its keys' values
+    by the sizes the file records (1 to PARQUET_ROWS), once those sizes show no value past LINE_BYTES_MAX and no
+    inflation past PARQUET_INFLATION_MAX (nothing of the row group is read)."""
+    rows = max(group.num_rows, 1)
+    uncompressed, compressed = dict.fromkeys(keys, 0), dict.fromkeys(keys, 0)
+    for index in range(group.num_columns):
+        column = group.column(index)
+        key = next((k for k in keys if column.path_in_schema == k or column.path_in_schema.startswith(f"{k}.")), None)
+        if key is not None:
+            uncompressed[key] += column.total_uncompressed_size
+            compressed[key] += column.total_compressed_size
+    for key in keys:
+        where = f"{source.path} row group {number} ({key!r}: {group.num_rows} rows, {uncompressed[key]} bytes " \
+                f"uncompressed, {compressed[key]} compressed)"
+        if uncompressed[key] > LINE_BYTES_MAX * rows:
+            raise UserInputError(flag, f"{where} holds a value longer than the {LINE_BYTES_MAX >> 20} MiB a document "
+                                       f"may be; refused unread")
+        if uncompressed[key] > max(LINE_BYTES_MAX, PARQUET_INFLATION_MAX * compressed[key]):
+            raise UserInputError(flag, f"{where} inflates over {PARQUET_INFLATION_MAX} times, as no text does (a "
+                                       f"compression bomb); refused unread: expected parquet of documents")
+    return max(1, min(PARQUET_ROWS, BLOCK_BYTES * rows // max(sum(uncompressed.values()), 1)))
 
 
 class BadDocument(Exception):

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from pathlib import Path
 
-from toolkit.errors import UserInputError
-from toolkit.readers import one_line
+from toolkit.readers import TOKENIZER_FILES, one_line, tokenizer_directory, tokenizer_refused
 
 log = logging.getLogger(__name__)
 
@@ -20,25 +18,18 @@ log = logging.getLogger(__name__)
 # --vocab-file or --merge-file)
 REFERENCE_ARGUMENTS = dict(vocab_file=None, merges_file=None, additional_special_tokens=[], use_fast=False,
                            trust_remote_code=False, include_special_tokens=False)
-# the files of a tokenizer directory that make its identity (a model directory also holds weights: not hashed)
-_IDENTITY_FILES = re.compile(r"(tokenizer|vocab|merges|special_tokens|added_tokens|chat_template|spiece).*"
-                             r"|.*\.(model|tiktoken)", re.IGNORECASE)
 
 
 def load_tokenizer(directory: Path, flag: str = "--tokenizer"):
     """Megatron-Core's HuggingFaceTokenizer over the tokenizer in `directory`, with the reference's arguments: the
     object whose `tokenize`, `eod` and `vocab_size` preprocess_data.py uses."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise UserInputError(flag, f"{directory} is not a directory; expected a Hugging Face tokenizer directory "
-                                   f"(tokenizer.json, tokenizer_config.json, ...)")
+    directory = tokenizer_directory(directory, flag)  # regular files inside it only: nothing blocks or reads elsewhere
     from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer
 
     try:
         return HuggingFaceTokenizer(str(directory), **REFERENCE_ARGUMENTS)
-    except (ValueError, OSError) as exc:
-        raise UserInputError(flag, f"{directory} holds no tokenizer transformers can load "
-                                   f"({one_line(exc)[:300]})") from None
+    except Exception as exc:  # noqa: BLE001 (tokenizers' own errors are plain Exceptions; a wrong shape a KeyError)
+        raise tokenizer_refused(directory, flag, exc) from None
 
 
 def megatron_tokenizer(directory: Path, flag: str):
@@ -64,7 +55,7 @@ def files_digest(directory: Path) -> tuple[dict[str, str], str]:
     """({file: sha256}, the sha256 of them all) of the files that make a tokenizer directory's identity (the
     sidecar's `tokenizer.sha256`, which a blend's training compares with its recipe's tokenizer)."""
     files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
-             for path in sorted(Path(directory).iterdir()) if path.is_file() and _IDENTITY_FILES.fullmatch(path.name)}
+             for path in sorted(Path(directory).iterdir()) if path.is_file() and TOKENIZER_FILES.fullmatch(path.name)}
     return files, hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in files.items()).encode()).hexdigest()
 
 

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 
 from toolkit.estimate.comm import Network
 from toolkit.estimate.device_peak import host_cores, host_matmul_tflops
-from toolkit.estimate.efficiency import EXECUTION_PATHS, execution_path, gemm_efficiency
+from toolkit.estimate.efficiency import (
+    EXECUTION_PATHS,
+    PEAK_EFFICIENCY,
+    effective_width,
+    execution_path,
+    gemm_efficiency,
+)
 from toolkit.estimate.timing import step_time
 from toolkit.spec.calibration import (
     FORMAT,
@@ -64,6 +70,7 @@ class PathFit:
     fixed_step_s: float = 0.0
     runs: int = 1
     with_fixed_cost: bool = False  # whether the fixed per-step cost was fitted (else it is 0 by assumption)
+    widest: float | None = None  # host fits: the effective GEMM width of the widest run (ExecutionPath.fitted_width)
 
     @property
     def fitted(self) -> str:
@@ -90,7 +97,7 @@ def provisional(hardware: str, efficiency: dict[str, float | PathFit], host_peak
     fits = {path: value if isinstance(value, PathFit) else PathFit(value) for path, value in efficiency.items()}
     fitted = {path: PathEfficiency.model_construct(compute_scale=fit.compute_scale, fixed_step_s=fit.fixed_step_s,
                                                    fitted=fit.fitted, uncalibrated=EXECUTION_PATHS[path].compute_scale,
-                                                   runs=fit.runs)
+                                                   runs=fit.runs, fitted_width=fit.widest)
               for path, fit in fits.items()}
     return Calibration.model_construct(format=FORMAT, hardware=hardware, efficiency=fitted,
                                        host_peak_tflops=host_peak_tflops, links=links)
@@ -194,24 +201,32 @@ def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflo
 # cores it is low, and step_time's cap (no GEMM above the peak) would then hold the fitted rate below what the runs
 # did, whatever the scale (the fit then leans on the cap: two micro-batch sizes at the peak predict one step time).
 # The host fit therefore runs at this many times the measured peak, where no run is capped, and the peak is raised
-# afterwards to what the runs' GEMMs would reach at any micro-batch size if that is above the measurement (the scales
-# move down by the same factor, so every fitted prediction is unchanged and none is capped).
+# afterwards where the runs' GEMMs, at any micro-batch size, would reach more than HOST_GEMM_CEILING of the
+# measurement: to what they reach over HOST_GEMM_CEILING (the scales move down by the same factor, so every fitted
+# prediction is unchanged and none is capped).
 HOST_PEAK_HEADROOM = 1e3
+# The most of the host's peak a host calibration's GEMMs (and the work between them) reach at any width and length:
+# the published curve's own ceiling, the best sustained fraction of dense peak of GEMM-dominated training steps
+# (efficiency.PEAK_EFFICIENCY). With the width held at the widest run's (ExecutionPath.fitted_width) no plan is
+# predicted above it, so an 8B model on a calibration fitted to a tiny model's CPU runs is no longer at 100% MFU.
+HOST_GEMM_CEILING = PEAK_EFFICIENCY
 
 
 def fit_host_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float], links=None,
                    fixed_cost: bool = True) -> tuple[dict[str, PathFit], dict[str, float], float]:
     """(fits, host peak, the factor the measured peak was raised by, >= 1) for runs on the host entry (see
-    HOST_PEAK_HEADROOM)."""
+    HOST_PEAK_HEADROOM); each path's fit holds the effective width of its widest run (PathFit.widest)."""
     boosted = {key: value * HOST_PEAK_HEADROOM for key, value in host_peak_tflops.items()}
     fits = fit_paths(observations, gpu, boosted, links, fixed_cost, lowest=LOWEST / HOST_PEAK_HEADROOM)
     # at the runs' widths with the curve's token term saturated: a plan with longer micro-batches than the runs' (the
-    # held-out micro-batch 8 of the benchmark) must not meet the cap the raised peak sets either
+    # held-out micro-batch 8 of the benchmark) must not pass the ceiling the raised peak sets either
     fastest = max(gemm_efficiency(o.model.hidden_size, o.plan.tp, math.inf) * fits[path_of(o.plan)].compute_scale
                   for o in observations)
-    raised = max(1.0, HOST_PEAK_HEADROOM * fastest)
+    raised = max(1.0, HOST_PEAK_HEADROOM * fastest / HOST_GEMM_CEILING)
+    widest = {path: max(effective_width(o.model.hidden_size, o.plan.tp) for o in observations
+                        if path_of(o.plan) == path) for path in fits}
     fits = {path: PathFit(fit.compute_scale * HOST_PEAK_HEADROOM / raised, fit.fixed_step_s, fit.runs,
-                          fit.with_fixed_cost) for path, fit in fits.items()}
+                          fit.with_fixed_cost, widest[path]) for path, fit in fits.items()}
     return fits, {key: value * raised for key, value in host_peak_tflops.items()}, raised
 
 
@@ -283,7 +298,7 @@ def fit_calibration(runs: list[MeasuredRun], gpu: GPU, links: MeasuredLinks | No
                                     max_abs_error=max(abs(e) for e in errors))
     efficiency = {path: PathEfficiency(compute_scale=fit.compute_scale, fixed_step_s=fit.fixed_step_s,
                                        fitted=fit.fitted, uncalibrated=EXECUTION_PATHS[path].compute_scale,
-                                       runs=fit.runs) for path, fit in fitted.items()}
+                                       runs=fit.runs, fitted_width=fit.widest) for path, fit in fitted.items()}
     return Calibration(format=FORMAT, hardware=gpu.name, efficiency=efficiency, host_peak_tflops=host_peak,
                        host_peak=how, links=links, warmup_steps=warmup, runs=fitted_runs, residuals=residuals,
                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=_machine())

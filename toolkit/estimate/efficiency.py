@@ -58,6 +58,9 @@ class ExecutionPath:
     fixed_step_s: float = 0.0
     # rotary embedding in Transformer Engine's fused kernel (its rate is the curve's), where the model allows it
     fused_rotary: bool = False
+    # a host calibration's widest fitted width (effective_width of its widest run): past it the curve's width term is
+    # held at its value there (path_gemm_efficiency), the runs telling nothing of how much faster wider GEMMs go
+    fitted_width: float | None = None
 
 
 # The eager execution path's rate, from two measured runs of un-fused PyTorch modules on H100
@@ -123,21 +126,39 @@ def execution_path(plan: Plan) -> ExecutionPath:
     return backend_of(plan).timing.execution_path(plan)
 
 
-def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
-    """Fraction of dense peak reached by a block's GEMMs on one GPU with fused kernels.
+def effective_width(hidden: float, tp: int) -> float:
+    """Tensor parallelism cuts one dimension of each GEMM (column-parallel: the output, row-parallel: the reduction)
+    and leaves the other at `hidden`, so the effective width is the geometric mean sqrt(hidden x hidden / tp)."""
+    return math.sqrt(hidden * hidden / tp)
 
-    Tensor parallelism cuts one dimension of each GEMM (column-parallel: the output, row-parallel: the reduction)
-    and leaves the other at `hidden`, so the effective width is the geometric mean sqrt(hidden x hidden / tp).
-    """
-    width = 1.0 - math.exp(-math.sqrt(hidden * hidden / tp) / WIDTH_SCALE)
+
+def gemm_efficiency(hidden: float, tp: int, tokens: float) -> float:
+    """Fraction of dense peak reached by a block's GEMMs on one GPU with fused kernels (at effective_width)."""
+    width = 1.0 - math.exp(-effective_width(hidden, tp) / WIDTH_SCALE)
     rows = 1.0 - math.exp(-tokens / TOKEN_SCALE)
     return PEAK_EFFICIENCY * width * rows
+
+
+def path_gemm_efficiency(path: ExecutionPath, hidden: float, tp: int, tokens: float) -> float:
+    """Fraction of peak a path's GEMMs reach: the curve times the path's compute scale, at most the peak; on a
+    host calibration's path, at no width past its widest fitted run's (ExecutionPath.fitted_width). The curve rises
+    with width towards PEAK_EFFICIENCY, and a scale fitted on a tiny model's narrow GEMMs (a CPU run) is many times
+    the published one: carried to an 8B model's width it put every GEMM at the peak (100% MFU). Held at the widest
+    run's width, a wider model computes at the rate the runs showed, never faster."""
+    if path.fitted_width is not None and effective_width(hidden, tp) > path.fitted_width:
+        hidden, tp = path.fitted_width, 1
+    return min(1.0, gemm_efficiency(hidden, tp, tokens) * path.compute_scale)
 
 
 def expert_gemm_efficiency(hidden: float, ffn: float, expert_tp: int, rows_per_expert: float) -> float:
     """Fraction of dense peak reached by a grouped GEMM of routed experts: the rate of one GEMM of `rows_per_expert`
     rows (the tokens each local expert receives) over the expert's h x ffn/etp weights (TOKEN_SCALE's source)."""
-    return gemm_efficiency(math.sqrt(hidden * ffn), expert_tp, rows_per_expert)
+    return gemm_efficiency(expert_hidden(hidden, ffn), expert_tp, rows_per_expert)
+
+
+def expert_hidden(hidden: float, ffn: float) -> float:
+    """The `hidden` of gemm_efficiency an expert's h x ffn weights stand for: their geometric mean."""
+    return math.sqrt(hidden * ffn)
 
 
 def calibrated_path(path: ExecutionPath, calibration: Calibration | None) -> ExecutionPath:
@@ -148,4 +169,5 @@ def calibrated_path(path: ExecutionPath, calibration: Calibration | None) -> Exe
     fitted = calibration.efficiency.get(path.name) if calibration is not None else None  # type: ignore[call-overload]
     if fitted is None:
         return path
-    return dataclasses.replace(path, compute_scale=fitted.compute_scale, fixed_step_s=fitted.fixed_step_s)
+    return dataclasses.replace(path, compute_scale=fitted.compute_scale, fixed_step_s=fitted.fixed_step_s,
+                               fitted_width=fitted.fitted_width)

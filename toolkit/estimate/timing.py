@@ -23,8 +23,8 @@ from toolkit.estimate.efficiency import (
     ExecutionPath,
     calibrated_path,
     execution_path,
-    expert_gemm_efficiency,
-    gemm_efficiency,
+    expert_hidden,
+    path_gemm_efficiency,
     unfused_rotary_elements,
 )
 from toolkit.estimate.flops import (
@@ -123,7 +123,7 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     attention_peak = peak_flops(gpu, "bf16", plan.gpus_per_node) if plan_recipe(plan) else peak
     tokens = plan.micro_batch * plan.seq_len // plan.sequence_split  # per rank per micro-batch
     path = calibrated_path(path or execution_path(plan), calibration)
-    efficiency = min(1.0, gemm_efficiency(spec.hidden_size, plan.tp, tokens) * path.compute_scale)
+    efficiency = path_gemm_efficiency(path, spec.hidden_size, plan.tp, tokens)
     hbm = hbm_bytes_per_s(gpu)
     # GEMM-rate equivalent of one attention FLOP: fused kernels on the blocks they run (the sequence, or CP's ring
     # blocks) at their own rate (toolkit/estimate/attention_rate.py), a sliding-window layer's band at its own; the
@@ -156,9 +156,9 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
     routed = routed_token_factor(plan.ep, plan.moe_imbalance) if spec.is_moe else 1.0
     ep_per_moe_layer = expert_parallel_exchange_s(spec, plan, network, act, routed)
     routed_traffic_s = routed_token_traffic_bytes(spec, plan, routed) / plan.tp / hbm  # per token of the rank
-    expert_rate = peak * min(1.0, expert_gemm_efficiency(spec.hidden_size, spec.moe_ffn_hidden_size or 1, plan.expert_tp,
-                                                         expert_rows(spec, plan, tokens, routed))
-                             * path.compute_scale) if spec.is_moe else 1.0
+    expert_rate = peak * path_gemm_efficiency(path, expert_hidden(spec.hidden_size, spec.moe_ffn_hidden_size or 1),
+                                              plan.expert_tp, expert_rows(spec, plan, tokens, routed)) \
+        if spec.is_moe else 1.0
     pp_link = network.link(plan.pp, plan.tp * plan.cp * plan.dp)
     p2p_bytes = act / (plan.tp if plan.sequence_parallel else 1)
     p2p = collective_time("p2p", p2p_bytes, plan.pp, pp_link) if plan.pp > 1 else 0.0

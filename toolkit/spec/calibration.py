@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import UserInputError
-from toolkit.numeric import FINITE, SCALE_MAX, SCALE_MIN, WEEK_S
+from toolkit.numeric import COUNT_MAX, FINITE, SCALE_MAX, SCALE_MIN, WEEK_S
 from toolkit.readers import parse_yaml, read_text
 from toolkit.spec.cluster import get_gpu
 
@@ -45,6 +45,10 @@ class PathEfficiency(_Strict):
                                      "fixed per-step cost (least squares over two or more runs).")
     uncalibrated: float = Field(gt=0, description="The published compute_scale the model uses without a calibration.")
     runs: int = Field(ge=1, description="Runs of this execution path the value was fitted on.")
+    fitted_width: float | None = Field(None, ge=1, le=COUNT_MAX, allow_inf_nan=False,
+                                       description="The host entry only: the effective GEMM width (hidden / sqrt(tp)) "
+                                                   "of the widest run fitted; a wider model's GEMMs are predicted at "
+                                                   "the fitted rate of this width (ExecutionPath.fitted_width).")
 
 
 class HostPeak(_Strict):
@@ -59,10 +63,10 @@ class HostPeak(_Strict):
     measured_tflops: dict[str, float] = Field(description="What `dmt calibrate` measured, per precision key.")
     runs_tflops: dict[str, float] = Field(description="The best each key's runs measured at their launches.")
     raised_by: float = Field(1.0, ge=1, description="host_peak_tflops is the better of the two measurements times this: "
-                                                    "the runs' GEMMs went faster than the measured peak allows (it "
-                                                    "was measured while other work shared the cores), so the peak is "
-                                                    "what the fastest run reached (toolkit/estimate/calibrate.py "
-                                                    "HOST_PEAK_HEADROOM).")
+                                                    "the runs' GEMMs went faster than HOST_GEMM_CEILING of the "
+                                                    "measured peak (it was measured while other work shared the "
+                                                    "cores), so the peak is what the fastest run reached over that "
+                                                    "ceiling (toolkit/estimate/calibrate.py HOST_PEAK_HEADROOM).")
 
 
 class MeasuredLinks(_Strict):
