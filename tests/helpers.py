@@ -531,3 +531,14 @@ def assert_profiled(out: Path, ranks=(0, 1)) -> dict:
     assert breakdown["predicted"] is not None and breakdown["gap"].startswith("largest gap: "), breakdown
     assert set(breakdown["predicted_terms"]) >= {"compute_s", "dp_comm_s", "bubble_s", "optimizer_s"}, breakdown
     return breakdown
+
+
+def safetensors_tensors(directory: Path) -> dict:
+    """Every tensor of the *.safetensors files in `directory`, by name."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            found.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return found

@@ -10,22 +10,14 @@ import subprocess
 import pytest
 from fsdp_helpers import BIN, MOE_STEPS, STEPS, environment
 
+from helpers import safetensors_tensors
+
 pytestmark = pytest.mark.launch
 
 
 @pytest.fixture(scope="module")
 def checkpoint(accelerate_run):
     return accelerate_run.out / f"checkpoint-{STEPS}"
-
-
-def _tensors(directory) -> dict:
-    from safetensors import safe_open
-
-    found = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            found.update({key: handle.get_tensor(key) for key in handle.keys()})
-    return found
 
 
 def _dmt(capsys, *argv: str) -> tuple[int, str, str]:
@@ -45,7 +37,7 @@ def test_conversion_equals_accelerate_merge_weights_bit_for_bit(checkpoint, tmp_
     merged = subprocess.run([str(BIN / "accelerate"), "merge-weights", str(checkpoint / "pytorch_model_fsdp_0"),
                              str(tmp_path / "merged")], capture_output=True, text=True, env=environment(), timeout=300)
     assert merged.returncode == 0, merged.stderr[-2000:]
-    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "merged")
+    ours, theirs = safetensors_tensors(tmp_path / "hf"), safetensors_tensors(tmp_path / "merged")
     assert sorted(ours) == sorted(theirs) and len(ours) == 21
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
@@ -64,7 +56,7 @@ def test_moe_conversion_equals_accelerates_merge_and_loads(moe_reshard, tmp_path
     code, out, _ = _dmt(capsys, "convert", "fsdp-to-hf", str(checkpoint), str(tmp_path / "hf"), "--json")
     assert code == 0 and json.loads(out)["rank_files"] == 2
     merge_fsdp_weights(str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged"), safe_serialization=True)
-    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "merged")
+    ours, theirs = safetensors_tensors(tmp_path / "hf"), safetensors_tensors(tmp_path / "merged")
     assert sorted(ours) == sorted(theirs) and sum(".mlp.experts." in name for name in ours) == 4, sorted(ours)
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
@@ -84,7 +76,7 @@ def test_sharded_output_loads_with_from_pretrained(checkpoint, tmp_path, capsys)
     assert len(set(index["weight_map"].values())) > 1
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert torch.equal(model.lm_head.weight, _tensors(tmp_path / "hf")["lm_head.weight"])
+    assert torch.equal(model.lm_head.weight, safetensors_tensors(tmp_path / "hf")["lm_head.weight"])
 
 
 def test_verify_names_a_damaged_shard(checkpoint, tmp_path, capsys):

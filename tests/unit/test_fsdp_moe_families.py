@@ -11,18 +11,8 @@ import warnings
 import pytest
 import torch
 
-from helpers import TINY_MOE
+from helpers import TINY_MOE, safetensors_tensors
 from toolkit.cli.main import main
-
-
-def _tensors(directory) -> dict:
-    from safetensors import safe_open
-
-    found = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            found.update({key: handle.get_tensor(key) for key in handle.keys()})
-    return found
 
 
 @pytest.mark.parametrize("family", sorted(TINY_MOE))
@@ -41,7 +31,7 @@ def test_every_moe_familys_fsdp_checkpoint_converts_to_the_bit(family, tmp_path,
     (ckpt / "config.json").write_text(json.dumps(config.to_dict()))
     capsys.readouterr()
     assert main(["convert", "fsdp-to-hf", str(ckpt), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
-    ours = _tensors(tmp_path / "hf")
+    ours = safetensors_tensors(tmp_path / "hf")
     tied = {name for name in state if name not in ours}  # tied weights are written once, as save_pretrained does
     assert tied <= {"lm_head.weight"} and all(".experts." not in name for name in tied), tied
     assert any(".experts." in name for name in ours), sorted(ours)
@@ -50,7 +40,7 @@ def test_every_moe_familys_fsdp_checkpoint_converts_to_the_bit(family, tmp_path,
     from accelerate.utils import merge_fsdp_weights
 
     merge_fsdp_weights(str(ckpt / "pytorch_model_fsdp_0"), str(tmp_path / "merged"), safe_serialization=True)
-    theirs = _tensors(tmp_path / "merged")  # Accelerate's own tool: the same names and bytes
+    theirs = safetensors_tensors(tmp_path / "merged")  # Accelerate's own tool: the same names and bytes
     assert sorted(theirs) == sorted(ours) and all(
         theirs[name].numpy().tobytes() == ours[name].numpy().tobytes() for name in ours), family
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
