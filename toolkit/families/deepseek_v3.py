@@ -1,5 +1,5 @@
 """DeepSeek-V3 / R1 and Kimi K2 (model_type deepseek_v3; Kimi K2's config.json says kimi_k2 and names
-DeepseekV3ForCausalLM): its HF config read into a ModelSpec.
+DeepseekV3ForCausalLM): its HF config read into a ModelSpec, and its Megatron-Core GPTModel mapping (MLA, MoE).
 
 Read off transformers' DeepseekV3 modules (models/deepseek_v3/modeling_deepseek_v3.py, transformers 5.23):
 - multi-latent attention: q_a_proj (hidden -> q_lora_rank), q_a_layernorm, q_b_proj (-> heads x (qk_nope + qk_rope));
@@ -13,6 +13,21 @@ Read off transformers' DeepseekV3 modules (models/deepseek_v3/modeling_deepseek_
 - num_nextn_predict_layers multi-token prediction modules are in the checkpoint (model.layers.61 of DeepSeek-V3) but
   transformers builds none (it ignores those weights on load); Megatron-Core trains them (--mtp-num-layers).
 transformers has no moe_layer_freq (DeepSeek's own modeling code has): a value other than 1 is refused.
+
+Onto Megatron-Core 0.16.1's MLATransformerConfig and the local spec's MLASelfAttention, as Megatron-Bridge's
+DeepSeek-V3 bridge names them: q_proj / q_a_proj, q_a_layernorm, q_b_proj are linear_q_proj / linear_q_down_proj,
+q_layernorm, linear_q_up_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj are linear_kv_down_proj, kv_layernorm,
+linear_kv_up_proj, in the same layouts (Megatron-Core splits [kv_lora_rank; rope] and per head [k_nope; v] as
+transformers does), so every attention weight is a rename. The dense layers' MLP, the experts and the shared experts
+fuse gate and up into linear_fc1; e_score_correction_bias is the router's expert_bias. Megatron-Core rotates the
+rope half of queries and keys as interleaved pairs, transformers' rope_interleave (its default). Plain rope and YaRN
+map (rope_type, rotary_scaling_factor, mscale, mscale_all_dim: the same cos/sin and softmax scales); the router is
+Megatron-Core's sigmoid with expert bias, top-k renormalised, scaled by routed_scaling_factor and limited to
+topk_group of n_group groups where topk / topk_group is 2 (transformers ranks groups by their top 2 scores,
+Megatron-Core by their top topk / topk_group). What cannot be said that way is refused in one line (UNSUPPORTED,
+group_topk, mla_rope). The MTP modules are not converted: the mapping builds none, as transformers does, so
+hf-to-megatron does not read a checkpoint's model.layers.{num_hidden_layers}+ weights and megatron-to-hf writes none.
+The local core attention writes heads x kv_channels: the builder sets kv_channels to v_head_dim for MLA.
 """
 
 from toolkit.errors import UserInputError
@@ -38,7 +53,8 @@ def read(cfg: HFConfig) -> dict:
                moe_router_score="sigmoid", moe_router_expert_bias=True,
                moe_router_groups=groups, moe_router_group_topk=group_topk) if moe_layers else {}
     return llama_spec(
-        cfg, head_dim=nope + rope, num_kv_heads=cfg.integer("num_attention_heads"), qkv_bias=bias, attn_out_bias=bias, q_lora_rank=cfg.integer("q_lora_rank"),
+        cfg, head_dim=nope + rope, num_kv_heads=cfg.integer("num_attention_heads"), qkv_bias=bias, attn_out_bias=bias,
+        q_lora_rank=cfg.integer("q_lora_rank"),
         kv_lora_rank=cfg.integer("kv_lora_rank"), qk_rope_head_dim=rope, v_head_dim=cfg.integer("v_head_dim"),
         mtp_layers=cfg.integer("num_nextn_predict_layers") or 0, **moe)
 
