@@ -133,6 +133,13 @@ def test_inspect_of_a_file_reports_the_files_size(tmp_path, capsys):
     assert info["bytes"] == (model / "model.safetensors").stat().st_size and info["parameters"] == 64
 
 
+def test_hf_to_megatron_refuses_quantized_weights_in_one_line(tmp_path, refused):
+    hf = _hf_dir(tmp_path / "hf", model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                 quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    refused(["convert", "hf-to-megatron", hf, tmp_path / "out"], "HF_DIR", "quantization_config 'fp8'")
+
+
 def _out_paths(tmp_path: Path, hf: Path) -> dict[str, tuple[Path, str]]:
     afile = tmp_path / "notes.txt"
     afile.write_text("mine")

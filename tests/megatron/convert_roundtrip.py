@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mcore_vs_hf import FAMILIES
+from mcore_vs_hf import FAMILIES, tiny_model
 
 
 def bitwise_equal(a: dict, b: dict) -> list[str]:
@@ -29,7 +29,6 @@ def main() -> None:
 
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.backends.megatron.convert import hf_to_megatron, megatron_to_hf
 
@@ -41,7 +40,7 @@ def main() -> None:
         if not hf_dir.is_dir():
             torch.manual_seed(0)
             config = dict(FAMILIES[family], vocab_size=300)
-            AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(hf_dir)
+            tiny_model(config).save_pretrained(hf_dir)
         layout = f"tp{tp}-pp{pp}" + "".join(f"-{k}{v}" for k, v in (("ep", ep), ("etp", etp)) if v not in (1, None))
         mcore, back = args.work / family / f"mcore-{layout}", args.work / family / f"back-{layout}"
         conversion = hf_to_megatron(hf_dir, mcore, tp=int(tp), pp=int(pp), ep=ep, etp=etp)

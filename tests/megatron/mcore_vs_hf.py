@@ -20,9 +20,35 @@ FAMILIES = {
     "mixtral": dict(SMALL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(SMALL, model_type="qwen3_moe", head_dim=16, moe_intermediate_size=48, num_experts=4,
                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # multi-latent attention with YaRN, a dense first layer, then routed and shared experts chosen within 1 of 2
+    # groups; transformers' latent norms keep eps 1e-6 and its MLA keys/values are per head
+    "deepseek_v3": dict(SMALL, model_type="deepseek_v3", num_key_value_heads=4, rms_norm_eps=1e-6, q_lora_rank=24,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=2, topk_group=1, rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 32,
+                                                               "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                               "original_max_position_embeddings": 32}),
+    "deepseek_v3-q-direct": dict(SMALL, model_type="deepseek_v3", num_key_value_heads=4, rms_norm_eps=1e-6,
+                                 q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                 v_head_dim=24, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                 n_shared_experts=2, first_k_dense_replace=0, n_group=1, topk_group=1),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
                  resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0),
 }
+
+
+def tiny_model(hf_config: dict):
+    """A random HF model of a FAMILIES config; DeepSeek-V3's router bias (a buffer transformers starts at zeros)
+    random too, so that a mapping that lost it would show."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config), attn_implementation="eager")
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape) * 0.1)
+    return model.eval()
 
 
 def megatron_logits(hf_config: dict, hf_state: dict, tokens):
@@ -59,7 +85,6 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.backends.megatron.build import destroy, init_distributed
     from toolkit.compat.megatron_cpu import cuda_on_cpu
@@ -70,8 +95,7 @@ def main() -> None:
     with cuda_on_cpu():
         for name, hf_config in FAMILIES.items():
             torch.manual_seed(0)
-            config = AutoConfig.for_model(**hf_config)
-            hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+            hf_model = tiny_model(hf_config)
             tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
                 expected = hf_model(tokens).logits

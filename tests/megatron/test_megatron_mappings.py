@@ -53,17 +53,29 @@ def test_every_mapped_preset_reads_the_same_through_the_table_and_the_model_spec
     tc, gpt = sections["transformer_config"], sections["gpt_model"]
     assert (tc["num_layers"], tc["hidden_size"], tc["num_attention_heads"], tc["num_query_groups"]) == \
            (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads)
-    assert (tc.get("kv_channels") or spec.hidden_size // spec.num_attention_heads) == spec.head_dim
+    if spec.mla:  # query/key heads of nope + rope, value heads of their own, the norms on the latents
+        assert (tc["qk_head_dim"] + tc["qk_pos_emb_head_dim"], tc["qk_pos_emb_head_dim"], tc["v_head_dim"]) == \
+               (spec.head_dim, spec.qk_rope_head_dim, spec.value_head_dim)
+        assert (tc["q_lora_rank"], tc["kv_lora_rank"]) == (spec.q_lora_rank, spec.kv_lora_rank)
+        assert tc["multi_latent_attention"] and tc["qk_layernorm"] and not spec.qk_norm
+    else:
+        assert (tc.get("kv_channels") or spec.hidden_size // spec.num_attention_heads) == spec.head_dim
+        assert tc["qk_layernorm"] == spec.qk_norm
     assert sections["model"]["vocab_size"] == spec.vocab_size
     assert gpt["share_embeddings_and_output_weights"] == spec.tie_embeddings
     assert tc["gated_linear_unit"] == spec.gated_mlp
     assert tc["normalization"] == {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[spec.norm]
     assert gpt["position_embedding_type"] == {"rope": "rope", "learned": "learned_absolute"}[spec.position_embedding]
-    assert (tc["qk_layernorm"], tc["add_qkv_bias"] or tc["add_bias_linear"]) == (spec.qk_norm, spec.qkv_bias)
+    assert (tc["add_qkv_bias"] or tc["add_bias_linear"]) == spec.qkv_bias
     assert tc["add_bias_linear"] == spec.mlp_bias == spec.attn_out_bias
     if spec.is_moe:
         assert (tc["num_moe_experts"], tc["moe_router_topk"], tc["moe_ffn_hidden_size"]) == \
                (spec.num_experts, spec.experts_top_k, spec.moe_ffn_hidden_size)
+        if isinstance(tc.get("moe_layer_freq"), list):  # dense layers first (first_k_dense_replace)
+            assert tuple(i for i, moe in enumerate(tc["moe_layer_freq"]) if moe) == spec.moe_layers
+        assert (tc.get("moe_shared_expert_intermediate_size") or 0) == spec.shared_expert_ffn_hidden_size
+        assert (tc.get("moe_router_score_function", "softmax"), tc.get("moe_router_enable_expert_bias", False)) == \
+               (spec.moe_router_score, spec.moe_router_expert_bias)
     else:
         assert tc["ffn_hidden_size"] == spec.ffn_hidden_size and "num_moe_experts" not in tc
 
@@ -94,6 +106,40 @@ def test_settings_megatron_core_cannot_express_are_refused(change, key, says):
     assert err.value.key == key and says in err.value.message
 
 
+DEEPSEEK = json.loads((PRESET_DIR / "deepseek-v3.json").read_text())
+
+
+def test_deepseek_v3_and_kimi_k2_map_their_yarn_rope_and_group_limited_routing():
+    tc = megatron_fields(DEEPSEEK)["transformer_config"]
+    assert (tc["rope_type"], tc["rotary_scaling_factor"], tc["original_max_position_embeddings"], tc["mscale"],
+            tc["mscale_all_dim"], tc["rotary_base"]) == ("yarn", 40.0, 4096, 1.0, 1.0, 10000)
+    assert (tc["moe_router_num_groups"], tc["moe_router_group_topk"], tc["moe_router_topk_scaling_factor"]) == \
+           (8, 4, 2.5)
+    assert tc["moe_layer_freq"] == [0, 0, 0] + [1] * 58 and "mtp_num_layers" not in tc  # transformers builds no MTP
+    kimi = megatron_fields(json.loads((PRESET_DIR / "kimi-k2.json").read_text()))["transformer_config"]
+    assert (kimi["num_moe_experts"], kimi["moe_router_num_groups"], kimi["moe_router_group_topk"]) == (384, None, None)
+    plain = megatron_fields({**DEEPSEEK, "rope_scaling": None})["transformer_config"]
+    assert (plain["rope_type"], plain["mscale_all_dim"]) == ("rope", 0.0)  # MLA's softmax scale left unscaled
+
+
+@pytest.mark.parametrize("change, key, says", [
+    (dict(attention_bias=True), "attention_bias", "MLA projections have no biases"),
+    (dict(rope_interleave=False), "rope_interleave", "interleaved pairs"),
+    (dict(rms_norm_eps=1e-5), "rms_norm_eps", "q_a/kv_a norms"),
+    (dict(norm_topk_prob=False), "norm_topk_prob", "renormalises the top k"),
+    (dict(topk_group=2), "topk_group", "only topk / topk_group = 2"),
+    (dict(moe_layer_freq=2), "moe_layer_freq", "first_k_dense_replace"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling", "rope_type 'linear'"),
+    (dict(rope_scaling={**DEEPSEEK["rope_scaling"], "attention_factor": 0.5}), "rope_scaling", "attention_factor"),
+    (dict(rope_scaling=None, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+     "rope_parameters", "no factor or original_max_position_embeddings"),
+])
+def test_deepseek_v3_settings_megatron_core_cannot_express_are_refused(change, key, says):
+    with pytest.raises(UserInputError) as err:
+        megatron_fields({**DEEPSEEK, **change})
+    assert err.value.key == f"model.config.{key}" and says in err.value.message and "\n" not in str(err.value)
+
+
 def test_every_family_declares_its_weights():
     for family in MAPPED:
         assert FAMILIES[family].model_type == family and megatron_mapping(family).weights, family
@@ -102,13 +148,15 @@ def test_every_family_declares_its_weights():
 @pytest.mark.launch
 def test_hf_checkpoints_give_megatron_core_the_same_logits_through_the_tables(torchrun):
     """llama (also llama3 rope scaling and tied embeddings), mistral, qwen2 (q/k/v biases), qwen3 (q/k norms),
-    mixtral and qwen3_moe (MoE router and experts) and gpt2 (Conv1D, fused c_attn, learned positions, LayerNorm, biases)."""
+    mixtral and qwen3_moe (MoE router and experts), deepseek_v3 (multi-latent attention with YaRN or plain rope, a
+    dense first layer, shared experts, the sigmoid router's expert bias, group-limited routing) and gpt2 (Conv1D,
+    fused c_attn, learned positions, LayerNorm, biases)."""
     run = torchrun("mcore-vs-hf", script=SCRIPT, nproc=1)
     path = run.out / "logits.json"
     assert path.is_file(), run.tail()
     results = json.loads(path.read_text())
     assert set(results) == {"llama", "llama3-rope-scaling", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                            "gpt2"}
+                            "deepseek_v3", "deepseek_v3-q-direct", "gpt2"}
     for family, result in results.items():
         assert result["scale"] > 0.1, family  # real logits
         assert result["max_abs_diff"] < 1e-5, (family, result)  # a wrong mapping is off by ~1e-2 here

@@ -128,3 +128,31 @@ def test_one_activation_table_feeds_the_generator_and_the_validator():
            ["silu", "gelu", "gelu_new", "relu"]
     with pytest.raises(ValueError, match="unknown activation 'tanh'"):
         megatron_function("tanh")
+
+
+def test_a_deepseek_v3_table_maps_dense_layers_dense_and_moe_layers_with_router_bias_and_shared_experts():
+    """first_k_dense_replace: layer 0 has Megatron-Core's dense linear_fc1/fc2, layer 1 the router (with the
+    e_score_correction_bias as its expert_bias), the experts and the shared experts; queries through q_a/q_b."""
+    config = dict(model_type="deepseek_v3", hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                  num_hidden_layers=2, num_attention_heads=2, vocab_size=11, max_position_embeddings=32,
+                  q_lora_rank=6, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+                  n_routed_experts=2, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                  topk_group=1)
+    items, _ = megatron_mapping("deepseek_v3").weight_table(config)
+    by_layer = {layer: {i.megatron.split(f"layers.{layer}.")[1] for i in items if f"layers.{layer}." in i.megatron}
+                for layer in (0, 1)}
+    assert {"mlp.linear_fc1.weight", "mlp.linear_fc2.weight"} <= by_layer[0]
+    assert not any(name.startswith(("mlp.router", "mlp.experts", "mlp.shared")) for name in by_layer[0])
+    assert {"mlp.router.weight", "mlp.router.expert_bias", "mlp.shared_experts.linear_fc1.weight",
+            "mlp.experts.local_experts.1.linear_fc2.weight"} <= by_layer[1]
+    assert "mlp.linear_fc1.weight" not in by_layer[1]
+    assert by_layer[0] - {"mlp.linear_fc1.weight", "mlp.linear_fc2.weight"} == \
+        by_layer[1] - {n for n in by_layer[1] if n.startswith("mlp.")}
+    hf = {name: _random(3) + i for i, name in enumerate(n for item in items for n in item.hf_names())
+          if not name.endswith("q_proj.weight")}  # q_lora_rank set: q_a/q_b, not q_proj
+    megatron = megatron_mapping("deepseek_v3").to_megatron_state_dict(config, hf)
+    assert torch.equal(megatron["decoder.layers.1.mlp.router.expert_bias"],
+                       hf["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert "decoder.layers.0.self_attention.linear_q_proj.weight" not in megatron
+    back = megatron_mapping("deepseek_v3").to_hf_state_dict(config, megatron)
+    assert set(back) == set(hf) and all(torch.equal(back[name], hf[name]) for name in hf)

@@ -7,7 +7,8 @@ it patches or reaches into is in `SEAMS`; torch's private ones through toolkit.c
 1. `torch.cuda.current_device()` / `synchronize()` / `set_device()` -- answered as device 0 / no-ops, and the
    streams MoE's alltoall dispatcher copies on (`Stream`, `current_stream`, `stream`) -- one in-order CPU stream;
 2. tensors created with a literal `device="cuda"` (grad-norm and loss-scale scalars, DDP buffers) and `.cuda()`
-   -- a torch function mode puts them on the CPU;
+   -- a torch function mode puts them on the CPU; MLA's YaRN rotary embedding, which enters
+   `torch.device(torch.cuda.current_device())` unless told to initialise on the CPU, is told so;
 3. dtype checks that spell CUDA type names (`param.type() == "torch.cuda.FloatTensor"` in the optimizers) -- the
    same mode answers CPU tensors with the CUDA name of their dtype;
 4. the CUDA RNG tracker (`model_parallel_cuda_manual_seed`, dropout forks, recompute) -- on CPU the CPU generator
@@ -52,6 +53,9 @@ SEAMS = [
          "the state save of activation recomputation (CheckpointFunction), pointed at the CPU generator"),
     Seam("megatron-core", f"{_RANDOM}._set_cuda_rng_state",
          "the state restore of activation recomputation, pointed at the CPU generator"),
+    Seam("megatron-core", "megatron.core.transformer.multi_latent_attention.YarnRotaryEmbedding",
+         "MLA builds it without use_cpu_initialization, so it enters torch.device(cuda:0), which a CPU-only torch "
+         "refuses; while the layer is on, MLA builds it with use_cpu_initialization=True (the same frequencies)"),
     Seam("megatron-core", f"{_DISPATCHER}.maybe_move_tensor_to_cpu",
          "the alltoall dispatcher's device-to-host copy of its split sizes: on a GPU they arrive as numpy arrays, which "
          "all_to_all_single takes; on CPU the library's helper leaves them tensors, so the CPU tensors are handed over "
@@ -199,6 +203,15 @@ def _install_moe(patches: list) -> None:
     patches.append((dispatcher, "maybe_move_tensor_to_cpu", _host_copy))
 
 
+def _install_mla(patches: list) -> None:
+    import functools
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    patches.append((mla, "YarnRotaryEmbedding", functools.partial(mla.YarnRotaryEmbedding,
+                                                                   use_cpu_initialization=True)))
+
+
 def _install_backward(patches: list, mode: TorchFunctionMode) -> None:
     """A torch-function mode is off while it handles a call, so the backward it hands on would run recomputation
     (activation checkpointing re-runs forwards, e.g. Megatron's causal mask built with device="cuda") without it:
@@ -227,6 +240,7 @@ def cuda_on_cpu():
     _install_device(patches)
     _install_rng(patches)
     _install_moe(patches)
+    _install_mla(patches)
     _install_backward(patches, mode)
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:

@@ -24,6 +24,7 @@ from toolkit.errors import UserInputError
 
 REQUIRED = object()  # a Field default: the HF config must have the key
 PADDED_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")  # rows Megatron pads past the vocabulary
+MOE_MLP = (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")  # an MoE layer's; a dense one's: .mlp.linear_fc*
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Field:
     default: Any = REQUIRED
     to_megatron: Callable[[Any], Any] | None = None
     to_hf: Callable[[Any], Any] | None | bool = None  # False: not written back (another field owns the HF key)
+    whole: bool = False  # to_megatron reads the whole HF config (a Megatron field several HF keys make)
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,7 @@ class MegatronMapping:
             if callable(value) and item.hf not in hf_config:
                 value = value(hf_config)
             if item.to_megatron is not None:
-                value = item.to_megatron(value)
+                value = item.to_megatron(hf_config if item.whole else value)
             section, name = item.megatron.split(".", 1)
             sections.setdefault(section, {})[name] = value
         for key, value in self.fixed.items():
@@ -235,10 +237,14 @@ class MegatronMapping:
         geometry = WeightGeometry(heads, tc["num_query_groups"], tc.get("kv_channels") or tc["hidden_size"] // heads,
                                   sections["model"]["vocab_size"],
                                   bool(sections["gpt_model"].get("share_embeddings_and_output_weights", False)))
+        freq = tc.get("moe_layer_freq")  # a list: which layers are MoE ones, the others dense
+        moe_layers = {i for i, moe in enumerate(freq) if moe} if isinstance(freq, list) else None
         items = []
         for item in self.weights:
             names = item.names().values()
             layers = range(tc["num_layers"]) if any("{layer}" in n for n in names) else [None]
+            if moe_layers is not None and ".mlp." in item.megatron:
+                layers = [i for i in layers if (i in moe_layers) == any(p in item.megatron for p in MOE_MLP)]
             experts = range(tc.get("num_moe_experts") or 0) if any("{expert}" in n for n in names) else [None]
             items += [item.expand(layer, expert) for layer in layers for expert in experts]
         return [i for i in items if not (geometry.tied and i.megatron == "output_layer.weight")], geometry

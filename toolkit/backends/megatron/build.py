@@ -85,7 +85,11 @@ def transformer_config(config: dict):
     kwargs = library_kwargs("transformer_config", config["transformer_config"])
     if kwargs.get("virtual_pipeline_model_parallel_size") is None:
         kwargs.pop("virtual_pipeline_model_parallel_size", None)
-    return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
+    if not kwargs.get("multi_latent_attention"):
+        return TransformerConfig(**kwargs)
+    if kwargs.get("kv_channels") is None:  # MLA's attention output is heads x v_head_dim (local_mla_core_attention)
+        kwargs["kv_channels"] = kwargs.get("v_head_dim", MLATransformerConfig.v_head_dim)
+    return MLATransformerConfig(**kwargs)
 
 
 def layer_spec(config: dict, tc, vp_stage: int | None = None):

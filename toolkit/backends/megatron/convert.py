@@ -193,6 +193,11 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
     import shutil
 
     hf_config = read_hf_config(hf_dir, "HF_DIR")
+    quantized = hf_config.get("quantization_config")
+    if quantized:  # DeepSeek-V3's Hub weights are fp8 with per-block scales (weight_scale_inv) beside them
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise UserInputError("HF_DIR", f"{hf_dir} holds quantized weights (quantization_config {method!r}); the "
+                                       f"tables map full-precision tensors: convert a bf16 or fp32 copy")
     check_layout(hf_config, tp, pp, vpp, ep, etp)
     check_output_dir(out_dir, inputs=[hf_dir])
     import torch
