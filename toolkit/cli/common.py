@@ -7,6 +7,7 @@ import argparse
 from toolkit.cli.options import add_plan_flags
 from toolkit.cli.paths import path_arg, source_arg
 from toolkit.errors import UserInputError
+from toolkit.estimate.calibrate import HOST_GEMM_CEILING
 from toolkit.estimate.comm import Network
 from toolkit.numeric import bounded_int, is_finite_number, positive_float
 from toolkit.readers import read_json
@@ -139,8 +140,6 @@ def host_peak_text(calibration: dict) -> str:
     text = (f"host matmul peak {peaks} with {how['threads']} threads, measured at load {how['load_average']:.1f} "
             f"on {how['cores']} cores")
     if how.get("raised_by", 1) > 1:
-        from toolkit.estimate.calibrate import HOST_GEMM_CEILING
-
         text += (f" and raised {how['raised_by']:.3g}x, so that the runs' GEMMs reach at most "
                  f"{HOST_GEMM_CEILING:.0%} of it")
     if abs(now - how["load_average"]) >= max(1.0, how["cores"] / 2):
