@@ -7,8 +7,8 @@ import argparse
 from toolkit.cli.options import add_plan_flags
 from toolkit.cli.paths import path_arg, source_arg
 from toolkit.errors import UserInputError
-from toolkit.estimate.calibrate import HOST_GEMM_CEILING
 from toolkit.estimate.comm import Network
+from toolkit.estimate.efficiency import HOST_GEMM_CEILING
 from toolkit.numeric import bounded_int, is_finite_number, positive_float
 from toolkit.readers import read_json
 from toolkit.spec.backends import backend_of

@@ -27,7 +27,7 @@ from toolkit.estimate.comm import Network
 from toolkit.estimate.device_peak import host_cores, host_matmul_tflops
 from toolkit.estimate.efficiency import (
     EXECUTION_PATHS,
-    PEAK_EFFICIENCY,
+    HOST_GEMM_CEILING,
     effective_width,
     execution_path,
     gemm_efficiency,
@@ -205,11 +205,6 @@ def fit_compute_scales(observations: list[Observation], gpu: GPU, host_peak_tflo
 # measurement: to what they reach over HOST_GEMM_CEILING (the scales move down by the same factor, so every fitted
 # prediction is unchanged and none is capped).
 HOST_PEAK_HEADROOM = 1e3
-# The most of the host's peak a host calibration's GEMMs (and the work between them) reach at any width and length:
-# the published curve's own ceiling, the best sustained fraction of dense peak of GEMM-dominated training steps
-# (efficiency.PEAK_EFFICIENCY). With the width held at the widest run's (ExecutionPath.fitted_width) no plan is
-# predicted above it, so an 8B model on a calibration fitted to a tiny model's CPU runs is no longer at 100% MFU.
-HOST_GEMM_CEILING = PEAK_EFFICIENCY
 
 
 def fit_host_paths(observations: list[Observation], gpu: GPU, host_peak_tflops: dict[str, float], links=None,

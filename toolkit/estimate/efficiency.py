@@ -33,6 +33,11 @@ from toolkit.spec.plan import Plan
 
 # Best sustained fraction of dense peak for large bf16 GEMM-dominated training steps (fused kernels).
 PEAK_EFFICIENCY = 0.60
+# The most of the host's peak a host calibration's GEMMs (and the work between them) reach at any width and length:
+# the published curve's own ceiling. With the width held at the widest run's (ExecutionPath.fitted_width) no plan is
+# predicted above it, so an 8B model on a calibration fitted to a tiny model's CPU runs is no longer at 100% MFU
+# (estimate/calibrate.py fit_host_paths raises the host peak to keep the runs' GEMMs under it).
+HOST_GEMM_CEILING = PEAK_EFFICIENCY
 # Effective GEMM width at which efficiency reaches 1 - 1/e of its best.
 WIDTH_SCALE = 1000.0
 # Rows (tokens) of a GEMM below which it is too short to fill the GPU: 1 - exp(-M / TOKEN_SCALE) of the large-GEMM
