@@ -10,8 +10,8 @@ import logging
 from pathlib import Path
 
 from toolkit.backends.sft_data import CHATML_TOKENS, check_columns, sft_datasets, tokenizer_texts
+from toolkit.data.tokenizer import hf_tokenizer
 from toolkit.errors import UserInputError
-from toolkit.readers import hf_tokenizer
 from toolkit.spec.recipe import Recipe
 
 log = logging.getLogger(__name__)

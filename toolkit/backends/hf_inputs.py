@@ -16,9 +16,9 @@ from toolkit.backends.peft_model import finetune_model
 from toolkit.backends.sft_data import keep_examples_apart
 from toolkit.compat.accelerate_seams import reset_process_state
 from toolkit.data.blend import build_datasets, hf_batch, hf_flat_batch
+from toolkit.data.tokenizer import hf_tokenizer
 from toolkit.errors import UserInputError
 from toolkit.generate.trainer_args import trainer_arguments
-from toolkit.readers import hf_tokenizer
 from toolkit.runtime import inprocess
 from toolkit.runtime.metrics import configure_wandb
 from toolkit.spec.backends import BACKENDS, backend_of

@@ -26,9 +26,8 @@ from toolkit.data.indexed import (
     prefix_document_lengths,
 )
 from toolkit.data.split import megatron_split, split_shares
-from toolkit.data.tokenizer import files_digest, megatron_tokenizer
+from toolkit.data.tokenizer import files_digest, megatron_tokenizer, tokenizer_directory
 from toolkit.errors import UserInputError
-from toolkit.readers import tokenizer_directory
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "data_cache"  # under the run's output directory, unless data.cache_dir names one

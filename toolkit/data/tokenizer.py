@@ -6,11 +6,61 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from pathlib import Path
 
-from toolkit.readers import TOKENIZER_FILES, one_line, tokenizer_directory, tokenizer_refused
+from toolkit.errors import UserInputError
+from toolkit.readers import link_root, one_line, open_regular, problem
 
 log = logging.getLogger(__name__)
+
+# the files of a tokenizer directory transformers may read (a model directory also holds weights: not read here):
+# what makes its identity (toolkit/data/tokenizer.py files_digest), and its config.json, which AutoTokenizer reads
+# when tokenizer_config.json names no class
+TOKENIZER_FILES = re.compile(r"(tokenizer|vocab|merges|special_tokens|added_tokens|chat_template|spiece).*"
+                             r"|.*\.(model|tiktoken)", re.IGNORECASE)
+TOKENIZER_DIRECTORY = "a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json, ...)"
+
+
+def tokenizer_directory(directory: Path | str, key: str) -> Path:
+    """`directory`, once every file of it a tokenizer library would read (TOKENIZER_FILES, config.json) is a regular
+    file inside it (a symlink judged by its target; into the hub's cache's blobs for a snapshot, link_root), so that
+    no FIFO blocks the load and no link reads another directory's file: one line naming `key` otherwise. Nothing is
+    read; each file is opened without waiting and closed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise problem(directory, key, f"is not a directory; expected {TOKENIZER_DIRECTORY}")
+    root = link_root(directory)
+    for entry in sorted(directory.iterdir()):
+        if TOKENIZER_FILES.fullmatch(entry.name) or entry.name == "config.json":
+            open_regular(entry, key, f"a file of {TOKENIZER_DIRECTORY}", root=root).close()
+    return directory
+
+
+def tokenizer_refused(directory: Path | str, key: str, exc: BaseException) -> UserInputError:
+    """The one line for a tokenizer directory a tokenizer library could not load (`exc`: what it raised)."""
+    if "trust_remote_code" in str(exc):
+        return UserInputError(key, f"{directory} holds a tokenizer that is its own Python code (an auto_map in its "
+                                   f"tokenizer_config.json); the toolkit never runs a checkpoint's code: use a "
+                                   f"tokenizer transformers' own classes load (tokenizer.json)")
+    return UserInputError(key, f"{directory} holds no tokenizer transformers can load ({type(exc).__name__}: "
+                               f"{one_line(exc)[:300]}); expected {TOKENIZER_DIRECTORY} with a valid tokenizer.json")
+
+
+def hf_tokenizer(directory: Path | str, key: str):
+    """transformers' AutoTokenizer over a local tokenizer directory (its files checked first, tokenizer_directory),
+    with trust_remote_code=False: a directory whose tokenizer is its own Python code (an `auto_map` in its
+    tokenizer_config.json) is one line naming `key`, never run, and never the question "run the custom code? [y/N]"
+    transformers otherwise asks (on every rank). A tokenizer it cannot load (no tokenizer.json, or one that is not
+    a tokenizer) is one line naming `key` too."""
+    from transformers import AutoTokenizer
+
+    tokenizer_directory(directory, key)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 (tokenizers' own errors are plain Exceptions; a wrong shape a KeyError)
+        raise tokenizer_refused(directory, key, exc) from None
+
 
 # preprocess_data.py at core_v0.16.1 builds its tokenizer with megatron.core's build_tokenizer (the new tokenizer
 # system: --legacy-tokenizer is off by default), which for HuggingFaceTokenizer passes these (its argument defaults:

@@ -29,10 +29,10 @@ from toolkit.backends.resume import guard_window, resume_checkpoint, run_identit
 from toolkit.checkpoint.manifest import read_manifest
 from toolkit.compat.megatron_seams import chained_step
 from toolkit.data.blend import RankSteps, build_datasets, stack_samples
+from toolkit.data.tokenizer import hf_tokenizer
 from toolkit.errors import UserInputError
 from toolkit.estimate.measure import peak_live_bytes
 from toolkit.generate.megatron import megatron_config
-from toolkit.readers import hf_tokenizer
 from toolkit.runtime import faults, inprocess
 from toolkit.runtime.guard import LossGuard, read_grad_norm
 from toolkit.runtime.incident import append_incident
