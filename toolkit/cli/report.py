@@ -9,6 +9,7 @@ from toolkit.cli.common import add_calibration_argument, calibration_line
 from toolkit.cli.console import console as make_console
 from toolkit.cli.paths import output_arg, path_arg
 from toolkit.errors import UserInputError
+from toolkit.estimate.device_peak import HOST_MATMUL_SIZE
 from toolkit.numeric import GiB, bounded_int, json_text
 from toolkit.outputs import output_file
 from toolkit.planner.predict import plan_label
@@ -17,6 +18,7 @@ from toolkit.report.plot import write_report_plot
 from toolkit.report.records import read_metrics_records, read_run_plan
 from toolkit.report.runs import DEFAULT_WARMUP, read_run, repredict
 from toolkit.spec.calibration import load_calibration
+from toolkit.spec.cluster import get_gpu
 from toolkit.spec.plan import Plan
 
 
@@ -162,11 +164,23 @@ def _print_table(reports, warmup: int) -> None:
             notes.append(r.reason)
         if r.measured["mfu"] is None and r.status == "completed":
             notes.append("MFU not measured: the device that ran has no catalogue peak (a CPU run of a GPU recipe)")
+        if r.measured["mfu"] is not None and r.measured["mfu"] > 1 and _mfu_above_peak(r):
+            notes.append(_mfu_above_peak(r))
         console.print(f"{r.run_dir}: " + "; ".join(notes))
         if r.moe is not None:
             console.print(f"{r.run_dir}: {_moe_line(r.moe)}")
         if r.launch_prediction is not None:
             console.print(f"{r.run_dir}: {_against_launch(r)}")
+
+
+def _mfu_above_peak(r) -> str | None:
+    """Why a measured MFU reads above 100% on the host entry (a datasheet peak beaten is damage, runs.py): the run's
+    GEMMs outran the matmul probe the uncalibrated peak is."""
+    if r.gpu is None or not get_gpu(r.gpu).host or r.calibration:
+        return None
+    return (f"MFU above 100%: the uncalibrated `{r.gpu}` peak is this host's {HOST_MATMUL_SIZE}x{HOST_MATMUL_SIZE} "
+            f"matmul rate, which a narrow model's small GEMMs can beat on a CPU; dmt calibrate raises it to what the "
+            f"run reached")
 
 
 def _against_launch(r) -> str:
