@@ -319,6 +319,31 @@ def test_the_incident_says_when_the_flight_recorder_did_not_run(tmp_path, monkey
     assert event["recorder"].startswith("torch's flight recorder was off")
 
 
+def test_an_earlier_jobs_flight_recorder_dump_is_never_unpickled(tmp_path, monkeypatch):
+    """A reused output directory keeps an earlier job's attempt folders: a dump older than this process is counted,
+    not handed to torch's analyser (which unpickles it), so a crafted one runs nothing."""
+    import os
+    import pickle
+
+    from toolkit.runtime.incident import FR_DUMP_PREFIX, last_words_dir
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    directory = last_words_dir(tmp_path)
+    directory.mkdir(parents=True)
+    stale = directory / f"{FR_DUMP_PREFIX}0"
+    stale.write_bytes(pickle.dumps(Payload()))
+    os.utime(stale, (1_000_000_000, 1_000_000_000))  # 2001: before this process started
+    event = analyse_collectives(tmp_path, world=1, wait_s=0)
+    assert event["dumps"] == [] and event["stale_dumps"] == 1 and event["analysis"] == []
+    assert event["recorder"] == "on, but no rank's dump arrived" and not marker.exists()
+
+
 def test_a_damaged_breakdown_file_is_one_line_naming_it(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "profile" / "breakdown").mkdir(parents=True)

@@ -146,8 +146,14 @@ def analyse_collectives(output_dir: Path, world: int, expected: int | None = Non
     """The `collectives` event of a hang: torch's flight recorder analyser (python -m
     torch.distributed.flight_recorder.fr_trace) over the dumps in this attempt's last words, once `expected` ranks'
     (default: every rank's) are there or `wait_s` has passed (a frozen rank writes none: the analysis then covers the
-    ranks that did, and torch's analyser says what it cannot decide without the others)."""
+    ranks that did, and torch's analyser says what it cannot decide without the others).
+
+    torch's analyser unpickles the dumps, so it reads only those this job's ranks wrote: files older than this
+    process (a reused or copied output directory keeps an earlier job's attempt-<tag> folders) are counted in
+    `stale_dumps` and never opened."""
     import re
+    import shutil
+    import tempfile
     import time
 
     off = flight_recorder_state()
@@ -155,20 +161,24 @@ def analyse_collectives(output_dir: Path, world: int, expected: int | None = Non
         return {"event": "collectives", "recorder": off, "dumps": [], "collective": None, "missing_ranks": None,
                 "analysis": []}
     directory = last_words_dir(output_dir)
+    since = _process_started()
     deadline = time.monotonic() + wait_s
     while True:
-        dumps = sorted(int(p.name[len(FR_DUMP_PREFIX):]) for p in directory.glob(f"{FR_DUMP_PREFIX}*")
-                       if p.name[len(FR_DUMP_PREFIX):].isdigit())
-        if len(dumps) >= (world if expected is None else expected) or time.monotonic() > deadline:
+        fresh, stale = _dumps(directory, since)
+        if len(fresh) >= (world if expected is None else expected) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    dumps = sorted(fresh)
     event = {"event": "collectives", "recorder": "on", "dumps": dumps, "collective": None, "missing_ranks": None,
-             "analysis": []}
+             "analysis": [], "stale_dumps": stale}
     if not dumps:
         event["recorder"] = "on, but no rank's dump arrived"
         return event
-    lines = _torch_analysis([str(directory), "--prefix", FR_DUMP_PREFIX,
-                             *(["--allow-incomplete-ranks"] if len(dumps) < world else [])])
+    with tempfile.TemporaryDirectory(prefix=".fr-", dir=directory) as analysed:
+        for rank, path in fresh.items():  # this job's dumps alone, in a folder of their own
+            shutil.copyfile(path, Path(analysed) / path.name)
+        lines = _torch_analysis([analysed, "--prefix", FR_DUMP_PREFIX,
+                                 *(["--allow-incomplete-ranks"] if len(dumps) < world else [])])
     event["analysis"] = lines[:60]
     for line in lines:
         if (match := re.match(r"\s*collective: (\S+)", line)) and event["collective"] is None:
@@ -176,6 +186,27 @@ def analyse_collectives(output_dir: Path, world: int, expected: int | None = Non
         if (match := re.match(r"\s*missing ranks: \{([\d, ]*)\}", line)) and event["missing_ranks"] is None:
             event["missing_ranks"] = [int(r) for r in match.group(1).split(",") if r.strip()]
     return event
+
+
+def _process_started() -> float:
+    """When this process started (epoch seconds): every dump of its job's attempt is written after it."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def _dumps(directory: Path, since: float) -> tuple[dict[int, Path], int]:
+    """{rank: dump path} of the flight recorder dumps written at or after `since`, and how many older ones lie there."""
+    fresh, stale = {}, 0
+    for path in directory.glob(f"{FR_DUMP_PREFIX}*"):
+        rank = path.name[len(FR_DUMP_PREFIX):]
+        if not rank.isdigit() or not path.is_file() or path.is_symlink():
+            continue
+        if path.stat().st_mtime >= since:
+            fresh[int(rank)] = path
+        else:
+            stale += 1
+    return fresh, stale
 
 
 def _torch_analysis(args: list[str]) -> list[str]:
