@@ -440,3 +440,32 @@ def test_a_tokenizer_that_blocks_leads_outside_or_does_not_load_is_refused_in_on
     _refused(_dmt(["data", "prepare", "--input", corpus, "--tokenizer", directory, "--output-prefix",
                    tmp_path / "out"]), "--tokenizer", directory, BROKEN_TOKENIZERS[kind])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "elsewhere.json", "recipe.yaml", "tok"]
+
+
+def test_a_universal_copy_is_reused_only_for_the_checkpoint_it_was_made_from(tmp_path, gloo_group_of_one,
+                                                                               monkeypatch):
+    """OUTPUT/universal/<name> made from one checkpoint-4 is not resumed from for another checkpoint-4 (an output
+    directory reused for another run): its universal_source.json no longer matches, and it is made again."""
+    from toolkit.backends.deepspeed import universal
+
+    made = []
+
+    def convert(ckpt, target):  # the conversion itself runs for real in tests/checkpoint/test_restore.py
+        target.mkdir(parents=True, exist_ok=True)
+        (target / universal.MARKER).write_text("global_step4_universal")
+        (target / universal.SOURCE).write_text(json.dumps(universal._source(ckpt)))
+        made.append(ckpt)
+
+    monkeypatch.setattr(universal, "_convert", convert)
+    ckpt, out = tmp_path / "run" / "checkpoint-4", tmp_path / "run"
+    (ckpt / "global_step4").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step4")
+    (ckpt / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"first run")
+    target = universal.universal_checkpoint(ckpt, out)
+    assert universal.universal_checkpoint(ckpt, out) == target and len(made) == 1  # the same checkpoint: reused
+    (ckpt / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"another run's weights")
+    universal.universal_checkpoint(ckpt, out)
+    assert len(made) == 2  # another checkpoint of the same name: made again
+    (target / universal.SOURCE).unlink()  # a copy from before universal_source.json: made again
+    universal.universal_checkpoint(ckpt, out)
+    assert len(made) == 3
