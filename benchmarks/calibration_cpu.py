@@ -222,7 +222,7 @@ def markdown(machine: dict, predictions: dict[str, dict], loo: dict[str, dict], 
         "of 16, micro-batch 2 runs 4 micro-batches per step and micro-batch 8 one, and the per-step work outside "
         "the model's FLOPs (the Trainer's and DeepSpeed's, the data loader, logging) is comparable to the compute.",
         "",
-        "| run | plan | path | fit | measured s | published s | error | scale only s | error | scale + fixed s | "
+        "| run | plan | execution path | fit | measured s | published s | error | scale only s | error | scale + fixed s | "
         "error |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -254,8 +254,9 @@ def markdown(machine: dict, predictions: dict[str, dict], loo: dict[str, dict], 
     measured = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (how.get("measured_tflops") or {}).items())
     launches = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (how.get("runs_tflops") or {}).items())
     lines.append(f"- host matmul peak kept with it: {peaks} (measured by dmt calibrate: {measured}; best of the "
-                 f"runs' launches: {launches} GFLOP/s; the better raised {how.get('raised_by', 1):.3g}x to what the "
-                 f"runs' GEMMs reached, toolkit/estimate/calibrate.py HOST_PEAK_HEADROOM)")
+                 f"runs' launches: {launches} GFLOP/s; the better raised {how.get('raised_by', 1):.3g}x, so that the "
+                 f"runs' GEMMs reach at most HOST_GEMM_CEILING of it, toolkit/estimate/calibrate.py "
+                 f"fit_host_paths)")
     lines += ["", "## Leave one out", "",
               "Each run predicted by calibrations fitted on every other run of its execution path.", "",
               "| run | measured s | scale only s | error | scale + fixed s | error |", "|---|---:|---:|---:|---:|---:|"]
