@@ -214,7 +214,7 @@ def markdown(machine: dict, predictions: dict[str, dict], loo: dict[str, dict], 
         "",
         "Every prediction here uses the host peak the calibration holds (measured by `dmt calibrate` at the runs' "
         f"thread count, {how.get('threads', '?')} threads, load {how.get('load_average', '?')}; the best of that and "
-        "the runs' launches, raised where the runs' GEMMs went faster), so the columns differ only in the fitted figures. *published*: the published "
+        "the runs' launches, raised where the runs' GEMMs went faster than HOST_GEMM_CEILING of it), so the columns differ only in the fitted figures. *published*: the published "
         "compute scale of the run's execution path, no fixed cost. *scale only*: the compute scale alone fitted (how "
         "`dmt calibrate` fitted before). *scale + fixed*: the compute scale and a fixed per-step cost fitted by least "
         "squares on the log ratio (`dmt calibrate` now). Errors are predicted / measured - 1; runs marked *fit* are "
