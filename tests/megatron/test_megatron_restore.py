@@ -1,5 +1,5 @@
-"""`dmt restore-test --backend megatron`: the tiny Qwen3-MoE under Megatron-Core at EP=2 on 2 gloo ranks (each rank
-holding half of the experts), training on a prepared blend, SIGKILLed right after its dist checkpoint at step 3
+"""`dmt restore-test --backend megatron`: the tiny Qwen3-MoE under Megatron-Core at EP 2 folded over TP 2 on 2 gloo
+ranks (each rank holding half of the experts, and half of each attention weight), training on a prepared blend, SIGKILLed right after its dist checkpoint at step 3
 (written in the background) is complete, resumed from it, continues exactly as the uninterrupted run, routing every
 token to the same experts."""
 
@@ -38,8 +38,9 @@ def _on_a_blend(recipe: Path, directory: Path) -> Path:
     return recipe
 
 
-# the experts' layout of the restore test (EP 2: each rank holds half of the experts)
-MOE_FLAGS = ("--ep", "2")
+# the experts' layout of the restore test: EP 2 folded over TP 2 (each rank holds half of the experts, whole at ETP 1,
+# and half of every attention and dense weight, sequence parallel)
+MOE_FLAGS = ("--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel")
 
 
 def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys, megatron_recipe, tmp_path_factory):
@@ -64,6 +65,7 @@ def test_megatron_restore_is_identical_to_the_bit(tmp_path, capsys, megatron_rec
     assert [r["moe_tokens_per_expert"] for r in resumed] == [r["moe_tokens_per_expert"] for r in reference[3:]]
     layout = json.loads((tmp_path / "interrupted" / "moe_layout.json").read_text())
     assert [rank["layers"]["decoder.layers.0.mlp"]["experts"] for rank in layout["ranks"]] == [[0, 1], [2, 3]]
+    assert [rank["tp_rank"] for rank in layout["ranks"]] == [0, 1]  # folded: the same 2 ranks are TP 2 too
     # the kill reached the ranks (torchrun puts them in sessions of their own): nothing trained on after it
     killed = [json.loads(line)["step"] for line in (tmp_path / "interrupted/killed.metrics.jsonl").read_text().splitlines()]
     assert max(killed) == result["killed_at_step"]
