@@ -108,3 +108,32 @@ def test_an_index_cache_holding_pickled_objects_is_refused_before_megatron_loads
     code, _, err, _ = bounded(lambda: check_plain_arrays(tmp_path / "cache", "data.cache_dir") or 0)
     assert code == 2 and len(err) == 1, err
     assert "data.cache_dir" in err[0] and str(planted) in err[0] and "is a FIFO" in err[0], err
+
+
+def test_megatrons_index_cache_reads_load_no_pickle_swapped_in_after_the_check(tmp_path):
+    """check_plain_arrays reads the cache before Megatron-Core does; a file another job swaps in between is still
+    never unpickled: GPTDataset's and BlendedDataset's numpy.load(allow_pickle=True) load without pickles."""
+    import pickle
+
+    import numpy
+    from megatron.core.datasets import blended_dataset, gpt_dataset
+
+    from toolkit.compat.megatron_datasets_seams import index_cache_without_pickles
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    swapped, plain = tmp_path / "swapped-sample_index.npy", tmp_path / "document_index.npy"
+    swapped.write_bytes(pickle.dumps(Payload()))
+    numpy.save(plain, numpy.arange(10, dtype=numpy.int32))
+    index_cache_without_pickles()
+    index_cache_without_pickles()  # idempotent: one wrapper, not two
+    for module in (gpt_dataset, blended_dataset):
+        with pytest.raises(ValueError, match="pickled"):
+            module.numpy.load(swapped, allow_pickle=True, mmap_mode="r")  # as Megatron-Core calls it
+        assert not marker.exists()
+        assert module.numpy.load(plain, allow_pickle=True, mmap_mode="r").tolist() == list(range(10))
+        assert module.numpy.int64 is numpy.int64 and type(module.numpy.numpy) is type(numpy)

@@ -1,6 +1,6 @@
-"""Megatron-Core's indexed dataset (`megatron.core.datasets.indexed_dataset`) where the toolkit goes past its public
-calls: whole batches of documents appended to an `IndexedDatasetBuilder` at once (its `add_document` takes one), and
-the index file's magic, which its reader only asserts."""
+"""Megatron-Core's datasets where the toolkit goes past their public calls: whole batches of documents appended to an
+`IndexedDatasetBuilder` at once (its `add_document` takes one), the index file's magic, which its reader only asserts,
+and the index cache GPTDataset and BlendedDataset read with numpy.load(allow_pickle=True), read without pickles."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from array import array
 from toolkit.compat import Seam
 
 _INDEXED = "megatron.core.datasets.indexed_dataset"
+_CACHE_READERS = ("megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_dataset")
 _WHY_BATCH = ("append_documents writes a batch of documents as add_document writes one (its three statements, over "
               "many documents at once); add_document's numpy conversion and write per document cost more than the "
               "tokenizer's batch encode")
@@ -19,6 +20,11 @@ SEAMS = [
     Seam("megatron-core", f"{_INDEXED}.IndexedDatasetBuilder.data_file", _WHY_BATCH, kind="in_source"),
     Seam("megatron-core", f"{_INDEXED}.IndexedDatasetBuilder.sequence_lengths", _WHY_BATCH, kind="in_source"),
     Seam("megatron-core", f"{_INDEXED}.IndexedDatasetBuilder.document_indices", _WHY_BATCH, kind="in_source"),
+    *(Seam("megatron-core", f"{module}.numpy",
+           "the module's numpy, replaced by index_cache_without_pickles: it reads the index cache (data.cache_dir, "
+           "which other jobs may share) with numpy.load(allow_pickle=True), so a file swapped for a pickle after "
+           "check_plain_arrays read it would run code; the replacement loads with allow_pickle=False")
+      for module in _CACHE_READERS),
 ]
 
 
@@ -51,3 +57,28 @@ def append_documents(builder, tokens, sequence_lengths, sequences_per_document) 
     ends = builder.document_indices[-1]  # the sequences written so far: add_document appends that count
     builder.sequence_lengths.frombytes(numpy.asarray(sequence_lengths, dtype=numpy.int64).tobytes())
     builder.document_indices.frombytes((ends + numpy.cumsum(sequences_per_document, dtype=numpy.int64)).tobytes())
+
+
+class _NumpyWithoutPickles:
+    """numpy as a dataset module sees it, whose load never unpickles (allow_pickle=False whatever the caller asks):
+    the index cache holds integer arrays only, which numpy memory-maps without pickles."""
+
+    def __init__(self, numpy):
+        self.numpy = numpy
+
+    def __getattr__(self, name: str):
+        return getattr(self.numpy, name)
+
+    def load(self, *args, **kwargs):
+        return self.numpy.load(*args, **{**kwargs, "allow_pickle": False})
+
+
+def index_cache_without_pickles() -> None:
+    """GPTDataset's and BlendedDataset's index cache reads refuse a pickle (numpy's ValueError) instead of loading
+    it; idempotent, for the process."""
+    import importlib
+
+    for name in _CACHE_READERS:
+        module = importlib.import_module(name)
+        if not isinstance(module.numpy, _NumpyWithoutPickles):
+            module.numpy = _NumpyWithoutPickles(module.numpy)

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.compat.megatron_datasets_seams import index_cache_without_pickles
 from toolkit.data import sidecar
 from toolkit.data.indexed import (
     IndexedFiles,
@@ -209,8 +210,10 @@ def build_datasets(recipe, seq_len: int, global_batch: int, output_dir: Path, vo
     sources = check_blend(recipe, vocab_size)
     cache = cache_dir(recipe, output_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    # Megatron-Core unpickles its index cache (numpy.load(allow_pickle=True)): only plain arrays may be there
+    # Megatron-Core reads its index cache with numpy.load(allow_pickle=True): only plain arrays may be there (checked
+    # now, in one line naming the file), and its reads load none of the pickles a file swapped in later could hold
     check_plain_arrays(cache, "data.cache_dir")
+    index_cache_without_pickles()
     config = dataset_config(recipe, sources, seq_len, cache)
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sample_counts(recipe, global_batch), lambda: True,
                                                     config).build()
