@@ -170,9 +170,11 @@ def _mla(transformer: dict) -> list[str]:
         return ["--no-rope-fusion"] if not transformer.get("apply_rope_fusion") else []
     for name in MLA_UNFLAGGED:
         if name in transformer and transformer[name] != getattr(MLATransformerConfig, name):
-            raise UserInputError(f"transformer_config.{name}", f"{transformer[name]!r}: Megatron-LM has no flag for "
-                                                               f"it and takes MLATransformerConfig's "
-                                                               f"{getattr(MLATransformerConfig, name)!r}")
+            raise UserInputError(f"transformer_config.{name}", f"{transformer[name]!r} (the model's YaRN rope): "
+                                                               f"Megatron-LM's pretrain_gpt.py has no flag for it and "
+                                                               f"would train with MLATransformerConfig's "
+                                                               f"{getattr(MLATransformerConfig, name)!r}, so "
+                                                               f"megatron_args.txt cannot say this model")
     return []
 
 
