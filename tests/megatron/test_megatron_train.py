@@ -239,6 +239,14 @@ def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, ca
         expected = rate * torch.sign(tokens.mean(dim=1, keepdim=True) - tokens)
         got = torch.tensor(records[0]["moe_expert_bias"], dtype=torch.float64)
         assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, tokens)
+        # the TP 2 x EP 2 checkpoint, MTP layer and all, converts to a model transformers loads (mtp.* not read)
+        from transformers import AutoModelForCausalLM
+
+        from toolkit.backends.megatron.convert import megatron_to_hf
+
+        megatron_to_hf(run.out / f"checkpoint-{MOE_STEPS}", run.out / "hf")
+        model = AutoModelForCausalLM.from_pretrained(run.out / "hf")
+        assert model.config.model_type == "deepseek_v3" and model.config.n_routed_experts == experts
     report = read_run(run.out, warmup=0)
     seen = [r["moe_imbalance"] for r in records]
     planned = MOE_IMBALANCE_DEFAULT  # the recipe states none
