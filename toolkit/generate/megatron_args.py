@@ -160,11 +160,19 @@ MLA_UNFLAGGED = ("original_max_position_embeddings", "beta_fast", "beta_slow")
 
 def _mla(transformer: dict) -> list[str]:
     """Multi-latent attention's flags beyond VALUE_FLAGS: Megatron-LM fuses rope unless told not to, and
-    MLATransformerConfig fuses only YaRN's; YaRN's fields without a flag must be the class's defaults."""
+    MLATransformerConfig fuses only YaRN's; YaRN's fields without a flag must be the class's defaults, and there are
+    no query groups (Megatron-LM's validate_args)."""
     if transformer.get("multi_latent_attention") is not True:
         return []
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    groups, heads = transformer.get("num_query_groups"), transformer.get("num_attention_heads")
+    if groups and groups != heads:
+        raise UserInputError("transformer_config.num_query_groups", f"{groups} with multi-latent attention, which "
+                                                                    f"gives each of the {heads} heads its own keys and "
+                                                                    f"values (Megatron-LM refuses "
+                                                                    f"--group-query-attention with it): set it to "
+                                                                    f"{heads} or remove it")
     rope = transformer.get("rope_type", MLATransformerConfig.rope_type)
     if rope != "yarn":
         return ["--no-rope-fusion"] if not transformer.get("apply_rope_fusion") else []

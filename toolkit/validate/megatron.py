@@ -168,7 +168,8 @@ def _modelled_recompute_modules(tc: dict):
         return None
     if not all(isinstance(m, str) for m in modules):
         return None
-    modules = [m for m in modules if m != "mla_up_proj"]  # MLA is TransformerConfig's to judge (no MLA spec here)
+    if tc.get("multi_latent_attention") is not True:  # without MLA, mla_up_proj is TransformerConfig's to judge
+        modules = [m for m in modules if m != "mla_up_proj"]
     return modules if modules and set(modules) <= set(RECOMPUTE_MODULES) else None
 
 
