@@ -102,14 +102,19 @@ def layout_run(torchrun, distopt_recipe, megatron_recipe, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def moe_run(torchrun, megatron_recipe):
+def moe_run(torchrun, megatron_recipe, tmp_path_factory):
     """moe_run(family, *plan_flags) -> the Launch of the family's tiny MoE model (megatron_helpers.TINY_MOE) trained
-    MOE_STEPS steps by Megatron-Core on 2 ranks with the given plan flags (e.g. "--ep", "2"), saving at step 3 and at
-    the end; each (family, flags) runs once per session."""
+    MOE_STEPS steps by Megatron-Core on 2 ranks from the files `dmt generate` wrote with the given plan flags (e.g.
+    "--ep", "2"; train.py --plan, megatron.yaml as generated), saving at step 3 and at the end; each (family, flags)
+    runs once per session."""
+    from toolkit.cli.main import main
 
     def run(family: str, *flags: str) -> Launch:
-        recipe = megatron_recipe(f"tiny-{family}-megatron", model={"config": TINY_MOE[family]})
         name = "-".join((family, *(flag.strip("-") for flag in flags)))
-        return torchrun(name, "--recipe", str(recipe), *flags, "--max-steps", str(MOE_STEPS), "--save-steps", "3")
+        recipe = megatron_recipe(f"tiny-{family}-megatron", model={"config": TINY_MOE[family]},
+                                 training={"max_steps": MOE_STEPS, "save_steps": 3})
+        generated = tmp_path_factory.mktemp(f"{name}-generated")
+        assert main(["generate", str(recipe), "--out", str(generated), *flags]) == 0
+        return torchrun(name, "--plan", str(generated / "plan.json"))
 
     return run

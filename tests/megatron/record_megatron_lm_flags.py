@@ -13,7 +13,9 @@ and against the validate_args asserts recorded in test_megatron_generate.py. Ref
 The parser is built as Megatron-LM builds it (add_megatron_arguments over the installed Megatron-Core's config
 classes); its one GPU-only import (batch-invariant Triton kernels, unused by the parser) is stood in for. --check
 runs parse_args and validate_args on a Hopper (compute capability 9.0) with CUDA_DEVICE_MAX_CONNECTIONS=1, as the
-toolkit's launch files set it, adding the data and tokenizer flags megatron_args.txt leaves to the user.
+toolkit's launch files set it, adding the data and tokenizer flags megatron_args.txt leaves to the user, then builds
+the config class as pretrain_gpt.py does (core_transformer_config_from_args: MLATransformerConfig for
+--multi-latent-attention), Transformer Engine's version checks answering as the newest TE a recipe needs.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def check(checkout: Path, files: list[str]) -> int:
 
     parser = megatron_lm_parser(checkout)
     import megatron.training.arguments as arguments
+    from packaging.version import Version
+
+    from toolkit.compat.megatron_seams import te_version_assumed
+    from toolkit.spec.quantization import RECIPES
+
+    newest_te = max((recipe.te_version for recipe in RECIPES.values()), key=Version)  # one that runs every recipe
 
     arguments.get_device_arch_version = lambda: 9
     torch.cuda.get_device_capability = lambda *args: (9, 0)
@@ -94,7 +102,14 @@ def check(checkout: Path, files: list[str]) -> int:
             args = parser.parse_args(words)
             args.rank, args.world_size = 0, world
             arguments.validate_args(args, {})
-            print(f"{name}: accepted by parse_args and validate_args", file=sys.stderr)
+            try:
+                with te_version_assumed(newest_te):  # the GPU's Transformer Engine, absent here
+                    built = f"{type(arguments.core_transformer_config_from_args(args)).__name__} built"
+            except ValueError as exc:  # rope fusion's kernels are imported from TE, not version-checked
+                if "install TE" not in str(exc):
+                    raise
+                built = f"its config needs Transformer Engine's kernels here ({exc})"
+            print(f"{name}: accepted by parse_args and validate_args, {built}", file=sys.stderr)
         except (SystemExit, AssertionError, ValueError) as exc:
             failures += 1
             print(f"{name}: REJECTED ({type(exc).__name__}: {exc})", file=sys.stderr)

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from megatron_helpers import TINY_MEGATRON
+from megatron_helpers import TINY_MEGATRON, TINY_MOE
 
 from helpers import ROOT
 from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
-from toolkit.errors import UserInputError
 from toolkit.generate.megatron_examples import EXAMPLES, OUT, render_examples
 from toolkit.validate.megatron import validate_megatron_config
 
@@ -35,7 +34,8 @@ def test_each_example_validates_at_its_own_world_size(name):
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_megatron_args_parse_as_megatron_lm_parses_them(name):
     """Every flag known to Megatron-LM's parser at core_v0.16.1, each value of its type and among its choices (the
-    real parse_args and validate_args accept every example, the folded MoE ones and the pipeline layout included:
+    real parse_args and validate_args accept every example, the folded MoE ones, the pipeline layout and DeepSeek-V3's
+    multi-latent attention included:
     record_megatron_lm_flags.py --check, run at core_v0.16.1 on 2026-12-02)."""
     text = (OUT / f"{name}.args.txt").read_text()
     assert [line for line in text.splitlines() if line.startswith("--")]
@@ -110,17 +110,75 @@ def test_generate_refuses_a_family_without_a_mapping(tmp_path, capsys):
     assert len(err) == 1 and "no Megatron-Core mapping for model family 'gemma2'" in err[0], err
 
 
-def test_generate_refuses_multi_latent_attention_in_one_line():
-    import json
+FOLDED = ("--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel")
 
-    from toolkit.families import megatron_fields
-    from toolkit.generate.megatron import check_generatable
-    from toolkit.spec.model import PRESET_DIR
 
-    for preset in ("deepseek-v3", "kimi-k2"):
-        with pytest.raises(UserInputError) as err:
-            check_generatable(megatron_fields(json.loads((PRESET_DIR / f"{preset}.json").read_text())))
-        assert err.value.key == "model.source" and "dmt convert" in err.value.message and "\n" not in str(err.value)
+@pytest.mark.parametrize("flags", [("--ep", "2"), FOLDED], ids=["ep2", "folded"])
+def test_a_tiny_deepseek_v3_generates_what_megatron_lm_and_megatron_core_accept(tmp_path, flags):
+    """Multi-latent attention through `dmt generate`: megatron.yaml keeps MLATransformerConfig's fields, the validator
+    and the training backend build that class from it, and megatron_args.txt says the same in Megatron-LM's own MLA
+    flags (record_megatron_lm_flags.py --check on both files at core_v0.16.1, 2026-12-02: parse_args, validate_args
+    and core_transformer_config_from_args, which built MLATransformerConfig)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from toolkit.backends.megatron.build import transformer_config
+
+    recipe = yaml.safe_load(TINY_MEGATRON.read_text())
+    recipe["model"] = {"config": TINY_MOE["deepseek_v3"]}
+    recipe["data"]["train_files"] = [str(TINY_MEGATRON.parent / f) for f in recipe["data"]["train_files"]]
+    (tmp_path / "ds.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["generate", str(tmp_path / "ds.yaml"), "--out", str(tmp_path / "out"), *flags]) == 0
+    config = yaml.safe_load((tmp_path / "out" / "megatron.yaml").read_text())
+    text = (tmp_path / "out" / "megatron_args.txt").read_text()
+    assert validate_megatron_config(config, 2) == [] and megatron_lm_problems(text) == []
+    tc = transformer_config(config)
+    assert type(tc) is MLATransformerConfig and tc.multi_latent_attention and tc.q_lora_rank is None
+    assert (tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, tc.rope_type) == (32, 16, 16, 16,
+                                                                                                      "rope")
+    args = text.splitlines()
+    for flag in ("--multi-latent-attention", "--kv-lora-rank 32", "--qk-head-dim 16", "--qk-pos-emb-head-dim 16",
+                 "--v-head-dim 16", "--rope-type rope", "--no-rope-fusion", "--moe-layer-freq 1",
+                 "--moe-shared-expert-intermediate-size 32", "--moe-router-score-function sigmoid",
+                 "--moe-router-enable-expert-bias", "--moe-router-dtype fp32", "--mtp-num-layers 1",
+                 "--expert-model-parallel-size 2", "--qk-layernorm"):
+        assert flag in args, flag
+    # q_lora_rank null: Megatron-LM's own default (queries projected directly); every head its own keys and values
+    assert not [a for a in args if a.startswith(("--q-lora-rank", "--group-query-attention", "--num-query-groups"))]
+
+
+def test_deepseek_v3_says_its_dense_layers_and_yarn_in_megatron_lm_flags():
+    """The committed DeepSeek-V3 example: 3 dense layers then 58 MoE ones as the list pattern Megatron-LM's
+    moe_freq_type evaluates (its characters only; the header turns globbing off), and YaRN's factor and mscales."""
+    config = yaml.safe_load((OUT / "deepseek-v3-tp2-pp16-ep64-etp1.yaml").read_text())
+    text = (OUT / "deepseek-v3-tp2-pp16-ep64-etp1.args.txt").read_text()
+    args = text.splitlines()
+    for flag in ("--multi-latent-attention", "--q-lora-rank 1536", "--kv-lora-rank 512", "--qk-head-dim 128",
+                 "--qk-pos-emb-head-dim 64", "--v-head-dim 128", "--rope-type yarn", "--rotary-scaling-factor 40.0",
+                 "--mscale 1.0", "--mscale-all-dim 1.0", "--moe-router-num-groups 8", "--moe-router-group-topk 4",
+                 "--moe-router-topk-scaling-factor 2.5", "--mtp-num-layers 1", "--expert-tensor-parallel-size 1"):
+        assert flag in args, flag
+    assert "--no-rope-fusion" not in args  # MLATransformerConfig fuses YaRN
+    (pattern,) = [a.split(" ", 1)[1] for a in args if a.startswith("--moe-layer-freq ")]
+    assert pattern == "[0]*3+[1]*58" and set(pattern) <= set("0123456789,[]()+*")  # Megatron-LM's _eval_pattern's
+    assert eval(pattern, {"__builtins__": {}}) == config["transformer_config"]["moe_layer_freq"]
+    assert args[1].startswith("# Usage: set -f; torchrun")
+
+
+def test_kimi_k2_yarn_betas_megatron_lm_cannot_say_are_refused_in_one_line(tmp_path, capsys):
+    """Kimi K2's YaRN beta_fast (1, not 32): megatron.yaml could hold it, but Megatron-LM has no flag and would train
+    with MLATransformerConfig's 32; dmt generate exits 2 in one line naming the key, and writes nothing."""
+    recipe = yaml.safe_load((ROOT / "recipes" / "mixtral-8x7b-megatron.yaml").read_text())
+    recipe["model"] = {"source": "kimi-k2"}
+    recipe["data"] = {"blend": [{"prefix": "/data/web", "weight": 1.0}],
+                      "tokenizer": {"path": "moonshotai/Kimi-K2-Instruct"}}
+    recipe["cluster"]["gpus"], recipe["training"]["global_batch"] = 1024, 4096
+    recipe["plan"].update(tp=2, pp=16, ep=64, etp=1, first_stage_layers=1, last_stage_layers=4, recompute="full")
+    (tmp_path / "kimi.yaml").write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "kimi.yaml"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "transformer_config.beta_fast: 1.0" in err[0] and "Megatron-LM" in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def _train_py(*flags: str) -> subprocess.CompletedProcess:
@@ -196,9 +254,9 @@ def test_every_mapped_moe_preset_has_a_folded_example():
     from toolkit.families import MAPPED
     from toolkit.spec.model import load_model_spec, preset_names
 
-    # multi-latent attention (deepseek-v3, kimi-k2) is mapped for dmt convert only; dmt generate refuses it (below)
+    # Kimi K2's YaRN betas have no Megatron-LM flag: refused (test_kimi_k2_yarn_betas_megatron_lm_cannot_say_...)
     moe = {name for name in preset_names()
-           if (spec := load_model_spec(name)).is_moe and spec.family in MAPPED and not spec.mla}
+           if (spec := load_model_spec(name)).is_moe and spec.family in MAPPED and name != "kimi-k2"}
     folded = set()
     for name in EXAMPLES:
         config = yaml.safe_load((OUT / f"{name}.yaml").read_text())

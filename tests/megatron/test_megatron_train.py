@@ -162,18 +162,26 @@ def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, d
 
 # each MoE family's tiny model on 2 ranks (the experts' plan flags; conftest.moe_run): EP 2, and EP 2 folded over TP 2
 # (the same 2 ranks are attention's TP group and the experts' EP group, ETP 1; MoE at TP > 1 needs sequence
-# parallelism, which the local spec's torch norms get from toolkit.compat.megatron_seams)
+# parallelism, which the local spec's torch norms get from toolkit.compat.megatron_seams). deepseek_v3 folded:
+# multi-latent attention, a shared expert, the sigmoid router's expert bias and one MTP layer (MLATransformerConfig)
 FOLDED = ("--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel")
-MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "mixtral": FOLDED}
+MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "deepseek_v3": FOLDED}
+
+
+def _first_key(metadata, suffixes: tuple[str, ...]) -> str:
+    """The first decoder tensor of a dist checkpoint ending in one of `suffixes` (stacked layers, decoder.layers.X,
+    or one layer's own, decoder.layers.0.X, as the MLA block spec saves them)."""
+    return sorted(k for k in metadata.state_dict_metadata if k.startswith("decoder.layers.") and k.endswith(suffixes))[0]
 
 
 @pytest.mark.parametrize("family", sorted(MOE_LAYOUTS))
 def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, capsys):
-    """Megatron-Core's own MoE layer at EP 2 on 2 gloo ranks: each rank holds only its half of the experts (global
-    experts 0-1 on EP rank 0, 2-3 on EP rank 1, the alltoall dispatcher between them), whole at ETP 1 even where
-    the attention is split over TP 2 (folded: the checkpoint holds each TP rank's half of linear_qkv), the loss
-    falls, and every step's record has the tokens routed to each expert, the measured imbalance and the router's
-    load-balancing loss; `dmt report` sets that imbalance beside the plan's --moe-imbalance."""
+    """Megatron-Core's own MoE layer at EP 2 on 2 gloo ranks, from the files `dmt generate` wrote: each rank holds
+    only its half of the experts (global experts 0-1 on EP rank 0, 2-3 on EP rank 1, the alltoall dispatcher between
+    them), whole at ETP 1 even where the attention is split over TP 2 (folded: the checkpoint holds each TP rank's
+    half of the query projection), the loss falls, and every step's record has the tokens routed to each expert
+    (the MTP layer's too), the measured imbalance and the router's load balancing (its loss, or DeepSeek-V3's expert
+    bias moving); `dmt report` sets that imbalance beside the plan's --moe-imbalance."""
     from toolkit.cli.main import main
     from toolkit.report.runs import read_run
     from toolkit.spec.options import MOE_IMBALANCE_DEFAULT
@@ -181,15 +189,17 @@ def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, ca
     run = moe_run(family, *MOE_LAYOUTS[family])
     assert run.rc == 0, run.tail()
     config = TINY_MOE[family]
-    experts = config.get("num_experts", config.get("num_local_experts"))
+    experts = config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
+    mtp = 1 if family == "deepseek_v3" else 0  # DeepseekV3Config's num_nextn_predict_layers default
     layout = json.loads((run.out / "moe_layout.json").read_text())
     assert (layout["num_experts"], layout["ep"], layout["etp"]) == (experts, 2, 1)
     tp = 2 if MOE_LAYOUTS[family] == FOLDED else 1
     assert [rank["tp_rank"] for rank in layout["ranks"]] == ([0, 1] if tp == 2 else [0, 0])
     fc1 = [2 * config.get("moe_intermediate_size", config["intermediate_size"]), config["hidden_size"]]
+    moe_layers = {f"decoder.layers.{i}.mlp" for i in range(config["num_hidden_layers"])}
     for ep_rank, rank in enumerate(layout["ranks"]):
         assert rank["ep_rank"] == ep_rank
-        assert set(rank["layers"]) == {f"decoder.layers.{i}.mlp" for i in range(config["num_hidden_layers"])}
+        assert set(rank["layers"]) == moe_layers | {f"mtp.layers.{i}.transformer_layer.mlp" for i in range(mtp)}
         for layer in rank["layers"].values():
             assert layer["dispatcher"] == "MoEAlltoAllTokenDispatcher"
             assert layer["experts"] == [ep_rank * 2, ep_rank * 2 + 1]  # this rank's half, no more
@@ -197,23 +207,46 @@ def test_moe_trains_with_its_experts_split_over_the_ep_ranks(moe_run, family, ca
             assert sorted(params) == [f"local_experts.{e}.linear_fc{n}.weight" for e in (0, 1) for n in (1, 2)]
             assert params["local_experts.0.linear_fc1.weight"] == fc1
     # what each rank wrote to the checkpoint: expert e's weights in EP rank e // 2's files (__<rank>_<n>.distcp)
-    writers = {(tuple(index.offset)[1], info.relative_path.split("_")[2])
-               for index, info in read_dcp_metadata(run.out / f"checkpoint-{MOE_STEPS}").storage_data.items()
-               if index.fqn == "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
+    metadata = read_dcp_metadata(run.out / f"checkpoint-{MOE_STEPS}")
+    fc2 = _first_key(metadata, ("mlp.experts.experts.linear_fc2.weight",))
+    axis = len(metadata.state_dict_metadata[fc2].size) - 3  # the experts' axis, after the layers' where stacked
+    writers = {(tuple(index.offset)[axis], info.relative_path.split("_")[2])
+               for index, info in metadata.storage_data.items() if index.fqn == fc2}
     assert writers == {(expert, str(expert // 2)) for expert in range(experts)}
-    qkv = read_dcp_metadata(run.out / f"checkpoint-{MOE_STEPS}").state_dict_metadata[
-        "decoder.layers.self_attention.linear_qkv.weight"]
-    assert {tuple(chunk.sizes)[1] for chunk in qkv.chunks} == {qkv.size[1] // tp}  # attention rows split over TP
+    query = metadata.state_dict_metadata[_first_key(metadata, ("self_attention.linear_qkv.weight",
+                                                               "self_attention.linear_q_proj.weight"))]
+    rows = len(query.size) - 2
+    assert {tuple(chunk.sizes)[rows] for chunk in query.chunks} == {query.size[rows] // tp}  # split over TP
     records = read_metrics(run.out)
     assert [r["step"] for r in records] == list(range(1, MOE_STEPS + 1)), run.tail()
     assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
     routed = 2 * 16 * 64  # top 2 of every token of the global batch, in each MoE layer
     for record in records:
         tokens = torch.tensor(record["moe_tokens_per_expert"])
-        assert tokens.shape == (config["num_hidden_layers"], experts) and (tokens.sum(dim=1) == routed).all()
+        assert tokens.shape == (config["num_hidden_layers"] + mtp, experts) and (tokens.sum(dim=1) == routed).all()
         per_ep_rank = tokens.view(-1, 2, experts // 2).sum(dim=2).double()
         assert record["moe_imbalance"] == pytest.approx((per_ep_rank.max(1).values / per_ep_rank.mean(1)).max())
-        assert record["moe_load_balancing_loss"] >= 1.0 - 1e-6  # Switch's loss is 1 when balanced, more when not
+        if family == "deepseek_v3":  # the complementary sequence-wise loss, and the bias moved by the load
+            assert record["moe_seq_load_balancing_loss"] > 0
+            assert torch.tensor(record["moe_expert_bias"]).shape == tokens.shape
+        else:
+            assert record["moe_load_balancing_loss"] >= 1.0 - 1e-6  # Switch's loss is 1 when balanced, more when not
+    if family == "deepseek_v3":  # after step 1 each expert's bias is one update from 0: up if under-loaded
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        tokens = torch.tensor(records[0]["moe_tokens_per_expert"], dtype=torch.float64)
+        rate = TransformerConfig.moe_router_bias_update_rate
+        expected = rate * torch.sign(tokens.mean(dim=1, keepdim=True) - tokens)
+        got = torch.tensor(records[0]["moe_expert_bias"], dtype=torch.float64)
+        assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, tokens)
+        # the TP 2 x EP 2 checkpoint, MTP layer and all, converts to a model transformers loads (mtp.* not read)
+        from transformers import AutoModelForCausalLM
+
+        from toolkit.backends.megatron.convert import megatron_to_hf
+
+        megatron_to_hf(run.out / f"checkpoint-{MOE_STEPS}", run.out / "hf")
+        model = AutoModelForCausalLM.from_pretrained(run.out / "hf")
+        assert model.config.model_type == "deepseek_v3" and model.config.n_routed_experts == experts
     report = read_run(run.out, warmup=0)
     seen = [r["moe_imbalance"] for r in records]
     planned = MOE_IMBALANCE_DEFAULT  # the recipe states none

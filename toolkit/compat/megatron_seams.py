@@ -122,9 +122,10 @@ class SequenceParallelTorchNorm:
 
 
 def sequence_parallel_spec(spec, layers: int):
-    """The local `spec` (a layer's ModuleSpec, made a block of `layers` such layers, or a TransformerBlockSubmodules)
-    with its torch norms (WrappedTorchNorm, which Megatron-Core picks without Transformer Engine and Apex) made
-    SequenceParallelTorchNorm, the block's final norm too; every other module stays as it was."""
+    """The local `spec` (a layer's ModuleSpec, made a block of `layers` such layers, a TransformerBlockSubmodules, or
+    a multi-token prediction block's) with its torch norms (WrappedTorchNorm, which Megatron-Core picks without
+    Transformer Engine and Apex) made SequenceParallelTorchNorm, the block's final norm too; every other module stays
+    as it was."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import ModuleSpec

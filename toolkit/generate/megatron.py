@@ -3,7 +3,9 @@
 megatron.yaml has one section per Megatron-Core object the training backend builds: `transformer_config`
 (TransformerConfig, which includes ModelParallelConfig), `gpt_model` (GPTModel), `ddp_config`
 (DistributedDataParallelConfig), `optimizer_config` (OptimizerConfig), `scheduler` (OptimizerParamScheduler), plus
-`schedule` (micro-batches for get_forward_backward_func) and `model` (family and vocabulary padding). The layer
+`schedule` (micro-batches for get_forward_backward_func) and `model` (family and vocabulary padding). A model with
+multi-latent attention (deepseek_v3) keeps MLATransformerConfig's fields in `transformer_config`
+(transformer_config_class names the class both the validator and the training backend build). The layer
 spec follows TransformerConfig's own `transformer_impl`: Transformer Engine modules on GPUs (fused kernels, fp8, context
 parallelism), Megatron-Core's local modules on CPU.
 Architecture comes from the family's mapping table; every parallel, batch, precision and recompute number is read
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 from toolkit.data.sidecar import megatron_prefix
 from toolkit.data.split import megatron_split
-from toolkit.errors import UserInputError
 from toolkit.families import megatron_fields
 from toolkit.families.activations import megatron_function
 from toolkit.numeric import yaml_text
@@ -108,19 +109,9 @@ def _moe(plan: Plan, model: ModelSpec, mapped: dict) -> dict:
     return fields
 
 
-def check_generatable(mapped: dict) -> None:
-    """Multi-latent attention (deepseek_v3) is mapped for `dmt convert`, but megatron_args.txt has no MLA flags yet
-    and the validator knows TransformerConfig's fields, not MLATransformerConfig's: refused in one line."""
-    if mapped["transformer_config"].get("multi_latent_attention"):
-        raise UserInputError("model.source", "multi-latent attention (deepseek_v3) is mapped for `dmt convert` only: "
-                                             "dmt generate does not yet write or validate MLATransformerConfig's "
-                                             "fields and Megatron-LM's MLA flags; train it with fsdp")
-
-
 def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dict) -> dict:
     """The megatron.yaml contents for a recipe, its model, its resolved plan and the model's HF config dict."""
     mapped = megatron_fields(hf_config)
-    check_generatable(mapped)
     min_lr = float(f"{recipe.training.learning_rate * recipe.training.min_lr_ratio:.6g}")
     on_cpu = recipe.cluster.accelerator == "cpu"
     training = recipe.training
@@ -209,6 +200,14 @@ def megatron_yaml(config: dict, recipe_name: str) -> str:
     return header + yaml_text({k: config[k] for k in (*SECTIONS, *OPTIONAL_SECTIONS) if k in config}, sort_keys=False)
 
 
+def transformer_config_class(values: dict):
+    """The Megatron-Core class a `transformer_config` section feeds: MLATransformerConfig where it asks for
+    multi-latent attention (Megatron-LM's core_transformer_config_from_args chooses the same), else TransformerConfig."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if values.get("multi_latent_attention") is True else TransformerConfig
+
+
 def library_kwargs(section: str, values: dict) -> dict:
     """A megatron.yaml section as the keyword arguments of its Megatron-Core class (dtype and function objects)."""
     import torch
@@ -224,5 +223,9 @@ def library_kwargs(section: str, values: dict) -> dict:
             kwargs["activation_func"] = megatron_function(kwargs["activation_func"])
         if isinstance(kwargs.get("window_size"), list):
             kwargs["window_size"] = tuple(kwargs["window_size"])
+        if kwargs.get("multi_latent_attention") is True and kwargs.get("kv_channels") is None:
+            # MLA's attention output is heads x v_head_dim: the local spec's core attention writes heads x kv_channels
+            # (toolkit.compat.megatron_seams.local_mla_core_attention)
+            kwargs["kv_channels"] = kwargs.get("v_head_dim", transformer_config_class(kwargs).v_head_dim)
     return kwargs
 

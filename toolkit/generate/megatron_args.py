@@ -7,6 +7,7 @@ user's to add.
 
 from __future__ import annotations
 
+from toolkit.errors import UserInputError
 from toolkit.outputs import one_word
 
 # (section, field, flag): `--flag value` when the value is set (None and False emit nothing, True emits `--flag`)
@@ -32,7 +33,25 @@ VALUE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("transformer_config", "moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
     ("transformer_config", "moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
     ("transformer_config", "overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
+    ("transformer_config", "moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+    ("transformer_config", "moe_router_score_function", "--moe-router-score-function"),
+    ("transformer_config", "moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"),
+    ("transformer_config", "moe_router_num_groups", "--moe-router-num-groups"),
+    ("transformer_config", "moe_router_group_topk", "--moe-router-group-topk"),
+    ("transformer_config", "moe_router_dtype", "--moe-router-dtype"),
     ("transformer_config", "mtp_num_layers", "--mtp-num-layers"),
+    # multi-latent attention (MLATransformerConfig; Megatron-LM's _add_mla_args and --rope-type)
+    ("transformer_config", "multi_latent_attention", "--multi-latent-attention"),
+    ("transformer_config", "q_lora_rank", "--q-lora-rank"),
+    ("transformer_config", "kv_lora_rank", "--kv-lora-rank"),
+    ("transformer_config", "qk_head_dim", "--qk-head-dim"),
+    ("transformer_config", "qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"),
+    ("transformer_config", "v_head_dim", "--v-head-dim"),
+    ("transformer_config", "rotary_base", "--rotary-base"),
+    ("transformer_config", "rope_type", "--rope-type"),
+    ("transformer_config", "rotary_scaling_factor", "--rotary-scaling-factor"),
+    ("transformer_config", "mscale", "--mscale"),
+    ("transformer_config", "mscale_all_dim", "--mscale-all-dim"),
     ("transformer_config", "tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("transformer_config", "pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ("transformer_config", "virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank"),
@@ -110,6 +129,9 @@ def _special(config: dict) -> list[str]:
     if transformer.get("window_size"):
         flags.append(_flag("--window-size", ",".join(str(v) for v in transformer["window_size"]),
                            "transformer_config.window_size"))
+    flags += _mla(transformer)
+    if isinstance(transformer.get("moe_layer_freq"), list):
+        flags.append(f"--moe-layer-freq {moe_layer_pattern(transformer['moe_layer_freq'])}")
     if gpt.get("rope_scaling"):
         flags.append(_flag("--rope-scaling-factor", gpt["rope_scaling_factor"], "gpt_model.rope_scaling_factor"))
     if not gpt.get("share_embeddings_and_output_weights"):
@@ -129,6 +151,54 @@ def _special(config: dict) -> list[str]:
     if config["schedule"]["async_save"]:  # dist_checkpointing's asynchronous save needs its persistent worker
         flags += ["--async-save", "--use-persistent-ckpt-worker"]
     return flags
+
+
+# MLATransformerConfig's YaRN fields Megatron-LM has no flag for: its config takes the class's defaults
+# (megatron.training.arguments.core_transformer_config_from_args copies only the fields its parser has)
+MLA_UNFLAGGED = ("original_max_position_embeddings", "beta_fast", "beta_slow")
+
+
+def _mla(transformer: dict) -> list[str]:
+    """Multi-latent attention's flags beyond VALUE_FLAGS: Megatron-LM fuses rope unless told not to, and
+    MLATransformerConfig fuses only YaRN's; YaRN's fields without a flag must be the class's defaults, and there are
+    no query groups (Megatron-LM's validate_args)."""
+    if transformer.get("multi_latent_attention") is not True:
+        return []
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    groups, heads = transformer.get("num_query_groups"), transformer.get("num_attention_heads")
+    if groups and groups != heads:
+        raise UserInputError("transformer_config.num_query_groups", f"{groups} with multi-latent attention, which "
+                                                                    f"gives each of the {heads} heads its own keys and "
+                                                                    f"values (Megatron-LM refuses "
+                                                                    f"--group-query-attention with it): set it to "
+                                                                    f"{heads} or remove it")
+    rope = transformer.get("rope_type", MLATransformerConfig.rope_type)
+    if rope != "yarn":
+        return ["--no-rope-fusion"] if not transformer.get("apply_rope_fusion") else []
+    for name in MLA_UNFLAGGED:
+        if name in transformer and transformer[name] != getattr(MLATransformerConfig, name):
+            raise UserInputError(f"transformer_config.{name}", f"{transformer[name]!r} (the model's YaRN rope): "
+                                                               f"Megatron-LM's pretrain_gpt.py has no flag for it and "
+                                                               f"would train with MLATransformerConfig's "
+                                                               f"{getattr(MLATransformerConfig, name)!r}, so "
+                                                               f"megatron_args.txt cannot say this model")
+    return []
+
+
+def moe_layer_pattern(freq: list) -> str:
+    """moe_layer_freq (1 MoE, 0 dense per layer) as Megatron-LM's --moe-layer-freq reads it: the integer 1 when every
+    layer is MoE, else the list pattern its moe_freq_type evaluates ([0]*3+[1]*58: runs of equal entries). The
+    pattern's [ and * are glob characters: megatron_args.txt says to read it with globbing off (set -f)."""
+    if all(v == 1 for v in freq):
+        return "1"
+    runs: list[list[int]] = []
+    for value in freq:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return "+".join(f"[{value}]*{count}" for value, count in runs)
 
 
 def _data(data: dict | None) -> list[str]:
@@ -179,12 +249,18 @@ def value_flags(config: dict) -> list[str]:
     return flags
 
 
+def _patterned(config: dict) -> bool:
+    """Whether a flag carries a list pattern (--moe-layer-freq [0]*3+[1]*58), which the shell must not glob."""
+    freq = config["transformer_config"].get("moe_layer_freq")
+    return isinstance(freq, list) and moe_layer_pattern(freq) != "1"
+
+
 def megatron_args_text(config: dict, recipe_name: str) -> str:
     vocab = config["model"]
     lines = [
         f"# Megatron-LM pretrain_gpt.py arguments of recipe {recipe_name}, written by `dmt generate`.",
-        "# Usage: torchrun ... pretrain_gpt.py $(grep -v '^#' megatron_args.txt) "
-        f"{'' if config.get('data') else '--data-path ... '}--tokenizer-type ...",
+        f"# Usage: {'set -f; ' if _patterned(config) else ''}torchrun ... pretrain_gpt.py "
+        f"$(grep -v '^#' megatron_args.txt) {'' if config.get('data') else '--data-path ... '}--tokenizer-type ...",
         f"# Vocabulary {vocab['vocab_size']}: Megatron-LM pads it to {vocab['padded_vocab_size']} "
         f"(multiple of {vocab['make_vocab_size_divisible_by']} x tp).",
     ]

@@ -55,6 +55,13 @@ EXAMPLES = {
         dict(tp=2, pp=16, ep=8, etp=1, pipeline_model_parallel_layout="Et*2|(ttt|)*30,ttL", global_batch=1024),
         "Qwen3-235B-A22B on 256 x H100 with Megatron-Core's pipeline layout: PP 16 x VPP 2, the embedding and the "
         "loss each in a layer's place (--pipeline-model-parallel-layout)", model="qwen3-235b-a22b", gpus=256),
+    "deepseek-v3-tp2-pp16-ep64-etp1": MegatronExample(
+        "mixtral-8x7b-megatron.yaml",
+        dict(tp=2, pp=16, ep=64, etp=1, sequence_parallel=True, first_stage_layers=1, last_stage_layers=4,
+             recompute="selective", global_batch=4096),
+        "DeepSeek-V3 on 1024 x H100: multi-latent attention (MLATransformerConfig, --multi-latent-attention), "
+        "TP 2 x PP 16 (1 + 14 x 4 + 4 of the 61 layers, the MTP layer on the last stage), experts ETP 1 x EP 64 "
+        "folded, 3 dense layers then MoE (--moe-layer-freq as a list pattern)", model="deepseek-v3", gpus=1024),
     "llama-3.1-70b-tp8-pp4-vpp5": MegatronExample(
         "llama-3.1-70b-64xh100.yaml",
         dict(backend="megatron", zero=0, tp=8, pp=4, vpp=5, micro_batch=1, sequence_parallel=True,

@@ -12,7 +12,7 @@ from pathlib import Path
 from toolkit.compat.megatron_seams import te_version_assumed
 from toolkit.errors import UserInputError
 from toolkit.families.activations import MEGATRON_ACTIVATIONS
-from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS, library_kwargs
+from toolkit.generate.megatron import OPTIMIZERS, OPTIONAL_SECTIONS, library_kwargs, transformer_config_class
 from toolkit.generate.megatron_args import megatron_args
 from toolkit.numeric import COUNT_MAX, SEED_MAX, WEIGHT_MAX, is_finite_number
 from toolkit.readers import read_yaml
@@ -50,21 +50,22 @@ PLAN_KEYS = {
 LAYER_SPECS = tuple(sorted(TRANSFORMER_IMPLS))  # the layer specs the toolkit builds
 
 
-def _section_fields() -> dict[str, tuple[str, set[str]]]:
-    """Section -> (Megatron-Core class it feeds, the names that class accepts)."""
+def _section_fields(tc: dict) -> dict[str, tuple[str, set[str]]]:
+    """Section -> (Megatron-Core class it feeds, the names that class accepts); `transformer_config` feeds
+    MLATransformerConfig where `tc` (that section) asks for multi-latent attention."""
     import dataclasses
 
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     def params(fn, skip):
         return {p for p in inspect.signature(fn).parameters if p not in skip}
 
+    owner = transformer_config_class(tc)
     return {
-        TC: ("TransformerConfig", {f.name for f in dataclasses.fields(TransformerConfig)}),
+        TC: (owner.__name__, {f.name for f in dataclasses.fields(owner)}),
         "gpt_model": ("GPTModel", params(GPTModel.__init__, {"self", "config", "transformer_layer_spec",
                                                              "pre_process", "post_process", "vp_stage",
                                                              "pg_collection", "mtp_block_spec"})),
@@ -81,7 +82,7 @@ def _section_fields() -> dict[str, tuple[str, set[str]]]:
 def _structure(config: dict) -> list[Problem]:
     if not isinstance(config, dict):
         return [Problem("megatron.yaml", "must hold a mapping of sections")]
-    fields = _section_fields()
+    fields = _section_fields(config.get(TC) if isinstance(config.get(TC), dict) else {})
     problems = [Problem(s, "section missing; regenerate with `dmt generate`") for s in fields
                 if s not in config and s not in OPTIONAL_SECTIONS]
     for section, values in config.items():
@@ -124,10 +125,14 @@ def _model_spec(config: dict):
     heads = tc["num_attention_heads"]
     experts = tc.get("num_moe_experts") or 0
     gated = tc.get("gated_linear_unit", False)
+    freq = tc.get("moe_layer_freq")
+    moe_layers = tuple(i for i, moe in enumerate(freq) if moe) if experts and isinstance(freq, list) else None
+    mla = _mla_spec(tc) if tc.get("multi_latent_attention") is True else {}
     return ModelSpec(
         name="megatron.yaml", family=config["model"].get("family", "custom"), num_layers=tc["num_layers"],
         hidden_size=tc["hidden_size"], num_attention_heads=heads, num_kv_heads=tc.get("num_query_groups") or heads,
-        head_dim=tc.get("kv_channels") or tc["hidden_size"] // heads,
+        head_dim=mla.pop("head_dim", None) or tc.get("kv_channels") or tc["hidden_size"] // heads,
+        moe_layers=moe_layers, **mla,
         ffn_hidden_size=tc.get("ffn_hidden_size") or 4 * tc["hidden_size"],
         vocab_size=config["model"].get("vocab_size", gpt["vocab_size"]),
         activation="swiglu" if gated else "gelu", norm="rmsnorm" if tc.get("normalization") == "RMSNorm" else "layernorm",
@@ -143,6 +148,18 @@ def _model_spec(config: dict):
     )
 
 
+def _mla_spec(tc: dict) -> dict:
+    """ModelSpec's multi-latent attention fields of MLATransformerConfig's (its defaults where the file says none)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    def get(name):
+        return tc.get(name, getattr(MLATransformerConfig, name))
+
+    return dict(head_dim=get("qk_head_dim") + get("qk_pos_emb_head_dim"), q_lora_rank=get("q_lora_rank"),
+                kv_lora_rank=get("kv_lora_rank"), qk_rope_head_dim=get("qk_pos_emb_head_dim"),
+                v_head_dim=get("v_head_dim"))
+
+
 def _modelled_recompute_modules(tc: dict):
     """recompute_modules for the plan rules when the toolkit models them all; Megatron-Core's own check (building
     TransformerConfig, below) judges the others (moe_act, layernorm, ...)."""
@@ -151,7 +168,8 @@ def _modelled_recompute_modules(tc: dict):
         return None
     if not all(isinstance(m, str) for m in modules):
         return None
-    modules = [m for m in modules if m != "mla_up_proj"]  # MLA is TransformerConfig's to judge (no MLA spec here)
+    if tc.get("multi_latent_attention") is not True:  # without MLA, mla_up_proj is TransformerConfig's to judge
+        modules = [m for m in modules if m != "mla_up_proj"]
     return modules if modules and set(modules) <= set(RECOMPUTE_MODULES) else None
 
 
@@ -304,11 +322,10 @@ def _library_checks(config: dict) -> list[Problem]:
     """Megatron-Core's own config classes, constructed from the file (their __post_init__ checks run)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     problems = []
     te_version = _assumed_te_version(config[TC])
-    for section, cls in ((TC, TransformerConfig), ("ddp_config", DistributedDataParallelConfig),
+    for section, cls in ((TC, transformer_config_class(config[TC])), ("ddp_config", DistributedDataParallelConfig),
                          ("optimizer_config", OptimizerConfig)):
         try:
             with te_version_assumed(te_version):

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from toolkit.generate.megatron import DTYPE_FIELDS, DTYPE_NAMES
+from toolkit.generate.megatron import DTYPE_FIELDS, DTYPE_NAMES, transformer_config_class
 from toolkit.validate import Problem
 
 TC = "transformer_config"
@@ -32,10 +32,14 @@ TOOLKIT_REQUIRED = {TC: ("num_layers", "hidden_size", "num_attention_heads"), "s
 # rule of the validator that says more (transformer_impl: the layer specs the toolkit trains)
 BY_NAME = {"params_dtype", "pipeline_dtype", "main_params_dtype", "main_grads_dtype", "activation_func",
            "transformer_impl"}
+# annotated int, but None is meaningful to Megatron-Core: MLASelfAttention projects the queries directly when
+# q_lora_rank is None (DeepSeek-V2-Lite, the tiny test models; Megatron-LM's --q-lora-rank defaults to None)
+NONE_MEANS = {(TC, "q_lora_rank")}
 
 
-def _owners() -> dict[str, tuple[dict[str, Any], set[str]]]:
-    """Section -> (field -> annotated type, fields without a default) of the Megatron-Core class it feeds."""
+def _owners(config: dict) -> dict[str, tuple[dict[str, Any], set[str]]]:
+    """Section -> (field -> annotated type, fields without a default) of the Megatron-Core class it feeds
+    (MLATransformerConfig for a transformer_config with multi-latent attention: transformer_config_class)."""
     import dataclasses
     import inspect
 
@@ -43,7 +47,6 @@ def _owners() -> dict[str, tuple[dict[str, Any], set[str]]]:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     def hints(owner) -> dict[str, Any]:
         # a name the owner imports only for type checkers (MegatronOptimizer) stands for Any, so that one forward
@@ -71,7 +74,7 @@ def _owners() -> dict[str, tuple[dict[str, Any], set[str]]]:
         return hints(fn), required
 
     return {
-        TC: of_dataclass(TransformerConfig),
+        TC: of_dataclass(transformer_config_class(config[TC])),
         "ddp_config": of_dataclass(DistributedDataParallelConfig),
         "optimizer_config": of_dataclass(OptimizerConfig),
         "gpt_model": of_function(GPTModel.__init__, {"self", "config", "transformer_layer_spec"}),
@@ -121,7 +124,7 @@ def _type_name(hint) -> str:
 def field_problems(config: dict) -> list[Problem]:
     """Missing fields the owners need, then values not of their declared type, each naming `section.field`."""
     problems = []
-    for section, (types_of, library_required) in _owners().items():
+    for section, (types_of, library_required) in _owners(config).items():
         values = config[section]
         for key in sorted(library_required | set(TOOLKIT_REQUIRED.get(section, ()))):
             if key not in values:
@@ -132,7 +135,7 @@ def field_problems(config: dict) -> list[Problem]:
                 problems.append(Problem(f"{section}.{key}", f"{value!r} is not a dtype name; valid: "
                                                             f"{', '.join(DTYPE_NAMES)}"))
                 continue
-            if key in BY_NAME or hint is None:
+            if key in BY_NAME or hint is None or (value is None and (section, key) in NONE_MEANS):
                 continue
             said = _type_problem(value, hint)
             if said:

@@ -19,7 +19,7 @@ from toolkit.compat.megatron_seams import (
     sequence_parallel_spec,
 )
 from toolkit.errors import UserInputError
-from toolkit.generate.megatron import library_kwargs
+from toolkit.generate.megatron import library_kwargs, transformer_config_class
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +79,12 @@ def initialize_parallel(config: dict) -> None:
 
 
 def transformer_config(config: dict):
-    """TransformerConfig, or MLATransformerConfig where the file asks for multi-latent attention."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
+    """TransformerConfig, or MLATransformerConfig where the file asks for multi-latent attention
+    (toolkit.generate.megatron.transformer_config_class, the class the validator builds too)."""
     kwargs = library_kwargs("transformer_config", config["transformer_config"])
     if kwargs.get("virtual_pipeline_model_parallel_size") is None:
         kwargs.pop("virtual_pipeline_model_parallel_size", None)
-    if not kwargs.get("multi_latent_attention"):
-        return TransformerConfig(**kwargs)
-    if kwargs.get("kv_channels") is None:  # MLA's attention output is heads x v_head_dim (local_mla_core_attention)
-        kwargs["kv_channels"] = kwargs.get("v_head_dim", MLATransformerConfig.v_head_dim)
-    return MLATransformerConfig(**kwargs)
+    return transformer_config_class(kwargs)(**kwargs)
 
 
 def layer_spec(config: dict, tc, vp_stage: int | None = None):
@@ -122,6 +117,18 @@ def layer_spec(config: dict, tc, vp_stage: int | None = None):
     return gpt_layer_specs.get_gpt_layer_local_spec(**moe, normalization=tc.normalization)
 
 
+def mtp_spec(tc, block, vp_stage: int | None):
+    """The multi-token prediction block (mtp_num_layers, DeepSeek-V3's) as Megatron-LM's gpt_builder makes it: each
+    MTP layer a copy of the decoder's last layer; None without MTP or on a stage that holds none. GPTModel computes
+    the MTP loss whenever mtp_num_layers is set, so the block must be built where the config asks for it."""
+    if not tc.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(tc, block, use_transformer_engine=tc.transformer_impl == "transformer_engine",
+                                  vp_stage=vp_stage)
+
+
 def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
     """GPTModel chunks of this rank: one per virtual pipeline stage (the first and last stages hold the embedding
     and the output layer), moved to the GPU where there is one unless `to_gpu` is false (a meta-device model)."""
@@ -138,10 +145,12 @@ def build_model_chunks(config: dict, tc, to_gpu: bool = True) -> list:
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
         block = layer_spec(config, tc, vp_stage)
+        mtp = mtp_spec(tc, block, vp_stage)
         if tc.sequence_parallel and tc.transformer_impl == "local":
             block = sequence_parallel_spec(block, get_num_layers_to_build(tc, vp_stage=vp_stage))
+            mtp = mtp and sequence_parallel_spec(mtp, 0)  # the MTP layers' norms, their enorm and hnorm too
         model = GPTModel(
-            config=tc, transformer_layer_spec=block, vp_stage=vp_stage,
+            config=tc, transformer_layer_spec=block, vp_stage=vp_stage, mtp_block_spec=mtp,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
             **config["gpt_model"],
