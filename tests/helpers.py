@@ -20,8 +20,8 @@ TINY_MOE = {
                       decoder_sparse_step=1, mlp_only_layers=[]),
     "mixtral": dict(_TINY_MOE_COMMON, architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=32,
                     num_local_experts=4),
-    # the HF Trainer backends only (the Megatron-Core mapping refuses both: tests/unit/test_moe_families.py): MLA
-    # with a shared expert and the routing bias; attention sinks with biased, clamped experts
+    # for the HF Trainer backends (the Megatron-Core mappings test their own tiny models: tests/megatron/mcore_vs_hf.py):
+    # MLA with a shared expert and the routing bias; attention sinks with biased, clamped experts
     "deepseek_v3": dict(_TINY_MOE_COMMON, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                         num_key_value_heads=4, intermediate_size=128, q_lora_rank=None, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,

@@ -109,12 +109,18 @@ def _moe(plan: Plan, model: ModelSpec, mapped: dict) -> dict:
 
 
 def check_generatable(mapped: dict) -> None:
-    """Multi-latent attention (deepseek_v3) is mapped for `dmt convert`, but megatron_args.txt has no MLA flags yet
-    and the validator knows TransformerConfig's fields, not MLATransformerConfig's: refused in one line."""
+    """Multi-latent attention (deepseek_v3) and attention sinks (gpt_oss) are mapped for `dmt convert`, but
+    megatron_args.txt has no flags for them yet and the validator knows TransformerConfig's fields, not
+    MLATransformerConfig's or GPTModel's yarn_* attributes: refused in one line."""
     if mapped["transformer_config"].get("multi_latent_attention"):
         raise UserInputError("model.source", "multi-latent attention (deepseek_v3) is mapped for `dmt convert` only: "
                                              "dmt generate does not yet write or validate MLATransformerConfig's "
                                              "fields and Megatron-LM's MLA flags; train it with fsdp")
+    if mapped["transformer_config"].get("softmax_type") == "learnable":
+        raise UserInputError("model.source", "attention sinks (gpt_oss) are mapped for `dmt convert` only: dmt "
+                                             "generate does not yet write Megatron-LM's flags for sinks, windows, "
+                                             "the clamped SwiGLU and YaRN (yarn_* are no TransformerConfig fields); "
+                                             "train it with fsdp")
 
 
 def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dict) -> dict:

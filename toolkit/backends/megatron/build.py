@@ -85,8 +85,15 @@ def transformer_config(config: dict):
     kwargs = library_kwargs("transformer_config", config["transformer_config"])
     if kwargs.get("virtual_pipeline_model_parallel_size") is None:
         kwargs.pop("virtual_pipeline_model_parallel_size", None)
+    # GPTModel's YaRN reads yarn_* attributes TransformerConfig does not declare (gpt_model.py, Megatron-Core 0.16.1);
+    # the attention applies YaRN's factor wherever yarn_rotary_scaling_factor is set: none are set without YaRN
+    yarn = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("yarn_")}
+    yarn = yarn if yarn.get("yarn_rotary_scaling_factor") is not None else {}
     if not kwargs.get("multi_latent_attention"):
-        return TransformerConfig(**kwargs)
+        config = TransformerConfig(**kwargs)
+        for name, value in yarn.items():
+            setattr(config, name, value)
+        return config
     if kwargs.get("kv_channels") is None:  # MLA's attention output is heads x v_head_dim (local_mla_core_attention)
         kwargs["kv_channels"] = kwargs.get("v_head_dim", MLATransformerConfig.v_head_dim)
     return MLATransformerConfig(**kwargs)

@@ -34,7 +34,7 @@ from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import DTYPES, ShardedSafetensorsWriter, parse_size, safetensors_weight_map
 from toolkit.errors import UserInputError
 from toolkit.families import megatron_fields, megatron_mapping
-from toolkit.families.mapping import PADDED_VOCAB
+from toolkit.families.mapping import PADDED_VOCAB, Stacker, stack_counts
 from toolkit.readers import read_safetensors_header
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import spec_from_hf_dict
@@ -324,17 +324,21 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
     with single_process_group(), meta_sharded_state_dict(config) as sharded:
         items = [i for i in items if not (i.optional and i.megatron not in sharded)]
-        layout = [(name, tuple(t.shape), out_dtype) for item in items
-                  for name, t in item.to_hf(sharded[item.megatron].data, geometry).items()]
+        stacks = stack_counts(items)  # GPT-OSS's experts: one HF tensor of every expert's piece, written whole
+        layout = [(name, (stacks[name], *t.shape) if name in stacks else tuple(t.shape), out_dtype)
+                  for item in items for name, t in item.to_hf(sharded[item.megatron].data, geometry).items()]
+        layout = list({name: (name, shape, dtype) for name, shape, dtype in layout}.values())
         with atomic_directory(out_dir, inputs=inputs) as tmp:
-            writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
+            writer, stacker = ShardedSafetensorsWriter(tmp, layout, max_bytes), Stacker(items)
             with tqdm(total=writer.total, unit="B", unit_scale=True, desc="megatron-to-hf", disable=not progress) as bar:
                 for item in items:
                     pieces = item.to_hf(model_tensor(reader, sharded[item.megatron]), geometry)
                     for name in list(pieces):  # popped: each piece is dropped once written
-                        piece = pieces.pop(name).to(out_dtype)
-                        bar.update(writer.write(name, live.track(piece) if live else piece))
-                        del piece
+                        whole = stacker.add(name, pieces.pop(name).to(out_dtype))
+                        if whole is not None:
+                            piece = whole[1]
+                            bar.update(writer.write(name, live.track(piece) if live else piece))
+                            del piece, whole
             writer.close()
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             for side, path in sides.items():
