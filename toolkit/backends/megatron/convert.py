@@ -27,7 +27,7 @@ from toolkit.backends.megatron.build import (
 )
 from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT, chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
+from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes, tracker
 from toolkit.checkpoint.hf_config import config_file, copy_side_file, found_side_files, read_hf_config
 from toolkit.checkpoint.manifest import write_manifest
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
@@ -329,15 +329,15 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
                   for item in items for name, t in item.to_hf(sharded[item.megatron].data, geometry).items()]
         layout = list({name: (name, shape, dtype) for name, shape, dtype in layout}.values())
         with atomic_directory(out_dir, inputs=inputs) as tmp:
-            writer, stacker = ShardedSafetensorsWriter(tmp, layout, max_bytes), Stacker(items)
+            writer, stacker, track = ShardedSafetensorsWriter(tmp, layout, max_bytes), Stacker(items), tracker(live)
             with tqdm(total=writer.total, unit="B", unit_scale=True, desc="megatron-to-hf", disable=not progress) as bar:
                 for item in items:
                     pieces = item.to_hf(model_tensor(reader, sharded[item.megatron]), geometry)
-                    for name in list(pieces):  # popped: each piece is dropped once written
-                        whole = stacker.add(name, pieces.pop(name).to(out_dtype))
+                    for name in list(pieces):  # popped: each piece is dropped once written (or stacked)
+                        whole = stacker.add(name, track(pieces.pop(name).to(out_dtype)))
                         if whole is not None:
-                            piece = whole[1]
-                            bar.update(writer.write(name, live.track(piece) if live else piece))
+                            piece = track(whole[1])
+                            bar.update(writer.write(name, piece))
                             del piece, whole
             writer.close()
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
