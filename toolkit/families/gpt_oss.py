@@ -15,8 +15,8 @@ add_bias_linear (which also biases o_proj and the router, and takes expert tenso
 otherwise in spec/moe_rules.py); the clamped SwiGLU is quick_gelu (alpha 1.702) with glu_linear_offset 1 and
 activation_func_clamp_value swiglu_limit; YaRN is GPTModel's position_embedding_type yarn with the yarn_* attributes
 the builder sets on TransformerConfig. transformers stacks each layer's experts in one tensor, gate_up_proj [E, H, 2F]
-with gate and up alternating on the last axis (x @ W): expert e's linear_fc1 is [gate; up] as [2F, H] (StackedExpert),
-and megatron-to-hf gathers one layer's experts to write each stacked tensor. What cannot be said that way is refused
+with gate and up alternating on the last axis (x @ W): expert e's linear_fc1 is [gate; up] as [2F, H] (StackedExpert);
+hf-to-megatron reads expert e's rows only, and megatron-to-hf gathers one layer's experts to write each stacked tensor. What cannot be said that way is refused
 in one line (UNSUPPORTED, yarn). dmt generate refuses the family (generate/megatron.py, check_generatable).
 """
 

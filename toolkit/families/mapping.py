@@ -201,7 +201,7 @@ class StackedExpert(WeightMapping):
     def to_megatron(self, read, geometry):
         import torch
 
-        piece = read(self.hf)[int(self.expert)]
+        piece = read_row(read, self.hf, int(self.expert))
         piece = piece.t() if piece.dim() == 2 else piece  # [out, in] or a bias [out]
         return torch.cat([piece[0::2], piece[1::2]]).contiguous() if self.interleaved else piece.contiguous()
 
@@ -211,6 +211,13 @@ class StackedExpert(WeightMapping):
         if self.interleaved:  # [gate; up] -> gate_0, up_0, gate_1, ...
             tensor = torch.stack(tensor.chunk(2), dim=1).reshape(tensor.shape)
         return {self.hf: (tensor.t() if tensor.dim() == 2 else tensor).contiguous()}
+
+
+def read_row(read: Callable[[str], Any], name: str, index: int):
+    """Row `index` of HF tensor `name`: through `read.row` where the reader has one (the converter's reads only that
+    row's bytes of a stacked tensor), else the row of the whole tensor `read(name)`."""
+    row = getattr(read, "row", None)
+    return row(name, index) if row is not None else read(name)[index]
 
 
 def stack_counts(items) -> dict[str, int]:

@@ -162,6 +162,20 @@ class HFTensors:
             tensor = handle.get_tensor(name)
         return self.live.track(tensor) if self.live else tensor
 
+    def row(self, name: str, index: int):
+        """Row `index` of tensor `name` (one expert of a stacked tensor), reading only that row's bytes."""
+        with self._open(name) as handle:
+            tensor = handle.get_slice(name)[index:index + 1][0]
+        return self.live.track(tensor) if self.live else tensor
+
+    def reader(self):
+        """`read(name)` for the weight mappings, with `read.row(name, index)` (mapping.read_row) beside it."""
+        def read(name: str):
+            return self[name]
+
+        read.row = self.row
+        return read
+
     def meta(self, name: str):
         import torch
 
@@ -225,8 +239,10 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
                 raise UserInputError("HF_DIR", f"{', '.join(item.hf_names())} in {hf_dir} make {name} "
                                                f"{tuple(shape)}; its config.json implies {tuple(want)}")
 
+        read = source.reader()
+
         def model_tensor(name: str):
-            tensor, target = by_name[name].to_megatron(source.__getitem__, geometry), targets[name]
+            tensor, target = by_name[name].to_megatron(read, geometry), targets[name]
             if tensor.shape != target.shape:  # vocabulary rows: zeros past the end
                 tensor = torch.cat([tensor, tensor.new_zeros(target.shape[0] - tensor.shape[0], *target.shape[1:])])
             return tensor.to(target.dtype)
