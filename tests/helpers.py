@@ -21,7 +21,8 @@ TINY_MOE = {
     "mixtral": dict(_TINY_MOE_COMMON, architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=32,
                     num_local_experts=4),
     # MLA with a shared expert and the routing bias (also trained by Megatron-Core: tests/megatron); attention sinks
-    # with biased, clamped experts (the HF Trainer backends only: tests/unit/test_moe_families.py)
+    # with biased, clamped experts (the HF Trainer backends; the Megatron-Core mapping tests its own tiny model:
+    # tests/megatron/mcore_vs_hf.py)
     "deepseek_v3": dict(_TINY_MOE_COMMON, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                         num_key_value_heads=4, intermediate_size=128, q_lora_rank=None, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,

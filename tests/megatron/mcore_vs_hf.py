@@ -32,14 +32,20 @@ FAMILIES = {
                                  q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                  v_head_dim=24, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                  n_shared_experts=2, first_k_dense_replace=0, n_group=1, topk_group=1),
+    # attention sinks, sliding windows of 8 tokens on the first layer (32 tokens a row), q/k/v/o biases, YaRN, the
+    # router's bias and biased experts stacked per layer with gate and up interleaved, the clamped SwiGLU
+    "gpt_oss": dict(SMALL, model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                       "original_max_position_embeddings": 16}),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
                  resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0),
 }
 
 
 def tiny_model(hf_config: dict):
-    """A random HF model of a FAMILIES config; DeepSeek-V3's router bias (a buffer transformers starts at zeros)
-    random too, so that a mapping that lost it would show."""
+    """A random HF model of a FAMILIES config; DeepSeek-V3's router bias (a buffer transformers starts at zeros) and
+    GPT-OSS's biases (parameters it starts at zeros) random too, so that a mapping that lost one would show."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -48,6 +54,9 @@ def tiny_model(hf_config: dict):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape) * 0.1)
+        for name, param in model.named_parameters():
+            if hf_config["model_type"] == "gpt_oss" and name.endswith("bias"):
+                param.copy_(torch.randn(param.shape) * 0.1)
     return model.eval()
 
 

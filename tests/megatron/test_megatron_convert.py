@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 # family:tp:pp[:ep[:etp]]; the MoE families also at the experts' layouts
 ROUND_TRIPS = ["llama:2:1", "llama:1:2", "llama:2:2", "mistral:2:2", "qwen2:2:2", "qwen3:2:2", "mixtral:2:2",
                "mixtral:1:2:2", "qwen3_moe:2:2", "qwen3_moe:2:1:4", "deepseek_v3:2:2", "deepseek_v3:1:2:4",
-               "gpt2:2:2"]
+               "gpt_oss:2:2:1:1", "gpt_oss:1:2:4", "gpt2:2:2"]  # gpt_oss's biased experts: ETP 1 only
 
 
 def dmt(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -45,7 +45,8 @@ def test_hf_megatron_hf_round_trip_is_bitwise(round_trips, case):
 
 @pytest.mark.parametrize("family, flags", [("llama", ("--tp", "2")), ("gpt2", ("--pp", "2")),
                                            ("mixtral", ("--tp", "2", "--ep", "2", "--etp", "1")),
-                                           ("qwen3_moe", ("--ep", "2")), ("deepseek_v3", ("--ep", "2"))])
+                                           ("qwen3_moe", ("--ep", "2")), ("deepseek_v3", ("--ep", "2")),
+                                           ("gpt_oss", ("--ep", "2"))])
 def test_megatron_core_at_tp2_pp2_or_ep2_gives_the_hf_logits(round_trips, family, flags):
     """Real Megatron-Core, 2 gloo ranks, loads the converted checkpoint resharded and runs the forward pass (the
     pipeline schedule for PP; at EP 2 each rank loads half of the experts and the alltoall dispatcher routes tokens

@@ -14,6 +14,7 @@ from megatron_helpers import TINY_MEGATRON, TINY_MOE
 from helpers import ROOT
 from megatron_lm_args import problems as megatron_lm_problems
 from toolkit.cli.main import main
+from toolkit.errors import UserInputError
 from toolkit.generate.megatron_examples import EXAMPLES, OUT, render_examples
 from toolkit.validate.megatron import validate_megatron_config
 
@@ -181,6 +182,21 @@ def test_kimi_k2_yarn_betas_megatron_lm_cannot_say_are_refused_in_one_line(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_generate_refuses_attention_sinks_in_one_line():
+    """gpt_oss is mapped for `dmt convert`; dmt generate writes no Megatron-LM flags for its sinks, windows and YaRN."""
+    import json
+
+    from toolkit.families import megatron_fields
+    from toolkit.generate.megatron import check_generatable
+    from toolkit.spec.model import PRESET_DIR
+
+    for preset in ("gpt-oss-20b", "gpt-oss-120b"):
+        with pytest.raises(UserInputError) as err:
+            check_generatable(megatron_fields(json.loads((PRESET_DIR / f"{preset}.json").read_text())))
+        assert err.value.key == "model.source" and "dmt convert" in err.value.message and "\n" not in str(err.value)
+    check_generatable(megatron_fields(json.loads((PRESET_DIR / "deepseek-v3.json").read_text())))  # MLA generates
+
+
 def _train_py(*flags: str) -> subprocess.CompletedProcess:
     """train.py as one process that believes it is one of 2 ranks: enough to reach the checks made before training."""
     return subprocess.run([sys.executable, "-m", "toolkit.train", "--recipe", str(TINY_MEGATRON), *flags],
@@ -254,9 +270,11 @@ def test_every_mapped_moe_preset_has_a_folded_example():
     from toolkit.families import MAPPED
     from toolkit.spec.model import load_model_spec, preset_names
 
-    # Kimi K2's YaRN betas have no Megatron-LM flag: refused (test_kimi_k2_yarn_betas_megatron_lm_cannot_say_...)
+    # Kimi K2's YaRN betas have no Megatron-LM flag: refused (test_kimi_k2_yarn_betas_megatron_lm_cannot_say_...);
+    # gpt_oss is mapped for dmt convert only (test_generate_refuses_attention_sinks_in_one_line)
     moe = {name for name in preset_names()
-           if (spec := load_model_spec(name)).is_moe and spec.family in MAPPED and name != "kimi-k2"}
+           if (spec := load_model_spec(name)).is_moe and spec.family in MAPPED and name != "kimi-k2"
+           and spec.family != "gpt_oss"}
     folded = set()
     for name in EXAMPLES:
         config = yaml.safe_load((OUT / f"{name}.yaml").read_text())

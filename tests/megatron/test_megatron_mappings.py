@@ -65,9 +65,17 @@ def test_every_mapped_preset_reads_the_same_through_the_table_and_the_model_spec
     assert gpt["share_embeddings_and_output_weights"] == spec.tie_embeddings
     assert tc["gated_linear_unit"] == spec.gated_mlp
     assert tc["normalization"] == {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[spec.norm]
-    assert gpt["position_embedding_type"] == {"rope": "rope", "learned": "learned_absolute"}[spec.position_embedding]
+    yarn = gpt["position_embedding_type"] == "yarn"  # GPTModel's YaRN: gpt_oss (deepseek_v3's is MLA's rope_type)
+    assert ("yarn" if yarn else gpt["position_embedding_type"]) == \
+           {"rope": "yarn" if spec.rope_attention_factor != 1 else "rope",
+            "learned": "learned_absolute"}[spec.position_embedding]
     assert (tc["add_qkv_bias"] or tc["add_bias_linear"]) == spec.qkv_bias
-    assert tc["add_bias_linear"] == spec.mlp_bias == spec.attn_out_bias
+    assert tc["add_bias_linear"] == (spec.mlp_bias or spec.expert_bias) == spec.attn_out_bias
+    assert (tc.get("softmax_type", "vanilla") == "learnable") == spec.attention_sinks
+    assert tc.get("activation_func_clamp_value") == spec.activation_clamp
+    if spec.family == "gpt_oss":  # Megatron-Core's window counts the keys before the query, transformers' the query too
+        assert tc["window_size"] == [spec.sliding_window - 1, 0]
+        assert tuple(i for i, sliding in enumerate(tc["window_attn_skip_freq"]) if sliding) == spec.sliding_layers
     if spec.is_moe:
         assert (tc["num_moe_experts"], tc["moe_router_topk"], tc["moe_ffn_hidden_size"]) == \
                (spec.num_experts, spec.experts_top_k, spec.moe_ffn_hidden_size)
@@ -140,6 +148,47 @@ def test_deepseek_v3_settings_megatron_core_cannot_express_are_refused(change, k
     assert err.value.key == f"model.config.{key}" and says in err.value.message and "\n" not in str(err.value)
 
 
+GPT_OSS = json.loads((PRESET_DIR / "gpt-oss-120b.json").read_text())
+
+
+def test_gpt_oss_maps_sinks_windows_clamped_swiglu_biased_experts_and_yarn():
+    tc, gpt = (megatron_fields(GPT_OSS)[k] for k in ("transformer_config", "gpt_model"))
+    assert (tc["softmax_type"], tc["window_size"], tc["window_attn_skip_freq"]) == ("learnable", [127, 0], [1, 0] * 18)
+    assert (tc["activation_func"], tc["glu_linear_offset"], tc["activation_func_clamp_value"]) == \
+           ("quick_gelu", 1.0, 7.0)
+    assert tc["add_bias_linear"] and tc["add_qkv_bias"] and (tc["num_moe_experts"], tc["moe_router_topk"]) == (128, 4)
+    assert (gpt["position_embedding_type"], tc["yarn_rotary_scaling_factor"], tc["yarn_original_max_position_embeddings"],
+            tc["yarn_correction_range_round_to_int"], gpt["rotary_base"]) == ("yarn", 32.0, 4096, False, 150000)
+    assert tc["yarn_mscale"] is None and tc["yarn_mscale_all_dim"] is None  # 0.1 ln(32) + 1, as transformers' default
+
+
+@pytest.mark.parametrize("change, key, says", [
+    (dict(attention_bias=False), "attention_bias", "without attention biases"),
+    (dict(swiglu_alpha=1.5), "swiglu_alpha", "fixes alpha at 1.702"),
+    (dict(rope_scaling={**GPT_OSS["rope_scaling"], "attention_factor": 1.2}), "rope_scaling", "attention_factor"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling", "rope_type 'linear'"),
+])
+def test_gpt_oss_settings_megatron_core_cannot_express_are_refused(change, key, says):
+    with pytest.raises(UserInputError) as err:
+        megatron_fields({**GPT_OSS, **change})
+    assert err.value.key == f"model.config.{key}" and says in err.value.message and "\n" not in str(err.value)
+
+
+def test_hf_to_megatron_refuses_gpt_oss_expert_tensor_parallelism_in_one_line(tmp_path, capsys):
+    """Megatron-Core 0.16.1 builds biased experts at ETP 1 only (TransformerConfig.__post_init__): --tp 2 alone
+    would write a checkpoint no TP 2 run could build; refused before anything is read or written."""
+    from toolkit.cli.main import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({k: v for k, v in GPT_OSS.items() if k != "quantization_config"}))
+    capsys.readouterr()
+    assert main(["convert", "hf-to-megatron", str(hf), str(tmp_path / "out"), "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--etp" in err[0] and "expert tensor-parallel size 1" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_every_family_declares_its_weights():
     for family in MAPPED:
         assert FAMILIES[family].model_type == family and megatron_mapping(family).weights, family
@@ -149,14 +198,15 @@ def test_every_family_declares_its_weights():
 def test_hf_checkpoints_give_megatron_core_the_same_logits_through_the_tables(torchrun):
     """llama (also llama3 rope scaling and tied embeddings), mistral, qwen2 (q/k/v biases), qwen3 (q/k norms),
     mixtral and qwen3_moe (MoE router and experts), deepseek_v3 (multi-latent attention with YaRN or plain rope, a
-    dense first layer, shared experts, the sigmoid router's expert bias, group-limited routing) and gpt2 (Conv1D,
-    fused c_attn, learned positions, LayerNorm, biases)."""
+    dense first layer, shared experts, the sigmoid router's expert bias, group-limited routing), gpt_oss (sinks,
+    alternating sliding windows shorter than the batch's rows, YaRN, biased and clamped experts stacked with gate and
+    up interleaved) and gpt2 (Conv1D, fused c_attn, learned positions, LayerNorm, biases)."""
     run = torchrun("mcore-vs-hf", script=SCRIPT, nproc=1)
     path = run.out / "logits.json"
     assert path.is_file(), run.tail()
     results = json.loads(path.read_text())
     assert set(results) == {"llama", "llama3-rope-scaling", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                            "deepseek_v3", "deepseek_v3-q-direct", "gpt2"}
+                            "deepseek_v3", "deepseek_v3-q-direct", "gpt_oss", "gpt2"}
     for family, result in results.items():
         assert result["scale"] > 0.1, family  # real logits
         assert result["max_abs_diff"] < 1e-5, (family, result)  # a wrong mapping is off by ~1e-2 here

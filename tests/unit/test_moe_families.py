@@ -113,15 +113,6 @@ def test_mla_latents_stay_whole_under_tensor_parallelism():
         (2 * 2 * 512 + 4) + (2 * 2 * 1536 + 4)
 
 
-@pytest.mark.parametrize("model_type, missing", [("gpt_oss", "gate_up_proj")])
-def test_unmapped_families_say_what_the_megatron_mapping_lacks(model_type, missing):
-    from toolkit.families import megatron_mapping
-
-    with pytest.raises(UserInputError) as err:
-        megatron_mapping(model_type)
-    assert missing in str(err.value) and "\n" not in str(err.value)
-
-
 def test_explain_counts_gpt_oss_windows_and_says_so(capsys):
     """GPT-OSS's sliding layers attend 128 tokens at any length: the attention FLOPs `--explain` counts are the full
     layers' over 8,192 tokens and the sliding layers' over their window, which the rule says."""

@@ -156,3 +156,39 @@ def test_a_deepseek_v3_table_maps_dense_layers_dense_and_moe_layers_with_router_
     assert "decoder.layers.0.self_attention.linear_q_proj.weight" not in megatron
     back = megatron_mapping("deepseek_v3").to_hf_state_dict(config, megatron)
     assert set(back) == set(hf) and all(torch.equal(back[name], hf[name]) for name in hf)
+
+
+def test_a_gpt_oss_table_splits_the_interleaved_experts_into_gate_then_up_and_computes_the_same():
+    """GPT-OSS stacks every expert of a layer in one tensor ([E, H, 2F] with gate and up alternating on the last axis,
+    x @ W); expert e's linear_fc1 is [gate; up] as [2F, H] and its bias likewise: Megatron-Core's clamped GLU
+    (quick_gelu(clamp(gate)) * (clamp(up) + 1)) on the mapped weights gives transformers' expert output, and the
+    table maps the whole model back bit for bit, sinks, router bias and q/k/v/o biases included."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(model_type="gpt_oss", hidden_size=16, intermediate_size=12, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=3, num_experts_per_tok=2,
+                  vocab_size=11, max_position_embeddings=64, sliding_window=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0, 1.0)  # biases too (transformers starts them at zeros)
+    hf = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    table = megatron_mapping("gpt_oss")
+    megatron = table.to_megatron_state_dict(config, hf)
+    experts = model.model.layers[1].mlp.experts
+    x = _random(5, 16)
+    with torch.no_grad():
+        gate_up = x @ experts.gate_up_proj[2] + experts.gate_up_proj_bias[2]
+        expected = experts._apply_gate(gate_up) @ experts.down_proj[2] + experts.down_proj_bias[2]
+    prefix = "decoder.layers.1.mlp.experts.local_experts.2."
+    gate, up = (x @ megatron[prefix + "linear_fc1.weight"].t() + megatron[prefix + "linear_fc1.bias"]).chunk(2, -1)
+    got = quick_gelu(gate.clamp(max=7.0)) * (up.clamp(-7.0, 7.0) + 1.0)
+    got = got @ megatron[prefix + "linear_fc2.weight"].t() + megatron[prefix + "linear_fc2.bias"]
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5) and expected.abs().max() > 1
+    assert torch.equal(megatron["decoder.layers.0.self_attention.core_attention.softmax_offset"],
+                       hf["model.layers.0.self_attn.sinks"])
+    assert torch.equal(megatron["decoder.layers.1.mlp.router.bias"], hf["model.layers.1.mlp.router.bias"])
+    back = table.to_hf_state_dict(config, megatron)
+    assert set(back) == set(hf) and all(torch.equal(back[name], hf[name]) for name in hf)

@@ -40,9 +40,6 @@ def family_for(model_type, key: str) -> Family:
 def megatron_mapping(model_type) -> MegatronMapping:
     """The Megatron-Core mapping of an HF model_type; a UserInputError naming the mapped families otherwise."""
     family = FAMILIES.get(ALIASES.get(model_type, model_type)) if isinstance(model_type, str) else None
-    if family is not None and family.megatron is None and family.unmapped:
-        raise UserInputError("model.source", f"no Megatron-Core mapping for model family '{model_type}': "
-                                             f"{family.unmapped}; mapped: {', '.join(sorted(MAPPED))}")
     if family is None or family.megatron is None:
         raise UserInputError("model.source", f"no Megatron-Core mapping for model family '{model_type}'; supported: "
                                              f"{', '.join(sorted(MAPPED))}")

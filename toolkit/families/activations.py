@@ -37,6 +37,7 @@ MEGATRON_FUNCTIONS = {
     "openai_gelu": "megatron.core.transformer.utils:openai_gelu",
     "relu": "torch.nn.functional:relu",
     "squared_relu": "megatron.core.activations:squared_relu",
+    "quick_gelu": "megatron.core.fusions.fused_bias_geglu:quick_gelu",  # GPT-OSS's experts (sigmoid(1.702 y) y)
 }
 MEGATRON_ACTIVATIONS = tuple(MEGATRON_FUNCTIONS)
 HF_NAME_OF_MEGATRON = {a.megatron: hf for hf, a in reversed(HF_ACTIVATIONS.items()) if a.megatron}

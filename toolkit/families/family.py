@@ -82,7 +82,6 @@ class Family:
     megatron: MegatronMapping | None = None
     derived: frozenset[str] = frozenset()
     nullable: frozenset[str] = frozenset()
-    unmapped: str | None = None  # without a mapping: what is missing, said when one is asked for
 
     def spec_fields(self, data: dict, source: str, library_config: Callable[[], dict] | None = None) -> dict:
         """ModelSpec fields of an HF config dict. A key the reader needs but `data` lacks is left to the library:

@@ -182,6 +182,75 @@ class GatedMLP(WeightMapping):
 
 
 @dataclass(frozen=True)
+class StackedExpert(WeightMapping):
+    """Expert {expert}'s slice of one HF tensor that stacks every expert of a layer on its first axis (GPT-OSS's
+    experts.gate_up_proj [E, H, 2F], down_proj [E, F, H] and their biases) <-> that expert's Megatron-Core tensor.
+    `interleaved`: the slice holds gate and up alternating on its last axis, which linear_fc1 holds as [gate; up];
+    a two-axis slice is [in, out] (x @ W), Megatron's [out, in] transposed. `stacked`: the HF tensor is the experts'
+    pieces stacked in expert order, which the writers gather."""
+
+    hf: str
+    megatron: str
+    expert: str = "{expert}"
+    interleaved: bool = False
+    stacked: ClassVar[bool] = True
+
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,)
+
+    def to_megatron(self, read, geometry):
+        import torch
+
+        piece = read_row(read, self.hf, int(self.expert))
+        piece = piece.t() if piece.dim() == 2 else piece  # [out, in] or a bias [out]
+        return torch.cat([piece[0::2], piece[1::2]]).contiguous() if self.interleaved else piece.contiguous()
+
+    def to_hf(self, tensor, geometry):
+        import torch
+
+        if self.interleaved:  # [gate; up] -> gate_0, up_0, gate_1, ...
+            tensor = torch.stack(tensor.chunk(2), dim=1).reshape(tensor.shape)
+        return {self.hf: (tensor.t() if tensor.dim() == 2 else tensor).contiguous()}
+
+
+def read_row(read: Callable[[str], Any], name: str, index: int):
+    """Row `index` of HF tensor `name`: through `read.row` where the reader has one (the converter's reads only that
+    row's bytes of a stacked tensor), else the row of the whole tensor `read(name)`."""
+    row = getattr(read, "row", None)
+    return row(name, index) if row is not None else read(name)[index]
+
+
+def stack_counts(items) -> dict[str, int]:
+    """HF tensors that stack several mappings' pieces (StackedExpert), by how many pieces each stacks."""
+    counts: dict[str, int] = {}
+    for item in items:
+        if getattr(item, "stacked", False):
+            for name in item.hf_names():
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+class Stacker:
+    """Gathers the pieces of stacked HF tensors (in table order, expert by expert) and hands each tensor on whole once
+    its last piece arrives; other tensors pass straight through."""
+
+    def __init__(self, items):
+        self.counts, self.pending = stack_counts(items), {}
+
+    def add(self, name: str, piece):
+        """(name, tensor) once the tensor is whole, else None."""
+        import torch
+
+        if name not in self.counts:
+            return name, piece
+        pieces = self.pending.setdefault(name, [])
+        pieces.append(piece)
+        if len(pieces) < self.counts[name]:
+            return None
+        return name, torch.stack(self.pending.pop(name))
+
+
+@dataclass(frozen=True)
 class MegatronMapping:
     """A family's Megatron-Core GPTModel: its config fields, fixed choices, refused settings and weights."""
 
@@ -261,10 +330,13 @@ class MegatronMapping:
         """The reverse of `to_megatron_state_dict`: HF tensors (in the table's order) from whole Megatron-Core
         tensors, fused tensors split back and the vocabulary padding cut off."""
         items, geometry = self.weight_table(hf_config)
-        state = {}
+        state, stacker = {}, Stacker(items)
         for item in items:
             if not (item.optional and item.megatron not in megatron_state):
-                state.update(item.to_hf(megatron_state[item.megatron], geometry))
+                for name, piece in item.to_hf(megatron_state[item.megatron], geometry).items():
+                    whole = stacker.add(name, piece)
+                    if whole is not None:
+                        state[whole[0]] = whole[1]
         return state
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from toolkit.data.sidecar import megatron_prefix
 from toolkit.data.split import megatron_split
+from toolkit.errors import UserInputError
 from toolkit.families import megatron_fields
 from toolkit.families.activations import megatron_function
 from toolkit.numeric import yaml_text
@@ -109,9 +110,20 @@ def _moe(plan: Plan, model: ModelSpec, mapped: dict) -> dict:
     return fields
 
 
+def check_generatable(mapped: dict) -> None:
+    """Attention sinks (gpt_oss) are mapped for `dmt convert`, but megatron_args.txt has no flags for them yet and
+    GPTModel's yarn_* attributes are no TransformerConfig fields the validator knows: refused in one line."""
+    if mapped["transformer_config"].get("softmax_type") == "learnable":
+        raise UserInputError("model.source", "attention sinks (gpt_oss) are mapped for `dmt convert` only: dmt "
+                                             "generate does not yet write Megatron-LM's flags for sinks, windows, "
+                                             "the clamped SwiGLU and YaRN (yarn_* are no TransformerConfig fields); "
+                                             "train it with fsdp")
+
+
 def megatron_config(recipe: Recipe, model: ModelSpec, plan: Plan, hf_config: dict) -> dict:
     """The megatron.yaml contents for a recipe, its model, its resolved plan and the model's HF config dict."""
     mapped = megatron_fields(hf_config)
+    check_generatable(mapped)
     min_lr = float(f"{recipe.training.learning_rate * recipe.training.min_lr_ratio:.6g}")
     on_cpu = recipe.cluster.accelerator == "cpu"
     training = recipe.training

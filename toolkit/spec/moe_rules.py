@@ -28,6 +28,9 @@ def check_experts(p: Plan, model: ModelSpec | None) -> None:
         raise UserInputError("--ep", f"{p.ep} must divide the {model.num_experts} experts")
     _check_moe_options(p, model)
     if for_backend("etp", p.backend):
+        if model is not None and model.expert_bias and p.expert_tp > 1:  # TransformerConfig.__post_init__ asserts it
+            raise UserInputError("--etp", f"{model.name}'s experts carry biases, which Megatron-Core 0.16.1 takes at "
+                                          f"expert tensor-parallel size 1 only; set --etp 1")
         _check_expert_mesh(p, model)
     elif (p.dp * p.cp) % p.ep:  # DeepSpeed's and FSDP2's expert groups split the data-parallel ranks
         raise UserInputError("--ep", f"{p.ep} must divide dp x cp = {p.dp * p.cp}")

@@ -84,7 +84,14 @@ def transformer_config(config: dict):
     kwargs = library_kwargs("transformer_config", config["transformer_config"])
     if kwargs.get("virtual_pipeline_model_parallel_size") is None:
         kwargs.pop("virtual_pipeline_model_parallel_size", None)
-    return transformer_config_class(kwargs)(**kwargs)
+    # GPTModel's YaRN reads yarn_* attributes TransformerConfig does not declare (gpt_model.py, Megatron-Core 0.16.1);
+    # the attention applies YaRN's factor wherever yarn_rotary_scaling_factor is set: none are set without YaRN
+    yarn = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("yarn_")}
+    yarn = yarn if yarn.get("yarn_rotary_scaling_factor") is not None else {}
+    config = transformer_config_class(kwargs)(**kwargs)
+    for name, value in yarn.items():
+        setattr(config, name, value)
+    return config
 
 
 def layer_spec(config: dict, tc, vp_stage: int | None = None):

@@ -27,14 +27,14 @@ from toolkit.backends.megatron.build import (
 )
 from toolkit.backends.megatron.dist_writer import MANIFEST_FORMAT, chunk_shape, write_dist_checkpoint
 from toolkit.checkpoint.atomic import atomic_directory, check_output_dir
-from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes
+from toolkit.checkpoint.dcp import DistCheckpointReader, LiveBytes, tracker
 from toolkit.checkpoint.hf_config import config_file, copy_side_file, found_side_files, read_hf_config
 from toolkit.checkpoint.manifest import write_manifest
 from toolkit.checkpoint.safe_load import check_checkpoint, read_dcp_metadata
 from toolkit.checkpoint.safetensors_stream import DTYPES, ShardedSafetensorsWriter, parse_size, safetensors_weight_map
 from toolkit.errors import UserInputError
 from toolkit.families import megatron_fields, megatron_mapping
-from toolkit.families.mapping import PADDED_VOCAB
+from toolkit.families.mapping import PADDED_VOCAB, Stacker, stack_counts
 from toolkit.readers import read_safetensors_header
 from toolkit.spec.engine_settings import megatron_padded_vocab
 from toolkit.spec.model import spec_from_hf_dict
@@ -162,6 +162,20 @@ class HFTensors:
             tensor = handle.get_tensor(name)
         return self.live.track(tensor) if self.live else tensor
 
+    def row(self, name: str, index: int):
+        """Row `index` of tensor `name` (one expert of a stacked tensor), reading only that row's bytes."""
+        with self._open(name) as handle:
+            tensor = handle.get_slice(name)[index:index + 1][0]
+        return self.live.track(tensor) if self.live else tensor
+
+    def reader(self):
+        """`read(name)` for the weight mappings, with `read.row(name, index)` (mapping.read_row) beside it."""
+        def read(name: str):
+            return self[name]
+
+        read.row = self.row
+        return read
+
     def meta(self, name: str):
         import torch
 
@@ -225,8 +239,10 @@ def hf_to_megatron(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, vpp: i
                 raise UserInputError("HF_DIR", f"{', '.join(item.hf_names())} in {hf_dir} make {name} "
                                                f"{tuple(shape)}; its config.json implies {tuple(want)}")
 
+        read = source.reader()
+
         def model_tensor(name: str):
-            tensor, target = by_name[name].to_megatron(source.__getitem__, geometry), targets[name]
+            tensor, target = by_name[name].to_megatron(read, geometry), targets[name]
             if tensor.shape != target.shape:  # vocabulary rows: zeros past the end
                 tensor = torch.cat([tensor, tensor.new_zeros(target.shape[0] - tensor.shape[0], *target.shape[1:])])
             return tensor.to(target.dtype)
@@ -324,17 +340,21 @@ def megatron_to_hf(ckpt: Path, out_dir: Path, config: Path | None = None, dtype:
     config = megatron_model_config(hf_config, padded_vocab=checkpoint_vocab(ckpt))
     with single_process_group(), meta_sharded_state_dict(config) as sharded:
         items = [i for i in items if not (i.optional and i.megatron not in sharded)]
-        layout = [(name, tuple(t.shape), out_dtype) for item in items
-                  for name, t in item.to_hf(sharded[item.megatron].data, geometry).items()]
+        stacks = stack_counts(items)  # GPT-OSS's experts: one HF tensor of every expert's piece, written whole
+        layout = [(name, (stacks[name], *t.shape) if name in stacks else tuple(t.shape), out_dtype)
+                  for item in items for name, t in item.to_hf(sharded[item.megatron].data, geometry).items()]
+        layout = list({name: (name, shape, dtype) for name, shape, dtype in layout}.values())
         with atomic_directory(out_dir, inputs=inputs) as tmp:
-            writer = ShardedSafetensorsWriter(tmp, layout, max_bytes)
+            writer, stacker, track = ShardedSafetensorsWriter(tmp, layout, max_bytes), Stacker(items), tracker(live)
             with tqdm(total=writer.total, unit="B", unit_scale=True, desc="megatron-to-hf", disable=not progress) as bar:
                 for item in items:
                     pieces = item.to_hf(model_tensor(reader, sharded[item.megatron]), geometry)
-                    for name in list(pieces):  # popped: each piece is dropped once written
-                        piece = pieces.pop(name).to(out_dtype)
-                        bar.update(writer.write(name, live.track(piece) if live else piece))
-                        del piece
+                    for name in list(pieces):  # popped: each piece is dropped once written (or stacked)
+                        whole = stacker.add(name, track(pieces.pop(name).to(out_dtype)))
+                        if whole is not None:
+                            piece = track(whole[1])
+                            bar.update(writer.write(name, piece))
+                            del piece, whole
             writer.close()
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             for side, path in sides.items():
