@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
-from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded, memory_floor
+from toolkit.estimate.memory import MemoryBreakdown, fitting_memory, memory_floor
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
 from toolkit.numeric import divisors
@@ -238,17 +238,24 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
         plans[key] = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
     plan = plans[key]
 
+    def states_overflow(candidate: Plan) -> bool:  # its model states alone do not fit
+        return memory_floor(model, candidate, gpu.memory_bytes) > gpu.memory_bytes
+
     def attempt(candidate: Plan):
-        if memory_floor(model, candidate, gpu.memory_bytes) > gpu.memory_bytes:  # its model states alone do not fit
+        if states_overflow(candidate):
             return None
-        memory = estimate_memory(model, candidate)
-        return (candidate, memory) if exceeded(memory, gpu, candidate.gpus_per_node) is None else None
+        memory = fitting_memory(model, candidate, gpu)
+        return None if memory is None else (candidate, memory)
 
     if not option.get("block"):
         return attempt(plan)
     largest_chunk = max(max(sizes) for sizes in PipelineSplit.of(model.num_layers, plan).chunk_sizes())
     if largest_chunk < 2:
         raise _NoChoice
+    if states_overflow(plan):
+        # nor do any of its block plans': memory_floor ignores recompute_num_layers (MODEL_STATE_BLIND), and the only
+        # rule that reads it holds for every copy of a full-recompute plan (with_block_recompute)
+        return None
     low, high, found = 1, largest_chunk - 1, None  # all layers of every chunk is plain full recompute
     while low <= high:
         middle = (low + high) // 2
