@@ -14,7 +14,7 @@ from toolkit.planner.search import search
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import RECOMPUTE_KEYS
-from toolkit.spec.plan import resolve_plan, with_block_recompute
+from toolkit.spec.plan import resolve_plan, with_block_recompute, with_recompute
 
 DERIVED = ("dp", "grad_accum", "gpus")
 # (model, GPUs, GPU, pinned options): an MoE model over folded and unfolded expert meshes, and a dense model on every
@@ -124,3 +124,26 @@ def test_block_recompute_copies_what_resolving_gives(case):
     assert (copied_error.value.key, str(copied_error.value)) == (resolved_error.value.key, str(resolved_error.value))
     with pytest.raises(UserInputError, match="positive integer"):
         with_block_recompute(full, model, 0)
+
+
+def test_other_recomputation_copies_what_resolving_gives(case):
+    """The search resolves the first recompute option of a layout and micro-batch and copies it for the others
+    (with_recompute): for each ranked plan and each option of its backend, the same plan resolve_plan gives with
+    those settings, or the same refusal."""
+    model, gpus, _, _, _, result = case
+    compared = 0
+    for candidate in result.ranked[::5]:
+        base = candidate.plan
+        options = {k: v for k, v in base.as_dict().items() if k not in DERIVED and k not in RECOMPUTE_KEYS}
+        for option in plan_search.backend_of(base.backend).search.recompute_options():
+            settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
+            try:
+                resolved = resolve_plan(model, gpus, **options, **settings)
+            except UserInputError as exc:
+                with pytest.raises(UserInputError) as copied_error:
+                    with_recompute(base, model, settings)
+                assert (copied_error.value.key, str(copied_error.value)) == (exc.key, str(exc))
+                continue
+            assert with_recompute(base, model, settings) == resolved
+            compared += 1
+    assert compared > 10

@@ -20,7 +20,7 @@ from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import RECOMPUTE_KEYS, default
 from toolkit.spec.pipeline import PipelineSplit, balanced_layout
-from toolkit.spec.plan import Plan, resolve_plan, with_block_recompute
+from toolkit.spec.plan import Plan, resolve_plan, with_block_recompute, with_recompute
 from toolkit.spec.quantization import check_on_gpu
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -182,7 +182,7 @@ def search(
     for backend in backends:
         options = [recompute_fixed] if recompute_fixed else backend_of(backend).search.recompute_options()
         for layout in enumerate_layouts(model, gpus, nvlink_domain, backend, fixed):
-            plans: dict[tuple, Plan] = {}  # the layout's plans resolved so far (_fitting)
+            plans: dict[tuple | int, Plan] = {}  # the layout's plans resolved so far (_fitting)
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
             pointless: set[int] = set()  # options with nothing to choose for this layout
             for micro in micro_batches:
@@ -230,12 +230,15 @@ class _NoChoice(Exception):
 def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, layout: dict, plans: dict):
     """(plan, memory) of one recompute option at one micro-batch if it fits, else None. The block method takes the
     fewest layers per chunk that fit (memory falls and time rises with each one more): a bisection from the plain
-    full recompute plan, which the next option resolves again (`plans` keeps the layout's by micro-batch and
-    settings)."""
+    full recompute plan, which the next option reuses (`plans` keeps the layout's by micro-batch and
+    settings, and the first of each micro-batch by it alone: the others copy it, with_recompute)."""
     settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
     key = (micro, repr(settings))  # a pinned --recompute-modules may be a list
     if key not in plans:
-        plans[key] = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
+        base = plans.get(micro)  # the first plan resolved at this micro-batch: another recomputation is a copy
+        plans[key] = (with_recompute(base, model, settings) if base is not None
+                      else resolve_plan(model, gpus, micro_batch=micro, **layout, **settings))
+        plans.setdefault(micro, plans[key])
     plan = plans[key]
 
     def states_overflow(candidate: Plan) -> bool:  # its model states alone do not fit

@@ -23,6 +23,7 @@ from toolkit.spec.options import (
     FUSED_ATTENTION,
     MOE_IMBALANCE_DEFAULT,
     OPTION_NAMES,
+    RECOMPUTE_KEYS,
     RECOMPUTE_MODULES,
     SINK_ATTENTION,
     VARIABLE_LENGTH_ATTENTION,
@@ -179,7 +180,28 @@ def with_block_recompute(plan: Plan, model: ModelSpec, layers: int) -> Plan:
     between options runs again (tests/unit/test_search_equivalence.py compares the two)."""
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise UserInputError("--recompute-num-layers", f"must be a positive integer, got {layers!r}")
-    changed = plan.model_copy(update={"recompute_num_layers": layers})
+    return _checked_copy(plan, model, {"recompute_num_layers": layers})
+
+
+def with_recompute(plan: Plan, model: ModelSpec, settings: dict) -> Plan:
+    """`plan` (resolved for `model`) with its recompute options (RECOMPUTE_KEYS) replaced by `settings` (the others
+    at their defaults): what resolve_plan gives for the plan's options with those instead, for less (the plan search
+    tries several of them on each layout and micro-batch). resolve_plan derives nothing from them but
+    recompute_modules (from recompute and the modules given, below as there), so only they change; they are
+    validated as options, and every rule between options runs again (tests/unit/test_search_equivalence.py
+    compares the two)."""
+    unknown = settings.keys() - set(RECOMPUTE_KEYS)
+    if unknown:
+        raise TypeError(f"not recompute options: {sorted(unknown)}")
+    options = validated(PlanOptions, {k: v for k, v in settings.items() if v is not None})
+    update = {k: getattr(options, k) for k in RECOMPUTE_KEYS}
+    update["recompute_modules"] = _recompute_modules(update["recompute"], update["recompute_modules"])
+    return _checked_copy(plan, model, update)
+
+
+def _checked_copy(plan: Plan, model: ModelSpec, update: dict) -> Plan:
+    """`plan` with `update`'s fields, each already of its field's type, and every rule between options checked."""
+    changed = plan.model_copy(update=update)
     check_rules(changed, model)
     return changed
 
