@@ -182,7 +182,7 @@ def search(
     for backend in backends:
         options = [recompute_fixed] if recompute_fixed else backend_of(backend).search.recompute_options()
         for layout in enumerate_layouts(model, gpus, nvlink_domain, backend, fixed):
-            plans: dict[tuple | int, Plan] = {}  # the layout's plans resolved so far (_fitting)
+            plans: dict[tuple | str, Plan] = {}  # the layout's plans resolved so far (_fitting)
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
             pointless: set[int] = set()  # options with nothing to choose for this layout
             for micro in micro_batches:
@@ -231,14 +231,14 @@ def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, la
     """(plan, memory) of one recompute option at one micro-batch if it fits, else None. The block method takes the
     fewest layers per chunk that fit (memory falls and time rises with each one more): a bisection from the plain
     full recompute plan, which the next option reuses (`plans` keeps the layout's by micro-batch and
-    settings, and the first of each micro-batch by it alone: the others copy it, with_recompute)."""
+    settings, and the first it resolved: the others copy it, with_recompute)."""
     settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
     key = (micro, repr(settings))  # a pinned --recompute-modules may be a list
     if key not in plans:
-        base = plans.get(micro)  # the first plan resolved at this micro-batch: another recomputation is a copy
-        plans[key] = (with_recompute(base, model, settings) if base is not None
+        base = plans.get("first")  # the first plan resolved of this layout: every other is a copy of it
+        plans[key] = (with_recompute(base, model, settings, micro, "global_batch" in layout) if base is not None
                       else resolve_plan(model, gpus, micro_batch=micro, **layout, **settings))
-        plans.setdefault(micro, plans[key])
+        plans.setdefault("first", plans[key])
     plan = plans[key]
 
     def states_overflow(candidate: Plan) -> bool:  # its model states alone do not fit
