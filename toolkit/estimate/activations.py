@@ -11,10 +11,9 @@ Models" (arXiv:2205.05198), Sec. 4, with dropout removed where the model has non
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from toolkit.spec.model import ModelSpec, moe_layer_flags, per_model
 from toolkit.spec.options import FUSED_ATTENTION
@@ -62,15 +61,6 @@ class ActivationSetup:
     # usage only: spec/quantization.py); 0: the GEMMs save their 16-bit inputs themselves
     gemm_input_bytes: float = 0.0
 
-    def __hash__(self) -> int:
-        """Hashed once (its fields, as equality compares them): the per-layer memos key by it for every layer of
-        every plan."""
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(_SETUP_FIELDS(self.__dict__))
-            object.__setattr__(self, "_hash", cached)
-        return cached
-
     @property
     def saved_gemm_input(self) -> float:
         """Bytes per element a GEMM input costs when it is saved: its quantized copy, or the activation itself."""
@@ -80,9 +70,6 @@ class ActivationSetup:
     def tokens(self) -> int:
         """Tokens one rank processes per micro-batch (context parallelism splits the sequence)."""
         return self.micro_batch * self.seq_len // (self.cp * self.sp)
-
-
-_SETUP_FIELDS = operator.itemgetter(*(f.name for f in fields(ActivationSetup)))
 
 
 def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool = False,
