@@ -14,7 +14,7 @@ from toolkit.planner.search import search
 from toolkit.spec.cluster import get_gpu
 from toolkit.spec.model import load_model_spec
 from toolkit.spec.options import RECOMPUTE_KEYS
-from toolkit.spec.plan import resolve_plan, with_block_recompute
+from toolkit.spec.plan import resolve_plan, with_block_recompute, with_recompute
 
 DERIVED = ("dp", "grad_accum", "gpus")
 # (model, GPUs, GPU, pinned options): an MoE model over folded and unfolded expert meshes, and a dense model on every
@@ -124,3 +124,33 @@ def test_block_recompute_copies_what_resolving_gives(case):
     assert (copied_error.value.key, str(copied_error.value)) == (resolved_error.value.key, str(resolved_error.value))
     with pytest.raises(UserInputError, match="positive integer"):
         with_block_recompute(full, model, 0)
+
+
+def test_other_plans_of_a_layout_copy_what_resolving_gives(case):
+    """The search resolves the first plan of a layout and copies it for the layout's other micro-batches and recompute
+    options (with_recompute): for each ranked plan, each micro-batch and each option of its backend, with the global
+    batch given and derived, the same plan resolve_plan gives, or the same refusal."""
+    model, gpus, _, _, _, result = case
+    compared = 0
+    for candidate in result.ranked[::7]:
+        options = {k: v for k, v in candidate.plan.as_dict().items()
+                   if k not in DERIVED and k not in RECOMPUTE_KEYS and k != "micro_batch"}
+        for given in (True, False):
+            layout = options if given else {k: v for k, v in options.items() if k != "global_batch"}
+            try:
+                base = resolve_plan(model, gpus, **layout, micro_batch=candidate.plan.micro_batch)
+            except UserInputError:  # one micro-batch per step (no global batch given) refuses interleaving
+                continue
+            for micro in (1, 2, 4):
+                for option in plan_search.backend_of(base.backend).search.recompute_options():
+                    settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
+                    try:
+                        resolved = resolve_plan(model, gpus, **layout, micro_batch=micro, **settings)
+                    except UserInputError as exc:
+                        with pytest.raises(UserInputError) as copied_error:
+                            with_recompute(base, model, settings, micro, given)
+                        assert (copied_error.value.key, str(copied_error.value)) == (exc.key, str(exc))
+                        continue
+                    assert with_recompute(base, model, settings, micro, given) == resolved
+                    compared += 1
+    assert compared > 50

@@ -71,6 +71,7 @@ class ActivationSetup:
         """Tokens one rank processes per micro-batch (context parallelism splits the sequence)."""
         return self.micro_batch * self.seq_len // (self.cp * self.sp)
 
+
 def _norm_bytes(spec: ModelSpec, a: int, width: int, megatron: bool, local: bool = False,
                 saved: float | None = None) -> float:
     """Per token: what a norm keeps plus its output, which the next linear keeps; `megatron`: Megatron-Core's norm
@@ -365,9 +366,9 @@ def _kept_and_working(spec: ModelSpec, setup: ActivationSetup, alive_layers: Seq
         checkpoints = recomputed if full else None
     else:
         checkpoints = frozenset(recomputed)
-    layers, every_one_checkpointed, checkpointed_forwards = _alive_structure(
+    layers, kinds, every_one_checkpointed, checkpointed_forwards = _alive_structure(
         spec, alive_layers if isinstance(alive_layers, tuple) else tuple(alive_layers), checkpoints, full)
-    block_bytes = {moe: _block_bytes_per_token(spec, moe, setup) for moe in {moe for moe, _, _ in layers}}
+    block_bytes = {moe: _block_bytes_per_token(spec, moe, setup) for moe in kinds}
     checkpoint = checkpointed_layer_bytes_per_token(spec, setup)
     kept = working = 0.0
     for moe, n, checkpointed in layers:
@@ -390,15 +391,17 @@ def _kept_and_working(spec: ModelSpec, setup: ActivationSetup, alive_layers: Seq
 
 @per_model
 def _alive_structure(spec: ModelSpec, alive_layers: tuple[int, ...], recomputed: Collection[int] | None,
-                     full: bool) -> tuple[tuple[tuple[bool, int, bool], ...], bool, int]:
+                     full: bool) -> tuple[tuple[tuple[bool, int, bool], ...], frozenset[bool], bool, int]:
     """What _kept_and_working needs of the alive layers, the same for every plan with the same ones: each distinct
-    layer (in the order it first occurs) as (an MoE layer?, forwards alive, checkpointed by full recompute?);
-    whether every one is checkpointed; and the forwards of checkpointed layers alive."""
+    layer (in the order it first occurs) as (an MoE layer?, forwards alive, checkpointed by full recompute?); the
+    kinds among them (MoE or not); whether every one is checkpointed; and the forwards of checkpointed layers
+    alive."""
     by_layer = Counter(alive_layers)
     checkpointed = {i for i in by_layer if recomputed is None or i in recomputed} if full else set()
     moe_flags = moe_layer_flags(spec)
     layers = tuple((moe_flags[i], n, i in checkpointed) for i, n in by_layer.items())
-    return layers, len(checkpointed) == len(by_layer), sum(by_layer[i] for i in checkpointed)
+    return (layers, frozenset(moe for moe, _, _ in layers), len(checkpointed) == len(by_layer),
+            sum(by_layer[i] for i in checkpointed))
 
 
 def offloaded_activation_bytes(spec: ModelSpec, setup: ActivationSetup, alive_layers: Sequence[int],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.spec.model import by_identity
+
 # Per-step latency of one ring hop (NCCL, small messages) inside an NVLink domain: ~ 5 us.
 INTRA_NODE_LATENCY_S = 5e-6
 INTER_NODE_LATENCY_S = 10e-6  # InfiniBand's (SCALE_OUT below)
@@ -94,15 +96,19 @@ class Network:
 
     def for_plan(self, plan) -> "Network":
         """This network as the plan's cluster is shaped: its node size, NVLink domain and scale-out tier. A tier with
-        its own default bandwidth (ethernet) caps the catalogue's NIC unless the bandwidth was given or measured."""
+        its own default bandwidth (ethernet) caps the catalogue's NIC unless the bandwidth was given or measured.
+        One object per shape (step_time asks it of every plan the search times)."""
+        return _shaped(self, plan.gpus_per_node, plan.nvlink_domain, plan.network)
+
+    def _shaped(self, gpus_per_node: int, nvlink_domain: int | None, scale_out: str) -> "Network":
         import dataclasses
 
         inter = self.inter_node_bw_gbps
-        default = SCALE_OUT[plan.network].bandwidth_gbps
+        default = SCALE_OUT[scale_out].bandwidth_gbps
         if default is not None and "inter" not in self.given | self.measured:
             inter = min(inter, default)
-        return dataclasses.replace(self, gpus_per_node=plan.gpus_per_node, nvlink_domain=plan.nvlink_domain,
-                                   scale_out=plan.network, inter_node_bw_gbps=inter)
+        return dataclasses.replace(self, gpus_per_node=gpus_per_node, nvlink_domain=nvlink_domain,
+                                   scale_out=scale_out, inter_node_bw_gbps=inter)
 
     @property
     def domain(self) -> int:
@@ -177,3 +183,6 @@ def collective_time(op: str, size_bytes: float, group_size: int, link: Link) -> 
     if group_size <= 1 or size_bytes <= 0:
         return 0.0
     return BUS_FACTOR[op](group_size) * size_bytes / link.bus_bw + LATENCY_STEPS[op](group_size) * link.latency_s
+
+
+_shaped = by_identity(1)(Network._shaped)  # by the frozen network's identity and the plan's shape

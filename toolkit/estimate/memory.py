@@ -11,6 +11,7 @@ memory part, toolkit/backends/<name>/memory.py, reached through `backend_of(plan
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -176,20 +177,25 @@ def _first_layers_of_chunks(split: PipelineSplit, stage: int, layers: int) -> fr
 
 @by_identity(2)
 def activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
-    setup = _activation_setup(spec, plan)
-    if len(_SETUPS) >= SETUP_ENTRIES:
-        _SETUPS.clear()
-    # one object per distinct setup: the per-layer memos keyed by it (activations.py) match it by identity, not
-    # field by field
-    return _SETUPS.setdefault(setup, setup)
+    # one object per distinct setup, built once: the per-layer memos keyed by it (activations.py) match it by
+    # identity, not field by field
+    values = _activation_setup(spec, plan)
+    key = tuple(values.values())  # the fields in one order: equal keys, equal setups
+    setup = _SETUPS.get(key)
+    if setup is None:
+        if len(_SETUPS) >= SETUP_ENTRIES:
+            _SETUPS.clear()
+        setup = _SETUPS[key] = ActivationSetup(**values)
+    return setup
 
 
-_SETUPS: dict[ActivationSetup, ActivationSetup] = {}
+_SETUPS: dict[tuple, ActivationSetup] = {}
 SETUP_ENTRIES = 8192
 
 
-def _activation_setup(spec: ModelSpec, plan: Plan) -> ActivationSetup:
-    return ActivationSetup(
+def _activation_setup(spec: ModelSpec, plan: Plan) -> dict:
+    """ActivationSetup's fields for the plan."""
+    return dict(
         hf_modules=backend_of(plan).hf_modules,
         micro_batch=plan.micro_batch,
         seq_len=plan.seq_len,
@@ -423,7 +429,25 @@ def _representative_stages(spec: ModelSpec, split: PipelineSplit) -> list[int]:
 
 def estimate_memory(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     """The most loaded pipeline stage's per-GPU breakdown (the one that decides whether the plan fits)."""
-    stages = (estimate_stage_memory(spec, plan, s) for s in representative_stages(spec, plan))
+    return _fullest(estimate_stage_memory(spec, plan, s) for s in representative_stages(spec, plan))
+
+
+def fitting_memory(spec: ModelSpec, plan: Plan, gpu: GPU) -> MemoryBreakdown | None:
+    """estimate_memory(spec, plan) when the plan fits `gpu` (`exceeded` finds nothing), else None. The plan's total
+    is its fullest stage's, so the stages stop at the first whose total alone is over the GPU's memory (exceeded's
+    first test): the plan search asks this of every candidate, and most of those it estimates do not fit."""
+    stages = []
+    for stage in representative_stages(spec, plan):
+        memory = estimate_stage_memory(spec, plan, stage)
+        if memory.total > gpu.memory_bytes:
+            return None
+        stages.append(memory)
+    memory = _fullest(stages)
+    return memory if exceeded(memory, gpu, plan.gpus_per_node) is None else None
+
+
+def _fullest(stages: Iterable[MemoryBreakdown]) -> MemoryBreakdown:
+    """The stage with the largest total (the first of equals, in representative_stages' order)."""
     return max(stages, key=lambda m: m.total)
 
 

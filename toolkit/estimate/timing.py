@@ -180,10 +180,9 @@ def step_time(spec: ModelSpec, plan: Plan, gpu: GPU, network: Network, path: Exe
         blocks = (*layers, *[spec.num_layers - 1] * (spec.mtp_layers if last and mtp else 0))
         recomputed = recomputed_layers(spec, plan, stage)
         (work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks,
-         moe_passes) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules, recomputed,
-                                     plan.tiled_mlp, matmul_passes, (attention_work, window_work), routed_traffic_s,
-                                     score_forward_s, score_backward_s)
-        again = sum(_recomputes_whole(plan.recompute, recomputed, i) for i in blocks)
+         moe_passes, again) = _layer_passes(spec, ft, blocks, attended, plan.recompute, plan.recompute_modules,
+                                            recomputed, plan.tiled_mlp, matmul_passes, (attention_work, window_work),
+                                            routed_traffic_s, score_forward_s, score_backward_s)
         memory_bound += len(blocks) * (rotary_forward_s + rotary_backward_s) + again * rotary_forward_s
         if last:
             work += matmul_passes * (head_forward_flops(spec) + (spec.mtp_layers * mtp_projection_flops(spec)
@@ -247,10 +246,11 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
                   recompute_modules: tuple[str, ...], recomputed: frozenset[int] | None, tiled_mlp: bool,
                   matmul_passes: int, attention_works: tuple[float, float], routed_traffic_s: float,
                   score_forward_s: float, score_backward_s: float
-                  ) -> tuple[float, float, float, float, float, int, float, int, int]:
+                  ) -> tuple[float, float, float, float, float, int, float, int, int, int]:
     """What one pipeline rank's blocks run per token and micro-batch (step_time): (FLOPs at the GEMMs' rate,
     attention's FLOPs, memory-bound seconds, attention's work at its rate, the routed experts' FLOPs, tensor-parallel
-    collectives, sequence-split exchanges, MoE blocks, MoE layer forwards). `attention_works`: the GEMM-rate work of
+    collectives, sequence-split exchanges, MoE blocks, MoE layer forwards, blocks whose whole forward full recompute
+    runs again). `attention_works`: the GEMM-rate work of
     one attention FLOP of a full-length layer and of a sliding-window one. Remembered: a search asks the same of
     every micro-batch of a layout."""
     work = attention = memory_bound = 0.0  # FLOPs run per token (forward + backward x3 plus recomputation)
@@ -280,7 +280,9 @@ def _layer_passes(spec: ModelSpec, ft: FinetuneOptions, blocks: tuple[int, ...],
         memory_bound += score_backward_s + score_forward_s * (2 if again.attention else 1)
         collectives += 4 + (2 if whole else 1 if again.mlp_matmul else 0)
     moe_blocks = sum(spec.is_moe_layer(i) for i in blocks)
-    return work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks, moe_passes
+    again = sum(_recomputes_whole(recompute, recomputed, i) for i in blocks)
+    return (work, attention, memory_bound, attention_run, expert_work, collectives, sp_exchanges, moe_blocks, moe_passes,
+            again)
 
 
 def context_parallel_ring_step_s(spec: ModelSpec, plan: Plan, tokens: float, hbm: float, latency_s: float) -> float:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from toolkit.errors import UserInputError
 from toolkit.estimate.comm import Network
 from toolkit.estimate.lora import trainable_params
-from toolkit.estimate.memory import MemoryBreakdown, estimate_memory, exceeded, memory_floor
+from toolkit.estimate.memory import MemoryBreakdown, fitting_memory, memory_floor
 from toolkit.estimate.timing import STEP_COMPONENTS, StepTime, step_time
 from toolkit.estimate.training_time import FailureInputs, expected_training_time
 from toolkit.numeric import divisors
@@ -20,7 +20,7 @@ from toolkit.spec.cluster import GPU, topology_defaults
 from toolkit.spec.model import ModelSpec
 from toolkit.spec.options import RECOMPUTE_KEYS, default
 from toolkit.spec.pipeline import PipelineSplit, balanced_layout
-from toolkit.spec.plan import Plan, resolve_plan, with_block_recompute
+from toolkit.spec.plan import Plan, resolve_plan, with_block_recompute, with_recompute
 from toolkit.spec.quantization import check_on_gpu
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -182,7 +182,7 @@ def search(
     for backend in backends:
         options = [recompute_fixed] if recompute_fixed else backend_of(backend).search.recompute_options()
         for layout in enumerate_layouts(model, gpus, nvlink_domain, backend, fixed):
-            plans: dict[tuple, Plan] = {}  # the layout's plans resolved so far (_fitting)
+            plans: dict[tuple | str, Plan] = {}  # the layout's plans resolved so far (_fitting)
             exhausted: set[int] = set()  # options out of memory at a smaller micro-batch
             pointless: set[int] = set()  # options with nothing to choose for this layout
             for micro in micro_batches:
@@ -230,25 +230,35 @@ class _NoChoice(Exception):
 def _fitting(model: ModelSpec, gpus: int, gpu: GPU, micro: int, option: dict, layout: dict, plans: dict):
     """(plan, memory) of one recompute option at one micro-batch if it fits, else None. The block method takes the
     fewest layers per chunk that fit (memory falls and time rises with each one more): a bisection from the plain
-    full recompute plan, which the next option resolves again (`plans` keeps the layout's by micro-batch and
-    settings)."""
+    full recompute plan, which the next option reuses (`plans` keeps the layout's by micro-batch and
+    settings, and the first it resolved: the others copy it, with_recompute)."""
     settings = {k: v for k, v in option.items() if k in RECOMPUTE_KEYS}
     key = (micro, repr(settings))  # a pinned --recompute-modules may be a list
     if key not in plans:
-        plans[key] = resolve_plan(model, gpus, micro_batch=micro, **layout, **settings)
+        base = plans.get("first")  # the first plan resolved of this layout: every other is a copy of it
+        plans[key] = (with_recompute(base, model, settings, micro, "global_batch" in layout) if base is not None
+                      else resolve_plan(model, gpus, micro_batch=micro, **layout, **settings))
+        plans.setdefault("first", plans[key])
     plan = plans[key]
 
+    def states_overflow(candidate: Plan) -> bool:  # its model states alone do not fit
+        return memory_floor(model, candidate, gpu.memory_bytes) > gpu.memory_bytes
+
     def attempt(candidate: Plan):
-        if memory_floor(model, candidate, gpu.memory_bytes) > gpu.memory_bytes:  # its model states alone do not fit
+        if states_overflow(candidate):
             return None
-        memory = estimate_memory(model, candidate)
-        return (candidate, memory) if exceeded(memory, gpu, candidate.gpus_per_node) is None else None
+        memory = fitting_memory(model, candidate, gpu)
+        return None if memory is None else (candidate, memory)
 
     if not option.get("block"):
         return attempt(plan)
     largest_chunk = max(max(sizes) for sizes in PipelineSplit.of(model.num_layers, plan).chunk_sizes())
     if largest_chunk < 2:
         raise _NoChoice
+    if states_overflow(plan):
+        # nor do any of its block plans': memory_floor ignores recompute_num_layers (MODEL_STATE_BLIND), and the only
+        # rule that reads it holds for every copy of a full-recompute plan (with_block_recompute)
+        return None
     low, high, found = 1, largest_chunk - 1, None  # all layers of every chunk is plain full recompute
     while low <= high:
         middle = (low + high) // 2

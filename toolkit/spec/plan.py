@@ -23,6 +23,7 @@ from toolkit.spec.options import (
     FUSED_ATTENTION,
     MOE_IMBALANCE_DEFAULT,
     OPTION_NAMES,
+    RECOMPUTE_KEYS,
     RECOMPUTE_MODULES,
     SINK_ATTENTION,
     VARIABLE_LENGTH_ATTENTION,
@@ -151,7 +152,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     model_parallel = values["tp"] * values["pp"] * values["cp"] * values["sp"]
     dp = max(1, gpus // model_parallel)
     micro = values["micro_batch"]
-    global_batch = values["global_batch"] or micro * dp
+    global_batch, grad_accum = _batch(values["global_batch"], micro, dp)
     if values["pipeline_model_parallel_layout"] is not None:  # stored expanded, as megatron.yaml states it
         _resolve_layout(values, "vpp" in given)
     if values["etp"] == values["tp"]:  # no folding: stored unset, as Megatron-Core defaults it (expert_tp)
@@ -161,7 +162,7 @@ def resolve_plan(model: ModelSpec, gpus: int, finetune: FinetuneOptions | dict |
     for precision, recipe in ((FP8, "fp8_recipe"), (FP4, "fp4_recipe")):  # Megatron-Core's default recipe
         if values["precision"] == precision and values[recipe] is None:
             values[recipe] = DEFAULT_RECIPE[precision]
-    values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=max(1, global_batch // (micro * dp)),
+    values.update(gpus=gpus, dp=dp, global_batch=global_batch, grad_accum=grad_accum,
                   recompute_modules=_recompute_modules(values["recompute"], values["recompute_modules"]))
     backend.rules.fill(values)  # what this backend derives (FSDP2's shard groups, Megatron's layer modules)
     if model.attention_sinks and "attention" not in given and for_backend("attention", values["backend"]):
@@ -179,7 +180,44 @@ def with_block_recompute(plan: Plan, model: ModelSpec, layers: int) -> Plan:
     between options runs again (tests/unit/test_search_equivalence.py compares the two)."""
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise UserInputError("--recompute-num-layers", f"must be a positive integer, got {layers!r}")
-    changed = plan.model_copy(update={"recompute_num_layers": layers})
+    return _checked_copy(plan, model, {"recompute_num_layers": layers})
+
+
+def with_recompute(plan: Plan, model: ModelSpec, settings: dict, micro_batch: int | None = None,
+                   global_batch_given: bool = True) -> Plan:
+    """`plan` (resolved for `model`) with its recompute options (RECOMPUTE_KEYS) replaced by `settings` (the others
+    at their defaults), and at `micro_batch` where given: what resolve_plan gives for the plan's options with those
+    instead, for less (the plan search tries several of them on each layout). resolve_plan derives nothing from them
+    but recompute_modules (from recompute and the modules given) and, from the micro-batch, the global batch where
+    none was given (`global_batch_given` False) and gradient accumulation, each below as there; so only they change.
+    They are validated as options, and every rule between options runs again (tests/unit/test_search_equivalence.py
+    compares the two)."""
+    unknown = settings.keys() - set(RECOMPUTE_KEYS)
+    if unknown:
+        raise TypeError(f"not recompute options: {sorted(unknown)}")
+    given = {k: v for k, v in settings.items() if v is not None}
+    if micro_batch is not None:
+        given["micro_batch"] = micro_batch
+    options = validated(PlanOptions, given)
+    update = {k: getattr(options, k) for k in RECOMPUTE_KEYS}
+    update["recompute_modules"] = _recompute_modules(update["recompute"], update["recompute_modules"])
+    if micro_batch is not None:
+        micro = options.micro_batch
+        global_batch, grad_accum = _batch(plan.global_batch if global_batch_given else None, micro, plan.dp)
+        update.update(micro_batch=micro, global_batch=global_batch, grad_accum=grad_accum)
+    return _checked_copy(plan, model, update)
+
+
+def _batch(global_batch: int | None, micro: int, dp: int) -> tuple[int, int]:
+    """(global batch, gradient accumulation): the one given, else one micro-batch per data-parallel rank; and as
+    many micro-batches per step as the sizes allow (the rules say what does not divide)."""
+    global_batch = global_batch or micro * dp
+    return global_batch, max(1, global_batch // (micro * dp))
+
+
+def _checked_copy(plan: Plan, model: ModelSpec, update: dict) -> Plan:
+    """`plan` with `update`'s fields, each already of its field's type, and every rule between options checked."""
+    changed = plan.model_copy(update=update)
     check_rules(changed, model)
     return changed
 
