@@ -6,12 +6,15 @@ from toolkit.families.mapping import Field, MegatronMapping
 
 
 def window_size(sliding_window):
-    """HF's sliding window (tokens looked back) -> Megatron's (left, right) attention window; None: full causal."""
-    return None if sliding_window is None else [int(sliding_window), 0]
+    """HF's sliding window -> Megatron's (left, right) attention window; None: full causal. transformers' window of w
+    tokens holds the token itself and the w - 1 before it (masking_utils.sliding_window_overlay); Megatron-Core's and
+    Transformer Engine's (left, 0) hold the token and `left` before it (transformer/utils.py
+    get_sliding_window_causal_mask): left = w - 1."""
+    return None if sliding_window is None else [int(sliding_window) - 1, 0]
 
 
 def sliding_window(window):
-    return None if window is None else window[0]
+    return None if window is None else window[0] + 1
 
 
 CONFIG = llama_megatron_fields(eps_default=1e-6, theta_default=10000.0) + (
