@@ -163,9 +163,10 @@ def test_resume_at_another_layout_continues_the_same_run(layout_run, torchrun, d
 # each MoE family's tiny model on 2 ranks (the experts' plan flags; conftest.moe_run): EP 2, and EP 2 folded over TP 2
 # (the same 2 ranks are attention's TP group and the experts' EP group, ETP 1; MoE at TP > 1 needs sequence
 # parallelism, which the local spec's torch norms get from toolkit.compat.megatron_seams). deepseek_v3 folded:
-# multi-latent attention, a shared expert, the sigmoid router's expert bias and one MTP layer (MLATransformerConfig)
+# multi-latent attention, a shared expert, the sigmoid router's expert bias and one MTP layer (MLATransformerConfig).
+# gpt_oss is mapped for dmt convert only (dmt generate refuses its sinks: test_megatron_generate.py)
 FOLDED = ("--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel")
-MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "deepseek_v3": FOLDED}
+MOE_LAYOUTS = {"qwen3_moe": ("--ep", "2"), "deepseek_v3": FOLDED, "mixtral": FOLDED}
 
 
 def _first_key(metadata, suffixes: tuple[str, ...]) -> str:
